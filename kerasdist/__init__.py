@@ -1,0 +1,1 @@
+"""kerasdist: fast synchronous data-parallel training for Keras 3 on TensorFlow."""
