@@ -1,0 +1,221 @@
+"""Per-rank wrapper that `kerasdist run` puts between mpiexec and the command.
+
+mpiexec starts one wrapper per rank; the wrapper starts the user's command
+and:
+
+- prefixes every output line with the rank (`[1]<stdout>:text`), writing each
+  line with a single write() so lines of different ranks never mix mid-line
+  (for lines up to PIPE_BUF bytes, which pipes write atomically);
+- forwards SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the command and, after a
+  grace period, kills it if it ignores an ending signal;
+- kills the command if the wrapper itself dies (Linux parent-death signal);
+- reports a failed exit (nonzero code or a signal) to the launcher as one
+  marker line on stderr, which the launcher removes from the output.
+
+The command inherits the wrapper's environment and every inheritable file
+descriptor, so PMI_FD (hydra's PMI socket) stays usable, exactly as if mpiexec
+had started the command itself.
+
+This file uses only the standard library and imports nothing from kerasdist:
+the launcher runs it by path (`python -I -S .../_rank.py`), so it works on a
+rank whatever the rank's sys.path is. `python -m kerasdist.run._rank` works too.
+
+Usage: _rank.py [--no-prefix] -- command [args...]
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+# Shared with the launcher (kerasdist/run/job.py imports these names).
+MARKER = b"\x1ekerasdist-rank-exit "
+# Seconds between forwarding an ending signal and SIGKILL.
+KILL_GRACE_S = 5.0
+
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+_ENDING = ("SIGINT", "SIGTERM", "SIGHUP")
+_PR_SET_PDEATHSIG = 1
+
+
+def rank_from_env(environ):
+    """Returns this process's rank as a string, from the MPI launcher's env."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if environ.get(name, "") != "":
+            return environ[name]
+    return "?"
+
+
+def format_marker(rank, host, status):
+    """Returns the marker line for a rank whose command ended with `status`.
+
+    `status` follows Popen.returncode: a negative value is a signal number.
+    """
+    host = host.replace(" ", "_") or "?"
+    return MARKER + f"rank={rank} host={host} status={status}\n".encode()
+
+
+def parse_marker(line):
+    """Returns (rank, host, status) from a marker line, or None."""
+    start = line.find(MARKER)
+    if start < 0:
+        return None
+    fields = {}
+    for item in line[start + len(MARKER):].decode(errors="replace").split():
+        key, _, value = item.partition("=")
+        fields[key] = value
+    try:
+        return fields["rank"], fields["host"], int(fields["status"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _libc_prctl():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError, ImportError):
+        return None
+
+
+def _write_all(fd, data):
+    while data:
+        try:
+            written = os.write(fd, data)
+        except BrokenPipeError:
+            return
+        except InterruptedError:
+            continue
+        data = data[written:]
+
+
+def _pump(pipe, fd, prefix):
+    """Copies lines from `pipe` to `fd`, one write() per prefixed line."""
+    for line in iter(pipe.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        _write_all(fd, prefix + line)
+    pipe.close()
+
+
+class _Wrapper:
+    def __init__(self, command, prefix):
+        self.command = command
+        self.prefix = prefix
+        self.proc = None
+        self.pending = []
+        self.kill_timer = None
+
+    def _on_signal(self, signum, frame):
+        if self.proc is None:
+            self.pending.append(signum)
+            return
+        self._forward(signum)
+
+    def _forward(self, signum):
+        if self.proc.returncode is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            return
+        ending = {getattr(signal, n) for n in _ENDING if hasattr(signal, n)}
+        if signum in ending and self.kill_timer is None:
+            self.kill_timer = threading.Timer(KILL_GRACE_S, self._kill)
+            self.kill_timer.daemon = True
+            self.kill_timer.start()
+
+    def _kill(self):
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def run(self, rank):
+        prctl = _libc_prctl()
+        parent = os.getpid()
+
+        def child_setup():
+            # Dies with the wrapper, e.g. when the wrapper is SIGKILLed.
+            if prctl is not None:
+                prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(137)
+
+        if prctl is not None:
+            # The wrapper ends (forwarding to the command) if its parent, the
+            # MPI process manager, dies without telling it.
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        for name in _FORWARDED:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), self._on_signal)
+
+        pipe = subprocess.PIPE if self.prefix else None
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=pipe,
+                stderr=pipe,
+                close_fds=False,
+                # Its own process group: hydra signals the wrapper's group,
+                # and the command must get each signal once (from us).
+                process_group=0,
+                preexec_fn=child_setup,
+            )
+        except OSError as e:
+            sys.stderr.write(
+                f"kerasdist: rank {rank}: cannot run {self.command[0]!r}: "
+                f"{e.strerror or e}\n"
+            )
+            sys.stderr.flush()
+            return 127 if isinstance(e, FileNotFoundError) else 126
+        for signum in self.pending:
+            self._forward(signum)
+
+        pumps = []
+        if self.prefix:
+            for pipe_, fd, stream in (
+                (self.proc.stdout, 1, "stdout"),
+                (self.proc.stderr, 2, "stderr"),
+            ):
+                tag = f"[{rank}]<{stream}>:".encode()
+                t = threading.Thread(target=_pump, args=(pipe_, fd, tag))
+                t.daemon = True
+                t.start()
+                pumps.append(t)
+        status = self.proc.wait()
+        for t in pumps:
+            # A background grandchild may keep a pipe open; don't wait for it.
+            t.join(timeout=2.0)
+        return status
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prefix = True
+    if argv and argv[0] == "--no-prefix":
+        prefix = False
+        argv = argv[1:]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        sys.stderr.write("kerasdist: _rank: no command given\n")
+        return 2
+    rank = rank_from_env(os.environ)
+    status = _Wrapper(argv, prefix).run(rank)
+    if status != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _write_all(2, format_marker(rank, socket.gethostname(), status))
+    # A command killed by signal N is reported to mpiexec as exit 128+N;
+    # the launcher, not hydra, decides what to do about a failed rank.
+    return 128 - status if status < 0 else status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

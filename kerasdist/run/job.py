@@ -1,0 +1,248 @@
+"""Runs one attempt of a job under mpiexec and decides how it ended.
+
+The launcher starts mpiexec in its own session, relays mpiexec's stderr (to
+pick out the exit markers of the per-rank wrapper, see _rank.py) and stops
+the whole job when a rank fails, when the timeout passes, or when the launcher
+gets SIGINT/SIGTERM. mpiexec's stdout is inherited, not relayed.
+
+Stopping a job: send the ending signal to mpiexec, which forwards it to every
+rank's wrapper, which forwards it to the command and SIGKILLs the command
+after _rank.KILL_GRACE_S. If mpiexec is still alive after _FORCE_AFTER_S it
+gets two SIGINTs (hydra's "Ctrl-C again to force abort"), and after
+_KILL_AFTER_S its process group gets SIGKILL.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from kerasdist.run import _rank
+
+_POLL_S = 0.1
+_FORCE_AFTER_S = 12.0
+_KILL_AFTER_S = 20.0
+
+
+def describe_status(status):
+    """Describes a Popen-style return code: "code 3", "signal 9 (SIGKILL)"."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            return f"signal {-status}"
+        return f"signal {-status} ({name})"
+    return f"code {status}"
+
+
+def status_exit_code(status):
+    """The shell convention: a code as is, a signal N as 128+N."""
+    return 128 - status if status < 0 else status
+
+
+class RankFailure:
+    """A rank whose command exited nonzero or was killed by a signal."""
+
+    def __init__(self, rank, host, status):
+        self.rank = rank
+        self.host = host
+        self.status = status
+
+    @property
+    def exit_code(self):
+        return status_exit_code(self.status)
+
+    def describe(self, with_host=True):
+        host = f" (host {self.host})" if with_host else ""
+        return f"rank {self.rank}{host} exited with {describe_status(self.status)}"
+
+
+class Outcome:
+    """How an attempt ended.
+
+    Attributes:
+        exit_code: the code the launcher should exit with.
+        failure: the first RankFailure seen, or None.
+        timed_out: whether the launcher's --timeout stopped the job.
+        signum: the signal that interrupted the launcher, or None.
+        reason: a short description for logs ("rank 1 exited with code 3").
+    """
+
+    def __init__(self, exit_code, failure=None, timed_out=False, signum=None,
+                 reason=""):
+        self.exit_code = exit_code
+        self.failure = failure
+        self.timed_out = timed_out
+        self.signum = signum
+        self.reason = reason
+
+    @property
+    def retryable(self):
+        return self.exit_code != 0 and not self.timed_out and not self.signum
+
+
+class Interrupts:
+    """Records SIGINT/SIGTERM sent to the launcher while it runs a job."""
+
+    def __init__(self):
+        self.signum = None
+        self.count = 0
+        self._saved = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+        self.count += 1
+
+    def __enter__(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+
+
+class Log:
+    """Writes whole lines to the launcher's stderr, one writer at a time."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr.buffer
+        self.lock = threading.Lock()
+
+    def raw(self, data):
+        with self.lock:
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    def line(self, text):
+        self.raw(f"kerasdist: {text}\n".encode())
+
+
+class _Relay(threading.Thread):
+    """Copies mpiexec's stderr to the log, taking out the exit markers."""
+
+    def __init__(self, pipe, log):
+        super().__init__(daemon=True)
+        self.pipe = pipe
+        self.log = log
+        self.failure = None
+        self.failed = threading.Event()
+
+    def run(self):
+        for line in iter(self.pipe.readline, b""):
+            start = line.find(_rank.MARKER)
+            if start < 0:
+                self.log.raw(line)
+                continue
+            if start > 0:  # an unprefixed partial line ran into the marker
+                self.log.raw(line[:start] + b"\n")
+            parsed = _rank.parse_marker(line[start:])
+            if parsed and parsed[2] != 0 and self.failure is None:
+                self.failure = RankFailure(*parsed)
+                self.failed.set()
+        self.pipe.close()
+
+
+def _signal_proc(proc, signum):
+    try:
+        proc.send_signal(signum)
+    except (ProcessLookupError, OSError):
+        pass
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
+    """Runs mpiexec once and returns its Outcome.
+
+    Args:
+        argv: the mpiexec command line.
+        env: the environment for mpiexec.
+        interrupts: an active Interrupts; a signal it records stops the job.
+        deadline: time.monotonic() value after which the job is stopped
+            (exit code 124), or None.
+        timeout: the --timeout value, for the message only.
+        log: a Log.
+
+    Returns:
+        An Outcome.
+    """
+    log = log or Log()
+    try:
+        proc = subprocess.Popen(
+            argv, env=env, stderr=subprocess.PIPE, start_new_session=True
+        )
+    except OSError as e:
+        log.line(f"cannot run {argv[0]!r}: {e.strerror or e}")
+        return Outcome(127, reason="mpiexec could not be started")
+    relay = _Relay(proc.stderr, log)
+    relay.start()
+
+    stop_reason = None  # "failure", "timeout" or "signal"
+    stopping_since = None
+    forced = False
+    while True:
+        try:
+            rc = proc.wait(timeout=_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if stopping_since is None:
+            if interrupts.signum is not None:
+                stop_reason, signum = "signal", interrupts.signum
+                name = signal.Signals(signum).name
+                log.line(f"received {name}; stopping all ranks.")
+            elif relay.failed.is_set():
+                stop_reason, signum = "failure", signal.SIGTERM
+                log.line(f"{relay.failure.describe()}; "
+                         "stopping the other ranks.")
+            elif deadline is not None and now >= deadline:
+                stop_reason, signum = "timeout", signal.SIGTERM
+                log.line(f"timeout: the job ran longer than {timeout:g} s; "
+                         "stopping all ranks.")
+            if stop_reason is not None:
+                _signal_proc(proc, signum)
+                stopping_since = now
+        else:
+            waited = now - stopping_since
+            if not forced and (waited > _FORCE_AFTER_S or interrupts.count > 1):
+                forced = True
+                _signal_proc(proc, signal.SIGINT)
+                time.sleep(0.2)
+                _signal_proc(proc, signal.SIGINT)
+            if waited > _KILL_AFTER_S:
+                _kill_group(proc)
+    relay.join(timeout=5.0)
+
+    failure = relay.failure
+    if stop_reason == "timeout":
+        return Outcome(124, failure, timed_out=True,
+                       reason=f"the job timed out after {timeout:g} s")
+    if stop_reason == "signal":
+        signum = interrupts.signum
+        return Outcome(128 + signum, failure, signum=signum,
+                       reason=f"the launcher received "
+                              f"{signal.Signals(signum).name}")
+    if failure is not None:
+        if stop_reason is None:  # mpiexec ended before the loop saw it
+            log.line(f"{failure.describe()}.")
+        return Outcome(failure.exit_code, failure,
+                       reason=failure.describe(with_host=False))
+    if rc != 0:
+        log.line(f"mpiexec exited with {describe_status(rc)}.")
+        return Outcome(status_exit_code(rc),
+                       reason=f"mpiexec exited with {describe_status(rc)}")
+    return Outcome(0)

@@ -1,0 +1,258 @@
+"""`kerasdist run`: starts N ranks of a command under MPI's mpiexec (hydra).
+
+    kerasdist run -np 4 python train.py
+    kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py
+
+Standard library only: never imports TensorFlow or the rest of kerasdist, so
+it starts in milliseconds. See docs/launcher.md.
+"""
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import time
+
+from kerasdist.run import hosts as hosts_lib
+from kerasdist.run import job
+from kerasdist.run import settings
+
+PROG = "kerasdist run"
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported as `kerasdist run: error: ...`, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a non-negative number, got {text!r}")
+    return value
+
+
+def _positive_float(text):
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def make_parser():
+    p = _Parser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="Run COMMAND on N ranks under mpiexec, with "
+                    "rank-prefixed output and fail-fast teardown.",
+        epilog="Example: kerasdist run -np 2 python train.py",
+    )
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int,
+                   required=True, metavar="N", help="number of ranks")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
+                       help="host1:slots,host2:slots (default: this machine)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="file with one 'host slots=N' or 'host:N' a line")
+    p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
+                   metavar="MB", help="tensor fusion buffer size in MiB")
+    p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
+                   help="background loop cycle time in milliseconds")
+    p.add_argument("--timeline-filename", metavar="FILE",
+                   help="write a Chrome-trace timeline to FILE")
+    p.add_argument("--autotune", action="store_true",
+                   help="let the runtime tune fusion and cycle time")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=0,
+                   metavar="K", help="relaunch a failed job up to K times")
+    p.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                   help="stop the job after SECONDS in all (exit code 124)")
+    p.add_argument("--no-prefix", action="store_true",
+                   help="do not prefix output lines with [rank]<stream>:")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the mpiexec command line")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the command to run on every rank")
+    return p
+
+
+def parse_args(argv):
+    """Parses and validates the launcher's arguments.
+
+    Returns:
+        An argparse.Namespace with `hosts` replaced by [(host, slots), ...]
+        (None for this machine only) and `command` without a leading "--".
+
+    Raises:
+        UsageError: the input is invalid.
+    """
+    args = make_parser().parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        raise UsageError("no command given (usage: kerasdist run -np N "
+                         "command [args...])")
+    try:
+        if args.hosts is not None:
+            args.hosts = hosts_lib.parse_host_list(args.hosts)
+            source = "-H"
+        elif args.hostfile is not None:
+            args.hosts = hosts_lib.parse_hostfile(args.hostfile)
+            source = f"--hostfile {args.hostfile}"
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.hosts is not None:
+        slots = hosts_lib.total_slots(args.hosts)
+        if args.np > slots:
+            raise UsageError(
+                f"-np {args.np} is more than the {slots} slot(s) given by "
+                f"{source} ({hosts_lib.hydra_hosts_arg(args.hosts)})")
+    return args
+
+
+def find_mpiexec(environ=None, prefix=None, which=shutil.which):
+    """Finds the MPI launcher.
+
+    Looks at $KERASDIST_MPI_HOME/bin/mpiexec, then <sys.prefix>/bin/mpiexec
+    (the mpich wheel), then mpiexec on PATH.
+
+    Returns:
+        The path of mpiexec.
+
+    Raises:
+        FileNotFoundError: with a message that says where it looked.
+    """
+    environ = os.environ if environ is None else environ
+    prefix = sys.prefix if prefix is None else prefix
+    home = environ.get(settings.MPI_HOME)
+    if home:
+        path = os.path.join(home, "bin", "mpiexec")
+        if os.access(path, os.X_OK):
+            return path
+        raise FileNotFoundError(
+            f"{settings.MPI_HOME}={home!r} but {path} is not an executable")
+    path = os.path.join(prefix, "bin", "mpiexec")
+    if os.access(path, os.X_OK):
+        return path
+    found = which("mpiexec", path=environ.get("PATH"))
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"no mpiexec found: not in {os.path.join(prefix, 'bin')} nor on PATH. "
+        f"Install MPI (`pip install mpich`) or set {settings.MPI_HOME} to "
+        "an MPI installation's prefix")
+
+
+def rank_wrapper_argv(no_prefix=False, python=None):
+    """The per-rank wrapper's command line, ending with "--"."""
+    wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "_rank.py")
+    argv = [python or sys.executable, "-I", "-S", wrapper]
+    if no_prefix:
+        argv.append("--no-prefix")
+    return argv + ["--"]
+
+
+def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
+                       no_prefix=False, python=None):
+    """Builds the hydra mpiexec command line.
+
+    Args:
+        mpiexec: path of mpiexec.
+        np: number of ranks.
+        command: the user's command (a list).
+        rank_env: KERASDIST_* variables for every rank, passed with -genv so
+            they reach remote hosts too.
+        hosts: [(host, slots), ...] or None for this machine.
+        no_prefix: ask the wrapper not to prefix output lines.
+        python: the interpreter for the wrapper (default sys.executable).
+
+    Returns:
+        The argv list.
+    """
+    argv = [mpiexec, "-genvall"]
+    for name, value in rank_env.items():
+        argv += ["-genv", name, value]
+    if hosts:
+        argv += ["-hosts", hosts_lib.hydra_hosts_arg(hosts)]
+    argv += ["-n", str(np)]
+    return argv + rank_wrapper_argv(no_prefix, python) + list(command)
+
+
+def _rank_env(args, attempt):
+    return settings.build_env(
+        attempt,
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        cycle_time_ms=args.cycle_time_ms,
+        timeline_filename=args.timeline_filename,
+        autotune=args.autotune,
+    )
+
+
+def main(argv=None):
+    """Entry point of `kerasdist run`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    log = job.Log()
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        log.raw(f"{PROG}: error: {e}\n".encode())
+        return 2
+    try:
+        mpiexec = find_mpiexec()
+    except FileNotFoundError as e:
+        log.raw(f"{PROG}: error: {e}\n".encode())
+        return 1
+
+    attempts = args.max_restarts + 1
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    outcome = None
+    with job.Interrupts() as interrupts:
+        for attempt in range(attempts):
+            if attempt > 0:
+                log.line(f"attempt {attempt + 1} of {attempts} (the last "
+                         f"attempt ended because {outcome.reason})")
+            rank_env = _rank_env(args, attempt)
+            mpi_argv = build_mpiexec_argv(mpiexec, args.np, args.command,
+                                          rank_env, args.hosts, args.no_prefix)
+            if args.verbose:
+                log.line(f"running: {shlex.join(mpi_argv)}")
+            env = dict(os.environ, **rank_env)
+            outcome = job.run_attempt(mpi_argv, env, interrupts, deadline,
+                                      args.timeout, log)
+            if not outcome.retryable:
+                break
+        if outcome.exit_code != 0 and attempts > 1 and outcome.retryable:
+            log.line(f"giving up after {attempts} attempts.")
+    return outcome.exit_code
