@@ -1,9 +1,9 @@
 """Runs one attempt of a job under mpiexec and decides how it ended.
 
-The launcher starts mpiexec in its own session, relays mpiexec's stderr (to
-pick out the exit markers of the per-rank wrapper, see _rank.py) and stops
-the whole job when a rank fails, when the timeout passes, or when the launcher
-gets SIGINT/SIGTERM. mpiexec's stdout is inherited, not relayed.
+The launcher starts mpiexec in its own session, relays mpiexec's stdout and
+stderr line by line (picking out the exit markers of the per-rank wrapper,
+see _rank.py) and stops the whole job when a rank fails, when the timeout
+passes, or when the launcher gets SIGINT/SIGTERM.
 
 Stopping a job: send the ending signal to mpiexec, which forwards it to every
 rank's wrapper, which forwards it to the command and SIGKILLs the command
@@ -107,17 +107,23 @@ class Interrupts:
 
 
 class Log:
-    """Writes whole lines to the launcher's stderr, one writer at a time."""
+    """Writes whole lines to the launcher's stdout/stderr, one at a time.
 
-    def __init__(self, stream=None):
-        self.stream = stream if stream is not None else sys.stderr.buffer
+    One lock for both streams: when they are the same pipe (`2>&1`), a line
+    longer than PIPE_BUF would otherwise be split by a line of the other.
+    """
+
+    def __init__(self, out=None, err=None):
+        self.out = out if out is not None else sys.stdout.buffer
+        self.err = err if err is not None else sys.stderr.buffer
         self.lock = threading.Lock()
 
-    def raw(self, data):
+    def raw(self, data, stream=None):
+        stream = self.err if stream is None else stream
         with self.lock:
             try:
-                self.stream.write(data)
-                self.stream.flush()
+                stream.write(data)
+                stream.flush()
             except (BrokenPipeError, ValueError):
                 pass
 
@@ -126,12 +132,13 @@ class Log:
 
 
 class _Relay(threading.Thread):
-    """Copies mpiexec's stderr to the log, taking out the exit markers."""
+    """Copies an output of mpiexec to the log, taking out the exit markers."""
 
-    def __init__(self, pipe, log):
+    def __init__(self, pipe, log, stream):
         super().__init__(daemon=True)
         self.pipe = pipe
         self.log = log
+        self.stream = stream
         self.failure = None
         self.failed = threading.Event()
 
@@ -139,10 +146,10 @@ class _Relay(threading.Thread):
         for line in iter(self.pipe.readline, b""):
             start = line.find(_rank.MARKER)
             if start < 0:
-                self.log.raw(line)
+                self.log.raw(line, self.stream)
                 continue
             if start > 0:  # an unprefixed partial line ran into the marker
-                self.log.raw(line[:start] + b"\n")
+                self.log.raw(line[:start] + b"\n", self.stream)
             parsed = _rank.parse_marker(line[start:])
             if parsed and parsed[2] != 0 and self.failure is None:
                 self.failure = RankFailure(*parsed)
@@ -182,13 +189,16 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
     log = log or Log()
     try:
         proc = subprocess.Popen(
-            argv, env=env, stderr=subprocess.PIPE, start_new_session=True
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
         )
     except OSError as e:
         log.line(f"cannot run {argv[0]!r}: {e.strerror or e}")
         return Outcome(127, reason="mpiexec could not be started")
-    relay = _Relay(proc.stderr, log)
+    relay = _Relay(proc.stderr, log, log.err)
     relay.start()
+    out_relay = _Relay(proc.stdout, log, log.out)
+    out_relay.start()
 
     stop_reason = None  # "failure", "timeout" or "signal"
     stopping_since = None
@@ -226,6 +236,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
             if waited > _KILL_AFTER_S:
                 _kill_group(proc)
     relay.join(timeout=5.0)
+    out_relay.join(timeout=5.0)
 
     failure = relay.failure
     if stop_reason == "timeout":

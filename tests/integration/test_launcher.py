@@ -1,0 +1,247 @@
+"""Runs the real launcher with real processes (no TensorFlow).
+
+Every launch has a timeout, so no test can hang.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from tests.helpers import REPO_ROOT  # noqa: E402
+from tests.helpers import launch  # noqa: E402
+from tests.helpers import launcher_env  # noqa: E402
+from tests.helpers import python_cmd  # noqa: E402
+from tests.helpers import rank_lines  # noqa: E402
+
+# Ranks of a failed job must be gone within this many seconds.
+_TEARDOWN_S = 30
+
+
+def _pid_file_code(tmp_path, body):
+    """Code that records its pid in tmp_path/pid.<rank>, then runs body."""
+    return (
+        "import os, sys, time, signal\n"
+        "r = int(os.environ['PMI_RANK'])\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'pid.{{r}}'), 'w')"
+        ".write(str(os.getpid()))\n"
+        + body
+    )
+
+
+def _assert_all_gone(tmp_path):
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert pids, "no rank recorded its pid"
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    assert not alive, f"ranks still running: {alive}"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_prefixes_stdout_and_stderr_and_env(tmp_path):
+    code = (
+        "import os, sys\n"
+        "r = os.environ['PMI_RANK']\n"
+        "print('out', r, os.environ['KERASDIST_FUSION_THRESHOLD'],\n"
+        "      os.environ['KERASDIST_CYCLE_TIME'],\n"
+        "      os.environ['KERASDIST_TIMELINE'],\n"
+        "      os.environ['KERASDIST_AUTOTUNE'],\n"
+        "      os.environ['KERASDIST_RESTART_ATTEMPT'])\n"
+        "print('err', r, file=sys.stderr)\n"
+        "sys.stdout.write('no newline at the end')\n"
+    )
+    out = launch(2, python_cmd(code), timeout=60, launcher_args=(
+        "--fusion-threshold-mb", "2", "--cycle-time-ms", "1.5",
+        "--timeline-filename", "tl.json", "--autotune"), cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout
+    timeline = str(tmp_path / "tl.json")
+    for r in (0, 1):
+        assert rank_lines(out.stdout, r) == [
+            f"out {r} 2097152 1.5 {timeline} 1 0", "no newline at the end"]
+        assert rank_lines(out.stdout, r, "stderr") == [f"err {r}"]
+
+
+def test_exit_code_zero_and_early_exit_is_not_failure():
+    code = ("import os, time\n"
+            "if os.environ['PMI_RANK'] == '1': time.sleep(1.5)\n")
+    out = launch(2, python_cmd(code), timeout=60)
+    assert out.returncode == 0, out.stdout
+    assert "kerasdist:" not in out.stdout
+
+
+@pytest.mark.parametrize("failing, code, message", [
+    ("sys.exit(3)", 3, "rank 1 (host {host}) exited with code 3"),
+    ("os.kill(os.getpid(), 9)", 137,
+     "rank 1 (host {host}) exited with signal 9 (SIGKILL)"),
+])
+def test_failed_rank_stops_the_job(tmp_path, failing, code, message):
+    body = (f"if r == 1: time.sleep(0.5); {failing}\n"
+            "time.sleep(600)\n")
+    start = time.monotonic()
+    out = launch(2, python_cmd(_pid_file_code(tmp_path, body)),
+                 timeout=_TEARDOWN_S + 30)
+    assert time.monotonic() - start < _TEARDOWN_S, out.stdout
+    assert out.returncode == code, out.stdout
+    import socket
+    assert message.format(host=socket.gethostname()) in out.stdout
+    assert "stopping the other ranks" in out.stdout
+    _assert_all_gone(tmp_path)
+
+
+def test_rank_ignoring_sigterm_is_killed(tmp_path):
+    body = ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "if r == 0: time.sleep(0.5); sys.exit(5)\n"
+            "time.sleep(600)\n")
+    start = time.monotonic()
+    out = launch(3, python_cmd(_pid_file_code(tmp_path, body)),
+                 timeout=_TEARDOWN_S + 30)
+    assert time.monotonic() - start < _TEARDOWN_S, out.stdout
+    assert out.returncode == 5, out.stdout
+    assert "rank 0 (host" in out.stdout
+    _assert_all_gone(tmp_path)
+
+
+@pytest.mark.parametrize("launcher_args, command", [
+    (("-np", "0"), ["true"]),
+    (("-np", "-2"), ["true"]),
+    (("-np", "x"), ["true"]),
+    (("-np", "2", "-H", "host:abc"), ["true"]),
+    (("-np", "2", "--hostfile", "/nonexistent/hostfile"), ["true"]),
+    (("-np", "2"), []),
+    (("-np", "3", "-H", "localhost:2"), ["true"]),
+])
+def test_bad_input_exits_2(launcher_args, command):
+    out = subprocess.run(
+        [sys.executable, "-m", "kerasdist.run", *launcher_args, *command],
+        capture_output=True, text=True, timeout=60, env=launcher_env(),
+        cwd=REPO_ROOT)
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("kerasdist run: error: "), out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout == ""
+
+
+def test_max_restarts_relaunches_failed_job():
+    code = ("import os, sys\n"
+            "a = os.environ['KERASDIST_RESTART_ATTEMPT']\n"
+            "print('attempt', a)\n"
+            "if a == '0' and os.environ['PMI_RANK'] == '1':\n"
+            "    os.kill(os.getpid(), 9)\n")
+    out = launch(2, python_cmd(code), timeout=60,
+                 launcher_args=("--max-restarts", "1"))
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: attempt 2 of 2 (the last attempt ended because "
+            "rank 1 exited with signal 9 (SIGKILL))") in out.stdout
+    for r in (0, 1):
+        assert rank_lines(out.stdout, r)[-1] == "attempt 1", out.stdout
+
+
+def test_max_restarts_gives_up_with_last_code():
+    out = launch(2, python_cmd("import sys; sys.exit(7)"), timeout=60,
+                 launcher_args=("--max-restarts", "1"))
+    assert out.returncode == 7, out.stdout
+    assert "attempt 2 of 2" in out.stdout
+    assert "giving up after 2 attempts" in out.stdout
+
+
+def test_timeout_stops_job_with_124(tmp_path):
+    body = "print('up', flush=True); time.sleep(600)\n"
+    start = time.monotonic()
+    out = launch(2, python_cmd(_pid_file_code(tmp_path, body)), timeout=60,
+                 launcher_args=("--timeout", "2"))
+    assert out.returncode == 124, out.stdout
+    assert time.monotonic() - start < _TEARDOWN_S
+    assert "timeout" in out.stdout
+    assert rank_lines(out.stdout, 1) == ["up"]
+    _assert_all_gone(tmp_path)
+
+
+def test_sigint_to_launcher_stops_all_ranks(tmp_path):
+    body = "print('up', flush=True); time.sleep(600)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kerasdist.run", "-np", "2",
+         *python_cmd(_pid_file_code(tmp_path, body))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=launcher_env(), cwd=REPO_ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("pid.*"))) < 2:
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=_TEARDOWN_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert "received SIGINT" in out
+    _assert_all_gone(tmp_path)
+
+
+def test_np3_oversubscribes_and_no_prefix():
+    code = "import os; print('rank', os.environ['PMI_RANK'])"
+    out = launch(3, python_cmd(code), timeout=60)
+    assert out.returncode == 0, out.stdout
+    for r in range(3):
+        assert rank_lines(out.stdout, r) == [f"rank {r}"]
+    out = launch(3, python_cmd(code), timeout=60,
+                 launcher_args=("--no-prefix", "--verbose"))
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    assert sorted(x for x in lines if x.startswith("rank")) == [
+        "rank 0", "rank 1", "rank 2"]
+    assert any(x.startswith("kerasdist: running: ") and "mpiexec" in x
+               for x in lines)
+
+
+def test_long_lines_are_not_interleaved():
+    # Lines up to PIPE_BUF (4096 bytes) reach mpiexec in one write.
+    code = ("import os, sys\n"
+            "r = os.environ['PMI_RANK']\n"
+            "for i in range(300):\n"
+            "    print(r * 3000, flush=True)\n"
+            "    print(r * 3000, file=sys.stderr, flush=True)\n")
+    out = launch(2, python_cmd(code), timeout=60)
+    assert out.returncode == 0, out.stdout[-2000:]
+    for r in (0, 1):
+        for stream in ("stdout", "stderr"):
+            lines = rank_lines(out.stdout, r, stream)
+            assert lines == [str(r) * 3000] * 300
+
+
+def test_mpi_works_through_the_wrapper():
+    pytest.importorskip("mpi4py")
+    code = ("from mpi4py import MPI\n"
+            "c = MPI.COMM_WORLD\n"
+            "print(c.Get_size(), c.allreduce(c.Get_rank() + 1))\n")
+    out = launch(2, python_cmd(code), timeout=120)
+    assert out.returncode == 0, out.stdout
+    assert rank_lines(out.stdout, 0) == ["2 3"]
+    assert rank_lines(out.stdout, 1) == ["2 3"]
+
+
+def test_kerasdist_cli_run():
+    out = subprocess.run(
+        [sys.executable, "-m", "kerasdist.cli", "run", "-np", "2",
+         *python_cmd("print('hi')")],
+        capture_output=True, text=True, timeout=60, env=launcher_env(),
+        cwd=REPO_ROOT)
+    assert out.returncode == 0, out
+    assert rank_lines(out.stdout, 1) == ["hi"]

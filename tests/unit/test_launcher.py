@@ -1,0 +1,293 @@
+"""Unit tests of the launcher's pure parts: no processes, no MPI."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from kerasdist import cli  # noqa: E402
+from kerasdist.run import _rank  # noqa: E402
+from kerasdist.run import hosts  # noqa: E402
+from kerasdist.run import job  # noqa: E402
+from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import settings  # noqa: E402
+from tests.helpers import rank_lines  # noqa: E402
+
+
+# --- hosts -----------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("a:2,b:2", [("a", 2), ("b", 2)]),
+    ("a", [("a", 1)]),
+    ("a:1,b,a:3", [("a", 4), ("b", 1)]),
+    ("node-1.example.org:8", [("node-1.example.org", 8)]),
+    ("10.0.0.1:2", [("10.0.0.1", 2)]),
+])
+def test_parse_host_list(text, expected):
+    assert hosts.parse_host_list(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "", ",", "a:", "a:0", "a:-1", "a:x", "a:2,,b", ":2", "a:2:3", "a b:2",
+])
+def test_parse_host_list_rejects(text):
+    with pytest.raises(ValueError, match="-H"):
+        hosts.parse_host_list(text)
+
+
+def test_parse_hostfile_text_formats():
+    text = """
+# a comment
+node1 slots=2
+node2:3   # trailing comment
+
+node3
+node4 slots=1 max_slots=4
+node1 slots=1
+"""
+    assert hosts.parse_hostfile_text(text) == [
+        ("node1", 3), ("node2", 3), ("node3", 1), ("node4", 1)]
+
+
+@pytest.mark.parametrize("text, where", [
+    ("node1 slots=0\n", "hf:1"),
+    ("# c\nnode1 cpus=2\n", "hf:2"),
+    ("node1 slots=two\n", "hf:1"),
+    ("node1:x\n", "hf:1"),
+])
+def test_parse_hostfile_text_names_bad_line(text, where):
+    with pytest.raises(ValueError, match=where):
+        hosts.parse_hostfile_text(text, "hf")
+
+
+def test_parse_hostfile_text_empty():
+    with pytest.raises(ValueError, match="no hosts"):
+        hosts.parse_hostfile_text("# nothing\n\n", "hf")
+
+
+def test_parse_hostfile_missing(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        hosts.parse_hostfile(str(tmp_path / "missing"))
+
+
+def test_parse_hostfile_reads_file(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2\nb:2\n")
+    assert hosts.parse_hostfile(str(path)) == [("a", 2), ("b", 2)]
+
+
+def test_slots_and_hydra_arg():
+    h = [("a", 2), ("b", 3)]
+    assert hosts.total_slots(h) == 5
+    assert hosts.hydra_hosts_arg(h) == "a:2,b:3"
+
+
+# --- env -------------------------------------------------------------------
+
+def test_build_env_minimal():
+    assert settings.build_env(0) == {"KERASDIST_RESTART_ATTEMPT": "0"}
+
+
+def test_build_env_all(tmp_path):
+    env = settings.build_env(
+        2, fusion_threshold_mb=32, cycle_time_ms=3.5,
+        timeline_filename="t.json", autotune=True, cwd=str(tmp_path))
+    assert env == {
+        "KERASDIST_FUSION_THRESHOLD": str(32 * 1048576),
+        "KERASDIST_CYCLE_TIME": "3.5",
+        "KERASDIST_TIMELINE": str(tmp_path / "t.json"),
+        "KERASDIST_AUTOTUNE": "1",
+        "KERASDIST_RESTART_ATTEMPT": "2",
+    }
+
+
+def test_build_env_fractions_and_zero():
+    env = settings.build_env(0, fusion_threshold_mb=0.5, cycle_time_ms=0)
+    assert env["KERASDIST_FUSION_THRESHOLD"] == "524288"
+    assert env["KERASDIST_CYCLE_TIME"] == "0.0"
+    env = settings.build_env(0, fusion_threshold_mb=0)
+    assert env["KERASDIST_FUSION_THRESHOLD"] == "0"
+
+
+def test_build_env_timeline_is_absolute():
+    env = settings.build_env(0, timeline_filename="tl.json")
+    assert os.path.isabs(env["KERASDIST_TIMELINE"])
+    assert env["KERASDIST_TIMELINE"] == os.path.abspath("tl.json")
+
+
+# --- arguments -------------------------------------------------------------
+
+def test_parse_args_basic():
+    args = launch.parse_args(["-np", "2", "python", "x.py", "--verbose"])
+    assert args.np == 2
+    assert args.command == ["python", "x.py", "--verbose"]
+    assert not args.verbose
+    assert args.hosts is None
+    assert args.max_restarts == 0
+
+
+def test_parse_args_all_flags():
+    args = launch.parse_args([
+        "-np", "4", "-H", "a:2,b:2", "--fusion-threshold-mb", "8",
+        "--cycle-time-ms", "2.5", "--timeline-filename", "t.json",
+        "--autotune", "--max-restarts", "3", "--timeout", "10",
+        "--no-prefix", "--verbose", "--", "cmd", "-x"])
+    assert args.hosts == [("a", 2), ("b", 2)]
+    assert args.fusion_threshold_mb == 8.0
+    assert args.cycle_time_ms == 2.5
+    assert args.autotune and args.no_prefix and args.verbose
+    assert args.max_restarts == 3 and args.timeout == 10.0
+    assert args.command == ["cmd", "-x"]
+
+
+def test_parse_args_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2\n")
+    args = launch.parse_args(["-np", "2", "--hostfile", str(path), "cmd"])
+    assert args.hosts == [("a", 2)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "0", "cmd"], "positive integer"),
+    (["-np", "-1", "cmd"], "positive integer"),
+    (["-np", "1.5", "cmd"], "positive integer"),
+    (["-np", "two", "cmd"], "positive integer"),
+    (["-np", "2"], "no command"),
+    (["-np", "2", "--"], "no command"),
+    (["cmd"], "required"),
+    (["-np", "2", "-H", "a:x", "cmd"], "slots"),
+    (["-np", "2", "--hostfile", "/nonexistent/hosts", "cmd"], "cannot read"),
+    (["-np", "5", "-H", "a:2,b:2", "cmd"], "more than the 4 slot"),
+    (["-np", "2", "-H", "a:2", "--hostfile", "f", "cmd"], "not allowed"),
+    (["-np", "2", "--timeout", "0", "cmd"], "positive number"),
+    (["-np", "2", "--max-restarts", "-1", "cmd"], "non-negative"),
+    (["-np", "2", "--fusion-threshold-mb", "x", "cmd"], "non-negative"),
+    (["-np", "2", "--cycle-time-ms", "-3", "cmd"], "non-negative"),
+])
+def test_parse_args_rejects(argv, message):
+    with pytest.raises(launch.UsageError, match=message):
+        launch.parse_args(argv)
+
+
+def test_main_usage_error_is_one_line_exit_2(capfdbinary):
+    assert launch.main(["-np", "0", "cmd"]) == 2
+    err = capfdbinary.readouterr().err.decode()
+    assert err.startswith("kerasdist run: error: ")
+    assert err.count("\n") == 1
+
+
+# --- mpiexec discovery and argv -------------------------------------------
+
+def _fake_mpiexec(root):
+    path = root / "bin" / "mpiexec"
+    path.parent.mkdir(parents=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_find_mpiexec_order(tmp_path):
+    home = _fake_mpiexec(tmp_path / "home")
+    prefix = _fake_mpiexec(tmp_path / "prefix")
+    never = lambda *a, **k: None  # noqa: E731
+    env = {"KERASDIST_MPI_HOME": str(tmp_path / "home")}
+    assert launch.find_mpiexec(env, str(tmp_path / "prefix"), never) == home
+    assert launch.find_mpiexec({}, str(tmp_path / "prefix"), never) == prefix
+    found = launch.find_mpiexec({}, str(tmp_path / "none"),
+                                lambda *a, **k: "/x/mpiexec")
+    assert found == "/x/mpiexec"
+
+
+def test_find_mpiexec_errors(tmp_path):
+    never = lambda *a, **k: None  # noqa: E731
+    with pytest.raises(FileNotFoundError, match="no mpiexec found"):
+        launch.find_mpiexec({}, str(tmp_path), never)
+    with pytest.raises(FileNotFoundError, match="KERASDIST_MPI_HOME"):
+        launch.find_mpiexec({"KERASDIST_MPI_HOME": str(tmp_path)},
+                            str(tmp_path), never)
+
+
+def test_build_mpiexec_argv():
+    env = {"KERASDIST_AUTOTUNE": "1", "KERASDIST_RESTART_ATTEMPT": "0"}
+    argv = launch.build_mpiexec_argv(
+        "/m/mpiexec", 4, ["python", "t.py"], env, hosts=[("a", 2), ("b", 2)],
+        python="/py")
+    wrapper = argv[argv.index("/py") + 3]
+    assert argv == [
+        "/m/mpiexec", "-genvall",
+        "-genv", "KERASDIST_AUTOTUNE", "1",
+        "-genv", "KERASDIST_RESTART_ATTEMPT", "0",
+        "-hosts", "a:2,b:2", "-n", "4",
+        "/py", "-I", "-S", wrapper, "--", "python", "t.py"]
+    assert wrapper.endswith(os.path.join("kerasdist", "run", "_rank.py"))
+    assert os.path.isfile(wrapper)
+
+
+def test_build_mpiexec_argv_local_no_prefix():
+    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, python="/py")
+    assert "-hosts" not in argv
+    assert argv[-2:] == ["--", "c"] and "--no-prefix" not in argv
+    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, no_prefix=True,
+                                     python="/py")
+    assert argv[-3:] == ["--no-prefix", "--", "c"]
+
+
+# --- wrapper markers and status text ---------------------------------------
+
+def test_marker_round_trip():
+    line = _rank.format_marker("3", "my host", -9)
+    assert line.endswith(b"\n")
+    assert _rank.parse_marker(b"partial output" + line) == ("3", "my_host", -9)
+    assert _rank.parse_marker(b"[0]<stderr>:ordinary line\n") is None
+
+
+def test_rank_from_env():
+    assert _rank.rank_from_env({"PMI_RANK": "2"}) == "2"
+    assert _rank.rank_from_env({"OMPI_COMM_WORLD_RANK": "1"}) == "1"
+    assert _rank.rank_from_env({}) == "?"
+
+
+def test_describe_status():
+    assert job.describe_status(3) == "code 3"
+    assert job.describe_status(-signal.SIGKILL) == "signal 9 (SIGKILL)"
+    assert job.status_exit_code(-9) == 137
+    assert job.status_exit_code(3) == 3
+    failure = job.RankFailure("1", "x", -9)
+    assert failure.describe() == "rank 1 (host x) exited with signal 9 (SIGKILL)"
+    assert failure.describe(with_host=False) == \
+        "rank 1 exited with signal 9 (SIGKILL)"
+
+
+def test_rank_lines():
+    out = ("[0]<stdout>:a\n[1]<stdout>:b\n[1]<stderr>:c\n"
+           "kerasdist: x\n[1]<stdout>:d:e\n")
+    assert rank_lines(out, 1) == ["b", "d:e"]
+    assert rank_lines(out, 1, "stderr") == ["c"]
+    assert rank_lines(out, 2) == []
+
+
+# --- cli and import hygiene ------------------------------------------------
+
+def test_cli_dispatch_is_lazy_and_listed(capsys):
+    for target, _ in cli._COMMANDS.values():
+        assert ":" in target
+    assert cli.main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert cli.main(["nope"]) == 2
+
+
+def test_launcher_imports_no_tensorflow():
+    code = ("import sys; import kerasdist.cli, kerasdist.run.launch, "
+            "kerasdist.run.__main__; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('tensorflow', 'numpy', 'keras')]; "
+            "assert not bad, bad")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
+                   timeout=60)
