@@ -1,1 +1,44 @@
-"""kerasdist: fast synchronous data-parallel training for Keras 3 on TensorFlow."""
+"""kerasdist: fast synchronous data-parallel training for Keras 3 on TensorFlow.
+
+    import kerasdist as kd
+    kd.init()
+    ...
+    optimizer = kd.DistributedOptimizer(optimizer)
+
+Attributes are imported on first use, so `python -m kerasdist.run` (the
+launcher) starts without importing TensorFlow.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "init": "basics", "shutdown": "basics", "is_initialized": "basics",
+    "rank": "basics", "size": "basics", "local_rank": "basics",
+    "local_size": "basics", "cross_rank": "basics", "cross_size": "basics",
+    "mpi_built": "basics", "nccl_built": "basics", "build_info": "basics",
+    "current_settings": "basics",
+    "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
+    "Product": "basics",
+    "allreduce": "collectives", "grouped_allreduce": "collectives",
+    "allgather": "collectives", "broadcast": "collectives",
+    "broadcast_variables": "collectives", "alltoall": "collectives",
+    "reducescatter": "collectives", "barrier": "collectives",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kerasdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kerasdist.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

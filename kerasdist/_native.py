@@ -1,0 +1,46 @@
+"""Loads the TensorFlow op library once, after checking it was built for the
+TensorFlow that is running (a mismatch would otherwise surface as an
+`undefined symbol` deep inside TensorFlow)."""
+
+import json
+import os
+
+import tensorflow as tf
+
+from kerasdist import _capi
+
+_ops = None
+
+
+def _rebuild_hint():
+    return ("Rebuild kerasdist against it: from the kerasdist source tree run "
+            "`pip install --no-build-isolation -e .` (or `make -C ops clean all`).")
+
+
+def ops():
+    """The generated op wrappers (`KerasdistAllreduce` & co)."""
+    global _ops
+    if _ops is not None:
+        return _ops
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "_kerasdist_ops.so")
+    info_path = os.path.join(here, "_build_info.json")
+    if not os.path.exists(path):
+        raise ImportError(f"kerasdist's TensorFlow op library is missing "
+                          f"({path}). {_rebuild_hint()}")
+    built_for = None
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            built_for = json.load(f).get("tensorflow")
+    if built_for is not None and built_for != tf.__version__:
+        raise ImportError(
+            f"{path} was built for TensorFlow {built_for}, but TensorFlow "
+            f"{tf.__version__} is running. {_rebuild_hint()}")
+    _capi.lib()  # the core first, so the op library resolves against it
+    try:
+        _ops = tf.load_op_library(path)
+    except tf.errors.NotFoundError as e:
+        raise ImportError(
+            f"could not load {path} into TensorFlow {tf.__version__}: {e}. "
+            f"{_rebuild_hint()}") from None
+    return _ops

@@ -1,0 +1,274 @@
+#include "c_api.h"
+
+#include <mpi.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "global.h"
+
+#ifndef KERASDIST_VERSION
+#define KERASDIST_VERSION "0.0.0"
+#endif
+
+namespace kerasdist::core {
+
+namespace {
+
+std::mutex g_mu;  // guards g_runtime and g_handles
+std::shared_ptr<Runtime> g_runtime;
+thread_local std::string t_last_error;
+thread_local std::string t_text;
+
+struct HandleState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Result result;
+  std::vector<char> owned;
+  std::vector<int64_t> shape;
+};
+std::map<int64_t, std::shared_ptr<HandleState>> g_handles;
+int64_t g_next_handle = 1;
+
+std::shared_ptr<HandleState> FindHandle(int64_t h) {
+  std::lock_guard<std::mutex> l(g_mu);
+  auto it = g_handles.find(h);
+  return it == g_handles.end() ? nullptr : it->second;
+}
+
+int Fail(const std::string& message) {
+  t_last_error = message;
+  return -1;
+}
+
+}  // namespace
+
+std::shared_ptr<Runtime> CurrentRuntime() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_runtime;
+}
+
+}  // namespace kerasdist::core
+
+using namespace kerasdist::core;
+
+extern "C" {
+
+int kerasdist_init(int comm_f, const char* settings) {
+  std::lock_guard<std::mutex> l(g_mu);
+  if (g_runtime) {
+    if (g_runtime->stopped_status().ok()) return 0;
+    g_runtime.reset();  // stopped by another rank's shutdown: start afresh
+  }
+  Config config;
+  Status s = LoadConfig(settings ? settings : "", &config);
+  if (!s.ok()) return Fail(s.message());
+  std::unique_ptr<Runtime> rt;
+  s = Runtime::Start(config, comm_f, &rt);
+  if (!s.ok()) return Fail(s.message());
+  g_runtime = std::move(rt);
+  return 0;
+}
+
+int kerasdist_shutdown(void) {
+  std::shared_ptr<Runtime> rt;
+  {
+    std::lock_guard<std::mutex> l(g_mu);
+    rt.swap(g_runtime);
+  }
+  if (rt) rt->Shutdown();
+  return 0;
+}
+
+int kerasdist_is_initialized(void) { return CurrentRuntime() ? 1 : 0; }
+
+const char* kerasdist_last_error(void) { return t_last_error.c_str(); }
+
+#define KD_TOPO(field)                        \
+  auto rt = CurrentRuntime();                 \
+  return rt ? rt->topology().field : -1;
+
+int kerasdist_rank(void) { KD_TOPO(rank) }
+int kerasdist_size(void) { KD_TOPO(size) }
+int kerasdist_local_rank(void) { KD_TOPO(local_rank) }
+int kerasdist_local_size(void) { KD_TOPO(local_size) }
+int kerasdist_cross_rank(void) { KD_TOPO(cross_rank) }
+int kerasdist_cross_size(void) { KD_TOPO(cross_size) }
+
+int kerasdist_mpi_built(void) { return 1; }
+
+int kerasdist_nccl_built(void) {
+#ifdef KERASDIST_WITH_NCCL
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+const char* kerasdist_build_info(void) {
+  char lib[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  MPI_Get_library_version(lib, &len);
+  std::string mpi(lib, len);
+  size_t nl = mpi.find('\n');
+  if (nl != std::string::npos) mpi = mpi.substr(0, nl);
+  int major = 0, minor = 0;
+  MPI_Get_version(&major, &minor);
+  std::ostringstream o;
+  o << "kerasdist=" << KERASDIST_VERSION << "\n"
+    << "mpi=1\n"
+    << "mpi_standard=" << major << "." << minor << "\n"
+    << "mpi_library=" << mpi << "\n"
+    << "nccl=" << kerasdist_nccl_built() << "\n"
+    << "compiler=" << __VERSION__ << "\n";
+  t_text = o.str();
+  return t_text.c_str();
+}
+
+const char* kerasdist_config_variables(void) {
+  t_text.clear();
+  for (const auto& v : ConfigVariables()) t_text += std::string(v.name) + "\n";
+  return t_text.c_str();
+}
+
+const char* kerasdist_current_config(void) {
+  auto rt = CurrentRuntime();
+  t_text.clear();
+  if (!rt) return t_text.c_str();
+  const Config& c = rt->config();
+  std::ostringstream o;
+  o << "KERASDIST_FUSION_THRESHOLD=" << c.fusion_threshold_bytes << "\n"
+    << "KERASDIST_CYCLE_TIME=" << c.cycle_time_ms << "\n"
+    << "KERASDIST_CACHE_CAPACITY=" << c.cache_capacity << "\n"
+    << "KERASDIST_STALL_CHECK_TIME_SECONDS=" << c.stall_check_time_s << "\n"
+    << "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS=" << c.stall_shutdown_time_s << "\n"
+    << "KERASDIST_TIMELINE=" << c.timeline_path << "\n"
+    << "KERASDIST_GPU_OPERATIONS=" << c.gpu_operations << "\n"
+    << "KERASDIST_LOG_LEVEL=" << c.log_level << "\n";
+  t_text = o.str();
+  return t_text.c_str();
+}
+
+int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
+                          void* output) {
+  auto rt = CurrentRuntime();
+  if (!rt) {
+    Fail("kerasdist is not initialized; call kerasdist.init() first.");
+    return 0;
+  }
+  if (!IsValidOpType(r->op) || !IsValidDataType(r->dtype) ||
+      !IsValidReduceOp(r->reduce_op) || r->ndim < 0 || r->ndim > 32) {
+    Fail("invalid request: unknown op, dtype or reduce op, or more than 32 "
+         "dimensions.");
+    return 0;
+  }
+  auto state = std::make_shared<HandleState>();
+  Entry e;
+  Request& q = e.req;
+  q.name = r->name ? r->name : "";
+  q.op = static_cast<OpType>(r->op);
+  q.reduce_op = static_cast<ReduceOp>(r->reduce_op);
+  q.dtype = static_cast<DataType>(r->dtype);
+  q.shape.assign(r->shape, r->shape + r->ndim);
+  q.root_rank = r->root_rank;
+  q.prescale = r->prescale;
+  q.postscale = r->postscale;
+  if (r->nsplits > 0) q.splits.assign(r->splits, r->splits + r->nsplits);
+  q.group = r->group ? r->group : "";
+  q.group_size = r->group_size;
+  q.device = r->device;
+  e.input = input;
+  e.output = output;
+  if (q.op == OpType::kBarrier) q.shape.clear();
+  int64_t esize = DataTypeSize(q.dtype);
+  e.allocate = [state, output, esize](const std::vector<int64_t>& shape,
+                                      void** data) {
+    state->shape = shape;
+    if (output != nullptr) {
+      *data = output;  // the caller sized it (it knows the result's size)
+    } else {
+      state->owned.resize(std::max<int64_t>(NumElements(shape) * esize, 1));
+      *data = state->owned.data();
+    }
+    return Status::OK();
+  };
+  state->shape = q.shape;
+  e.done = [state](const Result& res) {
+    std::lock_guard<std::mutex> l(state->mu);
+    state->result = res;
+    state->done = true;
+    state->cv.notify_all();
+  };
+  int64_t handle;
+  {
+    std::lock_guard<std::mutex> l(g_mu);
+    handle = g_next_handle++;
+    g_handles[handle] = state;
+  }
+  Status s = rt->Enqueue(std::move(e));
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> l(g_mu);
+    g_handles.erase(handle);
+    Fail(s.message());
+    return 0;
+  }
+  return handle;
+}
+
+int kerasdist_wait(int64_t handle, double timeout_s) {
+  auto st = FindHandle(handle);
+  if (!st) return 1;
+  std::unique_lock<std::mutex> l(st->mu);
+  if (timeout_s < 0) {
+    st->cv.wait(l, [&] { return st->done; });
+    return 1;
+  }
+  return st->cv.wait_for(l, std::chrono::duration<double>(timeout_s),
+                         [&] { return st->done; })
+             ? 1
+             : 0;
+}
+
+int kerasdist_handle_status(int64_t handle) {
+  auto st = FindHandle(handle);
+  if (!st) return static_cast<int>(StatusCode::kInvalidArgument);
+  std::lock_guard<std::mutex> l(st->mu);
+  return static_cast<int>(st->result.status.code());
+}
+
+const char* kerasdist_handle_message(int64_t handle) {
+  auto st = FindHandle(handle);
+  t_text = st ? st->result.status.message() : "unknown handle";
+  return t_text.c_str();
+}
+
+const void* kerasdist_handle_output(int64_t handle, int32_t* ndim,
+                                    int64_t* shape) {
+  auto st = FindHandle(handle);
+  if (!st) return nullptr;
+  std::lock_guard<std::mutex> l(st->mu);
+  *ndim = static_cast<int32_t>(st->shape.size());
+  for (size_t i = 0; i < st->shape.size() && i < 32; ++i) shape[i] = st->shape[i];
+  return st->owned.empty() ? nullptr : st->owned.data();
+}
+
+int kerasdist_handle_recv_splits(int64_t handle, int64_t* splits) {
+  auto st = FindHandle(handle);
+  if (!st) return 0;
+  std::lock_guard<std::mutex> l(st->mu);
+  for (size_t i = 0; i < st->result.recv_splits.size(); ++i) {
+    splits[i] = st->result.recv_splits[i];
+  }
+  return static_cast<int>(st->result.recv_splits.size());
+}
+
+void kerasdist_release(int64_t handle) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_handles.erase(handle);
+}
+
+}  // extern "C"

@@ -1,0 +1,71 @@
+/* The C API of libkerasdist_core: what Python (ctypes), the TF op library and
+ * any other front end use. Every function is safe to call before init. */
+#ifndef KERASDIST_CORE_C_API_H_
+#define KERASDIST_CORE_C_API_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  const char* name;
+  int32_t op;        /* OpType */
+  int32_t reduce_op; /* ReduceOp */
+  int32_t dtype;     /* DataType */
+  int32_t ndim;
+  const int64_t* shape;
+  int32_t root_rank;
+  double prescale;
+  double postscale;
+  int32_t nsplits; /* alltoall; 0 = even split */
+  const int64_t* splits;
+  const char* group; /* grouped allreduce; NULL or "" = none */
+  int32_t group_size;
+  int32_t device; /* -1 = host memory */
+} kerasdist_request;
+
+/* comm_f: Fortran handle of the MPI communicator (mpi4py: comm.py2f()), or -1
+ * for MPI_COMM_WORLD. settings: "KERASDIST_X=value" lines that override the
+ * environment. Returns 0, or -1 with kerasdist_last_error(). */
+int kerasdist_init(int comm_f, const char* settings);
+int kerasdist_shutdown(void);
+int kerasdist_is_initialized(void);
+const char* kerasdist_last_error(void);
+/* -1 when not initialized. */
+int kerasdist_rank(void);
+int kerasdist_size(void);
+int kerasdist_local_rank(void);
+int kerasdist_local_size(void);
+int kerasdist_cross_rank(void);
+int kerasdist_cross_size(void);
+int kerasdist_mpi_built(void);
+int kerasdist_nccl_built(void);
+/* "key=value" lines: versions and backends. */
+const char* kerasdist_build_info(void);
+/* Names of every KERASDIST_* setting, one per line. */
+const char* kerasdist_config_variables(void);
+/* The effective settings of the running runtime as "KEY=value" lines. */
+const char* kerasdist_current_config(void);
+
+/* Handle API (host memory): enqueue, then wait. `output` may be NULL for
+ * allgather, alltoall and reducescatter (the handle then owns the result).
+ * Returns a handle > 0, or 0 with kerasdist_last_error(). */
+int64_t kerasdist_enqueue(const kerasdist_request* request, const void* input,
+                          void* output);
+/* 1 when complete, 0 on timeout (timeout_s < 0 waits forever). */
+int kerasdist_wait(int64_t handle, double timeout_s);
+/* StatusCode of a completed handle and its message. */
+int kerasdist_handle_status(int64_t handle);
+const char* kerasdist_handle_message(int64_t handle);
+/* Result shape (up to 32 dims) and data of a handle-owned output. */
+const void* kerasdist_handle_output(int64_t handle, int32_t* ndim, int64_t* shape);
+int kerasdist_handle_recv_splits(int64_t handle, int64_t* splits);
+void kerasdist_release(int64_t handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KERASDIST_CORE_C_API_H_ */

@@ -1,0 +1,58 @@
+// MPI ownership: the communicator kerasdist duplicates for itself, the
+// topology (local/cross ranks), the control channel used for negotiation and
+// the MPI data-plane communicator.
+#ifndef KERASDIST_CORE_COMM_MPI_CONTEXT_H_
+#define KERASDIST_CORE_COMM_MPI_CONTEXT_H_
+
+#include <mpi.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "communicator.h"
+
+namespace kerasdist::core {
+
+struct Topology {
+  int rank = 0, size = 1;
+  int local_rank = 0, local_size = 1;
+  int cross_rank = 0, cross_size = 1;
+};
+
+class MpiContext {
+ public:
+  // `parent_f` is a Fortran handle of the communicator to use (mpi4py's
+  // comm.py2f()), or -1 for MPI_COMM_WORLD. Initialises MPI if nobody has.
+  static Status Create(int parent_f, std::unique_ptr<MpiContext>* out);
+  ~MpiContext();
+
+  const Topology& topology() const { return topo_; }
+  MPI_Comm comm() const { return comm_; }
+
+  // Control plane: small negotiation messages, never blocking the caller.
+  Status SendControl(int dest, std::string bytes);
+  Status PollControl(bool* got, int* src, std::string* bytes);
+  Status ProgressSends();
+  // Waits (bounded) for this rank's control sends to leave, at shutdown.
+  void FlushSends(double timeout_s);
+
+  std::unique_ptr<Communicator> MakeHostCommunicator();
+
+ private:
+  MpiContext() = default;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  Topology topo_;
+  struct Pending {
+    std::string bytes;
+    MPI_Request request;
+  };
+  std::deque<Pending> sends_;
+};
+
+// Turns an MPI error code into a Status naming the call.
+Status MpiStatus(int code, const char* call);
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_COMM_MPI_CONTEXT_H_

@@ -1,0 +1,82 @@
+// Negotiation: the response cache every rank keeps in lock-step, and the
+// coordinator (rank 0) that decides which tensors are ready on every rank, in
+// which order they run and how they are fused.
+#ifndef KERASDIST_CORE_CONTROLLER_H_
+#define KERASDIST_CORE_CONTROLLER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "config.h"
+#include "message.h"
+
+namespace kerasdist::core {
+
+using Clock = std::chrono::steady_clock;
+
+// Responses that ran before, by name. Every rank inserts the full responses
+// it executes in the coordinator's order, so an index means the same tensor on
+// every rank; the steady state then sends indices instead of requests.
+class ResponseCache {
+ public:
+  explicit ResponseCache(int64_t capacity) : capacity_(capacity) {}
+  // Index of `local`'s entry if this rank's request equals the cached one.
+  int Lookup(const Request& local, int rank, int size) const;
+  int IndexOf(const std::string& name) const;
+  const Response& Get(int index) const { return entries_[index]; }
+  int Count() const { return static_cast<int>(entries_.size()); }
+  // Overwrites the entry of the same name, else appends while there is room.
+  void Put(const Response& r);
+
+ private:
+  int64_t capacity_;
+  std::vector<Response> entries_;
+  std::unordered_map<std::string, int> index_;
+};
+
+struct StallReport {
+  std::vector<std::string> warnings;  // one line per newly stalled tensor
+  std::string shutdown_reason;        // non-empty: fail the job
+};
+
+class Coordinator {
+ public:
+  Coordinator(int size, const Config& config) : size_(size), config_(config) {}
+
+  // Records what `rank` has newly pending.
+  void Add(int rank, const RankMessage& m, const ResponseCache& cache);
+  // What every rank executes next; empty when nothing is ready.
+  CoordinatorMessage Decide(const ResponseCache& cache);
+  StallReport CheckStalls(Clock::time_point now);
+  bool HasReady() const { return !ready_.empty() || shutdown_rank_ >= 0; }
+  bool HasPending() const { return !table_.empty(); }
+  void RequestShutdown(int rank) {
+    if (shutdown_rank_ < 0) shutdown_rank_ = rank;
+  }
+  void set_fusion_threshold(int64_t bytes) { config_.fusion_threshold_bytes = bytes; }
+
+ private:
+  void MarkReported(int rank, Request q);
+
+  struct Pending {
+    std::vector<Request> per_rank;
+    std::vector<bool> have;
+    int count = 0;
+    Clock::time_point first_seen;
+    bool warned = false;
+  };
+  int size_;
+  Config config_;
+  std::unordered_map<std::string, Pending> table_;
+  std::vector<std::string> ready_;  // fully reported, in order
+  std::unordered_map<std::string, std::vector<std::string>> group_ready_;
+  std::unordered_map<std::string, std::vector<Request>> held_;  // ready, waiting for group
+  int shutdown_rank_ = -1;
+};
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_CONTROLLER_H_

@@ -1,0 +1,488 @@
+#include "runtime.h"
+
+#include <sys/prctl.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include "scale.h"
+
+namespace kerasdist::core {
+
+namespace {
+
+// How long the thread keeps polling after its last piece of work before it
+// starts to sleep, and the longest sleep while this rank has tensors in flight
+// or not. Spinning longer steals a core from TensorFlow (with 2 ranks on 2
+// cores there is no spare one); sleeping longer adds latency.
+constexpr auto kSpin = std::chrono::microseconds(60);
+constexpr int64_t kMaxSleepPendingUs = 200;
+constexpr int64_t kMaxSleepIdleUs = 2000;
+constexpr double kShutdownReplyTimeoutS = 30.0;
+
+}  // namespace
+
+Status Runtime::Start(const Config& config, int parent_comm_f,
+                      std::unique_ptr<Runtime>* out) {
+  std::unique_ptr<Runtime> rt(new Runtime());
+  rt->config_ = config;
+  KD_RETURN_IF_ERROR(MpiContext::Create(parent_comm_f, &rt->mpi_));
+  rt->host_ = rt->mpi_->MakeHostCommunicator();
+  rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
+  if (rt->topology().rank == 0) {
+    rt->coordinator_ = std::make_unique<Coordinator>(rt->topology().size, config);
+  }
+  rt->last_stall_check_ = Clock::now();
+  rt->last_work_ = Clock::now();
+  rt->thread_ = std::thread(&Runtime::Loop, rt.get());
+  *out = std::move(rt);
+  return Status::OK();
+}
+
+Runtime::~Runtime() { Shutdown(); }
+
+Status Runtime::stopped_status() {
+  std::lock_guard<std::mutex> l(mu_);
+  return stopped_ ? stopped_status_ : Status::OK();
+}
+
+Status Runtime::ValidateLocal(const Request& q) const {
+  const int size = topology().size;
+  const std::string what = std::string(OpTypeName(q.op)) + " '" + q.name + "'";
+  if (q.name.empty()) {
+    return Status::InvalidArgument("every collective needs a name that is the "
+                                   "same on all ranks; got an empty name.");
+  }
+  if ((q.op == OpType::kAllreduce || q.op == OpType::kReducescatter) &&
+      q.dtype == DataType::kBool) {
+    return Status::InvalidArgument(what + ": bool tensors cannot be reduced; "
+                                   "cast to int32 first.");
+  }
+  if (q.op == OpType::kBroadcast && (q.root_rank < 0 || q.root_rank >= size)) {
+    return Status::InvalidArgument(what + ": root_rank must be in [0, " +
+                                   std::to_string(size) + "), got " +
+                                   std::to_string(q.root_rank) + ".");
+  }
+  if ((q.op == OpType::kAllgather || q.op == OpType::kAlltoall ||
+       q.op == OpType::kReducescatter) && q.shape.empty()) {
+    return Status::InvalidArgument(what + " needs a tensor of at least one "
+                                   "dimension; got a scalar.");
+  }
+  for (int64_t d : q.shape) {
+    if (d < 0) return Status::InvalidArgument(what + ": negative dimension in " + ShapeString(q.shape) + ".");
+  }
+  if (!std::isfinite(q.prescale) || !std::isfinite(q.postscale)) {
+    return Status::InvalidArgument(what + ": scale factors must be finite.");
+  }
+  if (q.op == OpType::kAlltoall) {
+    if (static_cast<int>(q.splits.size()) != size) {
+      return Status::InvalidArgument(what + ": splits must have one entry per rank (" +
+                                     std::to_string(size) + "), got " +
+                                     std::to_string(q.splits.size()) + ".");
+    }
+    int64_t sum = 0;
+    for (int64_t s : q.splits) {
+      if (s < 0) return Status::InvalidArgument(what + ": splits must be >= 0, got " + ShapeString(q.splits) + ".");
+      sum += s;
+    }
+    if (sum != q.shape[0]) {
+      return Status::InvalidArgument(what + ": splits " + ShapeString(q.splits) +
+                                     " add up to " + std::to_string(sum) +
+                                     " but the first dimension is " +
+                                     std::to_string(q.shape[0]) + ".");
+    }
+  }
+  if (q.device >= 0) {
+    return Status::InvalidArgument(what + ": the tensor is in GPU memory, but this "
+                                   "kerasdist build has no GPU backend (rebuild "
+                                   "with KERASDIST_WITH_NCCL=1).");
+  }
+  return Status::OK();
+}
+
+Status Runtime::Enqueue(Entry entry) {
+  Request& q = entry.req;
+  if (q.op == OpType::kAlltoall && q.splits.empty() && !q.shape.empty()) {
+    const int size = topology().size;
+    if (q.shape[0] % size != 0) {
+      return Status::InvalidArgument(
+          "alltoall '" + q.name + "': without splits the first dimension (" +
+          std::to_string(q.shape[0]) + ") must be divisible by the number of ranks (" +
+          std::to_string(size) + "); pass splits.");
+    }
+    q.splits.assign(size, q.shape[0] / size);
+  }
+  KD_RETURN_IF_ERROR(ValidateLocal(q));
+  std::lock_guard<std::mutex> l(mu_);
+  if (stopped_ || shutdown_requested_) {
+    return Status::Aborted(
+        "kerasdist has shut down" +
+        (stopped_status_.message().empty() ? std::string(".")
+                                           : ": " + stopped_status_.message()) +
+        " Call kerasdist.init() again to start a new runtime.");
+  }
+  if (!in_flight_.insert(q.name).second) {
+    return Status::InvalidArgument(
+        "a collective named '" + q.name + "' is already in flight on this rank; "
+        "names must be unique among concurrent collectives.");
+  }
+  incoming_.push_back(std::move(entry));
+  cv_.notify_one();
+  return Status::OK();
+}
+
+void Runtime::Shutdown() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    shutdown_requested_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Runtime::Loop() {
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // precise short sleeps
+  int idle_rounds = 0;
+  while (true) {
+    bool worked = RunLoopOnce();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (stopped_) break;
+    }
+    if (worked) {
+      idle_rounds = 0;
+      last_work_ = Clock::now();
+    } else {
+      IdleWait(idle_rounds++, !pending_.empty());
+    }
+  }
+  mpi_->FlushSends(5.0);
+}
+
+void Runtime::IdleWait(int idle_rounds, bool have_pending) {
+  if (Clock::now() - last_work_ < kSpin) {
+    std::this_thread::yield();
+    return;
+  }
+  int64_t cap = have_pending ? kMaxSleepPendingUs : kMaxSleepIdleUs;
+  int64_t us = std::min<int64_t>(cap, int64_t{10} << std::min(idle_rounds, 10));
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait_for(l, std::chrono::microseconds(us),
+               [&] { return !incoming_.empty() || shutdown_requested_; });
+}
+
+bool Runtime::RunLoopOnce() {
+  const Topology& topo = topology();
+  std::vector<Entry> fresh;
+  bool want_shutdown;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    fresh.swap(incoming_);
+    want_shutdown = shutdown_requested_;
+  }
+  RankMessage msg;
+  for (Entry& e : fresh) {
+    int ci = cache_->Lookup(e.req, topo.rank, topo.size);
+    if (ci >= 0) {
+      msg.cached.push_back(ci);
+    } else {
+      msg.requests.push_back(e.req);
+    }
+    std::string name = e.req.name;
+    pending_.emplace(std::move(name), std::move(e));
+  }
+  if (want_shutdown && !sent_shutdown_) {
+    msg.shutdown = true;
+    sent_shutdown_ = true;
+    shutdown_sent_at_ = Clock::now();
+  }
+  bool worked = !fresh.empty() || msg.shutdown;
+  Status s;
+  if (topo.rank == 0) {
+    if (worked) coordinator_->Add(0, msg, *cache_);
+    while (s.ok()) {
+      bool got = false;
+      int src = 0;
+      std::string bytes;
+      s = mpi_->PollControl(&got, &src, &bytes);
+      if (!s.ok() || !got) break;
+      RankMessage m;
+      s = Deserialize(bytes, &m);
+      if (s.ok()) coordinator_->Add(src, m, *cache_);
+      worked = true;
+    }
+    Clock::time_point now = Clock::now();
+    if (s.ok() && now - last_stall_check_ > std::chrono::seconds(1)) {
+      last_stall_check_ = now;
+      StallReport report = coordinator_->CheckStalls(now);
+      for (const auto& w : report.warnings) {
+        if (config_.log_level > 0) std::fprintf(stderr, "%s\n", w.c_str());
+      }
+      if (!report.shutdown_reason.empty()) {
+        CoordinatorMessage out;
+        out.shutdown = true;
+        out.shutdown_reason = report.shutdown_reason;
+        std::string bytes = Serialize(out);
+        for (int r = 1; r < topo.size; ++r) mpi_->SendControl(r, bytes);
+        s = Execute(out);
+        return true;
+      }
+    }
+    if (s.ok() && coordinator_->HasReady()) {
+      // The batching window: give more tensors of the same step a moment to
+      // become ready so that they share one fusion buffer.
+      bool hold = false;
+      if (config_.cycle_time_ms > 0 && !sent_shutdown_) {
+        if (!ready_waiting_) {
+          ready_waiting_ = true;
+          first_ready_ = now;
+        }
+        hold = now - first_ready_ <
+               std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+      }
+      if (hold) return true;
+      ready_waiting_ = false;
+      CoordinatorMessage out = coordinator_->Decide(*cache_);
+      std::string bytes = Serialize(out);
+      for (int r = 1; r < topo.size && s.ok(); ++r) s = mpi_->SendControl(r, bytes);
+      if (s.ok()) s = Execute(out);
+      worked = true;
+    }
+  } else {
+    if (worked) s = mpi_->SendControl(0, Serialize(msg));
+    while (s.ok()) {
+      bool got = false;
+      int src = 0;
+      std::string bytes;
+      s = mpi_->PollControl(&got, &src, &bytes);
+      if (!s.ok() || !got) break;
+      CoordinatorMessage out;
+      s = Deserialize(bytes, &out);
+      if (s.ok()) s = Execute(out);
+      worked = true;
+      std::lock_guard<std::mutex> l(mu_);
+      if (stopped_) break;
+    }
+    if (s.ok() && sent_shutdown_ &&
+        Clock::now() - shutdown_sent_at_ >
+            std::chrono::duration<double>(kShutdownReplyTimeoutS)) {
+      s = Status::Aborted("rank 0 did not answer this rank's shutdown within " +
+                          std::to_string(static_cast<int>(kShutdownReplyTimeoutS)) +
+                          " s; it may be stuck or gone.");
+    }
+  }
+  if (s.ok()) s = mpi_->ProgressSends();
+  if (!s.ok()) {
+    FailAll(Status(s.code(), "rank " + std::to_string(topo.rank) + ": " + s.message()));
+    return true;
+  }
+  return worked;
+}
+
+Status Runtime::Execute(const CoordinatorMessage& msg) {
+  Status s;
+  for (const Batch& b : msg.batches) {
+    std::vector<const Response*> resps;
+    for (size_t i = 0; i < b.cache_index.size(); ++i) {
+      resps.push_back(b.cache_index[i] >= 0 ? &cache_->Get(b.cache_index[i])
+                                            : &b.responses[i]);
+    }
+    s = ExecuteBatch(resps);
+    for (size_t i = 0; i < b.cache_index.size(); ++i) {
+      if (b.cache_index[i] < 0) cache_->Put(b.responses[i]);
+    }
+    if (!s.ok()) return s;
+  }
+  if (msg.shutdown) {
+    FailAll(Status::Aborted(msg.shutdown_reason + "."));
+  }
+  return s;
+}
+
+Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
+  std::vector<Entry> entries;
+  for (const Response* r : resps) {
+    auto it = pending_.find(r->req.name);
+    if (it == pending_.end()) {
+      return Status::Internal("the coordinator scheduled '" + r->req.name +
+                              "', which this rank never submitted (kerasdist bug).");
+    }
+    entries.push_back(std::move(it->second));
+    pending_.erase(it);
+  }
+  const Response& head = *resps[0];
+  if (!head.error.empty()) {
+    for (Entry& e : entries) Complete(e, Result{Status::Mismatch(head.error), {}});
+    return Status::OK();
+  }
+  if (head.req.op == OpType::kAllreduce) {
+    std::vector<Entry*> ptrs;
+    for (Entry& e : entries) ptrs.push_back(&e);
+    Status s = RunAllreduce(resps, ptrs);
+    for (Entry& e : entries) Complete(e, Result{s, {}});
+    return s.code() == StatusCode::kInternal ? s : Status::OK();
+  }
+  Result result;
+  result.status = RunOther(head, entries[0], &result);
+  Status s = result.status;
+  Complete(entries[0], result);
+  return s.code() == StatusCode::kInternal ? s : Status::OK();
+}
+
+Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
+                             std::vector<Entry*>& entries) {
+  const Request& q = resps[0]->req;
+  const int size = topology().size;
+  const bool average = q.reduce_op == ReduceOp::kAverage;
+  const ReduceOp op = average ? ReduceOp::kSum : q.reduce_op;
+  double post = q.postscale;
+  int64_t divisor = 1;
+  if (average) {
+    if (IsFloating(q.dtype)) {
+      post /= size;
+    } else {
+      divisor = size;
+    }
+  }
+  const int64_t esize = DataTypeSize(q.dtype);
+  if (entries.size() == 1) {
+    Entry& e = *entries[0];
+    int64_t n = NumElements(e.req.shape);
+    ScaleCopy(e.output, e.input, n, q.dtype, q.prescale);
+    KD_RETURN_IF_ERROR(host_->Allreduce(e.output, n, q.dtype, op));
+    ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
+    return Status::OK();
+  }
+  int64_t total = 0;
+  for (Entry* e : entries) total += NumElements(e->req.shape);
+  if (static_cast<int64_t>(fusion_buffer_.size()) < total * esize) {
+    fusion_buffer_.resize(total * esize);
+  }
+  char* buf = fusion_buffer_.data();
+  int64_t off = 0;
+  for (Entry* e : entries) {
+    int64_t n = NumElements(e->req.shape);
+    ScaleCopy(buf + off * esize, e->input, n, q.dtype, q.prescale);
+    off += n;
+  }
+  KD_RETURN_IF_ERROR(host_->Allreduce(buf, total, q.dtype, op));
+  off = 0;
+  for (Entry* e : entries) {
+    int64_t n = NumElements(e->req.shape);
+    ScaleCopy(e->output, buf + off * esize, n, q.dtype, post, divisor);
+    off += n;
+  }
+  return Status::OK();
+}
+
+Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
+  const Topology& topo = topology();
+  const Request& q = e.req;
+  const int64_t esize = DataTypeSize(q.dtype);
+  std::vector<int64_t> tail(q.shape.begin() + (q.shape.empty() ? 0 : 1), q.shape.end());
+  const int64_t row = NumElements(tail) * esize;
+  switch (q.op) {
+    case OpType::kBroadcast: {
+      int64_t bytes = NumElements(q.shape) * esize;
+      if (topo.rank == q.root_rank && e.output != e.input && bytes > 0) {
+        std::memcpy(e.output, e.input, bytes);
+      }
+      return host_->Broadcast(e.output, bytes, q.root_rank);
+    }
+    case OpType::kAllgather: {
+      std::vector<int64_t> bytes;
+      int64_t rows = 0;
+      for (int64_t d : resp.first_dims) {
+        bytes.push_back(d * row);
+        rows += d;
+      }
+      std::vector<int64_t> shape = q.shape;
+      shape[0] = rows;
+      void* out = nullptr;
+      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
+      return host_->Allgatherv(e.input, out, bytes);
+    }
+    case OpType::kAlltoall: {
+      const int n = topo.size, me = topo.rank;
+      std::vector<int64_t> send(n), recv(n);
+      int64_t rows = 0;
+      for (int r = 0; r < n; ++r) {
+        send[r] = resp.splits_matrix[me * n + r] * row;
+        int64_t in_rows = resp.splits_matrix[r * n + me];
+        recv[r] = in_rows * row;
+        result->recv_splits.push_back(in_rows);
+        rows += in_rows;
+      }
+      std::vector<int64_t> shape = q.shape;
+      shape[0] = rows;
+      void* out = nullptr;
+      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
+      return host_->Alltoallv(e.input, send, out, recv);
+    }
+    case OpType::kReducescatter: {
+      const int n = topo.size;
+      const bool average = q.reduce_op == ReduceOp::kAverage;
+      const ReduceOp op = average ? ReduceOp::kSum : q.reduce_op;
+      double post = q.postscale;
+      int64_t divisor = 1;
+      if (average) {
+        if (IsFloating(q.dtype)) {
+          post /= n;
+        } else {
+          divisor = n;
+        }
+      }
+      const int64_t elems_per_row = NumElements(tail);
+      std::vector<int64_t> counts(n);
+      for (int r = 0; r < n; ++r) {
+        counts[r] = (q.shape[0] / n + (r < q.shape[0] % n ? 1 : 0)) * elems_per_row;
+      }
+      std::vector<int64_t> shape = q.shape;
+      shape[0] = counts[topo.rank] / std::max<int64_t>(elems_per_row, 1);
+      if (elems_per_row == 0) shape[0] = q.shape[0] / n + (topo.rank < q.shape[0] % n ? 1 : 0);
+      void* out = nullptr;
+      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
+      const void* in = e.input;
+      int64_t total = NumElements(q.shape);
+      if (q.prescale != 1.0) {
+        if (static_cast<int64_t>(fusion_buffer_.size()) < total * esize) {
+          fusion_buffer_.resize(total * esize);
+        }
+        ScaleCopy(fusion_buffer_.data(), e.input, total, q.dtype, q.prescale);
+        in = fusion_buffer_.data();
+      }
+      KD_RETURN_IF_ERROR(host_->ReduceScatter(in, out, counts, q.dtype, op));
+      ScaleCopy(out, out, counts[topo.rank], q.dtype, post, divisor);
+      return Status::OK();
+    }
+    case OpType::kBarrier:
+      return host_->Barrier();
+    case OpType::kAllreduce:
+      break;
+  }
+  return Status::Internal("unexpected operation (kerasdist bug)");
+}
+
+void Runtime::Complete(Entry& e, const Result& r) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    in_flight_.erase(e.req.name);
+  }
+  if (e.done) e.done(r);
+}
+
+void Runtime::FailAll(const Status& s) {
+  std::vector<Entry> queued;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stopped_ = true;
+    if (stopped_status_.ok()) stopped_status_ = s;
+    queued.swap(incoming_);
+  }
+  for (auto& [name, e] : pending_) Complete(e, Result{s, {}});
+  pending_.clear();
+  for (Entry& e : queued) Complete(e, Result{s, {}});
+}
+
+}  // namespace kerasdist::core

@@ -1,0 +1,103 @@
+// The runtime: one background thread per process owns all communication.
+// Front ends (the TF kernels, the C API) call Enqueue and return at once; the
+// thread negotiates with the other ranks, runs the collectives in the
+// coordinator's order and completes each entry through its callback.
+#ifndef KERASDIST_CORE_RUNTIME_H_
+#define KERASDIST_CORE_RUNTIME_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "comm/mpi_context.h"
+#include "config.h"
+#include "controller.h"
+#include "message.h"
+
+namespace kerasdist::core {
+
+struct Result {
+  Status status;
+  std::vector<int64_t> recv_splits;  // alltoall: rows received from each rank
+};
+
+// One tensor handed to the runtime. `output` is the preallocated result for
+// allreduce and broadcast (it may equal `input`); allgather, alltoall and
+// reducescatter learn their output shape from negotiation and call `allocate`.
+// `done` is called exactly once, from the background thread.
+struct Entry {
+  Request req;
+  const void* input = nullptr;
+  void* output = nullptr;
+  std::function<Status(const std::vector<int64_t>& shape, void** data)> allocate;
+  std::function<void(const Result&)> done;
+};
+
+class Runtime {
+ public:
+  static Status Start(const Config& config, int parent_comm_f,
+                      std::unique_ptr<Runtime>* out);
+  ~Runtime();  // Stops the thread (as Shutdown) if still running.
+
+  // Checks the request against this rank's facts and queues it. An error here
+  // means `done` will not be called.
+  Status Enqueue(Entry entry);
+  // Tells the other ranks, fails what is still pending, joins the thread.
+  void Shutdown();
+
+  const Topology& topology() const { return mpi_->topology(); }
+  const Config& config() const { return config_; }
+  // Why the runtime stopped, or OK while it runs.
+  Status stopped_status();
+
+
+ private:
+  Runtime() = default;
+  void Loop();
+  bool RunLoopOnce();
+  void IdleWait(int idle_rounds, bool have_pending);
+  Status Execute(const CoordinatorMessage& msg);
+  Status ExecuteBatch(const std::vector<const Response*>& resps);
+  Status RunAllreduce(const std::vector<const Response*>& resps,
+                      std::vector<Entry*>& entries);
+  Status RunOther(const Response& resp, Entry& e, Result* result);
+  void Complete(Entry& e, const Result& r);
+  void FailAll(const Status& s);
+  Status ValidateLocal(const Request& q) const;
+
+  Config config_;
+  std::unique_ptr<MpiContext> mpi_;
+  std::unique_ptr<Communicator> host_;
+  std::thread thread_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Entry> incoming_;
+  std::unordered_set<std::string> in_flight_;  // names queued or pending
+  bool shutdown_requested_ = false;
+  bool stopped_ = false;
+  Status stopped_status_;
+
+  // Background-thread state.
+  std::unordered_map<std::string, Entry> pending_;
+  std::unique_ptr<ResponseCache> cache_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::vector<char> fusion_buffer_;
+  bool sent_shutdown_ = false;
+  Clock::time_point shutdown_sent_at_;
+  Clock::time_point last_work_;
+  Clock::time_point last_stall_check_;
+  Clock::time_point first_ready_;
+  bool ready_waiting_ = false;
+};
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_RUNTIME_H_

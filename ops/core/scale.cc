@@ -1,0 +1,71 @@
+#include "scale.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "half.h"
+
+namespace kerasdist::core {
+
+namespace {
+
+template <typename T>
+void ScaleFloat(T* dst, const T* src, int64_t n, double factor) {
+  const T f = static_cast<T>(factor);
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * f;
+}
+
+template <typename T>
+void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t div) {
+  for (int64_t i = 0; i < n; ++i) {
+    T v = src[i];
+    if (div > 1) v = static_cast<T>(v / static_cast<T>(div));
+    if (factor != 1.0) v = static_cast<T>(std::llround(static_cast<double>(v) * factor));
+    dst[i] = v;
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void Scale16(uint16_t* dst, const uint16_t* src, int64_t n, double factor) {
+  const float f = static_cast<float>(factor);
+  for (int64_t i = 0; i < n; ++i) dst[i] = FromF(ToF(src[i]) * f);
+}
+
+}  // namespace
+
+void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
+               double factor, int64_t int_divisor) {
+  bool is_int = !IsFloating(dt);
+  if (factor == 1.0 && (!is_int || int_divisor <= 1)) {
+    if (dst != src && count > 0) std::memmove(dst, src, count * DataTypeSize(dt));
+    return;
+  }
+  switch (dt) {
+    case DataType::kFloat32:
+      ScaleFloat(static_cast<float*>(dst), static_cast<const float*>(src), count, factor);
+      break;
+    case DataType::kFloat64:
+      ScaleFloat(static_cast<double*>(dst), static_cast<const double*>(src), count, factor);
+      break;
+    case DataType::kFloat16:
+      Scale16<HalfToFloat, FloatToHalf>(static_cast<uint16_t*>(dst),
+                                        static_cast<const uint16_t*>(src), count, factor);
+      break;
+    case DataType::kBFloat16:
+      Scale16<BFloat16ToFloat, FloatToBFloat16>(static_cast<uint16_t*>(dst),
+                                                static_cast<const uint16_t*>(src), count, factor);
+      break;
+    case DataType::kInt32:
+      ScaleInt(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, factor, int_divisor);
+      break;
+    case DataType::kInt64:
+      ScaleInt(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, factor, int_divisor);
+      break;
+    case DataType::kUInt8:
+    case DataType::kBool:
+      ScaleInt(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, factor, int_divisor);
+      break;
+  }
+}
+
+}  // namespace kerasdist::core

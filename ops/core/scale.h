@@ -1,0 +1,20 @@
+// Element-wise helpers of the data path: copy with a scale factor (prescale,
+// postscale, 1/size for Average) in one pass over the buffer.
+#ifndef KERASDIST_CORE_SCALE_H_
+#define KERASDIST_CORE_SCALE_H_
+
+#include <cstdint>
+
+#include "types.h"
+
+namespace kerasdist::core {
+
+// dst[i] = src[i] * factor (dst may equal src). Integer types round to the
+// nearest integer; with `int_divisor` > 1 they are first divided by it with
+// truncation toward zero (how Average treats integers, like C division).
+void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
+               double factor, int64_t int_divisor = 1);
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_SCALE_H_

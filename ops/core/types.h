@@ -1,0 +1,56 @@
+// Enumerations shared by every layer. The numeric values are part of the C API
+// (kerasdist/_native.py mirrors them by asking the library, never by copying).
+#ifndef KERASDIST_CORE_TYPES_H_
+#define KERASDIST_CORE_TYPES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kerasdist::core {
+
+enum class DataType : int32_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat64 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kUInt8 = 6,
+  kBool = 7,
+};
+constexpr int kNumDataTypes = 8;
+
+// Horovod's values (Adasum = 2 is not offered), so scripts passing ints move over.
+enum class ReduceOp : int32_t {
+  kAverage = 0,
+  kSum = 1,
+  kMin = 3,
+  kMax = 4,
+  kProduct = 5,
+};
+
+enum class OpType : int32_t {
+  kAllreduce = 0,
+  kAllgather = 1,
+  kBroadcast = 2,
+  kAlltoall = 3,
+  kReducescatter = 4,
+  kBarrier = 5,
+};
+constexpr int kNumOpTypes = 6;
+
+int64_t DataTypeSize(DataType dt);
+bool IsValidDataType(int32_t v);
+bool IsValidReduceOp(int32_t v);
+bool IsValidOpType(int32_t v);
+bool IsFloating(DataType dt);
+const char* DataTypeName(DataType dt);
+const char* ReduceOpName(ReduceOp op);
+const char* OpTypeName(OpType op);
+std::string ShapeString(const std::vector<int64_t>& shape);
+int64_t NumElements(const std::vector<int64_t>& shape);
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_TYPES_H_

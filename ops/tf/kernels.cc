@@ -1,0 +1,284 @@
+// AsyncOpKernels: each wraps its tensors, enqueues one Entry with the core
+// runtime and returns; the runtime's background thread completes the op.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/global.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace kerasdist::tf {
+
+namespace core = ::kerasdist::core;
+using ::tensorflow::AsyncOpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+
+namespace {
+
+::tensorflow::Status ToTf(const core::Status& s) {
+  namespace errors = ::tensorflow::errors;
+  switch (s.code()) {
+    case core::StatusCode::kOk:
+      return ::tensorflow::Status();
+    case core::StatusCode::kInvalidArgument:
+    case core::StatusCode::kMismatch:
+      return errors::InvalidArgument(s.message());
+    case core::StatusCode::kPrecondition:
+      return errors::FailedPrecondition(s.message());
+    case core::StatusCode::kAborted:
+      return errors::Aborted(s.message());
+    case core::StatusCode::kInternal:
+      return errors::Internal(s.message());
+  }
+  return errors::Unknown(s.message());
+}
+
+bool ToCore(::tensorflow::DataType dt, core::DataType* out) {
+  switch (dt) {
+    case ::tensorflow::DT_HALF: *out = core::DataType::kFloat16; return true;
+    case ::tensorflow::DT_BFLOAT16: *out = core::DataType::kBFloat16; return true;
+    case ::tensorflow::DT_FLOAT: *out = core::DataType::kFloat32; return true;
+    case ::tensorflow::DT_DOUBLE: *out = core::DataType::kFloat64; return true;
+    case ::tensorflow::DT_INT32: *out = core::DataType::kInt32; return true;
+    case ::tensorflow::DT_INT64: *out = core::DataType::kInt64; return true;
+    case ::tensorflow::DT_UINT8: *out = core::DataType::kUInt8; return true;
+    case ::tensorflow::DT_BOOL: *out = core::DataType::kBool; return true;
+    default: return false;
+  }
+}
+
+std::vector<int64_t> Dims(const TensorShape& s) {
+  std::vector<int64_t> d;
+  for (int i = 0; i < s.dims(); ++i) d.push_back(s.dim_size(i));
+  return d;
+}
+
+void* Data(const Tensor& t) {
+  return const_cast<char*>(t.tensor_data().data());
+}
+
+// Shared by every kernel: the tensor name (attr, else the node name) and the
+// enqueue with error handling.
+class CollectiveKernel : public AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+    if (tensor_name_.empty()) tensor_name_ = name();
+  }
+
+ protected:
+  // Fills the parts of the request every op has.
+  bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
+             core::Entry* e, std::shared_ptr<core::Runtime>* rt) {
+    *rt = core::CurrentRuntime();
+    if (!*rt) {
+      ctx->SetStatus(::tensorflow::errors::FailedPrecondition(
+          "kerasdist is not initialized; call kerasdist.init() first."));
+      done();
+      return false;
+    }
+    e->req.name = tensor_name_;
+    e->req.op = op;
+    if (ctx->num_inputs() > 0) {
+      const Tensor& in = ctx->input(0);
+      if (!ToCore(in.dtype(), &e->req.dtype)) {
+        ctx->SetStatus(::tensorflow::errors::InvalidArgument(
+            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()),
+            " for '", tensor_name_, "'."));
+        done();
+        return false;
+      }
+      e->req.shape = Dims(in.shape());
+      e->input = in.tensor_data().data();
+    }
+    return true;
+  }
+
+  void Submit(OpKernelContext* ctx, DoneCallback done, core::Runtime& rt,
+              core::Entry e) {
+    if (!e.done) {
+      e.done = [ctx, done](const core::Result& r) {
+        if (!r.status.ok()) ctx->SetStatus(ToTf(r.status));
+        done();
+      };
+    }
+    core::Status s = rt.Enqueue(std::move(e));
+    if (!s.ok()) {
+      ctx->SetStatus(ToTf(s));
+      done();
+    }
+  }
+
+  // For results whose shape only negotiation knows.
+  static std::function<core::Status(const std::vector<int64_t>&, void**)>
+  Allocator(OpKernelContext* ctx, int index) {
+    return [ctx, index](const std::vector<int64_t>& dims, void** data) {
+      TensorShape shape;
+      for (int64_t d : dims) shape.AddDim(d);
+      Tensor* out = nullptr;
+      ::tensorflow::Status s = ctx->allocate_output(index, shape, &out);
+      if (!s.ok()) {
+        return core::Status::Internal("could not allocate the output: " +
+                                      std::string(s.message()));
+      }
+      *data = Data(*out);
+      return core::Status::OK();
+    };
+  }
+
+  std::string tensor_name_;
+};
+
+class AllreduceOp : public CollectiveKernel {
+ public:
+  explicit AllreduceOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
+    OP_REQUIRES_OK(c, c->GetAttr("group_size", &group_size_));
+  }
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kAllreduce, &e, &rt)) return;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output(
+                                  {0}, 0, ctx->input(0).shape(), &out),
+                         done);
+    e.input = ctx->input(0).tensor_data().data();
+    e.output = Data(*out);
+    e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
+    e.req.prescale = prescale_;
+    e.req.postscale = postscale_;
+    e.req.group = group_;
+    e.req.group_size = group_size_;
+    Submit(ctx, done, *rt, std::move(e));
+  }
+
+ private:
+  int reduce_op_;
+  float prescale_, postscale_;
+  std::string group_;
+  int group_size_;
+};
+
+class AllgatherOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kAllgather, &e, &rt)) return;
+    e.allocate = Allocator(ctx, 0);
+    Submit(ctx, done, *rt, std::move(e));
+  }
+};
+
+class BroadcastOp : public CollectiveKernel {
+ public:
+  explicit BroadcastOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+  }
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kBroadcast, &e, &rt)) return;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output(
+                                  {0}, 0, ctx->input(0).shape(), &out),
+                         done);
+    e.input = ctx->input(0).tensor_data().data();
+    e.output = Data(*out);
+    e.req.root_rank = root_rank_;
+    Submit(ctx, done, *rt, std::move(e));
+  }
+
+ private:
+  int root_rank_;
+};
+
+class AlltoallOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kAlltoall, &e, &rt)) return;
+    const Tensor& splits = ctx->input(1);
+    auto flat = splits.flat<int64_t>();
+    e.req.splits.assign(flat.data(), flat.data() + flat.size());
+    e.allocate = Allocator(ctx, 0);
+    e.done = [ctx, done](const core::Result& r) {
+      if (!r.status.ok()) {
+        ctx->SetStatus(ToTf(r.status));
+      } else {
+        Tensor* out = nullptr;
+        TensorShape shape({static_cast<int64_t>(r.recv_splits.size())});
+        ::tensorflow::Status s = ctx->allocate_output(1, shape, &out);
+        if (s.ok()) {
+          auto o = out->flat<int64_t>();
+          for (size_t i = 0; i < r.recv_splits.size(); ++i) o(i) = r.recv_splits[i];
+        } else {
+          ctx->SetStatus(s);
+        }
+      }
+      done();
+    };
+    Submit(ctx, done, *rt, std::move(e));
+  }
+};
+
+class ReducescatterOp : public CollectiveKernel {
+ public:
+  explicit ReducescatterOp(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+  }
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt)) return;
+    e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
+    e.req.prescale = prescale_;
+    e.req.postscale = postscale_;
+    e.allocate = Allocator(ctx, 0);
+    Submit(ctx, done, *rt, std::move(e));
+  }
+
+ private:
+  int reduce_op_;
+  float prescale_, postscale_;
+};
+
+class BarrierOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    std::shared_ptr<core::Runtime> rt;
+    if (!Begin(ctx, done, core::OpType::kBarrier, &e, &rt)) return;
+    e.req.dtype = core::DataType::kUInt8;
+    Submit(ctx, done, *rt, std::move(e));
+  }
+};
+
+}  // namespace
+
+#define KD_REGISTER(NAME, CLASS) \
+  REGISTER_KERNEL_BUILDER(       \
+      Name(NAME).Device(::tensorflow::DEVICE_CPU), CLASS)
+
+KD_REGISTER("KerasdistAllreduce", AllreduceOp);
+KD_REGISTER("KerasdistAllgather", AllgatherOp);
+KD_REGISTER("KerasdistBroadcast", BroadcastOp);
+KD_REGISTER("KerasdistAlltoall", AlltoallOp);
+KD_REGISTER("KerasdistReducescatter", ReducescatterOp);
+KD_REGISTER("KerasdistBarrier", BarrierOp);
+
+}  // namespace kerasdist::tf

@@ -1,0 +1,99 @@
+// Op registrations: attributes, shape functions and docs. The kernels are in
+// kernels.cc. Every op is stateful: two collectives must never be merged or
+// pruned by graph optimisations, since other ranks are waiting for them.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace kerasdist::tf {
+
+using ::tensorflow::Status;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+Status UnknownFirstDim(InferenceContext* c) {
+  ShapeHandle in = c->input(0);
+  if (!c->RankKnown(in)) {
+    c->set_output(0, c->UnknownShape());
+    return Status();
+  }
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+  c->set_output(0, out);
+  return Status();
+}
+
+}  // namespace
+
+REGISTER_OP("KerasdistAllreduce")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8}")
+    .Attr("tensor_name: string")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("group: string = ''")
+    .Attr("group_size: int = 0")
+    .Input("tensor: T")
+    .Output("reduced: T")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Reduces `tensor` over all ranks (see kerasdist.allreduce).");
+
+REGISTER_OP("KerasdistAllgather")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("tensor_name: string")
+    .Input("tensor: T")
+    .Output("gathered: T")
+    .SetIsStateful()
+    .SetShapeFn(UnknownFirstDim)
+    .Doc("Concatenates `tensor` of every rank along the first dimension.");
+
+REGISTER_OP("KerasdistBroadcast")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("tensor_name: string")
+    .Attr("root_rank: int")
+    .Input("tensor: T")
+    .Output("broadcast: T")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Every rank receives `tensor` of `root_rank`.");
+
+REGISTER_OP("KerasdistAlltoall")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("tensor_name: string")
+    .Input("tensor: T")
+    .Input("splits: int64")
+    .Output("received: T")
+    .Output("received_splits: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(UnknownFirstDim(c));
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return Status();
+    })
+    .Doc("Sends splits[r] rows of `tensor` to rank r; an empty `splits` "
+         "divides the first dimension evenly.");
+
+REGISTER_OP("KerasdistReducescatter")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8}")
+    .Attr("tensor_name: string")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Input("tensor: T")
+    .Output("scattered: T")
+    .SetIsStateful()
+    .SetShapeFn(UnknownFirstDim)
+    .Doc("Reduces `tensor` over all ranks; rank r keeps the r-th slice of the "
+         "first dimension (earlier ranks get one more row when it does not "
+         "divide evenly).");
+
+REGISTER_OP("KerasdistBarrier")
+    .Attr("tensor_name: string")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc("Returns when every rank has reached the barrier.");
+
+}  // namespace kerasdist::tf
