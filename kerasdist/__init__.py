@@ -26,12 +26,19 @@ _EXPORTS = {
     "allgather": "collectives", "broadcast": "collectives",
     "broadcast_variables": "collectives", "alltoall": "collectives",
     "reducescatter": "collectives", "barrier": "collectives",
+    "DistributedOptimizer": "optimizer", "Compression": "compression",
+    "DistributedGradientTape": "tape", "Trainer": "trainer",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# Submodules reachable as attributes after `import kerasdist`.
+_SUBMODULES = ("callbacks", "schedules", "data", "timeline")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kerasdist.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kerasdist' has no attribute {name!r}")
