@@ -1,0 +1,148 @@
+"""Helpers shared by DistributedOptimizer and DistributedGradientTape:
+naming gradients identically on every rank, and reducing a gradient list."""
+
+import tensorflow as tf
+
+from kerasdist import basics
+from kerasdist import collectives
+from kerasdist.compression import Compressor
+
+
+def check_args(op, compression, gradient_predivide_factor, what):
+    """Validates the arguments both wrappers share; raises ValueError."""
+    if op not in (basics.Average, basics.Sum):
+        raise ValueError(f"{what}: op must be kerasdist.Average or "
+                         f"kerasdist.Sum; got {op!r}.")
+    if not (isinstance(compression, type)
+            and issubclass(compression, Compressor)) and not (
+                hasattr(compression, "compress")
+                and hasattr(compression, "decompress")):
+        raise ValueError(f"{what}: compression must be a Compressor such as "
+                         f"kerasdist.Compression.fp16; got {compression!r}.")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be > 0; "
+                         f"got {gradient_predivide_factor!r}.")
+    if gradient_predivide_factor != 1.0 and op != basics.Average:
+        raise ValueError(f"{what}: gradient_predivide_factor needs "
+                         "op=kerasdist.Average.")
+
+
+def in_xla_context():
+    """True while tracing a function compiled with XLA (jit_compile=True)."""
+    if tf.executing_eagerly():
+        return False
+    # Private, but the only way to ask; guarded so a TF change degrades to
+    # TF's own (cryptic) error instead of breaking every graph trace.
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def _source_name(source, index):
+    for attr in ("path", "name"):
+        try:
+            value = getattr(source, attr, None)
+        except (AttributeError, ValueError):  # eager tensors have no name
+            value = None
+        if value:
+            return str(value).replace(":0", "")
+    return f"source{index}"
+
+
+def gradient_names(prefix, sources):
+    """One collective name per source, identical on every rank.
+
+    Names come from the variables' paths (Keras) or names (tf.Variable), so
+    they depend only on how the model was built, not on call order. Sources
+    without a name fall back to their position.
+    """
+    names = [f"{prefix}.{_source_name(s, i)}" for i, s in enumerate(sources)]
+    if len(set(names)) != len(names):
+        names = [f"{n}.{i}" for i, n in enumerate(names)]
+    if not tf.executing_eagerly():
+        # Two reductions of the same variables inside one tf.function (a
+        # second tape.gradient call) must not collide; the graph's unique
+        # naming is deterministic, so it is identical on every rank.
+        graph = tf.compat.v1.get_default_graph()
+        names = [graph.unique_name(n, mark_as_used=True) for n in names]
+    return names
+
+
+def reduce_gradients(grads, sources, prefix, compression=None,
+                     op=basics.Average, sparse_as_dense=False,
+                     gradient_predivide_factor=1.0, num_groups=0):
+    """Allreduces `grads` (a flat list, `None` entries kept) over all ranks.
+
+    Dense gradients are allreduced (the runtime fuses them when they are
+    issued in one tf.function); `tf.IndexedSlices` are allgathered unless
+    `sparse_as_dense`. With a predivide factor f the runtime multiplies by
+    1/f before summing and by f/size after, which equals Average.
+
+    Returns:
+        A list like `grads` holding the reduced gradients.
+    """
+    compression = compression or _none()
+    names = gradient_names(prefix, sources)
+    if gradient_predivide_factor != 1.0:
+        dense_op = basics.Sum
+        prescale = 1.0 / gradient_predivide_factor
+        postscale = gradient_predivide_factor / basics.size()
+    else:
+        dense_op, prescale, postscale = op, 1.0, 1.0
+
+    out = [None] * len(grads)
+    dense = []  # (index, wire tensor, ctx)
+    for i, (grad, name) in enumerate(zip(grads, names)):
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            if sparse_as_dense:
+                grad = tf.convert_to_tensor(grad)
+            else:
+                values, ctx = compression.compress(grad.values)
+                gathered = collectives.allreduce(
+                    tf.IndexedSlices(values, grad.indices, grad.dense_shape),
+                    op=op, name=name)
+                out[i] = tf.IndexedSlices(
+                    compression.decompress(gathered.values, ctx),
+                    gathered.indices, gathered.dense_shape)
+                continue
+        wire, ctx = compression.compress(tf.convert_to_tensor(grad))
+        dense.append((i, name, wire, ctx))
+
+    if num_groups > 0 and not tf.executing_eagerly() and dense:
+        reduced = _grouped(dense, num_groups, dense_op, prescale, postscale)
+    else:
+        reduced = [
+            collectives.allreduce(wire, op=dense_op, name=name,
+                                  prescale_factor=prescale,
+                                  postscale_factor=postscale)
+            for _, name, wire, _ in dense]
+    for (i, _, _, ctx), r in zip(dense, reduced):
+        out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _grouped(dense, num_groups, op, prescale, postscale):
+    # Contiguous groups of about equal count; each is one grouped allreduce
+    # (negotiated and fused as a unit). Group names carry the first member's
+    # name, so they are identical on every rank.
+    n = len(dense)
+    num_groups = min(num_groups, n)
+    bounds = [n * g // num_groups for g in range(num_groups + 1)]
+    reduced = []
+    for g in range(num_groups):
+        members = dense[bounds[g]:bounds[g + 1]]
+        reduced.extend(collectives.grouped_allreduce(
+            [wire for _, _, wire, _ in members], op=op,
+            name=f"{members[0][1]}.group{g}of{num_groups}",
+            prescale_factor=prescale, postscale_factor=postscale))
+    return reduced
+
+
+def _none():
+    from kerasdist.compression import Compression
+    return Compression.none

@@ -1,0 +1,79 @@
+"""Gradient compression applied around the allreduce.
+
+A compressor turns a tensor into what goes over the wire and back again:
+
+    wire, ctx = Compression.fp16.compress(grad)
+    reduced = kerasdist.allreduce(wire)
+    grad = Compression.fp16.decompress(reduced, ctx)
+
+Averaging happens in the runtime on the compressed values, so float16
+averages are computed in float16.
+"""
+
+import tensorflow as tf
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
+
+
+class Compressor:
+    """Base class: `compress` before communicating, `decompress` after.
+
+    Subclasses override both static methods. `compress` returns the tensor to
+    send and a context (anything) that `decompress` needs to restore it.
+    """
+
+    @staticmethod
+    def compress(tensor):
+        """Returns `(tensor_to_send, ctx)`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """Returns the tensor restored from what was received."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors unchanged."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Sends floating tensors as float16 and casts them back afterwards.
+
+    Halves the bytes of float32 gradients at the cost of float16 precision
+    (about 3 significant decimal digits; values above 65504 overflow).
+    Non-floating tensors are sent unchanged.
+    """
+
+    @staticmethod
+    def compress(tensor):
+        dtype = tensor.dtype
+        if dtype.is_floating and dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        if ctx is None:
+            return tensor
+        return tf.cast(tensor, ctx)
+
+
+class Compression:
+    """The built-in compressors: `Compression.none` and `Compression.fp16`.
+
+    Example:
+    >>> opt = kerasdist.DistributedOptimizer(
+    ...     keras.optimizers.SGD(0.01), compression=kerasdist.Compression.fp16)
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor

@@ -1,0 +1,254 @@
+"""DistributedOptimizer: averages gradients over all ranks for Keras 3.
+
+Where the allreduce goes. On Keras 3 every path that updates weights goes
+through `Optimizer.apply(grads, trainable_variables)`:
+
+- `model.fit` (TF trainer `train_step`) calls `apply_gradients`, which calls
+  `apply`;
+- custom loops call `apply_gradients` or `apply`;
+- `LossScaleOptimizer.apply` checks finiteness and calls its inner
+  optimizer's `apply`.
+
+`apply` then filters empty gradients, unscales, and calls
+`_backend_apply_gradients`, which clips (`clipnorm`, `clipvalue`,
+`global_clipnorm`), applies weight decay and runs `update_step`. Horovod's
+Keras wrapper hooked `_compute_gradients`/`get_gradients`, which Keras 3
+never calls, so it trained without averaging. Reducing at the top of `apply`
+means that clipping, loss-scale finiteness checks and every update see the
+averaged gradient, identically on every rank.
+"""
+
+import tensorflow as tf
+
+from kerasdist import basics
+from kerasdist import _keras_util
+from kerasdist.compression import Compression
+
+__all__ = ["DistributedOptimizer"]
+
+_XLA_MESSAGE = (
+    "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
+    "function: its collectives have no XLA kernel. Compile the model with "
+    "`model.compile(..., jit_compile=False)` (Keras's default "
+    "jit_compile='auto' turns XLA on when a GPU is present), or drop "
+    "`jit_compile=True` from the tf.function around a custom train step.")
+
+
+class _Settings:
+    """The wrapper's arguments (a plain object, so Keras/TF do not track it)."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _Accumulators:
+    """Local gradient sums for backward_passes_per_step > 1.
+
+    Plain `tf.Variable`s held outside Keras tracking: they are not in
+    `optimizer.variables`, so a saved model's optimizer state has the same
+    layout as the unwrapped optimizer's and loads without kerasdist. The
+    price: a partial accumulation is not checkpointed.
+    """
+
+    def __init__(self, variables):
+        with tf.init_scope():
+            self.grads = [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                            name="kerasdist_accum")
+                for v in variables]
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="kerasdist_accum_count")
+
+
+def DistributedOptimizer(optimizer, name=None,
+                         compression=Compression.none, op=basics.Average,
+                         backward_passes_per_step=1,
+                         average_aggregated_gradients=False,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0,
+                         num_groups=0):
+    """Wraps a Keras optimizer so that gradients are averaged over all ranks.
+
+    The result is an instance of a subclass of `type(optimizer)` (so
+    `isinstance(opt, keras.optimizers.Adam)` holds), built from
+    `optimizer.get_config()`; its `get_config()` is the original optimizer's,
+    so `model.save()` writes a file that `keras.models.load_model` reads
+    without kerasdist (the loaded optimizer is the plain class: wrap it again
+    to continue distributed training). A built optimizer's state (iterations,
+    slots) is copied into the wrapper.
+
+    Gradients are reduced at the top of `apply`, which `model.fit`,
+    `apply_gradients` and `LossScaleOptimizer` all go through, before
+    clipping and the update, by the runtime's fused allreduce. Each gradient
+    is named after its variable's path, so every rank must build the same
+    model.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer` (SGD, Adam, AdamW,
+            RMSprop, `keras.mixed_precision.LossScaleOptimizer`, ...).
+        name: prefix of the collective names (default
+            "DistributedOptimizer"); give two optimizers of one model
+            different names.
+        compression: `kerasdist.Compression.none` (default) or
+            `kerasdist.Compression.fp16`.
+        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        backward_passes_per_step: communicate and update once every this
+            many `apply` calls; in between, gradients are summed locally
+            (sparse gradients densified) and weights do not change.
+            `iterations` counts updates.
+        average_aggregated_gradients: divide the local sum by
+            `backward_passes_per_step` before communicating.
+        sparse_as_dense: allreduce `tf.IndexedSlices` gradients (Embedding)
+            as dense tensors instead of allgathering them.
+        gradient_predivide_factor: with op=Average, scale by 1/f before the
+            sum and by f/size after it (both in the runtime).
+        num_groups: when > 0, reduce the dense gradients in this many grouped
+            allreduces inside a tf.function (the runtime fuses ungrouped
+            ones anyway).
+
+    Returns:
+        The distributed optimizer.
+
+    Raises:
+        ValueError: for an optimizer that is already distributed, or bad
+            arguments.
+        TypeError: if `optimizer` is not a Keras 3 optimizer.
+
+    Example:
+    >>> import keras, kerasdist
+    >>> kerasdist.init()
+    >>> opt = kerasdist.DistributedOptimizer(
+    ...     keras.optimizers.Adam(0.001 * kerasdist.size()))
+    >>> model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    """
+    import keras
+
+    if getattr(optimizer, "_kerasdist_settings", None) is not None:
+        raise ValueError(
+            "DistributedOptimizer got an optimizer that is already a "
+            "kerasdist.DistributedOptimizer; wrap the plain optimizer once.")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError("DistributedOptimizer expects a "
+                        "keras.optimizers.Optimizer (Keras 3); got "
+                        f"{type(optimizer).__name__}.")
+    _keras_util.check_args(op, compression, gradient_predivide_factor,
+                           "DistributedOptimizer")
+    if not isinstance(backward_passes_per_step, int) or \
+            backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be an int >= 1; got "
+                         f"{backward_passes_per_step!r}.")
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0; got "
+                         f"{num_groups!r}.")
+    settings = _Settings(
+        prefix=name or "DistributedOptimizer", compression=compression, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups)
+    cls = _distributed_class(type(optimizer), settings)
+    wrapped = cls.from_config(optimizer.get_config())
+    if optimizer.built:
+        _copy_state(optimizer, wrapped)
+    return wrapped
+
+
+def _distributed_class(base, settings):
+    """A subclass of `base` whose `apply` reduces gradients first."""
+
+    class _DistributedOptimizer(base):
+        _kerasdist_settings = settings
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._kerasdist_accum = None
+
+        def build(self, variables):
+            super().build(variables)
+            if settings.backward_passes_per_step > 1:
+                self._kerasdist_accum = _Accumulators(
+                    self._trainable_variables)
+
+        def apply(self, grads, trainable_variables=None):
+            if _keras_util.in_xla_context():
+                raise RuntimeError(_XLA_MESSAGE)
+            grads = list(grads)
+            if trainable_variables is not None:
+                trainable_variables = list(trainable_variables)
+                variables = trainable_variables
+            elif self.built:
+                variables = self._trainable_variables
+            else:  # let Keras raise its own error
+                return super().apply(grads, trainable_variables)
+            if not grads:
+                return super().apply(grads, trainable_variables)
+            if settings.backward_passes_per_step == 1:
+                reduced = self._kerasdist_reduce(grads, variables)
+                return super().apply(reduced, trainable_variables)
+
+            if not self.built:
+                with tf.name_scope(self.name):
+                    self.build(variables)
+                self.built = True
+            # super() needs the enclosing method's frame; bind it here.
+            parent_apply = super().apply
+            return self._kerasdist_accumulate(grads, variables,
+                                              trainable_variables,
+                                              parent_apply)
+
+        def _kerasdist_reduce(self, grads, variables):
+            return _keras_util.reduce_gradients(
+                grads, variables, settings.prefix,
+                compression=settings.compression, op=settings.op,
+                sparse_as_dense=settings.sparse_as_dense,
+                gradient_predivide_factor=settings.gradient_predivide_factor,
+                num_groups=settings.num_groups)
+
+        def _kerasdist_accumulate(self, grads, variables,
+                                  trainable_variables, parent_apply):
+            acc = self._kerasdist_accum
+            k = settings.backward_passes_per_step
+            slots = [acc.grads[self._get_variable_index(v)]
+                     for v in variables]
+            for g, slot in zip(grads, slots):
+                if g is not None:
+                    slot.assign_add(tf.cast(tf.convert_to_tensor(g),
+                                            slot.dtype))
+            count = acc.count.assign_add(1)
+
+            def communicate():
+                summed = [None if g is None else tf.identity(slot)
+                          for g, slot in zip(grads, slots)]
+                if settings.average_aggregated_gradients:
+                    summed = [None if s is None else s / k for s in summed]
+                reduced = self._kerasdist_reduce(summed, variables)
+                parent_apply(reduced, trainable_variables)
+                for slot in slots:
+                    slot.assign(tf.zeros_like(slot))
+                return tf.constant(True)
+
+            # Every rank counts the same calls, so all take the same branch
+            # and the collectives inside stay matched.
+            return tf.cond(tf.equal(count % k, 0), communicate,
+                           lambda: tf.constant(False))
+
+    # Serialize as the user's class: the saved file then names it and loads
+    # without kerasdist.
+    _DistributedOptimizer.__name__ = base.__name__
+    _DistributedOptimizer.__qualname__ = base.__qualname__
+    _DistributedOptimizer.__module__ = base.__module__
+    return _DistributedOptimizer
+
+
+def _copy_state(source, target):
+    # Build the wrapper on the same variables, then take over the slots,
+    # iterations (and a LossScaleOptimizer's scale and inner state).
+    target.build(source._trainable_variables)
+    target.built = True
+    if len(target.variables) != len(source.variables):
+        raise ValueError(
+            f"DistributedOptimizer: the wrapper has {len(target.variables)} "
+            f"optimizer variables but the built optimizer has "
+            f"{len(source.variables)}; wrap it before building it.")
+    for dst, src in zip(target.variables, source.variables):
+        dst.assign(src)

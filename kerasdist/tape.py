@@ -1,0 +1,107 @@
+"""DistributedGradientTape: a tf.GradientTape whose gradients are averaged
+over all ranks, for custom training loops."""
+
+import tensorflow as tf
+
+from kerasdist import basics
+from kerasdist import _keras_util
+from kerasdist.compression import Compression
+
+__all__ = ["DistributedGradientTape"]
+
+
+class DistributedGradientTape:
+    """Wraps a `tf.GradientTape`; `gradient()` returns averaged gradients.
+
+    Wrap a tape after recording, or wrap a fresh tape and record inside it:
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = kerasdist.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+
+        with kerasdist.DistributedGradientTape(tf.GradientTape()) as tape:
+            ...
+
+    Each gradient is reduced under a name derived from its source's path or
+    name, so every rank must pass the same sources. Eagerly the allreduces run
+    one after another; inside a `tf.function` the runtime fuses them.
+    Everything other than `gradient` (watch, stop_recording, jacobian, ...)
+    is the wrapped tape's and is not reduced.
+
+    Args:
+        tape: the `tf.GradientTape` to wrap.
+        compression: `kerasdist.Compression.none` (default) or `.fp16`.
+        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        sparse_as_dense: allreduce `tf.IndexedSlices` gradients as dense
+            tensors instead of allgathering them.
+        gradient_predivide_factor: scale by 1/f before the sum and f/size
+            after it (op=Average only).
+        name: prefix of the collective names (default
+            "DistributedGradientTape").
+
+    Raises:
+        TypeError: if `tape` is not a `tf.GradientTape`.
+        ValueError: for bad `op`, `compression` or predivide factor.
+
+    Example:
+    >>> with tf.GradientTape() as tape:
+    ...     loss = tf.reduce_mean(tf.square(model(x) - y))
+    >>> tape = kerasdist.DistributedGradientTape(tape)
+    >>> grads = tape.gradient(loss, model.trainable_variables)
+    >>> optimizer.apply(grads, model.trainable_variables)
+    """
+
+    def __init__(self, tape, compression=Compression.none, op=basics.Average,
+                 sparse_as_dense=False, gradient_predivide_factor=1.0,
+                 name=None):
+        if isinstance(tape, DistributedGradientTape):
+            raise ValueError("DistributedGradientTape got a tape that is "
+                             "already distributed; wrap the plain tape once.")
+        if not isinstance(tape, tf.GradientTape):
+            raise TypeError("DistributedGradientTape expects a "
+                            f"tf.GradientTape; got {type(tape).__name__}.")
+        _keras_util.check_args(op, compression, gradient_predivide_factor,
+                               "DistributedGradientTape")
+        self._tape = tape
+        self._compression = compression
+        self._op = op
+        self._sparse_as_dense = sparse_as_dense
+        self._predivide = gradient_predivide_factor
+        self._prefix = name or "DistributedGradientTape"
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, typ, value, traceback):
+        return self._tape.__exit__(typ, value, traceback)
+
+    def __getattr__(self, name):
+        # Only called for attributes this class lacks: delegate to the tape.
+        return getattr(self.__dict__["_tape"], name)
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """Like `tf.GradientTape.gradient`, with gradients reduced over ranks.
+
+        Returns:
+            Gradients in the structure of `sources`; `None` stays `None`
+            (every rank must agree on which are `None`).
+        """
+        grads = self._tape.gradient(
+            target, sources, output_gradients=output_gradients,
+            unconnected_gradients=unconnected_gradients)
+        if _keras_util.in_xla_context():
+            raise RuntimeError(
+                "DistributedGradientTape cannot reduce gradients inside an "
+                "XLA-compiled function (the collectives have no XLA kernel); "
+                "drop jit_compile=True from the enclosing tf.function.")
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        reduced = _keras_util.reduce_gradients(
+            flat_grads, flat_sources, self._prefix,
+            compression=self._compression, op=self._op,
+            sparse_as_dense=self._sparse_as_dense,
+            gradient_predivide_factor=self._predivide)
+        return tf.nest.pack_sequence_as(sources, reduced)
