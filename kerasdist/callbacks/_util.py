@@ -1,0 +1,72 @@
+"""Helpers shared by the callbacks (private)."""
+
+import numpy as np
+import tensorflow as tf
+
+from kerasdist import collectives
+
+
+def model_is_built(model):
+    """True when every layer of `model` has created its variables."""
+    layers = getattr(model, "_flatten_layers", None)
+    if layers is None:
+        return bool(model.built)
+    return bool(model.built) and all(layer.built for layer in layers())
+
+
+def build_optimizer(model):
+    """Creates the optimizer's slot variables now, so that they exist (and
+    can be broadcast or restored) before the first training step."""
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+
+
+def state_variables(model):
+    """The variables an exact resume needs, in a fixed order: the model's
+    weights (trainable and not, without metric state and seed generators),
+    then every optimizer variable (iterations and learning rate included)."""
+    variables = list(model.weights)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    return variables
+
+
+def variable_name(v):
+    return getattr(v, "path", None) or v.name
+
+
+def _fingerprint(v):
+    # FarmHash of the raw bytes: exact (no float tolerance) and the same on
+    # every rank that holds the same bits.
+    flat = tf.reshape(tf.convert_to_tensor(v), [1, -1])
+    if flat.dtype in (tf.bfloat16, tf.float16):
+        flat = tf.cast(flat, tf.float32)
+    if flat.dtype == tf.bool:
+        flat = tf.cast(flat, tf.uint8)
+    return tf.bitcast(tf.fingerprint(flat)[0], tf.int64)
+
+
+def verify_identical(variables, tag):
+    """Raises RuntimeError on every rank if any variable differs between
+    ranks; the message names the first one that does.
+
+    One allgather of a [1, len(variables)] fingerprint row per rank; a rank
+    with a different number of variables fails the allgather by shape.
+    """
+    variables = list(variables)
+    if not variables:
+        return
+    row = tf.reshape(tf.stack([_fingerprint(v) for v in variables]), [1, -1])
+    table = collectives.allgather(
+        row, name=f"kerasdist.verify.{tag}.{len(variables)}").numpy()
+    for i, v in enumerate(variables):
+        column = table[:, i]
+        differs = np.nonzero(column != column[0])[0]
+        if differs.size:
+            raise RuntimeError(
+                f"Variable '{variable_name(v)}' (shape "
+                f"{tuple(v.shape)}) differs between rank 0 and rank "
+                f"{int(differs[0])} ({tag}). Ranks must start from the same "
+                "weights (BroadcastGlobalVariablesCallback) and apply the "
+                "same averaged gradients (DistributedOptimizer).")
