@@ -113,6 +113,10 @@ def save_checkpoint(path, model, next_epoch):
         model.save_weights(tmp, overwrite=True)
         with h5py.File(tmp, "a") as f:
             f.attrs[_EPOCH_ATTR] = int(next_epoch)
+        # mkstemp creates 0600; give the file the mode open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
