@@ -51,8 +51,10 @@ def main():
     ])
     lr = args.lr * kd.size()  # (3) the global batch is size() times larger
     optimizer = kd.DistributedOptimizer(keras.optimizers.Adam(lr))
+    # jit_compile=False: the collectives have no XLA kernel (Keras's "auto"
+    # turns XLA on when a GPU is present).
     model.compile(optimizer, "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], jit_compile=False)
 
     callbacks = [  # (4) order matters: averaging before the readers
         kd.callbacks.BroadcastGlobalVariablesCallback(0),
