@@ -1,9 +1,12 @@
 """Checks of kerasdist.callbacks under `kerasdist run -np N` (N >= 2).
 
-    python -m kerasdist.run -np 2 python tests/workers/keras_callbacks_worker.py \
-        train DIR        # all checks; writes checkpoints and expectations
-    python -m kerasdist.run -np 2 python tests/workers/keras_callbacks_worker.py \
-        resume DIR       # a fresh job: load the epoch-2 checkpoint, compare
+    python -m kerasdist.run -np 2 python \
+        tests/workers/keras_callbacks_worker.py train DIR   # all checks
+    python -m kerasdist.run -np 2 python \
+        tests/workers/keras_callbacks_worker.py resume DIR  # fresh job
+
+`train` writes checkpoints and expected states under DIR; `resume` loads
+the epoch-2 checkpoint in a new job and compares.
 
 Prints `OK <check>` per passed check; any failure raises (non-zero exit).
 Truths are computed independently: allgathered raw values, closed-form
