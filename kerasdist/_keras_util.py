@@ -113,34 +113,17 @@ def reduce_gradients(grads, sources, prefix, compression=None,
         wire, ctx = compression.compress(tf.convert_to_tensor(grad))
         dense.append((i, name, wire, ctx))
 
-    if num_groups > 0 and not tf.executing_eagerly() and dense:
-        reduced = _grouped(dense, num_groups, dense_op, prescale, postscale)
-    else:
-        reduced = [
-            collectives.allreduce(wire, op=dense_op, name=name,
-                                  prescale_factor=prescale,
-                                  postscale_factor=postscale)
-            for _, name, wire, _ in dense]
+    # One allreduce per gradient: inside a tf.function the runtime fuses
+    # them (Tensor Fusion), so explicit groups (num_groups) are not needed.
+    del num_groups
+    reduced = [
+        collectives.allreduce(wire, op=dense_op, name=name,
+                              prescale_factor=prescale,
+                              postscale_factor=postscale)
+        for _, name, wire, _ in dense]
     for (i, _, _, ctx), r in zip(dense, reduced):
         out[i] = compression.decompress(r, ctx)
     return out
-
-
-def _grouped(dense, num_groups, op, prescale, postscale):
-    # Contiguous groups of about equal count; each is one grouped allreduce
-    # (negotiated and fused as a unit). Group names carry the first member's
-    # name, so they are identical on every rank.
-    n = len(dense)
-    num_groups = min(num_groups, n)
-    bounds = [n * g // num_groups for g in range(num_groups + 1)]
-    reduced = []
-    for g in range(num_groups):
-        members = dense[bounds[g]:bounds[g + 1]]
-        reduced.extend(collectives.grouped_allreduce(
-            [wire for _, _, wire, _ in members], op=op,
-            name=f"{members[0][1]}.group{g}of{num_groups}",
-            prescale_factor=prescale, postscale_factor=postscale))
-    return reduced
 
 
 def _none():

@@ -101,9 +101,10 @@ def DistributedOptimizer(optimizer, name=None,
             as dense tensors instead of allgathering them.
         gradient_predivide_factor: with op=Average, scale by 1/f before the
             sum and by f/size after it (both in the runtime).
-        num_groups: when > 0, reduce the dense gradients in this many grouped
-            allreduces inside a tf.function (the runtime fuses ungrouped
-            ones anyway).
+        num_groups: accepted for Horovod compatibility and validated, but
+            currently ignored: the runtime already fuses the per-gradient
+            allreduces of one step (grouped allreduces hang in the present
+            runtime, see the issue tracker).
 
     Returns:
         The distributed optimizer.
