@@ -43,4 +43,28 @@ def ops():
         raise ImportError(
             f"could not load {path} into TensorFlow {tf.__version__}: {e}. "
             f"{_rebuild_hint()}") from None
+    _let_collectives_run_concurrently()
     return _ops
+
+
+# The collectives (not the barrier) are stateful, so graph optimisations never
+# fold, merge or prune them. But tf.function chains every stateful op after the
+# previous one ("automatic control dependencies"): the collectives of a step
+# would then run one at a time, nothing could be fused, and a grouped allreduce
+# would wait for itself. Their order does not matter (the runtime negotiates it),
+# so they are declared order-insensitive-but-must-run, like TF's own infeeds.
+_CONCURRENT_OPS = frozenset((
+    "KerasdistAllreduce", "KerasdistAllgather", "KerasdistBroadcast",
+    "KerasdistAlltoall", "KerasdistReducescatter"))
+
+
+def _let_collectives_run_concurrently():
+    from tensorflow.python.framework import auto_control_deps as acd
+    current = getattr(acd, "MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS", None)
+    if current is None:
+        raise ImportError(
+            f"TensorFlow {tf.__version__} lacks auto_control_deps."
+            "MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS, which kerasdist needs to "
+            "run collectives concurrently inside tf.function; use TensorFlow "
+            "2.21.")
+    acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = frozenset(current | _CONCURRENT_OPS)

@@ -102,7 +102,19 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
     _require_init()
     _check_op(op, "grouped_allreduce")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    base = _auto_name("grouped_allreduce", name)
+    if not tf.executing_eagerly():
+        base = _auto_name("grouped_allreduce", name)
+        return _grouped(tensors, op, base, prescale_factor, postscale_factor)
+    # Eagerly each op would block until done, and the first member of a group
+    # waits for the others: run the group as one function. The name is reused
+    # across calls (eager calls are in program order on every rank), so the
+    # function is traced once per signature and the response cache hits.
+    base = "grouped_allreduce.eager" if name is None else str(name)
+    return _grouped_eager(tensors, op, base, float(prescale_factor),
+                          float(postscale_factor))
+
+
+def _grouped(tensors, op, base, prescale_factor, postscale_factor):
     return [
         _ops().kerasdist_allreduce(
             t, tensor_name=f"{base}.{i}", reduce_op=op,
@@ -110,6 +122,9 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
             group=base, group_size=len(tensors))
         for i, t in enumerate(tensors)
     ]
+
+
+_grouped_eager = tf.function(_grouped, reduce_retracing=True)
 
 
 def allgather(tensor, name=None):

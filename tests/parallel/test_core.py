@@ -1,0 +1,84 @@
+"""The core runtime on real ranks: every collective against numpy (through the
+C API, without TensorFlow), the TF ops, and failures that must not hang."""
+
+import os
+import time
+
+import pytest
+
+from tests.helpers import REPO_ROOT, launch, rank_lines
+
+pytestmark = pytest.mark.parallel
+
+WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _worker(name, *args):
+    import sys
+    return [sys.executable, os.path.join(WORKERS, name), *args]
+
+
+def _assert_all_ranks(out, np_, line):
+    assert out.returncode == 0, out.stdout[-4000:]
+    for r in range(np_):
+        assert any(l.startswith(line) for l in rank_lines(out.stdout, r)), (
+            f"rank {r} did not print {line!r}:\n{out.stdout[-4000:]}")
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_collectives_match_numpy(np_):
+    out = launch(np_, _worker("core_collectives_worker.py"), timeout=180,
+                 env=_env())
+    _assert_all_ranks(out, np_, "OK all")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tf_ops_eager_function_gradients_out_of_order(np_):
+    out = launch(np_, _worker("tf_ops_worker.py"), timeout=300, env=_env())
+    _assert_all_ranks(out, np_, "OK all")
+
+
+def test_init_errors_and_reinit():
+    out = launch(2, _worker("core_errors_worker.py", "init"), timeout=60,
+                 env=_env())
+    _assert_all_ranks(out, 2, "OK init")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_mismatch_fails_every_rank_with_names(np_):
+    out = launch(np_, _worker("core_errors_worker.py", "mismatch"), timeout=60,
+                 env=_env())
+    _assert_all_ranks(out, np_, "OK mismatch")
+    assert "Mismatched shape for allreduce 'shape.x'" in out.stdout
+
+
+def test_stall_warns_then_fails_every_rank():
+    out = launch(2, _worker("core_errors_worker.py", "stall"), timeout=60,
+                 env=_env(KERASDIST_STALL_CHECK_TIME_SECONDS=1,
+                          KERASDIST_STALL_SHUTDOWN_TIME_SECONDS=3))
+    _assert_all_ranks(out, 2, "OK stall")
+    warnings = [l for l in rank_lines(out.stdout, 0, "stderr")
+                if "kerasdist: stall:" in l]
+    assert warnings and "'lonely.tensor'" in warnings[0], out.stdout
+    assert "still missing on rank(s) 1" in warnings[0]
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("exit", "rank 1 shut down"),
+    ("kill", "rank 1"),
+])
+def test_rank_that_leaves_ends_the_job(how, needle):
+    start = time.monotonic()
+    out = launch(2, _worker("core_errors_worker.py", "exit"), timeout=60,
+                 env=_env(HOW=how))
+    assert time.monotonic() - start < 30, out.stdout
+    assert out.returncode != 0, out.stdout
+    assert needle in out.stdout, out.stdout[-3000:]

@@ -1,0 +1,60 @@
+"""Single-process facts about the native library and its configuration."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.helpers import REPO_ROOT
+
+from kerasdist import _capi
+
+
+def test_every_setting_is_documented():
+    names = _capi.text("config_variables").split()
+    assert "KERASDIST_FUSION_THRESHOLD" in names
+    with open(os.path.join(REPO_ROOT, "docs", "env_vars.md")) as f:
+        documented = set(re.findall(r"`(KERASDIST_[A-Z_]+)`", f.read()))
+    missing = sorted(set(names) - documented)
+    assert not missing, f"add rows to docs/env_vars.md for {missing}"
+
+
+def test_core_includes_no_framework():
+    core = os.path.join(REPO_ROOT, "ops", "core")
+    for root, _, files in os.walk(core):
+        for name in files:
+            with open(os.path.join(root, name)) as f:
+                text = f.read()
+            assert "tensorflow/" not in text, name
+            assert "Python.h" not in text, name
+
+
+def test_build_info_names_mpi():
+    info = dict(l.split("=", 1) for l in _capi.text("build_info").splitlines())
+    assert info["mpi"] == "1"
+    assert "MPICH" in info["mpi_library"] or info["mpi_library"]
+
+
+def test_version_mismatch_gives_a_clear_import_error(tmp_path):
+    # A copy of the package whose build record names another TensorFlow.
+    import shutil
+    pkg = tmp_path / "kerasdist"
+    shutil.copytree(os.path.join(REPO_ROOT, "kerasdist"), pkg)
+    (pkg / "_build_info.json").write_text('{"tensorflow": "2.0.0"}')
+    code = ("import kerasdist._native as n\n"
+            "try:\n    n.ops()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path),
+                                  TF_CPP_MIN_LOG_LEVEL="3"))
+    assert "built for TensorFlow 2.0.0" in out.stdout, out.stdout + out.stderr
+    assert "Rebuild kerasdist" in out.stdout
+
+
+def test_rank_before_init_says_call_init():
+    code = ("import kerasdist as kd\n"
+            "try:\n    kd.size()\nexcept RuntimeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert "call kerasdist.init()" in out.stdout, out.stdout + out.stderr

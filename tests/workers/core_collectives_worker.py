@@ -1,0 +1,210 @@
+"""Checks every collective of the core against numpy, for every dtype and for
+sizes 0, 1, odd and larger than the fusion threshold. Runs at any -np.
+
+Inputs are small integers (rank * stride + i patterns), so results are exact in
+every dtype, float16 and bfloat16 included.
+"""
+
+import random
+import sys
+import threading
+
+import numpy as np
+
+import kerasdist as kd
+from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
+                            broadcast, reducescatter, start_allreduce)
+
+THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
+kd.init(fusion_threshold=THRESHOLD)
+r, n = kd.rank(), kd.size()
+checks = 0
+
+FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
+REDUCIBLE = FLOATS + [np.int32, np.int64]
+ALL = REDUCIBLE + [np.uint8, np.bool_]
+SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]  # the last is > threshold for every dtype
+
+
+def values(size, rank, dtype, stride=3):
+    base = (np.arange(size) % 7 + rank * stride).astype(np.int64)
+    return base.astype(dtype)
+
+
+def ok(what):
+    global checks
+    checks += 1
+
+
+def expect(got, want, what):
+    got = np.asarray(got)
+    want = np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(
+            got.astype(np.float64), want.astype(np.float64)):
+        print(f"FAIL {what}: got {got.dtype}{got.shape} {got.ravel()[:8]}, "
+              f"want {want.dtype}{want.shape} {want.ravel()[:8]}", flush=True)
+        sys.exit(1)
+    ok(what)
+
+
+# -- allreduce: every op, dtype and size -----------------------------------
+for dt in REDUCIBLE:
+    dname = np.dtype(dt).name
+    for size in SIZES:
+        per_rank = [values(size, k, dt) for k in range(n)]
+        stack = np.stack([p.astype(np.float64) for p in per_rank])
+        x = per_rank[r]
+        expect(allreduce(x, f"sum.{dname}.{size}", op=kd.Sum),
+               stack.sum(0).astype(dt), f"sum {dname} {size}")
+        expect(allreduce(x, f"min.{dname}.{size}", op=kd.Min),
+               stack.min(0).astype(dt), f"min {dname} {size}")
+        expect(allreduce(x, f"max.{dname}.{size}", op=kd.Max),
+               stack.max(0).astype(dt), f"max {dname} {size}")
+        small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt) for k in range(n)]
+        expect(allreduce(small[r], f"prod.{dname}.{size}", op=kd.Product),
+               np.prod(np.stack([s.astype(np.float64) for s in small]), 0).astype(dt),
+               f"product {dname} {size}")
+        avg = allreduce(x, f"avg.{dname}.{size}", op=kd.Average)
+        if np.issubdtype(np.dtype(dt), np.integer):
+            want = np.trunc(stack.sum(0) / n).astype(dt)  # C division
+        else:
+            want = (stack.sum(0) * (1.0 / n)).astype(dt)
+            # float16/bfloat16 round 1/n: compare in float with a tolerance
+            if np.dtype(dt).itemsize == 2:
+                got = avg.astype(np.float64)
+                if not np.allclose(got, stack.sum(0) / n, rtol=1e-2, atol=1e-2):
+                    print(f"FAIL average {dname} {size}", flush=True)
+                    sys.exit(1)
+                ok("avg16")
+                continue
+        if np.dtype(dt) == np.float32 or np.dtype(dt) == np.float64:
+            if not np.allclose(avg, stack.sum(0) / n, rtol=1e-6):
+                print(f"FAIL average {dname} {size}: {avg[:5]}", flush=True)
+                sys.exit(1)
+            ok("avg")
+        else:
+            expect(avg, want, f"average {dname} {size}")
+# scalar and scale factors (exact in float64)
+expect(allreduce(np.float64(r + 1), "scalar", op=kd.Sum),
+       np.float64(n * (n + 1) / 2), "scalar sum")
+x = values(11, r, np.float64)
+stack = np.stack([values(11, k, np.float64) for k in range(n)])
+expect(allreduce(x, "scaled", op=kd.Sum, prescale=2.0, postscale=0.5),
+       stack.sum(0), "pre/post scale")
+expect(allreduce(x, "scaled.avg", op=kd.Average, prescale=4.0, postscale=0.25),
+       stack.sum(0) / n, "average with factors")
+print("OK allreduce", flush=True)
+
+# -- fused: many tensors in flight at once, enqueued in a random order -------
+rng = random.Random(1234 + r)  # a different order on every rank
+names = list(range(60))
+rng.shuffle(names)
+started = []
+for i in names:
+    size = [0, 1, 5, 300, 1100][i % 5]
+    dt = [np.float32, np.float64, np.int32][i % 3]
+    started.append((i, size, dt, start_allreduce(values(size, r, dt, stride=i + 1),
+                                                 f"fused.{i}", op=kd.Sum)))
+for i, size, dt, (h, _, out) in started:
+    h.wait(timeout=120)
+    want = np.stack([values(size, k, dt, stride=i + 1).astype(np.float64)
+                     for k in range(n)]).sum(0).astype(dt)
+    expect(out, want, f"fused {i}")
+# a group is reduced together
+group = [start_allreduce(values(9 + i, r, np.float32), f"grp.{i}", op=kd.Sum,
+                         group="grp", group_size=4) for i in range(4)]
+for i, (h, _, out) in enumerate(group):
+    h.wait(timeout=120)
+    expect(out, np.stack([values(9 + i, k, np.float32) for k in range(n)]).sum(0),
+           f"group {i}")
+# threads enqueueing concurrently
+results = {}
+
+
+def worker(t):
+    results[t] = allreduce(values(33, r, np.float64, stride=t + 2), f"thread.{t}",
+                           op=kd.Sum)
+
+
+threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+for t in range(8):
+    expect(results[t], np.stack([values(33, k, np.float64, stride=t + 2)
+                                 for k in range(n)]).sum(0), f"thread {t}")
+print("OK fusion", flush=True)
+
+# -- allgather: first dimension differs per rank -------------------------------
+for dt in ALL:
+    dname = np.dtype(dt).name
+    for rows in (0, 1, 3):
+        mine = values((rows + r) * 2, r, dt).reshape(rows + r, 2)
+        want = np.concatenate([values((rows + k) * 2, k, dt).reshape(rows + k, 2)
+                               for k in range(n)])
+        expect(allgather(mine, f"gather.{dname}.{rows}"), want,
+               f"allgather {dname} {rows}")
+big = values(THRESHOLD + 3, r, np.float32).reshape(-1, 1)
+expect(allgather(big, "gather.big"),
+       np.concatenate([values(THRESHOLD + 3, k, np.float32).reshape(-1, 1)
+                       for k in range(n)]), "allgather big")
+print("OK allgather", flush=True)
+
+# -- broadcast: every root, every dtype ---------------------------------------
+for dt in ALL:
+    dname = np.dtype(dt).name
+    for root in range(n):
+        for size in SIZES:
+            got = broadcast(values(size, r, dt), root, f"bcast.{dname}.{root}.{size}")
+            expect(got, values(size, root, dt), f"broadcast {dname} root {root}")
+expect(broadcast(np.int64(r), n - 1, "bcast.scalar"), np.int64(n - 1),
+       "broadcast scalar")
+print("OK broadcast", flush=True)
+
+# -- alltoall: even and explicit splits -----------------------------------------
+for dt in (np.float32, np.int64, np.float16, np.bool_):
+    dname = np.dtype(dt).name
+    mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
+    got, splits = alltoall(mine, f"a2a.even.{dname}", size=n)
+    want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[2 * r:2 * r + 2]
+                           for k in range(n)])
+    expect(got, want, f"alltoall even {dname}")
+    assert splits == [2] * n, splits
+
+
+def splits_of(k):  # rank k sends (k + d) % 3 rows to rank d
+    return [(k + d) % 3 for d in range(n)]
+
+
+def rows_of(k):
+    return values(sum(splits_of(k)) * 2, k, np.float64).reshape(-1, 2)
+
+
+got, recv = alltoall(rows_of(r), "a2a.splits", splits=splits_of(r), size=n)
+parts = []
+for k in range(n):
+    off = sum(splits_of(k)[:r])
+    parts.append(rows_of(k)[off:off + splits_of(k)[r]])
+expect(got, np.concatenate(parts), "alltoall splits")
+assert recv == [splits_of(k)[r] for k in range(n)], recv
+print("OK alltoall", flush=True)
+
+# -- reducescatter: rows not divisible by size ---------------------------------
+for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
+    dname = np.dtype(dt).name
+    for rows in (n, 2 * n + 1, 1):
+        per = [values(rows * 3, k, dt).reshape(rows, 3) for k in range(n)]
+        total = np.stack([p.astype(np.float64) for p in per]).sum(0)
+        counts = [rows // n + (k < rows % n) for k in range(n)]
+        start = sum(counts[:r])
+        got = reducescatter(per[r], f"rs.{dname}.{rows}", op=kd.Sum)
+        expect(got, total[start:start + counts[r]].astype(dt),
+               f"reducescatter {dname} {rows}")
+print("OK reducescatter", flush=True)
+
+for i in range(3):
+    barrier(f"barrier.{i}")
+print("OK barrier", flush=True)
+print(f"OK all {checks} checks on rank {r} of {n}", flush=True)
+kd.shutdown()

@@ -1,0 +1,116 @@
+"""Bad input and failures through the core's C API: each mode is one scenario.
+
+    python core_errors_worker.py MODE
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import kerasdist as kd
+from kerasdist._capi import KerasdistError
+from np_collectives import allreduce, broadcast, start_allreduce
+
+mode = sys.argv[1]
+
+
+def expect_error(fn, *needles):
+    try:
+        fn()
+    except KerasdistError as e:
+        text = str(e)
+        missing = [s for s in needles if s not in text]
+        if missing:
+            print(f"FAIL error lacks {missing}: {text}", flush=True)
+            sys.exit(1)
+        return text
+    print(f"FAIL no error (wanted {needles})", flush=True)
+    sys.exit(1)
+
+
+if mode == "init":
+    try:
+        kd.rank()
+        sys.exit("FAIL rank() before init did not raise")
+    except RuntimeError as e:
+        assert "kerasdist.init()" in str(e), e
+    try:
+        kd.init(fusion_treshold=1)
+        sys.exit("FAIL unknown setting accepted")
+    except ValueError as e:
+        assert "fusion_treshold" in str(e), e
+    try:
+        kd.init(fusion_threshold="64MB")
+        sys.exit("FAIL malformed threshold accepted")
+    except ValueError as e:
+        assert "KERASDIST_FUSION_THRESHOLD" in str(e) and "64MB" in str(e), e
+    kd.init()
+    r, n = kd.rank(), kd.size()
+    assert allreduce(np.ones(3), "a", op=kd.Sum).tolist() == [n] * 3
+    kd.shutdown()
+    assert not kd.is_initialized()
+    kd.init(cycle_time_ms=0.2)  # a second life, with other settings
+    assert kd.current_settings()["KERASDIST_CYCLE_TIME"] == "0.2"
+    assert allreduce(np.ones(3), "a", op=kd.Sum).tolist() == [n] * 3
+    kd.shutdown()
+    print("OK init", flush=True)
+
+elif mode == "mismatch":
+    kd.init()
+    r, n = kd.rank(), kd.size()
+    t = expect_error(lambda: allreduce(np.zeros(2 + (r == n - 1)), "shape.x"),
+                     "Mismatched shape", "'shape.x'", f"rank {n - 1}",
+                     "[2]", "[3]")
+    print(f"OK shape: {t}", flush=True)
+    dt = np.float32 if r == 0 else np.float64
+    expect_error(lambda: allreduce(np.zeros(2, dt), "dtype.x"),
+                 "Mismatched dtype", "'dtype.x'", "rank 0 sent float32",
+                 "float64")
+    expect_error(lambda: allreduce(np.zeros(2), "op.x",
+                                   op=kd.Sum if r == 0 else kd.Max),
+                 "Mismatched reduction op", "Sum", "Max")
+    expect_error(lambda: broadcast(np.zeros(2), r % 2 if n > 1 else 0, "root.x"),
+                 "Mismatched root rank", "'root.x'")
+    # the runtime survives a mismatch: the next collective works
+    assert allreduce(np.ones(2), "after", op=kd.Sum).tolist() == [n, n]
+    # the same name twice at once on one rank
+    h1 = start_allreduce(np.ones(4), "dup", op=kd.Sum)
+    try:
+        start_allreduce(np.ones(4), "dup", op=kd.Sum)
+        sys.exit("FAIL duplicate name accepted")
+    except KerasdistError as e:
+        assert "already in flight" in str(e), e
+    h1[0].wait(60)
+    expect_error(lambda: broadcast(np.zeros(2), n + 3, "badroot"),
+                 "root_rank must be in")
+    print("OK mismatch", flush=True)
+    kd.shutdown()
+
+elif mode == "stall":
+    # rank 0 submits a tensor the last rank never submits.
+    kd.init()
+    r, n = kd.rank(), kd.size()
+    if r == 0:
+        expect_error(lambda: allreduce(np.ones(2), "lonely.tensor"),
+                     "stalled", "lonely.tensor", f"missing on rank(s) {n - 1}")
+    else:
+        time.sleep(6)
+        # the job was failed on every rank: this rank's next collective says why
+        expect_error(lambda: allreduce(np.ones(2), "late"), "stalled")
+    print("OK stall", flush=True)
+
+elif mode == "exit":
+    # the last rank leaves in the middle of training; the others must not hang
+    kd.init()
+    r, n = kd.rank(), kd.size()
+    for step in range(1000000):
+        if r == n - 1 and step == 20:
+            how = os.environ.get("HOW", "exit")
+            if how == "kill":
+                os.kill(os.getpid(), 9)
+            sys.exit(0)  # a clean exit: atexit shuts kerasdist down
+        allreduce(np.ones(1000), f"grad.{step % 5}", op=kd.Sum)
+else:
+    sys.exit(f"unknown mode {mode}")
