@@ -13,6 +13,7 @@ import sys
 _COMMANDS = {
     "run": ("kerasdist.run.launch:main",
             "run a command on N ranks under mpiexec"),
+    "timeline": ("kerasdist.timeline_tools:main", "summarize or plot a timeline file"),
 }
 
 
