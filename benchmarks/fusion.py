@@ -1,0 +1,174 @@
+"""W2 (BENCHMARKS.md): many small allreduces per step, fused by kerasdist.
+
+    python -m kerasdist.run -np 2 python benchmarks/fusion.py [--plot f.png]
+
+Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
+
+- kerasdist, tf.function: one tf.function holding COUNT allreduces (the
+  runtime negotiates them together and fuses them into one buffer);
+- kerasdist core (ctypes): COUNT requests enqueued through the C API on
+  numpy buffers, then waited for: the runtime without TensorFlow;
+- raw MPI, separate: COUNT mpi4py Iallreduce + one Waitall;
+- raw MPI, one buffer: a single allreduce of COUNT * SIZE bytes (the floor);
+- raw MPI, copy+one+copy: copy the COUNT tensors into one buffer, one
+  allreduce, copy back out (what fusion does, by hand).
+
+Cases: 128 x 16 KiB and 512 x 1 KiB. Median step time over rounds in which
+the systems alternate; ratios are against "raw MPI, one buffer".
+"""
+
+import argparse
+
+import _common
+import numpy as np
+
+CASES = ((128, 16 * _common.KIB), (512, _common.KIB))
+
+
+def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
+    """Builds name -> (step callable, check callable returning #wrong)."""
+    from mpi4py import MPI
+
+    from kerasdist import _capi
+
+    rank, n = comm.Get_rank(), comm.Get_size()
+    elems = nbytes // 4
+    xs = [np.full(elems, rank + 1 + i, np.float32) for i in range(count)]
+    want = [np.float32(sum(r + 1 + i for r in range(n)))
+            for i in range(count)]
+    outs = [np.empty_like(x) for x in xs]
+    big_in = np.concatenate(xs)
+    big_out = np.empty_like(big_in)
+    fused_in = np.empty_like(big_in)
+    fused_out = np.empty_like(big_in)
+    txs = [tf.constant(x) for x in xs]
+    last = {}
+
+    @tf.function(autograph=False)
+    def tf_step(tensors):
+        return [kd.allreduce(t, op=kd.Sum, name=f"{tag}.{count}.{i}")
+                for i, t in enumerate(tensors)]
+
+    def kd_tf():
+        last["tf"] = tf_step(txs)
+
+    def kd_core():
+        hs = [_capi.Handle(_capi.OP_ALLREDUCE, f"{tag}.core.{count}.{i}",
+                           _capi.DTYPES[np.dtype(np.float32)], x.shape,
+                           x.ctypes.data, o.ctypes.data, reduce_op=kd.Sum)
+              for i, (x, o) in enumerate(zip(xs, outs))]
+        for h in hs:
+            h.wait(timeout=120)
+
+    def raw_separate():
+        reqs = [comm.Iallreduce(x, o, op=MPI.SUM) for x, o in zip(xs, outs)]
+        MPI.Request.Waitall(reqs)
+
+    def raw_one():
+        comm.Allreduce(big_in, big_out, op=MPI.SUM)
+
+    def raw_copy():
+        np.concatenate(xs, out=fused_in)
+        comm.Allreduce(fused_in, fused_out, op=MPI.SUM)
+        for i, o in enumerate(outs):
+            np.copyto(o, fused_out[i * elems:(i + 1) * elems])
+
+    def wrong_list(arrays):
+        return int(sum(np.count_nonzero(a != w) for a, w in zip(arrays, want)))
+
+    def check_outs():
+        return wrong_list(outs)
+
+    def check_tf():
+        return wrong_list([t.numpy() for t in last["tf"]])
+
+    def check_big(buf):
+        return lambda: wrong_list(np.split(buf, count))
+
+    return {
+        "kerasdist tf.function": (kd_tf, check_tf),
+        "kerasdist core (ctypes)": (kd_core, check_outs),
+        "raw MPI separate": (raw_separate, check_outs),
+        "raw MPI copy+one+copy": (raw_copy, check_outs),
+        "raw MPI one buffer": (raw_one, check_big(big_out)),
+    }
+
+
+def run_case(comm, kd, tf, count, nbytes, rounds, calls):
+    """Times one case; returns name -> (median seconds, #wrong)."""
+    systems = make_systems(comm, kd, tf, count, nbytes)
+    results = {}
+    for name, (step, check) in systems.items():
+        step()
+        comm.Barrier()
+        results[name] = check()  # every system is checked before timing
+    samples = _common.agree(comm, _common.alternate(
+        {k: v[0] for k, v in systems.items()}, rounds, calls, comm))
+    return {name: (_common.median(samples[name]), results[name])
+            for name in systems}
+
+
+def print_case(count, nbytes, n, res):
+    base = res["raw MPI one buffer"][0]
+    total = count * nbytes
+    print(f"# {count} x {_common.fmt_size(nbytes)} float32 per step "
+          f"({_common.fmt_size(total)}), np={n}; ratio = time / raw MPI one "
+          "buffer", flush=True)
+    print(_common.TABLE_HEAD)
+    for name, (sec, wrong) in res.items():
+        print(_common.table_row(total, total // 4, "float", name, sec,
+                                _common.busbw_factor("allreduce", n), wrong,
+                                sec / base), flush=True)
+
+
+def main():
+    _common.quiet_tf()
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20,
+                   help="timed steps per system per round")
+    p.add_argument("--plot", help="write a bar chart of step times here")
+    args = p.parse_args()
+    from mpi4py import MPI  # initialises MPI (THREAD_MULTIPLE) first
+
+    tf = _common.tf_single_thread()
+    import kerasdist as kd
+    kd.init()
+    comm = MPI.COMM_WORLD
+    all_res = {}
+    for count, nbytes in CASES:
+        res = run_case(comm, kd, tf, count, nbytes, args.rounds, args.calls)
+        all_res[(count, nbytes)] = res
+        if comm.Get_rank() == 0:
+            print_case(count, nbytes, comm.Get_size(), res)
+            print()
+    if comm.Get_rank() == 0 and args.plot:
+        plot_bars(args.plot, all_res)
+
+
+def plot_bars(path, all_res):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(all_res)
+    names = list(next(iter(all_res.values())))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ys = [all_res[c][name][0] * 1e3 for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], ys, width,
+               label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"{c} x {_common.fmt_size(b)}" for c, b in cases])
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_title("Many small allreduces per step (np=2)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"# wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
