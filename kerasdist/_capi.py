@@ -102,6 +102,18 @@ def lib():
         l.kerasdist_handle_output.restype = ctypes.c_void_p
         l.kerasdist_handle_recv_splits.argtypes = [i64, ctypes.POINTER(i64)]
         l.kerasdist_handle_recv_splits.restype = i
+        pi64, pd, pi = (ctypes.POINTER(i64), ctypes.POINTER(d),
+                        ctypes.POINTER(i))
+        l.kerasdist_start_timeline.argtypes = [s, i]
+        l.kerasdist_start_timeline.restype = i
+        l.kerasdist_stop_timeline.argtypes = []
+        l.kerasdist_stop_timeline.restype = i
+        l.kerasdist_stats.argtypes = [pi64, pi64, pd]
+        l.kerasdist_stats.restype = i
+        l.kerasdist_set_tunables.argtypes = [i64, d, i]
+        l.kerasdist_set_tunables.restype = i
+        l.kerasdist_get_tunables.argtypes = [pi64, pd, pi]
+        l.kerasdist_get_tunables.restype = i
         l.kerasdist_release.argtypes = [i64]
         l.kerasdist_release.restype = None
         _lib = l

@@ -153,6 +153,52 @@ const char* kerasdist_current_config(void) {
   return t_text.c_str();
 }
 
+#define KD_REQUIRE_RUNTIME(rt)                                          \
+  auto rt = CurrentRuntime();                                           \
+  if (!rt) return Fail("kerasdist is not initialized; call kerasdist.init() first.");
+
+int kerasdist_start_timeline(const char* path, int mark_cycles) {
+  KD_REQUIRE_RUNTIME(rt)
+  if (path == nullptr || *path == '\0') return Fail("start_timeline needs a file path.");
+  Status s = rt->StartTimeline(path, mark_cycles != 0);
+  return s.ok() ? 0 : Fail(s.message());
+}
+
+int kerasdist_stop_timeline(void) {
+  KD_REQUIRE_RUNTIME(rt)
+  rt->StopTimeline();
+  return 0;
+}
+
+int kerasdist_stats(int64_t* allreduced_bytes, int64_t* collectives,
+                    double* busy_seconds) {
+  KD_REQUIRE_RUNTIME(rt)
+  Runtime::Stats s = rt->stats();
+  *allreduced_bytes = s.allreduced_bytes;
+  *collectives = s.batches;
+  *busy_seconds = s.busy_seconds;
+  return 0;
+}
+
+int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
+                           int cache_enabled) {
+  KD_REQUIRE_RUNTIME(rt)
+  if (fusion_threshold_bytes < 0 || !(cycle_time_ms >= 0)) {
+    return Fail("tunables must be >= 0 (fusion threshold in bytes, cycle time in ms).");
+  }
+  rt->SetTunables(fusion_threshold_bytes, cycle_time_ms, cache_enabled != 0);
+  return 0;
+}
+
+int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_ms,
+                           int* cache_enabled) {
+  KD_REQUIRE_RUNTIME(rt)
+  bool cache = true;
+  rt->GetTunables(fusion_threshold_bytes, cycle_time_ms, &cache);
+  *cache_enabled = cache ? 1 : 0;
+  return 0;
+}
+
 int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
                           void* output) {
   auto rt = CurrentRuntime();

@@ -49,6 +49,19 @@ const char* kerasdist_config_variables(void);
 /* The effective settings of the running runtime as "KEY=value" lines. */
 const char* kerasdist_current_config(void);
 
+/* Timeline (rank 0 writes; elsewhere these succeed and do nothing). */
+int kerasdist_start_timeline(const char* path, int mark_cycles);
+int kerasdist_stop_timeline(void);
+/* Cumulative counters since init. */
+int kerasdist_stats(int64_t* allreduced_bytes, int64_t* collectives,
+                    double* busy_seconds);
+/* Fusion threshold, batching window and response cache, as used by the
+ * coordinator (rank 0) from its next decision on. */
+int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
+                           int cache_enabled);
+int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_ms,
+                           int* cache_enabled);
+
 /* Handle API (host memory): enqueue, then wait. `output` may be NULL for
  * allgather, alltoall and reducescatter (the handle then owns the result).
  * Returns a handle > 0, or 0 with kerasdist_last_error(). */

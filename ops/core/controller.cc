@@ -46,14 +46,31 @@ void Coordinator::MarkReported(int rank, Request q) {
     p.per_rank.resize(size_);
     p.have.assign(size_, false);
     p.first_seen = Clock::now();
+    if (record_) p.seen.resize(size_);
     it = table_.emplace(q.name, std::move(p)).first;
   }
   Pending& p = it->second;
   if (p.have[rank]) return;
   p.have[rank] = true;
   p.per_rank[rank] = std::move(q);
+  if (record_ && !p.seen.empty()) p.seen[rank] = Clock::now();
   if (++p.count < size_) return;
   std::string name = it->first;
+  if (record_ && !p.seen.empty()) {
+    ReadyInfo info;
+    info.name = name;
+    for (int r = 0; r < size_; ++r) {
+      if (p.seen[r] < p.seen[info.first_rank]) info.first_rank = r;
+      if (p.seen[r] > p.seen[info.last_rank]) info.last_rank = r;
+    }
+    info.first = p.seen[info.first_rank];
+    info.last = p.seen[info.last_rank];
+    for (int r = 0; r < size_; ++r) {
+      info.wait_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(
+                                 p.seen[r] - info.first).count());
+    }
+    ready_info_.push_back(std::move(info));
+  }
   const Request& head = p.per_rank[0];
   if (head.group.empty() || head.group_size <= 1) {
     ready_.push_back(name);
@@ -88,7 +105,7 @@ CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
       per_rank = std::move(it->second.per_rank);
       table_.erase(it);
     }
-    int ci = cache.IndexOf(name);
+    int ci = cache_enabled_ ? cache.IndexOf(name) : -1;
     for (int r = 0; ci >= 0 && r < size_; ++r) {
       if (RequestForRank(cache.Get(ci), r, size_) != per_rank[r]) ci = -1;
     }

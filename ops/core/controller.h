@@ -37,6 +37,14 @@ class ResponseCache {
   std::unordered_map<std::string, int> index_;
 };
 
+// When each rank reported a tensor that just became ready (for the timeline).
+struct ReadyInfo {
+  std::string name;
+  Clock::time_point first, last;
+  int first_rank = 0, last_rank = 0;
+  std::vector<int64_t> wait_us;  // per rank: from the first report to its own
+};
+
 struct StallReport {
   std::vector<std::string> warnings;  // one line per newly stalled tensor
   std::string shutdown_reason;        // non-empty: fail the job
@@ -57,6 +65,9 @@ class Coordinator {
     if (shutdown_rank_ < 0) shutdown_rank_ = rank;
   }
   void set_fusion_threshold(int64_t bytes) { config_.fusion_threshold_bytes = bytes; }
+  void set_cache_enabled(bool on) { cache_enabled_ = on; }
+  void set_record(bool on) { record_ = on; }
+  std::vector<ReadyInfo> TakeReadyInfo() { return std::move(ready_info_); }
 
  private:
   void MarkReported(int rank, Request q);
@@ -64,6 +75,7 @@ class Coordinator {
   struct Pending {
     std::vector<Request> per_rank;
     std::vector<bool> have;
+    std::vector<Clock::time_point> seen;
     int count = 0;
     Clock::time_point first_seen;
     bool warned = false;
@@ -75,6 +87,9 @@ class Coordinator {
   std::unordered_map<std::string, std::vector<std::string>> group_ready_;
   std::unordered_map<std::string, std::vector<Request>> held_;  // ready, waiting for group
   int shutdown_rank_ = -1;
+  bool cache_enabled_ = true;
+  bool record_ = false;
+  std::vector<ReadyInfo> ready_info_;
 };
 
 }  // namespace kerasdist::core

@@ -2,6 +2,7 @@
 
 #include <sys/prctl.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,6 +34,13 @@ Status Runtime::Start(const Config& config, int parent_comm_f,
   if (rt->topology().rank == 0) {
     rt->coordinator_ = std::make_unique<Coordinator>(rt->topology().size, config);
   }
+  rt->tune_threshold_ = config.fusion_threshold_bytes;
+  rt->tune_cycle_ms_ = config.cycle_time_ms;
+  rt->tune_cache_ = config.cache_capacity > 0;
+  if (!config.timeline_path.empty()) {
+    KD_RETURN_IF_ERROR(rt->StartTimeline(config.timeline_path,
+                                         config.timeline_mark_cycles));
+  }
   rt->last_stall_check_ = Clock::now();
   rt->last_work_ = Clock::now();
   rt->thread_ = std::thread(&Runtime::Loop, rt.get());
@@ -40,7 +48,62 @@ Status Runtime::Start(const Config& config, int parent_comm_f,
   return Status::OK();
 }
 
-Runtime::~Runtime() { Shutdown(); }
+Runtime::~Runtime() {
+  Shutdown();
+  StopTimeline();
+}
+
+Status Runtime::StartTimeline(const std::string& path, bool mark_cycles) {
+  if (topology().rank != 0) return Status::OK();
+  std::shared_ptr<Timeline> t;
+  KD_RETURN_IF_ERROR(Timeline::Open(path, mark_cycles, &t));
+  std::lock_guard<std::mutex> l(timeline_mu_);
+  timeline_ = std::move(t);
+  return Status::OK();
+}
+
+void Runtime::StopTimeline() {
+  std::shared_ptr<Timeline> old;
+  {
+    std::lock_guard<std::mutex> l(timeline_mu_);
+    old.swap(timeline_);
+  }
+  // The loop may still hold a copy for its current round; the file is closed
+  // when the last copy goes.
+}
+
+std::shared_ptr<Timeline> Runtime::CurrentTimeline() {
+  std::lock_guard<std::mutex> l(timeline_mu_);
+  return timeline_;
+}
+
+Runtime::Stats Runtime::stats() const {
+  Stats s;
+  s.allreduced_bytes = stat_bytes_.load();
+  s.batches = stat_batches_.load();
+  s.busy_seconds = stat_busy_ns_.load() * 1e-9;
+  return s;
+}
+
+void Runtime::SetTunables(int64_t fusion_threshold, double cycle_time_ms, bool cache) {
+  tune_threshold_ = fusion_threshold;
+  tune_cycle_ms_ = cycle_time_ms;
+  tune_cache_ = cache;
+}
+
+void Runtime::GetTunables(int64_t* fusion_threshold, double* cycle_time_ms,
+                          bool* cache) const {
+  *fusion_threshold = tune_threshold_.load();
+  *cycle_time_ms = tune_cycle_ms_.load();
+  *cache = tune_cache_.load();
+}
+
+void Runtime::RecordBatch(const std::vector<const Response*>& resps,
+                          const char* phase, Clock::time_point start,
+                          Clock::time_point end, const std::string& args) {
+  if (!loop_timeline_) return;
+  for (const Response* r : resps) loop_timeline_->Phase(r->req.name, phase, start, end, args);
+}
 
 Status Runtime::stopped_status() {
   std::lock_guard<std::mutex> l(mu_);
@@ -174,6 +237,11 @@ void Runtime::IdleWait(int idle_rounds, bool have_pending) {
 
 bool Runtime::RunLoopOnce() {
   const Topology& topo = topology();
+  if (topo.rank == 0) {
+    loop_timeline_ = CurrentTimeline();
+    coordinator_->set_record(loop_timeline_ != nullptr);
+    if (!loop_timeline_) ready_at_.clear();
+  }
   std::vector<Entry> fresh;
   bool want_shutdown;
   {
@@ -233,17 +301,32 @@ bool Runtime::RunLoopOnce() {
       // The batching window: give more tensors of the same step a moment to
       // become ready so that they share one fusion buffer.
       bool hold = false;
-      if (config_.cycle_time_ms > 0 && !sent_shutdown_) {
+      const double cycle_ms = tune_cycle_ms_.load();
+      if (cycle_ms > 0 && !sent_shutdown_) {
         if (!ready_waiting_) {
           ready_waiting_ = true;
           first_ready_ = now;
         }
         hold = now - first_ready_ <
-               std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+               std::chrono::duration<double, std::milli>(cycle_ms);
       }
       if (hold) return true;
       ready_waiting_ = false;
+      coordinator_->set_fusion_threshold(tune_threshold_.load());
+      coordinator_->set_cache_enabled(tune_cache_.load());
       CoordinatorMessage out = coordinator_->Decide(*cache_);
+      if (loop_timeline_) {
+        if (loop_timeline_->mark_cycles()) loop_timeline_->Cycle(now);
+        for (ReadyInfo& info : coordinator_->TakeReadyInfo()) {
+          std::string wait;
+          for (int64_t w : info.wait_us) wait += (wait.empty() ? "" : ",") + std::to_string(w);
+          loop_timeline_->Phase(info.name, "NEGOTIATE", info.first, info.last,
+                                "\"first_rank\":" + std::to_string(info.first_rank) +
+                                    ",\"last_rank\":" + std::to_string(info.last_rank) +
+                                    ",\"wait_us\":[" + wait + "]");
+          ready_at_[info.name] = info.last;
+        }
+      }
       std::string bytes = Serialize(out);
       for (int r = 1; r < topo.size && s.ok(); ++r) s = mpi_->SendControl(r, bytes);
       if (s.ok()) s = Execute(out);
@@ -311,6 +394,15 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
     entries.push_back(std::move(it->second));
     pending_.erase(it);
   }
+  const Clock::time_point start = Clock::now();
+  if (loop_timeline_) {
+    for (const Response* r : resps) {
+      auto it = ready_at_.find(r->req.name);
+      if (it == ready_at_.end()) continue;
+      loop_timeline_->Phase(r->req.name, "QUEUE", it->second, start);
+      ready_at_.erase(it);
+    }
+  }
   const Response& head = *resps[0];
   if (!head.error.empty()) {
     for (Entry& e : entries) Complete(e, Result{Status::Mismatch(head.error), {}});
@@ -320,12 +412,29 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
     std::vector<Entry*> ptrs;
     for (Entry& e : entries) ptrs.push_back(&e);
     Status s = RunAllreduce(resps, ptrs);
+    int64_t bytes = 0;
+    for (Entry& e : entries) bytes += NumElements(e.req.shape) * DataTypeSize(e.req.dtype);
+    stat_bytes_ += bytes;
+    stat_batches_ += 1;
+    stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         Clock::now() - start).count();
     for (Entry& e : entries) Complete(e, Result{s, {}});
     return s.code() == StatusCode::kInternal ? s : Status::OK();
   }
   Result result;
   result.status = RunOther(head, entries[0], &result);
   Status s = result.status;
+  Clock::time_point end = Clock::now();
+  stat_batches_ += 1;
+  stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
+  if (loop_timeline_) {
+    std::string phase = OpTypeName(head.req.op);
+    for (char& c : phase) c = static_cast<char>(std::toupper(c));
+    loop_timeline_->Phase(head.req.name, phase.c_str(), start, end,
+                          "\"bytes\":" + std::to_string(NumElements(head.req.shape) *
+                                                        DataTypeSize(head.req.dtype)) +
+                              ",\"dtype\":\"" + DataTypeName(head.req.dtype) + "\"");
+  }
   Complete(entries[0], result);
   return s.code() == StatusCode::kInternal ? s : Status::OK();
 }
@@ -346,12 +455,18 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     }
   }
   const int64_t esize = DataTypeSize(q.dtype);
+  const Clock::time_point t0 = Clock::now();
   if (entries.size() == 1) {
     Entry& e = *entries[0];
     int64_t n = NumElements(e.req.shape);
     ScaleCopy(e.output, e.input, n, q.dtype, q.prescale);
     KD_RETURN_IF_ERROR(host_->Allreduce(e.output, n, q.dtype, op));
     ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
+    if (loop_timeline_) {
+      RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
+                  "\"bytes\":" + std::to_string(n * esize) +
+                      ",\"fused\":1,\"dtype\":\"" + DataTypeName(q.dtype) + "\"");
+    }
     return Status::OK();
   }
   int64_t total = 0;
@@ -366,12 +481,23 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     ScaleCopy(buf + off * esize, e->input, n, q.dtype, q.prescale);
     off += n;
   }
+  const Clock::time_point t1 = Clock::now();
   KD_RETURN_IF_ERROR(host_->Allreduce(buf, total, q.dtype, op));
+  const Clock::time_point t2 = Clock::now();
   off = 0;
   for (Entry* e : entries) {
     int64_t n = NumElements(e->req.shape);
     ScaleCopy(e->output, buf + off * esize, n, q.dtype, post, divisor);
     off += n;
+  }
+  if (loop_timeline_) {
+    const Clock::time_point t3 = Clock::now();
+    RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", t0, t1, "");
+    RecordBatch(resps, "ALLREDUCE", t1, t2,
+                "\"bytes\":" + std::to_string(total * esize) + ",\"fused\":" +
+                    std::to_string(entries.size()) + ",\"dtype\":\"" +
+                    DataTypeName(q.dtype) + "\"");
+    RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", t2, t3, "");
   }
   return Status::OK();
 }

@@ -20,6 +20,7 @@
 #include "config.h"
 #include "controller.h"
 #include "message.h"
+#include "timeline.h"
 
 namespace kerasdist::core {
 
@@ -54,6 +55,21 @@ class Runtime {
 
   const Topology& topology() const { return mpi_->topology(); }
   const Config& config() const { return config_; }
+
+  // Timeline on rank 0 (a no-op elsewhere); start replaces a running one.
+  Status StartTimeline(const std::string& path, bool mark_cycles);
+  void StopTimeline();
+
+  struct Stats {
+    int64_t allreduced_bytes = 0;  // tensor bytes allreduced
+    int64_t batches = 0;           // collectives run (a fused batch counts once)
+    double busy_seconds = 0;       // inside collectives and fusion copies
+  };
+  Stats stats() const;
+  // Applied by the coordinator (rank 0) from its next decision on; every rank
+  // executes the coordinator's plan, so setting them on rank 0 is enough.
+  void SetTunables(int64_t fusion_threshold, double cycle_time_ms, bool cache);
+  void GetTunables(int64_t* fusion_threshold, double* cycle_time_ms, bool* cache) const;
   // Why the runtime stopped, or OK while it runs.
   Status stopped_status();
 
@@ -96,6 +112,22 @@ class Runtime {
   Clock::time_point last_stall_check_;
   Clock::time_point first_ready_;
   bool ready_waiting_ = false;
+
+  std::shared_ptr<Timeline> CurrentTimeline();
+  void RecordBatch(const std::vector<const Response*>& resps, const char* phase,
+                   Clock::time_point start, Clock::time_point end,
+                   const std::string& args);
+  mutable std::mutex timeline_mu_;
+  std::shared_ptr<Timeline> timeline_;
+  std::shared_ptr<Timeline> loop_timeline_;  // the loop's copy for this round
+  std::unordered_map<std::string, Clock::time_point> ready_at_;
+
+  std::atomic<int64_t> stat_bytes_{0};
+  std::atomic<int64_t> stat_batches_{0};
+  std::atomic<int64_t> stat_busy_ns_{0};
+  std::atomic<int64_t> tune_threshold_{0};
+  std::atomic<double> tune_cycle_ms_{0.0};
+  std::atomic<bool> tune_cache_{true};
 };
 
 }  // namespace kerasdist::core

@@ -1,0 +1,63 @@
+// Chrome-trace timeline written by rank 0: one row per tensor with its phases
+// (NEGOTIATE, QUEUE, MEMCPY_IN_FUSION_BUFFER, the collective,
+// MEMCPY_OUT_FUSION_BUFFER) and optional CYCLE markers.
+//
+// The background loop only formats events into a vector under a mutex; a
+// writer thread appends them to the file every 200 ms. After every flush the
+// file ends with "]", so it is valid JSON even if the job is killed (the next
+// flush overwrites the bracket).
+#ifndef KERASDIST_CORE_TIMELINE_H_
+#define KERASDIST_CORE_TIMELINE_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "status.h"
+
+namespace kerasdist::core {
+
+class Timeline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static Status Open(const std::string& path, bool mark_cycles,
+                     std::shared_ptr<Timeline>* out);
+  ~Timeline();  // flushes and closes
+
+  // A complete event on the tensor's row. `args` is a JSON object body
+  // (without braces), e.g. "\"bytes\":4096".
+  void Phase(const std::string& tensor, const char* phase, Clock::time_point start,
+             Clock::time_point end, const std::string& args = "");
+  void Cycle(Clock::time_point t);
+  bool mark_cycles() const { return mark_cycles_; }
+
+ private:
+  Timeline() = default;
+  void WriterLoop();
+  void Flush();
+  int64_t Micros(Clock::time_point t) const;
+  int Row(const std::string& tensor);  // requires mu_
+
+  std::FILE* file_ = nullptr;
+  bool mark_cycles_ = false;
+  Clock::time_point origin_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool closing_ = false;
+  std::vector<std::string> events_;
+  std::unordered_map<std::string, int> rows_;
+  bool wrote_any_ = false;
+  std::thread writer_;
+};
+
+std::string JsonEscape(const std::string& s);
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_TIMELINE_H_
