@@ -76,15 +76,24 @@ def reduce_gradients(grads, sources, prefix, compression=None,
                      gradient_predivide_factor=1.0, num_groups=0):
     """Allreduces `grads` (a flat list, `None` entries kept) over all ranks.
 
-    Dense gradients are allreduced (the runtime fuses them when they are
-    issued in one tf.function); `tf.IndexedSlices` are allgathered unless
-    `sparse_as_dense`. With a predivide factor f the runtime multiplies by
-    1/f before summing and by f/size after, which equals Average.
+    Dense gradients are allreduced; `tf.IndexedSlices` are allgathered
+    unless `sparse_as_dense`. With a predivide factor f the runtime
+    multiplies by 1/f before summing and by f/size after, which equals
+    Average. With `num_groups` = 0 every dense gradient gets its own
+    allreduce (inside a tf.function the runtime fuses them); with n > 0 the
+    dense gradients are split, in order, into n groups of nearly equal
+    count, each reduced by one `grouped_allreduce`.
+
+    With one rank nothing is communicated: every supported reduction of one
+    rank is the identity, so only compression (and `sparse_as_dense`) is
+    applied, keeping its rounding, and no collective op is created.
 
     Returns:
         A list like `grads` holding the reduced gradients.
     """
     compression = compression or _none()
+    if basics.size() == 1:
+        return [_local_only(g, compression, sparse_as_dense) for g in grads]
     names = gradient_names(prefix, sources)
     if gradient_predivide_factor != 1.0:
         dense_op = basics.Sum
@@ -94,7 +103,7 @@ def reduce_gradients(grads, sources, prefix, compression=None,
         dense_op, prescale, postscale = op, 1.0, 1.0
 
     out = [None] * len(grads)
-    dense = []  # (index, wire tensor, ctx)
+    dense = []  # (index, name, wire tensor, ctx)
     for i, (grad, name) in enumerate(zip(grads, names)):
         if grad is None:
             continue
@@ -113,17 +122,58 @@ def reduce_gradients(grads, sources, prefix, compression=None,
         wire, ctx = compression.compress(tf.convert_to_tensor(grad))
         dense.append((i, name, wire, ctx))
 
-    # One allreduce per gradient: inside a tf.function the runtime fuses
-    # them (Tensor Fusion), so explicit groups (num_groups) are not needed.
-    del num_groups
-    reduced = [
-        collectives.allreduce(wire, op=dense_op, name=name,
-                              prescale_factor=prescale,
-                              postscale_factor=postscale)
-        for _, name, wire, _ in dense]
+    wires = [wire for _, _, wire, _ in dense]
+    if num_groups > 0 and dense:
+        reduced = []
+        for g, members in enumerate(split_groups(len(dense), num_groups)):
+            reduced += collectives.grouped_allreduce(
+                [wires[j] for j in members], op=dense_op,
+                name=_group_name(prefix, g, num_groups),
+                prescale_factor=prescale, postscale_factor=postscale)
+    else:
+        reduced = [
+            collectives.allreduce(wire, op=dense_op, name=name,
+                                  prescale_factor=prescale,
+                                  postscale_factor=postscale)
+            for (_, name, _, _), wire in zip(dense, wires)]
     for (i, _, _, ctx), r in zip(dense, reduced):
         out[i] = compression.decompress(r, ctx)
     return out
+
+
+def split_groups(count, num_groups):
+    """Splits range(count) into min(num_groups, count) contiguous lists
+    whose lengths differ by at most one (longer ones first), like
+    `numpy.array_split`. Pure, so every rank gets the same groups."""
+    n = min(num_groups, count)
+    base, extra = divmod(count, n)
+    groups, start = [], 0
+    for g in range(n):
+        stop = start + base + (1 if g < extra else 0)
+        groups.append(list(range(start, stop)))
+        start = stop
+    return groups
+
+
+def _group_name(prefix, index, num_groups):
+    name = f"{prefix}.group{index}of{num_groups}"
+    if tf.executing_eagerly():
+        return name
+    # Unique within the graph (a second reduction in one tf.function), and
+    # deterministic, so identical on every rank.
+    graph = tf.compat.v1.get_default_graph()
+    return graph.unique_name(name, mark_as_used=True)
+
+
+def _local_only(grad, compression, sparse_as_dense):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices) and not sparse_as_dense:
+        values, ctx = compression.compress(grad.values)
+        return tf.IndexedSlices(compression.decompress(values, ctx),
+                                grad.indices, grad.dense_shape)
+    wire, ctx = compression.compress(tf.convert_to_tensor(grad))
+    return compression.decompress(wire, ctx)
 
 
 def _none():

@@ -18,9 +18,13 @@ means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
 """
 
+import sys
+import warnings
+
 import tensorflow as tf
 
 from kerasdist import basics
+from kerasdist import collectives
 from kerasdist import _keras_util
 from kerasdist.compression import Compression
 
@@ -28,10 +32,10 @@ __all__ = ["DistributedOptimizer"]
 
 _XLA_MESSAGE = (
     "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
-    "function: its collectives have no XLA kernel. Compile the model with "
-    "`model.compile(..., jit_compile=False)` (Keras's default "
-    "jit_compile='auto' turns XLA on when a GPU is present), or drop "
-    "`jit_compile=True` from the tf.function around a custom train step.")
+    "function: its collectives have no XLA kernel. Drop `jit_compile=True` "
+    "from the tf.function around a custom train step, or compile the model "
+    "with `model.compile(..., jit_compile=False)` (model.fit and "
+    "train_on_batch turn XLA off by themselves, with a warning).")
 
 
 class _Settings:
@@ -101,10 +105,35 @@ def DistributedOptimizer(optimizer, name=None,
             as dense tensors instead of allgathering them.
         gradient_predivide_factor: with op=Average, scale by 1/f before the
             sum and by f/size after it (both in the runtime).
-        num_groups: accepted for Horovod compatibility and validated, but
-            currently ignored: the runtime already fuses the per-gradient
-            allreduces of one step (grouped allreduces hang in the present
-            runtime, see the issue tracker).
+        num_groups: 0 (default): one allreduce per gradient, which the
+            runtime fuses within a step. n > 0: split the gradients, in
+            order, into n groups of nearly equal count, each reduced by one
+            `kerasdist.grouped_allreduce` (all of a group is negotiated and
+            reduced together). The result is the same either way.
+
+    With one rank (`size() == 1`) no collective is created: averaging over
+    one rank is the identity, so only compression and
+    `backward_passes_per_step` act, and the per-step cost is that of the
+    plain optimizer.
+
+    XLA: the collectives have no XLA kernel. When `model.fit` (or
+    `train_on_batch`) is about to build the train function of a model
+    compiled with `jit_compile=True` (or "auto" resolved to XLA, as on a
+    GPU) and this optimizer, kerasdist sets `model.jit_compile = False`
+    and warns once per model; compile with `jit_compile=False` to silence
+    it. A custom train step in `tf.function(jit_compile=True)` cannot be
+    intercepted and raises a RuntimeError that says so.
+
+    Mixed precision: wrap a `LossScaleOptimizer`
+    (`DistributedOptimizer(LossScaleOptimizer(opt))`) and the finiteness
+    check sees the averaged gradients. Keras does the opposite under the
+    `mixed_float16` policy: `compile` wraps this optimizer in its own
+    `LossScaleOptimizer`, whose check sees each rank's local gradients, so
+    one rank could skip the step (and its allreduces) while another takes
+    it. kerasdist handles that case: a `LossScaleOptimizer` created around
+    a DistributedOptimizer gets a finiteness check that is agreed over all
+    ranks (one small allreduce Min), so every rank skips or applies the
+    step together, and halves or grows the loss scale together.
 
     Returns:
         The distributed optimizer.
@@ -147,6 +176,7 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups)
+    _install_train_function_hook()
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
     if optimizer.built:
@@ -163,6 +193,18 @@ def _distributed_class(base, settings):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
+
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "loss_scale_factor":
+                # `LossScaleOptimizer.__init__` sets this on its inner
+                # optimizer: the only moment Keras shows us the wrapper.
+                # A guarded frame lookup, never an error if it changes.
+                try:
+                    caller = sys._getframe(1).f_locals.get("self")
+                except (AttributeError, ValueError):  # pragma: no cover
+                    caller = None
+                _adopt_loss_scale_optimizer(caller, self)
 
         def build(self, variables):
             super().build(variables)
@@ -239,6 +281,111 @@ def _distributed_class(base, settings):
     _DistributedOptimizer.__qualname__ = base.__qualname__
     _DistributedOptimizer.__module__ = base.__module__
     return _DistributedOptimizer
+
+
+def _is_distributed(optimizer):
+    """True for a DistributedOptimizer, or any wrapper around one."""
+    while optimizer is not None:
+        if getattr(optimizer, "_kerasdist_settings", None) is not None:
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
+# ---- XLA: turn it off for the train function, with one warning --------------
+
+_XLA_WARNING = (
+    "kerasdist: XLA was turned off for the train step of model {name!r} "
+    "(model.jit_compile is now False): kerasdist's collectives have no XLA "
+    "kernel. Compile the model with jit_compile=False to silence this "
+    "warning.")
+
+
+def _turn_off_xla(model):
+    """Before Keras builds a train function: no XLA with kerasdist inside."""
+    if model.run_eagerly or not _is_distributed(model.optimizer):
+        return
+    if not model.jit_compile:  # resolves "auto"
+        return
+    model.jit_compile = False
+    model.train_function = None  # rebuilt without XLA
+    if not getattr(model, "_kerasdist_xla_warned", False):
+        model._kerasdist_xla_warned = True
+        warnings.warn(_XLA_WARNING.format(name=model.name), UserWarning,
+                      stacklevel=3)
+
+
+def _install_train_function_hook():
+    """Wraps Keras's `make_train_function` (once per process).
+
+    `fit` and `train_on_batch` call it before the first step is traced, so
+    this is the last moment `jit_compile` can still be changed. Without the
+    private class (a Keras change), the clear error in `apply` remains.
+    """
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # pragma: no cover
+        return
+    original = TensorFlowTrainer.make_train_function
+    if getattr(original, "_kerasdist_hook", False):
+        return
+
+    def make_train_function(self, force=False):
+        _turn_off_xla(self)
+        return original(self, force=force)
+
+    make_train_function._kerasdist_hook = True
+    make_train_function.__doc__ = original.__doc__
+    TensorFlowTrainer.make_train_function = make_train_function
+
+
+# ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------
+
+_synced_classes = {}
+
+
+def _adopt_loss_scale_optimizer(wrapper, inner):
+    """Gives a LossScaleOptimizer built around `inner` a rank-agreed
+    finiteness check (see DistributedOptimizer's docstring)."""
+    import keras
+
+    if not isinstance(wrapper, keras.optimizers.LossScaleOptimizer):
+        return
+    if getattr(wrapper, "inner_optimizer", None) is not inner:
+        return
+    base = type(wrapper)
+    if getattr(base, "_kerasdist_synced", False):
+        return
+    if base not in _synced_classes:
+        _synced_classes[base] = _synced_loss_scale_class(base)
+    wrapper.__class__ = _synced_classes[base]
+
+
+def _synced_loss_scale_class(base):
+
+    class _SyncedLossScaleOptimizer(base):
+        _kerasdist_synced = True
+
+        def check_finite(self, grads):
+            finite = super().check_finite(grads)
+            if basics.size() == 1:
+                return finite
+            if _keras_util.in_xla_context():
+                raise RuntimeError(_XLA_MESSAGE)
+            prefix = self.inner_optimizer._kerasdist_settings.prefix
+            name = f"{prefix}.loss_scale_finite"
+            if not tf.executing_eagerly():
+                graph = tf.compat.v1.get_default_graph()
+                name = graph.unique_name(name, mark_as_used=True)
+            # Min over ranks: finite only if every rank's gradients are.
+            agreed = collectives.allreduce(tf.cast(finite, tf.int32),
+                                           op=basics.Min, name=name)
+            return tf.greater(agreed, 0)
+
+    _SyncedLossScaleOptimizer.__name__ = base.__name__
+    _SyncedLossScaleOptimizer.__qualname__ = base.__qualname__
+    _SyncedLossScaleOptimizer.__module__ = base.__module__
+    return _SyncedLossScaleOptimizer
 
 
 def _copy_state(source, target):

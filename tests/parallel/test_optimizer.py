@@ -26,10 +26,10 @@ EQUIV = [
 ]
 MATH = [f"{c}_{m}" for m in ("eager", "function") for c in (
     "op_sum", "backward_passes_avg=False", "backward_passes_avg=True",
-    "clip_on_averaged_gradient")]
+    "clip_on_averaged_gradient", "num_groups", "loss_scale_outside")]
 KERAS = ["isinstance", "get_config_round_trip", "double_wrap_error",
          "save_load_model", "wrap_built_optimizer", "jit_compile",
-         "bad_args"]
+         "fit_mixed_float16", "bad_args"]
 
 
 def _env():
@@ -54,9 +54,16 @@ def _run_and_check(np, groups, expected):
 
 def test_optimizer_np2_all():
     out = _run_and_check(2, [], EQUIV + MATH + KERAS)
-    xla = [line for line in rank_lines(out.stdout, 0)
-           if line.startswith("XLA message: ")]
+    lines = rank_lines(out.stdout, 0)
+    xla = [line for line in lines if line.startswith("XLA message: ")]
     assert len(xla) == 1 and "jit_compile=False" in xla[0]
+    warned = [line for line in lines if line.startswith("XLA warning: ")]
+    assert len(warned) == 1 and "turned off" in warned[0], warned
+
+
+def test_optimizer_np1_no_collectives():
+    _run_and_check(1, ["np1"], ["np1_fit_equals_keras",
+                                "np1_no_collectives"])
 
 
 def test_optimizer_np3_equivalence():

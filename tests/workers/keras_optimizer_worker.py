@@ -3,8 +3,10 @@
     python -m kerasdist.run -np 2 python tests/workers/keras_optimizer_worker.py [group ...]
 
 Groups: equiv (training equivalence against a single-process truth), math
-(hand-computed updates: clipping, accumulation, Sum, predivide), keras
-(serialization, save/load, XLA, errors). Default: all. Each check prints
+(hand-computed updates: clipping, accumulation, Sum, predivide, groups,
+loss scaling), keras (serialization, save/load, XLA, mixed precision,
+errors), np1 (run alone at np=1: no collective is created). Default: all
+but np1. Each check prints
 `OK <check>`; any failure raises, which fails the rank and the job.
 
 The truth for an equivalence check is computed on every rank in-process,
@@ -18,6 +20,7 @@ any real mistake (a missing average changes weights at the 1e-2 level).
 import os
 import sys
 import tempfile
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -143,6 +146,11 @@ def group_equiv():
               rtol=1e-6, gradient_predivide_factor=float(SIZE))
     check_fit("fit_global_clipnorm",
               lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5))
+    # Groups change how gradients travel, not the result: 1 group, 3 groups
+    # of 4 tensors (2+1+1), more groups than tensors.
+    for groups in (1, 3, 100):
+        check_fit(f"fit_num_groups={groups}",
+                  lambda: keras.optimizers.Adam(0.01), num_groups=groups)
 
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 10, size=(SIZE * B * STEPS, 2)).astype("int32")
@@ -251,6 +259,27 @@ def group_math():
             assert int(opt.iterations.numpy()) == 2, opt.iterations
             ok(f"backward_passes_avg={avg}_{tag}")
 
+        # num_groups: two variables in two groups, eagerly (the group runs
+        # as one function) and in a tf.function.
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), num_groups=2)
+        va = keras.Variable(np.zeros(3), name="ga")
+        vb = keras.Variable(np.zeros(2), name="gb")
+
+        def gstep(a, b):
+            opt.apply([a, b], [va, vb])
+
+        if function:
+            gstep = tf.function(gstep)
+        for _ in range(2):
+            gstep(tf.constant(base * (RANK + 1)),
+                  tf.constant([1.0, -1.0]) * (RANK + 1))
+        close(va.numpy(), -2 * base * mean_r, f"groups a {tag}")
+        close(vb.numpy(), -2 * np.array([1.0, -1.0]) * mean_r,
+              f"groups b {tag}")
+        ok(f"num_groups_{tag}")
+
+        check_loss_scale_outside(function, tag)
+
         # Clipping acts on the averaged gradient. Rank r sends
         # small + (r - mean) * big: every local norm exceeds the clip
         # threshold (at np >= 2), the average is `small`, below it.
@@ -269,6 +298,37 @@ def group_math():
         avg_g = base * mean_r
         close(got[0], -avg_g / np.linalg.norm(avg_g), f"clipnorm big {tag}")
         ok(f"clip_on_averaged_gradient_{tag}")
+
+
+def check_loss_scale_outside(function, tag):
+    """LossScaleOptimizer(DistributedOptimizer): ranks agree on finiteness.
+
+    Step 0: only the last rank's gradient is infinite. Without agreement the
+    other ranks would apply (and wait in the allreduce) while it skips; with
+    it every rank skips the step and halves the scale. Step 1: all finite,
+    every rank applies the average of the unscaled gradients.
+    """
+    inner = kd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=8.0)
+    assert type(opt).__name__ == "LossScaleOptimizer"
+    assert getattr(type(opt), "_kerasdist_synced", False), type(opt)
+    var = keras.Variable(np.zeros(3), name="ls")
+    base = np.array([1.0, -2.0, 2.0])
+
+    def step(g):
+        opt.apply([g], [var])
+
+    if function:
+        step = tf.function(step)
+    bad = base * (np.inf if RANK == SIZE - 1 else 1.0)
+    step(tf.constant(bad * 8.0))
+    close(var.numpy(), np.zeros(3), f"loss scale skip {tag}")
+    assert float(opt.dynamic_scale.numpy()) == 4.0, opt.dynamic_scale
+    step(tf.constant(base * (RANK + 1) * 4.0))
+    close(var.numpy(), -base * (SIZE + 1) / 2, f"loss scale apply {tag}")
+    same_on_all_ranks([var.numpy(), opt.dynamic_scale.numpy()],
+                      f"loss_scale_{tag}")
+    ok(f"loss_scale_outside_{tag}")
 
 
 # ---- Keras integration -----------------------------------------------------
@@ -334,24 +394,8 @@ def group_keras():
     same_on_all_ranks(loaded.get_weights(), "rewrap")
     ok("wrap_built_optimizer")
 
-    # XLA: a clear error, before any collective runs.
-    model = dense_model()
-    try:
-        fit(model, kd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
-            my_part(x), my_part(y), B, jit_compile=True)
-    except RuntimeError as e:
-        assert "cannot run inside an XLA-compiled function" in str(e), e
-        assert "jit_compile=False" in str(e), e
-        print(f"XLA message: {e}", flush=True)
-    else:
-        raise AssertionError("jit_compile=True trained without an error")
-    # "auto" resolves to no XLA on a CPU-only machine, so it trains.
-    if not tf.config.list_physical_devices("GPU"):
-        got = fit(dense_model(), kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B,
-            jit_compile="auto")
-        same_on_all_ranks(got, "auto")
-    ok("jit_compile")
+    check_xla(x, y)
+    check_mixed_float16()
 
     try:
         kd.DistributedOptimizer(keras.optimizers.SGD(), op=kd.Max)
@@ -362,9 +406,130 @@ def group_keras():
     ok("bad_args")
 
 
-GROUPS = {"equiv": group_equiv, "math": group_math, "keras": group_keras}
+def kerasdist_warnings(caught):
+    return [w for w in caught if "kerasdist: XLA was turned off"
+            in str(w.message)]
+
+
+def check_xla(x, y):
+    """jit_compile=True: XLA off with one warning, same training as without
+    it; a custom XLA-compiled step still gets the clear error."""
+    plain = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B)
+    model = dense_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fit(model, kd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  my_part(x), my_part(y), B, jit_compile=True)
+        # A second fit on the same model does not warn again.
+        model.fit(my_part(x)[:B], my_part(y)[:B], batch_size=B, verbose=0)
+    mine = kerasdist_warnings(caught)
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert "jit_compile=False" in str(mine[0].message), mine[0].message
+    assert model.jit_compile is False
+    close(got, plain, "xla off == no xla", rtol=0, atol=0)
+    same_on_all_ranks(got, "jit_compile_true")
+    print(f"XLA warning: {mine[0].message}", flush=True)
+
+    # The same model compiled without kerasdist keeps XLA and no warning.
+    ref = dense_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(ref, keras.optimizers.SGD(0.1), x[:B], y[:B], B,
+            jit_compile=True)
+    assert not kerasdist_warnings(caught) and ref.jit_compile is True
+
+    # A custom step compiled with XLA cannot be intercepted: clear error.
+    var = keras.Variable(np.zeros(3), name="xla_v")
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    step = tf.function(lambda g: opt.apply([g], [var]), jit_compile=True)
+    try:
+        step(tf.constant(np.ones(3)))
+    except RuntimeError as e:
+        assert "cannot run inside an XLA-compiled function" in str(e), e
+        assert "jit_compile=False" in str(e), e
+        print("XLA message: " + " ".join(str(e).split()), flush=True)
+    else:
+        raise AssertionError("an XLA-compiled apply ran without an error")
+    # "auto" resolves to no XLA on a CPU-only machine: trains, no warning.
+    if not tf.config.list_physical_devices("GPU"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fit(dense_model(), kd.DistributedOptimizer(
+                keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B,
+                jit_compile="auto")
+        assert not kerasdist_warnings(caught)
+        close(got, plain, "auto", rtol=0, atol=0)
+    ok("jit_compile")
+
+
+def check_mixed_float16():
+    """Keras wraps the DistributedOptimizer in its own LossScaleOptimizer
+    under mixed_float16; the wrapper's finiteness check is rank-agreed and
+    training keeps the ranks identical."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        x, y = data()
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        rng = np.random.default_rng(4)
+        model.set_weights([rng.normal(size=w.shape) * 0.5
+                           for w in model.get_weights()])
+        inner = kd.DistributedOptimizer(keras.optimizers.SGD(0.05))
+        model.compile(optimizer=inner, loss="mse", jit_compile=False)
+        opt = model.optimizer
+        assert isinstance(opt, keras.optimizers.LossScaleOptimizer), opt
+        assert getattr(type(opt), "_kerasdist_synced", False), type(opt)
+        before = flat(model.get_weights())
+        model.fit(my_part(x).astype("float32"), my_part(y).astype("float32"),
+                  batch_size=B, epochs=1, shuffle=False, verbose=0)
+        after = model.get_weights()
+        assert not np.allclose(flat(after), before)
+        same_on_all_ranks(after + [opt.dynamic_scale.numpy()],
+                          "mixed_float16")
+        assert opt.get_config()["inner_optimizer"]["class_name"] == "SGD"
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    ok("fit_mixed_float16")
+
+
+def group_np1():
+    """At np=1 no collective op is created, and training equals Keras."""
+    assert SIZE == 1, "group np1 runs at np=1"
+    x, y = data()
+    truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, B)
+    got = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01)), x, y, B)
+    close(got, truth, "np1 fit", rtol=0, atol=0)
+    ok("np1_fit_equals_keras")
+
+    var = keras.Variable(np.zeros(3), name="np1")
+    for kw in ({}, {"num_groups": 2}, {"op": kd.Sum},
+               {"gradient_predivide_factor": 2.0}):
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), **kw)
+        lso = keras.optimizers.LossScaleOptimizer(
+            kd.DistributedOptimizer(keras.optimizers.SGD(1.0)))
+        for o in (opt, lso):
+            fn = tf.function(lambda g, o=o: o.apply([g], [var]))
+            graph = fn.get_concrete_function(
+                tf.TensorSpec([3], tf.float64)).graph
+            kinds = {op.type for op in graph.get_operations()}
+            assert not any(k.startswith("Kerasdist") for k in kinds), kinds
+    # fp16 compression still rounds at np=1.
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                  compression=kd.Compression.fp16)
+    var.assign(np.zeros(3))
+    opt.apply([tf.constant([1.0 / 3.0, 0.0, 0.0], tf.float64)], [var])
+    assert var.numpy()[0] == -float(np.float16(1.0 / 3.0)), var.numpy()
+    ok("np1_no_collectives")
+
+
+GROUPS = {"equiv": group_equiv, "math": group_math, "keras": group_keras,
+          "np1": group_np1}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(GROUPS):
+    for name in sys.argv[1:] or ["equiv", "math", "keras"]:
         GROUPS[name]()
     print("DONE", flush=True)
