@@ -1,0 +1,55 @@
+"""The autotuner on real ranks: CSV samples, the best setting applied."""
+
+import csv
+import os
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT, launch, rank_lines
+
+pytestmark = pytest.mark.parallel
+
+WORKER = os.path.join(REPO_ROOT, "tests", "workers", "autotune_worker.py")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    for k in ("KERASDIST_AUTOTUNE", "KERASDIST_AUTOTUNE_LOG"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _ok(out, np_):
+    assert out.returncode == 0, out.stdout[-4000:]
+    for r in range(np_):
+        assert any(l.startswith("OK autotune") for l in
+                   rank_lines(out.stdout, r)), out.stdout[-4000:]
+
+
+def test_start_autotune_samples_and_applies_best(tmp_path):
+    log = tmp_path / "tune.csv"
+    out = launch(2, [sys.executable, WORKER, "api", str(log)], timeout=240,
+                 env=_env())
+    _ok(out, 2)
+    with open(log) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["phase"] for r in rows] == (["warmup"] * 2 + ["sample"] * 6
+                                          + ["final"])
+    # The first scored sample is the starting setting (the defaults).
+    assert (rows[2]["threshold"], rows[2]["cycle_ms"], rows[2]["cache"]) == (
+        "67108864", "0.0", "1")
+    best = max(rows[2:8], key=lambda r: float(r["bytes_per_s"]))
+    assert rows[-1]["threshold"] == best["threshold"]
+    assert rows[-1]["cycle_ms"] == best["cycle_ms"]
+
+
+def test_env_autotune_stopped_early(tmp_path):
+    log = tmp_path / "tune_env.csv"
+    out = launch(2, [sys.executable, WORKER, "env"], timeout=240,
+                 env=_env(KERASDIST_AUTOTUNE=1, KERASDIST_AUTOTUNE_LOG=log))
+    _ok(out, 2)
+    assert log.read_text().splitlines()[0] == (
+        "time,threshold,cycle_ms,cache,bytes_per_s,best_bytes_per_s,phase")
