@@ -82,7 +82,7 @@ def lib():
                      "nccl_built"):
             getattr(l, "kerasdist_" + name).restype = i
             getattr(l, "kerasdist_" + name).argtypes = []
-        l.kerasdist_init.argtypes = [i, s]
+        l.kerasdist_init.argtypes = [i, i, s]
         l.kerasdist_init.restype = i
         for name in ("last_error", "build_info", "config_variables",
                      "current_config"):

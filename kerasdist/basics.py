@@ -69,7 +69,7 @@ def init(comm=None, **settings):
                          f"some of {sorted(_SETTINGS)}.")
     lines = [f"{_SETTINGS[k]}={_format(v)}" for k, v in settings.items()
              if v is not None]
-    comm_f = -1
+    comm_f = 0
     if comm is not None:
         if not hasattr(comm, "py2f"):
             raise TypeError("init(comm=...) expects an mpi4py communicator, "
@@ -77,7 +77,8 @@ def init(comm=None, **settings):
         comm_f = comm.py2f()
     lib = _capi.lib()
     with _lock:
-        if lib.kerasdist_init(comm_f, "\n".join(lines).encode()) != 0:
+        if lib.kerasdist_init(int(comm is not None), comm_f,
+                              "\n".join(lines).encode()) != 0:
             message = _capi.last_error()
             if "expected" in message or "unknown setting" in message:
                 raise ValueError(message)

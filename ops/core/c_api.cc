@@ -58,7 +58,7 @@ using namespace kerasdist::core;
 
 extern "C" {
 
-int kerasdist_init(int comm_f, const char* settings) {
+int kerasdist_init(int has_comm, int comm_f, const char* settings) {
   std::lock_guard<std::mutex> l(g_mu);
   if (g_runtime) {
     if (g_runtime->stopped_status().ok()) return 0;
@@ -68,7 +68,7 @@ int kerasdist_init(int comm_f, const char* settings) {
   Status s = LoadConfig(settings ? settings : "", &config);
   if (!s.ok()) return Fail(s.message());
   std::unique_ptr<Runtime> rt;
-  s = Runtime::Start(config, comm_f, &rt);
+  s = Runtime::Start(config, has_comm != 0, comm_f, &rt);
   if (!s.ok()) return Fail(s.message());
   g_runtime = std::move(rt);
   return 0;

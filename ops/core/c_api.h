@@ -26,10 +26,10 @@ typedef struct {
   int32_t device; /* -1 = host memory */
 } kerasdist_request;
 
-/* comm_f: Fortran handle of the MPI communicator (mpi4py: comm.py2f()), or -1
- * for MPI_COMM_WORLD. settings: "KERASDIST_X=value" lines that override the
+/* comm_f: Fortran handle of the MPI communicator (mpi4py: comm.py2f()), used
+ * when has_comm is nonzero; else MPI_COMM_WORLD. settings: "KERASDIST_X=value" lines that override the
  * environment. Returns 0, or -1 with kerasdist_last_error(). */
-int kerasdist_init(int comm_f, const char* settings);
+int kerasdist_init(int has_comm, int comm_f, const char* settings);
 int kerasdist_shutdown(void);
 int kerasdist_is_initialized(void);
 const char* kerasdist_last_error(void);

@@ -24,11 +24,11 @@ constexpr double kShutdownReplyTimeoutS = 30.0;
 
 }  // namespace
 
-Status Runtime::Start(const Config& config, int parent_comm_f,
+Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
                       std::unique_ptr<Runtime>* out) {
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
-  KD_RETURN_IF_ERROR(MpiContext::Create(parent_comm_f, &rt->mpi_));
+  KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
   rt->host_ = rt->mpi_->MakeHostCommunicator();
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
   if (rt->topology().rank == 0) {
@@ -156,7 +156,7 @@ Status Runtime::ValidateLocal(const Request& q) const {
                                      std::to_string(q.shape[0]) + ".");
     }
   }
-  if (q.device >= 0) {
+  if (q.device >= 0 && !RegisteredDeviceBackend().factory) {
     return Status::InvalidArgument(what + ": the tensor is in GPU memory, but this "
                                    "kerasdist build has no GPU backend (rebuild "
                                    "with KERASDIST_WITH_NCCL=1).");
@@ -209,6 +209,7 @@ void Runtime::Loop() {
   int idle_rounds = 0;
   while (true) {
     bool worked = RunLoopOnce();
+    worked = PollDevice() || worked;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (stopped_) break;
@@ -216,6 +217,8 @@ void Runtime::Loop() {
     if (worked) {
       idle_rounds = 0;
       last_work_ = Clock::now();
+    } else if (device_ && device_->Busy()) {
+      std::this_thread::yield();  // completion latency over a spare core
     } else {
       IdleWait(idle_rounds++, !pending_.empty());
     }
@@ -408,6 +411,7 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
     for (Entry& e : entries) Complete(e, Result{Status::Mismatch(head.error), {}});
     return Status::OK();
   }
+  if (head.req.device >= 0) return ExecuteDevice(resps, std::move(entries));
   if (head.req.op == OpType::kAllreduce) {
     std::vector<Entry*> ptrs;
     for (Entry& e : entries) ptrs.push_back(&e);
@@ -590,6 +594,43 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
   return Status::Internal("unexpected operation (kerasdist bug)");
 }
 
+Status Runtime::ExecuteDevice(const std::vector<const Response*>& resps,
+                              std::vector<Entry> entries) {
+  const Request& q = resps[0]->req;
+  Status s;
+  if (!device_) {
+    DeviceBackendOptions o;
+    o.comm = mpi_->comm();
+    o.rank = topology().rank;
+    o.size = topology().size;
+    o.device = q.device;
+    o.host_staged = config_.gpu_operations == "MPI";
+    o.host = host_.get();
+    s = RegisteredDeviceBackend().factory(o, &device_);
+  }
+  if (!s.ok()) {
+    device_.reset();
+    for (Entry& e : entries) Complete(e, Result{s, {}});
+    return s;  // the ranks may disagree about the GPU path now: stop
+  }
+  if (q.op == OpType::kAllreduce) {
+    for (Entry& e : entries) {
+      stat_bytes_ += NumElements(e.req.shape) * DataTypeSize(e.req.dtype);
+    }
+  }
+  stat_batches_ += 1;
+  // Completion comes through PollDevice once the device has done the work.
+  return device_->Execute(resps, std::move(entries));
+}
+
+bool Runtime::PollDevice() {
+  if (!device_ || !device_->Busy()) return false;
+  FinishedEntries finished;
+  device_->Poll(&finished);
+  for (auto& [e, r] : finished) Complete(e, r);
+  return !finished.empty();
+}
+
 void Runtime::Complete(Entry& e, const Result& r) {
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -605,6 +646,13 @@ void Runtime::FailAll(const Status& s) {
     stopped_ = true;
     if (stopped_status_.ok()) stopped_status_ = s;
     queued.swap(incoming_);
+  }
+  if (device_) {
+    // Batches already on the GPU stream were issued on every rank; give them
+    // time to finish before failing them.
+    FinishedEntries finished;
+    device_->Drain(10.0, s, &finished);
+    for (auto& [e, r] : finished) Complete(e, r);
   }
   for (auto& [name, e] : pending_) Complete(e, Result{s, {}});
   pending_.clear();

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "comm/mpi_context.h"
+#include "comm/nccl_communicator.h"
 #include "config.h"
 #include "controller.h"
 #include "message.h"
@@ -39,11 +40,16 @@ struct Entry {
   void* output = nullptr;
   std::function<Status(const std::vector<int64_t>& shape, void** data)> allocate;
   std::function<void(const Result&)> done;
+  // Device tensors (req.device >= 0) only, optional: a cudaEvent_t recorded
+  // on the stream that produces `input` (TF's compute stream), owned by the
+  // front end and valid until `done`. The communication stream waits on it;
+  // null means the input is already complete (e.g. the C API after a sync).
+  void* ready_event = nullptr;
 };
 
 class Runtime {
  public:
-  static Status Start(const Config& config, int parent_comm_f,
+  static Status Start(const Config& config, bool has_comm, int parent_comm_f,
                       std::unique_ptr<Runtime>* out);
   ~Runtime();  // Stops the thread (as Shutdown) if still running.
 
@@ -87,10 +93,16 @@ class Runtime {
   void Complete(Entry& e, const Result& r);
   void FailAll(const Status& s);
   Status ValidateLocal(const Request& q) const;
+  Status ExecuteDevice(const std::vector<const Response*>& resps,
+                       std::vector<Entry> entries);
+  bool PollDevice();
 
   Config config_;
   std::unique_ptr<MpiContext> mpi_;
   std::unique_ptr<Communicator> host_;
+  // The GPU data path, made by the first device batch (collectively: every
+  // rank executes that batch at the same point of the coordinator's order).
+  std::unique_ptr<DeviceBackend> device_;
   std::thread thread_;
 
   std::mutex mu_;

@@ -52,6 +52,12 @@ def test_init_errors_and_reinit():
     _assert_all_ranks(out, 2, "OK init")
 
 
+def test_init_with_an_mpi4py_subcommunicator():
+    out = launch(3, _worker("core_errors_worker.py", "comm"), timeout=60,
+                 env=_env())
+    _assert_all_ranks(out, 3, "OK comm")
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_mismatch_fails_every_rank_with_names(np_):
     out = launch(np_, _worker("core_errors_worker.py", "mismatch"), timeout=60,

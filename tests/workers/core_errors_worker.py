@@ -57,6 +57,29 @@ if mode == "init":
     kd.shutdown()
     print("OK init", flush=True)
 
+elif mode == "comm":
+    # init(comm=...) with an mpi4py sub-communicator: ranks 0..n-2 form one
+    # job and the last rank a job of its own.
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    last = world.rank == world.size - 1
+    sub = world.Split(color=1 if last else 0, key=world.rank)
+    kd.init(comm=sub)
+    want_size = 1 if last else world.size - 1
+    assert kd.size() == want_size and kd.rank() == sub.rank, (kd.size(), kd.rank())
+    got = allreduce(np.array([world.rank], np.int64), "who", op=kd.Sum)
+    want = world.rank if last else sum(range(world.size - 1))
+    assert got.tolist() == [want], (got, want)
+    # user MPI traffic on the same communicator does not mix with kerasdist's
+    assert sub.allreduce(1) == want_size
+    kd.shutdown()
+    try:
+        kd.init(comm="world")
+        sys.exit("FAIL a non-communicator was accepted")
+    except TypeError as e:
+        assert "mpi4py communicator" in str(e), e
+    print("OK comm", flush=True)
+
 elif mode == "mismatch":
     kd.init()
     r, n = kd.rank(), kd.size()

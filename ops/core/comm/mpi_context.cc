@@ -189,7 +189,8 @@ Status MpiStatus(int code, const char* call) {
   return Status::Internal(std::string(call) + " failed: " + std::string(text, len));
 }
 
-Status MpiContext::Create(int parent_f, std::unique_ptr<MpiContext>* out) {
+Status MpiContext::Create(bool has_parent, int parent_f,
+                          std::unique_ptr<MpiContext>* out) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -214,7 +215,7 @@ Status MpiContext::Create(int parent_f, std::unique_ptr<MpiContext>* out) {
         "kerasdist's background thread needs MPI_THREAD_SERIALIZED or "
         "MPI_THREAD_MULTIPLE (mpi4py asks for MULTIPLE by default).");
   }
-  MPI_Comm parent = parent_f < 0 ? MPI_COMM_WORLD : MPI_Comm_f2c(parent_f);
+  MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
   std::unique_ptr<MpiContext> ctx(new MpiContext());
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(ctx->comm_, MPI_ERRORS_RETURN);

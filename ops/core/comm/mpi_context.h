@@ -23,8 +23,11 @@ struct Topology {
 class MpiContext {
  public:
   // `parent_f` is a Fortran handle of the communicator to use (mpi4py's
-  // comm.py2f()), or -1 for MPI_COMM_WORLD. Initialises MPI if nobody has.
-  static Status Create(int parent_f, std::unique_ptr<MpiContext>* out);
+  // comm.py2f()) when `has_parent`, else MPI_COMM_WORLD. (Handles can be
+  // negative ints, so no value of `parent_f` can mean "none".) Initialises
+  // MPI if nobody has.
+  static Status Create(bool has_parent, int parent_f,
+                       std::unique_ptr<MpiContext>* out);
   ~MpiContext();
 
   const Topology& topology() const { return topo_; }
