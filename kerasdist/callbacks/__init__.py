@@ -21,6 +21,7 @@ from kerasdist.callbacks.checkpoint import load_checkpoint
 from kerasdist.callbacks.learning_rate import LearningRateScheduleCallback
 from kerasdist.callbacks.learning_rate import LearningRateWarmupCallback
 from kerasdist.callbacks.metric_average import MetricAverageCallback
+from kerasdist.callbacks.model_average import ModelAverageCallback
 from kerasdist.callbacks.steps import EqualizeStepsCallback
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
     "MetricAverageCallback",
+    "ModelAverageCallback",
     "ModelCheckpoint",
     "latest_checkpoint",
     "load_checkpoint",
