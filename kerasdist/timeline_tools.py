@@ -150,9 +150,11 @@ def summarize(trace, top=10):
         top: how many of the longest negotiations to list.
 
     Returns:
-        A dict: `phases` (phase -> {count, total_us, mean_us}), `tensors`
-        (name -> {phase -> total_us, "count": collectives, "bytes": bytes
-        reduced}), `top_waits` (the `top` longest NEGOTIATE events: tensor,
+        A dict: `phases` (phase -> {count, total_us, mean_us}, and for the
+        collectives also `batches` and `bytes`: the distinct collective
+        calls, a fused batch counted once, and the bytes they moved),
+        `tensors` (name -> {phase -> total_us, "count": collectives,
+        "fused": mean number of tensors in its batches}), `top_waits` (the `top` longest NEGOTIATE events: tensor,
         dur_us, ts, first_rank, last_rank), `stragglers` (rank -> {last,
         waited_us}), `span_us` (first event start to last event end),
         `cycles`, `events` and `truncated`.
@@ -163,6 +165,7 @@ def summarize(trace, top=10):
     tensors = collections.defaultdict(
         lambda: collections.defaultdict(float))
     negotiations = []
+    batches = {}  # a fused batch appears on every row it holds: count once
     t0, t1 = None, None
     for e in trace.events:
         ph, dur, ts = e.get("name", "?"), e.get("dur", 0), e["ts"]
@@ -173,12 +176,21 @@ def summarize(trace, top=10):
         row = tensors[trace.name(e.get("tid"))]
         row[ph] += dur
         if ph in COLLECTIVES:
+            args = e.get("args") or {}
             row["count"] += 1
-            row["bytes"] += (e.get("args") or {}).get("bytes", 0)
+            row["fused"] += args.get("fused", 1)
+            batches[(ph, ts, dur, args.get("bytes", 0))] = args.get(
+                "bytes", 0)
         if ph == "NEGOTIATE":
             negotiations.append(e)
     for p in phases.values():
         p["mean_us"] = p["total_us"] / p["count"] if p["count"] else 0.0
+    for (ph, _, _, _), nbytes in batches.items():
+        phases[ph]["batches"] = phases[ph].get("batches", 0) + 1
+        phases[ph]["bytes"] = phases[ph].get("bytes", 0) + nbytes
+    for row in tensors.values():
+        if row.get("count"):
+            row["fused"] /= row["count"]
     waits = sorted(negotiations, key=lambda e: -e.get("dur", 0))[:top]
     top_waits = [{"tensor": trace.name(e.get("tid")), "dur_us": e["dur"],
                   "ts": e["ts"],
@@ -211,10 +223,13 @@ def format_summary(s, max_tensors=30):
                f"{s['cycles']} cycle markers{note}")
     out.append("")
     out.append("# per phase")
-    out.append(f"{'phase':<26}{'count':>8}{'total(ms)':>12}{'mean(us)':>11}")
+    out.append(f"{'phase':<26}{'count':>8}{'total(ms)':>12}{'mean(us)':>11}"
+               f"{'batches':>9}{'bytes':>13}")
     for name, p in s["phases"].items():
+        extra = (f"{p['batches']:>9}{p['bytes']:>13}" if "batches" in p
+                 else "")
         out.append(f"{name:<26}{p['count']:>8}{_ms(p['total_us']):>12}"
-                   f"{p['mean_us']:>11.1f}")
+                   f"{p['mean_us']:>11.1f}{extra}")
     out.append("")
     cols = [p for p in s["phases"]]
     short = {"NEGOTIATE": "negotiate", "QUEUE": "queue",
@@ -224,14 +239,14 @@ def format_summary(s, max_tensors=30):
     width = max([len("tensor")] + [len(t) for t in s["tensors"]])
     width = min(width, 48)
     out.append("# per tensor (ms; sorted by total, busiest first)")
-    out.append(f"{'tensor':<{width}}{'n':>6}{'bytes':>12}"
+    out.append(f"{'tensor':<{width}}{'n':>6}{'fused':>7}"
                + "".join(f"{h:>11}" for h in heads))
     rows = sorted(s["tensors"].items(),
                   key=lambda kv: -sum(kv[1].get(p, 0) for p in cols))
     for name, row in rows[:max_tensors]:
         label = name if len(name) <= width else "..." + name[-(width - 3):]
         out.append(f"{label:<{width}}{int(row.get('count', 0)):>6}"
-                   f"{int(row.get('bytes', 0)):>12}"
+                   f"{row.get('fused', 0):>7.1f}"
                    + "".join(f"{_ms(row.get(p, 0)):>11}" for p in cols))
     if len(rows) > max_tensors:
         out.append(f"# ... {len(rows) - max_tensors} more tensors")

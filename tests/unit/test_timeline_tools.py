@@ -62,10 +62,12 @@ def test_summarize_exact_numbers(trace_file):
     assert s["events"] == 20 and s["cycles"] == 1
     assert s["phases"]["NEGOTIATE"] == {"count": 4, "total_us": 460.0,
                                         "mean_us": 115.0}
-    assert s["phases"]["ALLREDUCE"]["count"] == 4
-    assert s["phases"]["ALLREDUCE"]["total_us"] == 160.0
+    # Two fused batches of 4 KiB, each drawn on both rows.
+    assert s["phases"]["ALLREDUCE"] == {"count": 4, "total_us": 160.0,
+                                        "mean_us": 40.0, "batches": 2,
+                                        "bytes": 8192}
     a = s["tensors"]["grad/a"]
-    assert a["count"] == 2 and a["bytes"] == 8192
+    assert a["count"] == 2 and a["fused"] == 2.0
     assert a["NEGOTIATE"] == 400.0 and a["QUEUE"] == 0.0
     b = s["tensors"]["grad/b"]
     # grad/b waits in the queue for grad/a: step 1 (100 - 60), step 2

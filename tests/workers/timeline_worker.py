@@ -1,0 +1,74 @@
+"""Collectives under a timeline, for tests/parallel/test_timeline.py.
+
+    timeline_worker.py env             # KERASDIST_TIMELINE set by the test
+    timeline_worker.py runtime DIR     # start/stop at run time
+
+`env`: a few steps of a tf.function with allreduces named tl.grad.0..3 (two
+fusable float32 and two of other dtypes), an allgather and a broadcast.
+`runtime`: steps before, inside and after `kerasdist.timeline.timeline(...)`
+(DIR/a.json) with distinct tensor names, then a second timeline with cycle
+markers (DIR/b.json) started and stopped by the functions. Prints "OK".
+"""
+
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import kerasdist as kd
+
+
+def _steps(prefix, count):
+    rank, n = kd.rank(), kd.size()
+    xs = [tf.fill([256], float(rank + 1)), tf.fill([1024], float(rank)),
+          tf.fill([64], float(rank + 2)), tf.cast(tf.fill([8], rank), tf.int32)]
+
+    @tf.function(autograph=False)
+    def step():
+        return [kd.allreduce(x, op=kd.Sum, name=f"{prefix}.{i}")
+                for i, x in enumerate(xs)]
+
+    for _ in range(count):
+        outs = step()
+        want = [n * (n + 1) / 2, n * (n - 1) / 2, n * (n + 3) / 2,
+                n * (n - 1) / 2]
+        for got, w in zip(outs, want):
+            assert np.all(got.numpy() == w), (prefix, got.numpy()[:3], w)
+
+
+def main():
+    mode = sys.argv[1]
+    kd.init()
+    rank = kd.rank()
+    if mode == "env":
+        _steps("tl.grad", 5)
+        g = kd.allgather(tf.fill([2], float(rank)), name="tl.gather")
+        assert g.shape[0] == 2 * kd.size()
+        b = kd.broadcast(tf.fill([3], float(rank)), root_rank=0,
+                         name="tl.bcast")
+        assert np.all(b.numpy() == 0.0)
+    else:
+        out = sys.argv[2]
+        _steps("before", 2)
+        with kd.timeline.timeline(os.path.join(out, "a.json")) as path:
+            assert path.endswith("a.json")
+            _steps("inside", 3)
+        _steps("after", 2)
+        kd.timeline.start_timeline(os.path.join(out, "b.json"),
+                                   mark_cycles=True)
+        _steps("second", 3)
+        kd.timeline.stop_timeline()
+        kd.timeline.stop_timeline()  # stopping twice is fine
+    kd.shutdown()
+    try:
+        kd.timeline.start_timeline("x.json")
+    except RuntimeError as e:
+        assert "not initialized" in str(e), e
+    else:
+        raise AssertionError("start_timeline after shutdown did not raise")
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
