@@ -154,8 +154,9 @@ def summarize(trace, top=10):
         collectives also `batches` and `bytes`: the distinct collective
         calls, a fused batch counted once, and the bytes they moved),
         `tensors` (name -> {phase -> total_us, "count": collectives,
-        "fused": mean number of tensors in its batches}), `top_waits` (the `top` longest NEGOTIATE events: tensor,
-        dur_us, ts, first_rank, last_rank), `stragglers` (rank -> {last,
+        "fused": mean number of tensors in its batches}), `top_waits`
+        (the `top` longest NEGOTIATE events: tensor, dur_us, ts,
+        first_rank, last_rank), `stragglers` (rank -> {last,
         waited_us}), `span_us` (first event start to last event end),
         `cycles`, `events` and `truncated`.
     """
