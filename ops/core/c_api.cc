@@ -101,12 +101,9 @@ int kerasdist_cross_size(void) { KD_TOPO(cross_size) }
 
 int kerasdist_mpi_built(void) { return 1; }
 
+// nccl_communicator.cc registers the GPU backend when it is compiled in.
 int kerasdist_nccl_built(void) {
-#ifdef KERASDIST_WITH_NCCL
-  return 1;
-#else
-  return 0;
-#endif
+  return RegisteredDeviceBackend().factory ? 1 : 0;
 }
 
 const char* kerasdist_build_info(void) {
@@ -124,6 +121,7 @@ const char* kerasdist_build_info(void) {
     << "mpi_standard=" << major << "." << minor << "\n"
     << "mpi_library=" << mpi << "\n"
     << "nccl=" << kerasdist_nccl_built() << "\n"
+    << "gpu_backend=" << RegisteredDeviceBackend().version << "\n"
     << "compiler=" << __VERSION__ << "\n";
   t_text = o.str();
   return t_text.c_str();
@@ -231,9 +229,15 @@ int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
   e.output = output;
   if (q.op == OpType::kBarrier) q.shape.clear();
   int64_t esize = DataTypeSize(q.dtype);
-  e.allocate = [state, output, esize](const std::vector<int64_t>& shape,
-                                      void** data) {
+  const bool on_device = q.device >= 0;
+  e.allocate = [state, output, esize, on_device](const std::vector<int64_t>& shape,
+                                                 void** data) {
     state->shape = shape;
+    if (output == nullptr && on_device) {
+      return Status::InvalidArgument(
+          "a device tensor needs a preallocated output of the result's size "
+          "(the C API allocates host memory only).");
+    }
     if (output != nullptr) {
       *data = output;  // the caller sized it (it knows the result's size)
     } else {

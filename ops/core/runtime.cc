@@ -611,7 +611,9 @@ Status Runtime::ExecuteDevice(const std::vector<const Response*>& resps,
   if (!s.ok()) {
     device_.reset();
     for (Entry& e : entries) Complete(e, Result{s, {}});
-    return s;  // the ranks may disagree about the GPU path now: stop
+    // Setup failures are agreed on by all ranks (the next device batch tries
+    // again); a CUDA/NCCL failure may have hit some ranks only: stop.
+    return s.code() == StatusCode::kInternal ? s : Status::OK();
   }
   if (q.op == OpType::kAllreduce) {
     for (Entry& e : entries) {
