@@ -439,7 +439,10 @@ class Trainer:
             self.history.set_model(self.model)
             return self.history
         rank, size = basics.rank(), basics.size()
-        tf.random.set_seed(self.seed)  # the shuffle seeds derive from it
+        # The shuffle seeds are (global seed, epoch-derived op seed): fix the
+        # global one. Never 0: TF's get_seed then compares the (tensor) op
+        # seed with 0 in Python, which fails inside the tf.data function.
+        tf.random.set_seed(self.seed % (2 ** 31 - 1) + 1)
         pipeline, steps = _tdata.train_pipeline(
             train, _tdata.count(train), rank=rank, size=size,
             sharded=self.data_is_sharded, batch_size=self.batch_size,

@@ -119,7 +119,7 @@ class Toy(kd.Trainer):
 
 def settings(ckpt_dir, **extra):
     return dict(epochs=EPOCHS, batch_size=BATCH, learning_rate=0.01,
-                warmup_epochs=1, checkpoint_dir=ckpt_dir, keep_checkpoints=3,
+                warmup_epochs=3, checkpoint_dir=ckpt_dir, keep_checkpoints=3,
                 seed=5, verbose=2, **extra)
 
 

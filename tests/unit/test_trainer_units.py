@@ -1,0 +1,237 @@
+"""Trainer in one process (kerasdist at size 1): bad input fails before
+training, the checkpoint store, and the epoch pipeline."""
+
+import json
+import os
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kerasdist as kd  # noqa: E402
+from kerasdist import _trainer_data  # noqa: E402
+from kerasdist import checkpoints  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
+Y = (X[:, 0] > 0).astype("int64")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    yield
+    if kd.is_initialized():
+        kd.shutdown()
+
+
+class Tiny(kd.Trainer):
+    def build_model(self):
+        return keras.Sequential([keras.Input((4,)),
+                                 keras.layers.Dense(2, activation="softmax")])
+
+    def train_data(self):
+        return X, Y
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"epochs": 0}, "epochs must be an int >= 1, got 0"),
+    ({"epochs": -2}, "epochs must be an int >= 1, got -2"),
+    ({"epochs": 1.5}, "epochs must be an int >= 1, got 1.5"),
+    ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+    ({"batch_size": -8}, "batch_size must be an int >= 1, got -8"),
+    ({"keep_checkpoints": 0}, "keep_checkpoints must be an int >= 1"),
+    ({"learning_rate": 0.0}, "learning_rate must be a number > 0"),
+    ({"warmup_epochs": -1}, "warmup_epochs must be an int >= 0"),
+    ({"fit_kwargs": {"epochs": 3}}, "fit_kwargs may not set ['epochs']"),
+])
+def test_bad_settings_raise_in_constructor(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        Tiny(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_checkpoint_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "not_a_dir"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="must be a directory.*is a file"):
+        Tiny(checkpoint_dir=path)
+
+
+@pytest.mark.parametrize("data", [[1, 2, 3], "x.csv", (X,), {"x": X}])
+def test_train_data_of_wrong_type(tmp_path, data):
+    class Bad(Tiny):
+        def train_data(self):
+            return data
+
+    trainer = Bad(checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(TypeError, match="train_data\\(\\) must return a "
+                       "tf.data.Dataset.*got " + type(data).__name__):
+        trainer.fit()
+    assert trainer.model is None  # nothing was built or trained
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_mismatched_array_lengths():
+    class Bad(Tiny):
+        def train_data(self):
+            return X, Y[:-1]
+
+    with pytest.raises(ValueError, match="different lengths \\[39, 40\\]"):
+        Bad().fit()
+
+
+def test_build_model_not_a_model(tmp_path):
+    class Bad(Tiny):
+        def build_model(self):
+            return keras.layers.Dense(2)
+
+    trainer = Bad(checkpoint_dir=tmp_path)
+    with pytest.raises(TypeError, match="build_model\\(\\) must return a "
+                       "keras.Model, got Dense"):
+        trainer.fit()
+    assert os.listdir(tmp_path) == []
+
+
+def test_build_optimizer_not_an_optimizer():
+    class Bad(Tiny):
+        def build_optimizer(self, learning_rate):
+            return "adam"
+
+    with pytest.raises(TypeError, match="keras.optimizers.Optimizer, got"):
+        Bad().fit()
+
+
+def test_missing_overrides_say_what_to_do():
+    with pytest.raises(NotImplementedError, match="must override train_data"):
+        kd.Trainer().fit()
+
+
+def test_fit_at_size_one_learns_and_resumes(tmp_path):
+    history = Tiny(epochs=3, batch_size=8, learning_rate=0.05,
+                   checkpoint_dir=tmp_path, verbose=0).fit()
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0], losses
+    again = Tiny(epochs=3, batch_size=8, learning_rate=0.05,
+                 checkpoint_dir=tmp_path, verbose=0)
+    history = again.fit()
+    assert again.initial_epoch == 3 and history.history == {}
+    assert int(again.optimizer.iterations) == 3 * 5  # 40 examples / 8
+
+
+# ---- checkpoint store ------------------------------------------------------
+
+
+def _writer(payload):
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(payload)
+    return write
+
+
+def test_store_keeps_newest_and_verifies(tmp_path):
+    for epoch in range(1, 5):
+        checkpoints.save(tmp_path, epoch, _writer(b"w%d" % epoch),
+                         {"step": epoch * 10}, keep=2)
+    assert sorted(os.listdir(tmp_path)) == [
+        "epoch-000003.json", "epoch-000003.weights.h5",
+        "epoch-000004.json", "epoch-000004.weights.h5"]
+    manifest = checkpoints.latest(tmp_path)
+    assert manifest["epoch"] == 4 and manifest["step"] == 40
+    assert manifest["weights_bytes"] == 2
+    assert checkpoints.resolve(tmp_path / "epoch-000003.weights.h5")[
+        "epoch"] == 3
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"good"), {})
+
+    def crash(path):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        checkpoints.save(tmp_path, 2, crash, {})
+    assert sorted(os.listdir(tmp_path)) == ["epoch-000001.json",
+                                            "epoch-000001.weights.h5"]
+    assert checkpoints.latest(tmp_path)["epoch"] == 1
+
+
+def test_weights_without_manifest_are_not_a_checkpoint(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"one"), {})
+    # A crash between the weight rename and the manifest rename.
+    (tmp_path / "epoch-000002.weights.h5").write_bytes(b"two")
+    assert checkpoints.latest(tmp_path)["epoch"] == 1
+
+
+def test_damaged_newest_falls_back_with_warning(tmp_path):
+    for epoch in (1, 2, 3):
+        checkpoints.save(tmp_path, epoch, _writer(b"abcdef"), {})
+    (tmp_path / "epoch-000003.weights.h5").write_bytes(b"abcdeX")  # same size
+    (tmp_path / "epoch-000002.json").write_text("{not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = checkpoints.latest(tmp_path)
+    assert manifest["epoch"] == 1
+    text = [str(w.message) for w in caught]
+    assert any("epoch-000003.weights.h5" in t and "checksum" in t
+               for t in text), text
+    assert any("epoch-000002.json" in t for t in text), text
+
+
+def test_all_damaged_is_an_error(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"abcdef"), {})
+    os.truncate(tmp_path / "epoch-000001.weights.h5", 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(checkpoints.CheckpointError,
+                           match="Every checkpoint in .* is damaged"):
+            checkpoints.latest(tmp_path)
+
+
+def test_manifest_records_checksum(tmp_path):
+    import hashlib
+    path = checkpoints.save(tmp_path, 7, _writer(b"payload"),
+                            {"world_size": 3})
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest["weights_sha256"] == hashlib.sha256(b"payload").hexdigest()
+    assert manifest["world_size"] == 3 and manifest["epoch"] == 7
+
+
+# ---- epoch pipeline --------------------------------------------------------
+
+
+def _batches(first, last, rank, size):
+    tf.random.set_seed(11)  # as Trainer does (the global half of the seed)
+    ds = tf.data.Dataset.range(23)
+    pipeline, steps = _trainer_data.train_pipeline(
+        ds, 23, rank=rank, size=size, sharded=False, batch_size=4, seed=3,
+        shuffle=True, shuffle_buffer=None, first_epoch=first,
+        last_epoch=last)
+    return [b.numpy().tolist() for b in pipeline], steps
+
+
+def test_epoch_order_does_not_depend_on_the_start_epoch():
+    full, steps = _batches(0, 4, rank=0, size=2)
+    tail, _ = _batches(2, 4, rank=0, size=2)
+    assert steps == 3  # the smaller shard has 11 examples: 3 batches of 4
+    assert len(full) == 4 * steps
+    assert tail == full[2 * steps:]
+    assert full[:steps] != full[steps:2 * steps]  # reshuffled per epoch
+
+
+def test_shards_are_disjoint_and_equal_in_steps():
+    for size in (2, 3):
+        seen = []
+        for rank in range(size):
+            batches, steps = _batches(1, 2, rank, size)
+            assert len(batches) == steps
+            seen += [x for b in batches for x in b]
+        assert len(seen) == len(set(seen))  # no example twice in an epoch
+        # 23 over 2: 12 + 11 in 3 batches of <= 4; over 3: 8 + 8 + 7 in 2.
+        assert sorted(seen) == list(range(23))
