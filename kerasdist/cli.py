@@ -14,6 +14,10 @@ _COMMANDS = {
     "run": ("kerasdist.run.launch:main",
             "run a command on N ranks under mpiexec"),
     "timeline": ("kerasdist.timeline_tools:main", "summarize or plot a timeline file"),
+    "doctor": ("kerasdist.doctor:doctor",
+               "check this install and self-test every collective on 2 ranks"),
+    "check-build": ("kerasdist.doctor:check_build",
+                    "print what the native library was built with"),
 }
 
 

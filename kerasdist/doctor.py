@@ -1,0 +1,319 @@
+"""`kerasdist doctor` and `kerasdist check-build`: is this install usable?
+
+    kerasdist check-build      what the native library was built with
+    kerasdist doctor           install checks plus a 2-rank self-test
+    kerasdist doctor --np 4    the self-test on 4 ranks
+
+`doctor` prints one line per check, `OK` or what to do about it, and exits
+nonzero when a check failed. Its self-test runs every collective through the
+launcher (`python -m kerasdist.run -np N python -m kerasdist.doctor
+--selftest`) from numpy via the C API, so it needs neither TensorFlow nor a GPU.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import kerasdist
+
+OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
+# TensorFlow's start-up chatter would drown the report.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- facts ------------------------------------------------------------------
+
+def _native_info():
+    """(build_info dict, None) or (None, error text)."""
+    try:
+        from kerasdist import _capi
+        lines = _capi.text("build_info").splitlines()
+    except (ImportError, OSError) as e:
+        return None, str(e)
+    return dict(l.split("=", 1) for l in lines if "=" in l), None
+
+
+def _tf_built_for():
+    try:
+        with open(os.path.join(_HERE, "_build_info.json")) as f:
+            return json.load(f).get("tensorflow")
+    except (OSError, ValueError):
+        return None
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__, None
+    except Exception as e:  # noqa: BLE001 - any import failure is a finding
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _gpus():
+    """GPU names from `nvidia-smi -L`, or None when nvidia-smi is absent."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [l for l in out.splitlines() if l.startswith("GPU ")]
+
+
+# ---- check-build ------------------------------------------------------------
+
+def check_build_rows():
+    """(name, value) rows of `kerasdist check-build`."""
+    info, err = _native_info()
+    tf_running, _ = _version("tensorflow")
+    keras, _ = _version("keras")
+    rows = [("kerasdist", kerasdist.__version__),
+            ("native library", info.get("kerasdist", "?") if info
+             else f"not loadable ({err})"),
+            ("TensorFlow built for", _tf_built_for() or "unknown"),
+            ("TensorFlow running", tf_running or "not installed"),
+            ("Keras", keras or "not installed"),
+            ("Python", sys.version.split()[0])]
+    if info:
+        rows += [("MPI library", info.get("mpi_library", "?")),
+                 ("MPI standard", info.get("mpi_standard", "?"))]
+        nccl = info.get("nccl") == "1"
+        backend = info.get("gpu_backend", "")
+        rows.append(("NCCL", f"yes ({backend})" if nccl else "no"))
+        cuda = [p.split()[-1] for p in backend.split(",") if "CUDA" in p]
+        rows.append(("CUDA", cuda[0] if cuda else "no"))
+    return rows
+
+
+def check_build(argv=None):
+    """`kerasdist check-build`: prints the build table; 1 if unloadable."""
+    argparse.ArgumentParser(
+        prog="kerasdist check-build",
+        description="Print what kerasdist's native library was built with."
+    ).parse_args(argv)
+    rows = check_build_rows()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0 if _native_info()[0] else 1
+
+
+# ---- the self-test (runs on every rank under the launcher) --------------------
+
+def selftest():
+    """Every collective on numpy arrays through the C API, checked exactly.
+
+    Inputs are `rank * 1000 + i`, so sums are exact in float32. Prints
+    `selftest OK` on success; any failure or mismatch raises (exit 1).
+    """
+    import numpy as np
+
+    from kerasdist import _capi
+    lib = _capi.lib()
+    if lib.kerasdist_init(0, 0, b"") != 0:
+        raise RuntimeError(f"init failed: {_capi.last_error()}")
+    rank, size = lib.kerasdist_rank(), lib.kerasdist_size()
+    f32 = _capi.DTYPES[np.dtype(np.float32)]
+
+    def ptr(a):
+        return a.ctypes.data if a.size else None
+
+    def run(op, name, x, out=None, **kw):
+        h = _capi.Handle(op, name, f32, x.shape, ptr(x),
+                         None if out is None else ptr(out), **kw)
+        h.wait(timeout=60)
+        return h
+
+    def owned(h):
+        p, shape = h.output()
+        res = np.empty(shape, np.float32)
+        if res.size:
+            import ctypes
+            ctypes.memmove(res.ctypes.data, p, res.nbytes)
+        return res
+
+    def mine(r, n):
+        return (r * 1000 + np.arange(n)).astype(np.float32)
+
+    n = 1000
+    everyone = sum(mine(r, n) for r in range(size))
+    out = np.empty(n, np.float32)
+    run(_capi.OP_ALLREDUCE, "doctor.sum", mine(rank, n), out, reduce_op=1)
+    np.testing.assert_array_equal(out, everyone, "allreduce sum")
+    xs = [mine(rank, n + k) for k in range(4)]
+    outs = [np.empty_like(x) for x in xs]
+    handles = [_capi.Handle(_capi.OP_ALLREDUCE, f"doctor.fused.{k}", f32,
+                            x.shape, ptr(x), ptr(o), reduce_op=0)
+               for k, (x, o) in enumerate(zip(xs, outs))]
+    for h in handles:
+        h.wait(timeout=60)
+    for k, o in enumerate(outs):
+        want = sum(mine(r, n + k) for r in range(size)) / np.float32(size)
+        np.testing.assert_allclose(o, want, rtol=1e-6, err_msg="average")
+    g = owned(run(_capi.OP_ALLGATHER, "doctor.gather", mine(rank, rank + 1)))
+    want = np.concatenate([mine(r, r + 1) for r in range(size)])
+    np.testing.assert_array_equal(g, want, "allgather (uneven)")
+    for root in range(size):
+        b = np.empty(n, np.float32)
+        run(_capi.OP_BROADCAST, f"doctor.bcast.{root}", mine(rank, n), b,
+            root_rank=root)
+        np.testing.assert_array_equal(b, mine(root, n), "broadcast")
+    a = owned(run(_capi.OP_ALLTOALL, "doctor.alltoall",
+                  np.repeat(mine(rank, size), 2)))
+    np.testing.assert_array_equal(
+        a, np.repeat([r * 1000 + rank for r in range(size)], 2)
+        .astype(np.float32), "alltoall")
+    rs = owned(run(_capi.OP_REDUCESCATTER, "doctor.rs", mine(rank, 2 * size),
+                   reduce_op=1))
+    total = sum(mine(r, 2 * size) for r in range(size))
+    np.testing.assert_array_equal(rs, total[2 * rank:2 * rank + 2],
+                                  "reducescatter")
+    h = _capi.Handle(_capi.OP_BARRIER, "doctor.barrier",
+                     _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
+    h.wait(timeout=60)
+    lib.kerasdist_shutdown()
+    print(f"rank {rank}/{size}: selftest OK", flush=True)
+    return 0
+
+
+# ---- doctor -----------------------------------------------------------------
+
+def install_checks(np_ranks):
+    """[(status, message)] for everything but the self-test."""
+    out = []
+    info, err = _native_info()
+    if info is None:
+        out.append((FAIL, f"native library: {err}"))
+    else:
+        out.append((OK, f"native library {info.get('kerasdist')} loads"))
+    built, running = _tf_built_for(), _version("tensorflow")[0]
+    if running is None:
+        out.append((FAIL, "TensorFlow is not importable: pip install -r "
+                          "requirements.txt (tensorflow-cpu or tensorflow "
+                          f"{built or '2.21.*'})."))
+    elif built is None:
+        out.append((FAIL, f"TensorFlow {running} runs but the op library was "
+                          "never built for it: pip install --no-build-isolation "
+                          "-e . (or make -C ops)."))
+    elif built != running:
+        out.append((FAIL, f"the op library was built for TensorFlow {built} "
+                          f"but {running} is running: rebuild with pip install "
+                          "--no-build-isolation -e ."))
+    else:
+        out.append((OK, f"TensorFlow {running} (the op library's build)"))
+    keras = _version("keras")[0]
+    if keras is None or not keras.startswith("3."):
+        out.append((FAIL, f"Keras 3 is needed, found {keras or 'none'}: "
+                          "pip install 'keras>=3.8,<4'."))
+    else:
+        out.append((OK, f"Keras {keras}"))
+    if info is not None:
+        out.append((OK, f"MPI {info.get('mpi_standard')}: "
+                        f"{info.get('mpi_library')}"))
+    try:
+        from kerasdist.run import launch
+        out.append((OK, f"mpiexec: {launch.find_mpiexec()}"))
+    except Exception as e:  # noqa: BLE001 - its message says what to do
+        out.append((FAIL, f"mpiexec: {e}"))
+    out += gpu_checks(info, _gpus(), np_ranks)
+    return out
+
+
+def gpu_checks(info, gpus, np_ranks):
+    """NCCL/GPU lines from build info and `nvidia-smi -L` (None: absent)."""
+    nccl = bool(info) and info.get("nccl") == "1"
+    out = []
+    if nccl:
+        out.append((OK, f"GPU backend: {info.get('gpu_backend')}"))
+    if gpus is None:
+        out.append((INFO, "no nvidia-smi: no NVIDIA GPU here, CPU training "
+                          "only" + (" (NCCL is built but unused)." if nccl
+                                    else ".")))
+        return out
+    if not gpus:
+        out.append((WARN if nccl else INFO,
+                    "nvidia-smi lists no GPU; check the driver "
+                    "(nvidia-smi) if this machine should have one."))
+        return out
+    if not nccl:
+        out.append((WARN, f"{len(gpus)} GPU(s) here but kerasdist was built "
+                          "without NCCL: GPU tensors are rejected. Rebuild "
+                          "with KERASDIST_WITH_NCCL=1 pip install "
+                          "--no-build-isolation -e . (needs nvcc and "
+                          "pip install nvidia-nccl-cu13)."))
+    per = len(gpus) / np_ranks
+    if len(gpus) < np_ranks:
+        out.append((WARN, f"{len(gpus)} GPU(s) for {np_ranks} ranks on this "
+                          "machine: ranks would share a GPU, which NCCL "
+                          "refuses. Run at most one rank per GPU, or set "
+                          "KERASDIST_GPU_OPERATIONS=MPI."))
+    else:
+        out.append((OK, f"{len(gpus)} GPU(s), {per:g} per local rank at "
+                        f"-np {np_ranks}: pin with tf.config.set_visible_"
+                        "devices(gpus[kd.local_rank()], 'GPU')."))
+    return out
+
+
+def selftest_check(np_ranks, timeout):
+    """Runs the self-test under the launcher; (status, message)."""
+    argv = [sys.executable, "-m", "kerasdist.run", "-np", str(np_ranks),
+            "--timeout", str(timeout), sys.executable, "-m",
+            "kerasdist.doctor", "--selftest"]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True,
+                           timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
+        return FAIL, (f"{np_ranks}-rank self-test did not finish in "
+                      f"{timeout + 30:g} s; run `{' '.join(argv[1:])}` to see "
+                      "where it hangs.")
+    passed = p.stdout.count("selftest OK")
+    if p.returncode == 0 and passed == np_ranks:
+        return OK, (f"{np_ranks}-rank self-test: allreduce, fused allreduce, "
+                    "allgather, broadcast, alltoall, reducescatter, barrier")
+    tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
+    return FAIL, (f"{np_ranks}-rank self-test failed (exit {p.returncode}); "
+                  "the launcher's last lines:\n      " + "\n      ".join(tail))
+
+
+def doctor(argv=None):
+    """`kerasdist doctor`: prints each check; returns 1 if any failed."""
+    p = argparse.ArgumentParser(
+        prog="kerasdist doctor",
+        description="Check this kerasdist install and run a multi-rank "
+                    "self-test of every collective.")
+    p.add_argument("--np", type=int, default=2, dest="np_ranks",
+                   help="ranks for the self-test and the GPU count check")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds the self-test may take (default 120)")
+    p.add_argument("--no-selftest", action="store_true",
+                   help="only the install checks")
+    p.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.selftest:
+        return selftest()
+    results = install_checks(args.np_ranks)
+    for status, message in results:
+        print(f"{status:<4}  {message}", flush=True)
+    if not args.no_selftest:
+        if any(s == FAIL for s, _ in results[:1]):
+            results.append((FAIL, "self-test skipped: the native library "
+                                  "does not load."))
+        else:
+            results.append(selftest_check(args.np_ranks, args.timeout))
+        print(f"{results[-1][0]:<4}  {results[-1][1]}", flush=True)
+    failed = sum(s == FAIL for s, _ in results)
+    print(f"# {failed} problem(s)" if failed else "# all checks passed")
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    return doctor(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

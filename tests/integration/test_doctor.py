@@ -1,0 +1,54 @@
+"""`kerasdist doctor` and `kerasdist check-build`, run as a user would."""
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from kerasdist import doctor  # noqa: E402
+from tests.helpers import launcher_env  # noqa: E402
+
+
+def _cli(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kerasdist.cli", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=launcher_env(env))
+
+
+def test_check_build_prints_the_table():
+    p = _cli("check-build")
+    assert p.returncode == 0, p.stderr
+    for row in ("kerasdist", "TensorFlow built for", "TensorFlow running",
+                "Keras", "MPI library", "NCCL", "CUDA"):
+        assert any(l.startswith(row) for l in p.stdout.splitlines()), row
+
+
+def test_doctor_passes_on_a_working_install():
+    p = _cli("doctor", "--np", "2", "--timeout", "120")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2-rank self-test" in p.stdout
+    assert "# all checks passed" in p.stdout
+    for line in p.stdout.splitlines()[:-1]:
+        assert line.split()[0] in ("OK", "WARN", "--"), line
+
+
+def test_doctor_fails_and_says_so_when_the_selftest_fails():
+    env = dict(os.environ, KERASDIST_FUSION_THRESHOLD="lots")
+    p = _cli("doctor", "--timeout", "60", env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAIL  2-rank self-test failed" in p.stdout
+    assert "KERASDIST_FUSION_THRESHOLD" in p.stdout
+
+
+def test_gpu_lines():
+    built = {"nccl": "1", "gpu_backend": "NCCL 2.32.3, CUDA 13.0"}
+    cpu = {"nccl": "0"}
+    assert doctor.gpu_checks(cpu, None, 2)[0][0] == doctor.INFO
+    lines = doctor.gpu_checks(cpu, ["GPU 0: H200"], 1)
+    assert lines[0][0] == doctor.WARN and "KERASDIST_WITH_NCCL=1" in lines[0][1]
+    lines = doctor.gpu_checks(built, ["GPU 0: H200"], 2)
+    assert lines[-1][0] == doctor.WARN and "KERASDIST_GPU_OPERATIONS=MPI" in lines[-1][1]
+    lines = doctor.gpu_checks(built, ["GPU 0", "GPU 1", "GPU 2", "GPU 3"], 2)
+    assert lines[-1][0] == doctor.OK and "2 per local rank" in lines[-1][1]

@@ -1,0 +1,112 @@
+"""The GPU backend builds on a machine without a GPU (compile and link only).
+
+`make -C ops gpu-check OUT=<tmp>` compiles the NCCL backend into a separate
+libkerasdist_core_nccl.so against the CUDA toolkit (nvcc) and the NCCL
+headers and library of the nvidia-nccl-cu13 wheel, leaving the normal build
+alone. Tests skip, saying what is missing, where nvcc or NCCL is absent.
+"""
+
+import ast
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+OPS = os.path.join(REPO_ROOT, "ops")
+
+
+def _make(*args, timeout=60):
+    return subprocess.run(["make", "--no-print-directory", "-C", OPS,
+                           f"PYTHON={sys.executable}", "TF=0", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _gpu_info(*args):
+    p = _make("gpu-info", *args)
+    assert p.returncode == 0, p.stderr
+    return dict(l.split("=", 1) for l in p.stdout.splitlines() if "=" in l)
+
+
+def _missing_reason():
+    info = _gpu_info()
+    if info["missing"]:
+        return (f"GPU toolchain not found ({info['missing']}); install the "
+                "CUDA toolkit (nvcc) and `pip install nvidia-nccl-cu13` to "
+                "run this check")
+    return None
+
+
+@pytest.mark.slow
+def test_gpu_backend_compiles_and_links(tmp_path):
+    reason = _missing_reason()
+    if reason:
+        pytest.skip(reason)
+    p = _make("gpu-check", f"OUT={tmp_path}", timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lib = tmp_path / "libkerasdist_core_nccl.so"
+    assert lib.exists()
+    # It loads without a GPU (NCCL and CUDA start only on first device use)
+    # and reports the backend it registered.
+    code = ("import ctypes, sys\n"
+            "l = ctypes.CDLL(sys.argv[1])\n"
+            "l.kerasdist_build_info.restype = ctypes.c_char_p\n"
+            "print('nccl_built', l.kerasdist_nccl_built())\n"
+            "print(l.kerasdist_build_info().decode())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(lib)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "nccl_built 1" in out.stdout
+    assert re.search(r"gpu_backend=NCCL \d+\.\d+\.\d+, CUDA \d+\.\d+",
+                     out.stdout), out.stdout
+
+
+def test_with_nccl_0_skips_the_gpu_backend():
+    assert _gpu_info("KERASDIST_WITH_NCCL=0")["with_nccl"] == "0"
+
+
+def test_auto_detection_follows_what_is_found():
+    info = _gpu_info()
+    assert info["with_nccl"] == ("0" if info["missing"] else "1")
+    info = _gpu_info("NCCL_HOME=/nonexistent")
+    assert info["with_nccl"] == "0" and "nccl.h" in info["missing"]
+
+
+def test_with_nccl_1_and_nothing_found_is_a_clear_error(tmp_path):
+    p = _make("KERASDIST_WITH_NCCL=1", "NCCL_HOME=/nonexistent",
+              f"OUT={tmp_path}")
+    assert p.returncode != 0
+    assert "KERASDIST_WITH_NCCL=1 but not found" in p.stderr
+    assert "nccl.h" in p.stderr and "nvidia-nccl-cu13" in p.stderr
+
+
+def test_gpu_check_without_nccl_says_what_is_missing(tmp_path):
+    p = _make("gpu-check", "NCCL_HOME=/nonexistent", f"OUT={tmp_path}")
+    assert p.returncode != 0
+    assert "gpu-check: not found" in p.stderr and "nccl.h" in p.stderr
+
+
+def test_cuda_and_nccl_headers_stay_in_the_gpu_files():
+    allowed = {"nccl_communicator.cc", "gpu_util.h", "gpu_util.cc"}
+    pattern = re.compile(r'#include\s*[<"](cuda|nccl|cuda_runtime)[^>"]*[>"]')
+    for path in glob.glob(os.path.join(OPS, "core", "**", "*.*"),
+                          recursive=True):
+        with open(path) as f:
+            if pattern.search(f.read()):
+                assert os.path.basename(path) in allowed, path
+
+
+def test_gpu_check_scripts_parse():
+    with open(os.path.join(REPO_ROOT, "tests", "gpu", "gpu_check.py")) as f:
+        ast.parse(f.read())
+    bash = shutil.which("bash")
+    if bash:
+        p = subprocess.run([bash, "-n", os.path.join(
+            REPO_ROOT, "tests", "gpu", "run_on_gpu.sh")],
+            capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
