@@ -9,14 +9,25 @@ intra- and one inter-op thread per process. Steps are timed by wall clock
 between batch ends after a warm-up. After training every rank's weights are
 allgathered and compared with rank 0's (`same` column).
 
-Prints a table: model, np, img/s per rank, total, scaling efficiency
-(total at np=2 / (2 x np=1)). MultiWorkerMirroredStrategy is not compared
-here (see the report). Run it alone: the machine has 2 cores.
+Prints a table: model, system, np, img/s per rank, total, scaling
+efficiency (total at np=2 / (2 x the kerasdist np=1 run)). With `--mwms`
+the same models also run under tf.distribute.MultiWorkerMirroredStrategy
+with 2 local workers (RING collectives over loopback, TF_CONFIG, each
+worker feeding its own 1024 images, auto-sharding off, 64 per replica).
+Keras 3.15.1 needs two workarounds for MWMS in `model.fit` (keras#20585,
+tensorflow#72388); neither touches the gradient path:
+  1. `_maybe_symbolic_build` reduces the whole PerReplica batch to build
+     the model: we build from the first local replica's batch instead;
+  2. the train step's per-replica logs (a scalar loss) are reduced along
+     axis 0, which fails: we reduce the logs as "first" (the loss logged is
+     the first replica's; gradients are still all-reduced by the strategy).
+Run it alone: the machine has 2 cores.
 """
 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +103,122 @@ def worker(model_name, steps, warmup):
             flush=True)
 
 
+def mwms_worker(model_name, steps, warmup):
+    """One MWMS worker (TF_CONFIG set by the parent); prints its RESULT."""
+    import hashlib
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    # Workaround 2: per-step logs reduced as "first" (see the docstring).
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def reduce_first(values, strategy, reduction):
+        return original_reduce(values, strategy,
+                               "first" if reduction == "auto" else reduction)
+
+    tf_trainer.reduce_per_replica = reduce_first
+    comm = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation
+        .RING)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=comm)
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    rng = np.random.default_rng(index)
+    x = rng.random((1024, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, size=(1024,))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF)
+    replicas = strategy.num_replicas_in_sync
+    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
+        BATCH * replicas).with_options(options)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _build(model_name)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True),
+            jit_compile=False)
+
+    # Workaround 1: build from the first local replica's batch.
+    def symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0],
+                    batch)
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = symbolic_build
+    ends = []
+    timer = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(
+            time.perf_counter()))
+    model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
+              verbose=0, callbacks=[timer])
+    img_sec = steps * BATCH / (ends[-1] - ends[warmup - 1])
+    digest = hashlib.sha256(b"".join(
+        w.tobytes() for w in model.get_weights())).hexdigest()
+    print("RESULT " + json.dumps({
+        "model": model_name, "index": index, "rate": img_sec,
+        "digest": digest, "params": int(model.count_params()),
+        "tensors": len(model.trainable_variables)}), flush=True)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+def _launch_mwms(model_name, steps, warmup, workers=2):
+    hosts = [f"127.0.0.1:{p}" for p in _free_ports(workers)]
+    procs = []
+    for index in range(workers):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_CONFIG=json.dumps(
+            {"cluster": {"worker": hosts},
+             "task": {"type": "worker", "index": index}}))
+        argv = [sys.executable, os.path.abspath(__file__), "--worker",
+                "--system", "mwms", "--model", model_name, "--steps",
+                str(steps), "--warmup", str(warmup)]
+        procs.append(subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env, cwd=REPO_ROOT))
+    results, logs = [], []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=900)
+            logs.append(out)
+            results += [json.loads(line.split("RESULT ", 1)[1])
+                        for line in out.splitlines() if "RESULT " in line]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    if len(results) != workers:
+        raise RuntimeError(f"MWMS {model_name} failed:\n"
+                           + "\n".join(log[-3000:] for log in logs))
+    return {"model": model_name, "np": workers,
+            "rates": [r["rate"] for r in results],
+            "params": results[0]["params"], "tensors": results[0]["tensors"],
+            "same": len({r["digest"] for r in results}) == 1}
+
+
 def _launch(np_, model_name, steps, warmup):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -114,6 +241,10 @@ def main():
     parser.add_argument("--worker", action="store_true",
                         help=argparse.SUPPRESS)
     parser.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
+    parser.add_argument("--system", default="kerasdist",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--mwms", action="store_true",
+                        help="also run MultiWorkerMirroredStrategy at np=2")
     parser.add_argument("--steps", type=int, default=0,
                         help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=5,
@@ -122,26 +253,34 @@ def main():
     parser.add_argument("--steps-mlp", type=int, default=200)
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, args.steps, args.warmup)
+        run = mwms_worker if args.system == "mwms" else worker
+        run(args.model, args.steps, args.warmup)
         return
 
-    print("# W3: model.fit, batch 64 per rank, SGD momentum, "
-          "kerasdist DistributedOptimizer")
-    print(f"# {'model':>6} {'params':>9} {'tensors':>7} {'np':>3} "
-          f"{'img/s/rank':>11} {'total':>9} {'eff':>5} {'same':>5}")
+    print("# W3: model.fit, batch 64 per rank, SGD momentum; eff against "
+          "kerasdist np=1")
+    print(f"# {'model':>6} {'system':>9} {'params':>9} {'tensors':>7} "
+          f"{'np':>3} {'img/s/rank':>11} {'total':>9} {'eff':>5} "
+          f"{'same':>5}")
     for model_name, steps in (("cnn", args.steps_cnn),
                               ("mlp20", args.steps_mlp)):
+        runs = [("kerasdist", 1), ("kerasdist", 2)]
+        if args.mwms:
+            runs.append(("mwms", 2))
         single = None
-        for np_ in (1, 2):
-            r = _launch(np_, model_name, steps, args.warmup)
+        for system, np_ in runs:
+            if system == "mwms":
+                r = _launch_mwms(model_name, steps, args.warmup)
+            else:
+                r = _launch(np_, model_name, steps, args.warmup)
             total = sum(r["rates"])
-            per_rank = total / np_
-            if np_ == 1:
+            if single is None:
                 single = total
             eff = total / (np_ * single)
-            print(f"  {model_name:>6} {r['params']:>9} {r['tensors']:>7} "
-                  f"{np_:>3} {per_rank:>11.1f} {total:>9.1f} {eff:>5.2f} "
-                  f"{str(r['same']):>5}", flush=True)
+            print(f"  {model_name:>6} {system:>9} {r['params']:>9} "
+                  f"{r['tensors']:>7} {np_:>3} {total / np_:>11.1f} "
+                  f"{total:>9.1f} {eff:>5.2f} {str(r['same']):>5}",
+                  flush=True)
 
 
 if __name__ == "__main__":
