@@ -8,18 +8,16 @@ logging, atomic checkpoints and an exact resume after a restart.
 """
 
 import os
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import __version__ as kerasdist_version
 from kerasdist import _trainer_callbacks as _tcb
 from kerasdist import _trainer_data as _tdata
+from kerasdist import _trainer_state as _tstate
 from kerasdist import basics
 from kerasdist import checkpoints
-from kerasdist import collectives
 from kerasdist import callbacks as kd_callbacks
 from kerasdist.optimizer import DistributedOptimizer
 from kerasdist.run import settings as _run_settings
@@ -33,13 +31,6 @@ _RESERVED_FIT_KWARGS = frozenset({
 _CONFIG_KEYS = ("epochs", "batch_size", "learning_rate", "scale_lr",
                 "warmup_epochs", "seed", "data_is_sharded", "shuffle",
                 "shuffle_buffer")
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return int(value)
 
 
 class Trainer:
@@ -112,22 +103,13 @@ class Trainer:
                  keep_checkpoints=3, auto_resume=True, seed=0, verbose=1,
                  tensorboard_dir=None, data_is_sharded=False, shuffle=True,
                  shuffle_buffer=None, fit_kwargs=None):
-        self.epochs = _positive_int("epochs", epochs)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.keep_checkpoints = _positive_int("keep_checkpoints",
+        self.epochs = _tstate.positive_int("epochs", epochs)
+        self.batch_size = _tstate.positive_int("batch_size", batch_size)
+        self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
                                               keep_checkpoints)
-        if isinstance(learning_rate, bool) or not isinstance(
-                learning_rate, (int, float)) or not learning_rate > 0:
-            raise ValueError(f"learning_rate must be a number > 0, got "
-                             f"{learning_rate!r}.")
-        if isinstance(warmup_epochs, bool) or not isinstance(
-                warmup_epochs, int) or warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be an int >= 0, got "
-                             f"{warmup_epochs!r}.")
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int, got {seed!r}.")
+        _tstate.check_numbers(learning_rate, warmup_epochs, seed)
         if shuffle_buffer is not None:
-            shuffle_buffer = _positive_int("shuffle_buffer", shuffle_buffer)
+            shuffle_buffer = _tstate.positive_int("shuffle_buffer", shuffle_buffer)
         checkpoints.check_directory(checkpoint_dir)
         fit_kwargs = dict(fit_kwargs or {})
         clash = sorted(_RESERVED_FIT_KWARGS & set(fit_kwargs))
@@ -215,7 +197,7 @@ class Trainer:
             kerasdist.checkpoints.CheckpointError: if `checkpoint_dir`
                 holds checkpoints but none is intact.
         """
-        self._start()
+        _tstate.start()
         train = _tdata.as_dataset(self.train_data(), "train_data()")
         val = self.val_data()
         if val is not None:
@@ -235,7 +217,7 @@ class Trainer:
         Returns:
             A dict metric name -> float, the same on every rank.
         """
-        self._start()
+        _tstate.start()
         data = self.val_data() if data is None else data
         if data is None:
             raise ValueError("evaluate() needs data: pass it or override "
@@ -243,13 +225,13 @@ class Trainer:
         dataset = _tdata.as_dataset(data, "evaluate(data)")
         self._prepare(dataset)
         local, n_local = self._eval_data(dataset)
-        counts = self._gather([float(n_local)], "eval.count")[:, 0]
+        counts = _tstate.gather_row([float(n_local)], "eval.count")[:, 0]
         if counts.min() == 0:
             raise ValueError(f"evaluate(): some rank has no examples (counts "
                              f"{counts.astype(int).tolist()}).")
         result = self.model.evaluate(local, verbose=0, return_dict=True)
         keys = sorted(result)
-        table = self._gather([float(result[k]) for k in keys],
+        table = _tstate.gather_row([float(result[k]) for k in keys],
                              f"eval.{len(keys)}")
         weights = counts / counts.sum()
         return {k: float(np.dot(weights, table[:, i]))
@@ -305,8 +287,8 @@ class Trainer:
         Returns:
             The `keras.callbacks.History` of the fine-tuning.
         """
-        epochs = _positive_int("epochs", epochs)
-        self._start()
+        epochs = _tstate.positive_int("epochs", epochs)
+        _tstate.start()
         dataset = _tdata.as_dataset(data, "fine_tune(data)")
         if val_data is not None:
             val_data = _tdata.as_dataset(val_data, "fine_tune(val_data)")
@@ -325,18 +307,6 @@ class Trainer:
                            warmup=False)
 
     # ---- internals ------------------------------------------------------
-
-    def _start(self):
-        if not basics.is_initialized():
-            basics.init()
-        gpus = tf.config.list_physical_devices("GPU")
-        if gpus:
-            try:
-                gpu = gpus[basics.local_rank() % len(gpus)]
-                tf.config.set_visible_devices(gpu, "GPU")
-                tf.config.experimental.set_memory_growth(gpu, True)
-            except RuntimeError:
-                pass  # TF already set up its devices; keep them.
 
     def _log(self, text):
         if self.verbose and basics.rank() == 0:
@@ -371,7 +341,9 @@ class Trainer:
         self._compile()
         self.optimizer.build(model.trainable_variables)
         if self._source is not None:
-            self._load_on_rank0(self._source)
+            source = self._source
+            _tstate.resume_on_rank0(lambda: source, self._load_on_rank0,
+                                    source["weights_path"])
             _tcb.sync_state(model)
 
     def _compile(self):
@@ -404,31 +376,21 @@ class Trainer:
         if attempt not in ("", "0"):
             self._log(f"restart attempt {int(attempt) + 1} "
                       f"({_run_settings.RESTART_ATTEMPT}={attempt})")
-        code, epoch, message = 0, 0, ""
-        if basics.rank() == 0 and self.checkpoint_dir and self.auto_resume:
-            try:
-                manifest = checkpoints.latest(self.checkpoint_dir)
-                if manifest is not None:
-                    self._load_on_rank0(manifest)
-                    code, epoch = 1, int(manifest["epoch"])
-            except Exception as e:  # every rank must hear about it
-                code, message = 2, f"{type(e).__name__}: {e}"
-        status = collectives.broadcast(
-            tf.constant([code, epoch], tf.int64), 0,
-            name="kerasdist.trainer.resume").numpy()
-        if status[0] == 2:
-            raise checkpoints.CheckpointError(
-                message or "rank 0 could not resume from the checkpoints in "
-                f"{self.checkpoint_dir}; see rank 0's error.")
-        if status[0] == 1:
+        done = None
+        if self.checkpoint_dir and self.auto_resume:
+            directory = self.checkpoint_dir
+            done = _tstate.resume_on_rank0(
+                lambda: checkpoints.latest(directory), self._load_on_rank0,
+                f"the checkpoints in {directory}")
+        if done is not None:
             _tcb.sync_state(self.model)
             self._log(f"resuming from {self.resumed_from} at epoch "
-                      f"{int(status[1]) + 1} of {self.epochs} (optimizer "
+                      f"{done + 1} of {self.epochs} (optimizer "
                       f"step {int(self.optimizer.iterations)})")
         elif self.checkpoint_dir and self.auto_resume:
             self._log(f"no checkpoint in {self.checkpoint_dir}; starting "
                       "from epoch 1")
-        self.epochs_done = int(status[1])
+        self.epochs_done = done or 0
         return self.epochs_done
 
     def _train(self, train, val, start, end, warmup=True):
@@ -452,7 +414,7 @@ class Trainer:
         val_local = None
         if val is not None:
             val_local, n_local = self._eval_data(val)
-            counts = self._gather([float(n_local)], "val.count")[:, 0]
+            counts = _tstate.gather_row([float(n_local)], "val.count")[:, 0]
             if counts.min() == 0:
                 raise ValueError("val_data() leaves some rank without "
                                  "examples; give it at least size() "
@@ -487,20 +449,7 @@ class Trainer:
 
     def _save(self, epochs_done, logs):
         self.epochs_done = epochs_done
-        config = {k: getattr(self, k) for k in _CONFIG_KEYS}
-        info = {
-            "step": int(self.optimizer.iterations),
-            "world_size": basics.size(),
-            "phase": self._phase,
-            "trainer_class": f"{type(self).__module__}."
-                             f"{type(self).__qualname__}",
-            "trainer": config,
-            "logs": {k: float(v) for k, v in logs.items()
-                     if isinstance(v, (int, float, np.number))},
-            "versions": {"kerasdist": kerasdist_version,
-                         "tensorflow": tf.__version__,
-                         "keras": keras.__version__},
-        }
+        info = _tstate.manifest_info(self, logs, _CONFIG_KEYS)
         self.last_checkpoint = checkpoints.save(
             self.checkpoint_dir, epochs_done, self.model.save_weights, info,
             keep=self.keep_checkpoints)
@@ -511,25 +460,8 @@ class Trainer:
             dataset, n, rank=basics.rank(), size=basics.size(),
             sharded=self.data_is_sharded, batch_size=self.batch_size)
 
-    def _gather(self, row, tag):
-        row = np.asarray([row], np.float64)
-        return collectives.allgather(
-            row, name=f"kerasdist.trainer.{tag}").numpy()
-
     def _freeze(self, freeze):
-        layers = list(self.model._flatten_layers(include_self=False))
-        if callable(freeze):
-            chosen = [layer for layer in layers if freeze(layer)]
-        else:
-            names = [freeze] if isinstance(freeze, str) else list(freeze)
-            known = {layer.name for layer in layers}
-            unknown = sorted(set(names) - known)
-            if unknown:
-                raise ValueError(f"freeze names unknown layers {unknown}; the "
-                                 f"model has {sorted(known)}.")
-            chosen = [layer for layer in layers if layer.name in names]
-        if not chosen:
-            warnings.warn("fine_tune(freeze=...) matched no layer.")
+        chosen = _tstate.layers_to_freeze(self.model, freeze)
         for layer in chosen:
             layer.trainable = False
         # Recompile so the train step sees the new trainable set; the

@@ -1,0 +1,126 @@
+"""Process setup, resume protocol and small helpers of the Trainer
+(private)."""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasdist import __version__ as kerasdist_version
+from kerasdist import basics
+from kerasdist import checkpoints
+from kerasdist import collectives
+
+
+def start():
+    """Initialises kerasdist if needed; pins this process's GPU."""
+    if not basics.is_initialized():
+        basics.init()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        try:
+            gpu = gpus[basics.local_rank() % len(gpus)]
+            tf.config.set_visible_devices(gpu, "GPU")
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:
+            pass  # TF already set up its devices; keep them.
+
+
+def resume_on_rank0(find, load, what):
+    """Rank 0 finds a checkpoint with `find()` (a manifest or None) and
+    loads it with `load(manifest)`; every rank learns the outcome.
+
+    Returns:
+        The number of epochs the loaded checkpoint had done, or None when
+        there was none (the same on every rank).
+
+    Raises:
+        checkpoints.CheckpointError: on every rank, when rank 0 found only
+            damaged checkpoints or could not load one.
+    """
+    code, epoch, message = 0, 0, ""
+    if basics.rank() == 0:
+        try:
+            manifest = find()
+            if manifest is not None:
+                load(manifest)
+                code, epoch = 1, int(manifest["epoch"])
+        except Exception as e:  # the other ranks must hear about it
+            code, message = 2, f"{type(e).__name__}: {e}"
+    # One broadcast, also on failure: a rank that raised alone would leave
+    # the others waiting in their next collective.
+    status = collectives.broadcast(
+        tf.constant([code, epoch], tf.int64), 0,
+        name="kerasdist.trainer.resume").numpy()
+    if status[0] == 2:
+        raise checkpoints.CheckpointError(
+            message or f"rank 0 could not load {what}; see its error.")
+    return int(status[1]) if status[0] == 1 else None
+
+
+def manifest_info(trainer, logs, config_keys):
+    """What a checkpoint's manifest records besides the file facts."""
+    cls = type(trainer)
+    return {
+        "step": int(trainer.optimizer.iterations),
+        "world_size": basics.size(),
+        "phase": trainer._phase,
+        "trainer_class": f"{cls.__module__}.{cls.__qualname__}",
+        "trainer": {k: getattr(trainer, k) for k in config_keys},
+        "logs": {k: float(v) for k, v in logs.items()
+                 if isinstance(v, (int, float, np.number))},
+        "versions": {"kerasdist": kerasdist_version,
+                     "tensorflow": tf.__version__,
+                     "keras": keras.__version__},
+    }
+
+
+def positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    return int(value)
+
+
+def check_numbers(learning_rate, warmup_epochs, seed):
+    """Raises ValueError for a bad learning rate, warmup or seed."""
+    if isinstance(learning_rate, bool) or not isinstance(
+            learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate must be a number > 0, got "
+                         f"{learning_rate!r}.")
+    if isinstance(warmup_epochs, bool) or not isinstance(
+            warmup_epochs, int) or warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs must be an int >= 0, got "
+                         f"{warmup_epochs!r}.")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}.")
+
+
+def gather_row(row, tag):
+    """[size, len(row)] float64 table of every rank's `row`."""
+    row = np.asarray([row], np.float64)
+    return collectives.allgather(
+        row, name=f"kerasdist.trainer.{tag}").numpy()
+
+
+def layers_to_freeze(model, freeze):
+    """The layers `freeze` (names, one name or a predicate) selects.
+
+    Raises:
+        ValueError: for names the model does not have.
+    """
+    layers = list(model._flatten_layers(include_self=False))
+    if callable(freeze):
+        chosen = [layer for layer in layers if freeze(layer)]
+    else:
+        names = [freeze] if isinstance(freeze, str) else list(freeze)
+        known = {layer.name for layer in layers}
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(f"freeze names unknown layers {unknown}; the "
+                             f"model has {sorted(known)}.")
+        chosen = [layer for layer in layers if layer.name in names]
+    if not chosen:
+        warnings.warn("fine_tune(freeze=...) matched no layer.")
+    return chosen
