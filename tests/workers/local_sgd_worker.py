@@ -101,6 +101,17 @@ def check_k1_equals_sync():
     assert identical_on_all_ranks(local.get_weights())
     assert not np.allclose(flat(local.get_weights()),
                            flat(model_fn().get_weights()))
+    # Momentum is linear in the gradients: K=1 gives the synchronous
+    # weights; with average_optimizer_state each rank's slots match too
+    # (without it they differ, so the slot check tests the option).
+    sync = train(kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9)), xs, ys, epochs=2)
+    local = train(keras.optimizers.SGD(0.05, momentum=0.9), xs, ys,
+                  epochs=2, callbacks=[kd.callbacks.ModelAverageCallback(
+                      1, average_optimizer_state=True)])
+    close(local.get_weights(), sync.get_weights(), "K=1 momentum vs sync")
+    close(local.optimizer.variables, sync.optimizer.variables,
+          "K=1 momentum slots")
     ok("k1_equals_sync")
 
 
