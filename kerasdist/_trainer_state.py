@@ -66,6 +66,7 @@ def manifest_info(trainer, logs, config_keys):
         "step": int(trainer.optimizer.iterations),
         "world_size": basics.size(),
         "phase": trainer._phase,
+        "fine_tune_of": trainer._fine_tune_key,
         "trainer_class": f"{cls.__module__}.{cls.__qualname__}",
         "trainer": {k: getattr(trainer, k) for k in config_keys},
         "logs": {k: float(v) for k, v in logs.items()

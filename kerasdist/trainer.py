@@ -7,6 +7,7 @@ the scaled learning rate with an optional warmup, the
 logging, atomic checkpoints and an exact resume after a restart.
 """
 
+import importlib.util
 import os
 
 import keras
@@ -81,6 +82,7 @@ class Trainer:
     Raises:
         ValueError: for an invalid setting, such as `batch_size=0` or a
             `checkpoint_dir` that is a file.
+        ImportError: for `tensorboard_dir` without TensorBoard installed.
 
     Example:
 
@@ -98,6 +100,9 @@ class Trainer:
     ```
     """
 
+    # Raised by fit() when checkpoint_dir holds only damaged checkpoints.
+    CheckpointError = checkpoints.CheckpointError
+
     def __init__(self, *, epochs=1, batch_size=32, learning_rate=1e-3,
                  scale_lr=True, warmup_epochs=0, checkpoint_dir=None,
                  keep_checkpoints=3, auto_resume=True, seed=0, verbose=1,
@@ -106,11 +111,17 @@ class Trainer:
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
-                                              keep_checkpoints)
+                                                     keep_checkpoints)
         _tstate.check_numbers(learning_rate, warmup_epochs, seed)
         if shuffle_buffer is not None:
-            shuffle_buffer = _tstate.positive_int("shuffle_buffer", shuffle_buffer)
+            shuffle_buffer = _tstate.positive_int("shuffle_buffer",
+                                                  shuffle_buffer)
         checkpoints.check_directory(checkpoint_dir)
+        if tensorboard_dir is not None and \
+                importlib.util.find_spec("tensorboard") is None:
+            # Keras would fail only at the end of the first epoch.
+            raise ImportError("tensorboard_dir needs the tensorboard "
+                              "package: pip install tensorboard.")
         fit_kwargs = dict(fit_kwargs or {})
         clash = sorted(_RESERVED_FIT_KWARGS & set(fit_kwargs))
         if clash:
@@ -137,8 +148,9 @@ class Trainer:
         self.epochs_done = 0  # epochs the current weights were trained for
         self.resumed_from = None  # weight file of the checkpoint loaded
         self.last_checkpoint = None  # manifest path of the last one written
-        self._source = None  # manifest to load into the model (from_checkpoint)
+        self._source = None  # manifest to load (set by from_checkpoint)
         self._phase = "fit"
+        self._fine_tune_key = None  # see fine_tune
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -203,7 +215,7 @@ class Trainer:
         if val is not None:
             val = _tdata.as_dataset(val, "val_data()")
         self._prepare(train)
-        self._phase = "fit"
+        self._phase, self._fine_tune_key = "fit", None
         start = self._resume() if self._source is None else self.epochs_done
         return self._train(train, val, start, self.epochs)
 
@@ -302,9 +314,16 @@ class Trainer:
             self.learning_rate = float(learning_rate)
             self._set_learning_rate(self.scaled_learning_rate)
         self._phase = "fine_tune"
-        start = self.epochs_done
-        return self._train(dataset, val_data, start, start + epochs,
-                           warmup=False)
+        start = end = self.epochs_done
+        end += epochs
+        self._fine_tune_key = None
+        if self._source is not None:
+            # Identifies this fine-tuning (source checkpoint and epoch range)
+            # so that a rerun after a crash can continue it.
+            self._fine_tune_key = (f"{self._source['weights_sha256']}:"
+                                   f"{start}:{end}")
+            start = self._resume_fine_tune(start, end)
+        return self._train(dataset, val_data, start, end, warmup=False)
 
     # ---- internals ------------------------------------------------------
 
@@ -392,6 +411,29 @@ class Trainer:
                       "from epoch 1")
         self.epochs_done = done or 0
         return self.epochs_done
+
+    def _resume_fine_tune(self, start, end):
+        """Continues an interrupted fine_tune of the same checkpoint over
+        the same epochs from its newest checkpoint; returns the start."""
+        if not (self.checkpoint_dir and self.auto_resume):
+            return start
+        directory, key = self.checkpoint_dir, self._fine_tune_key
+
+        def find():
+            manifest = checkpoints.latest(directory)
+            if manifest is not None and manifest.get("fine_tune_of") == key:
+                return manifest
+            return None
+
+        done = _tstate.resume_on_rank0(find, self._load_on_rank0,
+                                       f"the checkpoints in {directory}")
+        if done is None:
+            return start
+        _tcb.sync_state(self.model)
+        self._log(f"resuming fine-tuning from {self.resumed_from} at epoch "
+                  f"{done + 1} of {end}")
+        self.epochs_done = done
+        return done
 
     def _train(self, train, val, start, end, warmup=True):
         self.initial_epoch = start

@@ -54,6 +54,17 @@ def test_bad_settings_raise_in_constructor(kwargs, needle):
     assert needle in str(e.value)
 
 
+def test_tensorboard_logs_or_a_clear_error(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            Tiny(tensorboard_dir=tmp_path)
+        return
+    Tiny(epochs=1, verbose=0, tensorboard_dir=tmp_path).fit()
+    assert [p for p in tmp_path.rglob("*") if "tfevents" in p.name]
+
+
 def test_checkpoint_dir_that_is_a_file(tmp_path):
     path = tmp_path / "not_a_dir"
     path.write_text("x")
@@ -112,14 +123,56 @@ def test_missing_overrides_say_what_to_do():
 
 def test_fit_at_size_one_learns_and_resumes(tmp_path):
     history = Tiny(epochs=3, batch_size=8, learning_rate=0.05,
-                   checkpoint_dir=tmp_path, verbose=0).fit()
+                   checkpoint_dir=tmp_path / "ckpt", verbose=0).fit()
     losses = history.history["loss"]
     assert losses[-1] < losses[0], losses
     again = Tiny(epochs=3, batch_size=8, learning_rate=0.05,
-                 checkpoint_dir=tmp_path, verbose=0)
+                 checkpoint_dir=tmp_path / "ckpt", verbose=0)
     history = again.fit()
     assert again.initial_epoch == 3 and history.history == {}
     assert int(again.optimizer.iterations) == 3 * 5  # 40 examples / 8
+
+
+def test_from_checkpoint_without_checkpoint(tmp_path):
+    with pytest.raises(checkpoints.CheckpointError, match="no checkpoint"):
+        Tiny.from_checkpoint(tmp_path)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_fine_tune_resumes_after_a_crash(tmp_path):
+    x2, y2 = X[::-1] * 1.5, 1 - Y[::-1]  # "new data": another task
+    Tiny(epochs=2, batch_size=8, checkpoint_dir=tmp_path / "base",
+         verbose=0).fit()
+    reference = Tiny.from_checkpoint(tmp_path / "base",
+                                     checkpoint_dir=tmp_path / "ref")
+    reference.fine_tune((x2, y2), epochs=3, learning_rate=0.02)
+
+    class CrashAfterEpoch4(Tiny):
+        def callbacks(self):
+            def crash(epoch, logs):
+                if epoch == 3:  # the second fine-tuning epoch, checkpointed
+                    raise _Crash()
+            return [keras.callbacks.LambdaCallback(on_epoch_end=crash)]
+
+    crashed = CrashAfterEpoch4.from_checkpoint(
+        tmp_path / "base", checkpoint_dir=tmp_path / "ft")
+    with pytest.raises(_Crash):
+        crashed.fine_tune((x2, y2), epochs=3, learning_rate=0.02)
+    again = Tiny.from_checkpoint(tmp_path / "base",
+                                 checkpoint_dir=tmp_path / "ft")
+    again.fine_tune((x2, y2), epochs=3, learning_rate=0.02)
+    assert again.initial_epoch == 4 and reference.initial_epoch == 2
+    for a, b in zip(again.model.weights + again.optimizer.variables,
+                    reference.model.weights + reference.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A fine-tuning over other epochs does not pick those checkpoints up.
+    other = Tiny.from_checkpoint(tmp_path / "base",
+                                 checkpoint_dir=tmp_path / "ft")
+    other.fine_tune((x2, y2), epochs=1)
+    assert other.initial_epoch == 2
 
 
 # ---- checkpoint store ------------------------------------------------------
