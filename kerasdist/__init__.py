@@ -28,10 +28,12 @@ _EXPORTS = {
     "reducescatter": "collectives", "barrier": "collectives",
     "DistributedOptimizer": "optimizer", "Compression": "compression",
     "DistributedGradientTape": "tape", "Trainer": "trainer",
+    "start_timeline": "timeline", "stop_timeline": "timeline",
+    "start_autotune": "autotune", "stop_autotune": "autotune",
 }
 
 # Submodules reachable as attributes after `import kerasdist`.
-_SUBMODULES = ("callbacks", "schedules", "data", "timeline")
+_SUBMODULES = ("callbacks", "schedules", "data", "timeline", "autotune")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 

@@ -86,10 +86,16 @@ def init(comm=None, **settings):
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+    from kerasdist import autotune  # numpy/scikit-learn only when asked for
+    autotune.maybe_start()
 
 
 def shutdown():
     """Stops the runtime; pending collectives fail. `init()` may follow."""
+    import sys
+    autotune = sys.modules.get("kerasdist.autotune")
+    if autotune is not None:
+        autotune.stop_autotune()
     if _capi._lib is not None or _capi.os.path.exists(_capi.library_path()):
         _capi.lib().kerasdist_shutdown()
 

@@ -145,6 +145,9 @@ const char* kerasdist_current_config(void) {
     << "KERASDIST_STALL_CHECK_TIME_SECONDS=" << c.stall_check_time_s << "\n"
     << "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS=" << c.stall_shutdown_time_s << "\n"
     << "KERASDIST_TIMELINE=" << c.timeline_path << "\n"
+    << "KERASDIST_TIMELINE_MARK_CYCLES=" << (c.timeline_mark_cycles ? 1 : 0) << "\n"
+    << "KERASDIST_AUTOTUNE=" << (c.autotune ? 1 : 0) << "\n"
+    << "KERASDIST_AUTOTUNE_LOG=" << c.autotune_log << "\n"
     << "KERASDIST_GPU_OPERATIONS=" << c.gpu_operations << "\n"
     << "KERASDIST_LOG_LEVEL=" << c.log_level << "\n";
   t_text = o.str();

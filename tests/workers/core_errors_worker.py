@@ -55,6 +55,12 @@ if mode == "init":
     assert kd.current_settings()["KERASDIST_CYCLE_TIME"] == "0.2"
     assert allreduce(np.ones(3), "a", op=kd.Sum).tolist() == [n] * 3
     kd.shutdown()
+    # back-to-back lives: a shutdown notice still in flight from one life must
+    # not reach the next (MPI may reuse the freed communicator's context id)
+    for life in range(6):
+        kd.init()
+        assert allreduce(np.ones(2), f"life.{life % 2}", op=kd.Sum).tolist() == [n] * 2
+        kd.shutdown()
     print("OK init", flush=True)
 
 elif mode == "comm":

@@ -11,7 +11,13 @@ namespace kerasdist::core {
 
 namespace {
 
-constexpr int kControlTag = 17;
+// Each init() gets its own control tag. MPI may hand a new communicator the
+// context id of one freed at shutdown(); a negotiation message still in
+// flight from the previous life (e.g. a shutdown notice that crossed the
+// coordinator's) must not be read by the new one. init() and shutdown() are
+// collective, so the generation is the same on every rank.
+constexpr int kControlTagBase = 17;
+int g_generation = 0;
 
 bool g_we_initialized_mpi = false;
 
@@ -217,6 +223,7 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   }
   MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
   std::unique_ptr<MpiContext> ctx(new MpiContext());
+  ctx->control_tag_ = kControlTagBase + (g_generation++ % 16384);
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(ctx->comm_, MPI_ERRORS_RETURN);
   Topology& t = ctx->topo_;
@@ -250,7 +257,7 @@ Status MpiContext::SendControl(int dest, std::string bytes) {
   Pending& p = sends_.back();
   KD_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(p.bytes.size()), "control message"));
   return MpiStatus(MPI_Isend(p.bytes.data(), static_cast<int>(p.bytes.size()),
-                             MPI_BYTE, dest, kControlTag, comm_, &p.request),
+                             MPI_BYTE, dest, control_tag_, comm_, &p.request),
                    "MPI_Isend");
 }
 
@@ -259,7 +266,7 @@ Status MpiContext::PollControl(bool* got, int* src, std::string* bytes) {
   MPI_Message msg;
   MPI_Status st;
   KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Improbe(MPI_ANY_SOURCE, kControlTag, comm_, &flag, &msg, &st),
+      MPI_Improbe(MPI_ANY_SOURCE, control_tag_, comm_, &flag, &msg, &st),
       "MPI_Improbe"));
   *got = flag != 0;
   if (!flag) return Status::OK();

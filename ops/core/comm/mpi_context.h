@@ -45,6 +45,7 @@ class MpiContext {
  private:
   MpiContext() = default;
   MPI_Comm comm_ = MPI_COMM_NULL;
+  int control_tag_ = 0;
   Topology topo_;
   struct Pending {
     std::string bytes;
