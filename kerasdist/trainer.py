@@ -244,7 +244,7 @@ class Trainer:
         result = self.model.evaluate(local, verbose=0, return_dict=True)
         keys = sorted(result)
         table = _tstate.gather_row([float(result[k]) for k in keys],
-                             f"eval.{len(keys)}")
+                                   f"eval.{len(keys)}")
         weights = counts / counts.sum()
         return {k: float(np.dot(weights, table[:, i]))
                 for i, k in enumerate(keys)}
@@ -300,6 +300,8 @@ class Trainer:
             The `keras.callbacks.History` of the fine-tuning.
         """
         epochs = _tstate.positive_int("epochs", epochs)
+        if learning_rate is not None:
+            _tstate.check_numbers(learning_rate, 0, self.seed)
         _tstate.start()
         dataset = _tdata.as_dataset(data, "fine_tune(data)")
         if val_data is not None:
@@ -308,9 +310,6 @@ class Trainer:
         if freeze is not None:
             self._freeze(freeze)
         if learning_rate is not None:
-            if not learning_rate > 0:
-                raise ValueError(f"learning_rate must be > 0, got "
-                                 f"{learning_rate!r}.")
             self.learning_rate = float(learning_rate)
             self._set_learning_rate(self.scaled_learning_rate)
         self._phase = "fine_tune"

@@ -116,6 +116,18 @@ def test_build_optimizer_not_an_optimizer():
         Bad().fit()
 
 
+def test_bad_fine_tune_arguments():
+    trainer = Tiny()
+    with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+        trainer.fine_tune((X, Y), epochs=0)
+    with pytest.raises(ValueError, match="learning_rate must be a number"):
+        trainer.fine_tune((X, Y), epochs=1, learning_rate=-1.0)
+    with pytest.raises(ValueError, match="freeze names unknown layers "
+                       "\\['nope'\\]; the model has \\['dense"):
+        trainer.fine_tune((X, Y), epochs=1, freeze=["nope"])
+    assert int(trainer.optimizer.iterations) == 0  # nothing was trained
+
+
 def test_missing_overrides_say_what_to_do():
     with pytest.raises(NotImplementedError, match="must override train_data"):
         kd.Trainer().fit()
