@@ -54,7 +54,8 @@ def ops():
 # would wait for itself. Their order does not matter (the runtime negotiates it),
 # so they are declared order-insensitive-but-must-run, like TF's own infeeds.
 _CONCURRENT_OPS = frozenset((
-    "KerasdistAllreduce", "KerasdistAllgather", "KerasdistBroadcast",
+    "KerasdistAllreduce", "KerasdistGroupedAllreduce", "KerasdistAllgather",
+    "KerasdistBroadcast",
     "KerasdistAlltoall", "KerasdistReducescatter"))
 
 

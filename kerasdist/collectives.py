@@ -102,29 +102,13 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
     _require_init()
     _check_op(op, "grouped_allreduce")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tf.executing_eagerly():
-        base = _auto_name("grouped_allreduce", name)
-        return _grouped(tensors, op, base, prescale_factor, postscale_factor)
-    # Eagerly each op would block until done, and the first member of a group
-    # waits for the others: run the group as one function. The name is reused
-    # across calls (eager calls are in program order on every rank), so the
-    # function is traced once per signature and the response cache hits.
-    base = "grouped_allreduce.eager" if name is None else str(name)
-    return _grouped_eager(tensors, op, base, float(prescale_factor),
-                          float(postscale_factor))
-
-
-def _grouped(tensors, op, base, prescale_factor, postscale_factor):
-    return [
-        _ops().kerasdist_allreduce(
-            t, tensor_name=f"{base}.{i}", reduce_op=op,
-            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            group=base, group_size=len(tensors))
-        for i, t in enumerate(tensors)
-    ]
-
-
-_grouped_eager = tf.function(_grouped, reduce_retracing=True)
+    if not tensors:
+        return []
+    # One op for the whole list: members are named `<name>.<i>`.
+    return list(_ops().kerasdist_grouped_allreduce(
+        tensors, tensor_name=_auto_name("grouped_allreduce", name),
+        reduce_op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor))
 
 
 def allgather(tensor, name=None):
@@ -227,6 +211,20 @@ def _allreduce_grad(op, grad):
         grad, tensor_name=_name(op), reduce_op=reduce_op,
         prescale_factor=_attr(op, "prescale_factor"),
         postscale_factor=_attr(op, "postscale_factor"))
+
+
+@tf.RegisterGradient("KerasdistGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    reduce_op = _attr(op, "reduce_op")
+    if reduce_op not in (basics.Average, basics.Sum):
+        raise NotImplementedError(
+            "Only Sum and Average allreduces are differentiable.")
+    grads = [tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
+             for g, x in zip(grads, op.inputs)]
+    return list(_ops().kerasdist_grouped_allreduce(
+        grads, tensor_name=_name(op), reduce_op=reduce_op,
+        prescale_factor=_attr(op, "prescale_factor"),
+        postscale_factor=_attr(op, "postscale_factor")))
 
 
 @tf.RegisterGradient("KerasdistAllgather")

@@ -1,6 +1,8 @@
 // AsyncOpKernels: each wraps its tensors, enqueues one Entry with the core
 // runtime and returns; the runtime's background thread completes the op.
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -167,6 +169,85 @@ class AllreduceOp : public CollectiveKernel {
   int group_size_;
 };
 
+class GroupedAllreduceOp : public AsyncOpKernel {
+ public:
+  explicit GroupedAllreduceOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &base_));
+    if (base_.empty()) base_ = name();
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto rt = core::CurrentRuntime();
+    OP_REQUIRES_ASYNC(ctx, rt != nullptr,
+                      ::tensorflow::errors::FailedPrecondition(
+                          "kerasdist is not initialized; call kerasdist.init() first."),
+                      done);
+    const int n = ctx->num_inputs();
+    if (n == 0) {
+      done();
+      return;
+    }
+    // Completes the op when the last member finishes; keeps the first error.
+    struct Countdown {
+      std::atomic<int> left;
+      std::mutex mu;
+      ::tensorflow::Status status;
+    };
+    auto state = std::make_shared<Countdown>();
+    state->left = n;
+    auto finish_one = [ctx, done, state](const ::tensorflow::Status& s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> l(state->mu);
+        if (state->status.ok()) state->status = s;
+      }
+      if (--state->left == 0) {
+        if (!state->status.ok()) ctx->SetStatus(state->status);
+        done();
+      }
+    };
+    std::vector<core::Entry> entries(n);
+    for (int i = 0; i < n; ++i) {
+      const Tensor& in = ctx->input(i);
+      core::Entry& e = entries[i];
+      Tensor* out = nullptr;
+      ::tensorflow::Status s =
+          ctx->forward_input_or_allocate_output({i}, i, in.shape(), &out);
+      if (s.ok() && !ToCore(in.dtype(), &e.req.dtype)) {
+        s = ::tensorflow::errors::InvalidArgument(
+            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
+      }
+      if (!s.ok()) {  // fail the op before anything is enqueued
+        ctx->SetStatus(s);
+        done();
+        return;
+      }
+      e.req.name = base_ + "." + std::to_string(i);
+      e.req.op = core::OpType::kAllreduce;
+      e.req.shape = Dims(in.shape());
+      e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
+      e.req.prescale = prescale_;
+      e.req.postscale = postscale_;
+      e.req.group = base_;
+      e.req.group_size = n;
+      e.input = in.tensor_data().data();
+      e.output = Data(*out);
+      e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
+    }
+    for (int i = 0; i < n; ++i) {
+      core::Status s = rt->Enqueue(std::move(entries[i]));
+      if (!s.ok()) finish_one(ToTf(s));
+    }
+  }
+
+ private:
+  std::string base_;
+  int reduce_op_;
+  float prescale_, postscale_;
+};
+
 class AllgatherOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
@@ -275,6 +356,7 @@ class BarrierOp : public CollectiveKernel {
       Name(NAME).Device(::tensorflow::DEVICE_CPU), CLASS)
 
 KD_REGISTER("KerasdistAllreduce", AllreduceOp);
+KD_REGISTER("KerasdistGroupedAllreduce", GroupedAllreduceOp);
 KD_REGISTER("KerasdistAllgather", AllgatherOp);
 KD_REGISTER("KerasdistBroadcast", BroadcastOp);
 KD_REGISTER("KerasdistAlltoall", AlltoallOp);

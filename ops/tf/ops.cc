@@ -41,6 +41,24 @@ REGISTER_OP("KerasdistAllreduce")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Reduces `tensor` over all ranks (see kerasdist.allreduce).");
 
+// One kernel for a whole list: one dispatch and one completion for N tensors,
+// where N separate ops would cost TF's per-op overhead N times.
+REGISTER_OP("KerasdistGroupedAllreduce")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8})")
+    .Attr("tensor_name: string")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Input("tensors: T")
+    .Output("reduced: T")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return Status();
+    })
+    .Doc("Reduces a list of tensors over all ranks, together (names "
+         "`tensor_name.0`, `tensor_name.1`, ...).");
+
 REGISTER_OP("KerasdistAllgather")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
     .Attr("tensor_name: string")
