@@ -1,6 +1,8 @@
 """Process setup, resume protocol and small helpers of the Trainer
 (private)."""
 
+import collections
+import contextlib
 import warnings
 
 import keras
@@ -25,6 +27,38 @@ def start():
             tf.config.experimental.set_memory_growth(gpu, True)
         except RuntimeError:
             pass  # TF already set up its devices; keep them.
+
+
+@contextlib.contextmanager
+def rank_independent_names():
+    """Builds Keras objects with auto names that do not depend on what this
+    process built before.
+
+    Keras numbers auto names per process ("sequential_2/dense_3"), and
+    DistributedOptimizer names each gradient allreduce after its
+    variable's path. A rank that built one model more before the Trainer's
+    (a rank-0-only evaluation model, say) would name the same gradient
+    differently from the other ranks, and the job would hang. Inside this
+    context the counters start from zero; afterwards each is the larger of
+    its old and new value, so later names stay unique.
+    """
+    try:  # Keras keeps the counters in private global state.
+        from keras.src.backend.common import global_state
+    except ImportError:  # pragma: no cover - another Keras layout
+        yield
+        return
+    key = "object_name_uids"
+    old = global_state.get_global_attribute(
+        key, default=collections.defaultdict(int), set_to_default=True)
+    fresh = collections.defaultdict(int)
+    global_state.set_global_attribute(key, fresh)
+    try:
+        yield
+    finally:
+        merged = collections.defaultdict(int, old)
+        for name, count in fresh.items():
+            merged[name] = max(merged[name], count)
+        global_state.set_global_attribute(key, merged)
 
 
 def resume_on_rank0(find, load, what):

@@ -335,15 +335,16 @@ class Trainer:
         if self.model is not None:
             return
         keras.utils.set_random_seed(self.seed)
-        model = self.build_model()
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"build_model() must return a keras.Model, got "
-                            f"{type(model).__name__}.")
-        if not model.built:
-            # Subclassed or Input-less models: build on one example batch.
-            x = next(iter(sample_data.batch(1).take(1)))[0]
-            model(x)
-        optimizer = self.build_optimizer(self.scaled_learning_rate)
+        with _tstate.rank_independent_names():
+            model = self.build_model()
+            if not isinstance(model, keras.Model):
+                raise TypeError(f"build_model() must return a keras.Model, "
+                                f"got {type(model).__name__}.")
+            if not model.built:
+                # Subclassed or Input-less models: build on one batch.
+                x = next(iter(sample_data.batch(1).take(1)))[0]
+                model(x)
+            optimizer = self.build_optimizer(self.scaled_learning_rate)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError("build_optimizer() must return a "
                             "keras.optimizers.Optimizer, got "

@@ -67,7 +67,8 @@ def test_train_checks(straight):
         "metrics_improve", "history_identical_on_ranks",
         "weights_identical_on_ranks", "steps_and_learning_rate",
         "evaluate_is_whole_set_average",
-        "checkpoints_atomic_rotated_and_complete"])
+        "checkpoints_atomic_rotated_and_complete",
+        "data_is_sharded_uneven_parts"])
     # Progress bar and logs on rank 0 only.
     assert any("Epoch 4/4" in line for line in rank_lines(out.stdout, 0))
     assert not any("Epoch" in line for line in rank_lines(out.stdout, 1))

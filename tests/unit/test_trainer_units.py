@@ -14,6 +14,7 @@ import tensorflow as tf  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
 from kerasdist import _trainer_data  # noqa: E402
+from kerasdist import _trainer_state  # noqa: E402
 from kerasdist import checkpoints  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
@@ -188,6 +189,19 @@ def test_fine_tune_resumes_after_a_crash(tmp_path):
                                  checkpoint_dir=tmp_path / "ft")
     other.fine_tune((x2, y2), epochs=1)
     assert other.initial_epoch == 2
+
+
+def test_model_names_do_not_depend_on_earlier_models():
+    def build():
+        return keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+
+    with _trainer_state.rank_independent_names():
+        first = build()
+    build()  # a model only this "rank" builds
+    with _trainer_state.rank_independent_names():
+        second = build()
+    assert [v.path for v in second.weights] == [v.path for v in first.weights]
+    assert build().name not in (first.name, second.name)  # still unique
 
 
 # ---- checkpoint store ------------------------------------------------------
