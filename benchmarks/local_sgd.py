@@ -6,8 +6,8 @@
 W3 setup from BENCHMARKS.md (CNN and MLP-20, batch 64 per rank, 1024
 in-memory 32x32x3 images per rank, SGD(0.01, momentum 0.9), sparse CE from
 logits, jit_compile=False, one intra- and one inter-op thread per rank),
-except that the labels are learnable: an image is 0.1 x its class's fixed
-random prototype image + 0.9 x uniform noise, so the final loss says
+except that the labels are learnable: an image is 0.5 x its class's fixed
+random prototype image + 0.5 x uniform noise (then centred and scaled), so the final loss says
 something about convergence. Every rank starts from the same weights (same seed) and sees
 its own 1024 images.
 
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 BATCH = 64
 N_PER_RANK = 1024
 KS = (1, 4, 16)
-SIGNAL = 0.1  # weight of the class prototype in an image (noise: the rest)
+SIGNAL = 0.5  # weight of the class prototype in an image (noise: the rest)
 
 
 def _build(name):
@@ -54,7 +54,8 @@ def _data(rank):
     rng = np.random.default_rng(100 + rank)
     y = rng.integers(0, 10, size=N_PER_RANK).astype("int32")
     noise = rng.random((N_PER_RANK, 32, 32, 3))
-    x = (SIGNAL * prototypes[y] + (1 - SIGNAL) * noise).astype("float32")
+    x = SIGNAL * prototypes[y] + (1 - SIGNAL) * noise
+    x = (4.0 * (x - 0.5)).astype("float32")  # centred, unit-ish scale
     return x, y
 
 
