@@ -79,10 +79,9 @@ def reduce_gradients(grads, sources, prefix, compression=None,
     Dense gradients are allreduced; `tf.IndexedSlices` are allgathered
     unless `sparse_as_dense`. With a predivide factor f the runtime
     multiplies by 1/f before summing and by f/size after, which equals
-    Average. With `num_groups` = 0 every dense gradient gets its own
-    allreduce (inside a tf.function the runtime fuses them); with n > 0 the
-    dense gradients are split, in order, into n groups of nearly equal
-    count, each reduced by one `grouped_allreduce`.
+    Average. The dense gradients are split, in order, into `num_groups`
+    groups of nearly equal count (0 means one group), each reduced by one
+    `grouped_allreduce`; the runtime fuses each group up to the threshold.
 
     With one rank nothing is communicated: every supported reduction of one
     rank is the identity, so only compression (and `sparse_as_dense`) is
@@ -123,19 +122,19 @@ def reduce_gradients(grads, sources, prefix, compression=None,
         dense.append((i, name, wire, ctx))
 
     wires = [wire for _, _, wire, _ in dense]
-    if num_groups > 0 and dense:
-        reduced = []
-        for g, members in enumerate(split_groups(len(dense), num_groups)):
+    # One grouped op per group: TF dispatches and completes one op instead of
+    # one per gradient (at 42 gradients that per-op cost dominated the MLP-20
+    # step), and member names are positions within the group, so they do not
+    # depend on Keras' auto-generated layer names, which can differ between
+    # ranks that built a different number of models before.
+    groups = num_groups if num_groups > 0 else 1
+    reduced = []
+    if dense:
+        for g, members in enumerate(split_groups(len(dense), groups)):
             reduced += collectives.grouped_allreduce(
                 [wires[j] for j in members], op=dense_op,
-                name=_group_name(prefix, g, num_groups),
+                name=_group_name(prefix, g, groups),
                 prescale_factor=prescale, postscale_factor=postscale)
-    else:
-        reduced = [
-            collectives.allreduce(wire, op=dense_op, name=name,
-                                  prescale_factor=prescale,
-                                  postscale_factor=postscale)
-            for (_, name, _, _), wire in zip(dense, wires)]
     for (i, _, _, ctx), r in zip(dense, reduced):
         out[i] = compression.decompress(r, ctx)
     return out

@@ -105,11 +105,14 @@ def DistributedOptimizer(optimizer, name=None,
             as dense tensors instead of allgathering them.
         gradient_predivide_factor: with op=Average, scale by 1/f before the
             sum and by f/size after it (both in the runtime).
-        num_groups: 0 (default): one allreduce per gradient, which the
-            runtime fuses within a step. n > 0: split the gradients, in
-            order, into n groups of nearly equal count, each reduced by one
-            `kerasdist.grouped_allreduce` (all of a group is negotiated and
-            reduced together). The result is the same either way.
+        num_groups: 0 (default): all dense gradients of a step in one
+            `kerasdist.grouped_allreduce` (one TF op; the runtime fuses it
+            into buffers of up to the fusion threshold). n > 0: split the
+            gradients, in order, into n groups of nearly equal count, one
+            grouped allreduce each, so that communication of the groups
+            finished first can start earlier. The result is the same
+            either way. (Horovod's 0 meant one op per gradient; here that
+            per-op cost is what grouping avoids.)
 
     With one rank (`size() == 1`) no collective is created: averaging over
     one rank is the identity, so only compression and

@@ -463,8 +463,13 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
   if (entries.size() == 1) {
     Entry& e = *entries[0];
     int64_t n = NumElements(e.req.shape);
-    ScaleCopy(e.output, e.input, n, q.dtype, q.prescale);
-    KD_RETURN_IF_ERROR(host_->Allreduce(e.output, n, q.dtype, op));
+    if (q.prescale == 1.0) {
+      // MPI reads the input and writes the output: no copy of our own.
+      KD_RETURN_IF_ERROR(host_->AllreduceFrom(e.input, e.output, n, q.dtype, op));
+    } else {
+      ScaleCopy(e.output, e.input, n, q.dtype, q.prescale);
+      KD_RETURN_IF_ERROR(host_->Allreduce(e.output, n, q.dtype, op));
+    }
     ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
     if (loop_timeline_) {
       RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),

@@ -6,6 +6,7 @@
 #define KERASDIST_CORE_COMM_COMMUNICATOR_H_
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,12 @@ class Communicator {
   // In place. `op` is never Average: the runtime turns it into Sum + scaling.
   virtual Status Allreduce(void* buf, int64_t count, DataType dt,
                            ReduceOp op) = 0;
+  // Out of place (`in` != `out`); the default copies, then reduces in place.
+  virtual Status AllreduceFrom(const void* in, void* out, int64_t count,
+                               DataType dt, ReduceOp op) {
+    if (in != out && count > 0) std::memcpy(out, in, count * DataTypeSize(dt));
+    return Allreduce(out, count, dt, op);
+  }
   // `bytes[r]` is rank r's contribution; `out` holds their concatenation.
   virtual Status Allgatherv(const void* in, void* out,
                             const std::vector<int64_t>& bytes) = 0;

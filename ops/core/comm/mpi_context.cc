@@ -116,6 +116,16 @@ class MpiCommunicator : public Communicator {
                      "MPI_Allreduce");
   }
 
+  Status AllreduceFrom(const void* in, void* out, int64_t count, DataType dt,
+                       ReduceOp op) override {
+    if (count == 0) return Status::OK();
+    KD_RETURN_IF_ERROR(CheckCount(count, "allreduce element count"));
+    return MpiStatus(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out,
+                                   static_cast<int>(count), MpiType(dt),
+                                   Op(dt, op), comm_),
+                     "MPI_Allreduce");
+  }
+
   Status Allgatherv(const void* in, void* out,
                     const std::vector<int64_t>& bytes) override {
     std::vector<int> counts, displs;
