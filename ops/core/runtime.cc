@@ -480,10 +480,7 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
   }
   int64_t total = 0;
   for (Entry* e : entries) total += NumElements(e->req.shape);
-  if (static_cast<int64_t>(fusion_buffer_.size()) < total * esize) {
-    fusion_buffer_.resize(total * esize);
-  }
-  char* buf = fusion_buffer_.data();
+  char* buf = fusion_buffer_.Reserve(total * esize);
   int64_t off = 0;
   for (Entry* e : entries) {
     int64_t n = NumElements(e->req.shape);
@@ -581,11 +578,9 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
       const void* in = e.input;
       int64_t total = NumElements(q.shape);
       if (q.prescale != 1.0) {
-        if (static_cast<int64_t>(fusion_buffer_.size()) < total * esize) {
-          fusion_buffer_.resize(total * esize);
-        }
-        ScaleCopy(fusion_buffer_.data(), e.input, total, q.dtype, q.prescale);
-        in = fusion_buffer_.data();
+        char* tmp = fusion_buffer_.Reserve(total * esize);
+        ScaleCopy(tmp, e.input, total, q.dtype, q.prescale);
+        in = tmp;
       }
       KD_RETURN_IF_ERROR(host_->ReduceScatter(in, out, counts, q.dtype, op));
       ScaleCopy(out, out, counts[topo.rank], q.dtype, post, divisor);

@@ -21,6 +21,7 @@
 #include "config.h"
 #include "controller.h"
 #include "message.h"
+#include "host_buffer.h"
 #include "timeline.h"
 
 namespace kerasdist::core {
@@ -117,7 +118,7 @@ class Runtime {
   std::unordered_map<std::string, Entry> pending_;
   std::unique_ptr<ResponseCache> cache_;
   std::unique_ptr<Coordinator> coordinator_;
-  std::vector<char> fusion_buffer_;
+  HostBuffer fusion_buffer_;
   bool sent_shutdown_ = false;
   Clock::time_point shutdown_sent_at_;
   Clock::time_point last_work_;
