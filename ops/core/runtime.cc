@@ -446,18 +446,10 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
 Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
                              std::vector<Entry*>& entries) {
   const Request& q = resps[0]->req;
-  const int size = topology().size;
-  const bool average = q.reduce_op == ReduceOp::kAverage;
-  const ReduceOp op = average ? ReduceOp::kSum : q.reduce_op;
-  double post = q.postscale;
-  int64_t divisor = 1;
-  if (average) {
-    if (IsFloating(q.dtype)) {
-      post /= size;
-    } else {
-      divisor = size;
-    }
-  }
+  const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, topology().size);
+  const ReduceOp op = sc.op;
+  const double post = sc.post;
+  const int64_t divisor = sc.divisor;
   const int64_t esize = DataTypeSize(q.dtype);
   const Clock::time_point t0 = Clock::now();
   if (entries.size() == 1) {
@@ -554,17 +546,10 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
     }
     case OpType::kReducescatter: {
       const int n = topo.size;
-      const bool average = q.reduce_op == ReduceOp::kAverage;
-      const ReduceOp op = average ? ReduceOp::kSum : q.reduce_op;
-      double post = q.postscale;
-      int64_t divisor = 1;
-      if (average) {
-        if (IsFloating(q.dtype)) {
-          post /= n;
-        } else {
-          divisor = n;
-        }
-      }
+      const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, n);
+      const ReduceOp op = sc.op;
+      const double post = sc.post;
+      const int64_t divisor = sc.divisor;
       const int64_t elems_per_row = NumElements(tail);
       std::vector<int64_t> counts(n);
       for (int r = 0; r < n; ++r) {

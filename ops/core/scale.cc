@@ -33,6 +33,19 @@ void Scale16(uint16_t* dst, const uint16_t* src, int64_t n, double factor) {
 
 }  // namespace
 
+Scaling AverageAsSum(ReduceOp op, DataType dt, double postscale, int size) {
+  Scaling s{op, postscale, 1};
+  if (op == ReduceOp::kAverage) {
+    s.op = ReduceOp::kSum;
+    if (IsFloating(dt)) {
+      s.post /= size;
+    } else {
+      s.divisor = size;
+    }
+  }
+  return s;
+}
+
 void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
                double factor, int64_t int_divisor) {
   bool is_int = !IsFloating(dt);

@@ -9,6 +9,15 @@
 
 namespace kerasdist::core {
 
+// How a reduction runs on the wire: Average becomes Sum followed by a
+// postscale of 1/size (floats) or a truncating division by size (integers).
+struct Scaling {
+  ReduceOp op;
+  double post;
+  int64_t divisor = 1;
+};
+Scaling AverageAsSum(ReduceOp op, DataType dt, double postscale, int size);
+
 // dst[i] = src[i] * factor (dst may equal src). Integer types round to the
 // nearest integer; with `int_divisor` > 1 they are first divided by it with
 // truncation toward zero (how Average treats integers, like C division).

@@ -4,6 +4,8 @@
 // the whole file is the backend, and its last lines register it.
 #include "nccl_communicator.h"
 
+#include "../scale.h"
+
 #include <nccl.h>
 
 #include <chrono>
@@ -319,25 +321,9 @@ class HostStagedCommunicator : public Communicator {
   PinnedBuffer in_, out_;
 };
 
-// Mirrors Runtime::RunAllreduce: Average becomes Sum plus a postscale of
-// 1/size (floats) or a truncating integer division (integers).
-struct Scaling {
-  ReduceOp op;
-  double post;
-  int64_t divisor = 1;
-};
-
+// Average as Sum plus scaling, exactly as on the host path (scale.h).
 Scaling AverageAsSum(const Request& q, int size) {
-  Scaling s{q.reduce_op, q.postscale, 1};
-  if (q.reduce_op == ReduceOp::kAverage) {
-    s.op = ReduceOp::kSum;
-    if (IsFloating(q.dtype)) {
-      s.post /= size;
-    } else {
-      s.divisor = size;
-    }
-  }
-  return s;
+  return AverageAsSum(q.reduce_op, q.dtype, q.postscale, size);
 }
 
 class GpuBackend : public DeviceBackend {
