@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "layout.h"
 #include "scale.h"
 
 namespace kerasdist::core {
@@ -504,8 +505,6 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
   const Topology& topo = topology();
   const Request& q = e.req;
   const int64_t esize = DataTypeSize(q.dtype);
-  std::vector<int64_t> tail(q.shape.begin() + (q.shape.empty() ? 0 : 1), q.shape.end());
-  const int64_t row = NumElements(tail) * esize;
   switch (q.op) {
     case OpType::kBroadcast: {
       int64_t bytes = NumElements(q.shape) * esize;
@@ -515,51 +514,24 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
       return host_->Broadcast(e.output, bytes, q.root_rank);
     }
     case OpType::kAllgather: {
-      std::vector<int64_t> bytes;
-      int64_t rows = 0;
-      for (int64_t d : resp.first_dims) {
-        bytes.push_back(d * row);
-        rows += d;
-      }
-      std::vector<int64_t> shape = q.shape;
-      shape[0] = rows;
+      const Layout l = AllgatherLayout(resp, q);
       void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
-      return host_->Allgatherv(e.input, out, bytes);
+      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
+      return host_->Allgatherv(e.input, out, l.recv_bytes);
     }
     case OpType::kAlltoall: {
-      const int n = topo.size, me = topo.rank;
-      std::vector<int64_t> send(n), recv(n);
-      int64_t rows = 0;
-      for (int r = 0; r < n; ++r) {
-        send[r] = resp.splits_matrix[me * n + r] * row;
-        int64_t in_rows = resp.splits_matrix[r * n + me];
-        recv[r] = in_rows * row;
-        result->recv_splits.push_back(in_rows);
-        rows += in_rows;
-      }
-      std::vector<int64_t> shape = q.shape;
-      shape[0] = rows;
+      Layout l = AlltoallLayout(resp, q, topo.rank, topo.size);
       void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
-      return host_->Alltoallv(e.input, send, out, recv);
+      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
+      result->recv_splits = std::move(l.recv_splits);
+      return host_->Alltoallv(e.input, l.send_bytes, out, l.recv_bytes);
     }
     case OpType::kReducescatter: {
-      const int n = topo.size;
-      const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, n);
-      const ReduceOp op = sc.op;
-      const double post = sc.post;
-      const int64_t divisor = sc.divisor;
-      const int64_t elems_per_row = NumElements(tail);
-      std::vector<int64_t> counts(n);
-      for (int r = 0; r < n; ++r) {
-        counts[r] = (q.shape[0] / n + (r < q.shape[0] % n ? 1 : 0)) * elems_per_row;
-      }
-      std::vector<int64_t> shape = q.shape;
-      shape[0] = counts[topo.rank] / std::max<int64_t>(elems_per_row, 1);
-      if (elems_per_row == 0) shape[0] = q.shape[0] / n + (topo.rank < q.shape[0] % n ? 1 : 0);
+      const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, topo.size);
+      const Layout l = ReducescatterLayout(q, topo.rank, topo.size);
+      const std::vector<int64_t>& counts = l.counts;
       void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(shape, &out));
+      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
       const void* in = e.input;
       int64_t total = NumElements(q.shape);
       if (q.prescale != 1.0) {
@@ -567,8 +539,8 @@ Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
         ScaleCopy(tmp, e.input, total, q.dtype, q.prescale);
         in = tmp;
       }
-      KD_RETURN_IF_ERROR(host_->ReduceScatter(in, out, counts, q.dtype, op));
-      ScaleCopy(out, out, counts[topo.rank], q.dtype, post, divisor);
+      KD_RETURN_IF_ERROR(host_->ReduceScatter(in, out, counts, q.dtype, sc.op));
+      ScaleCopy(out, out, counts[topo.rank], q.dtype, sc.post, sc.divisor);
       return Status::OK();
     }
     case OpType::kBarrier:

@@ -4,6 +4,7 @@
 // the whole file is the backend, and its last lines register it.
 #include "nccl_communicator.h"
 
+#include "../layout.h"
 #include "../scale.h"
 
 #include <nccl.h>
@@ -528,8 +529,6 @@ class GpuBackend : public DeviceBackend {
   Status Other(const Response& resp, Entry& e, Result* result) {
     const Request& q = e.req;
     const int64_t esize = DataTypeSize(q.dtype);
-    std::vector<int64_t> tail(q.shape.begin() + (q.shape.empty() ? 0 : 1), q.shape.end());
-    const int64_t row = NumElements(tail) * esize;
     switch (q.op) {
       case OpType::kBroadcast: {
         const int64_t bytes = NumElements(q.shape) * esize;
@@ -540,47 +539,24 @@ class GpuBackend : public DeviceBackend {
         return comm_->Broadcast(e.output, bytes, q.root_rank);
       }
       case OpType::kAllgather: {
-        std::vector<int64_t> bytes;
-        int64_t rows = 0;
-        for (int64_t d : resp.first_dims) {
-          bytes.push_back(d * row);
-          rows += d;
-        }
-        std::vector<int64_t> shape = q.shape;
-        shape[0] = rows;
+        const Layout l = AllgatherLayout(resp, q);
         void* out = nullptr;
-        KD_RETURN_IF_ERROR(e.allocate(shape, &out));
-        return comm_->Allgatherv(e.input, out, bytes);
+        KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
+        return comm_->Allgatherv(e.input, out, l.recv_bytes);
       }
       case OpType::kAlltoall: {
-        const int n = o_.size, me = o_.rank;
-        std::vector<int64_t> send(n), recv(n);
-        int64_t rows = 0;
-        for (int r = 0; r < n; ++r) {
-          send[r] = resp.splits_matrix[me * n + r] * row;
-          const int64_t in_rows = resp.splits_matrix[r * n + me];
-          recv[r] = in_rows * row;
-          result->recv_splits.push_back(in_rows);
-          rows += in_rows;
-        }
-        std::vector<int64_t> shape = q.shape;
-        shape[0] = rows;
+        Layout l = AlltoallLayout(resp, q, o_.rank, o_.size);
         void* out = nullptr;
-        KD_RETURN_IF_ERROR(e.allocate(shape, &out));
-        return comm_->Alltoallv(e.input, send, out, recv);
+        KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
+        result->recv_splits = std::move(l.recv_splits);
+        return comm_->Alltoallv(e.input, l.send_bytes, out, l.recv_bytes);
       }
       case OpType::kReducescatter: {
-        const int n = o_.size;
-        const Scaling sc = AverageAsSum(q, n);
-        const int64_t per_row = NumElements(tail);
-        std::vector<int64_t> counts(n);
-        for (int r = 0; r < n; ++r) {
-          counts[r] = (q.shape[0] / n + (r < q.shape[0] % n ? 1 : 0)) * per_row;
-        }
-        std::vector<int64_t> shape = q.shape;
-        shape[0] = q.shape[0] / n + (o_.rank < q.shape[0] % n ? 1 : 0);
+        const Scaling sc = AverageAsSum(q, o_.size);
+        const Layout l = ReducescatterLayout(q, o_.rank, o_.size);
+        const std::vector<int64_t>& counts = l.counts;
         void* out = nullptr;
-        KD_RETURN_IF_ERROR(e.allocate(shape, &out));
+        KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
         const void* in = e.input;
         const int64_t total = NumElements(q.shape);
         if (q.prescale != 1.0) {
