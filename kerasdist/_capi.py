@@ -79,7 +79,7 @@ def lib():
         i64 = ctypes.c_int64
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank",
                      "cross_size", "is_initialized", "shutdown", "mpi_built",
-                     "nccl_built"):
+                     "nccl_built", "simd16"):
             getattr(l, "kerasdist_" + name).restype = i
             getattr(l, "kerasdist_" + name).argtypes = []
         l.kerasdist_init.argtypes = [i, i, s]
@@ -88,6 +88,10 @@ def lib():
                      "current_config"):
             getattr(l, "kerasdist_" + name).restype = s
             getattr(l, "kerasdist_" + name).argtypes = []
+        l.kerasdist_convert16.argtypes = [ctypes.c_int32, i, i,
+                                          ctypes.c_void_p, ctypes.c_void_p,
+                                          i64]
+        l.kerasdist_convert16.restype = i
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "global.h"
+#include "half_kernels.h"
 
 #ifndef KERASDIST_VERSION
 #define KERASDIST_VERSION "0.0.0"
@@ -323,5 +324,25 @@ void kerasdist_release(int64_t handle) {
   std::lock_guard<std::mutex> l(g_mu);
   g_handles.erase(handle);
 }
+
+int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
+                        void* out, int64_t n) {
+  if (dtype != static_cast<int32_t>(DataType::kFloat16) &&
+      dtype != static_cast<int32_t>(DataType::kBFloat16)) {
+    return Fail("kerasdist_convert16: dtype must be float16 (0) or bfloat16 (1), got " +
+                std::to_string(dtype) + ".");
+  }
+  if (n < 0) return Fail("kerasdist_convert16: negative count.");
+  const DataType dt = static_cast<DataType>(dtype);
+  const Simd mode = simd ? Simd::kAuto : Simd::kScalar;
+  if (to_float) {
+    Widen16(dt, static_cast<const uint16_t*>(in), static_cast<float*>(out), n, mode);
+  } else {
+    Narrow16(dt, static_cast<const float*>(in), static_cast<uint16_t*>(out), n, mode);
+  }
+  return 0;
+}
+
+int kerasdist_simd16(void) { return Simd16Available() ? 1 : 0; }
 
 }  // extern "C"

@@ -77,6 +77,14 @@ const void* kerasdist_handle_output(int64_t handle, int32_t* ndim, int64_t* shap
 int kerasdist_handle_recv_splits(int64_t handle, int64_t* splits);
 void kerasdist_release(int64_t handle);
 
+/* Converts n float16 (dtype 0) or bfloat16 (dtype 1) values to float32
+ * (to_float != 0) or back, rounding to nearest even, as the data path does;
+ * simd = 0 forces the portable scalar code (for tests). kerasdist_simd16()
+ * says whether the vector code (F16C/AVX2) is used on this CPU. Needs no init. */
+int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
+                        void* out, int64_t n);
+int kerasdist_simd16(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "half.h"
+#include "half_kernels.h"
 
 namespace kerasdist::core {
 
@@ -23,12 +23,6 @@ void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t div) {
     if (factor != 1.0) v = static_cast<T>(std::llround(static_cast<double>(v) * factor));
     dst[i] = v;
   }
-}
-
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void Scale16(uint16_t* dst, const uint16_t* src, int64_t n, double factor) {
-  const float f = static_cast<float>(factor);
-  for (int64_t i = 0; i < n; ++i) dst[i] = FromF(ToF(src[i]) * f);
 }
 
 }  // namespace
@@ -61,12 +55,9 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
       ScaleFloat(static_cast<double*>(dst), static_cast<const double*>(src), count, factor);
       break;
     case DataType::kFloat16:
-      Scale16<HalfToFloat, FloatToHalf>(static_cast<uint16_t*>(dst),
-                                        static_cast<const uint16_t*>(src), count, factor);
-      break;
     case DataType::kBFloat16:
-      Scale16<BFloat16ToFloat, FloatToBFloat16>(static_cast<uint16_t*>(dst),
-                                                static_cast<const uint16_t*>(src), count, factor);
+      Scale16(dt, static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count,
+              static_cast<float>(factor));
       break;
     case DataType::kInt32:
       ScaleInt(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, factor, int_divisor);

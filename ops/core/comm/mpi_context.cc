@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "../half.h"
+#include "../half_kernels.h"
 
 namespace kerasdist::core {
 
@@ -29,29 +29,24 @@ void FinalizeAtExit() {
 
 // ---- MPI has no float16 / bfloat16: reduction functions of our own -------
 
-template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), int kOp>
-void Reduce16(void* invec, void* inoutvec, int* len, MPI_Datatype*) {
-  auto* in = static_cast<const uint16_t*>(invec);
-  auto* io = static_cast<uint16_t*>(inoutvec);
-  for (int i = 0; i < *len; ++i) {
-    float a = ToF(in[i]), b = ToF(io[i]);
-    float r = kOp == 0 ? a + b : kOp == 1 ? (a < b ? a : b)
-                       : kOp == 2 ? (a > b ? a : b) : a * b;
-    io[i] = FromF(r);
-  }
+template <DataType kType, ReduceOp kOp>
+void MpiReduce16(void* invec, void* inoutvec, int* len, MPI_Datatype*) {
+  Reduce16(kType, kOp, static_cast<const uint16_t*>(invec),
+           static_cast<uint16_t*>(inoutvec), *len);
 }
 
 struct HalfOps {
   MPI_Op ops[2][4];  // [half, bfloat16][sum, min, max, prod]
   HalfOps() {
-    MPI_Op_create(&Reduce16<HalfToFloat, FloatToHalf, 0>, 1, &ops[0][0]);
-    MPI_Op_create(&Reduce16<HalfToFloat, FloatToHalf, 1>, 1, &ops[0][1]);
-    MPI_Op_create(&Reduce16<HalfToFloat, FloatToHalf, 2>, 1, &ops[0][2]);
-    MPI_Op_create(&Reduce16<HalfToFloat, FloatToHalf, 3>, 1, &ops[0][3]);
-    MPI_Op_create(&Reduce16<BFloat16ToFloat, FloatToBFloat16, 0>, 1, &ops[1][0]);
-    MPI_Op_create(&Reduce16<BFloat16ToFloat, FloatToBFloat16, 1>, 1, &ops[1][1]);
-    MPI_Op_create(&Reduce16<BFloat16ToFloat, FloatToBFloat16, 2>, 1, &ops[1][2]);
-    MPI_Op_create(&Reduce16<BFloat16ToFloat, FloatToBFloat16, 3>, 1, &ops[1][3]);
+    constexpr DataType kH = DataType::kFloat16, kB = DataType::kBFloat16;
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kSum>, 1, &ops[0][0]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kMin>, 1, &ops[0][1]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kMax>, 1, &ops[0][2]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kProduct>, 1, &ops[0][3]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kSum>, 1, &ops[1][0]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kMin>, 1, &ops[1][1]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kMax>, 1, &ops[1][2]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kProduct>, 1, &ops[1][3]);
   }
   ~HalfOps() {
     int finalized = 0;
