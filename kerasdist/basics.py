@@ -29,6 +29,8 @@ _SETTINGS = {
     "autotune": "KERASDIST_AUTOTUNE",
     "autotune_log": "KERASDIST_AUTOTUNE_LOG",
     "log_level": "KERASDIST_LOG_LEVEL",
+    "shm_allreduce": "KERASDIST_SHM_ALLREDUCE",
+    "shm_allreduce_min_bytes": "KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
 }
 
 

@@ -84,6 +84,9 @@ void kerasdist_release(int64_t handle);
 int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
                         void* out, int64_t n);
 int kerasdist_simd16(void);
+/* How many allreduces (fused batches count once) went through shared memory
+ * since init, or -1 before init. */
+int64_t kerasdist_shm_allreduces(void);
 
 #ifdef __cplusplus
 }

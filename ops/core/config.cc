@@ -31,6 +31,12 @@ const std::vector<ConfigVariable>& ConfigVariables() {
       {"KERASDIST_GPU_OPERATIONS",
        "NCCL (default) or MPI: how collectives on GPU memory travel."},
       {"KERASDIST_LOG_LEVEL", "0 quiet, 1 warnings (default), 2 debug."},
+      {"KERASDIST_SHM_ALLREDUCE",
+       "1 (default) to allreduce host tensors through shared memory when "
+       "every rank runs on one node; 0 to always use MPI."},
+      {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
+       "Smallest allreduce (bytes, after fusion) that goes through shared "
+       "memory (integer, default 16384); smaller ones use MPI."},
   };
   return vars;
 }
@@ -102,6 +108,10 @@ Status Apply(const std::string& name, const std::string& v, Config* c) {
                                      "\": expected NCCL or MPI.");
     }
     c->gpu_operations = v;
+  } else if (name == "KERASDIST_SHM_ALLREDUCE") {
+    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->shm_allreduce));
+  } else if (name == "KERASDIST_SHM_ALLREDUCE_MIN_BYTES") {
+    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->shm_allreduce_min_bytes));
   } else if (name == "KERASDIST_LOG_LEVEL") {
     KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &i));
     c->log_level = static_cast<int>(i);

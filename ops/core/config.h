@@ -23,6 +23,8 @@ struct Config {
   bool autotune = false;
   std::string autotune_log;
   std::string gpu_operations = "NCCL";  // NCCL | MPI
+  bool shm_allreduce = true;            // shared-memory allreduce on one node
+  int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
 };
 

@@ -120,13 +120,13 @@ void Narrow16(DataType dt, const float* in, uint16_t* out, int64_t n, Simd simd)
   NarrowScalar(dt, in + done, out + done, n - done);
 }
 
-void Reduce16(DataType dt, ReduceOp op, const uint16_t* in, uint16_t* inout,
-              int64_t n) {
+void Reduce16(DataType dt, ReduceOp op, const uint16_t* x, const uint16_t* y,
+              uint16_t* out, int64_t n) {
   float a[kChunk], b[kChunk];
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t m = std::min(kChunk, n - i);
-    Widen16(dt, in + i, a, m);
-    Widen16(dt, inout + i, b, m);
+    Widen16(dt, x + i, a, m);
+    Widen16(dt, y + i, b, m);
     switch (op) {
       case ReduceOp::kMin:
         for (int64_t j = 0; j < m; ++j) b[j] = a[j] < b[j] ? a[j] : b[j];
@@ -141,7 +141,7 @@ void Reduce16(DataType dt, ReduceOp op, const uint16_t* in, uint16_t* inout,
         for (int64_t j = 0; j < m; ++j) b[j] = a[j] + b[j];
         break;
     }
-    Narrow16(dt, b, inout + i, m);
+    Narrow16(dt, b, out + i, m);
   }
 }
 

@@ -22,9 +22,10 @@ void Widen16(DataType dt, const uint16_t* in, float* out, int64_t n,
 void Narrow16(DataType dt, const float* in, uint16_t* out, int64_t n,
               Simd simd = Simd::kAuto);
 
-// inout[i] = inout[i] (op) in[i], computed in float, rounded once.
-void Reduce16(DataType dt, ReduceOp op, const uint16_t* in, uint16_t* inout,
-              int64_t n);
+// out[i] = a[i] (op) b[i], computed in float, rounded once; `out` may be
+// `a` or `b`.
+void Reduce16(DataType dt, ReduceOp op, const uint16_t* a, const uint16_t* b,
+              uint16_t* out, int64_t n);
 // dst[i] = src[i] * factor, computed in float (dst may equal src).
 void Scale16(DataType dt, uint16_t* dst, const uint16_t* src, int64_t n,
              float factor);

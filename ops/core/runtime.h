@@ -18,10 +18,12 @@
 
 #include "comm/mpi_context.h"
 #include "comm/nccl_communicator.h"
+#include "comm/shm_allreduce.h"
 #include "config.h"
 #include "controller.h"
 #include "message.h"
 #include "host_buffer.h"
+#include "scale.h"
 #include "timeline.h"
 
 namespace kerasdist::core {
@@ -71,6 +73,7 @@ class Runtime {
     int64_t allreduced_bytes = 0;  // tensor bytes allreduced
     int64_t batches = 0;           // collectives run (a fused batch counts once)
     double busy_seconds = 0;       // inside collectives and fusion copies
+    int64_t shm_allreduces = 0;    // allreduces (batches) through shared memory
   };
   Stats stats() const;
   // Applied by the coordinator (rank 0) from its next decision on; every rank
@@ -90,6 +93,11 @@ class Runtime {
   Status ExecuteBatch(const std::vector<const Response*>& resps);
   Status RunAllreduce(const std::vector<const Response*>& resps,
                       std::vector<Entry*>& entries);
+  // The shared-memory allreduce of `entries`, when it applies; *ran says
+  // whether it did (the same on every rank).
+  Status RunShmAllreduce(const std::vector<const Response*>& resps,
+                         std::vector<Entry*>& entries, const Scaling& sc,
+                         bool* ran);
   Status RunOther(const Response& resp, Entry& e, Result* result);
   void Complete(Entry& e, const Result& r);
   void FailAll(const Status& s);
@@ -101,6 +109,8 @@ class Runtime {
   Config config_;
   std::unique_ptr<MpiContext> mpi_;
   std::unique_ptr<Communicator> host_;
+  // Single-node jobs: allreduce through shared memory (null otherwise).
+  std::unique_ptr<ShmAllreduce> shm_;
   // The GPU data path, made by the first device batch (collectively: every
   // rank executes that batch at the same point of the coordinator's order).
   std::unique_ptr<DeviceBackend> device_;
@@ -138,6 +148,7 @@ class Runtime {
   std::atomic<int64_t> stat_bytes_{0};
   std::atomic<int64_t> stat_batches_{0};
   std::atomic<int64_t> stat_busy_ns_{0};
+  std::atomic<int64_t> stat_shm_{0};
   std::atomic<int64_t> tune_threshold_{0};
   std::atomic<double> tune_cycle_ms_{0.0};
   std::atomic<bool> tune_cache_{true};

@@ -24,6 +24,12 @@ Scaling AverageAsSum(ReduceOp op, DataType dt, double postscale, int size);
 void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
                double factor, int64_t int_divisor = 1);
 
+// out[i] = a[i] (op) b[i] for Sum, Min, Max and Product (not Average);
+// `out` may be `a` or `b`. 16-bit floats are computed in float and rounded
+// once. Integers wrap, as in MPI.
+void Combine(void* out, const void* a, const void* b, int64_t count, DataType dt,
+             ReduceOp op);
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_SCALE_H_

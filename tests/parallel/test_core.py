@@ -33,11 +33,17 @@ def _assert_all_ranks(out, np_, line):
             f"rank {r} did not print {line!r}:\n{out.stdout[-4000:]}")
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_collectives_match_numpy(np_):
-    out = launch(np_, _worker("core_collectives_worker.py"), timeout=180,
+@pytest.mark.parametrize("np_, path", [
+    (1, "default"), (2, "default"), (3, "default"), (4, "default"),
+    (2, "shm"), (3, "shm"), (2, "mpi"), (3, "mixed")])
+def test_collectives_match_numpy(np_, path):
+    # "shm" sends every allreduce through shared memory (the two-rank direct
+    # sum and the reduce-scatter of three ranks), "mpi" none, "mixed" has the
+    # setting off on one rank only, so all must agree on MPI.
+    out = launch(np_, _worker("core_collectives_worker.py", path), timeout=180,
                  env=_env())
     _assert_all_ranks(out, np_, "OK all")
+    _assert_all_ranks(out, np_, f"OK path {path}")
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -1,10 +1,17 @@
 """Checks every collective of the core against numpy, for every dtype and for
 sizes 0, 1, odd and larger than the fusion threshold. Runs at any -np.
 
+argv[1] picks the allreduce path on a single node: "default" (MPI below the
+shared-memory minimum, shared memory above), "shm" (every non-empty allreduce
+through shared memory), "mpi" (shared memory off) or "mixed" (off on odd
+ranks only: the ranks must agree on MPI). The worker checks that the path was
+taken.
+
 Inputs are small integers (rank * stride + i patterns), so results are exact in
 every dtype, float16 and bfloat16 included.
 """
 
+import os
 import random
 import sys
 import threading
@@ -16,7 +23,17 @@ from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
                             broadcast, reducescatter, start_allreduce)
 
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
-kd.init(fusion_threshold=THRESHOLD)
+MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
+_rank = int(os.environ.get("PMI_RANK", "0"))
+if MODE == "shm":
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1)
+elif MODE == "mpi":
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce=False)
+elif MODE == "mixed":
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce=_rank % 2 == 0,
+            shm_allreduce_min_bytes=1)
+else:
+    kd.init(fusion_threshold=THRESHOLD)
 r, n = kd.rank(), kd.size()
 checks = 0
 
@@ -206,5 +223,15 @@ print("OK reducescatter", flush=True)
 for i in range(3):
     barrier(f"barrier.{i}")
 print("OK barrier", flush=True)
+
+from kerasdist import _capi  # noqa: E402
+
+shm_used = _capi.lib().kerasdist_shm_allreduces()
+shm_expected = {"default": n > 1, "shm": n > 1, "mpi": False, "mixed": False}
+if (shm_used > 0) != shm_expected[MODE]:
+    print(f"FAIL mode {MODE} at np={n}: {shm_used} shared-memory allreduces",
+          flush=True)
+    sys.exit(1)
+print(f"OK path {MODE}: {shm_used} shared-memory allreduces", flush=True)
 print(f"OK all {checks} checks on rank {r} of {n}", flush=True)
 kd.shutdown()

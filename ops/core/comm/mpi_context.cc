@@ -31,8 +31,8 @@ void FinalizeAtExit() {
 
 template <DataType kType, ReduceOp kOp>
 void MpiReduce16(void* invec, void* inoutvec, int* len, MPI_Datatype*) {
-  Reduce16(kType, kOp, static_cast<const uint16_t*>(invec),
-           static_cast<uint16_t*>(inoutvec), *len);
+  auto* io = static_cast<uint16_t*>(inoutvec);
+  Reduce16(kType, kOp, static_cast<const uint16_t*>(invec), io, io, *len);
 }
 
 struct HalfOps {
