@@ -5,7 +5,11 @@
 Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
 
 - kerasdist, tf.function: one tf.function holding COUNT allreduces (the
-  runtime negotiates them together and fuses them into one buffer);
+  runtime negotiates them together and fuses them into one buffer), taking
+  the COUNT tensors as arguments and returning COUNT results;
+- kerasdist, in-graph: the same allreduces on tensors read from variables,
+  results assigned to variables inside the function (how gradients travel in
+  a train step): no per-tensor cost of crossing into and out of Python;
 - kerasdist core (ctypes): COUNT requests enqueued through the C API on
   numpy buffers, then waited for: the runtime without TensorFlow;
 - raw MPI, separate: COUNT mpi4py Iallreduce + one Waitall;
@@ -52,6 +56,22 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
     def kd_tf():
         last["tf"] = tf_step(txs)
 
+    # In-graph: the tensors are read from variables and the results assigned
+    # to variables inside the function, as gradients are made and consumed
+    # inside a train step. No tensor crosses the Python boundary, so the row
+    # above minus this one is TF's cost of passing COUNT tensors in and out.
+    src_vars = [tf.Variable(x) for x in xs]
+    dst_vars = [tf.Variable(tf.zeros_like(x)) for x in xs]
+
+    @tf.function(autograph=False)
+    def tf_graph_step():
+        for i, (s, d) in enumerate(zip(src_vars, dst_vars)):
+            d.assign(kd.allreduce(s.read_value(), op=kd.Sum,
+                                  name=f"{tag}.graph.{count}.{i}"))
+
+    def check_graph():
+        return wrong_list([v.numpy() for v in dst_vars])
+
     def kd_core():
         hs = [_capi.Handle(_capi.OP_ALLREDUCE, f"{tag}.core.{count}.{i}",
                            _capi.DTYPES[np.dtype(np.float32)], x.shape,
@@ -87,6 +107,7 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
 
     return {
         "kerasdist tf.function": (kd_tf, check_tf),
+        "kerasdist in-graph": (tf_graph_step, check_graph),
         "kerasdist core (ctypes)": (kd_core, check_outs),
         "raw MPI separate": (raw_separate, check_outs),
         "raw MPI copy+one+copy": (raw_copy, check_outs),

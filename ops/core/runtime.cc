@@ -212,6 +212,7 @@ void Runtime::Shutdown() {
 
 void Runtime::Loop() {
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // precise short sleeps
+  prctl(PR_SET_NAME, "kerasdist", 0, 0, 0);   // its name in top -H and perf
   int idle_rounds = 0;
   while (true) {
     bool worked = RunLoopOnce();
