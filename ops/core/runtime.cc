@@ -171,7 +171,13 @@ Status Runtime::ValidateLocal(const Request& q) const {
 }
 
 Status Runtime::Enqueue(Entry entry) {
-  Request& q = entry.req;
+  std::vector<Entry> one;
+  one.push_back(std::move(entry));
+  size_t queued = 0;
+  return EnqueueMany(one, &queued);
+}
+
+Status Runtime::Prepare(Request& q) const {
   if (q.op == OpType::kAlltoall && q.splits.empty() && !q.shape.empty()) {
     const int size = topology().size;
     if (q.shape[0] % size != 0) {
@@ -182,7 +188,20 @@ Status Runtime::Enqueue(Entry entry) {
     }
     q.splits.assign(size, q.shape[0] / size);
   }
-  KD_RETURN_IF_ERROR(ValidateLocal(q));
+  return ValidateLocal(q);
+}
+
+Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
+  *queued = 0;
+  Status failed;
+  size_t valid = entries.size();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    failed = Prepare(entries[i].req);
+    if (!failed.ok()) {
+      valid = i;
+      break;
+    }
+  }
   std::lock_guard<std::mutex> l(mu_);
   if (stopped_ || shutdown_requested_) {
     return Status::Aborted(
@@ -191,14 +210,20 @@ Status Runtime::Enqueue(Entry entry) {
                                            : ": " + stopped_status_.message()) +
         " Call kerasdist.init() again to start a new runtime.");
   }
-  if (!in_flight_.insert(q.name).second) {
-    return Status::InvalidArgument(
-        "a collective named '" + q.name + "' is already in flight on this rank; "
-        "names must be unique among concurrent collectives.");
+  for (size_t i = 0; i < valid; ++i) {
+    const std::string& name = entries[i].req.name;
+    if (!in_flight_.insert(name).second) {
+      failed = Status::InvalidArgument(
+          "a collective named '" + name + "' is already in flight on this rank; "
+          "names must be unique among concurrent collectives.");
+      break;
+    }
+    incoming_.push_back(std::move(entries[i]));
+    ++*queued;
   }
-  incoming_.push_back(std::move(entry));
-  cv_.notify_one();
-  return Status::OK();
+  // One wake-up for the lot: the thread then sees a whole group at once.
+  if (*queued > 0) cv_.notify_one();
+  return failed;
 }
 
 void Runtime::Shutdown() {

@@ -59,6 +59,11 @@ class Runtime {
   // Checks the request against this rank's facts and queues it. An error here
   // means `done` will not be called.
   Status Enqueue(Entry entry);
+  // Enqueue for each entry in order, under one lock and with one wake-up of
+  // the thread (a grouped allreduce). Entries from the first failure on are
+  // not queued and their `done` will not be called; *queued says how many
+  // were, and the failure is returned.
+  Status EnqueueMany(std::vector<Entry>& entries, size_t* queued);
   // Tells the other ranks, fails what is still pending, joins the thread.
   void Shutdown();
 
@@ -102,6 +107,7 @@ class Runtime {
   void Complete(Entry& e, const Result& r);
   void FailAll(const Status& s);
   Status ValidateLocal(const Request& q) const;
+  Status Prepare(Request& q) const;  // fills implied fields, then validates
   Status ExecuteDevice(const std::vector<const Response*>& resps,
                        std::vector<Entry> entries);
   bool PollDevice();

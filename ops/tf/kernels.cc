@@ -288,10 +288,9 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       e.output = Data(*out);
       e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
     }
-    for (int i = 0; i < n; ++i) {
-      core::Status s = rt->Enqueue(std::move(entries[i]));
-      if (!s.ok()) finish_one(ToTf(s));
-    }
+    size_t queued = 0;
+    core::Status s = rt->EnqueueMany(entries, &queued);
+    for (size_t i = queued; i < entries.size(); ++i) finish_one(ToTf(s));
   }
 
  private:
