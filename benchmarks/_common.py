@@ -6,6 +6,7 @@ one, with the systems alternating round by round, because the machine is
 shared and its speed drifts: compare systems by the ratios in one run.
 """
 
+import functools
 import os
 import statistics
 import sys
@@ -167,3 +168,33 @@ def tf_single_thread():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     return tf
+
+
+@functools.lru_cache(maxsize=None)
+def native_step():
+    """Compiles benchmarks/native_step.c (see there) against the built core
+    library and returns its `kd_native_step` through ctypes, or None with a
+    printed reason when no C compiler is found."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+
+    from kerasdist import _capi
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("# no C compiler (set CC): the runtime-only row is skipped",
+              flush=True)
+        return None
+    core = _capi.library_path()
+    out = os.path.join(tempfile.mkdtemp(prefix="kd_native_"), "step.so")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out,
+                    os.path.join(REPO_ROOT, "benchmarks", "native_step.c"),
+                    "-I", os.path.join(REPO_ROOT, "ops", "core"), core],
+                   check=True)
+    fn = ctypes.CDLL(out).kd_native_step
+    p = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int, p, p, p, ctypes.c_int64, p]
+    fn.restype = ctypes.c_int
+    return fn

@@ -11,7 +11,11 @@ Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
   results assigned to variables inside the function (how gradients travel in
   a train step): no per-tensor cost of crossing into and out of Python;
 - kerasdist core (ctypes): COUNT requests enqueued through the C API on
-  numpy buffers, then waited for: the runtime without TensorFlow;
+  numpy buffers, then waited for: the runtime without TensorFlow (but with
+  ctypes' per-call cost, ~10 us a tensor);
+- kerasdist runtime (C loop): the same COUNT enqueues and waits from C
+  (benchmarks/native_step.c, compiled here with the system compiler): the
+  runtime's own cost, the floor for any front end;
 - raw MPI, separate: COUNT mpi4py Iallreduce + one Waitall;
 - raw MPI, one buffer: a single allreduce of COUNT * SIZE bytes (the floor);
 - raw MPI, copy+one+copy: copy the COUNT tensors into one buffer, one
@@ -22,6 +26,7 @@ the systems alternate; ratios are against "raw MPI, one buffer".
 """
 
 import argparse
+import ctypes
 
 import _common
 import numpy as np
@@ -72,6 +77,17 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
     def check_graph():
         return wrong_list([v.numpy() for v in dst_vars])
 
+    native = _common.native_step()
+    c_names = (ctypes.c_char_p * count)(
+        *[f"{tag}.native.{count}.{i}".encode() for i in range(count)])
+    c_in = (ctypes.c_void_p * count)(*[x.ctypes.data for x in xs])
+    c_out = (ctypes.c_void_p * count)(*[o.ctypes.data for o in outs])
+    c_handles = (ctypes.c_int64 * count)()
+
+    def kd_native():
+        if native(count, c_names, c_in, c_out, elems, c_handles) != 0:
+            raise RuntimeError(_capi.last_error())
+
     def kd_core():
         hs = [_capi.Handle(_capi.OP_ALLREDUCE, f"{tag}.core.{count}.{i}",
                            _capi.DTYPES[np.dtype(np.float32)], x.shape,
@@ -109,6 +125,8 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
         "kerasdist tf.function": (kd_tf, check_tf),
         "kerasdist in-graph": (tf_graph_step, check_graph),
         "kerasdist core (ctypes)": (kd_core, check_outs),
+        **({"kerasdist runtime (C loop)": (kd_native, check_outs)}
+           if native else {}),
         "raw MPI separate": (raw_separate, check_outs),
         "raw MPI copy+one+copy": (raw_copy, check_outs),
         "raw MPI one buffer": (raw_one, check_big(big_out)),
