@@ -10,7 +10,11 @@ between batch ends after a warm-up. After training every rank's weights are
 allgathered and compared with rank 0's (`same` column).
 
 Prints a table: model, system, np, img/s per rank, total, scaling
-efficiency (total at np=2 / (2 x the kerasdist np=1 run)). With `--mwms`
+efficiency (total at np=2 / (2 x the kerasdist np=1 run)). With `--ceiling`
+a `no-comm` row runs np=2 with each rank training alone (plain optimizer, no
+allreduce, weights not expected equal): the efficiency two processes reach
+on this machine's shared cores and memory with no communication at all, the
+ceiling for any synchronous system. With `--mwms`
 the same models also run under tf.distribute.MultiWorkerMirroredStrategy
 with 2 local workers (RING collectives over loopback, TF_CONFIG, each
 worker feeding its own 1024 images, auto-sharding off, 64 per replica).
@@ -58,8 +62,13 @@ def _build(name):
     return keras.Sequential(layers)
 
 
-def worker(model_name, steps, warmup):
-    """One rank: train, time, check weights; rank 0 prints a RESULT line."""
+def worker(model_name, steps, warmup, communicate=True):
+    """One rank: train, time, check weights; rank 0 prints a RESULT line.
+
+    With communicate=False each rank trains on its own with the plain
+    optimizer (no allreduce): the np=2 ceiling of this machine, i.e. what
+    two processes sharing its cores and memory reach with no communication.
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -75,9 +84,9 @@ def worker(model_name, steps, warmup):
     y = rng.integers(0, 10, size=(1024,))
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
     model = _build(model_name)
+    sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     model.compile(
-        optimizer=kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.01, momentum=0.9)),
+        optimizer=kd.DistributedOptimizer(sgd) if communicate else sgd,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=False)
     kd.broadcast_variables(model.variables, root_rank=0)
@@ -219,12 +228,12 @@ def _launch_mwms(model_name, steps, warmup, workers=2):
             "same": len({r["digest"] for r in results}) == 1}
 
 
-def _launch(np_, model_name, steps, warmup):
+def _launch(np_, model_name, steps, warmup, system="kerasdist"):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     argv = [sys.executable, "-m", "kerasdist.run", "-np", str(np_),
             sys.executable, os.path.abspath(__file__), "--worker",
-            "--model", model_name, "--steps", str(steps),
+            "--system", system, "--model", model_name, "--steps", str(steps),
             "--warmup", str(warmup)]
     out = subprocess.run(argv, capture_output=True, text=True, env=env,
                          cwd=REPO_ROOT, timeout=900)
@@ -245,6 +254,9 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument("--mwms", action="store_true",
                         help="also run MultiWorkerMirroredStrategy at np=2")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also run np=2 with no communication at all "
+                        "(each rank trains alone): this machine's ceiling")
     parser.add_argument("--steps", type=int, default=0,
                         help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=5,
@@ -253,8 +265,11 @@ def main():
     parser.add_argument("--steps-mlp", type=int, default=200)
     args = parser.parse_args()
     if args.worker:
-        run = mwms_worker if args.system == "mwms" else worker
-        run(args.model, args.steps, args.warmup)
+        if args.system == "mwms":
+            mwms_worker(args.model, args.steps, args.warmup)
+        else:
+            worker(args.model, args.steps, args.warmup,
+                   communicate=args.system != "no-comm")
         return
 
     print("# W3: model.fit, batch 64 per rank, SGD momentum; eff against "
@@ -267,12 +282,14 @@ def main():
         runs = [("kerasdist", 1), ("kerasdist", 2)]
         if args.mwms:
             runs.append(("mwms", 2))
+        if args.ceiling:
+            runs.append(("no-comm", 2))
         single = None
         for system, np_ in runs:
             if system == "mwms":
                 r = _launch_mwms(model_name, steps, args.warmup)
             else:
-                r = _launch(np_, model_name, steps, args.warmup)
+                r = _launch(np_, model_name, steps, args.warmup, system)
             total = sum(r["rates"])
             if single is None:
                 single = total
