@@ -52,3 +52,15 @@ def test_gpu_lines():
     assert lines[-1][0] == doctor.WARN and "KERASDIST_GPU_OPERATIONS=MPI" in lines[-1][1]
     lines = doctor.gpu_checks(built, ["GPU 0", "GPU 1", "GPU 2", "GPU 3"], 2)
     assert lines[-1][0] == doctor.OK and "2 per local rank" in lines[-1][1]
+
+
+def test_shm_line_says_what_to_do():
+    from kerasdist.doctor import OK, WARN, INFO, shm_check
+
+    mib = 1 << 20
+    assert shm_check(4096 * mib, 2, "1", 64 * mib)[0] == OK
+    status, text = shm_check(64 * mib, 2, "1", 64 * mib)
+    assert status == WARN and "--shm-size" in text and "64 MiB free" in text
+    status, text = shm_check(None, 2, "1", 64 * mib)
+    assert status == WARN and "no /dev/shm" in text
+    assert shm_check(None, 2, "0", 64 * mib)[0] == INFO
