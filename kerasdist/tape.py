@@ -37,12 +37,16 @@ class DistributedGradientTape:
             tensors instead of allgathering them.
         gradient_predivide_factor: scale by 1/f before the sum and f/size
             after it (op=Average only).
+        num_groups: 0 (default): all dense gradients in one grouped
+            allreduce; n > 0: n groups of nearly equal count, in order (as
+            `DistributedOptimizer`'s `num_groups`). Same result either way.
         name: prefix of the collective names (default
             "DistributedGradientTape").
 
     Raises:
         TypeError: if `tape` is not a `tf.GradientTape`.
-        ValueError: for bad `op`, `compression` or predivide factor.
+        ValueError: for bad `op`, `compression`, predivide factor or
+            `num_groups`.
 
     Example:
     >>> with tf.GradientTape() as tape:
@@ -54,7 +58,7 @@ class DistributedGradientTape:
 
     def __init__(self, tape, compression=Compression.none, op=basics.Average,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
-                 name=None):
+                 name=None, num_groups=0):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
@@ -63,6 +67,11 @@ class DistributedGradientTape:
                             f"tf.GradientTape; got {type(tape).__name__}.")
         _keras_util.check_args(op, compression, gradient_predivide_factor,
                                "DistributedGradientTape")
+        if not isinstance(num_groups, int) or isinstance(num_groups, bool) \
+                or num_groups < 0:
+            raise ValueError("DistributedGradientTape: num_groups must be an "
+                             f"int >= 0; got {num_groups!r}.")
+        self._num_groups = num_groups
         self._tape = tape
         self._compression = compression
         self._op = op
@@ -103,5 +112,6 @@ class DistributedGradientTape:
             flat_grads, flat_sources, self._prefix,
             compression=self._compression, op=self._op,
             sparse_as_dense=self._sparse_as_dense,
-            gradient_predivide_factor=self._predivide)
+            gradient_predivide_factor=self._predivide,
+            num_groups=self._num_groups)
         return tf.nest.pack_sequence_as(sources, reduced)

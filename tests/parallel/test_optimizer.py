@@ -23,6 +23,7 @@ EQUIV = [
     "fit_embedding_sgd_sparse_as_dense=False",
     "fit_embedding_sgd_sparse_as_dense=True", "fit_embedding_adam_sparse",
     "fit_uncompressed_ref", "fit_fp16", "tape_eager", "tape_function",
+    "tape_function_groups3",
 ]
 MATH = [f"{c}_{m}" for m in ("eager", "function") for c in (
     "op_sum", "backward_passes_avg=False", "backward_passes_avg=True",

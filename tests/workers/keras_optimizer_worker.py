@@ -183,9 +183,10 @@ def group_equiv():
 
     for mode in ("eager", "function"):
         check_tape(mode)
+    check_tape("function", num_groups=3)
 
 
-def check_tape(mode):
+def check_tape(mode, num_groups=0):
     x, y = data()
     truth = fit(dense_model(), keras.optimizers.SGD(0.1), x, y, SIZE * B)
     model = dense_model()
@@ -195,7 +196,7 @@ def check_tape(mode):
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
-        tape = kd.DistributedGradientTape(tape)
+        tape = kd.DistributedGradientTape(tape, num_groups=num_groups)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)
 
@@ -204,9 +205,10 @@ def check_tape(mode):
     for s in range(STEPS):
         step(tf.constant(xs[s * B:(s + 1) * B]),
              tf.constant(ys[s * B:(s + 1) * B]))
-    close(model.get_weights(), truth, f"tape_{mode}")
-    same_on_all_ranks(model.get_weights(), f"tape_{mode}")
-    ok(f"tape_{mode}")
+    what = f"tape_{mode}" + (f"_groups{num_groups}" if num_groups else "")
+    close(model.get_weights(), truth, what)
+    same_on_all_ranks(model.get_weights(), what)
+    ok(what)
 
 
 # ---- hand-computed updates -------------------------------------------------
@@ -403,6 +405,12 @@ def group_keras():
         assert "op must be" in str(e), e
     else:
         raise AssertionError("op=Max accepted")
+    try:
+        kd.DistributedGradientTape(tf.GradientTape(), num_groups=-1)
+    except ValueError as e:
+        assert "num_groups must be an int >= 0" in str(e), e
+    else:
+        raise AssertionError("tape num_groups=-1 accepted")
     ok("bad_args")
 
 
