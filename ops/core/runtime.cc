@@ -108,7 +108,10 @@ void Runtime::RecordBatch(const std::vector<const Response*>& resps,
                           const char* phase, Clock::time_point start,
                           Clock::time_point end, const std::string& args) {
   if (!loop_timeline_) return;
-  for (const Response* r : resps) loop_timeline_->Phase(r->req.name, phase, start, end, args);
+  std::vector<const std::string*> names;
+  names.reserve(resps.size());
+  for (const Response* r : resps) names.push_back(&r->req.name);
+  loop_timeline_->Phases(names, phase, start, end, args);
 }
 
 Status Runtime::stopped_status() {
@@ -464,9 +467,7 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   stat_batches_ += 1;
   stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
   if (loop_timeline_) {
-    std::string phase = OpTypeName(head.req.op);
-    for (char& c : phase) c = static_cast<char>(std::toupper(c));
-    loop_timeline_->Phase(head.req.name, phase.c_str(), start, end,
+    loop_timeline_->Phase(head.req.name, OpPhaseName(head.req.op), start, end,
                           "\"bytes\":" + std::to_string(NumElements(head.req.shape) *
                                                         DataTypeSize(head.req.dtype)) +
                               ",\"dtype\":\"" + DataTypeName(head.req.dtype) + "\"");

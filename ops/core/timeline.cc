@@ -33,7 +33,7 @@ Status Timeline::Open(const std::string& path, bool mark_cycles,
   t->file_ = f;
   t->mark_cycles_ = mark_cycles;
   t->origin_ = Clock::now();
-  t->events_.push_back(
+  t->meta_.push_back(
       "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":0,\"args\":{\"name\":"
       "\"kerasdist rank 0\"}}");
   std::fputs("[\n", f);
@@ -62,30 +62,34 @@ int Timeline::Row(const std::string& tensor) {
   if (it != rows_.end()) return it->second;
   int row = static_cast<int>(rows_.size()) + 1;  // row 0 holds cycle markers
   rows_.emplace(tensor, row);
-  events_.push_back("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
-                    std::to_string(row) + ",\"args\":{\"name\":\"" +
-                    JsonEscape(tensor) + "\"}}");
+  meta_.push_back("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
+                  std::to_string(row) + ",\"args\":{\"name\":\"" +
+                  JsonEscape(tensor) + "\"}}");
   return row;
 }
 
 void Timeline::Phase(const std::string& tensor, const char* phase,
                      Clock::time_point start, Clock::time_point end,
                      const std::string& args) {
-  int64_t ts = Micros(start);
-  int64_t dur = std::max<int64_t>(Micros(end) - ts, 0);
+  Phases({&tensor}, phase, start, end, args);
+}
+
+void Timeline::Phases(const std::vector<const std::string*>& tensors,
+                      const char* phase, Clock::time_point start,
+                      Clock::time_point end, const std::string& args) {
+  const int64_t ts = Micros(start);
+  const int64_t dur = std::max<int64_t>(Micros(end) - ts, 0);
+  std::shared_ptr<const std::string> shared;
+  if (!args.empty()) shared = std::make_shared<const std::string>(args);
   std::lock_guard<std::mutex> l(mu_);
-  int row = Row(tensor);
-  events_.push_back("{\"ph\":\"X\",\"name\":\"" + std::string(phase) +
-                    "\",\"pid\":0,\"tid\":" + std::to_string(row) +
-                    ",\"ts\":" + std::to_string(ts) + ",\"dur\":" +
-                    std::to_string(dur) + ",\"args\":{" + args + "}}");
+  for (const std::string* tensor : tensors) {
+    events_.push_back(Event{Row(*tensor), phase, ts, dur, shared});
+  }
 }
 
 void Timeline::Cycle(Clock::time_point t) {
-  std::string e = "{\"ph\":\"i\",\"s\":\"g\",\"name\":\"CYCLE\",\"pid\":0,"
-                  "\"tid\":0,\"ts\":" + std::to_string(Micros(t)) + "}";
   std::lock_guard<std::mutex> l(mu_);
-  events_.push_back(std::move(e));
+  events_.push_back(Event{-1, "CYCLE", Micros(t), 0, nullptr});
 }
 
 void Timeline::WriterLoop() {
@@ -99,18 +103,34 @@ void Timeline::WriterLoop() {
 }
 
 void Timeline::Flush() {
-  std::vector<std::string> batch;
+  std::vector<Event> batch;
+  std::vector<std::string> meta;
   {
     std::lock_guard<std::mutex> l(mu_);
     batch.swap(events_);
+    meta.swap(meta_);
   }
-  if (batch.empty() || file_ == nullptr) return;
+  if ((batch.empty() && meta.empty()) || file_ == nullptr) return;
   // Overwrite the "]" that closed the previous flush.
   if (wrote_any_) std::fseek(file_, -2, SEEK_END);
   std::string text;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (wrote_any_ || i > 0) text += ",\n";
-    text += batch[i];
+  bool first = !wrote_any_;
+  auto add = [&](const std::string& e) {
+    if (!first) text += ",\n";
+    first = false;
+    text += e;
+  };
+  for (const std::string& m : meta) add(m);
+  for (const Event& e : batch) {
+    if (e.row < 0) {
+      add("{\"ph\":\"i\",\"s\":\"g\",\"name\":\"CYCLE\",\"pid\":0,"
+          "\"tid\":0,\"ts\":" + std::to_string(e.ts) + "}");
+    } else {
+      add("{\"ph\":\"X\",\"name\":\"" + std::string(e.phase) +
+          "\",\"pid\":0,\"tid\":" + std::to_string(e.row) +
+          ",\"ts\":" + std::to_string(e.ts) + ",\"dur\":" +
+          std::to_string(e.dur) + ",\"args\":{" + (e.args ? *e.args : "") + "}}");
+    }
   }
   text += "\n]";
   std::fwrite(text.data(), 1, text.size(), file_);

@@ -2,8 +2,9 @@
 // (NEGOTIATE, QUEUE, MEMCPY_IN_FUSION_BUFFER, the collective,
 // MEMCPY_OUT_FUSION_BUFFER) and optional CYCLE markers.
 //
-// The background loop only formats events into a vector under a mutex; a
-// writer thread appends them to the file every 200 ms. After every flush the
+// The background loop only appends compact records (row, phase, times, a
+// shared args string) under a mutex; a writer thread formats them as JSON and
+// appends them to the file every 200 ms, so the loop does no formatting. After every flush the
 // file ends with "]", so it is valid JSON even if the job is killed (the next
 // flush overwrites the bracket).
 #ifndef KERASDIST_CORE_TIMELINE_H_
@@ -30,10 +31,14 @@ class Timeline {
                      std::shared_ptr<Timeline>* out);
   ~Timeline();  // flushes and closes
 
-  // A complete event on the tensor's row. `args` is a JSON object body
-  // (without braces), e.g. "\"bytes\":4096".
+  // A complete event on the tensor's row. `phase` must be a string with
+  // static storage (a literal). `args` is a JSON object body (without
+  // braces), e.g. "\"bytes\":4096".
   void Phase(const std::string& tensor, const char* phase, Clock::time_point start,
              Clock::time_point end, const std::string& args = "");
+  // The same event on several rows (a fused batch): one lock, one args copy.
+  void Phases(const std::vector<const std::string*>& tensors, const char* phase,
+              Clock::time_point start, Clock::time_point end, const std::string& args);
   void Cycle(Clock::time_point t);
   bool mark_cycles() const { return mark_cycles_; }
 
@@ -44,13 +49,21 @@ class Timeline {
   int64_t Micros(Clock::time_point t) const;
   int Row(const std::string& tensor);  // requires mu_
 
+  struct Event {
+    int row;                  // -1: a cycle marker
+    const char* phase;
+    int64_t ts, dur;
+    std::shared_ptr<const std::string> args;  // null: none
+  };
+
   std::FILE* file_ = nullptr;
   bool mark_cycles_ = false;
   Clock::time_point origin_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool closing_ = false;
-  std::vector<std::string> events_;
+  std::vector<Event> events_;
+  std::vector<std::string> meta_;  // formatted row names
   std::unordered_map<std::string, int> rows_;
   bool wrote_any_ = false;
   std::thread writer_;

@@ -58,6 +58,18 @@ const char* ReduceOpName(ReduceOp op) {
   return "unknown";
 }
 
+const char* OpPhaseName(OpType op) {
+  switch (op) {
+    case OpType::kAllreduce: return "ALLREDUCE";
+    case OpType::kAllgather: return "ALLGATHER";
+    case OpType::kBroadcast: return "BROADCAST";
+    case OpType::kAlltoall: return "ALLTOALL";
+    case OpType::kReducescatter: return "REDUCESCATTER";
+    case OpType::kBarrier: return "BARRIER";
+  }
+  return "UNKNOWN";
+}
+
 const char* OpTypeName(OpType op) {
   switch (op) {
     case OpType::kAllreduce: return "allreduce";

@@ -48,6 +48,7 @@ bool IsFloating(DataType dt);
 const char* DataTypeName(DataType dt);
 const char* ReduceOpName(ReduceOp op);
 const char* OpTypeName(OpType op);
+const char* OpPhaseName(OpType op);  // upper case, as in the timeline
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);
 
