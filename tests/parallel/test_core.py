@@ -46,6 +46,40 @@ def test_collectives_match_numpy(np_, path):
     _assert_all_ranks(out, np_, f"OK path {path}")
 
 
+def _small_dev_shm_prefix():
+    """`unshare -m` + a 40 MiB tmpfs on /dev/shm for one command, or None
+    where this machine does not allow it (needs root and mount namespaces)."""
+    import shutil
+    import subprocess
+    if shutil.which("unshare") is None:
+        return None
+    mount = "mount -t tmpfs -o size=40m tmpfs /dev/shm"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "-m", "sh", "-c", mount + ' && exec "$@"', "sh"]
+
+
+def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
+    # 2 ranks x 48 MiB cannot be reserved in 40 MiB: every rank must agree
+    # on MPI for that size, and go back to shared memory for smaller ones.
+    import subprocess
+    import sys
+    prefix = _small_dev_shm_prefix()
+    if prefix is None:
+        pytest.skip("needs root and mount namespaces (unshare -m) to give "
+                    "the job a small /dev/shm")
+    out = subprocess.run(
+        prefix + [sys.executable, "-m", "kerasdist.run", "-np", "2",
+                  *_worker("shm_fallback_worker.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=180, env=_env(PYTHONPATH=REPO_ROOT + os.pathsep + WORKERS),
+        cwd=REPO_ROOT)
+    _assert_all_ranks(out, 2, "OK fallback")
+    assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_ops_eager_function_gradients_out_of_order(np_):
     out = launch(np_, _worker("tf_ops_worker.py"), timeout=300, env=_env())
