@@ -222,8 +222,7 @@ def install_checks(np_ranks):
         out.append((FAIL, f"mpiexec: {e}"))
     out += gpu_checks(info, _gpus(), np_ranks)
     out.append(shm_check(_shm_free("/dev/shm"), np_ranks,
-                         os.environ.get("KERASDIST_SHM_ALLREDUCE", "1"),
-                         _fusion_threshold()))
+                         os.environ.get("KERASDIST_SHM_ALLREDUCE", "1")))
     return out
 
 
@@ -236,31 +235,28 @@ def _shm_free(path):
     return st.f_bavail * st.f_frsize
 
 
-def _fusion_threshold():
-    try:
-        return int(os.environ.get("KERASDIST_FUSION_THRESHOLD", 64 << 20))
-    except ValueError:
-        return 64 << 20
+# The runtime's largest shared-memory slot per rank (ops/core/runtime.cc).
+_SHM_SLOT_MAX = 64 << 20
 
 
-def shm_check(free, np_ranks, setting, fusion_threshold):
+def shm_check(free, np_ranks, setting):
     """The shared-memory allreduce line. Each local rank maps a slot as large
-    as its largest fused allreduce (up to the fusion threshold); when that
-    does not fit in /dev/shm the ranks fall back to MPI for those sizes."""
+    as its largest allreduce, at most 64 MiB (bigger tensors go through in
+    pieces); when the slots do not fit in /dev/shm the ranks use MPI for
+    those sizes."""
     if setting.strip() in ("0", "false", "False", "no"):
         return (INFO, "shared-memory allreduce off (KERASDIST_SHM_ALLREDUCE=0)"
                       ": single-node allreduces use MPI.")
     if free is None:
         return (WARN, "no /dev/shm: single-node allreduces will use MPI "
                       "(slower for large tensors). Mount a tmpfs there.")
-    need = np_ranks * max(fusion_threshold, 2 << 20)
+    need = np_ranks * _SHM_SLOT_MAX
     mib = free / (1 << 20)
     if free < need:
         return (WARN, f"/dev/shm has {mib:.0f} MiB free, less than "
-                      f"{np_ranks} ranks x the {fusion_threshold >> 20} MiB "
-                      "fusion threshold: the largest allreduces will fall "
-                      "back to MPI (slower). In Docker, run with "
-                      "--shm-size=1g or more.")
+                      f"{np_ranks} ranks x {_SHM_SLOT_MAX >> 20} MiB: the "
+                      "largest allreduces will fall back to MPI (slower). "
+                      "In Docker, run with --shm-size=1g or more.")
     return (OK, f"shared-memory allreduce: /dev/shm has {mib:.0f} MiB free")
 
 

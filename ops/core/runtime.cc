@@ -22,6 +22,8 @@ constexpr auto kSpin = std::chrono::microseconds(60);
 constexpr int64_t kMaxSleepPendingUs = 200;
 constexpr int64_t kMaxSleepIdleUs = 2000;
 constexpr double kShutdownReplyTimeoutS = 30.0;
+// The largest shared-memory slot per rank (see RunShmAllreduce).
+constexpr int64_t kShmMaxSlotBytes = int64_t{64} << 20;
 
 
 }  // namespace
@@ -536,6 +538,40 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
   return Status::OK();
 }
 
+Status Runtime::RunShmAllreducePieces(const std::vector<const Response*>& resps,
+                                      Entry& e, const Scaling& sc, bool* ran) {
+  const Request& q = e.req;
+  const int64_t esize = DataTypeSize(q.dtype);
+  const int64_t n = NumElements(q.shape);
+  const int64_t piece = kShmMaxSlotBytes / esize;
+  const Clock::time_point t0 = Clock::now();
+  for (int64_t first = 0; first < n; first += piece) {
+    const int64_t m = std::min(piece, n - first);
+    char* slot = nullptr;
+    KD_RETURN_IF_ERROR(shm_->Begin(m * esize, &slot));
+    if (slot == nullptr) {
+      // Only the first piece can be refused (later ones are no larger), and
+      // every rank gets the same answer: MPI does the whole tensor.
+      if (first == 0) return Status::OK();
+      return Status::Internal("shared-memory slot lost mid-tensor (kerasdist bug)");
+    }
+    ScaleCopy(slot, static_cast<const char*>(e.input) + first * esize, m, q.dtype,
+              q.prescale);
+    KD_RETURN_IF_ERROR(shm_->Reduce(m, q.dtype, sc.op));
+    shm_->CopyOut(0, m, q.dtype, static_cast<char*>(e.output) + first * esize,
+                  sc.post, sc.divisor);
+  }
+  *ran = true;
+  stat_shm_ += 1;
+  if (loop_timeline_) {
+    RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
+                "\"bytes\":" + std::to_string(n * esize) +
+                    ",\"fused\":1,\"dtype\":\"" + DataTypeName(q.dtype) +
+                    "\",\"transport\":\"shm\"");
+  }
+  return Status::OK();
+}
+
 Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
                                 std::vector<Entry*>& entries, const Scaling& sc,
                                 bool* ran) {
@@ -550,6 +586,13 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   // 64 KiB: shared memory 10-20% faster). Every rank must decide alike, so
   // the minimum is agreed at init (ShmAllreduce::Create).
   if (total == 0 || total * esize < shm_->min_bytes()) return Status::OK();
+  // Slots hold at most kShmMaxSlotBytes (they stay mapped for the job's
+  // life): a bigger single tensor goes through in pieces, a bigger fused
+  // batch (a fusion threshold above that) through MPI.
+  if (total * esize > kShmMaxSlotBytes) {
+    if (entries.size() != 1) return Status::OK();
+    return RunShmAllreducePieces(resps, *entries[0], sc, ran);
+  }
   const Clock::time_point t0 = Clock::now();
   char* slot = nullptr;
   KD_RETURN_IF_ERROR(shm_->Begin(total * esize, &slot));

@@ -103,6 +103,8 @@ class Runtime {
   Status RunShmAllreduce(const std::vector<const Response*>& resps,
                          std::vector<Entry*>& entries, const Scaling& sc,
                          bool* ran);
+  Status RunShmAllreducePieces(const std::vector<const Response*>& resps,
+                               Entry& e, const Scaling& sc, bool* ran);
   Status RunOther(const Response& resp, Entry& e, Result* result);
   void Complete(Entry& e, const Result& r);
   void FailAll(const Status& s);

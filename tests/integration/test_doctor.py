@@ -58,9 +58,9 @@ def test_shm_line_says_what_to_do():
     from kerasdist.doctor import OK, WARN, INFO, shm_check
 
     mib = 1 << 20
-    assert shm_check(4096 * mib, 2, "1", 64 * mib)[0] == OK
-    status, text = shm_check(64 * mib, 2, "1", 64 * mib)
+    assert shm_check(4096 * mib, 2, "1")[0] == OK
+    status, text = shm_check(64 * mib, 2, "1")
     assert status == WARN and "--shm-size" in text and "64 MiB free" in text
-    status, text = shm_check(None, 2, "1", 64 * mib)
+    status, text = shm_check(None, 2, "1")
     assert status == WARN and "no /dev/shm" in text
-    assert shm_check(None, 2, "0", 64 * mib)[0] == INFO
+    assert shm_check(None, 2, "0")[0] == INFO

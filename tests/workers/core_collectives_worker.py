@@ -110,6 +110,18 @@ expect(allreduce(x, "scaled", op=kd.Sum, prescale=2.0, postscale=0.5),
        stack.sum(0), "pre/post scale")
 expect(allreduce(x, "scaled.avg", op=kd.Average, prescale=4.0, postscale=0.25),
        stack.sum(0) / n, "average with factors")
+if MODE == "shm" and n > 1:
+    # Bigger than one 64 MiB shared slot: reduced in pieces (the last one
+    # short), Sum and Average.
+    big = np.arange((16 << 20) + 3, dtype=np.float32) % 1000 + r
+    want = (np.arange(big.size, dtype=np.float32) % 1000) * n + n * (n - 1) / 2
+    expect(allreduce(big, "sum.pieces", op=kd.Sum), want, "sum in pieces")
+    avg = allreduce(big, "avg.pieces", op=kd.Average)
+    if not np.allclose(avg, want / n, rtol=1e-6):
+        print("FAIL average in pieces", flush=True)
+        sys.exit(1)
+    ok("avg pieces")
+    del big, want, avg
 print("OK allreduce", flush=True)
 
 # -- fused: many tensors in flight at once, enqueued in a random order -------
