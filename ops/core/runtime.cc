@@ -207,6 +207,9 @@ Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
       break;
     }
   }
+  // A bad request is reported as such, even if the runtime has stopped
+  // meanwhile (another rank's shutdown must not hide the caller's mistake).
+  if (valid == 0) return failed;
   std::lock_guard<std::mutex> l(mu_);
   if (stopped_ || shutdown_requested_) {
     return Status::Aborted(
