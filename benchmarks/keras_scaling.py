@@ -62,6 +62,20 @@ def _build(name):
     return keras.Sequential(layers)
 
 
+def _timed_fit(model, data, steps, warmup):
+    """Trains warmup + steps batches; images/s over the steps after warmup,
+    timed between batch ends."""
+    import keras
+
+    ends = []
+    timer = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(
+            time.perf_counter()))
+    model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
+              verbose=0, callbacks=[timer])
+    return steps * BATCH / (ends[-1] - ends[warmup - 1])
+
+
 def worker(model_name, steps, warmup, communicate=True):
     """One rank: train, time, check weights; rank 0 prints a RESULT line.
 
@@ -91,13 +105,7 @@ def worker(model_name, steps, warmup, communicate=True):
         jit_compile=False)
     kd.broadcast_variables(model.variables, root_rank=0)
 
-    ends = []
-    timer = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: ends.append(
-            time.perf_counter()))
-    model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
-              verbose=0, callbacks=[timer])
-    img_sec = steps * BATCH / (ends[-1] - ends[warmup - 1])
+    img_sec = _timed_fit(model, data, steps, warmup)
 
     mine = np.concatenate([w.ravel() for w in model.get_weights()])
     every = kd.allgather(tf.constant(mine[None, :]), name="bench.weights")
@@ -169,13 +177,7 @@ def mwms_worker(model_name, steps, warmup):
             model._symbolic_build(data_batch=data_batch)
 
     model._maybe_symbolic_build = symbolic_build
-    ends = []
-    timer = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: ends.append(
-            time.perf_counter()))
-    model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
-              verbose=0, callbacks=[timer])
-    img_sec = steps * BATCH / (ends[-1] - ends[warmup - 1])
+    img_sec = _timed_fit(model, data, steps, warmup)
     digest = hashlib.sha256(b"".join(
         w.tobytes() for w in model.get_weights())).hexdigest()
     print("RESULT " + json.dumps({

@@ -33,6 +33,17 @@ def launcher_env(env=None):
     return env
 
 
+def rank_env(drop=(), **extra):
+    """os.environ for launched ranks: TF quiet unless set, the `drop`
+    variables removed, `extra` set (values turned into strings)."""
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    for k in drop:
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
 def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None):
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 

@@ -25,6 +25,13 @@ constexpr double kShutdownReplyTimeoutS = 30.0;
 // The largest shared-memory slot per rank (see RunShmAllreduce).
 constexpr int64_t kShmMaxSlotBytes = int64_t{64} << 20;
 
+// The args of an allreduce's timeline event.
+std::string AllreduceArgs(int64_t bytes, size_t fused, DataType dt, bool shm) {
+  return "\"bytes\":" + std::to_string(bytes) + ",\"fused\":" + std::to_string(fused) +
+         ",\"dtype\":\"" + DataTypeName(dt) + "\"" +
+         (shm ? ",\"transport\":\"shm\"" : "");
+}
+
 
 }  // namespace
 
@@ -114,6 +121,15 @@ void Runtime::RecordBatch(const std::vector<const Response*>& resps,
   names.reserve(resps.size());
   for (const Response* r : resps) names.push_back(&r->req.name);
   loop_timeline_->Phases(names, phase, start, end, args);
+}
+
+void Runtime::RecordFusedBatch(const std::vector<const Response*>& resps,
+                               Clock::time_point packed_from, Clock::time_point reduced_from,
+                               Clock::time_point unpacked_from, const std::string& args) {
+  const Clock::time_point end = Clock::now();
+  RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", packed_from, reduced_from, "");
+  RecordBatch(resps, "ALLREDUCE", reduced_from, unpacked_from, args);
+  RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", unpacked_from, end, "");
 }
 
 Status Runtime::stopped_status() {
@@ -506,8 +522,7 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
     if (loop_timeline_) {
       RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                  "\"bytes\":" + std::to_string(n * esize) +
-                      ",\"fused\":1,\"dtype\":\"" + DataTypeName(q.dtype) + "\"");
+                  AllreduceArgs(n * esize, 1, q.dtype, false));
     }
     return Status::OK();
   }
@@ -530,13 +545,8 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     off += n;
   }
   if (loop_timeline_) {
-    const Clock::time_point t3 = Clock::now();
-    RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", t0, t1, "");
-    RecordBatch(resps, "ALLREDUCE", t1, t2,
-                "\"bytes\":" + std::to_string(total * esize) + ",\"fused\":" +
-                    std::to_string(entries.size()) + ",\"dtype\":\"" +
-                    DataTypeName(q.dtype) + "\"");
-    RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", t2, t3, "");
+    RecordFusedBatch(resps, t0, t1, t2,
+                     AllreduceArgs(total * esize, entries.size(), q.dtype, false));
   }
   return Status::OK();
 }
@@ -568,9 +578,7 @@ Status Runtime::RunShmAllreducePieces(const std::vector<const Response*>& resps,
   stat_shm_ += 1;
   if (loop_timeline_) {
     RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                "\"bytes\":" + std::to_string(n * esize) +
-                    ",\"fused\":1,\"dtype\":\"" + DataTypeName(q.dtype) +
-                    "\",\"transport\":\"shm\"");
+                AllreduceArgs(n * esize, 1, q.dtype, true));
   }
   return Status::OK();
 }
@@ -618,13 +626,8 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   *ran = true;
   stat_shm_ += 1;
   if (loop_timeline_) {
-    const Clock::time_point t3 = Clock::now();
-    RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", t0, t1, "");
-    RecordBatch(resps, "ALLREDUCE", t1, t2,
-                "\"bytes\":" + std::to_string(total * esize) + ",\"fused\":" +
-                    std::to_string(entries.size()) + ",\"dtype\":\"" +
-                    DataTypeName(q.dtype) + "\",\"transport\":\"shm\"");
-    RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", t2, t3, "");
+    RecordFusedBatch(resps, t0, t1, t2,
+                     AllreduceArgs(total * esize, entries.size(), q.dtype, true));
   }
   return Status::OK();
 }

@@ -148,6 +148,11 @@ class Runtime {
   void RecordBatch(const std::vector<const Response*>& resps, const char* phase,
                    Clock::time_point start, Clock::time_point end,
                    const std::string& args);
+  // A fused batch's three phases: copy in, the collective (with `args`),
+  // copy out (ending now). Call only with a timeline.
+  void RecordFusedBatch(const std::vector<const Response*>& resps,
+                        Clock::time_point packed_from, Clock::time_point reduced_from,
+                        Clock::time_point unpacked_from, const std::string& args);
   mutable std::mutex timeline_mu_;
   std::shared_ptr<Timeline> timeline_;
   std::shared_ptr<Timeline> loop_timeline_;  // the loop's copy for this round

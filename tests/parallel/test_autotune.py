@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, rank_lines
+from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = pytest.mark.parallel
 
@@ -14,12 +14,7 @@ WORKER = os.path.join(REPO_ROOT, "tests", "workers", "autotune_worker.py")
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    for k in ("KERASDIST_AUTOTUNE", "KERASDIST_AUTOTUNE_LOG"):
-        env.pop(k, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return rank_env(drop=("KERASDIST_AUTOTUNE", "KERASDIST_AUTOTUNE_LOG"), **extra)
 
 
 def _ok(out, np_):

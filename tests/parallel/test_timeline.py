@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kerasdist import timeline_tools
-from tests.helpers import REPO_ROOT, launch, rank_lines
+from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = pytest.mark.parallel
 
@@ -16,12 +16,7 @@ WORKER = os.path.join(REPO_ROOT, "tests", "workers", "timeline_worker.py")
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    for k in ("KERASDIST_TIMELINE", "KERASDIST_TIMELINE_MARK_CYCLES"):
-        env.pop(k, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return rank_env(drop=("KERASDIST_TIMELINE", "KERASDIST_TIMELINE_MARK_CYCLES"), **extra)
 
 
 def _ok(out, np_):
