@@ -10,7 +10,11 @@ and:
   grace period, kills it if it ignores an ending signal;
 - kills the command if the wrapper itself dies (Linux parent-death signal);
 - reports a failed exit (nonzero code or a signal) to the launcher as one
-  marker line on stderr, which the launcher removes from the output.
+  marker line on stderr, which the launcher removes from the output;
+- with `--bind`, restricts the command to this rank's share of the CPUs it
+  may run on (see cpu_share), so that the ranks of one machine do not chase
+  each other across cores and each TensorFlow sizes its thread pools by its
+  own share.
 
 The command inherits the wrapper's environment and every inheritable file
 descriptor, so PMI_FD (hydra's PMI socket) stays usable, exactly as if mpiexec
@@ -20,7 +24,7 @@ This file uses only the standard library and imports nothing from kerasdist:
 the launcher runs it by path (`python -I -S .../_rank.py`), so it works on a
 rank whatever the rank's sys.path is. `python -m kerasdist.run._rank` works too.
 
-Usage: _rank.py [--no-prefix] -- command [args...]
+Usage: _rank.py [--no-prefix] [--bind] [--report-bind] -- command [args...]
 """
 
 import os
@@ -46,6 +50,96 @@ def rank_from_env(environ):
         if environ.get(name, "") != "":
             return environ[name]
     return "?"
+
+
+def local_rank_from_env(environ):
+    """Returns (local rank, ranks on this host) from MPI's env, or None."""
+    for rank_name, size_name in (
+            ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH hydra
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+        try:
+            local_rank = int(environ[rank_name])
+            local_size = int(environ[size_name])
+        except (KeyError, ValueError):
+            continue
+        if 0 <= local_rank < local_size:
+            return local_rank, local_size
+    return None
+
+
+def physical_core_of(cpu):
+    """Returns a key shared by the hardware threads of one core, from sysfs."""
+    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(base + "physical_package_id") as f:
+            package = f.read().strip()
+        with open(base + "core_id") as f:
+            core = f.read().strip()
+    except OSError:
+        return ("cpu", cpu)  # unknown: every CPU its own core
+    return (package, core)
+
+
+def cpu_share(cpus, local_rank, local_size, core_of=physical_core_of):
+    """Returns the CPUs of `cpus` for one of `local_size` ranks, or None.
+
+    The physical cores among `cpus` are split into `local_size` contiguous
+    blocks whose sizes differ by at most one (the first ranks get the larger
+    ones); a rank gets every hardware thread of its block's cores, so two
+    ranks never share a core. With fewer cores than ranks the hardware
+    threads are split the same way instead; with fewer CPUs than ranks
+    there is no share to give (None: leave the rank unbound).
+    """
+    cpus = sorted(cpus)
+    if local_size < 1 or len(cpus) < local_size:
+        return None
+    cores = {}
+    for cpu in cpus:
+        cores.setdefault(core_of(cpu), []).append(cpu)
+    groups = sorted(cores.values())
+    if len(groups) < local_size:
+        groups = [[cpu] for cpu in cpus]
+    per, extra = divmod(len(groups), local_size)
+    start = local_rank * per + min(local_rank, extra)
+    count = per + (1 if local_rank < extra else 0)
+    return {cpu for group in groups[start:start + count] for cpu in group}
+
+
+def _bind(rank, report):
+    """Binds this process (and so the command) to its share of the CPUs."""
+    where = local_rank_from_env(os.environ)
+    if where is None or not hasattr(os, "sched_setaffinity"):
+        message = "not bound (the MPI launcher gave no local rank)"
+    else:
+        allowed = os.sched_getaffinity(0)
+        share = cpu_share(allowed, *where)
+        if share is None:
+            message = (f"not bound: {where[1]} ranks on this host and only "
+                       f"{len(allowed)} CPU(s) to share")
+        else:
+            os.sched_setaffinity(0, share)
+            message = f"bound to CPU(s) {_cpu_list(share)}"
+    if report:
+        _write_all(2, f"kerasdist: rank {rank}: {message}\n".encode())
+
+
+def _cpu_list(cpus):
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu == run[-1] + 1:
+            run.append(cpu)
+            continue
+        if run:
+            out.append(_span(run))
+        run = [cpu]
+    if run:
+        out.append(_span(run))
+    return ",".join(out)
+
+
+def _span(run):
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
 def format_marker(rank, host, status):
@@ -197,16 +291,20 @@ class _Wrapper:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    prefix = True
-    if argv and argv[0] == "--no-prefix":
-        prefix = False
-        argv = argv[1:]
+    prefix, bind, report = True, False, False
+    while argv and argv[0] in ("--no-prefix", "--bind", "--report-bind"):
+        flag = argv.pop(0)
+        prefix = prefix and flag != "--no-prefix"
+        bind = bind or flag == "--bind"
+        report = report or flag == "--report-bind"
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         sys.stderr.write("kerasdist: _rank: no command given\n")
         return 2
     rank = rank_from_env(os.environ)
+    if bind:
+        _bind(rank, report)
     status = _Wrapper(argv, prefix).run(rank)
     if status != 0:
         sys.stdout.flush()

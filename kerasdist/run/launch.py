@@ -100,8 +100,13 @@ def make_parser():
                    help="stop the job after SECONDS in all (exit code 124)")
     p.add_argument("--no-prefix", action="store_true",
                    help="do not prefix output lines with [rank]<stream>:")
+    p.add_argument("--bind-to", choices=("core", "none"), default="core",
+                   help="core (default): each rank of a host runs on its own "
+                   "equal share of the host's cores (unbound when ranks "
+                   "outnumber CPUs); none: the OS places every rank")
     p.add_argument("--verbose", action="store_true",
-                   help="print the mpiexec command line")
+                   help="print the mpiexec command line and each rank's "
+                   "CPU binding")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the command to run on every rank")
     return p
@@ -174,18 +179,24 @@ def find_mpiexec(environ=None, prefix=None, which=shutil.which):
         "an MPI installation's prefix")
 
 
-def rank_wrapper_argv(no_prefix=False, python=None):
+def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
+                      report_bind=False):
     """The per-rank wrapper's command line, ending with "--"."""
     wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "_rank.py")
     argv = [python or sys.executable, "-I", "-S", wrapper]
     if no_prefix:
         argv.append("--no-prefix")
+    if bind:
+        argv.append("--bind")
+    if report_bind:
+        argv.append("--report-bind")
     return argv + ["--"]
 
 
 def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
-                       no_prefix=False, python=None):
+                       no_prefix=False, python=None, bind=False,
+                       report_bind=False):
     """Builds the hydra mpiexec command line.
 
     Args:
@@ -197,6 +208,8 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
         hosts: [(host, slots), ...] or None for this machine.
         no_prefix: ask the wrapper not to prefix output lines.
         python: the interpreter for the wrapper (default sys.executable).
+        bind: ask the wrapper to bind each rank to its share of the CPUs.
+        report_bind: ask the wrapper to print each rank's binding.
 
     Returns:
         The argv list.
@@ -207,7 +220,8 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
     if hosts:
         argv += ["-hosts", hosts_lib.hydra_hosts_arg(hosts)]
     argv += ["-n", str(np)]
-    return argv + rank_wrapper_argv(no_prefix, python) + list(command)
+    return argv + rank_wrapper_argv(no_prefix, python, bind,
+                                    report_bind) + list(command)
 
 
 def _rank_env(args, attempt):
@@ -245,7 +259,9 @@ def main(argv=None):
                          f"attempt ended because {outcome.reason})")
             rank_env = _rank_env(args, attempt)
             mpi_argv = build_mpiexec_argv(mpiexec, args.np, args.command,
-                                          rank_env, args.hosts, args.no_prefix)
+                                          rank_env, args.hosts, args.no_prefix,
+                                          bind=args.bind_to == "core",
+                                          report_bind=args.verbose)
             if args.verbose:
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)

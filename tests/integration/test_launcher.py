@@ -78,6 +78,43 @@ def test_prefixes_stdout_and_stderr_and_env(tmp_path):
         assert rank_lines(out.stdout, r, "stderr") == [f"err {r}"]
 
 
+_AFFINITY = "import os; print('cpus', sorted(os.sched_getaffinity(0)))"
+
+
+def _cpus_of(out, r):
+    lines = [l for l in rank_lines(out.stdout, r) if l.startswith("cpus ")]
+    assert len(lines) == 1, out.stdout
+    return set(eval(lines[0][5:]))
+
+
+def test_ranks_are_bound_to_disjoint_cpu_shares():
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs to give 2 ranks a share each")
+    out = launch(2, python_cmd(_AFFINITY), timeout=60,
+                 launcher_args=("--verbose",))
+    assert out.returncode == 0, out.stdout
+    shares = [_cpus_of(out, r) for r in (0, 1)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1], shares
+    assert shares[0] | shares[1] == allowed, shares
+    assert abs(len(shares[0]) - len(shares[1])) <= 1
+    assert "kerasdist: rank 1: bound to CPU(s)" in out.stdout, out.stdout
+
+
+def test_bind_to_none_and_oversubscribed_ranks_are_not_bound():
+    allowed = os.sched_getaffinity(0)
+    out = launch(2, python_cmd(_AFFINITY), timeout=60,
+                 launcher_args=("--bind-to", "none"))
+    assert out.returncode == 0, out.stdout
+    assert [_cpus_of(out, r) for r in (0, 1)] == [allowed, allowed]
+    np_ = len(allowed) + 1
+    out = launch(np_, python_cmd(_AFFINITY), timeout=60,
+                 launcher_args=("--verbose",))
+    assert out.returncode == 0, out.stdout
+    assert all(_cpus_of(out, r) == allowed for r in range(np_))
+    assert f"not bound: {np_} ranks on this host" in out.stdout, out.stdout
+
+
 def test_exit_code_zero_and_early_exit_is_not_failure():
     code = ("import os, time\n"
             "if os.environ['PMI_RANK'] == '1': time.sleep(1.5)\n")

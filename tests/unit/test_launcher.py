@@ -237,6 +237,57 @@ def test_build_mpiexec_argv_local_no_prefix():
     assert argv[-3:] == ["--no-prefix", "--", "c"]
 
 
+def test_build_mpiexec_argv_bind():
+    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, python="/py",
+                                     bind=True, report_bind=True)
+    assert argv[-4:] == ["--bind", "--report-bind", "--", "c"]
+    assert launch.parse_args(["-np", "2", "c"]).bind_to == "core"
+    assert launch.parse_args(["-np", "2", "--bind-to", "none", "c"]
+                             ).bind_to == "none"
+    with pytest.raises(launch.UsageError, match="bind-to"):
+        launch.parse_args(["-np", "2", "--bind-to", "socket", "c"])
+
+
+# --- CPU binding -------------------------------------------------------------
+
+def _shares(cpus, ranks, core_of):
+    return [_rank.cpu_share(cpus, r, ranks, core_of) for r in range(ranks)]
+
+
+def test_cpu_share_splits_cores_evenly_and_disjointly():
+    one_thread = lambda cpu: ("0", str(cpu))  # noqa: E731
+    assert _shares(range(2), 2, one_thread) == [{0}, {1}]
+    assert _shares(range(8), 3, one_thread) == [{0, 1, 2}, {3, 4, 5}, {6, 7}]
+    assert _shares(range(4), 1, one_thread) == [{0, 1, 2, 3}]
+    # Only the CPUs this process may use (e.g. under taskset), in order.
+    assert _shares({5, 3, 9, 7}, 2, one_thread) == [{3, 5}, {7, 9}]
+    # More ranks than CPUs: nobody is bound.
+    assert _shares(range(2), 3, one_thread) == [None, None, None]
+
+
+def test_cpu_share_keeps_hardware_threads_of_a_core_together():
+    # Linux numbers the second thread of core c as c + 4 here (4 cores x 2).
+    smt = lambda cpu: ("0", str(cpu % 4))  # noqa: E731
+    assert _shares(range(8), 2, smt) == [{0, 1, 4, 5}, {2, 3, 6, 7}]
+    assert _shares(range(8), 4, smt) == [{0, 4}, {1, 5}, {2, 6}, {3, 7}]
+    # More ranks than cores but not than threads: threads are split instead.
+    assert _shares(range(8), 8, smt) == [{c} for c in range(8)]
+    # Two sockets with the same core ids are different cores.
+    sockets = lambda cpu: (str(cpu // 2), "0")  # noqa: E731
+    assert _shares(range(4), 2, sockets) == [{0, 1}, {2, 3}]
+
+
+def test_local_rank_from_env():
+    assert _rank.local_rank_from_env(
+        {"MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}) == (1, 2)
+    assert _rank.local_rank_from_env(
+        {"OMPI_COMM_WORLD_LOCAL_RANK": "0",
+         "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == (0, 4)
+    assert _rank.local_rank_from_env({}) is None
+    assert _rank.local_rank_from_env(
+        {"MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"}) is None
+
+
 # --- wrapper markers and status text ---------------------------------------
 
 def test_marker_round_trip():
