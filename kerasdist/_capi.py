@@ -94,6 +94,8 @@ def lib():
         l.kerasdist_convert16.restype = i
         l.kerasdist_shm_allreduces.argtypes = []
         l.kerasdist_shm_allreduces.restype = i64
+        l.kerasdist_cma_allreduces.argtypes = []
+        l.kerasdist_cma_allreduces.restype = i64
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64

@@ -31,6 +31,7 @@ _SETTINGS = {
     "log_level": "KERASDIST_LOG_LEVEL",
     "shm_allreduce": "KERASDIST_SHM_ALLREDUCE",
     "shm_allreduce_min_bytes": "KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
+    "cma_allreduce": "KERASDIST_CMA_ALLREDUCE",
 }
 
 

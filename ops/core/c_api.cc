@@ -345,6 +345,11 @@ int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
 
 int kerasdist_simd16(void) { return Simd16Available() ? 1 : 0; }
 
+int64_t kerasdist_cma_allreduces(void) {
+  auto rt = CurrentRuntime();
+  return rt ? rt->stats().cma_allreduces : -1;
+}
+
 int64_t kerasdist_shm_allreduces(void) {
   auto rt = CurrentRuntime();
   return rt ? rt->stats().shm_allreduces : -1;

@@ -87,6 +87,9 @@ int kerasdist_simd16(void);
 /* How many allreduces (fused batches count once) went through shared memory
  * since init, or -1 before init. */
 int64_t kerasdist_shm_allreduces(void);
+/* Of those, how many read the other ranks' tensors in place (cross-memory
+ * attach, see comm/cma_allreduce.h); -1 before init. */
+int64_t kerasdist_cma_allreduces(void);
 
 #ifdef __cplusplus
 }

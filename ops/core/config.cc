@@ -37,6 +37,10 @@ const std::vector<ConfigVariable>& ConfigVariables() {
       {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
        "Smallest allreduce (bytes, after fusion) that goes through shared "
        "memory (integer, default 16384); smaller ones use MPI."},
+      {"KERASDIST_CMA_ALLREDUCE",
+       "1 (default) to let the shared-memory allreduce read the other ranks' "
+       "tensors in place (cross-memory attach) where the system allows it; 0 "
+       "to stage them in shared-memory slots."},
   };
   return vars;
 }
@@ -110,6 +114,8 @@ Status Apply(const std::string& name, const std::string& v, Config* c) {
     c->gpu_operations = v;
   } else if (name == "KERASDIST_SHM_ALLREDUCE") {
     KD_RETURN_IF_ERROR(ParseBool(name, v, &c->shm_allreduce));
+  } else if (name == "KERASDIST_CMA_ALLREDUCE") {
+    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->cma_allreduce));
   } else if (name == "KERASDIST_SHM_ALLREDUCE_MIN_BYTES") {
     KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->shm_allreduce_min_bytes));
   } else if (name == "KERASDIST_LOG_LEVEL") {

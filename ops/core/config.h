@@ -25,6 +25,7 @@ struct Config {
   std::string gpu_operations = "NCCL";  // NCCL | MPI
   bool shm_allreduce = true;            // shared-memory allreduce on one node
   int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
+  bool cma_allreduce = true;            // ... reading peers in place (CMA)
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
 };
 

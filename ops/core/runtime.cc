@@ -26,10 +26,12 @@ constexpr double kShutdownReplyTimeoutS = 30.0;
 constexpr int64_t kShmMaxSlotBytes = int64_t{64} << 20;
 
 // The args of an allreduce's timeline event.
-std::string AllreduceArgs(int64_t bytes, size_t fused, DataType dt, bool shm) {
+// `transport`: "shm" (slots), "cma" (peers read in place) or null (MPI).
+std::string AllreduceArgs(int64_t bytes, size_t fused, DataType dt,
+                          const char* transport) {
   return "\"bytes\":" + std::to_string(bytes) + ",\"fused\":" + std::to_string(fused) +
          ",\"dtype\":\"" + DataTypeName(dt) + "\"" +
-         (shm ? ",\"transport\":\"shm\"" : "");
+         (transport ? std::string(",\"transport\":\"") + transport + "\"" : "");
 }
 
 
@@ -44,6 +46,10 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   KD_RETURN_IF_ERROR(
       ShmAllreduce::Create(rt->mpi_->comm(), config.shm_allreduce,
                            config.shm_allreduce_min_bytes, &rt->shm_));
+  if (rt->shm_) {
+    KD_RETURN_IF_ERROR(CmaAllreduce::Create(rt->mpi_->comm(), config.cma_allreduce,
+                                            &rt->cma_));
+  }
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
   if (rt->topology().rank == 0) {
     rt->coordinator_ = std::make_unique<Coordinator>(rt->topology().size, config);
@@ -97,6 +103,7 @@ Runtime::Stats Runtime::stats() const {
   s.batches = stat_batches_.load();
   s.busy_seconds = stat_busy_ns_.load() * 1e-9;
   s.shm_allreduces = stat_shm_.load();
+  s.cma_allreduces = stat_cma_.load();
   return s;
 }
 
@@ -522,7 +529,7 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
     if (loop_timeline_) {
       RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                  AllreduceArgs(n * esize, 1, q.dtype, false));
+                  AllreduceArgs(n * esize, 1, q.dtype, nullptr));
     }
     return Status::OK();
   }
@@ -546,7 +553,7 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
   }
   if (loop_timeline_) {
     RecordFusedBatch(resps, t0, t1, t2,
-                     AllreduceArgs(total * esize, entries.size(), q.dtype, false));
+                     AllreduceArgs(total * esize, entries.size(), q.dtype, nullptr));
   }
   return Status::OK();
 }
@@ -578,7 +585,7 @@ Status Runtime::RunShmAllreducePieces(const std::vector<const Response*>& resps,
   stat_shm_ += 1;
   if (loop_timeline_) {
     RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                AllreduceArgs(n * esize, 1, q.dtype, true));
+                AllreduceArgs(n * esize, 1, q.dtype, "shm"));
   }
   return Status::OK();
 }
@@ -597,6 +604,28 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   // 64 KiB: shared memory 10-20% faster). Every rank must decide alike, so
   // the minimum is agreed at init (ShmAllreduce::Create).
   if (total == 0 || total * esize < shm_->min_bytes()) return Status::OK();
+  if (cma_ && q.prescale == 1.0) {
+    // Peers read in place: no staging copy and no size limit. (A prescale
+    // applies to each contribution before the sum: the slots do that in
+    // their copy-in.)
+    const Clock::time_point t0 = Clock::now();
+    std::vector<CmaAllreduce::Segment> segs;
+    segs.reserve(entries.size());
+    for (Entry* e : entries) {
+      segs.push_back({e->input, e->output, NumElements(e->req.shape)});
+    }
+    Clock::time_point t1, t2;
+    KD_RETURN_IF_ERROR(
+        cma_->Allreduce(segs, q.dtype, sc.op, sc.post, sc.divisor, &t1, &t2));
+    *ran = true;
+    stat_shm_ += 1;
+    stat_cma_ += 1;
+    if (loop_timeline_) {
+      RecordFusedBatch(resps, t0, t1, t2,
+                       AllreduceArgs(total * esize, entries.size(), q.dtype, "cma"));
+    }
+    return Status::OK();
+  }
   // Slots hold at most kShmMaxSlotBytes (they stay mapped for the job's
   // life): a bigger single tensor goes through in pieces, a bigger fused
   // batch (a fusion threshold above that) through MPI.
@@ -627,7 +656,7 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   stat_shm_ += 1;
   if (loop_timeline_) {
     RecordFusedBatch(resps, t0, t1, t2,
-                     AllreduceArgs(total * esize, entries.size(), q.dtype, true));
+                     AllreduceArgs(total * esize, entries.size(), q.dtype, "shm"));
   }
   return Status::OK();
 }

@@ -18,6 +18,7 @@
 
 #include "comm/mpi_context.h"
 #include "comm/nccl_communicator.h"
+#include "comm/cma_allreduce.h"
 #include "comm/shm_allreduce.h"
 #include "config.h"
 #include "controller.h"
@@ -79,6 +80,7 @@ class Runtime {
     int64_t batches = 0;           // collectives run (a fused batch counts once)
     double busy_seconds = 0;       // inside collectives and fusion copies
     int64_t shm_allreduces = 0;    // allreduces (batches) through shared memory
+    int64_t cma_allreduces = 0;    // ... of which read the peers in place (CMA)
   };
   Stats stats() const;
   // Applied by the coordinator (rank 0) from its next decision on; every rank
@@ -119,6 +121,7 @@ class Runtime {
   std::unique_ptr<Communicator> host_;
   // Single-node jobs: allreduce through shared memory (null otherwise).
   std::unique_ptr<ShmAllreduce> shm_;
+  std::unique_ptr<CmaAllreduce> cma_;  // preferred to shm_ when both exist
   // The GPU data path, made by the first device batch (collectively: every
   // rank executes that batch at the same point of the coordinator's order).
   std::unique_ptr<DeviceBackend> device_;
@@ -162,6 +165,7 @@ class Runtime {
   std::atomic<int64_t> stat_batches_{0};
   std::atomic<int64_t> stat_busy_ns_{0};
   std::atomic<int64_t> stat_shm_{0};
+  std::atomic<int64_t> stat_cma_{0};
   std::atomic<int64_t> tune_threshold_{0};
   std::atomic<double> tune_cycle_ms_{0.0};
   std::atomic<bool> tune_cache_{true};

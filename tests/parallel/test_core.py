@@ -35,11 +35,14 @@ def _assert_all_ranks(out, np_, line):
 
 @pytest.mark.parametrize("np_, path", [
     (1, "default"), (2, "default"), (3, "default"), (4, "default"),
-    (2, "shm"), (3, "shm"), (2, "mpi"), (3, "mixed")])
+    (2, "cma"), (3, "cma"), (2, "shm"), (3, "shm"), (2, "mpi"), (3, "mixed"),
+    (3, "cma-mixed")])
 def test_collectives_match_numpy(np_, path):
-    # "shm" sends every allreduce through shared memory (the two-rank direct
-    # sum and the reduce-scatter of three ranks), "mpi" none, "mixed" has the
-    # setting off on one rank only, so all must agree on MPI.
+    # "cma" has every allreduce read the other ranks' tensors in place, "shm"
+    # sends every one through shared-memory slots (the two-rank direct sum
+    # and the reduce-scatter of three ranks), "mpi" none; "mixed" has shared
+    # memory off on one rank only, so all must agree on MPI, "cma-mixed" the
+    # in-place reads, so all must agree on the slots.
     out = launch(np_, _worker("core_collectives_worker.py", path), timeout=180,
                  env=_env())
     _assert_all_ranks(out, np_, "OK all")
@@ -62,8 +65,9 @@ def _small_dev_shm_prefix():
 
 
 def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
-    # 2 ranks x 48 MiB cannot be reserved in 40 MiB: every rank must agree
-    # on MPI for that size, and go back to shared memory for smaller ones.
+    # 2 ranks x 48 MiB cannot be reserved in 40 MiB: with the in-place reads
+    # off, every rank must agree on MPI for that size, and go back to the
+    # slots for smaller ones; with them on, /dev/shm is not needed at all.
     import subprocess
     import sys
     prefix = _small_dev_shm_prefix()
@@ -78,6 +82,7 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
         cwd=REPO_ROOT)
     _assert_all_ranks(out, 2, "OK fallback")
     assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]
+    assert "OK 48 MiB (in place)" in out.stdout, out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("np_", [2, 3])

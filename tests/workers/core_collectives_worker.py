@@ -2,10 +2,12 @@
 sizes 0, 1, odd and larger than the fusion threshold. Runs at any -np.
 
 argv[1] picks the allreduce path on a single node: "default" (MPI below the
-shared-memory minimum, shared memory above), "shm" (every non-empty allreduce
-through shared memory), "mpi" (shared memory off) or "mixed" (off on odd
-ranks only: the ranks must agree on MPI). The worker checks that the path was
-taken.
+shared-memory minimum, a single-node path above), "cma" (every non-empty
+allreduce reads the other ranks in place; those with a prescale factor use
+the slots), "shm" (every non-empty allreduce through shared-memory slots),
+"mpi" (shared memory off), "mixed" (off on odd ranks only: the ranks must
+agree on MPI) or "cma-mixed" (in-place reads off on odd ranks only: they must
+agree on the slots). The worker checks that the path was taken.
 
 Inputs are small integers (rank * stride + i patterns), so results are exact in
 every dtype, float16 and bfloat16 included.
@@ -25,8 +27,14 @@ from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
 MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
 _rank = int(os.environ.get("PMI_RANK", "0"))
-if MODE == "shm":
+if MODE == "cma":
     kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1)
+elif MODE == "shm":
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
+            cma_allreduce=False)
+elif MODE == "cma-mixed":
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
+            cma_allreduce=_rank % 2 == 0)
 elif MODE == "mpi":
     kd.init(fusion_threshold=THRESHOLD, shm_allreduce=False)
 elif MODE == "mixed":
@@ -110,9 +118,9 @@ expect(allreduce(x, "scaled", op=kd.Sum, prescale=2.0, postscale=0.5),
        stack.sum(0), "pre/post scale")
 expect(allreduce(x, "scaled.avg", op=kd.Average, prescale=4.0, postscale=0.25),
        stack.sum(0) / n, "average with factors")
-if MODE == "shm" and n > 1:
-    # Bigger than one 64 MiB shared slot: reduced in pieces (the last one
-    # short), Sum and Average.
+if MODE in ("shm", "cma") and n > 1:
+    # Bigger than one 64 MiB shared slot: the slots reduce it in pieces (the
+    # last one short), the in-place path whole. Sum and Average.
     big = np.arange((16 << 20) + 3, dtype=np.float32) % 1000 + r
     want = (np.arange(big.size, dtype=np.float32) % 1000) * n + n * (n - 1) / 2
     expect(allreduce(big, "sum.pieces", op=kd.Sum), want, "sum in pieces")
@@ -122,6 +130,24 @@ if MODE == "shm" and n > 1:
         sys.exit(1)
     ok("avg pieces")
     del big, want, avg
+if n > 1:
+    # In place (output == input), fused and not: another rank may still be
+    # reading this rank's input while this rank writes its result.
+    from kerasdist import _capi as _c
+    import ctypes as _ct
+    bufs = [values(size, r, np.float32)  # big ones alone, small ones fused
+            for size in (5000, 5017, 300, 301, 302, 303, 7)]
+    handles = []
+    for i, b in enumerate(bufs):
+        p = b.ctypes.data_as(_ct.c_void_p)
+        handles.append(_c.Handle(_c.OP_ALLREDUCE, f"inplace.{i}",
+                                 _c.DTYPES[np.dtype(np.float32)], b.shape, p, p,
+                                 reduce_op=kd.Sum))
+    for i, (h, b) in enumerate(zip(handles, bufs)):
+        h.wait(timeout=120)
+        want = np.stack([values(b.size, k, np.float32)
+                         for k in range(n)]).sum(0)
+        expect(b, want, f"in-place sum {i}")
 print("OK allreduce", flush=True)
 
 # -- fused: many tensors in flight at once, enqueued in a random order -------
@@ -239,11 +265,20 @@ print("OK barrier", flush=True)
 from kerasdist import _capi  # noqa: E402
 
 shm_used = _capi.lib().kerasdist_shm_allreduces()
-shm_expected = {"default": n > 1, "shm": n > 1, "mpi": False, "mixed": False}
-if (shm_used > 0) != shm_expected[MODE]:
-    print(f"FAIL mode {MODE} at np={n}: {shm_used} shared-memory allreduces",
-          flush=True)
-    sys.exit(1)
-print(f"OK path {MODE}: {shm_used} shared-memory allreduces", flush=True)
+cma_used = _capi.lib().kerasdist_cma_allreduces()
+slots_used = shm_used - cma_used
+# (single-node path used, in-place reads used, slots used); None: either.
+expected = {"default": (n > 1, None, None), "cma": (n > 1, n > 1, n > 1),
+            "shm": (n > 1, False, n > 1), "mpi": (False, False, False),
+            "mixed": (False, False, False),
+            "cma-mixed": (n > 1, False, n > 1)}[MODE]
+for what, used, want in zip(("single-node", "in-place", "slot"),
+                            (shm_used, cma_used, slots_used), expected):
+    if want is not None and (used > 0) != want:
+        print(f"FAIL mode {MODE} at np={n}: {used} {what} allreduces "
+              f"({shm_used} single-node, {cma_used} in place)", flush=True)
+        sys.exit(1)
+print(f"OK path {MODE}: {shm_used} single-node allreduces, {cma_used} of them "
+      "in place", flush=True)
 print(f"OK all {checks} checks on rank {r} of {n}", flush=True)
 kd.shutdown()
