@@ -90,9 +90,10 @@ Response BuildResponse(const std::vector<Request>& rs) {
   }
   auto dtype = [](const Request& q) { return std::string(DataTypeName(q.dtype)); };
   if (!AllSame(rs, dtype)) return fail("dtype", dtype);
+  // Host or GPU must agree; which GPU need not: each process drives its own
+  // (often each sees it as ordinal 0, but not under TF's visible devices).
   auto device = [](const Request& q) {
-    return q.device < 0 ? std::string("host memory")
-                        : "GPU " + std::to_string(q.device);
+    return std::string(q.device < 0 ? "host memory" : "GPU memory");
   };
   if (!AllSame(rs, device)) return fail("device", device);
   OpType t = rs[0].op;

@@ -720,7 +720,7 @@ Status Runtime::ExecuteDevice(const std::vector<const Response*>& resps,
     o.comm = mpi_->comm();
     o.rank = topology().rank;
     o.size = topology().size;
-    o.device = q.device;
+    o.device = entries[0].req.device;  // this rank's GPU (ranks may differ)
     o.host_staged = config_.gpu_operations == "MPI";
     o.host = host_.get();
     s = RegisteredDeviceBackend().factory(o, &device_);
@@ -738,6 +738,10 @@ Status Runtime::ExecuteDevice(const std::vector<const Response*>& resps,
     }
   }
   stat_batches_ += 1;
+  if (loop_timeline_) {
+    const Clock::time_point now = Clock::now();
+    for (Entry& e : entries) e.issued = now;
+  }
   // Completion comes through PollDevice once the device has done the work.
   return device_->Execute(resps, std::move(entries));
 }
@@ -746,6 +750,22 @@ bool Runtime::PollDevice() {
   if (!device_ || !device_->Busy()) return false;
   FinishedEntries finished;
   device_->Poll(&finished);
+  if (loop_timeline_ && !finished.empty()) {
+    // One phase per tensor, from the batch's issue on the communication
+    // stream to its completion as this thread saw it (fusion copies, the
+    // collective and the scaling all run on the device inside it).
+    const Clock::time_point now = Clock::now();
+    const std::string transport =
+        config_.gpu_operations == "MPI" ? "mpi-staged" : "nccl";
+    for (auto& [e, r] : finished) {
+      if (e.issued == Clock::time_point{}) continue;
+      loop_timeline_->Phase(
+          e.req.name, OpPhaseName(e.req.op), e.issued, now,
+          "\"device\":" + std::to_string(e.req.device) + ",\"transport\":\"" +
+              transport + "\",\"bytes\":" +
+              std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
+    }
+  }
   for (auto& [e, r] : finished) Complete(e, r);
   return !finished.empty();
 }

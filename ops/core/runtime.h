@@ -49,6 +49,9 @@ struct Entry {
   // front end and valid until `done`. The communication stream waits on it;
   // null means the input is already complete (e.g. the C API after a sync).
   void* ready_event = nullptr;
+  // Device tensors with a timeline on: when the batch was queued on the
+  // communication stream (its phase ends when the thread sees it finish).
+  std::chrono::steady_clock::time_point issued{};
 };
 
 class Runtime {

@@ -1,5 +1,17 @@
 // AsyncOpKernels: each wraps its tensors, enqueues one Entry with the core
 // runtime and returns; the runtime's background thread completes the op.
+//
+// Built with KERASDIST_TF_GPU (the core has its NCCL backend), the same
+// kernels are also registered for GPUs. There the tensors stay in device
+// memory: each request carries the CUDA ordinal of TF's stream and an event
+// recorded on that stream once the op's outputs are allocated, so the
+// communication stream starts only after TF has written the inputs and
+// stopped using the outputs' memory (TF's allocator reuses memory in its own
+// stream's order). The op completes when the backend has seen the work
+// finish on the device; nothing waits for the whole device. Outputs whose
+// size only negotiation knows (allgather, alltoall, reducescatter) are
+// allocated on the background thread, after the event: there the thread
+// waits for TF's stream once before the collective may write them.
 #include <array>
 #include <atomic>
 #include <memory>
@@ -11,6 +23,11 @@
 #include "../core/host_buffer.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#ifdef KERASDIST_TF_GPU
+#include "../core/comm/nccl_communicator.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
+#endif
 
 namespace kerasdist::tf {
 
@@ -65,6 +82,57 @@ void* Data(const Tensor& t) {
   return const_cast<char*>(t.tensor_data().data());
 }
 
+// Where a kernel's tensors live: host memory (device -1), or GPU `device`
+// with TF's compute stream (a cudaStream_t).
+struct Placement {
+  int device = -1;
+  void* stream = nullptr;
+};
+
+::tensorflow::Status GetPlacement(OpKernelContext* ctx, bool on_gpu, Placement* p) {
+  *p = Placement();
+  if (!on_gpu) return ::tensorflow::Status();
+#ifdef KERASDIST_TF_GPU
+  if (!core::RegisteredDeviceBackend().factory) {
+    return ::tensorflow::errors::FailedPrecondition(
+        "kerasdist: this library was built without its GPU backend; rebuild "
+        "with CUDA and NCCL (KERASDIST_WITH_NCCL=1).");
+  }
+  auto* dc = ctx->op_device_context();
+  auto* stream = dc != nullptr ? dc->stream() : nullptr;
+  if (stream == nullptr || stream->platform_specific_handle().stream == nullptr) {
+    return ::tensorflow::errors::Internal(
+        "kerasdist: TensorFlow gave this GPU kernel no CUDA stream.");
+  }
+  p->stream = stream->platform_specific_handle().stream;
+  p->device = stream->parent()->device_ordinal();
+  return ::tensorflow::Status();
+#else
+  (void)ctx;
+  return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
+#endif
+}
+
+// For a GPU placement: an event on TF's stream after everything queued there
+// so far. *event stays null for host memory.
+::tensorflow::Status RecordReady(const Placement& p, void** event) {
+  *event = nullptr;
+  if (p.device < 0) return ::tensorflow::Status();
+#ifdef KERASDIST_TF_GPU
+  return ToTf(core::RegisteredDeviceBackend().hooks.record_event(p.stream, event));
+#else
+  return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
+#endif
+}
+
+void ReleaseReady(void* event) {
+#ifdef KERASDIST_TF_GPU
+  if (event != nullptr) core::RegisteredDeviceBackend().hooks.release_event(event);
+#else
+  (void)event;
+#endif
+}
+
 // The output of an op whose result has the input's shape: the input's buffer
 // when TF lets us take it over, else a buffer this kernel allocated before and
 // nobody else holds any more, else a new one. Reusing the buffer spares a
@@ -72,6 +140,8 @@ void* Data(const Tensor& t) {
 // every page again (about 5 ms per 64 MiB here).
 class OutputCache {
  public:
+  explicit OutputCache(bool on_gpu = false) : on_gpu_(on_gpu) {}
+
   ::tensorflow::Status Get(OpKernelContext* ctx, int index, Tensor** out) {
     const Tensor& in = ctx->input(index);
     std::unique_ptr<Tensor> forwarded = ctx->forward_input(
@@ -104,7 +174,7 @@ class OutputCache {
       TF_RETURN_IF_ERROR(ctx->allocate_temp(in.dtype(), in.shape(), c));
       // This buffer will be reused: back it by huge pages where the kernel
       // allows, as numpy does for its large arrays.
-      core::AdviseHugePages(Data(*c), c->TotalBytes());
+      if (!on_gpu_) core::AdviseHugePages(Data(*c), c->TotalBytes());
     }
     ctx->set_output(index, *c);
     *out = ctx->mutable_output(index);
@@ -112,6 +182,7 @@ class OutputCache {
   }
 
  private:
+  const bool on_gpu_;
   std::mutex mu_;
   std::vector<std::array<Tensor, 2>> cached_;
   std::vector<int> next_;
@@ -121,15 +192,16 @@ class OutputCache {
 // enqueue with error handling.
 class CollectiveKernel : public AsyncOpKernel {
  public:
-  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
+  explicit CollectiveKernel(OpKernelConstruction* c)
+      : AsyncOpKernel(c), on_gpu_(c->device_type() == ::tensorflow::DEVICE_GPU) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
   }
 
  protected:
-  // Fills the parts of the request every op has.
+  // Fills the parts of the request every op has, and *where.
   bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
-             core::Entry* e, std::shared_ptr<core::Runtime>* rt) {
+             core::Entry* e, std::shared_ptr<core::Runtime>* rt, Placement* where) {
     *rt = core::CurrentRuntime();
     if (!*rt) {
       ctx->SetStatus(::tensorflow::errors::FailedPrecondition(
@@ -137,6 +209,13 @@ class CollectiveKernel : public AsyncOpKernel {
       done();
       return false;
     }
+    ::tensorflow::Status placed = GetPlacement(ctx, on_gpu_, where);
+    if (!placed.ok()) {
+      ctx->SetStatus(placed);
+      done();
+      return false;
+    }
+    e->req.device = where->device;
     e->req.name = tensor_name_;
     e->req.op = op;
     if (ctx->num_inputs() > 0) {
@@ -154,25 +233,44 @@ class CollectiveKernel : public AsyncOpKernel {
     return true;
   }
 
+  // Call once the op's own outputs are allocated (on a GPU the ready event
+  // is recorded here).
   void Submit(OpKernelContext* ctx, DoneCallback done, core::Runtime& rt,
-              core::Entry e) {
+              core::Entry e, const Placement& where) {
     if (!e.done) {
       e.done = [ctx, done](const core::Result& r) {
         if (!r.status.ok()) ctx->SetStatus(ToTf(r.status));
         done();
       };
     }
+    void* ready = nullptr;
+    ::tensorflow::Status recorded = RecordReady(where, &ready);
+    if (!recorded.ok()) {
+      ctx->SetStatus(recorded);
+      done();
+      return;
+    }
+    if (ready != nullptr) {
+      e.ready_event = ready;
+      e.done = [ready, inner = std::move(e.done)](const core::Result& r) {
+        ReleaseReady(ready);
+        inner(r);
+      };
+    }
     core::Status s = rt.Enqueue(std::move(e));
     if (!s.ok()) {
+      ReleaseReady(ready);
       ctx->SetStatus(ToTf(s));
       done();
     }
   }
 
-  // For results whose shape only negotiation knows.
+  // For results whose shape only negotiation knows. On a GPU the memory TF
+  // hands out may still be in use by work queued on its stream after the
+  // ready event, so the (background) thread waits for that stream first.
   static std::function<core::Status(const std::vector<int64_t>&, void**)>
-  Allocator(OpKernelContext* ctx, int index) {
-    return [ctx, index](const std::vector<int64_t>& dims, void** data) {
+  Allocator(OpKernelContext* ctx, int index, const Placement& where) {
+    return [ctx, index, where](const std::vector<int64_t>& dims, void** data) {
       TensorShape shape;
       for (int64_t d : dims) shape.AddDim(d);
       Tensor* out = nullptr;
@@ -181,11 +279,18 @@ class CollectiveKernel : public AsyncOpKernel {
         return core::Status::Internal("could not allocate the output: " +
                                       std::string(s.message()));
       }
+#ifdef KERASDIST_TF_GPU
+      if (where.device >= 0) {
+        KD_RETURN_IF_ERROR(
+            core::RegisteredDeviceBackend().hooks.sync_stream(where.stream));
+      }
+#endif
       *data = Data(*out);
       return core::Status::OK();
     };
   }
 
+  const bool on_gpu_;
   std::string tensor_name_;
 };
 
@@ -201,7 +306,8 @@ class AllreduceOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kAllreduce, &e, &rt)) return;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kAllreduce, &e, &rt, &where)) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, outputs_.Get(ctx, 0, &out), done);
     e.input = ctx->input(0).tensor_data().data();
@@ -211,7 +317,7 @@ class AllreduceOp : public CollectiveKernel {
     e.req.postscale = postscale_;
     e.req.group = group_;
     e.req.group_size = group_size_;
-    Submit(ctx, done, *rt, std::move(e));
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 
  private:
@@ -219,12 +325,15 @@ class AllreduceOp : public CollectiveKernel {
   float prescale_, postscale_;
   std::string group_;
   int group_size_;
-  OutputCache outputs_;
+  OutputCache outputs_{on_gpu_};
 };
 
 class GroupedAllreduceOp : public AsyncOpKernel {
  public:
-  explicit GroupedAllreduceOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+  explicit GroupedAllreduceOp(OpKernelConstruction* c)
+      : AsyncOpKernel(c),
+        on_gpu_(c->device_type() == ::tensorflow::DEVICE_GPU),
+        outputs_(on_gpu_) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &base_));
     if (base_.empty()) base_ = name();
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
@@ -243,11 +352,15 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       done();
       return;
     }
+    Placement where;
+    OP_REQUIRES_OK_ASYNC(ctx, GetPlacement(ctx, on_gpu_, &where), done);
     // Completes the op when the last member finishes; keeps the first error.
+    // On a GPU the members share one ready event, released with the last.
     struct Countdown {
       std::atomic<int> left;
       std::mutex mu;
       ::tensorflow::Status status;
+      void* ready = nullptr;
     };
     auto state = std::make_shared<Countdown>();
     state->left = n;
@@ -257,6 +370,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         if (state->status.ok()) state->status = s;
       }
       if (--state->left == 0) {
+        ReleaseReady(state->ready);
         if (!state->status.ok()) ctx->SetStatus(state->status);
         done();
       }
@@ -284,16 +398,26 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       e.req.postscale = postscale_;
       e.req.group = base_;
       e.req.group_size = n;
+      e.req.device = where.device;
       e.input = in.tensor_data().data();
       e.output = Data(*out);
       e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
     }
+    // Every output is allocated: the ready point for the whole group.
+    ::tensorflow::Status recorded = RecordReady(where, &state->ready);
+    if (!recorded.ok()) {
+      ctx->SetStatus(recorded);
+      done();
+      return;
+    }
+    for (core::Entry& e : entries) e.ready_event = state->ready;
     size_t queued = 0;
     core::Status s = rt->EnqueueMany(entries, &queued);
     for (size_t i = queued; i < entries.size(); ++i) finish_one(ToTf(s));
   }
 
  private:
+  const bool on_gpu_;
   std::string base_;
   int reduce_op_;
   float prescale_, postscale_;
@@ -306,9 +430,10 @@ class AllgatherOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kAllgather, &e, &rt)) return;
-    e.allocate = Allocator(ctx, 0);
-    Submit(ctx, done, *rt, std::move(e));
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kAllgather, &e, &rt, &where)) return;
+    e.allocate = Allocator(ctx, 0, where);
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 };
 
@@ -320,18 +445,19 @@ class BroadcastOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kBroadcast, &e, &rt)) return;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kBroadcast, &e, &rt, &where)) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, outputs_.Get(ctx, 0, &out), done);
     e.input = ctx->input(0).tensor_data().data();
     e.output = Data(*out);
     e.req.root_rank = root_rank_;
-    Submit(ctx, done, *rt, std::move(e));
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 
  private:
   int root_rank_;
-  OutputCache outputs_;
+  OutputCache outputs_{on_gpu_};
 };
 
 class AlltoallOp : public CollectiveKernel {
@@ -340,11 +466,12 @@ class AlltoallOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kAlltoall, &e, &rt)) return;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kAlltoall, &e, &rt, &where)) return;
     const Tensor& splits = ctx->input(1);
     auto flat = splits.flat<int64_t>();
     e.req.splits.assign(flat.data(), flat.data() + flat.size());
-    e.allocate = Allocator(ctx, 0);
+    e.allocate = Allocator(ctx, 0, where);
     e.done = [ctx, done](const core::Result& r) {
       if (!r.status.ok()) {
         ctx->SetStatus(ToTf(r.status));
@@ -361,7 +488,7 @@ class AlltoallOp : public CollectiveKernel {
       }
       done();
     };
-    Submit(ctx, done, *rt, std::move(e));
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 };
 
@@ -375,12 +502,13 @@ class ReducescatterOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt)) return;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where)) return;
     e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
     e.req.prescale = prescale_;
     e.req.postscale = postscale_;
-    e.allocate = Allocator(ctx, 0);
-    Submit(ctx, done, *rt, std::move(e));
+    e.allocate = Allocator(ctx, 0, where);
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 
  private:
@@ -394,9 +522,10 @@ class BarrierOp : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     std::shared_ptr<core::Runtime> rt;
-    if (!Begin(ctx, done, core::OpType::kBarrier, &e, &rt)) return;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kBarrier, &e, &rt, &where)) return;
     e.req.dtype = core::DataType::kUInt8;
-    Submit(ctx, done, *rt, std::move(e));
+    Submit(ctx, done, *rt, std::move(e), where);
   }
 };
 
@@ -413,5 +542,24 @@ KD_REGISTER("KerasdistBroadcast", BroadcastOp);
 KD_REGISTER("KerasdistAlltoall", AlltoallOp);
 KD_REGISTER("KerasdistReducescatter", ReducescatterOp);
 KD_REGISTER("KerasdistBarrier", BarrierOp);
+
+#ifdef KERASDIST_TF_GPU
+#define KD_REGISTER_GPU(NAME, CLASS) \
+  REGISTER_KERNEL_BUILDER(           \
+      Name(NAME).Device(::tensorflow::DEVICE_GPU), CLASS)
+
+KD_REGISTER_GPU("KerasdistAllreduce", AllreduceOp);
+KD_REGISTER_GPU("KerasdistGroupedAllreduce", GroupedAllreduceOp);
+KD_REGISTER_GPU("KerasdistAllgather", AllgatherOp);
+KD_REGISTER_GPU("KerasdistBroadcast", BroadcastOp);
+KD_REGISTER_GPU("KerasdistReducescatter", ReducescatterOp);
+// The split sizes are read and written by the host.
+REGISTER_KERNEL_BUILDER(Name("KerasdistAlltoall")
+                            .Device(::tensorflow::DEVICE_GPU)
+                            .HostMemory("splits")
+                            .HostMemory("received_splits"),
+                        AlltoallOp);
+// A barrier has no tensors: it always runs on the host.
+#endif
 
 }  // namespace kerasdist::tf

@@ -11,7 +11,8 @@
 # 3. drives it from cupy arrays: every collective at np=1 through NCCL with a
 #    bandwidth table next to cupy's NCCL; at np=2 on the one GPU with
 #    KERASDIST_GPU_OPERATIONS=MPI (NCCL refuses two ranks on one GPU); and
-#    checks that NCCL with two ranks on one GPU fails with a message, not a hang.
+#    checks that NCCL with two ranks on one GPU fails with a message, not a hang;
+#    and that the np=1 run's timeline has the device batches.
 # Exit status 0 when every check passed. A few minutes at most.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -58,8 +59,18 @@ run() {  # run NAME NP [env...] -- args
     --timeout "$STEP_TIMEOUT" "$PY" tests/gpu/gpu_check.py --lib "$LIB" "$@"
 }
 
-run "np=1, NCCL, with bandwidth table" 1 KERASDIST_GPU_OPERATIONS=NCCL -- --bench \
+run "np=1, NCCL, with bandwidth table and a timeline" 1 KERASDIST_GPU_OPERATIONS=NCCL \
+  KERASDIST_TIMELINE="$OUT/timeline.json" -- --bench \
   || { echo "FAIL: np=1 NCCL"; failed=1; }
+say "timeline: device batches recorded"
+"$PY" - "$OUT/timeline.json" <<'PYEOF' || { echo "FAIL: timeline"; failed=1; }
+import collections, json, sys
+events = json.load(open(sys.argv[1]))
+on_gpu = collections.Counter(e["name"] for e in events
+                             if e.get("args", {}).get("transport") == "nccl")
+print("device phases:", dict(on_gpu))
+sys.exit(0 if on_gpu.get("ALLREDUCE") and on_gpu.get("ALLGATHER") else 1)
+PYEOF
 run "np=2 on one GPU, host-staged MPI" 2 KERASDIST_GPU_OPERATIONS=MPI -- --bench --iters 5 \
   || { echo "FAIL: np=2 host-staged"; failed=1; }
 

@@ -110,3 +110,43 @@ def test_gpu_check_scripts_parse():
             REPO_ROOT, "tests", "gpu", "run_on_gpu.sh")],
             capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
+
+
+_GPU_OPS = ("KerasdistAllreduce", "KerasdistGroupedAllreduce",
+            "KerasdistAllgather", "KerasdistBroadcast", "KerasdistAlltoall",
+            "KerasdistReducescatter")
+
+
+def test_tf_gpu_kernels_registered_exactly_when_built_with_nccl():
+    # The op library built for this checkout registers GPU kernels for every
+    # collective with tensors (alltoall's split sizes in host memory) when the
+    # core has its NCCL backend, and none without it. On CPU-only TensorFlow
+    # they are registered but never instantiated: this checks that they
+    # compile, link and register, not that they run.
+    code = (
+        "import json\n"
+        "import kerasdist as kd\n"
+        "from kerasdist import _native\n"
+        "from tensorflow.python.framework import kernels\n"
+        "_native.ops()\n"
+        "out = {'nccl': kd.nccl_built()}\n"
+        "for op in " + repr(_GPU_OPS + ("KerasdistBarrier",)) + ":\n"
+        "    out[op] = sorted([k.device_type, sorted(k.host_memory_arg)]\n"
+        "                     for k in kernels.get_registered_kernels_for_op(op)"
+        ".kernel)\n"
+        "print('RESULT', json.dumps(out))\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    import json
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    got = json.loads(line[len("RESULT "):])
+    assert got.pop("KerasdistBarrier") == [["CPU", []]]
+    for op in _GPU_OPS:
+        want = [["CPU", []]]
+        if got["nccl"]:
+            host = ["received_splits", "splits"] if op == "KerasdistAlltoall" else []
+            want.append(["GPU", host])
+        assert got[op] == want, (op, got[op])

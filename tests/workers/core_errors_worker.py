@@ -102,6 +102,19 @@ elif mode == "mismatch":
                  "Mismatched reduction op", "Sum", "Max")
     expect_error(lambda: broadcast(np.zeros(2), r % 2 if n > 1 else 0, "root.x"),
                  "Mismatched root rank", "'root.x'")
+    if kd.nccl_built() and n > 1:
+        # Host memory on rank 0, "GPU memory" elsewhere (ordinals differ
+        # between ranks, which alone is fine): refused in negotiation, before
+        # any device is touched.
+        from kerasdist import _capi as _c
+        x = np.zeros(4, np.float32)
+
+        def mixed():
+            _c.Handle(_c.OP_ALLREDUCE, "device.x", _c.DTYPES[x.dtype],
+                      x.shape, x.ctypes.data, x.ctypes.data, reduce_op=kd.Sum,
+                      device=-1 if r == 0 else r - 1).wait(60)
+        expect_error(mixed, "Mismatched device", "'device.x'", "host memory",
+                     "GPU memory")
     # the runtime survives a mismatch: the next collective works
     assert allreduce(np.ones(2), "after", op=kd.Sum).tolist() == [n, n]
     # the same name twice at once on one rank

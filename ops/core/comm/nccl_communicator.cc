@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 #include "../runtime.h"
@@ -588,8 +589,45 @@ class GpuBackend : public DeviceBackend {
   std::chrono::steady_clock::time_point last_async_check_;
 };
 
+// Events for front ends (DeviceStreamHooks): any thread may record or
+// release one, so the pool has its own lock.
+std::mutex front_events_mu;
+std::vector<cudaEvent_t> front_events;
+
+Status RecordFrontEvent(void* stream, void** event) {
+  cudaEvent_t e = nullptr;
+  {
+    std::lock_guard<std::mutex> l(front_events_mu);
+    if (!front_events.empty()) {
+      e = front_events.back();
+      front_events.pop_back();
+    }
+  }
+  if (e == nullptr) KD_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  cudaError_t r = cudaEventRecord(e, static_cast<cudaStream_t>(stream));
+  if (r != cudaSuccess) {
+    cudaEventDestroy(e);
+    return CudaError(r, "cudaEventRecord(event, framework stream)", __FILE__, __LINE__);
+  }
+  *event = e;
+  return Status::OK();
+}
+
+void ReleaseFrontEvent(void* event) {
+  if (event == nullptr) return;
+  std::lock_guard<std::mutex> l(front_events_mu);
+  front_events.push_back(static_cast<cudaEvent_t>(event));
+}
+
+Status SyncFrontStream(void* stream) {
+  KD_CHECK_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return Status::OK();
+}
+
 [[maybe_unused]] const bool kRegistered = [] {
   RegisteredDeviceBackend().factory = &GpuBackend::Create;
+  RegisteredDeviceBackend().hooks = {&RecordFrontEvent, &ReleaseFrontEvent,
+                                     &SyncFrontStream};
   RegisteredDeviceBackend().version =
       "NCCL " + NcclVersion() + ", CUDA " + CudaRuntimeVersion();
   return true;

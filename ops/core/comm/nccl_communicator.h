@@ -55,9 +55,21 @@ class DeviceBackend {
 using DeviceBackendFactory = Status (*)(const DeviceBackendOptions&,
                                         std::unique_ptr<DeviceBackend>*);
 
+// What a framework front end (the TF GPU kernels) needs from CUDA, without
+// including CUDA headers itself. `stream` is the framework's cudaStream_t.
+struct DeviceStreamHooks {
+  // Records a (pooled) event on `stream`: the Entry's ready_event.
+  Status (*record_event)(void* stream, void** event) = nullptr;
+  // Returns an event from record_event to the pool once the entry is done.
+  void (*release_event)(void* event) = nullptr;
+  // Blocks the calling thread until `stream` has finished its queued work.
+  Status (*sync_stream)(void* stream) = nullptr;
+};
+
 struct DeviceBackendInfo {
   DeviceBackendFactory factory = nullptr;  // nullptr: built without a GPU backend
   std::string version;                     // "NCCL 2.x.y, CUDA 13.0"
+  DeviceStreamHooks hooks;
 };
 
 // The process's registration slot (one per library: an inline function's
