@@ -176,7 +176,19 @@ def selftest():
     h = _capi.Handle(_capi.OP_BARRIER, "doctor.barrier",
                      _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
     h.wait(timeout=60)
+    # A 1 MiB allreduce takes the single-node path when there is one: say
+    # which (in-place reads, shared-memory slots, or MPI).
+    big = 1 << 18
+    before = (lib.kerasdist_shm_allreduces(), lib.kerasdist_cma_allreduces())
+    out = np.empty(big, np.float32)
+    run(_capi.OP_ALLREDUCE, "doctor.large", mine(rank, big), out, reduce_op=1)
+    np.testing.assert_array_equal(out, sum(mine(r, big) for r in range(size)),
+                                  "allreduce 1 MiB")
+    shm = lib.kerasdist_shm_allreduces() - before[0]
+    cma = lib.kerasdist_cma_allreduces() - before[1]
+    path = "in place" if cma else "slots" if shm else "MPI"
     lib.kerasdist_shutdown()
+    print(f"rank {rank}/{size}: large allreduce path: {path}", flush=True)
     print(f"rank {rank}/{size}: selftest OK", flush=True)
     return 0
 
@@ -310,10 +322,33 @@ def selftest_check(np_ranks, timeout):
     passed = p.stdout.count("selftest OK")
     if p.returncode == 0 and passed == np_ranks:
         return OK, (f"{np_ranks}-rank self-test: allreduce, fused allreduce, "
-                    "allgather, broadcast, alltoall, reducescatter, barrier")
+                    "allgather, broadcast, alltoall, reducescatter, barrier; "
+                    + _path_note(p.stdout, np_ranks))
     tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
     return FAIL, (f"{np_ranks}-rank self-test failed (exit {p.returncode}); "
                   "the launcher's last lines:\n      " + "\n      ".join(tail))
+
+
+_PATHS = {
+    "in place": "large single-node allreduces read the other ranks' tensors "
+                "in place (cross-memory attach)",
+    "slots": "large single-node allreduces go through shared-memory slots "
+             "(in-place reads are not allowed here, e.g. by a seccomp "
+             "profile, or KERASDIST_CMA_ALLREDUCE=0)",
+    "MPI": "large allreduces use MPI (ranks on several hosts, or "
+           "KERASDIST_SHM_ALLREDUCE=0, or /dev/shm too small)",
+}
+
+
+def _path_note(stdout, np_ranks):
+    """What the self-test's 1 MiB allreduce took, from rank 0's line."""
+    for line in stdout.splitlines():
+        if f"0/{np_ranks}: large allreduce path: " in line:
+            path = line.rsplit(": ", 1)[1].strip()
+            if np_ranks == 1:
+                return "one rank: nothing to reduce across ranks"
+            return _PATHS.get(path, path)
+    return "path of large allreduces not reported"
 
 
 def doctor(argv=None):

@@ -34,6 +34,24 @@ def test_doctor_passes_on_a_working_install():
         assert line.split()[0] in ("OK", "WARN", "--"), line
 
 
+def test_doctor_says_which_path_large_allreduces_take():
+    # The self-test's 1 MiB allreduce reports the path it took, which follows
+    # the settings: in-place reads where allowed, else the slots, else MPI.
+    # (In-place reads need process_vm_readv; where a seccomp profile forbids
+    # it the first case reports the slots, which the test accepts.)
+    p = _cli("doctor", "--np", "2", "--timeout", "120")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert ("read the other ranks' tensors in place" in p.stdout
+            or "shared-memory slots (in-place reads are not allowed" in p.stdout
+            ), p.stdout
+    p = _cli("doctor", "--np", "2", "--timeout", "120",
+             env=dict(os.environ, KERASDIST_CMA_ALLREDUCE="0"))
+    assert "go through shared-memory slots" in p.stdout, p.stdout
+    p = _cli("doctor", "--np", "2", "--timeout", "120",
+             env=dict(os.environ, KERASDIST_SHM_ALLREDUCE="0"))
+    assert "large allreduces use MPI" in p.stdout, p.stdout
+
+
 def test_doctor_fails_and_says_so_when_the_selftest_fails():
     env = dict(os.environ, KERASDIST_FUSION_THRESHOLD="lots")
     p = _cli("doctor", "--timeout", "60", env=env)
