@@ -84,8 +84,8 @@ void kerasdist_release(int64_t handle);
 int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
                         void* out, int64_t n);
 int kerasdist_simd16(void);
-/* How many allreduces (fused batches count once) went through shared memory
- * since init, or -1 before init. */
+/* How many allreduces (fused batches count once) took the single-node path
+ * (shared-memory slots or in-place reads) since init, or -1 before init. */
 int64_t kerasdist_shm_allreduces(void);
 /* Of those, how many read the other ranks' tensors in place (cross-memory
  * attach, see comm/cma_allreduce.h); -1 before init. */
