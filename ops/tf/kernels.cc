@@ -119,17 +119,19 @@ struct Placement {
   *event = nullptr;
   if (p.device < 0) return ::tensorflow::Status();
 #ifdef KERASDIST_TF_GPU
-  return ToTf(core::RegisteredDeviceBackend().hooks.record_event(p.stream, event));
+  return ToTf(
+      core::RegisteredDeviceBackend().hooks.record_event(p.stream, p.device, event));
 #else
   return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
 #endif
 }
 
-void ReleaseReady(void* event) {
+void ReleaseReady(void* event, int device) {
 #ifdef KERASDIST_TF_GPU
-  if (event != nullptr) core::RegisteredDeviceBackend().hooks.release_event(event);
+  if (event != nullptr) core::RegisteredDeviceBackend().hooks.release_event(event, device);
 #else
   (void)event;
+  (void)device;
 #endif
 }
 
@@ -252,14 +254,15 @@ class CollectiveKernel : public AsyncOpKernel {
     }
     if (ready != nullptr) {
       e.ready_event = ready;
-      e.done = [ready, inner = std::move(e.done)](const core::Result& r) {
-        ReleaseReady(ready);
+      e.done = [ready, device = where.device,
+                inner = std::move(e.done)](const core::Result& r) {
+        ReleaseReady(ready, device);
         inner(r);
       };
     }
     core::Status s = rt.Enqueue(std::move(e));
     if (!s.ok()) {
-      ReleaseReady(ready);
+      ReleaseReady(ready, where.device);
       ctx->SetStatus(ToTf(s));
       done();
     }
@@ -282,7 +285,8 @@ class CollectiveKernel : public AsyncOpKernel {
 #ifdef KERASDIST_TF_GPU
       if (where.device >= 0) {
         KD_RETURN_IF_ERROR(
-            core::RegisteredDeviceBackend().hooks.sync_stream(where.stream));
+            core::RegisteredDeviceBackend().hooks.sync_stream(where.stream,
+                                                              where.device));
       }
 #endif
       *data = Data(*out);
@@ -361,6 +365,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       std::mutex mu;
       ::tensorflow::Status status;
       void* ready = nullptr;
+      int device = -1;
     };
     auto state = std::make_shared<Countdown>();
     state->left = n;
@@ -370,7 +375,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         if (state->status.ok()) state->status = s;
       }
       if (--state->left == 0) {
-        ReleaseReady(state->ready);
+        ReleaseReady(state->ready, state->device);
         if (!state->status.ok()) ctx->SetStatus(state->status);
         done();
       }
@@ -404,6 +409,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
     }
     // Every output is allocated: the ready point for the whole group.
+    state->device = where.device;
     ::tensorflow::Status recorded = RecordReady(where, &state->ready);
     if (!recorded.ok()) {
       ctx->SetStatus(recorded);

@@ -56,14 +56,16 @@ using DeviceBackendFactory = Status (*)(const DeviceBackendOptions&,
                                         std::unique_ptr<DeviceBackend>*);
 
 // What a framework front end (the TF GPU kernels) needs from CUDA, without
-// including CUDA headers itself. `stream` is the framework's cudaStream_t.
+// including CUDA headers itself. `stream` is the framework's cudaStream_t on
+// CUDA device `device`; the calling thread's current device may be another
+// one (it is restored).
 struct DeviceStreamHooks {
   // Records a (pooled) event on `stream`: the Entry's ready_event.
-  Status (*record_event)(void* stream, void** event) = nullptr;
+  Status (*record_event)(void* stream, int device, void** event) = nullptr;
   // Returns an event from record_event to the pool once the entry is done.
-  void (*release_event)(void* event) = nullptr;
+  void (*release_event)(void* event, int device) = nullptr;
   // Blocks the calling thread until `stream` has finished its queued work.
-  Status (*sync_stream)(void* stream) = nullptr;
+  Status (*sync_stream)(void* stream, int device) = nullptr;
 };
 
 struct DeviceBackendInfo {
