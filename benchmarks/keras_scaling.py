@@ -14,7 +14,9 @@ efficiency (total at np=2 / (2 x the kerasdist np=1 run)). With `--ceiling`
 a `no-comm` row runs np=2 with each rank training alone (plain optimizer, no
 allreduce, weights not expected equal): the efficiency two processes reach
 on this machine's shared cores and memory with no communication at all, the
-ceiling for any synchronous system. With `--mwms`
+ceiling for any synchronous system; a `sync-only` row does the same but
+the ranks meet once per step (a 4-byte allreduce after each batch): what
+waiting for the slower rank alone costs on this machine. With `--mwms`
 the same models also run under tf.distribute.MultiWorkerMirroredStrategy
 with 2 local workers (RING collectives over loopback, TF_CONFIG, each
 worker feeding its own 1024 images, auto-sharding off, 64 per replica).
@@ -62,26 +64,32 @@ def _build(name):
     return keras.Sequential(layers)
 
 
-def _timed_fit(model, data, steps, warmup):
+def _timed_fit(model, data, steps, warmup, meet=None):
     """Trains warmup + steps batches; images/s over the steps after warmup,
-    timed between batch ends."""
+    timed between batch ends. `meet`, if given, runs after every batch."""
     import keras
 
     ends = []
-    timer = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: ends.append(
-            time.perf_counter()))
+
+    def batch_end(batch, logs):
+        if meet is not None:
+            meet()
+        ends.append(time.perf_counter())
+
+    timer = keras.callbacks.LambdaCallback(on_train_batch_end=batch_end)
     model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
               verbose=0, callbacks=[timer])
     return steps * BATCH / (ends[-1] - ends[warmup - 1])
 
 
-def worker(model_name, steps, warmup, communicate=True):
+def worker(model_name, steps, warmup, communicate=True, meet=False):
     """One rank: train, time, check weights; rank 0 prints a RESULT line.
 
     With communicate=False each rank trains on its own with the plain
     optimizer (no allreduce): the np=2 ceiling of this machine, i.e. what
     two processes sharing its cores and memory reach with no communication.
+    With meet=True as well, the ranks still meet once per step (a 4-byte
+    allreduce after each batch): the cost of waiting for the slower rank.
     """
     import numpy as np
     import tensorflow as tf
@@ -105,7 +113,10 @@ def worker(model_name, steps, warmup, communicate=True):
         jit_compile=False)
     kd.broadcast_variables(model.variables, root_rank=0)
 
-    img_sec = _timed_fit(model, data, steps, warmup)
+    one = tf.constant([1.0])
+    img_sec = _timed_fit(
+        model, data, steps, warmup,
+        meet=(lambda: kd.allreduce(one, name="bench.meet")) if meet else None)
 
     mine = np.concatenate([w.ravel() for w in model.get_weights()])
     every = kd.allgather(tf.constant(mine[None, :]), name="bench.weights")
@@ -258,7 +269,8 @@ def main():
                         help="also run MultiWorkerMirroredStrategy at np=2")
     parser.add_argument("--ceiling", action="store_true",
                         help="also run np=2 with no communication at all "
-                        "(each rank trains alone): this machine's ceiling")
+                        "(each rank trains alone): this machine's ceiling, "
+                        "and with only a meeting of the ranks per step")
     parser.add_argument("--steps", type=int, default=0,
                         help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=5,
@@ -271,7 +283,8 @@ def main():
             mwms_worker(args.model, args.steps, args.warmup)
         else:
             worker(args.model, args.steps, args.warmup,
-                   communicate=args.system != "no-comm")
+                   communicate=args.system not in ("no-comm", "sync-only"),
+                   meet=args.system == "sync-only")
         return
 
     print("# W3: model.fit, batch 64 per rank, SGD momentum; eff against "
@@ -285,7 +298,7 @@ def main():
         if args.mwms:
             runs.append(("mwms", 2))
         if args.ceiling:
-            runs.append(("no-comm", 2))
+            runs += [("no-comm", 2), ("sync-only", 2)]
         single = None
         for system, np_ in runs:
             if system == "mwms":
