@@ -1,6 +1,7 @@
 """W3 (BENCHMARKS.md): model.fit images/s at np=1 and np=2 with kerasdist.
 
-    python benchmarks/keras_scaling.py [--steps-cnn 40] [--steps-mlp 200]
+    python benchmarks/keras_scaling.py [--rounds 3] [--models cnn,mlp20]
+        [--steps-cnn 40] [--steps-mlp 200] [--ceiling] [--mwms]
 
 Runs each model under `python -m kerasdist.run -np N` (N = 1, 2), batch 64
 per rank, 1024 random in-memory images per rank (repeated), SGD(0.01,
@@ -9,9 +10,13 @@ intra- and one inter-op thread per process. Steps are timed by wall clock
 between batch ends after a warm-up. After training every rank's weights are
 allgathered and compared with rank 0's (`same` column).
 
-Prints a table: model, system, np, img/s per rank, total, scaling
-efficiency (total at np=2 / (2 x the kerasdist np=1 run)). With `--ceiling`
-a `no-comm` row runs np=2 with each rank training alone (plain optimizer, no
+Every system runs once per round, in a fixed order, for --rounds rounds
+(this machine's speed drifts by 20% over minutes, so an efficiency compares
+runs of the same round). Prints a table: model, system, np, median img/s per
+rank and total, median scaling efficiency (total at np=2 / (2 x the
+kerasdist np=1 run of the same round)) and its range over the rounds.
+
+With `--ceiling` a `no-comm` row runs np=2 with each rank training alone (plain optimizer, no
 allreduce, weights not expected equal): the efficiency two processes reach
 on this machine's shared cores and memory with no communication at all, the
 ceiling for any synchronous system; a `sync-only` row does the same but
@@ -34,6 +39,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -275,6 +281,11 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=5,
                         help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of all systems, alternating; the table "
+                        "shows medians (default 3)")
+    parser.add_argument("--models", default="cnn,mlp20",
+                        help="comma-separated: cnn, mlp20")
     parser.add_argument("--steps-cnn", type=int, default=40)
     parser.add_argument("--steps-mlp", type=int, default=200)
     args = parser.parse_args()
@@ -287,32 +298,46 @@ def main():
                    meet=args.system == "sync-only")
         return
 
-    print("# W3: model.fit, batch 64 per rank, SGD momentum; eff against "
-          "kerasdist np=1")
+    print(f"# W3: model.fit, batch 64 per rank, SGD momentum; {args.rounds} "
+          "round(s), systems alternating; eff = total / (np x kerasdist np=1 "
+          "of the same round); medians, eff range over rounds")
     print(f"# {'model':>6} {'system':>9} {'params':>9} {'tensors':>7} "
           f"{'np':>3} {'img/s/rank':>11} {'total':>9} {'eff':>5} "
-          f"{'same':>5}")
-    for model_name, steps in (("cnn", args.steps_cnn),
-                              ("mlp20", args.steps_mlp)):
+          f"{'range':>11} {'same':>5}")
+    models = [m for m in (("cnn", args.steps_cnn), ("mlp20", args.steps_mlp))
+              if m[0] in args.models.split(",")]
+    for model_name, steps in models:
         runs = [("kerasdist", 1), ("kerasdist", 2)]
         if args.mwms:
             runs.append(("mwms", 2))
         if args.ceiling:
             runs += [("no-comm", 2), ("sync-only", 2)]
-        single = None
+        totals = {run: [] for run in runs}
+        effs = {run: [] for run in runs}
+        info = {}
+        for _ in range(args.rounds):
+            single = None
+            for system, np_ in runs:
+                if system == "mwms":
+                    r = _launch_mwms(model_name, steps, args.warmup)
+                else:
+                    r = _launch(np_, model_name, steps, args.warmup, system)
+                total = sum(r["rates"])
+                if single is None:
+                    single = total
+                totals[(system, np_)].append(total)
+                effs[(system, np_)].append(total / (np_ * single))
+                same = info.get((system, np_), {}).get("same", True)
+                info[(system, np_)] = dict(r, same=same and r["same"])
         for system, np_ in runs:
-            if system == "mwms":
-                r = _launch_mwms(model_name, steps, args.warmup)
-            else:
-                r = _launch(np_, model_name, steps, args.warmup, system)
-            total = sum(r["rates"])
-            if single is None:
-                single = total
-            eff = total / (np_ * single)
+            r = info[(system, np_)]
+            total = statistics.median(totals[(system, np_)])
+            e = effs[(system, np_)]
+            span = f"{min(e):.2f}-{max(e):.2f}"
             print(f"  {model_name:>6} {system:>9} {r['params']:>9} "
                   f"{r['tensors']:>7} {np_:>3} {total / np_:>11.1f} "
-                  f"{total:>9.1f} {eff:>5.2f} {str(r['same']):>5}",
-                  flush=True)
+                  f"{total:>9.1f} {statistics.median(e):>5.2f} {span:>11} "
+                  f"{str(r['same']):>5}", flush=True)
 
 
 if __name__ == "__main__":
