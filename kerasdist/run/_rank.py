@@ -117,8 +117,11 @@ def _bind(rank, report):
             message = (f"not bound: {where[1]} ranks on this host and only "
                        f"{len(allowed)} CPU(s) to share")
         else:
-            os.sched_setaffinity(0, share)
-            message = f"bound to CPU(s) {_cpu_list(share)}"
+            try:
+                os.sched_setaffinity(0, share)
+                message = f"bound to CPU(s) {_cpu_list(share)}"
+            except OSError as e:  # e.g. a cpuset that changed under us
+                message = f"not bound: {e.strerror or e}"
     if report:
         _write_all(2, f"kerasdist: rank {rank}: {message}\n".encode())
 
