@@ -16,8 +16,9 @@ runs of the same round). Prints a table: model, system, np, median img/s per
 rank and total, median scaling efficiency (total at np=2 / (2 x the
 kerasdist np=1 run of the same round)) and its range over the rounds.
 
-With `--ceiling` a `no-comm` row runs np=2 with each rank training alone (plain optimizer, no
-allreduce, weights not expected equal): the efficiency two processes reach
+With `--ceiling` a `no-comm` row runs np=2 with each rank training alone
+(plain optimizer, no allreduce, weights not expected equal): the
+efficiency two processes reach
 on this machine's shared cores and memory with no communication at all, the
 ceiling for any synchronous system; a `sync-only` row does the same but
 the ranks meet once per step (a 4-byte allreduce after each batch): what
