@@ -18,9 +18,9 @@ kerasdist np=1 run of the same round)) and its range over the rounds.
 
 With `--ceiling` a `no-comm` row runs np=2 with each rank training alone
 (plain optimizer, no allreduce, weights not expected equal): the
-efficiency two processes reach
-on this machine's shared cores and memory with no communication at all, the
-ceiling for any synchronous system; a `sync-only` row does the same but
+efficiency two processes reach on this machine's shared cores and memory
+with no communication at all, the ceiling for any synchronous system; a
+`sync-only` row does the same but
 the ranks meet once per step (a 4-byte allreduce after each batch): what
 waiting for the slower rank alone costs on this machine. With `--mwms`
 the same models also run under tf.distribute.MultiWorkerMirroredStrategy
