@@ -55,28 +55,15 @@ Status ReadRemote(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remo
 Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
                             std::unique_ptr<CmaAllreduce>* out) {
   out->reset();
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  int mine = enabled ? 1 : 0, all = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm),
-                               "MPI_Allreduce"));
-  if (!all || size < 2) return Status::OK();
   MPI_Comm local;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local),
-      "MPI_Comm_split_type"));
-  int local_size = 0;
-  MPI_Comm_size(local, &local_size);
-  if (local_size != size) {  // the same answer on every rank
-    MPI_Comm_free(&local);
-    return Status::OK();
-  }
-  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
+  KD_RETURN_IF_ERROR(SingleNodeComm(comm, enabled, &local));
+  if (local == MPI_COMM_NULL) return Status::OK();
   std::unique_ptr<CmaAllreduce> c(new CmaAllreduce());
-  c->comm_ = local;
-  c->size_ = size;
+  c->comm_ = local;  // freed by the destructor from here on
   MPI_Comm_rank(local, &c->rank_);
+  MPI_Comm_size(local, &c->size_);
+  const int size = c->size_;
+  int all = 0;
   // Under Yama's ptrace_scope=1 only ancestors may read a process; the
   // ranks are siblings. (EINVAL without Yama: nothing to allow.)
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);

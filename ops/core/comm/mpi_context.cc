@@ -200,6 +200,31 @@ Status MpiStatus(int code, const char* call) {
   return Status::Internal(std::string(call) + " failed: " + std::string(text, len));
 }
 
+Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
+  *local = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  // Settings may differ between ranks; the path must not.
+  int mine = enabled ? 1 : 0, all = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm),
+                               "MPI_Allreduce"));
+  if (!all || size < 2) return Status::OK();
+  MPI_Comm shared;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
+      "MPI_Comm_split_type"));
+  int shared_size = 0;
+  MPI_Comm_size(shared, &shared_size);
+  if (shared_size != size) {  // then no rank's node holds them all
+    MPI_Comm_free(&shared);
+    return Status::OK();
+  }
+  MPI_Comm_set_errhandler(shared, MPI_ERRORS_RETURN);
+  *local = shared;
+  return Status::OK();
+}
+
 Status MpiContext::Create(bool has_parent, int parent_f,
                           std::unique_ptr<MpiContext>* out) {
   int initialized = 0, finalized = 0;

@@ -57,6 +57,12 @@ class MpiContext {
 // Turns an MPI error code into a Status naming the call.
 Status MpiStatus(int code, const char* call);
 
+// For the single-node allreduce paths. Collective over `comm`: *local is a
+// new communicator of the same ranks (errors returned, not fatal) when every
+// rank has `enabled`, there are at least two, and all share this node's
+// memory; else MPI_COMM_NULL. The answer is the same on every rank.
+Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local);
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_COMM_MPI_CONTEXT_H_

@@ -50,33 +50,17 @@ char* MapSegment(const std::string& name, int64_t bytes, bool create) {
 Status ShmAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_bytes,
                             std::unique_ptr<ShmAllreduce>* out) {
   out->reset();
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  // Settings may differ between ranks; the path must not.
-  int mine = enabled ? 1 : 0, all = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm),
-                               "MPI_Allreduce"));
-  if (!all) return Status::OK();
+  MPI_Comm local;
+  KD_RETURN_IF_ERROR(SingleNodeComm(comm, enabled, &local));
+  if (local == MPI_COMM_NULL) return Status::OK();
+  std::unique_ptr<ShmAllreduce> s(new ShmAllreduce());
+  s->comm_ = local;  // freed by the destructor from here on
+  MPI_Comm_rank(local, &s->rank_);
+  MPI_Comm_size(local, &s->size_);
+  // The ranks agree on the largest minimum given.
   long long agreed = 0, want = min_bytes;
   KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm), "MPI_Allreduce"));
-  MPI_Comm local;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local),
-      "MPI_Comm_split_type"));
-  int local_size = 0;
-  MPI_Comm_size(local, &local_size);
-  // The same answer on every rank: either all share one node or none does.
-  if (size < 2 || local_size != size) {
-    MPI_Comm_free(&local);
-    return Status::OK();
-  }
-  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
-  std::unique_ptr<ShmAllreduce> s(new ShmAllreduce());
-  s->comm_ = local;
-  MPI_Comm_rank(local, &s->rank_);
-  s->size_ = size;
+      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, local), "MPI_Allreduce"));
   s->min_bytes_ = agreed;
   *out = std::move(s);
   return Status::OK();
