@@ -8,7 +8,7 @@ from kerasdist import collectives
 from kerasdist.compression import Compressor
 
 
-def check_args(op, compression, gradient_predivide_factor, what):
+def check_args(op, compression, gradient_predivide_factor, num_groups, what):
     """Validates the arguments both wrappers share; raises ValueError."""
     if op not in (basics.Average, basics.Sum):
         raise ValueError(f"{what}: op must be kerasdist.Average or "
@@ -25,6 +25,10 @@ def check_args(op, compression, gradient_predivide_factor, what):
     if gradient_predivide_factor != 1.0 and op != basics.Average:
         raise ValueError(f"{what}: gradient_predivide_factor needs "
                          "op=kerasdist.Average.")
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) \
+            or num_groups < 0:
+        raise ValueError(f"{what}: num_groups must be an int >= 0; got "
+                         f"{num_groups!r}.")
 
 
 def in_xla_context():

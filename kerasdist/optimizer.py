@@ -164,14 +164,11 @@ def DistributedOptimizer(optimizer, name=None,
                         "keras.optimizers.Optimizer (Keras 3); got "
                         f"{type(optimizer).__name__}.")
     _keras_util.check_args(op, compression, gradient_predivide_factor,
-                           "DistributedOptimizer")
+                           num_groups, "DistributedOptimizer")
     if not isinstance(backward_passes_per_step, int) or \
             backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be an int >= 1; got "
                          f"{backward_passes_per_step!r}.")
-    if not isinstance(num_groups, int) or num_groups < 0:
-        raise ValueError(f"num_groups must be an int >= 0; got "
-                         f"{num_groups!r}.")
     settings = _Settings(
         prefix=name or "DistributedOptimizer", compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,

@@ -66,11 +66,7 @@ class DistributedGradientTape:
             raise TypeError("DistributedGradientTape expects a "
                             f"tf.GradientTape; got {type(tape).__name__}.")
         _keras_util.check_args(op, compression, gradient_predivide_factor,
-                               "DistributedGradientTape")
-        if not isinstance(num_groups, int) or isinstance(num_groups, bool) \
-                or num_groups < 0:
-            raise ValueError("DistributedGradientTape: num_groups must be an "
-                             f"int >= 0; got {num_groups!r}.")
+                               num_groups, "DistributedGradientTape")
         self._num_groups = num_groups
         self._tape = tape
         self._compression = compression

@@ -609,8 +609,8 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
     // applies to each contribution before the sum: the slots do that in
     // their copy-in.)
     const Clock::time_point t0 = Clock::now();
-    std::vector<CmaAllreduce::Segment> segs;
-    segs.reserve(entries.size());
+    std::vector<CmaAllreduce::Segment>& segs = cma_segs_;
+    segs.clear();
     for (Entry* e : entries) {
       segs.push_back({e->input, e->output, NumElements(e->req.shape)});
     }

@@ -125,6 +125,7 @@ class Runtime {
   // Single-node jobs: allreduce through shared memory (null otherwise).
   std::unique_ptr<ShmAllreduce> shm_;
   std::unique_ptr<CmaAllreduce> cma_;  // preferred to shm_ when both exist
+  std::vector<CmaAllreduce::Segment> cma_segs_;  // reused by each call
   // The GPU data path, made by the first device batch (collectively: every
   // rank executes that batch at the same point of the coordinator's order).
   std::unique_ptr<DeviceBackend> device_;

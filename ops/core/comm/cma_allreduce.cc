@@ -29,7 +29,8 @@ constexpr int64_t kChunkBytes = 256 << 10;
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
 
 // Reads remote[i] into local[i] for all i (lengths pairwise equal).
-Status ReadRemote(pid_t pid, std::vector<iovec>& local, std::vector<iovec>& remote) {
+Status ReadRemote(pid_t pid, const std::vector<iovec>& local,
+                  const std::vector<iovec>& remote) {
   for (size_t first = 0; first < local.size(); first += kMaxIov) {
     const size_t m = std::min<size_t>(kMaxIov, local.size() - first);
     ssize_t want = 0;
@@ -108,7 +109,10 @@ CmaAllreduce::~CmaAllreduce() {
 
 Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst) {
   const size_t nseg = starts_.size() - 1;
-  std::vector<iovec> local, remote;
+  std::vector<iovec>& local = local_iov_;
+  std::vector<iovec>& remote = remote_iov_;
+  local.clear();
+  remote.clear();
   size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
   for (; s < nseg && starts_[s] < hi; ++s) {
     const int64_t a = std::max(lo, starts_[s]), b = std::min(hi, starts_[s + 1]);
@@ -136,7 +140,8 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   const size_t nseg = segs.size();
   esize_ = DataTypeSize(dt);
   starts_.assign(nseg + 1, 0);
-  std::vector<uint64_t> mine(2 * nseg);
+  std::vector<uint64_t>& mine = mine_;
+  mine.resize(2 * nseg);
   for (size_t s = 0; s < nseg; ++s) {
     starts_[s + 1] = starts_[s] + segs[s].count;
     mine[2 * s] = reinterpret_cast<uintptr_t>(segs[s].in);

@@ -28,6 +28,7 @@
 
 #include <mpi.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <chrono>
 #include <cstdint>
@@ -81,7 +82,10 @@ class CmaAllreduce {
   std::vector<uint64_t> addrs_;
   std::vector<int64_t> starts_;
   int64_t esize_ = 0;
+  // Reused from call to call: the thread's hot path allocates nothing.
   std::vector<char> acc_, tmp_;
+  std::vector<uint64_t> mine_;
+  std::vector<iovec> local_iov_, remote_iov_;
 };
 
 }  // namespace kerasdist::core
