@@ -19,6 +19,13 @@ namespace {
 // or not. Spinning longer steals a core from TensorFlow (with 2 ranks on 2
 // cores there is no spare one); sleeping longer adds latency.
 constexpr auto kSpin = std::chrono::microseconds(60);
+// While this rank has submitted collectives that have not run yet, the
+// callers are usually blocked on them and the other ranks' requests or the
+// coordinator's answer may arrive at any moment: the thread keeps polling
+// (yielding the core to any runnable thread) for this long before it sleeps.
+// A sleep there costs the whole step its wake-up latency, on every rank that
+// slept: with 128 small tensors per step, 1.1 ms a step instead of 0.6 ms.
+constexpr auto kPendingSpin = std::chrono::milliseconds(5);
 constexpr int64_t kMaxSleepPendingUs = 200;
 constexpr int64_t kMaxSleepIdleUs = 2000;
 constexpr double kShutdownReplyTimeoutS = 30.0;
@@ -290,7 +297,8 @@ void Runtime::Loop() {
 }
 
 void Runtime::IdleWait(int idle_rounds, bool have_pending) {
-  if (Clock::now() - last_work_ < kSpin) {
+  const Clock::duration since = Clock::now() - last_work_;
+  if (since < kSpin || (have_pending && since < kPendingSpin)) {
     std::this_thread::yield();
     return;
   }
