@@ -11,7 +11,14 @@ round:
   enqueue + wait, no TensorFlow (the runtime's own cost);
 - kerasdist tf.function: `kerasdist.allreduce` inside a tf.function, one
   call per timed unit (includes TF's function-call cost, ~tens of us);
-- kerasdist eager: `kerasdist.allreduce` called eagerly (for reference).
+- kerasdist eager: `kerasdist.allreduce` called eagerly (for reference);
+- kerasdist in-graph, chained: one tf.function holding CHAIN allreduces,
+  each reducing the previous one's result (Sum, then Average of values
+  already equal), timed per allreduce: the op's latency inside a graph, as
+  in a train step, without TF's per-call cost;
+- TF alone, tf.function: the same function with tf.identity in place of
+  the allreduce: TF's own cost of one call, which the tf.function row
+  includes (it bounds that row's ratio from below at small sizes).
 
 Each call is timed on its own after a barrier; the figure is the median over
 all calls of the per-call maximum across ranks. algbw = bytes / time, busbw
@@ -27,6 +34,7 @@ import numpy as np
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 RAW = "raw MPI"
+CHAIN = 10  # allreduces per call in the in-graph row
 
 
 def _calls_for(nbytes):
@@ -58,6 +66,17 @@ def make_systems(comm, kd, tf, nbytes):
     def tf_call(t):
         return kd.allreduce(t, op=kd.Sum, name=name + ".tf")
 
+    @tf.function(autograph=False)
+    def tf_chain(t):
+        t = kd.allreduce(t, op=kd.Sum, name=f"{name}.chain.0")
+        for i in range(1, CHAIN):
+            t = kd.allreduce(t, op=kd.Average, name=f"{name}.chain.{i}")
+        return t
+
+    @tf.function(autograph=False)
+    def tf_alone(t):
+        return tf.identity(t)
+
     def raw():
         comm.Allreduce(x, out, op=MPI.SUM)
 
@@ -73,29 +92,41 @@ def make_systems(comm, kd, tf, nbytes):
     def eager():
         last["t"] = kd.allreduce(tx, op=kd.Sum, name=name + ".eager")
 
+    def chained():
+        last["t"] = tf_chain(tx)
+
+    def alone():
+        last["alone"] = tf_alone(tx)
+
     def check_out():
         return int(np.count_nonzero(out != want))
 
     def check_tf():
         return int(np.count_nonzero(last["t"].numpy() != want))
 
-    return {RAW: (raw, check_out),
-            "kerasdist core (ctypes)": (core, check_out),
-            "kerasdist tf.function": (in_function, check_tf),
-            "kerasdist eager": (eager, check_tf)}
+    def check_alone():
+        return int(np.count_nonzero(last["alone"].numpy() != x))
+
+    # name -> (callable, check, allreduces per call)
+    return {RAW: (raw, check_out, 1),
+            "kerasdist core (ctypes)": (core, check_out, 1),
+            "kerasdist tf.function": (in_function, check_tf, 1),
+            "kerasdist eager": (eager, check_tf, 1),
+            f"kerasdist in-graph x{CHAIN}": (chained, check_tf, CHAIN),
+            "TF alone, tf.function": (alone, check_alone, 1)}
 
 
 def run_size(comm, kd, tf, nbytes, rounds):
     systems = make_systems(comm, kd, tf, nbytes)
     wrong = {}
-    for name, (call, check) in systems.items():
+    for name, (call, check, _) in systems.items():
         call()
         wrong[name] = check()
     samples = _common.agree(comm, _common.alternate(
         {k: v[0] for k, v in systems.items()}, rounds, _calls_for(nbytes),
         comm))
-    return {name: (_common.median(samples[name]), wrong[name])
-            for name in systems}
+    return {name: (_common.median(samples[name]) / per_call, wrong[name])
+            for name, (_, _, per_call) in systems.items()}
 
 
 def main():

@@ -10,6 +10,13 @@ Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
 - kerasdist, in-graph: the same allreduces on tensors read from variables,
   results assigned to variables inside the function (how gradients travel in
   a train step): no per-tensor cost of crossing into and out of Python;
+- kerasdist grouped, in-graph: as above, but the COUNT tensors go through
+  one `kerasdist.grouped_allreduce` op (how DistributedOptimizer and
+  DistributedGradientTape send gradients): TF schedules and completes one
+  op instead of COUNT;
+- TF alone, in-graph: the in-graph function with a copy (tf.identity) in
+  place of each allreduce: what TF itself costs per call of that function,
+  which the two in-graph rows include;
 - kerasdist core (ctypes): COUNT requests enqueued through the C API on
   numpy buffers, then waited for: the runtime without TensorFlow (but with
   ctypes' per-call cost, ~10 us a tensor);
@@ -77,6 +84,22 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
     def check_graph():
         return wrong_list([v.numpy() for v in dst_vars])
 
+    @tf.function(autograph=False)
+    def tf_grouped_step():
+        sums = kd.grouped_allreduce([s.read_value() for s in src_vars],
+                                    op=kd.Sum, name=f"{tag}.grouped.{count}")
+        for d, r in zip(dst_vars, sums):
+            d.assign(r)
+
+    @tf.function(autograph=False)
+    def tf_alone_step():
+        for s, d in zip(src_vars, dst_vars):
+            d.assign(tf.identity(s.read_value()))
+
+    def check_alone():
+        return wrong_list([v.numpy() - s.numpy() + w
+                           for v, s, w in zip(dst_vars, src_vars, want)])
+
     native = _common.native_step()
     c_names = (ctypes.c_char_p * count)(
         *[f"{tag}.native.{count}.{i}".encode() for i in range(count)])
@@ -124,6 +147,8 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
     return {
         "kerasdist tf.function": (kd_tf, check_tf),
         "kerasdist in-graph": (tf_graph_step, check_graph),
+        "kerasdist grouped, in-graph": (tf_grouped_step, check_graph),
+        "TF alone, in-graph": (tf_alone_step, check_alone),
         "kerasdist core (ctypes)": (kd_core, check_outs),
         **({"kerasdist runtime (C loop)": (kd_native, check_outs)}
            if native else {}),

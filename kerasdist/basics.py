@@ -32,6 +32,7 @@ _SETTINGS = {
     "shm_allreduce": "KERASDIST_SHM_ALLREDUCE",
     "shm_allreduce_min_bytes": "KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
     "cma_allreduce": "KERASDIST_CMA_ALLREDUCE",
+    "cma_min_tensor_bytes": "KERASDIST_CMA_MIN_TENSOR_BYTES",
 }
 
 

@@ -41,6 +41,10 @@ const std::vector<ConfigVariable>& ConfigVariables() {
        "1 (default) to let the shared-memory allreduce read the other ranks' "
        "tensors in place (cross-memory attach) where the system allows it; 0 "
        "to stage them in shared-memory slots."},
+      {"KERASDIST_CMA_MIN_TENSOR_BYTES",
+       "Bytes per tensor, on average over a fused batch, from which the "
+       "in-place reads are used (integer, default 4096); batches of smaller "
+       "tensors go through the shared-memory slots."},
   };
   return vars;
 }
@@ -116,6 +120,8 @@ Status Apply(const std::string& name, const std::string& v, Config* c) {
     KD_RETURN_IF_ERROR(ParseBool(name, v, &c->shm_allreduce));
   } else if (name == "KERASDIST_CMA_ALLREDUCE") {
     KD_RETURN_IF_ERROR(ParseBool(name, v, &c->cma_allreduce));
+  } else if (name == "KERASDIST_CMA_MIN_TENSOR_BYTES") {
+    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->cma_min_tensor_bytes));
   } else if (name == "KERASDIST_SHM_ALLREDUCE_MIN_BYTES") {
     KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->shm_allreduce_min_bytes));
   } else if (name == "KERASDIST_LOG_LEVEL") {

@@ -26,6 +26,7 @@ struct Config {
   bool shm_allreduce = true;            // shared-memory allreduce on one node
   int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
   bool cma_allreduce = true;            // ... reading peers in place (CMA)
+  int64_t cma_min_tensor_bytes = 4096;  // ... for batches with tensors this big on average
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
 };
 

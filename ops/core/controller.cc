@@ -9,8 +9,7 @@ namespace kerasdist::core {
 int ResponseCache::Lookup(const Request& local, int rank, int size) const {
   auto it = index_.find(local.name);
   if (it == index_.end()) return -1;
-  return RequestForRank(entries_[it->second], rank, size) == local ? it->second
-                                                                    : -1;
+  return MatchesForRank(entries_[it->second], rank, size, local) ? it->second : -1;
 }
 
 int ResponseCache::IndexOf(const std::string& name) const {
@@ -32,30 +31,51 @@ void ResponseCache::Put(const Response& r) {
 void Coordinator::Add(int rank, const RankMessage& m, const ResponseCache& cache) {
   for (int32_t idx : m.cached) {
     if (idx >= 0 && idx < cache.Count()) {
-      MarkReported(rank, RequestForRank(cache.Get(idx), rank, size_));
+      MarkReported(rank, cache.Get(idx).req.name, nullptr, idx, cache);
     }
   }
-  for (const Request& q : m.requests) MarkReported(rank, q);
+  for (const Request& q : m.requests) MarkReported(rank, q.name, &q, -1, cache);
   if (m.shutdown) RequestShutdown(rank);
 }
 
-void Coordinator::MarkReported(int rank, Request q) {
-  auto it = table_.find(q.name);
+void Coordinator::MarkReported(int rank, const std::string& name, const Request* q,
+                               int32_t cached, const ResponseCache& cache) {
+  auto it = table_.find(name);
   if (it == table_.end()) {
-    Pending p;
+    Table::node_type node;
+    if (!spare_.empty()) {
+      node = std::move(spare_.back());
+      spare_.pop_back();
+      node.key() = name;
+    } else {
+      Table fresh;
+      node = fresh.extract(fresh.emplace(name, Pending()).first);
+    }
+    Pending& p = node.mapped();
     p.per_rank.resize(size_);
+    p.cached.assign(size_, -1);
     p.have.assign(size_, false);
+    p.count = 0;
+    p.warned = false;
     p.first_seen = Clock::now();
-    if (record_) p.seen.resize(size_);
-    it = table_.emplace(q.name, std::move(p)).first;
+    p.op = q != nullptr ? q->op : cache.Get(cached).req.op;
+    if (record_) {
+      p.seen.resize(size_);
+    } else {
+      p.seen.clear();
+    }
+    it = table_.insert(std::move(node)).position;
   }
   Pending& p = it->second;
   if (p.have[rank]) return;
   p.have[rank] = true;
-  p.per_rank[rank] = std::move(q);
+  if (q != nullptr) {
+    p.per_rank[rank] = *q;
+  } else {
+    p.cached[rank] = cached;
+  }
   if (record_ && !p.seen.empty()) p.seen[rank] = Clock::now();
   if (++p.count < size_) return;
-  std::string name = it->first;
   if (record_ && !p.seen.empty()) {
     ReadyInfo info;
     info.name = name;
@@ -71,53 +91,83 @@ void Coordinator::MarkReported(int rank, Request q) {
     }
     ready_info_.push_back(std::move(info));
   }
-  const Request& head = p.per_rank[0];
+  Ready ready;
+  ready.name = name;
+  bool same_entry = p.cached[0] >= 0;
+  for (int r = 1; r < size_ && same_entry; ++r) same_entry = p.cached[r] == p.cached[0];
+  if (same_entry) {
+    ready.cache_index = p.cached[0];
+  } else {
+    // Mixed or full reports: every rank's request, spelled out.
+    ready.per_rank.resize(size_);
+    for (int r = 0; r < size_; ++r) {
+      ready.per_rank[r] = p.cached[r] >= 0 ? RequestForRank(cache.Get(p.cached[r]), r, size_)
+                                           : std::move(p.per_rank[r]);
+    }
+  }
+  spare_.push_back(table_.extract(it));
+  const Request& head = ready.cache_index >= 0 ? cache.Get(ready.cache_index).req
+                                               : ready.per_rank[0];
   if (head.group.empty() || head.group_size <= 1) {
-    ready_.push_back(name);
+    ready_.push_back(std::move(ready));
     return;
   }
   // A group runs only when all of its members are ready on every rank.
-  std::string group = head.group;
-  int group_size = head.group_size;
-  held_[name] = std::move(p.per_rank);
-  table_.erase(it);
-  auto& members = group_ready_[group];
-  members.push_back(name);
+  const int group_size = head.group_size;
+  auto g = group_ready_.find(head.group);
+  if (g == group_ready_.end()) g = group_ready_.emplace(head.group, std::vector<Ready>()).first;
+  std::vector<Ready>& members = g->second;
+  members.push_back(std::move(ready));
   if (static_cast<int>(members.size()) >= group_size) {
-    std::sort(members.begin(), members.end());
-    for (const auto& n : members) ready_.push_back(n);
-    group_ready_.erase(group);
+    std::sort(members.begin(), members.end(),
+              [](const Ready& a, const Ready& b) { return a.name < b.name; });
+    for (Ready& m : members) ready_.push_back(std::move(m));
+    group_ready_.erase(g);
   }
 }
 
 CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
   CoordinatorMessage out;
-  std::vector<Response> responses;
+  // Built responses live here; `chosen` points at them or at cache entries.
+  std::vector<Response> built;
+  built.reserve(ready_.size());
+  std::vector<const Response*> chosen;
   std::vector<int32_t> indices;
-  for (const std::string& name : ready_) {
-    std::vector<Request> per_rank;
-    auto h = held_.find(name);
-    if (h != held_.end()) {
-      per_rank = std::move(h->second);
-      held_.erase(h);
-    } else {
-      auto it = table_.find(name);
-      per_rank = std::move(it->second.per_rank);
-      table_.erase(it);
+  chosen.reserve(ready_.size());
+  indices.reserve(ready_.size());
+  for (Ready& item : ready_) {
+    if (item.cache_index >= 0 && cache_enabled_) {
+      // Every rank asked exactly what the cache entry says.
+      chosen.push_back(&cache.Get(item.cache_index));
+      indices.push_back(item.cache_index);
+      continue;
     }
-    int ci = cache_enabled_ ? cache.IndexOf(name) : -1;
+    if (item.cache_index >= 0) {
+      const Response& entry = cache.Get(item.cache_index);
+      item.per_rank.resize(size_);
+      for (int r = 0; r < size_; ++r) item.per_rank[r] = RequestForRank(entry, r, size_);
+    }
+    int ci = cache_enabled_ ? cache.IndexOf(item.name) : -1;
     for (int r = 0; ci >= 0 && r < size_; ++r) {
-      if (RequestForRank(cache.Get(ci), r, size_) != per_rank[r]) ci = -1;
+      if (!MatchesForRank(cache.Get(ci), r, size_, item.per_rank[r])) ci = -1;
     }
-    responses.push_back(ci >= 0 ? cache.Get(ci) : BuildResponse(per_rank));
+    if (ci >= 0) {
+      chosen.push_back(&cache.Get(ci));
+    } else {
+      built.push_back(BuildResponse(item.per_rank));
+      chosen.push_back(&built.back());
+    }
     indices.push_back(ci);
   }
   ready_.clear();
-  for (const auto& batch : PlanFusion(responses, config_.fusion_threshold_bytes)) {
+  for (const auto& batch : PlanFusion(chosen, config_.fusion_threshold_bytes)) {
     Batch b;
-    for (int i : batch) {
+    b.cache_index.reserve(batch.size());
+    b.responses.resize(batch.size());
+    for (size_t k = 0; k < batch.size(); ++k) {
+      const int i = batch[k];
       b.cache_index.push_back(indices[i]);
-      b.responses.push_back(indices[i] >= 0 ? Response() : responses[i]);
+      if (indices[i] < 0) b.responses[k] = *chosen[i];
     }
     out.batches.push_back(std::move(b));
   }
@@ -144,11 +194,7 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
       std::string& s = p.have[r] ? ready : missing;
       s += (s.empty() ? "" : ", ") + std::to_string(r);
     }
-    const Request* any = nullptr;
-    for (int r = 0; r < size_ && !any; ++r) {
-      if (p.have[r]) any = &p.per_rank[r];
-    }
-    std::string line = std::string(OpTypeName(any->op)) + " '" + name +
+    std::string line = std::string(OpTypeName(p.op)) + " '" + name +
                        "' has waited " + std::to_string(static_cast<int>(waited)) +
                        " s: submitted by rank(s) " + ready +
                        ", still missing on rank(s) " + missing + ".";

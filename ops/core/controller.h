@@ -70,22 +70,39 @@ class Coordinator {
   std::vector<ReadyInfo> TakeReadyInfo() { return std::move(ready_info_); }
 
  private:
-  void MarkReported(int rank, Request q);
+  // `rank` reported tensor `name`: as a full request `q`, or (q null) as
+  // the cache entry `cached`, which stands for RequestForRank(entry, rank).
+  void MarkReported(int rank, const std::string& name, const Request* q,
+                    int32_t cached, const ResponseCache& cache);
 
   struct Pending {
-    std::vector<Request> per_rank;
+    std::vector<Request> per_rank;  // where cached[rank] < 0
+    std::vector<int32_t> cached;    // per rank: the cache entry it named, or -1
     std::vector<bool> have;
     std::vector<Clock::time_point> seen;
     int count = 0;
+    OpType op = OpType::kAllreduce;
     Clock::time_point first_seen;
     bool warned = false;
   };
+  // A tensor every rank has reported. In the steady state every rank names
+  // the same cache entry (`cache_index` >= 0, `per_rank` empty) and the
+  // decision copies nothing; otherwise `per_rank` holds every rank's request.
+  struct Ready {
+    std::string name;
+    int32_t cache_index = -1;
+    std::vector<Request> per_rank;
+  };
+  using Table = std::unordered_map<std::string, Pending>;
+
   int size_;
   Config config_;
-  std::unordered_map<std::string, Pending> table_;
-  std::vector<std::string> ready_;  // fully reported, in order
-  std::unordered_map<std::string, std::vector<std::string>> group_ready_;
-  std::unordered_map<std::string, std::vector<Request>> held_;  // ready, waiting for group
+  Table table_;
+  // Entries of table_ taken out, kept with their buffers for the next tensor
+  // (every step reports the same tensors again).
+  std::vector<Table::node_type> spare_;
+  std::vector<Ready> ready_;  // fully reported, in order
+  std::unordered_map<std::string, std::vector<Ready>> group_ready_;  // waiting for the group
   int shutdown_rank_ = -1;
   bool cache_enabled_ = true;
   bool record_ = false;

@@ -26,6 +26,13 @@ Request RequestForRank(const Response& r, int rank, int size) {
   return q;
 }
 
+bool MatchesForRank(const Response& r, int rank, int size, const Request& q) {
+  if (r.req.op == OpType::kAllgather || r.req.op == OpType::kAlltoall) {
+    return RequestForRank(r, rank, size) == q;
+  }
+  return r.req == q;
+}
+
 namespace {
 
 std::string RankList(const std::vector<int>& ranks) {

@@ -42,6 +42,9 @@ struct Response {
 
 // Rebuilds what `rank` asked for when the response is a cache hit for it.
 Request RequestForRank(const Response& r, int rank, int size);
+// RequestForRank(r, rank, size) == q, without building a copy where the
+// request is the same on every rank (all but allgather and alltoall).
+bool MatchesForRank(const Response& r, int rank, int size, const Request& q);
 
 // Coordinator-side validation of the requests of every rank for one tensor.
 // Returns a response whose `error` names the tensor, what differed and the ranks.

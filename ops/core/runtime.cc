@@ -55,6 +55,7 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
                            config.shm_allreduce_min_bytes, &rt->shm_));
   if (rt->shm_) {
     KD_RETURN_IF_ERROR(CmaAllreduce::Create(rt->mpi_->comm(), config.cma_allreduce,
+                                            config.cma_min_tensor_bytes,
                                             &rt->cma_));
   }
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
@@ -153,52 +154,53 @@ Status Runtime::stopped_status() {
 
 Status Runtime::ValidateLocal(const Request& q) const {
   const int size = topology().size;
-  const std::string what = std::string(OpTypeName(q.op)) + " '" + q.name + "'";
+  // Spelled out only for an error: this runs for every tensor of every step.
+  auto what = [&q] { return std::string(OpTypeName(q.op)) + " '" + q.name + "'"; };
   if (q.name.empty()) {
     return Status::InvalidArgument("every collective needs a name that is the "
                                    "same on all ranks; got an empty name.");
   }
   if ((q.op == OpType::kAllreduce || q.op == OpType::kReducescatter) &&
       q.dtype == DataType::kBool) {
-    return Status::InvalidArgument(what + ": bool tensors cannot be reduced; "
+    return Status::InvalidArgument(what() + ": bool tensors cannot be reduced; "
                                    "cast to int32 first.");
   }
   if (q.op == OpType::kBroadcast && (q.root_rank < 0 || q.root_rank >= size)) {
-    return Status::InvalidArgument(what + ": root_rank must be in [0, " +
+    return Status::InvalidArgument(what() + ": root_rank must be in [0, " +
                                    std::to_string(size) + "), got " +
                                    std::to_string(q.root_rank) + ".");
   }
   if ((q.op == OpType::kAllgather || q.op == OpType::kAlltoall ||
        q.op == OpType::kReducescatter) && q.shape.empty()) {
-    return Status::InvalidArgument(what + " needs a tensor of at least one "
+    return Status::InvalidArgument(what() + " needs a tensor of at least one "
                                    "dimension; got a scalar.");
   }
   for (int64_t d : q.shape) {
-    if (d < 0) return Status::InvalidArgument(what + ": negative dimension in " + ShapeString(q.shape) + ".");
+    if (d < 0) return Status::InvalidArgument(what() + ": negative dimension in " + ShapeString(q.shape) + ".");
   }
   if (!std::isfinite(q.prescale) || !std::isfinite(q.postscale)) {
-    return Status::InvalidArgument(what + ": scale factors must be finite.");
+    return Status::InvalidArgument(what() + ": scale factors must be finite.");
   }
   if (q.op == OpType::kAlltoall) {
     if (static_cast<int>(q.splits.size()) != size) {
-      return Status::InvalidArgument(what + ": splits must have one entry per rank (" +
+      return Status::InvalidArgument(what() + ": splits must have one entry per rank (" +
                                      std::to_string(size) + "), got " +
                                      std::to_string(q.splits.size()) + ".");
     }
     int64_t sum = 0;
     for (int64_t s : q.splits) {
-      if (s < 0) return Status::InvalidArgument(what + ": splits must be >= 0, got " + ShapeString(q.splits) + ".");
+      if (s < 0) return Status::InvalidArgument(what() + ": splits must be >= 0, got " + ShapeString(q.splits) + ".");
       sum += s;
     }
     if (sum != q.shape[0]) {
-      return Status::InvalidArgument(what + ": splits " + ShapeString(q.splits) +
+      return Status::InvalidArgument(what() + ": splits " + ShapeString(q.splits) +
                                      " add up to " + std::to_string(sum) +
                                      " but the first dimension is " +
                                      std::to_string(q.shape[0]) + ".");
     }
   }
   if (q.device >= 0 && !RegisteredDeviceBackend().factory) {
-    return Status::InvalidArgument(what + ": the tensor is in GPU memory, but this "
+    return Status::InvalidArgument(what() + ": the tensor is in GPU memory, but this "
                                    "kerasdist build has no GPU backend (rebuild "
                                    "with KERASDIST_WITH_NCCL=1).");
   }
@@ -493,7 +495,7 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
     stat_batches_ += 1;
     stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
                          Clock::now() - start).count();
-    for (Entry& e : entries) Complete(e, Result{s, {}});
+    CompleteAll(entries, Result{s, {}});
     return s.code() == StatusCode::kInternal ? s : Status::OK();
   }
   Result result;
@@ -612,7 +614,14 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   // 64 KiB: shared memory 10-20% faster). Every rank must decide alike, so
   // the minimum is agreed at init (ShmAllreduce::Create).
   if (total == 0 || total * esize < shm_->min_bytes()) return Status::OK();
-  if (cma_ && q.prescale == 1.0) {
+  // In-place reads pin the peer's pages tensor by tensor: for a batch of
+  // small tensors one copy through the slots is cheaper (512 x 1 KiB: 0.60
+  // ms a step through the slots, 0.73 ms read in place; 128 x 16 KiB: 0.59
+  // ms against 0.53 ms). Every rank sees the same sizes and the same agreed
+  // minimum, so every rank picks the same path.
+  const bool small_tensors =
+      cma_ && total * esize < cma_->min_tensor_bytes() * static_cast<int64_t>(entries.size());
+  if (cma_ && q.prescale == 1.0 && (!small_tensors || total * esize > kShmMaxSlotBytes)) {
     // Peers read in place: no staging copy and no size limit. (A prescale
     // applies to each contribution before the sum: the slots do that in
     // their copy-in.)
@@ -784,6 +793,16 @@ void Runtime::Complete(Entry& e, const Result& r) {
     in_flight_.erase(e.req.name);
   }
   if (e.done) e.done(r);
+}
+
+void Runtime::CompleteAll(std::vector<Entry>& entries, const Result& r) {
+  {
+    std::lock_guard<std::mutex> l(mu_);  // once for the batch
+    for (const Entry& e : entries) in_flight_.erase(e.req.name);
+  }
+  for (Entry& e : entries) {
+    if (e.done) e.done(r);
+  }
 }
 
 void Runtime::FailAll(const Status& s) {

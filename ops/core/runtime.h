@@ -112,6 +112,8 @@ class Runtime {
                                Entry& e, const Scaling& sc, bool* ran);
   Status RunOther(const Response& resp, Entry& e, Result* result);
   void Complete(Entry& e, const Result& r);
+  // Complete for each of a batch's entries, taking the lock once.
+  void CompleteAll(std::vector<Entry>& entries, const Result& r);
   void FailAll(const Status& s);
   Status ValidateLocal(const Request& q) const;
   Status Prepare(Request& q) const;  // fills implied fields, then validates

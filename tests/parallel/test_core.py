@@ -36,7 +36,7 @@ def _assert_all_ranks(out, np_, line):
 @pytest.mark.parametrize("np_, path", [
     (1, "default"), (2, "default"), (3, "default"), (4, "default"),
     (2, "cma"), (3, "cma"), (2, "shm"), (3, "shm"), (2, "mpi"), (3, "mixed"),
-    (3, "cma-mixed")])
+    (3, "cma-mixed"), (2, "cma-choice")])
 def test_collectives_match_numpy(np_, path):
     # "cma" has every allreduce read the other ranks' tensors in place, "shm"
     # sends every one through shared-memory slots (the two-rank direct sum

@@ -7,7 +7,10 @@ allreduce reads the other ranks in place; those with a prescale factor use
 the slots), "shm" (every non-empty allreduce through shared-memory slots),
 "mpi" (shared memory off), "mixed" (off on odd ranks only: the ranks must
 agree on MPI) or "cma-mixed" (in-place reads off on odd ranks only: they must
-agree on the slots). The worker checks that the path was taken.
+agree on the slots). The worker checks that the path was taken. "cma-choice"
+checks only how the in-place reads are chosen: a fused batch of small
+tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on average) goes through the
+slots, one of larger tensors is read in place.
 
 Inputs are small integers (rank * stride + i patterns), so results are exact in
 every dtype, float16 and bfloat16 included.
@@ -28,7 +31,10 @@ THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
 MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
 _rank = int(os.environ.get("PMI_RANK", "0"))
 if MODE == "cma":
-    kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1)
+    kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
+            cma_min_tensor_bytes=0)
+elif MODE == "cma-choice":
+    kd.init(fusion_threshold=1 << 20, shm_allreduce_min_bytes=1)
 elif MODE == "shm":
     kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
             cma_allreduce=False)
@@ -44,6 +50,37 @@ else:
     kd.init(fusion_threshold=THRESHOLD)
 r, n = kd.rank(), kd.size()
 checks = 0
+
+if MODE == "cma-choice":
+    from kerasdist import _capi
+
+    lib = _capi.lib()
+    # (tensors, float32 elements each, read in place?): 64 x 1 KiB averages
+    # below the 4 KiB default, 8 x 16 KiB above it; both fit one batch.
+    for count, elems, in_place in ((64, 256, False), (8, 4096, True)):
+        before = (lib.kerasdist_shm_allreduces(), lib.kerasdist_cma_allreduces())
+        started = [start_allreduce(np.arange(elems, dtype=np.float32) + r + i,
+                                   f"choice.{count}.{i}", op=kd.Sum,
+                                   group=f"choice.{count}", group_size=count)
+                   for i in range(count)]
+        for i, (h, _, out) in enumerate(started):
+            h.wait(timeout=120)
+            want = np.arange(elems, dtype=np.float32) * n + n * i + n * (n - 1) / 2
+            if not np.array_equal(out, want):
+                print(f"FAIL choice {count} x {elems}: wrong sum", flush=True)
+                sys.exit(1)
+        shm = lib.kerasdist_shm_allreduces() - before[0]
+        cma = lib.kerasdist_cma_allreduces() - before[1]
+        if shm != 1 or cma != (1 if in_place else 0):
+            print(f"FAIL choice {count} x {elems * 4} B: {shm} single-node "
+                  f"batches, {cma} in place (want 1, {int(in_place)})", flush=True)
+            sys.exit(1)
+        print(f"OK choice {count} x {elems * 4} B "
+              f"({'in place' if in_place else 'slots'})", flush=True)
+    print(f"OK all choice checks on rank {r} of {n}", flush=True)
+    print("OK path cma-choice", flush=True)
+    kd.shutdown()
+    sys.exit(0)
 
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
 REDUCIBLE = FLOATS + [np.int32, np.int64]

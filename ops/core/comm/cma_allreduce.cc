@@ -53,7 +53,7 @@ Status ReadRemote(pid_t pid, const std::vector<iovec>& local,
 
 }  // namespace
 
-Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
+Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_bytes,
                             std::unique_ptr<CmaAllreduce>* out) {
   out->reset();
   MPI_Comm local;
@@ -97,6 +97,10 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
                                "MPI_Allreduce"));
   if (!all) return Status::OK();  // c's destructor frees `local`
+  long long want = min_tensor_bytes, agreed = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, local), "MPI_Allreduce"));
+  c->min_tensor_bytes_ = agreed;
   *out = std::move(c);
   return Status::OK();
 }
@@ -172,7 +176,28 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   // waiting in a barrier.
   Status failed;
   const int64_t lo = bounds[rank_], hi = bounds[rank_ + 1];
-  for (int64_t a = lo; a < hi && failed.ok(); a += chunk) {
+  // Two ranks: this rank's own input is read where it lies, only the peer's
+  // is copied (into cache-sized `tmp`), and the sum goes straight to the
+  // outputs: two passes over the chunk fewer than the general loop below.
+  // The operands keep rank order, as there.
+  for (int64_t a = lo; size_ == 2 && a < hi && failed.ok(); a += chunk) {
+    const int64_t b = std::min(hi, a + chunk);
+    failed = Read(1 - rank_, false, a, b, tmp);
+    if (!failed.ok()) break;
+    size_t s = std::upper_bound(starts_.begin(), starts_.end(), a) - starts_.begin() - 1;
+    for (; s < nseg && starts_[s] < b; ++s) {
+      const int64_t x = std::max(a, starts_[s]), y = std::min(b, starts_[s + 1]);
+      if (y <= x) continue;
+      const int64_t skip = (x - starts_[s]) * esize_;
+      const char* mine_in = static_cast<const char*>(segs[s].in) + skip;
+      const char* theirs = tmp + (x - a) * esize_;
+      char* out = static_cast<char*>(segs[s].out) + skip;
+      Combine(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in, y - x,
+              dt, op);
+      ScaleCopy(out, out, y - x, dt, factor, divisor);  // nothing to do for 1
+    }
+  }
+  for (int64_t a = lo; size_ != 2 && a < hi && failed.ok(); a += chunk) {
     const int64_t b = std::min(hi, a + chunk), m = b - a;
     // acc = in_0 (op) in_1 (op) ... in the same order on every rank.
     failed = Read(0, false, a, b, acc);

@@ -53,9 +53,14 @@ class CmaAllreduce {
   // Sets *out to null (and returns OK) unless every rank of `comm` shares
   // this node, has `enabled`, and can read every other rank's memory.
   // Collective over `comm`.
-  static Status Create(MPI_Comm comm, bool enabled,
+  // `min_tensor_bytes`: see min_tensor_bytes(); the ranks use the largest.
+  static Status Create(MPI_Comm comm, bool enabled, int64_t min_tensor_bytes,
                        std::unique_ptr<CmaAllreduce>* out);
   ~CmaAllreduce();
+
+  // A batch whose tensors average fewer bytes than this is better staged in
+  // the slots (agreed by all ranks at Create).
+  int64_t min_tensor_bytes() const { return min_tensor_bytes_; }
 
   // Collective: every rank passes the same segment counts in the same order
   // (the coordinator's plan). The inputs are reduced with `op` (never
@@ -76,6 +81,7 @@ class CmaAllreduce {
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  int64_t min_tensor_bytes_ = 0;
   std::vector<pid_t> pids_;
   // Per call: every rank's input and output address of each segment
   // (rank-major), the element offsets where segments start, element size.
