@@ -28,20 +28,23 @@ namespace {
 constexpr int64_t kChunkBytes = 256 << 10;
 constexpr int kMaxIov = IOV_MAX < 1024 ? IOV_MAX : 1024;
 
-// Reads remote[i] into local[i] for all i (lengths pairwise equal).
-Status ReadRemote(pid_t pid, const std::vector<iovec>& local,
-                  const std::vector<iovec>& remote) {
+// Reads remote[i] into local[i] for all i (lengths pairwise equal), or with
+// `write` writes local[i] to remote[i].
+Status Transfer(pid_t pid, const std::vector<iovec>& local,
+                const std::vector<iovec>& remote, bool write = false) {
   for (size_t first = 0; first < local.size(); first += kMaxIov) {
     const size_t m = std::min<size_t>(kMaxIov, local.size() - first);
     ssize_t want = 0;
     for (size_t i = first; i < first + m; ++i) want += local[i].iov_len;
     const ssize_t got =
-        process_vm_readv(pid, local.data() + first, m, remote.data() + first, m, 0);
+        write ? process_vm_writev(pid, local.data() + first, m, remote.data() + first, m, 0)
+              : process_vm_readv(pid, local.data() + first, m, remote.data() + first, m, 0);
     if (got != want) {
       const int err = got < 0 ? errno : 0;
       return Status::Internal(
-          "reading another rank's tensors (process_vm_readv from pid " +
-          std::to_string(pid) + ") failed: " +
+          std::string(write ? "writing into another rank's tensors (process_vm_writev to"
+                            : "reading another rank's tensors (process_vm_readv from") +
+          " pid " + std::to_string(pid) + ") failed: " +
           (got < 0 ? std::string(std::strerror(err))
                    : std::to_string(got) + " of " + std::to_string(want) +
                          " bytes") +
@@ -74,26 +77,39 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_byte
       MPI_Allgather(&pid, sizeof(pid), MPI_BYTE, c->pids_.data(), sizeof(pid),
                     MPI_BYTE, local),
       "MPI_Allgather"));
-  // Probe: read every other rank's word. It stays alive until the
-  // MPI_Allreduce below, which no rank leaves before all have read.
-  const uint64_t probe = 0x6b64636d61000000ull + c->rank_;
-  const uint64_t where = reinterpret_cast<uintptr_t>(&probe);
-  std::vector<uint64_t> wheres(size);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(&where, 1, MPI_UINT64_T, wheres.data(),
-                                             1, MPI_UINT64_T, local),
+  // Probe: read every other rank's word and write its mailbox (two ranks
+  // write results into each other's outputs). Both stay alive until the
+  // second MPI_Allreduce below, which no rank leaves before all have
+  // written; the first one ends the writes before the mailboxes are checked.
+  constexpr uint64_t kMagic = 0x6b64636d61000000ull;
+  const uint64_t probe = kMagic + c->rank_;
+  volatile uint64_t mailbox = 0;
+  const uint64_t where[2] = {reinterpret_cast<uintptr_t>(&probe),
+                             reinterpret_cast<uintptr_t>(&mailbox)};
+  std::vector<uint64_t> wheres(2 * size);
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(where, 2, MPI_UINT64_T, wheres.data(),
+                                             2, MPI_UINT64_T, local),
                                "MPI_Allgather"));
   int good = 1;
   for (int k = 0; k < size && good; ++k) {
     if (k == c->rank_) continue;
     uint64_t seen = 0;
     iovec l{&seen, sizeof(seen)};
-    iovec r{reinterpret_cast<void*>(wheres[k]), sizeof(seen)};
+    iovec r{reinterpret_cast<void*>(wheres[2 * k]), sizeof(seen)};
+    const uint64_t mark = kMagic;
+    iovec wl{const_cast<uint64_t*>(&mark), sizeof(mark)};
+    iovec wr{reinterpret_cast<void*>(wheres[2 * k + 1]), sizeof(mark)};
     good = process_vm_readv(c->pids_[k], &l, 1, &r, 1, 0) ==
-                   static_cast<ssize_t>(sizeof(seen)) &&
-               seen == 0x6b64636d61000000ull + k
+                       static_cast<ssize_t>(sizeof(seen)) &&
+                   seen == kMagic + k &&
+                   process_vm_writev(c->pids_[k], &wl, 1, &wr, 1, 0) ==
+                       static_cast<ssize_t>(sizeof(mark))
                ? 1
                : 0;
   }
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
+                               "MPI_Allreduce"));
+  good = all && (size == 1 || mailbox == kMagic) ? 1 : 0;
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
                                "MPI_Allreduce"));
   if (!all) return Status::OK();  // c's destructor frees `local`
@@ -135,7 +151,27 @@ Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst
     remote.push_back({peer + skip, bytes});
   }
   if (local.empty()) return Status::OK();
-  return ReadRemote(pids_[k], local, remote);
+  return Transfer(pids_[k], local, remote);
+}
+
+Status CmaAllreduce::WriteOutputs(int k, int64_t lo, int64_t hi) {
+  const size_t nseg = starts_.size() - 1;
+  std::vector<iovec>& local = local_iov_;
+  std::vector<iovec>& remote = remote_iov_;
+  local.clear();
+  remote.clear();
+  size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
+  for (; s < nseg && starts_[s] < hi; ++s) {
+    const int64_t a = std::max(lo, starts_[s]), b = std::min(hi, starts_[s + 1]);
+    if (b <= a) continue;
+    const int64_t skip = (a - starts_[s]) * esize_;
+    local.push_back({reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip,
+                     static_cast<size_t>((b - a) * esize_)});
+    remote.push_back({reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + 1]) + skip,
+                      static_cast<size_t>((b - a) * esize_)});
+  }
+  if (local.empty()) return Status::OK();
+  return Transfer(pids_[k], local, remote, /*write=*/true);
 }
 
 Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
@@ -179,7 +215,11 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   // Two ranks: this rank's own input is read where it lies, only the peer's
   // is copied (into cache-sized `tmp`), and the sum goes straight to the
   // outputs: two passes over the chunk fewer than the general loop below.
-  // The operands keep rank order, as there.
+  // The operands keep rank order, as there. While the chunk's result is
+  // still in cache it is also written into the peer's outputs, so step 3
+  // (reading the peer's piece back from memory) and its barrier fall away:
+  // the final agreement below is the only wait. The peer writes only our
+  // outputs in its own piece, which we neither read nor write.
   for (int64_t a = lo; size_ == 2 && a < hi && failed.ok(); a += chunk) {
     const int64_t b = std::min(hi, a + chunk);
     failed = Read(1 - rank_, false, a, b, tmp);
@@ -196,6 +236,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
               dt, op);
       ScaleCopy(out, out, y - x, dt, factor, divisor);  // nothing to do for 1
     }
+    failed = WriteOutputs(1 - rank_, a, b);
   }
   for (int64_t a = lo; size_ != 2 && a < hi && failed.ok(); a += chunk) {
     const int64_t b = std::min(hi, a + chunk), m = b - a;
@@ -214,14 +255,16 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
                 acc + (x - a) * esize_, y - x, dt, factor, divisor);
     }
   }
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  if (size_ != 2) {
+    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  }
   *mark2 = std::chrono::steady_clock::now();
-  for (int k = 0; k < size_ && failed.ok(); ++k) {
+  for (int k = 0; size_ != 2 && k < size_ && failed.ok(); ++k) {
     if (k != rank_ && bounds[k] < bounds[k + 1]) {
       failed = Read(k, true, bounds[k], bounds[k + 1], nullptr);
     }
   }
-  // Nobody reads this rank's memory after this.
+  // Nobody reads or writes this rank's memory after this.
   int ok = failed.ok() ? 1 : 0, all_ok = 0;
   KD_RETURN_IF_ERROR(MpiStatus(
       MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
