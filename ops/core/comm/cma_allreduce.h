@@ -21,10 +21,10 @@
 // With two ranks on 2 cores here an 8 MiB allreduce fell from 1.9 ms (slots)
 // to 1.3 ms: a rank's bytes cross memory once instead of three times.
 //
-// process_vm_readv needs ptrace access to the peer: each rank allows it with
-// PR_SET_PTRACER (Yama), and at start-up every rank reads a probe word from
-// every other; unless all succeed (a seccomp filter, a hardened kernel) the
-// ranks agree to use the slots instead.
+// process_vm_readv/writev need ptrace access to the peer: each rank allows it
+// with PR_SET_PTRACER (Yama), and at start-up every rank reads a probe word
+// from every other and writes one into its mailbox; unless all succeed (a
+// seccomp filter, a hardened kernel) the ranks agree to use the slots instead.
 #ifndef KERASDIST_CORE_COMM_CMA_ALLREDUCE_H_
 #define KERASDIST_CORE_COMM_CMA_ALLREDUCE_H_
 
