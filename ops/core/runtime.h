@@ -147,6 +147,10 @@ class Runtime {
   std::unique_ptr<Coordinator> coordinator_;
   HostBuffer fusion_buffer_;
   bool sent_shutdown_ = false;
+  // Poll rather than sleep while collectives are in flight (kPendingSpin);
+  // off when this node's ranks outnumber their CPUs, where the polling
+  // thread would take a core another rank is computing on.
+  bool spin_while_pending_ = true;
   Clock::time_point shutdown_sent_at_;
   Clock::time_point last_work_;
   Clock::time_point last_stall_check_;

@@ -1,5 +1,7 @@
 #include "mpi_context.h"
 
+#include <sched.h>
+
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -222,6 +224,29 @@ Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
   }
   MPI_Comm_set_errhandler(shared, MPI_ERRORS_RETURN);
   *local = shared;
+  return Status::OK();
+}
+
+Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
+  *oversubscribed = false;
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm node;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
+      "MPI_Comm_split_type"));
+  int local_ranks = 1;
+  MPI_Comm_size(node, &local_ranks);
+  cpu_set_t mine, all;
+  CPU_ZERO(&mine);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) {
+    MPI_Comm_free(&node);
+    return Status::OK();  // unknown: assume not
+  }
+  const int rc = MPI_Allreduce(&mine, &all, sizeof(cpu_set_t), MPI_BYTE, MPI_BOR, node);
+  MPI_Comm_free(&node);
+  KD_RETURN_IF_ERROR(MpiStatus(rc, "MPI_Allreduce"));
+  *oversubscribed = local_ranks > CPU_COUNT(&all);
   return Status::OK();
 }
 
