@@ -165,10 +165,11 @@ def main():
                                         sec, factor, wrong, sec / base),
                       flush=True)
     if rank == 0 and args.plot:
+        # "TF alone" moves no data: a bandwidth would mean nothing.
         series = {name: ([s for s in sizes],
                          [nbytes / results[nbytes][name][0] / 1e9 * factor
                           for nbytes in sizes])
-                  for name in results[sizes[0]]}
+                  for name in results[sizes[0]] if not name.startswith("TF")}
         _common.maybe_plot(
             args.plot, f"allreduce float32, np={n}", "message size",
             "bus bandwidth (GB/s)", series, logy=True,
