@@ -1,7 +1,8 @@
 """W3 (BENCHMARKS.md): model.fit images/s at np=1 and np=2 with kerasdist.
 
     python benchmarks/keras_scaling.py [--rounds 3] [--models cnn,mlp20]
-        [--steps-cnn 40] [--steps-mlp 200] [--ceiling] [--mwms]
+        [--steps-cnn 40] [--steps-mlp 200] [--ceiling] [--mwms] [--np4]
+        [--plot w3.png]
 
 Runs each model under `python -m kerasdist.run -np N` (N = 1, 2), batch 64
 per rank, 1024 random in-memory images per rank (repeated), SGD(0.01,
@@ -33,6 +34,11 @@ tensorflow#72388); neither touches the gradient path:
   2. the train step's per-replica logs (a scalar loss) are reduced along
      axis 0, which fails: we reduce the logs as "first" (the loss logged is
      the first replica's; gradients are still all-reduced by the strategy).
+With `--np4` kerasdist also runs at np=4, more ranks than a 2-core
+machine has cores (the launcher then binds nobody): reported in a table of
+its own, efficiency against 4 x the np=1 run. `--plot` draws total images/s
+against the number of ranks for each model, with the ideal-linear line (np
+x the np=1 median) and MWMS's point (matplotlib needed).
 Run it alone: the machine has 2 cores.
 """
 
@@ -287,6 +293,11 @@ def main():
                         "shows medians (default 3)")
     parser.add_argument("--models", default="cnn,mlp20",
                         help="comma-separated: cnn, mlp20")
+    parser.add_argument("--np4", action="store_true",
+                        help="also run kerasdist at np=4 (oversubscribed on "
+                        "a 2-core machine), reported separately")
+    parser.add_argument("--plot", help="write images/s against ranks, with "
+                        "the ideal-linear line, to this PNG")
     parser.add_argument("--steps-cnn", type=int, default=40)
     parser.add_argument("--steps-mlp", type=int, default=200)
     args = parser.parse_args()
@@ -307,12 +318,18 @@ def main():
           f"{'range':>11} {'same':>5}")
     models = [m for m in (("cnn", args.steps_cnn), ("mlp20", args.steps_mlp))
               if m[0] in args.models.split(",")]
+    if args.plot:
+        _check_matplotlib()
+    summary = {}  # (model, system, np) -> median total img/s
+    separate = []  # rows printed after the main table
     for model_name, steps in models:
         runs = [("kerasdist", 1), ("kerasdist", 2)]
         if args.mwms:
             runs.append(("mwms", 2))
         if args.ceiling:
             runs += [("no-comm", 2), ("sync-only", 2)]
+        if args.np4:
+            runs.append(("kerasdist", 4))
         totals = {run: [] for run in runs}
         effs = {run: [] for run in runs}
         info = {}
@@ -335,10 +352,64 @@ def main():
             total = statistics.median(totals[(system, np_)])
             e = effs[(system, np_)]
             span = f"{min(e):.2f}-{max(e):.2f}"
-            print(f"  {model_name:>6} {system:>9} {r['params']:>9} "
-                  f"{r['tensors']:>7} {np_:>3} {total / np_:>11.1f} "
-                  f"{total:>9.1f} {statistics.median(e):>5.2f} {span:>11} "
-                  f"{str(r['same']):>5}", flush=True)
+            summary[(model_name, system, np_)] = total
+            row = (f"  {model_name:>6} {system:>9} {r['params']:>9} "
+                   f"{r['tensors']:>7} {np_:>3} {total / np_:>11.1f} "
+                   f"{total:>9.1f} {statistics.median(e):>5.2f} {span:>11} "
+                   f"{str(r['same']):>5}")
+            if np_ > 2:
+                separate.append(row)
+            else:
+                print(row, flush=True)
+    if separate:
+        print(f"# oversubscribed: more ranks than this machine's "
+              f"{os.cpu_count()} CPUs (nobody bound); eff = total / "
+              "(np x kerasdist np=1 of the same round)")
+        for row in separate:
+            print(row, flush=True)
+    if args.plot:
+        _plot(args.plot, [m for m, _ in models], summary)
+
+
+def _check_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib")
+
+
+def _plot(path, model_names, summary):
+    """Total images/s against ranks per model, with the ideal-linear line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(model_names), squeeze=False,
+                             figsize=(5 * len(model_names), 4))
+    for ax, name in zip(axes[0], model_names):
+        nps = sorted(n for (m, s, n) in summary if m == name and s == "kerasdist")
+        single = summary[(name, "kerasdist", 1)]
+        ax.plot(nps, [single * n for n in nps], "k--", label="ideal linear")
+        ax.plot(nps, [summary[(name, "kerasdist", n)] for n in nps], "o-",
+                label="kerasdist")
+        for system, marker in (("mwms", "s"), ("no-comm", "^"),
+                               ("sync-only", "v")):
+            if (name, system, 2) in summary:
+                ax.plot([2], [summary[(name, system, 2)]], marker,
+                        label=system if system != "mwms"
+                        else "MultiWorkerMirroredStrategy")
+        ax.set_xticks(nps)
+        ax.set_xticklabels([f"{n}" + (" (oversub.)" if n > (os.cpu_count() or 1)
+                                      else "") for n in nps])
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("images/s, all ranks (median)")
+        ax.set_title(f"{name}: model.fit, batch 64 per rank")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"# wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
