@@ -87,7 +87,8 @@ class Coordinator {
   };
   // A tensor every rank has reported. In the steady state every rank names
   // the same cache entry (`cache_index` >= 0, `per_rank` empty) and the
-  // decision copies nothing; otherwise `per_rank` holds every rank's request.
+  // decision copies no request or response; otherwise `per_rank` holds every
+  // rank's request.
   struct Ready {
     std::string name;
     int32_t cache_index = -1;
