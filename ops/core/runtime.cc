@@ -625,9 +625,9 @@ Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
   // ms a step through the slots, 0.73 ms read in place; 128 x 16 KiB: 0.59
   // ms against 0.53 ms). Every rank sees the same sizes and the same agreed
   // minimum, so every rank picks the same path.
-  const bool small_tensors =
-      cma_ && total * esize < cma_->min_tensor_bytes() * static_cast<int64_t>(entries.size());
-  if (cma_ && q.prescale == 1.0 && (!small_tensors || total * esize > kShmMaxSlotBytes)) {
+  if (cma_ && q.prescale == 1.0 &&
+      (total * esize >= cma_->min_tensor_bytes() * static_cast<int64_t>(entries.size()) ||
+       total * esize > kShmMaxSlotBytes)) {
     // Peers read in place: no staging copy and no size limit. (A prescale
     // applies to each contribution before the sum: the slots do that in
     // their copy-in.)

@@ -113,10 +113,7 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_byte
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
                                "MPI_Allreduce"));
   if (!all) return Status::OK();  // c's destructor frees `local`
-  long long want = min_tensor_bytes, agreed = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, local), "MPI_Allreduce"));
-  c->min_tensor_bytes_ = agreed;
+  KD_RETURN_IF_ERROR(AgreeLargest(local, min_tensor_bytes, &c->min_tensor_bytes_));
   *out = std::move(c);
   return Status::OK();
 }
@@ -127,16 +124,21 @@ CmaAllreduce::~CmaAllreduce() {
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
-Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst) {
+template <typename F>
+void CmaAllreduce::ForEachPiece(int64_t lo, int64_t hi, F&& f) const {
   const size_t nseg = starts_.size() - 1;
-  std::vector<iovec>& local = local_iov_;
-  std::vector<iovec>& remote = remote_iov_;
-  local.clear();
-  remote.clear();
   size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
   for (; s < nseg && starts_[s] < hi; ++s) {
     const int64_t a = std::max(lo, starts_[s]), b = std::min(hi, starts_[s + 1]);
-    if (b <= a) continue;
+    if (b > a) f(s, a, b);
+  }
+}
+
+Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst) {
+  const size_t nseg = starts_.size() - 1;
+  local_iov_.clear();
+  remote_iov_.clear();
+  ForEachPiece(lo, hi, [&](size_t s, int64_t a, int64_t b) {
     const size_t bytes = (b - a) * esize_;
     const int64_t skip = (a - starts_[s]) * esize_;
     char* peer = reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + (outputs ? 1 : 0)]);
@@ -145,33 +147,29 @@ Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst
                    : reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip;
     if (k == rank_) {
       std::memcpy(to, peer + skip, bytes);
-      continue;
+      return;
     }
-    local.push_back({to, bytes});
-    remote.push_back({peer + skip, bytes});
-  }
-  if (local.empty()) return Status::OK();
-  return Transfer(pids_[k], local, remote);
+    local_iov_.push_back({to, bytes});
+    remote_iov_.push_back({peer + skip, bytes});
+  });
+  if (local_iov_.empty()) return Status::OK();
+  return Transfer(pids_[k], local_iov_, remote_iov_);
 }
 
 Status CmaAllreduce::WriteOutputs(int k, int64_t lo, int64_t hi) {
   const size_t nseg = starts_.size() - 1;
-  std::vector<iovec>& local = local_iov_;
-  std::vector<iovec>& remote = remote_iov_;
-  local.clear();
-  remote.clear();
-  size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
-  for (; s < nseg && starts_[s] < hi; ++s) {
-    const int64_t a = std::max(lo, starts_[s]), b = std::min(hi, starts_[s + 1]);
-    if (b <= a) continue;
+  local_iov_.clear();
+  remote_iov_.clear();
+  ForEachPiece(lo, hi, [&](size_t s, int64_t a, int64_t b) {
+    const size_t bytes = (b - a) * esize_;
     const int64_t skip = (a - starts_[s]) * esize_;
-    local.push_back({reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip,
-                     static_cast<size_t>((b - a) * esize_)});
-    remote.push_back({reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + 1]) + skip,
-                      static_cast<size_t>((b - a) * esize_)});
-  }
-  if (local.empty()) return Status::OK();
-  return Transfer(pids_[k], local, remote, /*write=*/true);
+    local_iov_.push_back(
+        {reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip, bytes});
+    remote_iov_.push_back(
+        {reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + 1]) + skip, bytes});
+  });
+  if (local_iov_.empty()) return Status::OK();
+  return Transfer(pids_[k], local_iov_, remote_iov_, /*write=*/true);
 }
 
 Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
@@ -224,10 +222,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
     const int64_t b = std::min(hi, a + chunk);
     failed = Read(1 - rank_, false, a, b, tmp);
     if (!failed.ok()) break;
-    size_t s = std::upper_bound(starts_.begin(), starts_.end(), a) - starts_.begin() - 1;
-    for (; s < nseg && starts_[s] < b; ++s) {
-      const int64_t x = std::max(a, starts_[s]), y = std::min(b, starts_[s + 1]);
-      if (y <= x) continue;
+    ForEachPiece(a, b, [&](size_t s, int64_t x, int64_t y) {
       const int64_t skip = (x - starts_[s]) * esize_;
       const char* mine_in = static_cast<const char*>(segs[s].in) + skip;
       const char* theirs = tmp + (x - a) * esize_;
@@ -235,7 +230,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
       Combine(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in, y - x,
               dt, op);
       ScaleCopy(out, out, y - x, dt, factor, divisor);  // nothing to do for 1
-    }
+    });
     failed = WriteOutputs(1 - rank_, a, b);
   }
   for (int64_t a = lo; size_ != 2 && a < hi && failed.ok(); a += chunk) {
@@ -247,13 +242,10 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
       Combine(acc, acc, tmp, m, dt, op);
     }
     // Scaled into this rank's outputs.
-    size_t s = std::upper_bound(starts_.begin(), starts_.end(), a) - starts_.begin() - 1;
-    for (; s < nseg && starts_[s] < b; ++s) {
-      const int64_t x = std::max(a, starts_[s]), y = std::min(b, starts_[s + 1]);
-      if (y <= x) continue;
+    ForEachPiece(a, b, [&](size_t s, int64_t x, int64_t y) {
       ScaleCopy(static_cast<char*>(segs[s].out) + (x - starts_[s]) * esize_,
                 acc + (x - a) * esize_, y - x, dt, factor, divisor);
-    }
+    });
   }
   if (size_ != 2) {
     KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));

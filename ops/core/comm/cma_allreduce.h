@@ -82,6 +82,10 @@ class CmaAllreduce {
   Status Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst);
   // Copies elements [lo, hi) of this rank's outputs into rank k's outputs.
   Status WriteOutputs(int k, int64_t lo, int64_t hi);
+  // Calls f(s, a, b) for each segment s overlapping elements [lo, hi) of the
+  // batch, with [a, b) the overlap (in batch elements, b > a).
+  template <typename F>
+  void ForEachPiece(int64_t lo, int64_t hi, F&& f) const;
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

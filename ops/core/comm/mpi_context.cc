@@ -202,10 +202,29 @@ Status MpiStatus(int code, const char* call) {
   return Status::Internal(std::string(call) + " failed: " + std::string(text, len));
 }
 
+namespace {
+
+// Collective over `comm`: *node holds the ranks that share this rank's node.
+Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  return MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, node),
+                   "MPI_Comm_split_type");
+}
+
+}  // namespace
+
+Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest) {
+  long long want = mine, agreed = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm), "MPI_Allreduce"));
+  *largest = agreed;
+  return Status::OK();
+}
+
 Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
   *local = MPI_COMM_NULL;
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
+  int size = 1;
   MPI_Comm_size(comm, &size);
   // Settings may differ between ranks; the path must not.
   int mine = enabled ? 1 : 0, all = 0;
@@ -213,9 +232,7 @@ Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
                                "MPI_Allreduce"));
   if (!all || size < 2) return Status::OK();
   MPI_Comm shared;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared),
-      "MPI_Comm_split_type"));
+  KD_RETURN_IF_ERROR(NodeComm(comm, &shared));
   int shared_size = 0;
   MPI_Comm_size(shared, &shared_size);
   if (shared_size != size) {  // then no rank's node holds them all
@@ -229,12 +246,8 @@ Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
 
 Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
   *oversubscribed = false;
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
   MPI_Comm node;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node),
-      "MPI_Comm_split_type"));
+  KD_RETURN_IF_ERROR(NodeComm(comm, &node));
   int local_ranks = 1;
   MPI_Comm_size(node, &local_ranks);
   cpu_set_t mine, all;

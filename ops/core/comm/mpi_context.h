@@ -63,6 +63,9 @@ Status MpiStatus(int code, const char* call);
 // memory; else MPI_COMM_NULL. The answer is the same on every rank.
 Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local);
 
+// Collective over `comm`: *largest is the largest `mine` of all ranks.
+Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest);
+
 // Collective over `comm`: whether the ranks on this rank's node outnumber
 // the CPUs they may run on together (the union of their affinity masks).
 Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed);

@@ -58,10 +58,7 @@ Status ShmAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_bytes,
   MPI_Comm_rank(local, &s->rank_);
   MPI_Comm_size(local, &s->size_);
   // The ranks agree on the largest minimum given.
-  long long agreed = 0, want = min_bytes;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, local), "MPI_Allreduce"));
-  s->min_bytes_ = agreed;
+  KD_RETURN_IF_ERROR(AgreeLargest(local, min_bytes, &s->min_bytes_));
   *out = std::move(s);
   return Status::OK();
 }
