@@ -1,5 +1,6 @@
 #include "scale.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -86,6 +87,31 @@ void Combine(void* out, const void* a, const void* b, int64_t count, DataType dt
       Reduce16(dt, op, static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b),
                static_cast<uint16_t*>(out), count);
       break;
+  }
+}
+
+void CombineScaled(void* out, const void* a, const void* b, int64_t count, DataType dt,
+                   ReduceOp op, double factor, int64_t int_divisor) {
+  // The sum is rounded to T before the product, as in the two passes.
+  if (op == ReduceOp::kSum && factor != 1.0 && dt == DataType::kFloat32) {
+    const float f = static_cast<float>(factor);
+    Elementwise<float>(out, a, b, count, [f](float x, float y) { return (x + y) * f; });
+    return;
+  }
+  if (op == ReduceOp::kSum && factor != 1.0 && dt == DataType::kFloat64) {
+    Elementwise<double>(out, a, b, count,
+                        [factor](double x, double y) { return (x + y) * factor; });
+    return;
+  }
+  // Otherwise two passes, piece by piece while the piece is in cache.
+  constexpr int64_t kPiece = 4096;
+  const int64_t es = DataTypeSize(dt);
+  for (int64_t i = 0; i < count; i += kPiece) {
+    const int64_t m = std::min(kPiece, count - i);
+    char* o = static_cast<char*>(out) + i * es;
+    Combine(o, static_cast<const char*>(a) + i * es, static_cast<const char*>(b) + i * es,
+            m, dt, op);
+    ScaleCopy(o, o, m, dt, factor, int_divisor);  // nothing to do for 1
   }
 }
 

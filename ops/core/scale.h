@@ -30,6 +30,11 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
 void Combine(void* out, const void* a, const void* b, int64_t count, DataType dt,
              ReduceOp op);
 
+// Combine, then ScaleCopy(out, out, count, dt, factor, int_divisor), with the
+// same result bit for bit; for float32 and float64 in one pass over `out`.
+void CombineScaled(void* out, const void* a, const void* b, int64_t count, DataType dt,
+                   ReduceOp op, double factor, int64_t int_divisor = 1);
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_SCALE_H_

@@ -227,9 +227,8 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
       const char* mine_in = static_cast<const char*>(segs[s].in) + skip;
       const char* theirs = tmp + (x - a) * esize_;
       char* out = static_cast<char*>(segs[s].out) + skip;
-      Combine(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in, y - x,
-              dt, op);
-      ScaleCopy(out, out, y - x, dt, factor, divisor);  // nothing to do for 1
+      CombineScaled(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in,
+                    y - x, dt, op, factor, divisor);
     });
     failed = WriteOutputs(1 - rank_, a, b);
   }

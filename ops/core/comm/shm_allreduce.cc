@@ -181,15 +181,9 @@ void ShmAllreduce::CopyOut(int64_t first, int64_t n, DataType dt, void* dst,
   char* out = static_cast<char*>(dst);
   if (size_ == 2) {
     // Slot 0 (op) slot 1 on both ranks, so both get the same bits; scaled
-    // while the piece is still in cache.
-    constexpr int64_t kPiece = 4096;
-    for (int64_t i = 0; i < n; i += kPiece) {
-      const int64_t m = std::min(kPiece, n - i);
-      const int64_t at = (first + i) * esize_;
-      char* o = out + i * esize_;
-      Combine(o, slots_[0] + at, slots_[1] + at, m, dt, op_);
-      ScaleCopy(o, o, m, dt, factor, divisor);
-    }
+    // in the same pass.
+    CombineScaled(out, slots_[0] + first * esize_, slots_[1] + first * esize_, n, dt, op_,
+                  factor, divisor);
     return;
   }
   for (int k = 0; k < size_; ++k) {
