@@ -8,13 +8,17 @@ and scores each by the bytes allreduced per second over a sampling window.
 Bayesian optimisation (a scikit-learn Gaussian process with expected
 improvement) picks the next setting to try from the scores so far. The
 first windows are warm-up (start-up and tracing make them unrepresentative)
-and are discarded. After the last sample, the best setting is applied and
-stays. Only rank 0 tunes: every rank executes the coordinator's fusion plan,
+and are discarded. One window per setting is noisy, and the highest of 20
+noisy scores is too high by construction; so before settling, the best
+setting and the starting one run in alternating windows (the confirmation)
+and the best is kept only if its median beats the starting setting's by
+more than 2%. The setting kept is applied and stays. Only rank 0 tunes: every rank executes the coordinator's fusion plan,
 so rank 0's settings change the whole job consistently, at the same step on
 every rank.
 
 `KERASDIST_AUTOTUNE_LOG=file.csv` records every sample: time, threshold,
-cycle_ms, cache, bytes_per_s, best_bytes_per_s, phase.
+cycle_ms, cache, bytes_per_s, best_bytes_per_s, phase (`warmup`,
+`sample`, `confirm`, `final`).
 
 Example:
 >>> kd.init()
@@ -27,6 +31,7 @@ import csv
 import ctypes
 import math
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -157,19 +162,25 @@ class Autotuner:
         best: the best (threshold, cycle_ms, cache) so far, or None.
         best_score: its bytes per second.
         samples: the number of scored (non-warm-up) samples.
+        confirmed: after the confirmation, True if the best sampled setting
+            beat the starting one there (and was kept), False if the
+            starting setting was kept; None before or without one.
         done: a threading.Event set when the thread has ended, with the best
             setting applied.
     """
 
     def __init__(self, log_path=None, sample_seconds=2.0,
                  min_collectives=20, warmup_samples=3, max_samples=20,
-                 seed=0):
+                 seed=0, confirm_rounds=3, min_gain=0.02):
         self._search = _GaussianProcessSearch(3, seed=seed)
         self._log_path = log_path
         self._sample_seconds = sample_seconds
         self._min_collectives = min_collectives
         self._warmup = warmup_samples
         self._max_samples = max_samples
+        self._confirm_rounds = confirm_rounds
+        self._min_gain = min_gain
+        self.confirmed = None
         self._stop = threading.Event()
         self.done = threading.Event()
         self.best, self.best_score, self.samples = None, -1.0, 0
@@ -222,6 +233,28 @@ class Autotuner:
                 return None  # the job stopped reducing: give up this one
         return None
 
+    def _confirm(self, start):
+        """Best against `start` in alternating windows; keeps the best only
+        if its median is more than `min_gain` above the start's (a change
+        of setting has to earn its place; a tie is noise).
+
+        Stopped midway, the best sampled setting stays (as without one).
+        """
+        best = self.best
+        scores = {start: [], best: []}
+        for _ in range(self._confirm_rounds):
+            for setting in (start, best):
+                set_tunables(*setting)
+                score = self._window()
+                if score is None:
+                    return
+                scores[setting].append(score)
+                self._log(setting, score, "confirm")
+        med = {k: statistics.median(v) for k, v in scores.items()}
+        self.confirmed = med[best] > med[start] * (1.0 + self._min_gain)
+        keep = best if self.confirmed else start
+        self.best, self.best_score = keep, med[keep]
+
     def _run(self):
         try:
             current = get_tunables()
@@ -247,6 +280,8 @@ class Autotuner:
                 if score > self.best_score:
                     self.best, self.best_score = setting, score
                 self._log(setting, score, "sample")
+            if self.best != current and self._confirm_rounds > 0:
+                self._confirm(current)
         except Exception as e:  # the runtime shut down under us, or a bug
             self.error = e
         finally:
@@ -262,7 +297,8 @@ class Autotuner:
 
 
 def start_autotune(log_path=None, sample_seconds=2.0, min_collectives=20,
-                   warmup_samples=3, max_samples=20, seed=0):
+                   warmup_samples=3, max_samples=20, seed=0,
+                   confirm_rounds=3, min_gain=0.02):
     """Starts tuning in a daemon thread on rank 0 (other ranks: no-op).
 
     Args:
@@ -272,6 +308,11 @@ def start_autotune(log_path=None, sample_seconds=2.0, min_collectives=20,
         warmup_samples: windows measured first and discarded.
         max_samples: scored settings to try before settling on the best.
         seed: seeds the search (for reproducible sequences of settings).
+        confirm_rounds: pairs of windows (starting setting, best sampled
+            one) run after the samples when the best is not the starting
+            setting. 0 keeps the best sample as it is.
+        min_gain: the best is kept only if its confirmation median beats
+            the starting setting's by more than this fraction.
 
     Returns:
         The running `Autotuner` on rank 0, None on other ranks.
@@ -297,7 +338,8 @@ def start_autotune(log_path=None, sample_seconds=2.0, min_collectives=20,
             raise ImportError("kerasdist's autotuner needs scikit-learn: "
                               "`pip install scikit-learn`.") from e
         _tuner = Autotuner(log_path, sample_seconds, min_collectives,
-                           warmup_samples, max_samples, seed).start()
+                           warmup_samples, max_samples, seed,
+                           confirm_rounds, min_gain).start()
         return _tuner
 
 
