@@ -1,7 +1,11 @@
-"""Autotune on the MLP-20 (W3): does the setting it finds beat the defaults?
+"""Autotune on the MLP-20 (W3): does the setting it finds beat the start?
 
-    python benchmarks/autotune_mlp.py [--rounds 3] [--steps 400]
-        [--log tune.csv] [--plot tune.png]
+    python benchmarks/autotune_mlp.py [--rounds 5] [--steps 400]
+        [--start KERASDIST_X=V ...] [--log tune.csv] [--plot tune.png]
+
+The job starts from kerasdist's defaults, or from the settings given with
+`--start` (environment variables, e.g. `--start KERASDIST_CYCLE_TIME=5`:
+a user's poor choice for the tuner to correct).
 
 1. Tuning: the MLP-20 of `keras_scaling.py` trains at np=2 under
    `model.fit` while rank 0's autotuner (`kerasdist.autotune`, default
@@ -10,15 +14,18 @@
    trains until the tuner is done (every 100 steps rank 0 broadcasts its
    flag and all ranks stop at the same step), so every window sees steady
    training. Its CSV (`--log`) has one row per window; the first scored
-   sample is the default setting, and the `confirm` rows are the tuner's
-   own default-against-best check before it settles.
+   sample is the starting setting, and the `confirm` rows are the tuner's
+   own start-against-best check before it settles.
 2. Check: the same MLP-20 job (as `keras_scaling.py` times it) runs with
-   the defaults and with the tuned setting pinned through the environment
+   the starting setting and with the tuned one pinned through the environment
    (`KERASDIST_FUSION_THRESHOLD`, `KERASDIST_CYCLE_TIME`, and
    `KERASDIST_CACHE_CAPACITY=0` if the tuner turned the cache off),
-   alternating, `--rounds` times. The ratio tuned / default of the total
+   alternating, `--rounds` times. The ratio tuned / start of the total
    images/s, per round and median, is the answer; the tuner's own scores
-   (bytes allreduced per second) are printed beside it.
+   (bytes allreduced per second) are printed before it. When the tuner
+   kept the starting setting there is nothing to check. (For scale: two
+   such jobs with the same setting, run one after the other here, differ
+   by up to 8%.)
 
 Run it alone: the machine has 2 cores.
 """
@@ -96,8 +103,8 @@ def tune_worker(log_path, warmup):
             "steps": steps[0]}), flush=True)
 
 
-def _tune(log_path, warmup):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+def _tune(log_path, warmup, start_env):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **start_env)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     argv = [sys.executable, "-m", "kerasdist.run", "-np", "2",
             sys.executable, os.path.abspath(__file__), "--worker",
@@ -111,12 +118,15 @@ def _tune(log_path, warmup):
                        f"{out.stdout[-3000:]}{out.stderr[-3000:]}")
 
 
-def _pinned_env(best):
+def _pinned_env(best, start_env):
     """The environment that pins the tuned setting for a fresh job."""
-    env = {"KERASDIST_FUSION_THRESHOLD": str(int(best["threshold"])),
-           "KERASDIST_CYCLE_TIME": repr(float(best["cycle_ms"]))}
+    env = dict(start_env)
+    env.update({"KERASDIST_FUSION_THRESHOLD": str(int(best["threshold"])),
+                "KERASDIST_CYCLE_TIME": repr(float(best["cycle_ms"]))})
     if not best["cache"]:
         env["KERASDIST_CACHE_CAPACITY"] = "0"
+    elif env.get("KERASDIST_CACHE_CAPACITY") == "0":
+        env.pop("KERASDIST_CACHE_CAPACITY")
     return env
 
 
@@ -138,10 +148,10 @@ def _key(row):
 
 
 def _summary_rows(rows):
-    """(label, row) for the default (first sample) and the best sample."""
+    """(label, row) for the start (first sample) and the best sample."""
     samples = [r for r in rows if r["phase"] == "sample"]
     best = max(samples, key=lambda r: float(r["bytes_per_s"]))
-    out = [("default", samples[0])]
+    out = [("start", samples[0])]
     if _key(best) != _key(samples[0]):
         out.append(("best sample", best))
     return out
@@ -165,9 +175,9 @@ def _plot(path, rows):
     ax.plot(xs, [float(r["best_bytes_per_s"]) / 1e9 for r in samples], "k--",
             label="best so far")
     ax.axhline(float(samples[0]["bytes_per_s"]) / 1e9, color="gray",
-               linewidth=0.8, label="default (sample 1)")
+               linewidth=0.8, label="start (sample 1)")
     confirms = [r for r in rows if r["phase"] == "confirm"]
-    for label, marker in (("default", "s"), ("best sample", "^")):
+    for label, marker in (("start", "s"), ("best sample", "^")):
         row = dict(_summary_rows(rows)).get(label)
         at = [(len(samples) + 1 + i, float(r["bytes_per_s"]) / 1e9)
               for i, r in enumerate(confirms)
@@ -189,11 +199,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="default/tuned pairs in the check (default 3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="start/tuned pairs in the check (default 5)")
     p.add_argument("--steps", type=int, default=400,
                    help="timed steps per check run (default 400)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--start", action="append", default=[],
+                   metavar="KERASDIST_X=V",
+                   help="start from this setting instead of the default "
+                   "(repeatable)")
     p.add_argument("--log", help="keep the tuner's CSV here")
     p.add_argument("--plot", help="draw the tuner's samples to this PNG")
     args = p.parse_args()
@@ -202,9 +216,15 @@ def main():
         return
     if args.plot:
         keras_scaling._check_matplotlib()
+    start_env = {}
+    for item in args.start:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KERASDIST_"):
+            p.error(f"--start wants KERASDIST_NAME=VALUE, got {item!r}")
+        start_env[key] = value
     with tempfile.TemporaryDirectory() as tmp:
         log = args.log or os.path.join(tmp, "tune.csv")
-        best = _tune(os.path.abspath(log), args.warmup)
+        best = _tune(os.path.abspath(log), args.warmup, start_env)
         rows = _read_log(log)
     print("# autotune, MLP-20 np=2 under model.fit: "
           f"{best['samples']} scored samples over {best['steps']} steps; "
@@ -221,25 +241,35 @@ def main():
               f"{float(row['cycle_ms']):>9.3f} "
               f"{'on' if int(row['cache']) else 'off':>5} "
               f"{float(row['bytes_per_s']) / 1e9:>7.3f} {confirm:>8}")
-    print("# kept: " + ("the default (the best sample scored highest)"
+    print("# kept: " + ("the start (the best sample scored highest)"
                         if best["confirmed"] is None else
                         "the best sample (it won the confirmation)"
                         if best["confirmed"] else
-                        "the default (in the confirmation the best sample did not "
+                        "the start (in the confirmation the best sample did not "
                         "beat it by more than 2%)"))
-    pinned = _pinned_env(best)
+    start = _summary_rows(rows)[0][1]
+    if (int(best["threshold"]), float(best["cycle_ms"]), bool(best["cache"])) \
+            == (int(start["threshold"]), float(start["cycle_ms"]),
+                bool(int(start["cache"]))):
+        print("# check: none needed, the tuner kept the starting setting")
+        if args.plot:
+            _plot(args.plot, rows)
+        return
+    pinned = _pinned_env(best, start_env)
+    start_text = " ".join(f"{k}={v}" for k, v in start_env.items())
     print("# check: fresh MLP-20 jobs (keras_scaling.py's), alternating; "
-          "tuned pinned by " + " ".join(f"{k}={v}" for k, v in pinned.items()))
-    print(f"# {'round':>5} {'default img/s':>14} {'tuned img/s':>12} "
-          f"{'tuned/default':>14}")
+          f"start: {start_text or 'defaults'}; tuned pinned by "
+          + " ".join(f"{k}={v}" for k, v in pinned.items()))
+    print(f"# {'round':>5} {'start img/s':>12} {'tuned img/s':>12} "
+          f"{'tuned/start':>12}")
     ratios = []
     for i in range(args.rounds):
-        base = _run_mlp({}, args.steps, args.warmup)
+        base = _run_mlp(start_env, args.steps, args.warmup)
         tuned = _run_mlp(pinned, args.steps, args.warmup)
         ratios.append(tuned / base)
-        print(f"  {i + 1:>5} {base:>14.1f} {tuned:>12.1f} {tuned / base:>14.3f}",
+        print(f"  {i + 1:>5} {base:>12.1f} {tuned:>12.1f} {tuned / base:>12.3f}",
               flush=True)
-    print(f"# median tuned/default: {statistics.median(ratios):.3f} "
+    print(f"# median tuned/start: {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f})")
     if args.plot:
         _plot(args.plot, rows)
