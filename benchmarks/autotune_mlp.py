@@ -25,7 +25,7 @@ a user's poor choice for the tuner to correct).
    (bytes allreduced per second) are printed before it. When the tuner
    kept the starting setting there is nothing to check. (For scale: two
    such jobs with the same setting, run one after the other here, differ
-   by up to 8%.)
+   by up to 7%.)
 
 Run it alone: the machine has 2 cores.
 """
