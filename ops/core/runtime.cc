@@ -533,14 +533,16 @@ Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
     // Every reduction over one rank is the identity: only the scale factors
     // apply (in two passes, rounding as the general path does), and an
     // in-place tensor with no scaling costs nothing at all.
+    int64_t total = 0;
     for (Entry* e : entries) {
       const int64_t n = NumElements(e->req.shape);
       ScaleCopy(e->output, e->input, n, q.dtype, q.prescale);
       ScaleCopy(e->output, e->output, n, q.dtype, post, divisor);
+      total += n;
     }
     if (loop_timeline_) {
       RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                  AllreduceArgs(0, entries.size(), q.dtype, nullptr));
+                  AllreduceArgs(total * esize, entries.size(), q.dtype, nullptr));
     }
     return Status::OK();
   }
