@@ -12,9 +12,9 @@ and are discarded. One window per setting is noisy, and the highest of 20
 noisy scores is too high by construction; so before settling, the best
 setting and the starting one run in alternating windows (the confirmation)
 and the best is kept only if its median beats the starting setting's by
-more than 2%. The setting kept is applied and stays. Only rank 0 tunes: every rank executes the coordinator's fusion plan,
-so rank 0's settings change the whole job consistently, at the same step on
-every rank.
+more than 2%. The setting kept is applied and stays. Only rank 0 tunes:
+every rank executes the coordinator's fusion plan, so rank 0's settings
+change the whole job consistently, at the same step on every rank.
 
 `KERASDIST_AUTOTUNE_LOG=file.csv` records every sample: time, threshold,
 cycle_ms, cache, bytes_per_s, best_bytes_per_s, phase (`warmup`,

@@ -31,6 +31,7 @@ def test_start_autotune_samples_and_applies_best(tmp_path):
     _ok(out, 2)
     with open(log) as f:
         rows = list(csv.DictReader(f))
+
     def key(r):
         return r["threshold"], r["cycle_ms"], r["cache"]
 
