@@ -48,28 +48,13 @@ MAX_STEPS = 100000
 
 def tune_worker(log_path, warmup):
     """One rank of the tuning job; rank 0 prints a RESULT line."""
-    import numpy as np
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    model, data = keras_scaling.setup_rank("mlp20")  # sets TF's threads first
     import keras
+    import tensorflow as tf
 
     import kerasdist as kd
 
-    kd.init()
-    rng = np.random.default_rng(kd.rank())
-    x = rng.random((1024, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=(1024,))
-    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
-        keras_scaling.BATCH).prefetch(2)
-    model = keras_scaling._build("mlp20")
-    model.compile(
-        optimizer=kd.DistributedOptimizer(
-            keras.optimizers.SGD(0.01, momentum=0.9)),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=False)
-    kd.broadcast_variables(model.variables, root_rank=0)
+    data = data.prefetch(2)
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0)
     tuner = kd.autotune.start_autotune(log_path=log_path)  # None off rank 0
     steps = [0]

@@ -95,15 +95,11 @@ def _timed_fit(model, data, steps, warmup, meet=None):
     return steps * BATCH / (ends[-1] - ends[warmup - 1])
 
 
-def worker(model_name, steps, warmup, communicate=True, meet=False):
-    """One rank: train, time, check weights; rank 0 prints a RESULT line.
-
-    With communicate=False each rank trains on its own with the plain
-    optimizer (no allreduce): the np=2 ceiling of this machine, i.e. what
-    two processes sharing its cores and memory reach with no communication.
-    With meet=True as well, the ranks still meet once per step (a 4-byte
-    allreduce after each batch): the cost of waiting for the slower rank.
-    """
+def setup_rank(model_name, communicate=True):
+    """This rank's W3 job: one TF thread of each kind, kerasdist started,
+    1024 random images of its own (repeated, batched), the model compiled
+    with SGD momentum (inside DistributedOptimizer if `communicate`) and
+    rank 0's weights broadcast. Returns (model, dataset)."""
     import numpy as np
     import tensorflow as tf
 
@@ -125,7 +121,24 @@ def worker(model_name, steps, warmup, communicate=True, meet=False):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=False)
     kd.broadcast_variables(model.variables, root_rank=0)
+    return model, data
 
+
+def worker(model_name, steps, warmup, communicate=True, meet=False):
+    """One rank: train, time, check weights; rank 0 prints a RESULT line.
+
+    With communicate=False each rank trains on its own with the plain
+    optimizer (no allreduce): the np=2 ceiling of this machine, i.e. what
+    two processes sharing its cores and memory reach with no communication.
+    With meet=True as well, the ranks still meet once per step (a 4-byte
+    allreduce after each batch): the cost of waiting for the slower rank.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    import kerasdist as kd
+
+    model, data = setup_rank(model_name, communicate)
     one = tf.constant([1.0])
     img_sec = _timed_fit(
         model, data, steps, warmup,

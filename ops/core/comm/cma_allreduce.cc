@@ -134,7 +134,8 @@ void CmaAllreduce::ForEachPiece(int64_t lo, int64_t hi, F&& f) const {
   }
 }
 
-Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst) {
+Status CmaAllreduce::Copy(int k, bool outputs, int64_t lo, int64_t hi, char* dst,
+                          bool write) {
   const size_t nseg = starts_.size() - 1;
   local_iov_.clear();
   remote_iov_.clear();
@@ -142,34 +143,22 @@ Status CmaAllreduce::Read(int k, bool outputs, int64_t lo, int64_t hi, char* dst
     const size_t bytes = (b - a) * esize_;
     const int64_t skip = (a - starts_[s]) * esize_;
     char* peer = reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + (outputs ? 1 : 0)]);
-    char* to = dst != nullptr
-                   ? dst + (a - lo) * esize_
-                   : reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip;
+    char* here = dst != nullptr
+                     ? dst + (a - lo) * esize_
+                     : reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip;
     if (k == rank_) {
-      std::memcpy(to, peer + skip, bytes);
+      if (write) {
+        std::memcpy(peer + skip, here, bytes);
+      } else {
+        std::memcpy(here, peer + skip, bytes);
+      }
       return;
     }
-    local_iov_.push_back({to, bytes});
+    local_iov_.push_back({here, bytes});
     remote_iov_.push_back({peer + skip, bytes});
   });
   if (local_iov_.empty()) return Status::OK();
-  return Transfer(pids_[k], local_iov_, remote_iov_);
-}
-
-Status CmaAllreduce::WriteOutputs(int k, int64_t lo, int64_t hi) {
-  const size_t nseg = starts_.size() - 1;
-  local_iov_.clear();
-  remote_iov_.clear();
-  ForEachPiece(lo, hi, [&](size_t s, int64_t a, int64_t b) {
-    const size_t bytes = (b - a) * esize_;
-    const int64_t skip = (a - starts_[s]) * esize_;
-    local_iov_.push_back(
-        {reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip, bytes});
-    remote_iov_.push_back(
-        {reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + 1]) + skip, bytes});
-  });
-  if (local_iov_.empty()) return Status::OK();
-  return Transfer(pids_[k], local_iov_, remote_iov_, /*write=*/true);
+  return Transfer(pids_[k], local_iov_, remote_iov_, write);
 }
 
 Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
@@ -220,7 +209,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   // outputs in its own piece, which we neither read nor write.
   for (int64_t a = lo; size_ == 2 && a < hi && failed.ok(); a += chunk) {
     const int64_t b = std::min(hi, a + chunk);
-    failed = Read(1 - rank_, false, a, b, tmp);
+    failed = Copy(1 - rank_, false, a, b, tmp);
     if (!failed.ok()) break;
     ForEachPiece(a, b, [&](size_t s, int64_t x, int64_t y) {
       const int64_t skip = (x - starts_[s]) * esize_;
@@ -230,14 +219,14 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
       CombineScaled(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in,
                     y - x, dt, op, factor, divisor);
     });
-    failed = WriteOutputs(1 - rank_, a, b);
+    failed = Copy(1 - rank_, true, a, b, nullptr, /*write=*/true);
   }
   for (int64_t a = lo; size_ != 2 && a < hi && failed.ok(); a += chunk) {
     const int64_t b = std::min(hi, a + chunk), m = b - a;
     // acc = in_0 (op) in_1 (op) ... in the same order on every rank.
-    failed = Read(0, false, a, b, acc);
+    failed = Copy(0, false, a, b, acc);
     for (int k = 1; k < size_ && failed.ok(); ++k) {
-      failed = Read(k, false, a, b, tmp);
+      failed = Copy(k, false, a, b, tmp);
       Combine(acc, acc, tmp, m, dt, op);
     }
     // Scaled into this rank's outputs.
@@ -252,7 +241,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   *mark2 = std::chrono::steady_clock::now();
   for (int k = 0; size_ != 2 && k < size_ && failed.ok(); ++k) {
     if (k != rank_ && bounds[k] < bounds[k + 1]) {
-      failed = Read(k, true, bounds[k], bounds[k + 1], nullptr);
+      failed = Copy(k, true, bounds[k], bounds[k + 1], nullptr);
     }
   }
   // Nobody reads or writes this rank's memory after this.
