@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "comm/device_backend.h"
 #include "global.h"
 #include "half_kernels.h"
 

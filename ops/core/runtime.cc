@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include "comm/device_backend.h"
 #include "layout.h"
 #include "scale.h"
+#include "validate.h"
 
 namespace kerasdist::core {
 
@@ -32,18 +34,12 @@ constexpr auto kPendingSpin = std::chrono::milliseconds(5);
 constexpr int64_t kMaxSleepPendingUs = 200;
 constexpr int64_t kMaxSleepIdleUs = 2000;
 constexpr double kShutdownReplyTimeoutS = 30.0;
-// The largest shared-memory slot per rank (see RunShmAllreduce).
-constexpr int64_t kShmMaxSlotBytes = int64_t{64} << 20;
-
-// The args of an allreduce's timeline event.
-// `transport`: "shm" (slots), "cma" (peers read in place) or null (MPI).
-std::string AllreduceArgs(int64_t bytes, size_t fused, DataType dt,
-                          const char* transport) {
-  return "\"bytes\":" + std::to_string(bytes) + ",\"fused\":" + std::to_string(fused) +
-         ",\"dtype\":\"" + DataTypeName(dt) + "\"" +
-         (transport ? std::string(",\"transport\":\"") + transport + "\"" : "");
+// The args of a batch's timeline event.
+std::string BatchArgs(const CollectiveBatch& b) {
+  return "\"bytes\":" + std::to_string(b.bytes()) + ",\"fused\":" +
+         std::to_string(b.tensors.size()) + ",\"dtype\":\"" + DataTypeName(b.dtype) +
+         "\",\"transport\":\"" + b.transport + "\"";
 }
-
 
 }  // namespace
 
@@ -56,14 +52,18 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   bool oversubscribed = false;
   KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
   rt->spin_while_pending_ = !oversubscribed;
-  KD_RETURN_IF_ERROR(
-      ShmAllreduce::Create(rt->mpi_->comm(), config.shm_allreduce,
-                           config.shm_allreduce_min_bytes, &rt->shm_));
-  if (rt->shm_) {
-    KD_RETURN_IF_ERROR(CmaAllreduce::Create(rt->mpi_->comm(), config.cma_allreduce,
-                                            config.cma_min_tensor_bytes,
-                                            &rt->cma_));
-  }
+  BackendOptions bo;
+  bo.comm = rt->mpi_->comm();
+  bo.rank = rt->topology().rank;
+  bo.size = rt->topology().size;
+  bo.host = rt->host_.get();
+  bo.shm = config.shm_allreduce;
+  bo.shm_min_bytes = config.shm_allreduce_min_bytes;
+  bo.cma = config.cma_allreduce;
+  bo.cma_min_tensor_bytes = config.cma_min_tensor_bytes;
+  bo.gpu_host_staged = config.gpu_operations == "MPI";
+  KD_RETURN_IF_ERROR(MakeBackends(bo, &rt->backends_));
+  rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
   if (rt->topology().rank == 0) {
     rt->coordinator_ = std::make_unique<Coordinator>(rt->topology().size, config);
@@ -116,9 +116,22 @@ Runtime::Stats Runtime::stats() const {
   s.allreduced_bytes = stat_bytes_.load();
   s.batches = stat_batches_.load();
   s.busy_seconds = stat_busy_ns_.load() * 1e-9;
-  s.shm_allreduces = stat_shm_.load();
-  s.cma_allreduces = stat_cma_.load();
+  s.cma_allreduces = BackendRuns("cma");
+  s.shm_allreduces = BackendRuns("shm") + s.cma_allreduces;
   return s;
+}
+
+int64_t Runtime::BackendRuns(const char* name) const {
+  for (size_t i = 0; i < backends_.size(); ++i) {
+    if (std::strcmp(backends_[i]->Name(), name) == 0) return backend_runs_[i].load();
+  }
+  return 0;
+}
+
+std::string Runtime::BackendNames() const {
+  std::string names;
+  for (const auto& b : backends_) names += (names.empty() ? "" : ",") + std::string(b->Name());
+  return names;
 }
 
 void Runtime::SetTunables(int64_t fusion_threshold, double cycle_time_ms, bool cache) {
@@ -144,73 +157,9 @@ void Runtime::RecordBatch(const std::vector<const Response*>& resps,
   loop_timeline_->Phases(names, phase, start, end, args);
 }
 
-void Runtime::RecordFusedBatch(const std::vector<const Response*>& resps,
-                               Clock::time_point packed_from, Clock::time_point reduced_from,
-                               Clock::time_point unpacked_from, const std::string& args) {
-  const Clock::time_point end = Clock::now();
-  RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", packed_from, reduced_from, "");
-  RecordBatch(resps, "ALLREDUCE", reduced_from, unpacked_from, args);
-  RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", unpacked_from, end, "");
-}
-
 Status Runtime::stopped_status() {
   std::lock_guard<std::mutex> l(mu_);
   return stopped_ ? stopped_status_ : Status::OK();
-}
-
-Status Runtime::ValidateLocal(const Request& q) const {
-  const int size = topology().size;
-  // Spelled out only for an error: this runs for every tensor of every step.
-  auto what = [&q] { return std::string(OpTypeName(q.op)) + " '" + q.name + "'"; };
-  if (q.name.empty()) {
-    return Status::InvalidArgument("every collective needs a name that is the "
-                                   "same on all ranks; got an empty name.");
-  }
-  if ((q.op == OpType::kAllreduce || q.op == OpType::kReducescatter) &&
-      q.dtype == DataType::kBool) {
-    return Status::InvalidArgument(what() + ": bool tensors cannot be reduced; "
-                                   "cast to int32 first.");
-  }
-  if (q.op == OpType::kBroadcast && (q.root_rank < 0 || q.root_rank >= size)) {
-    return Status::InvalidArgument(what() + ": root_rank must be in [0, " +
-                                   std::to_string(size) + "), got " +
-                                   std::to_string(q.root_rank) + ".");
-  }
-  if ((q.op == OpType::kAllgather || q.op == OpType::kAlltoall ||
-       q.op == OpType::kReducescatter) && q.shape.empty()) {
-    return Status::InvalidArgument(what() + " needs a tensor of at least one "
-                                   "dimension; got a scalar.");
-  }
-  for (int64_t d : q.shape) {
-    if (d < 0) return Status::InvalidArgument(what() + ": negative dimension in " + ShapeString(q.shape) + ".");
-  }
-  if (!std::isfinite(q.prescale) || !std::isfinite(q.postscale)) {
-    return Status::InvalidArgument(what() + ": scale factors must be finite.");
-  }
-  if (q.op == OpType::kAlltoall) {
-    if (static_cast<int>(q.splits.size()) != size) {
-      return Status::InvalidArgument(what() + ": splits must have one entry per rank (" +
-                                     std::to_string(size) + "), got " +
-                                     std::to_string(q.splits.size()) + ".");
-    }
-    int64_t sum = 0;
-    for (int64_t s : q.splits) {
-      if (s < 0) return Status::InvalidArgument(what() + ": splits must be >= 0, got " + ShapeString(q.splits) + ".");
-      sum += s;
-    }
-    if (sum != q.shape[0]) {
-      return Status::InvalidArgument(what() + ": splits " + ShapeString(q.splits) +
-                                     " add up to " + std::to_string(sum) +
-                                     " but the first dimension is " +
-                                     std::to_string(q.shape[0]) + ".");
-    }
-  }
-  if (q.device >= 0 && !RegisteredDeviceBackend().factory) {
-    return Status::InvalidArgument(what() + ": the tensor is in GPU memory, but this "
-                                   "kerasdist build has no GPU backend (rebuild "
-                                   "with KERASDIST_WITH_NCCL=1).");
-  }
-  return Status::OK();
 }
 
 Status Runtime::Enqueue(Entry entry) {
@@ -220,26 +169,13 @@ Status Runtime::Enqueue(Entry entry) {
   return EnqueueMany(one, &queued);
 }
 
-Status Runtime::Prepare(Request& q) const {
-  if (q.op == OpType::kAlltoall && q.splits.empty() && !q.shape.empty()) {
-    const int size = topology().size;
-    if (q.shape[0] % size != 0) {
-      return Status::InvalidArgument(
-          "alltoall '" + q.name + "': without splits the first dimension (" +
-          std::to_string(q.shape[0]) + ") must be divisible by the number of ranks (" +
-          std::to_string(size) + "); pass splits.");
-    }
-    q.splits.assign(size, q.shape[0] / size);
-  }
-  return ValidateLocal(q);
-}
-
 Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
   *queued = 0;
   Status failed;
   size_t valid = entries.size();
   for (size_t i = 0; i < entries.size(); ++i) {
-    failed = Prepare(entries[i].req);
+    failed = PrepareRequest(entries[i].req, topology().size,
+                            RegisteredDeviceBackend().factory != nullptr);
     if (!failed.ok()) {
       valid = i;
       break;
@@ -281,13 +217,15 @@ void Runtime::Shutdown() {
   if (thread_.joinable()) thread_.join();
 }
 
+// ---- The loop ---------------------------------------------------------------
+
 void Runtime::Loop() {
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // precise short sleeps
   prctl(PR_SET_NAME, "kerasdist", 0, 0, 0);   // its name in top -H and perf
   int idle_rounds = 0;
   while (true) {
     bool worked = RunLoopOnce();
-    worked = PollDevice() || worked;
+    worked = PollBackends() || worked;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (stopped_) break;
@@ -295,7 +233,7 @@ void Runtime::Loop() {
     if (worked) {
       idle_rounds = 0;
       last_work_ = Clock::now();
-    } else if (device_ && device_->Busy()) {
+    } else if (!async_.empty()) {
       std::this_thread::yield();  // completion latency over a spare core
     } else {
       IdleWait(idle_rounds++, !pending_.empty());
@@ -317,13 +255,32 @@ void Runtime::IdleWait(int idle_rounds, bool have_pending) {
                [&] { return !incoming_.empty() || shutdown_requested_; });
 }
 
+// One round: what this rank queued goes to the coordinator (rank 0 is the
+// coordinator itself), and whatever was decided runs. Returns whether
+// anything happened.
 bool Runtime::RunLoopOnce() {
-  const Topology& topo = topology();
-  if (topo.rank == 0) {
+  if (topology().rank == 0) {
     loop_timeline_ = CurrentTimeline();
     coordinator_->set_record(loop_timeline_ != nullptr);
     if (!loop_timeline_) ready_at_.clear();
   }
+  RankMessage msg;
+  bool worked = TakeIncoming(&msg);
+  Status s = topology().rank == 0 ? CoordinatorRound(msg, &worked)
+                                  : WorkerRound(msg, &worked);
+  if (s.ok()) s = mpi_->ProgressSends();
+  if (!s.ok()) {
+    FailAll(Status(s.code(), "rank " + std::to_string(topology().rank) + ": " +
+                                 s.message()));
+    return true;
+  }
+  return worked;
+}
+
+// Moves the front ends' new entries to pending_ and describes them for the
+// coordinator: a cache index where the request equals a cached one, else the
+// request. Also asks for shutdown once, when a shutdown was requested.
+bool Runtime::TakeIncoming(RankMessage* msg) {
   std::vector<Entry> fresh;
   bool want_shutdown;
   {
@@ -331,484 +288,347 @@ bool Runtime::RunLoopOnce() {
     fresh.swap(incoming_);
     want_shutdown = shutdown_requested_;
   }
-  RankMessage msg;
+  const Topology& topo = topology();
   for (Entry& e : fresh) {
     int ci = cache_->Lookup(e.req, topo.rank, topo.size);
     if (ci >= 0) {
-      msg.cached.push_back(ci);
+      msg->cached.push_back(ci);
     } else {
-      msg.requests.push_back(e.req);
+      msg->requests.push_back(e.req);
     }
     std::string name = e.req.name;
     pending_.emplace(std::move(name), std::move(e));
   }
   if (want_shutdown && !sent_shutdown_) {
-    msg.shutdown = true;
+    msg->shutdown = true;
     sent_shutdown_ = true;
     shutdown_sent_at_ = Clock::now();
   }
-  bool worked = !fresh.empty() || msg.shutdown;
-  Status s;
-  if (topo.rank == 0) {
-    if (worked) coordinator_->Add(0, msg, *cache_);
-    while (s.ok()) {
-      bool got = false;
-      int src = 0;
-      std::string bytes;
-      s = mpi_->PollControl(&got, &src, &bytes);
-      if (!s.ok() || !got) break;
-      RankMessage m;
-      s = Deserialize(bytes, &m);
-      if (s.ok()) coordinator_->Add(src, m, *cache_);
-      worked = true;
-    }
-    Clock::time_point now = Clock::now();
-    if (s.ok() && now - last_stall_check_ > std::chrono::seconds(1)) {
-      last_stall_check_ = now;
-      StallReport report = coordinator_->CheckStalls(now);
-      for (const auto& w : report.warnings) {
-        if (config_.log_level > 0) std::fprintf(stderr, "%s\n", w.c_str());
-      }
-      if (!report.shutdown_reason.empty()) {
-        CoordinatorMessage out;
-        out.shutdown = true;
-        out.shutdown_reason = report.shutdown_reason;
-        std::string bytes = Serialize(out);
-        for (int r = 1; r < topo.size; ++r) mpi_->SendControl(r, bytes);
-        s = Execute(out);
-        return true;
-      }
-    }
-    if (s.ok() && coordinator_->HasReady()) {
-      // The batching window: give more tensors of the same step a moment to
-      // become ready so that they share one fusion buffer.
-      bool hold = false;
-      const double cycle_ms = tune_cycle_ms_.load();
-      if (cycle_ms > 0 && !sent_shutdown_) {
-        if (!ready_waiting_) {
-          ready_waiting_ = true;
-          first_ready_ = now;
-        }
-        hold = now - first_ready_ <
-               std::chrono::duration<double, std::milli>(cycle_ms);
-      }
-      if (hold) return true;
-      ready_waiting_ = false;
-      coordinator_->set_fusion_threshold(tune_threshold_.load());
-      coordinator_->set_cache_enabled(tune_cache_.load());
-      CoordinatorMessage out = coordinator_->Decide(*cache_);
-      if (loop_timeline_) {
-        if (loop_timeline_->mark_cycles()) loop_timeline_->Cycle(now);
-        for (ReadyInfo& info : coordinator_->TakeReadyInfo()) {
-          std::string wait;
-          for (int64_t w : info.wait_us) wait += (wait.empty() ? "" : ",") + std::to_string(w);
-          loop_timeline_->Phase(info.name, "NEGOTIATE", info.first, info.last,
-                                "\"first_rank\":" + std::to_string(info.first_rank) +
-                                    ",\"last_rank\":" + std::to_string(info.last_rank) +
-                                    ",\"wait_us\":[" + wait + "]");
-          ready_at_[info.name] = info.last;
-        }
-      }
-      std::string bytes = Serialize(out);
-      for (int r = 1; r < topo.size && s.ok(); ++r) s = mpi_->SendControl(r, bytes);
-      if (s.ok()) s = Execute(out);
-      worked = true;
-    }
-  } else {
-    if (worked) s = mpi_->SendControl(0, Serialize(msg));
-    while (s.ok()) {
-      bool got = false;
-      int src = 0;
-      std::string bytes;
-      s = mpi_->PollControl(&got, &src, &bytes);
-      if (!s.ok() || !got) break;
-      CoordinatorMessage out;
-      s = Deserialize(bytes, &out);
-      if (s.ok()) s = Execute(out);
-      worked = true;
-      std::lock_guard<std::mutex> l(mu_);
-      if (stopped_) break;
-    }
-    if (s.ok() && sent_shutdown_ &&
-        Clock::now() - shutdown_sent_at_ >
-            std::chrono::duration<double>(kShutdownReplyTimeoutS)) {
-      s = Status::Aborted("rank 0 did not answer this rank's shutdown within " +
-                          std::to_string(static_cast<int>(kShutdownReplyTimeoutS)) +
-                          " s; it may be stuck or gone.");
-    }
-  }
-  if (s.ok()) s = mpi_->ProgressSends();
-  if (!s.ok()) {
-    FailAll(Status(s.code(), "rank " + std::to_string(topo.rank) + ": " + s.message()));
-    return true;
-  }
-  return worked;
+  return !fresh.empty() || msg->shutdown;
 }
 
+// Rank 0: gathers every rank's news, checks for stalls, and once tensors
+// are ready on every rank (and the batching window has passed) decides,
+// tells the workers and runs the decision itself.
+Status Runtime::CoordinatorRound(const RankMessage& mine, bool* worked) {
+  if (*worked) coordinator_->Add(0, mine, *cache_);
+  KD_RETURN_IF_ERROR(ReceiveFromWorkers(worked));
+  const Clock::time_point now = Clock::now();
+  bool stopped = false;
+  KD_RETURN_IF_ERROR(CheckStalls(now, &stopped));
+  if (stopped) {
+    *worked = true;
+    return Status::OK();
+  }
+  if (!coordinator_->HasReady() || HoldForFusion(now)) return Status::OK();
+  *worked = true;
+  return DecideAndRun(now);
+}
+
+Status Runtime::ReceiveFromWorkers(bool* worked) {
+  while (true) {
+    bool got = false;
+    int src = 0;
+    std::string bytes;
+    KD_RETURN_IF_ERROR(mpi_->PollControl(&got, &src, &bytes));
+    if (!got) return Status::OK();
+    RankMessage m;
+    KD_RETURN_IF_ERROR(Deserialize(bytes, &m));
+    coordinator_->Add(src, m, *cache_);
+    *worked = true;
+  }
+}
+
+// Once a second: warn about tensors some ranks submitted and others did not,
+// and shut the job down past the stall limit (*stopped).
+Status Runtime::CheckStalls(Clock::time_point now, bool* stopped) {
+  if (now - last_stall_check_ <= std::chrono::seconds(1)) return Status::OK();
+  last_stall_check_ = now;
+  StallReport report = coordinator_->CheckStalls(now);
+  for (const auto& w : report.warnings) {
+    if (config_.log_level > 0) std::fprintf(stderr, "%s\n", w.c_str());
+  }
+  if (report.shutdown_reason.empty()) return Status::OK();
+  CoordinatorMessage out;
+  out.shutdown = true;
+  out.shutdown_reason = report.shutdown_reason;
+  const std::string bytes = Serialize(out);
+  for (int r = 1; r < topology().size; ++r) {
+    KD_RETURN_IF_ERROR(mpi_->SendControl(r, bytes));
+  }
+  *stopped = true;
+  return Execute(out);
+}
+
+// The batching window: give more tensors of the same step a moment to become
+// ready so that they share one fusion buffer.
+bool Runtime::HoldForFusion(Clock::time_point now) {
+  const double cycle_ms = tune_cycle_ms_.load();
+  if (cycle_ms <= 0 || sent_shutdown_) {
+    ready_waiting_ = false;
+    return false;
+  }
+  if (!ready_waiting_) {
+    ready_waiting_ = true;
+    first_ready_ = now;
+  }
+  if (now - first_ready_ < std::chrono::duration<double, std::milli>(cycle_ms)) {
+    return true;
+  }
+  ready_waiting_ = false;
+  return false;
+}
+
+Status Runtime::DecideAndRun(Clock::time_point now) {
+  coordinator_->set_fusion_threshold(tune_threshold_.load());
+  coordinator_->set_cache_enabled(tune_cache_.load());
+  CoordinatorMessage out = coordinator_->Decide(*cache_);
+  if (loop_timeline_) {
+    if (loop_timeline_->mark_cycles()) loop_timeline_->Cycle(now);
+    for (ReadyInfo& info : coordinator_->TakeReadyInfo()) {
+      std::string wait;
+      for (int64_t w : info.wait_us) wait += (wait.empty() ? "" : ",") + std::to_string(w);
+      loop_timeline_->Phase(info.name, "NEGOTIATE", info.first, info.last,
+                            "\"first_rank\":" + std::to_string(info.first_rank) +
+                                ",\"last_rank\":" + std::to_string(info.last_rank) +
+                                ",\"wait_us\":[" + wait + "]");
+      ready_at_[info.name] = info.last;
+    }
+  }
+  const std::string bytes = Serialize(out);
+  for (int r = 1; r < topology().size; ++r) {
+    KD_RETURN_IF_ERROR(mpi_->SendControl(r, bytes));
+  }
+  return Execute(out);
+}
+
+// Ranks other than 0: send this rank's news, run every decision that came,
+// and give up on a shutdown rank 0 never answers.
+Status Runtime::WorkerRound(const RankMessage& mine, bool* worked) {
+  if (*worked) KD_RETURN_IF_ERROR(mpi_->SendControl(0, Serialize(mine)));
+  while (true) {
+    bool got = false;
+    int src = 0;
+    std::string bytes;
+    KD_RETURN_IF_ERROR(mpi_->PollControl(&got, &src, &bytes));
+    if (!got) break;
+    CoordinatorMessage out;
+    KD_RETURN_IF_ERROR(Deserialize(bytes, &out));
+    KD_RETURN_IF_ERROR(Execute(out));
+    *worked = true;
+    std::lock_guard<std::mutex> l(mu_);
+    if (stopped_) break;
+  }
+  if (sent_shutdown_ && Clock::now() - shutdown_sent_at_ >
+                            std::chrono::duration<double>(kShutdownReplyTimeoutS)) {
+    return Status::Aborted("rank 0 did not answer this rank's shutdown within " +
+                           std::to_string(static_cast<int>(kShutdownReplyTimeoutS)) +
+                           " s; it may be stuck or gone.");
+  }
+  return Status::OK();
+}
+
+// ---- Executing decisions ----------------------------------------------------
+
 Status Runtime::Execute(const CoordinatorMessage& msg) {
-  Status s;
   for (const Batch& b : msg.batches) {
     std::vector<const Response*> resps;
     for (size_t i = 0; i < b.cache_index.size(); ++i) {
       resps.push_back(b.cache_index[i] >= 0 ? &cache_->Get(b.cache_index[i])
                                             : &b.responses[i]);
     }
-    s = ExecuteBatch(resps);
+    Status s = ExecuteBatch(resps);
     for (size_t i = 0; i < b.cache_index.size(); ++i) {
       if (b.cache_index[i] < 0) cache_->Put(b.responses[i]);
     }
-    if (!s.ok()) return s;
+    KD_RETURN_IF_ERROR(s);
   }
-  if (msg.shutdown) {
-    FailAll(Status::Aborted(msg.shutdown_reason + "."));
-  }
-  return s;
+  if (msg.shutdown) FailAll(Status::Aborted(msg.shutdown_reason + "."));
+  return Status::OK();
 }
 
+// Runs one scheduled batch and completes its entries (or, on an asynchronous
+// backend, leaves them to PollBackends). A failed collective fails its
+// entries only; kInternal (MPI, NCCL, a kerasdist bug) is returned, and stops
+// the runtime, since it may have hit some ranks only.
 Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   std::vector<Entry> entries;
+  KD_RETURN_IF_ERROR(TakeEntries(resps, &entries));
+  const Clock::time_point start = Clock::now();
+  RecordQueued(resps, start);
+  const Response& head = *resps[0];
+  if (!head.error.empty()) {
+    CompleteAll(entries, Result{Status::Mismatch(head.error), {}});
+    return Status::OK();
+  }
+  CollectiveBatch batch;
+  Result result;
+  Status s = PrepareBatch(head, entries, &batch, &result);
+  if (s.ok()) s = RunBatch(resps, entries, batch, result);
+  if (!s.ok()) CompleteAll(entries, Result{s, {}});
+  return s.code() == StatusCode::kInternal ? s : Status::OK();
+}
+
+Status Runtime::TakeEntries(const std::vector<const Response*>& resps,
+                            std::vector<Entry>* entries) {
   for (const Response* r : resps) {
     auto it = pending_.find(r->req.name);
     if (it == pending_.end()) {
       return Status::Internal("the coordinator scheduled '" + r->req.name +
                               "', which this rank never submitted (kerasdist bug).");
     }
-    entries.push_back(std::move(it->second));
+    entries->push_back(std::move(it->second));
     pending_.erase(it);
   }
-  const Clock::time_point start = Clock::now();
-  if (loop_timeline_) {
-    for (const Response* r : resps) {
-      auto it = ready_at_.find(r->req.name);
-      if (it == ready_at_.end()) continue;
-      loop_timeline_->Phase(r->req.name, "QUEUE", it->second, start);
-      ready_at_.erase(it);
-    }
+  return Status::OK();
+}
+
+// What the backend needs from the negotiated batch: scaling (Average as Sum
+// plus a postscale), layouts for the collectives whose sizes differ by rank,
+// and outputs for those, allocated by the front end now that their shape is
+// known.
+Status Runtime::PrepareBatch(const Response& head, std::vector<Entry>& entries,
+                             CollectiveBatch* b, Result* result) {
+  const Request& q = entries[0].req;
+  const Topology& topo = topology();
+  b->op = q.op;
+  b->dtype = q.dtype;
+  b->root_rank = q.root_rank;
+  b->device = q.device;
+  b->prescale = q.prescale;
+  const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, topo.size);
+  b->reduce_op = sc.op;
+  b->postscale = sc.post;
+  b->divisor = sc.divisor;
+  for (Entry& e : entries) {
+    b->tensors.push_back({&e.req.name, e.input, e.output, NumElements(e.req.shape),
+                          e.ready_event});
   }
-  const Response& head = *resps[0];
-  if (!head.error.empty()) {
-    for (Entry& e : entries) Complete(e, Result{Status::Mismatch(head.error), {}});
+  Layout l;
+  switch (q.op) {
+    case OpType::kAllgather: l = AllgatherLayout(head, q); break;
+    case OpType::kAlltoall: l = AlltoallLayout(head, q, topo.rank, topo.size); break;
+    case OpType::kReducescatter: l = ReducescatterLayout(q, topo.rank, topo.size); break;
+    default: return Status::OK();  // outputs preallocated
+  }
+  KD_RETURN_IF_ERROR(entries[0].allocate(l.out_shape, &b->tensors[0].output));
+  b->send_bytes = std::move(l.send_bytes);
+  b->recv_bytes = std::move(l.recv_bytes);
+  b->counts = std::move(l.counts);
+  result->recv_splits = std::move(l.recv_splits);
+  return Status::OK();
+}
+
+// The first enabled backend runs the batch. A synchronous one has finished
+// when Run returns; an asynchronous one's batch waits in async_ for Poll.
+Status Runtime::RunBatch(const std::vector<const Response*>& resps,
+                         std::vector<Entry>& entries, CollectiveBatch& b,
+                         Result& result) {
+  Backend* backend = ChooseBackend(backends_, b);
+  if (backend == nullptr) {
+    return Status::Internal(std::string("no backend runs ") + OpTypeName(b.op) +
+                            " on " + (b.device >= 0 ? "GPU" : "host") +
+                            " memory (kerasdist bug).");
+  }
+  const uint64_t tag = next_tag_++;
+  const Clock::time_point start = Clock::now();
+  KD_RETURN_IF_ERROR(backend->Run(b, tag));
+  CountRun(b, start);
+  if (backend->Asynchronous()) {
+    async_.emplace(tag, AsyncBatch{std::move(entries), std::move(result), start,
+                                   b.transport, b.device});
     return Status::OK();
   }
-  if (head.req.device >= 0) return ExecuteDevice(resps, std::move(entries));
-  if (head.req.op == OpType::kAllreduce) {
-    std::vector<Entry*> ptrs;
-    for (Entry& e : entries) ptrs.push_back(&e);
-    Status s = RunAllreduce(resps, ptrs);
-    int64_t bytes = 0;
-    for (Entry& e : entries) bytes += NumElements(e.req.shape) * DataTypeSize(e.req.dtype);
-    stat_bytes_ += bytes;
-    stat_batches_ += 1;
+  RecordRun(resps, b, start);
+  CompleteAll(entries, result);
+  return Status::OK();
+}
+
+void Runtime::CountRun(const CollectiveBatch& b, Clock::time_point start) {
+  if (b.op == OpType::kAllreduce) stat_bytes_ += b.bytes();
+  stat_batches_ += 1;
+  if (b.device < 0) {
     stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
                          Clock::now() - start).count();
-    CompleteAll(entries, Result{s, {}});
-    return s.code() == StatusCode::kInternal ? s : Status::OK();
   }
-  Result result;
-  result.status = RunOther(head, entries[0], &result);
-  Status s = result.status;
-  Clock::time_point end = Clock::now();
-  stat_batches_ += 1;
-  stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count();
-  if (loop_timeline_) {
-    loop_timeline_->Phase(head.req.name, OpPhaseName(head.req.op), start, end,
-                          "\"bytes\":" + std::to_string(NumElements(head.req.shape) *
-                                                        DataTypeSize(head.req.dtype)) +
-                              ",\"dtype\":\"" + DataTypeName(head.req.dtype) + "\"");
+  for (size_t i = 0; i < backends_.size(); ++i) {
+    if (std::strcmp(backends_[i]->Name(), b.transport) == 0) {
+      backend_runs_[i] += 1;
+      return;
+    }
   }
-  Complete(entries[0], result);
-  return s.code() == StatusCode::kInternal ? s : Status::OK();
 }
 
-Status Runtime::RunAllreduce(const std::vector<const Response*>& resps,
-                             std::vector<Entry*>& entries) {
-  const Request& q = resps[0]->req;
-  const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, topology().size);
-  const ReduceOp op = sc.op;
-  const double post = sc.post;
-  const int64_t divisor = sc.divisor;
-  const int64_t esize = DataTypeSize(q.dtype);
-  const Clock::time_point t0 = Clock::now();
-  if (topology().size == 1) {
-    // Every reduction over one rank is the identity: only the scale factors
-    // apply (in two passes, rounding as the general path does), and an
-    // in-place tensor with no scaling costs nothing at all.
-    int64_t total = 0;
-    for (Entry* e : entries) {
-      const int64_t n = NumElements(e->req.shape);
-      ScaleCopy(e->output, e->input, n, q.dtype, q.prescale);
-      ScaleCopy(e->output, e->output, n, q.dtype, post, divisor);
-      total += n;
-    }
-    if (loop_timeline_) {
-      RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                  AllreduceArgs(total * esize, entries.size(), q.dtype, nullptr));
-    }
-    return Status::OK();
+// Collects the batches asynchronous backends have finished.
+bool Runtime::PollBackends() {
+  if (async_.empty()) return false;
+  std::vector<Completion> done;
+  for (const auto& backend : backends_) {
+    if (backend->Asynchronous() && backend->Busy()) backend->Poll(&done);
   }
-  bool ran = false;
-  KD_RETURN_IF_ERROR(RunShmAllreduce(resps, entries, sc, &ran));
-  if (ran) return Status::OK();
-  if (entries.size() == 1) {
-    Entry& e = *entries[0];
-    int64_t n = NumElements(e.req.shape);
-    if (q.prescale == 1.0) {
-      // MPI reads the input and writes the output: no copy of our own.
-      KD_RETURN_IF_ERROR(host_->AllreduceFrom(e.input, e.output, n, q.dtype, op));
-    } else {
-      ScaleCopy(e.output, e.input, n, q.dtype, q.prescale);
-      KD_RETURN_IF_ERROR(host_->Allreduce(e.output, n, q.dtype, op));
-    }
-    ScaleCopy(e.output, e.output, n, q.dtype, post, divisor);
-    if (loop_timeline_) {
-      RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                  AllreduceArgs(n * esize, 1, q.dtype, nullptr));
-    }
-    return Status::OK();
-  }
-  int64_t total = 0;
-  for (Entry* e : entries) total += NumElements(e->req.shape);
-  char* buf = fusion_buffer_.Reserve(total * esize);
-  int64_t off = 0;
-  for (Entry* e : entries) {
-    int64_t n = NumElements(e->req.shape);
-    ScaleCopy(buf + off * esize, e->input, n, q.dtype, q.prescale);
-    off += n;
-  }
-  const Clock::time_point t1 = Clock::now();
-  KD_RETURN_IF_ERROR(host_->Allreduce(buf, total, q.dtype, op));
-  const Clock::time_point t2 = Clock::now();
-  off = 0;
-  for (Entry* e : entries) {
-    int64_t n = NumElements(e->req.shape);
-    ScaleCopy(e->output, buf + off * esize, n, q.dtype, post, divisor);
-    off += n;
-  }
-  if (loop_timeline_) {
-    RecordFusedBatch(resps, t0, t1, t2,
-                     AllreduceArgs(total * esize, entries.size(), q.dtype, nullptr));
-  }
-  return Status::OK();
-}
-
-Status Runtime::RunShmAllreducePieces(const std::vector<const Response*>& resps,
-                                      Entry& e, const Scaling& sc, bool* ran) {
-  const Request& q = e.req;
-  const int64_t esize = DataTypeSize(q.dtype);
-  const int64_t n = NumElements(q.shape);
-  const int64_t piece = kShmMaxSlotBytes / esize;
-  const Clock::time_point t0 = Clock::now();
-  for (int64_t first = 0; first < n; first += piece) {
-    const int64_t m = std::min(piece, n - first);
-    char* slot = nullptr;
-    KD_RETURN_IF_ERROR(shm_->Begin(m * esize, &slot));
-    if (slot == nullptr) {
-      // Only the first piece can be refused (later ones are no larger), and
-      // every rank gets the same answer: MPI does the whole tensor.
-      if (first == 0) return Status::OK();
-      return Status::Internal("shared-memory slot lost mid-tensor (kerasdist bug)");
-    }
-    ScaleCopy(slot, static_cast<const char*>(e.input) + first * esize, m, q.dtype,
-              q.prescale);
-    KD_RETURN_IF_ERROR(shm_->Reduce(m, q.dtype, sc.op));
-    shm_->CopyOut(0, m, q.dtype, static_cast<char*>(e.output) + first * esize,
-                  sc.post, sc.divisor);
-  }
-  *ran = true;
-  stat_shm_ += 1;
-  if (loop_timeline_) {
-    RecordBatch(resps, "ALLREDUCE", t0, Clock::now(),
-                AllreduceArgs(n * esize, 1, q.dtype, "shm"));
-  }
-  return Status::OK();
-}
-
-Status Runtime::RunShmAllreduce(const std::vector<const Response*>& resps,
-                                std::vector<Entry*>& entries, const Scaling& sc,
-                                bool* ran) {
-  *ran = false;
-  const Request& q = resps[0]->req;
-  if (!shm_ || !ShmAllreduce::Supports(q.dtype, sc.op)) return Status::OK();
-  const int64_t esize = DataTypeSize(q.dtype);
-  int64_t total = 0;
-  for (Entry* e : entries) total += NumElements(e->req.shape);
-  // Smaller allreduces go to MPI: their cost is latency, and there the
-  // barriers were no faster than MPI's small-message path (4 KiB: even;
-  // 64 KiB: shared memory 10-20% faster). Every rank must decide alike, so
-  // the minimum is agreed at init (ShmAllreduce::Create).
-  if (total == 0 || total * esize < shm_->min_bytes()) return Status::OK();
-  // In-place reads pin the peer's pages tensor by tensor: for a batch of
-  // small tensors one copy through the slots is cheaper (512 x 1 KiB: 0.60
-  // ms a step through the slots, 0.73 ms read in place; 128 x 16 KiB: 0.59
-  // ms against 0.53 ms). Every rank sees the same sizes and the same agreed
-  // minimum, so every rank picks the same path.
-  if (cma_ && q.prescale == 1.0 &&
-      (total * esize >= cma_->min_tensor_bytes() * static_cast<int64_t>(entries.size()) ||
-       total * esize > kShmMaxSlotBytes)) {
-    // Peers read in place: no staging copy and no size limit. (A prescale
-    // applies to each contribution before the sum: the slots do that in
-    // their copy-in.)
-    const Clock::time_point t0 = Clock::now();
-    std::vector<CmaAllreduce::Segment>& segs = cma_segs_;
-    segs.clear();
-    for (Entry* e : entries) {
-      segs.push_back({e->input, e->output, NumElements(e->req.shape)});
-    }
-    Clock::time_point t1, t2;
-    KD_RETURN_IF_ERROR(
-        cma_->Allreduce(segs, q.dtype, sc.op, sc.post, sc.divisor, &t1, &t2));
-    *ran = true;
-    stat_shm_ += 1;
-    stat_cma_ += 1;
-    if (loop_timeline_) {
-      RecordFusedBatch(resps, t0, t1, t2,
-                       AllreduceArgs(total * esize, entries.size(), q.dtype, "cma"));
-    }
-    return Status::OK();
-  }
-  // Slots hold at most kShmMaxSlotBytes (they stay mapped for the job's
-  // life): a bigger single tensor goes through in pieces, a bigger fused
-  // batch (a fusion threshold above that) through MPI.
-  if (total * esize > kShmMaxSlotBytes) {
-    if (entries.size() != 1) return Status::OK();
-    return RunShmAllreducePieces(resps, *entries[0], sc, ran);
-  }
-  const Clock::time_point t0 = Clock::now();
-  char* slot = nullptr;
-  KD_RETURN_IF_ERROR(shm_->Begin(total * esize, &slot));
-  if (slot == nullptr) return Status::OK();
-  int64_t off = 0;
-  for (Entry* e : entries) {
-    const int64_t n = NumElements(e->req.shape);
-    ScaleCopy(slot + off * esize, e->input, n, q.dtype, q.prescale);
-    off += n;
-  }
-  const Clock::time_point t1 = Clock::now();
-  KD_RETURN_IF_ERROR(shm_->Reduce(total, q.dtype, sc.op));
-  const Clock::time_point t2 = Clock::now();
-  off = 0;
-  for (Entry* e : entries) {
-    const int64_t n = NumElements(e->req.shape);
-    shm_->CopyOut(off, n, q.dtype, e->output, sc.post, sc.divisor);
-    off += n;
-  }
-  *ran = true;
-  stat_shm_ += 1;
-  if (loop_timeline_) {
-    RecordFusedBatch(resps, t0, t1, t2,
-                     AllreduceArgs(total * esize, entries.size(), q.dtype, "shm"));
-  }
-  return Status::OK();
-}
-
-Status Runtime::RunOther(const Response& resp, Entry& e, Result* result) {
-  const Topology& topo = topology();
-  const Request& q = e.req;
-  const int64_t esize = DataTypeSize(q.dtype);
-  switch (q.op) {
-    case OpType::kBroadcast: {
-      int64_t bytes = NumElements(q.shape) * esize;
-      if (topo.rank == q.root_rank && e.output != e.input && bytes > 0) {
-        std::memcpy(e.output, e.input, bytes);
-      }
-      return host_->Broadcast(e.output, bytes, q.root_rank);
-    }
-    case OpType::kAllgather: {
-      const Layout l = AllgatherLayout(resp, q);
-      void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
-      return host_->Allgatherv(e.input, out, l.recv_bytes);
-    }
-    case OpType::kAlltoall: {
-      Layout l = AlltoallLayout(resp, q, topo.rank, topo.size);
-      void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
-      result->recv_splits = std::move(l.recv_splits);
-      return host_->Alltoallv(e.input, l.send_bytes, out, l.recv_bytes);
-    }
-    case OpType::kReducescatter: {
-      const Scaling sc = AverageAsSum(q.reduce_op, q.dtype, q.postscale, topo.size);
-      const Layout l = ReducescatterLayout(q, topo.rank, topo.size);
-      const std::vector<int64_t>& counts = l.counts;
-      void* out = nullptr;
-      KD_RETURN_IF_ERROR(e.allocate(l.out_shape, &out));
-      const void* in = e.input;
-      int64_t total = NumElements(q.shape);
-      if (q.prescale != 1.0) {
-        char* tmp = fusion_buffer_.Reserve(total * esize);
-        ScaleCopy(tmp, e.input, total, q.dtype, q.prescale);
-        in = tmp;
-      }
-      KD_RETURN_IF_ERROR(host_->ReduceScatter(in, out, counts, q.dtype, sc.op));
-      ScaleCopy(out, out, counts[topo.rank], q.dtype, sc.post, sc.divisor);
-      return Status::OK();
-    }
-    case OpType::kBarrier:
-      return host_->Barrier();
-    case OpType::kAllreduce:
+  for (const Completion& c : done) {
+    auto it = async_.find(c.tag);
+    if (it == async_.end()) continue;
+    AsyncBatch& a = it->second;
+    a.result.status = c.status;
+    RecordAsync(a);
+    CompleteAll(a.entries, a.result);
+    async_.erase(it);
+    // A device failure (CUDA, NCCL) may have hit some ranks only: stop.
+    if (c.status.code() == StatusCode::kInternal) {
+      FailAll(Status(c.status.code(), "rank " + std::to_string(topology().rank) +
+                                          ": " + c.status.message()));
       break;
-  }
-  return Status::Internal("unexpected operation (kerasdist bug)");
-}
-
-Status Runtime::ExecuteDevice(const std::vector<const Response*>& resps,
-                              std::vector<Entry> entries) {
-  const Request& q = resps[0]->req;
-  Status s;
-  if (!device_) {
-    DeviceBackendOptions o;
-    o.comm = mpi_->comm();
-    o.rank = topology().rank;
-    o.size = topology().size;
-    o.device = entries[0].req.device;  // this rank's GPU (ranks may differ)
-    o.host_staged = config_.gpu_operations == "MPI";
-    o.host = host_.get();
-    s = RegisteredDeviceBackend().factory(o, &device_);
-  }
-  if (!s.ok()) {
-    device_.reset();
-    for (Entry& e : entries) Complete(e, Result{s, {}});
-    // Setup failures are agreed on by all ranks (the next device batch tries
-    // again); a CUDA/NCCL failure may have hit some ranks only: stop.
-    return s.code() == StatusCode::kInternal ? s : Status::OK();
-  }
-  if (q.op == OpType::kAllreduce) {
-    for (Entry& e : entries) {
-      stat_bytes_ += NumElements(e.req.shape) * DataTypeSize(e.req.dtype);
     }
   }
-  stat_batches_ += 1;
-  if (loop_timeline_) {
-    const Clock::time_point now = Clock::now();
-    for (Entry& e : entries) e.issued = now;
-  }
-  // Completion comes through PollDevice once the device has done the work.
-  return device_->Execute(resps, std::move(entries));
+  return !done.empty();
 }
 
-bool Runtime::PollDevice() {
-  if (!device_ || !device_->Busy()) return false;
-  FinishedEntries finished;
-  device_->Poll(&finished);
-  if (loop_timeline_ && !finished.empty()) {
-    // One phase per tensor, from the batch's issue on the communication
-    // stream to its completion as this thread saw it (fusion copies, the
-    // collective and the scaling all run on the device inside it).
-    const Clock::time_point now = Clock::now();
-    const std::string transport =
-        config_.gpu_operations == "MPI" ? "mpi-staged" : "nccl";
-    for (auto& [e, r] : finished) {
-      if (e.issued == Clock::time_point{}) continue;
-      loop_timeline_->Phase(
-          e.req.name, OpPhaseName(e.req.op), e.issued, now,
-          "\"device\":" + std::to_string(e.req.device) + ",\"transport\":\"" +
-              transport + "\",\"bytes\":" +
-              std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
-    }
+// ---- Timeline ---------------------------------------------------------------
+
+void Runtime::RecordQueued(const std::vector<const Response*>& resps,
+                           Clock::time_point start) {
+  if (!loop_timeline_) return;
+  for (const Response* r : resps) {
+    auto it = ready_at_.find(r->req.name);
+    if (it == ready_at_.end()) continue;
+    loop_timeline_->Phase(r->req.name, "QUEUE", it->second, start);
+    ready_at_.erase(it);
   }
-  for (auto& [e, r] : finished) Complete(e, r);
-  return !finished.empty();
 }
+
+// A fused batch shows three phases (copy in, the collective, copy out), as
+// marked by the backend; anything else one phase named after the collective.
+void Runtime::RecordRun(const std::vector<const Response*>& resps,
+                        const CollectiveBatch& b, Clock::time_point start) {
+  if (!loop_timeline_) return;
+  const Clock::time_point end = Clock::now();
+  const char* phase = OpPhaseName(b.op);
+  if (b.packed == Clock::time_point{}) {
+    RecordBatch(resps, phase, start, end, BatchArgs(b));
+    return;
+  }
+  RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", start, b.packed, "");
+  RecordBatch(resps, phase, b.packed, b.reduced, BatchArgs(b));
+  RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", b.reduced, end, "");
+}
+
+// One phase per tensor, from the batch's issue on the communication stream
+// to its completion as this thread saw it (fusion copies, the collective and
+// the scaling all run on the device inside it).
+void Runtime::RecordAsync(const AsyncBatch& a) {
+  if (!loop_timeline_) return;
+  const Clock::time_point now = Clock::now();
+  for (const Entry& e : a.entries) {
+    loop_timeline_->Phase(
+        e.req.name, OpPhaseName(e.req.op), a.issued, now,
+        "\"device\":" + std::to_string(a.device) + ",\"transport\":\"" + a.transport +
+            "\",\"bytes\":" +
+            std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
+  }
+}
+
+// ---- Completion -------------------------------------------------------------
 
 void Runtime::Complete(Entry& e, const Result& r) {
   {
@@ -836,13 +656,21 @@ void Runtime::FailAll(const Status& s) {
     if (stopped_status_.ok()) stopped_status_ = s;
     queued.swap(incoming_);
   }
-  if (device_) {
-    // Batches already on the GPU stream were issued on every rank; give them
-    // time to finish before failing them.
-    FinishedEntries finished;
-    device_->Drain(10.0, s, &finished);
-    for (auto& [e, r] : finished) Complete(e, r);
+  // Batches already on a GPU stream were issued on every rank; give them
+  // time to finish before failing them.
+  std::vector<Completion> done;
+  for (const auto& backend : backends_) {
+    if (backend->Asynchronous()) backend->Drain(10.0, s, &done);
   }
+  for (const Completion& c : done) {
+    auto it = async_.find(c.tag);
+    if (it == async_.end()) continue;
+    it->second.result.status = c.status;
+    CompleteAll(it->second.entries, it->second.result);
+    async_.erase(it);
+  }
+  for (auto& [tag, a] : async_) CompleteAll(a.entries, Result{s, {}});
+  async_.clear();
   for (auto& [name, e] : pending_) Complete(e, Result{s, {}});
   pending_.clear();
   for (Entry& e : queued) Complete(e, Result{s, {}});

@@ -17,7 +17,8 @@ enum class StatusCode : int {
   kInternal = 5,         // MPI/NCCL failure
 };
 
-class Status {
+// [[nodiscard]]: a Status dropped on the floor is a bug the compiler reports.
+class [[nodiscard]] Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message)

@@ -19,12 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "../core/global.h"
-#include "../core/host_buffer.h"
+#include "../core/frontend.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #ifdef KERASDIST_TF_GPU
-#include "../core/comm/nccl_communicator.h"
 #include "xla/stream_executor/stream.h"
 #include "xla/stream_executor/stream_executor.h"
 #endif
@@ -93,7 +91,7 @@ struct Placement {
   *p = Placement();
   if (!on_gpu) return ::tensorflow::Status();
 #ifdef KERASDIST_TF_GPU
-  if (!core::RegisteredDeviceBackend().factory) {
+  if (core::DeviceHooks() == nullptr) {
     return ::tensorflow::errors::FailedPrecondition(
         "kerasdist: this library was built without its GPU backend; rebuild "
         "with CUDA and NCCL (KERASDIST_WITH_NCCL=1).");
@@ -120,7 +118,7 @@ struct Placement {
   if (p.device < 0) return ::tensorflow::Status();
 #ifdef KERASDIST_TF_GPU
   return ToTf(
-      core::RegisteredDeviceBackend().hooks.record_event(p.stream, p.device, event));
+      core::DeviceHooks()->record_event(p.stream, p.device, event));
 #else
   return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
 #endif
@@ -128,7 +126,7 @@ struct Placement {
 
 void ReleaseReady(void* event, int device) {
 #ifdef KERASDIST_TF_GPU
-  if (event != nullptr) core::RegisteredDeviceBackend().hooks.release_event(event, device);
+  if (event != nullptr) core::DeviceHooks()->release_event(event, device);
 #else
   (void)event;
   (void)device;
@@ -203,8 +201,8 @@ class CollectiveKernel : public AsyncOpKernel {
  protected:
   // Fills the parts of the request every op has, and *where.
   bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
-             core::Entry* e, std::shared_ptr<core::Runtime>* rt, Placement* where) {
-    *rt = core::CurrentRuntime();
+             core::Entry* e, core::RuntimeRef* rt, Placement* where) {
+    *rt = core::RuntimeRef::Current();
     if (!*rt) {
       ctx->SetStatus(::tensorflow::errors::FailedPrecondition(
           "kerasdist is not initialized; call kerasdist.init() first."));
@@ -237,7 +235,7 @@ class CollectiveKernel : public AsyncOpKernel {
 
   // Call once the op's own outputs are allocated (on a GPU the ready event
   // is recorded here).
-  void Submit(OpKernelContext* ctx, DoneCallback done, core::Runtime& rt,
+  void Submit(OpKernelContext* ctx, DoneCallback done, core::RuntimeRef& rt,
               core::Entry e, const Placement& where) {
     if (!e.done) {
       e.done = [ctx, done](const core::Result& r) {
@@ -285,7 +283,7 @@ class CollectiveKernel : public AsyncOpKernel {
 #ifdef KERASDIST_TF_GPU
       if (where.device >= 0) {
         KD_RETURN_IF_ERROR(
-            core::RegisteredDeviceBackend().hooks.sync_stream(where.stream,
+            core::DeviceHooks()->sync_stream(where.stream,
                                                               where.device));
       }
 #endif
@@ -309,7 +307,7 @@ class AllreduceOp : public CollectiveKernel {
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kAllreduce, &e, &rt, &where)) return;
     Tensor* out = nullptr;
@@ -321,7 +319,7 @@ class AllreduceOp : public CollectiveKernel {
     e.req.postscale = postscale_;
     e.req.group = group_;
     e.req.group_size = group_size_;
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 
  private:
@@ -346,8 +344,8 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto rt = core::CurrentRuntime();
-    OP_REQUIRES_ASYNC(ctx, rt != nullptr,
+    core::RuntimeRef rt = core::RuntimeRef::Current();
+    OP_REQUIRES_ASYNC(ctx, static_cast<bool>(rt),
                       ::tensorflow::errors::FailedPrecondition(
                           "kerasdist is not initialized; call kerasdist.init() first."),
                       done);
@@ -418,7 +416,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     }
     for (core::Entry& e : entries) e.ready_event = state->ready;
     size_t queued = 0;
-    core::Status s = rt->EnqueueMany(entries, &queued);
+    core::Status s = rt.EnqueueMany(entries, &queued);
     for (size_t i = queued; i < entries.size(); ++i) finish_one(ToTf(s));
   }
 
@@ -435,11 +433,11 @@ class AllgatherOp : public CollectiveKernel {
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kAllgather, &e, &rt, &where)) return;
     e.allocate = Allocator(ctx, 0, where);
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 };
 
@@ -450,7 +448,7 @@ class BroadcastOp : public CollectiveKernel {
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kBroadcast, &e, &rt, &where)) return;
     Tensor* out = nullptr;
@@ -458,7 +456,7 @@ class BroadcastOp : public CollectiveKernel {
     e.input = ctx->input(0).tensor_data().data();
     e.output = Data(*out);
     e.req.root_rank = root_rank_;
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 
  private:
@@ -471,7 +469,7 @@ class AlltoallOp : public CollectiveKernel {
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kAlltoall, &e, &rt, &where)) return;
     const Tensor& splits = ctx->input(1);
@@ -494,7 +492,7 @@ class AlltoallOp : public CollectiveKernel {
       }
       done();
     };
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 };
 
@@ -507,14 +505,14 @@ class ReducescatterOp : public CollectiveKernel {
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where)) return;
     e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
     e.req.prescale = prescale_;
     e.req.postscale = postscale_;
     e.allocate = Allocator(ctx, 0, where);
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 
  private:
@@ -527,11 +525,11 @@ class BarrierOp : public CollectiveKernel {
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
-    std::shared_ptr<core::Runtime> rt;
+    core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kBarrier, &e, &rt, &where)) return;
     e.req.dtype = core::DataType::kUInt8;
-    Submit(ctx, done, *rt, std::move(e), where);
+    Submit(ctx, done, rt, std::move(e), where);
   }
 };
 

@@ -45,6 +45,8 @@ class ShmAllreduce {
   ~ShmAllreduce();
 
   static bool Supports(DataType dt, ReduceOp op);
+  // The largest slot per rank: slots stay mapped for the job's life.
+  static constexpr int64_t kMaxSlotBytes = int64_t{64} << 20;
 
   // Starts a call: *slot receives this rank's input area of at least `bytes`
   // for the caller to fill, or null when the ranks could not all get shared

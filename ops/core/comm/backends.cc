@@ -1,0 +1,36 @@
+#include "backends.h"
+
+#include "communicator_backend.h"
+
+namespace kerasdist::core {
+
+Status MakeBackends(const BackendOptions& o, BackendList* out) {
+  out->clear();
+  // The last resort runs every host collective; the single-node paths fall
+  // back to it.
+  auto mpi = std::make_unique<CommunicatorBackend>("mpi", o.host, o.rank);
+  std::unique_ptr<Backend> b;
+  // First enabled wins. Each Make* may leave `b` null (not usable here).
+  KD_RETURN_IF_ERROR(MakeDeviceBackend(o, &b));
+  if (b) out->push_back(std::move(b));
+  out->push_back(std::make_unique<SelfBackend>(o.size));
+  std::unique_ptr<Backend> shm;
+  BackendOptions node = o;
+  KD_RETURN_IF_ERROR(MakeShmBackend(o, mpi.get(), &shm, &node.shm_min_bytes));
+  if (shm) {
+    KD_RETURN_IF_ERROR(MakeCmaBackend(node, &b));
+    if (b) out->push_back(std::move(b));
+    out->push_back(std::move(shm));
+  }
+  out->push_back(std::move(mpi));
+  return Status::OK();
+}
+
+Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b) {
+  for (const auto& backend : list) {
+    if (backend->Enabled(b)) return backend.get();
+  }
+  return nullptr;
+}
+
+}  // namespace kerasdist::core
