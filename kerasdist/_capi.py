@@ -96,6 +96,10 @@ def lib():
         l.kerasdist_shm_allreduces.restype = i64
         l.kerasdist_cma_allreduces.argtypes = []
         l.kerasdist_cma_allreduces.restype = i64
+        l.kerasdist_backends.argtypes = []
+        l.kerasdist_backends.restype = ctypes.c_char_p
+        l.kerasdist_backend_runs.argtypes = [ctypes.c_char_p]
+        l.kerasdist_backend_runs.restype = i64
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64

@@ -187,7 +187,10 @@ def selftest():
     shm = lib.kerasdist_shm_allreduces() - before[0]
     cma = lib.kerasdist_cma_allreduces() - before[1]
     path = "in place" if cma else "slots" if shm else "MPI"
+    backends = lib.kerasdist_backends().decode()
     lib.kerasdist_shutdown()
+    print(f"rank {rank}/{size}: backends, first enabled wins: {backends}",
+          flush=True)
     print(f"rank {rank}/{size}: large allreduce path: {path}", flush=True)
     print(f"rank {rank}/{size}: selftest OK", flush=True)
     return 0
@@ -323,7 +326,8 @@ def selftest_check(np_ranks, timeout):
     if p.returncode == 0 and passed == np_ranks:
         return OK, (f"{np_ranks}-rank self-test: allreduce, fused allreduce, "
                     "allgather, broadcast, alltoall, reducescatter, barrier; "
-                    + _path_note(p.stdout, np_ranks))
+                    + _path_note(p.stdout, np_ranks)
+                    + _backends_note(p.stdout, np_ranks))
     tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
     return FAIL, (f"{np_ranks}-rank self-test failed (exit {p.returncode}); "
                   "the launcher's last lines:\n      " + "\n      ".join(tail))
@@ -349,6 +353,15 @@ def _path_note(stdout, np_ranks):
                 return "one rank: nothing to reduce across ranks"
             return _PATHS.get(path, path)
     return "path of large allreduces not reported"
+
+
+def _backends_note(stdout, np_ranks):
+    """The data path's backend list, from rank 0's line."""
+    for line in stdout.splitlines():
+        if f"0/{np_ranks}: backends, first enabled wins: " in line:
+            names = line.rsplit(": ", 1)[1].strip()
+            return f"; backends, first enabled wins: {names}"
+    return ""
 
 
 def doctor(argv=None):

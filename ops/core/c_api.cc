@@ -202,6 +202,52 @@ int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_m
   return 0;
 }
 
+namespace {
+
+Request RequestFromC(const kerasdist_request* r) {
+  Request q;
+  q.name = r->name ? r->name : "";
+  q.op = static_cast<OpType>(r->op);
+  q.reduce_op = static_cast<ReduceOp>(r->reduce_op);
+  q.dtype = static_cast<DataType>(r->dtype);
+  q.shape.assign(r->shape, r->shape + r->ndim);
+  q.root_rank = r->root_rank;
+  q.prescale = r->prescale;
+  q.postscale = r->postscale;
+  if (r->nsplits > 0) q.splits.assign(r->splits, r->splits + r->nsplits);
+  q.group = r->group ? r->group : "";
+  q.group_size = r->group_size;
+  q.device = r->device;
+  if (q.op == OpType::kBarrier) q.shape.clear();
+  return q;
+}
+
+// The entry's allocate: into the caller's `output` when it gave one (it knows
+// the result's size), else into memory the handle owns (host only).
+std::function<Status(const std::vector<int64_t>&, void**)> AllocateFor(
+    std::shared_ptr<HandleState> state, void* output, const Request& q) {
+  const int64_t esize = DataTypeSize(q.dtype);
+  const bool on_device = q.device >= 0;
+  return [state, output, esize, on_device](const std::vector<int64_t>& shape,
+                                           void** data) {
+    state->shape = shape;
+    if (output == nullptr && on_device) {
+      return Status::InvalidArgument(
+          "a device tensor needs a preallocated output of the result's size "
+          "(the C API allocates host memory only).");
+    }
+    if (output != nullptr) {
+      *data = output;
+    } else {
+      state->owned.resize(std::max<int64_t>(NumElements(shape) * esize, 1));
+      *data = state->owned.data();
+    }
+    return Status::OK();
+  };
+}
+
+}  // namespace
+
 int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
                           void* output) {
   auto rt = CurrentRuntime();
@@ -217,41 +263,11 @@ int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
   }
   auto state = std::make_shared<HandleState>();
   Entry e;
-  Request& q = e.req;
-  q.name = r->name ? r->name : "";
-  q.op = static_cast<OpType>(r->op);
-  q.reduce_op = static_cast<ReduceOp>(r->reduce_op);
-  q.dtype = static_cast<DataType>(r->dtype);
-  q.shape.assign(r->shape, r->shape + r->ndim);
-  q.root_rank = r->root_rank;
-  q.prescale = r->prescale;
-  q.postscale = r->postscale;
-  if (r->nsplits > 0) q.splits.assign(r->splits, r->splits + r->nsplits);
-  q.group = r->group ? r->group : "";
-  q.group_size = r->group_size;
-  q.device = r->device;
+  e.req = RequestFromC(r);
   e.input = input;
   e.output = output;
-  if (q.op == OpType::kBarrier) q.shape.clear();
-  int64_t esize = DataTypeSize(q.dtype);
-  const bool on_device = q.device >= 0;
-  e.allocate = [state, output, esize, on_device](const std::vector<int64_t>& shape,
-                                                 void** data) {
-    state->shape = shape;
-    if (output == nullptr && on_device) {
-      return Status::InvalidArgument(
-          "a device tensor needs a preallocated output of the result's size "
-          "(the C API allocates host memory only).");
-    }
-    if (output != nullptr) {
-      *data = output;  // the caller sized it (it knows the result's size)
-    } else {
-      state->owned.resize(std::max<int64_t>(NumElements(shape) * esize, 1));
-      *data = state->owned.data();
-    }
-    return Status::OK();
-  };
-  state->shape = q.shape;
+  e.allocate = AllocateFor(state, output, e.req);
+  state->shape = e.req.shape;
   e.done = [state](const Result& res) {
     std::lock_guard<std::mutex> l(state->mu);
     state->result = res;
@@ -354,6 +370,17 @@ int64_t kerasdist_cma_allreduces(void) {
 int64_t kerasdist_shm_allreduces(void) {
   auto rt = CurrentRuntime();
   return rt ? rt->stats().shm_allreduces : -1;
+}
+
+const char* kerasdist_backends(void) {
+  auto rt = CurrentRuntime();
+  t_text = rt ? rt->BackendNames() : "";
+  return t_text.c_str();
+}
+
+int64_t kerasdist_backend_runs(const char* name) {
+  auto rt = CurrentRuntime();
+  return rt && name ? rt->BackendRuns(name) : -1;
 }
 
 }  // extern "C"

@@ -90,6 +90,12 @@ int64_t kerasdist_shm_allreduces(void);
 /* Of those, how many read the other ranks' tensors in place (cross-memory
  * attach, see comm/cma_allreduce.h); -1 before init. */
 int64_t kerasdist_cma_allreduces(void);
+/* The data path's backends in the order a batch tries them, comma-separated
+ * ("gpu,self,cma,shm,mpi"; see comm/backends.h); empty before init. */
+const char* kerasdist_backends(void);
+/* How many batches backend `name` ran since init (a batch one backend hands
+ * to another counts for the one that ran it); -1 before init. */
+int64_t kerasdist_backend_runs(const char* name);
 
 #ifdef __cplusplus
 }

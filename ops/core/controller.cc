@@ -40,32 +40,7 @@ void Coordinator::Add(int rank, const RankMessage& m, const ResponseCache& cache
 
 void Coordinator::MarkReported(int rank, const std::string& name, const Request* q,
                                int32_t cached, const ResponseCache& cache) {
-  auto it = table_.find(name);
-  if (it == table_.end()) {
-    Table::node_type node;
-    if (!spare_.empty()) {
-      node = std::move(spare_.back());
-      spare_.pop_back();
-      node.key() = name;
-    } else {
-      Table fresh;
-      node = fresh.extract(fresh.emplace(name, Pending()).first);
-    }
-    Pending& p = node.mapped();
-    p.per_rank.resize(size_);
-    p.cached.assign(size_, -1);
-    p.have.assign(size_, false);
-    p.count = 0;
-    p.warned = false;
-    p.first_seen = Clock::now();
-    p.op = q != nullptr ? q->op : cache.Get(cached).req.op;
-    if (record_) {
-      p.seen.resize(size_);
-    } else {
-      p.seen.clear();
-    }
-    it = table_.insert(std::move(node)).position;
-  }
+  auto it = FindOrStart(name, q, cached, cache);
   Pending& p = it->second;
   if (p.have[rank]) return;
   p.have[rank] = true;
@@ -76,36 +51,78 @@ void Coordinator::MarkReported(int rank, const std::string& name, const Request*
   }
   if (record_ && !p.seen.empty()) p.seen[rank] = Clock::now();
   if (++p.count < size_) return;
-  if (record_ && !p.seen.empty()) {
-    ReadyInfo info;
-    info.name = name;
-    for (int r = 0; r < size_; ++r) {
-      if (p.seen[r] < p.seen[info.first_rank]) info.first_rank = r;
-      if (p.seen[r] > p.seen[info.last_rank]) info.last_rank = r;
-    }
-    info.first = p.seen[info.first_rank];
-    info.last = p.seen[info.last_rank];
-    for (int r = 0; r < size_; ++r) {
-      info.wait_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(
-                                 p.seen[r] - info.first).count());
-    }
-    ready_info_.push_back(std::move(info));
+  if (record_ && !p.seen.empty()) RecordReadyInfo(name, p);
+  Ready ready = MakeReady(name, p, cache);
+  spare_.push_back(table_.extract(it));
+  Release(std::move(ready), cache);
+}
+
+Coordinator::Table::iterator Coordinator::FindOrStart(const std::string& name,
+                                                      const Request* q, int32_t cached,
+                                                      const ResponseCache& cache) {
+  auto it = table_.find(name);
+  if (it != table_.end()) return it;
+  Table::node_type node;
+  if (!spare_.empty()) {
+    node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = name;
+  } else {
+    Table fresh;
+    node = fresh.extract(fresh.emplace(name, Pending()).first);
   }
+  Pending& p = node.mapped();
+  p.per_rank.resize(size_);
+  p.cached.assign(size_, -1);
+  p.have.assign(size_, false);
+  p.count = 0;
+  p.warned = false;
+  p.first_seen = Clock::now();
+  p.op = q != nullptr ? q->op : cache.Get(cached).req.op;
+  if (record_) {
+    p.seen.resize(size_);
+  } else {
+    p.seen.clear();
+  }
+  return table_.insert(std::move(node)).position;
+}
+
+void Coordinator::RecordReadyInfo(const std::string& name, const Pending& p) {
+  ReadyInfo info;
+  info.name = name;
+  for (int r = 0; r < size_; ++r) {
+    if (p.seen[r] < p.seen[info.first_rank]) info.first_rank = r;
+    if (p.seen[r] > p.seen[info.last_rank]) info.last_rank = r;
+  }
+  info.first = p.seen[info.first_rank];
+  info.last = p.seen[info.last_rank];
+  for (int r = 0; r < size_; ++r) {
+    info.wait_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(
+                               p.seen[r] - info.first).count());
+  }
+  ready_info_.push_back(std::move(info));
+}
+
+Coordinator::Ready Coordinator::MakeReady(const std::string& name, Pending& p,
+                                          const ResponseCache& cache) {
   Ready ready;
   ready.name = name;
   bool same_entry = p.cached[0] >= 0;
   for (int r = 1; r < size_ && same_entry; ++r) same_entry = p.cached[r] == p.cached[0];
   if (same_entry) {
     ready.cache_index = p.cached[0];
-  } else {
-    // Mixed or full reports: every rank's request, spelled out.
-    ready.per_rank.resize(size_);
-    for (int r = 0; r < size_; ++r) {
-      ready.per_rank[r] = p.cached[r] >= 0 ? RequestForRank(cache.Get(p.cached[r]), r, size_)
-                                           : std::move(p.per_rank[r]);
-    }
+    return ready;
   }
-  spare_.push_back(table_.extract(it));
+  // Mixed or full reports: every rank's request, spelled out.
+  ready.per_rank.resize(size_);
+  for (int r = 0; r < size_; ++r) {
+    ready.per_rank[r] = p.cached[r] >= 0 ? RequestForRank(cache.Get(p.cached[r]), r, size_)
+                                         : std::move(p.per_rank[r]);
+  }
+  return ready;
+}
+
+void Coordinator::Release(Ready ready, const ResponseCache& cache) {
   const Request& head = ready.cache_index >= 0 ? cache.Get(ready.cache_index).req
                                                : ready.per_rank[0];
   if (head.group.empty() || head.group_size <= 1) {

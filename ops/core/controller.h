@@ -75,6 +75,21 @@ class Coordinator {
   void MarkReported(int rank, const std::string& name, const Request* q,
                     int32_t cached, const ResponseCache& cache);
 
+  struct Pending;
+  struct Ready;
+  // The table's entry for `name`, started (from a recycled node) if new.
+  std::unordered_map<std::string, Pending>::iterator FindOrStart(
+      const std::string& name, const Request* q, int32_t cached,
+      const ResponseCache& cache);
+  // For the timeline: when each rank reported `name`.
+  void RecordReadyInfo(const std::string& name, const Pending& p);
+  // `p` reported by every rank, as a Ready (the cache entry when all named
+  // the same one, else every rank's request).
+  Ready MakeReady(const std::string& name, Pending& p, const ResponseCache& cache);
+  // Queues `ready` for the next decision, or holds it until its whole group
+  // is ready on every rank.
+  void Release(Ready ready, const ResponseCache& cache);
+
   struct Pending {
     std::vector<Request> per_rank;  // where cached[rank] < 0
     std::vector<int32_t> cached;    // per rank: the cache entry it named, or -1

@@ -79,83 +79,100 @@ bool AllSame(const std::vector<Request>& rs, F key) {
 
 }  // namespace
 
-Response BuildResponse(const std::vector<Request>& rs) {
-  Response resp;
-  resp.req = rs[0];
-  const std::string& name = rs[0].name;
-  auto fail = [&](const std::string& what, auto key) {
-    resp.error = "Mismatched " + what + " for " +
-                 std::string(OpTypeName(rs[0].op)) + " '" + name + "': " +
-                 Disagreement(rs, key) + ".";
-    return resp;
-  };
+namespace {
+
+// "Mismatched <what> for <op> '<name>': <who sent what>.", or "" when every
+// rank agrees on key(request).
+template <typename Key>
+std::string Mismatch(const std::vector<Request>& rs, const std::string& what, Key key) {
+  if (AllSame(rs, key)) return "";
+  return "Mismatched " + what + " for " + std::string(OpTypeName(rs[0].op)) + " '" +
+         rs[0].name + "': " + Disagreement(rs, key) + ".";
+}
+
+// What every collective must agree on: the operation, the dtype, and host
+// or GPU memory. Which GPU need not agree: each process drives its own
+// (often each sees it as ordinal 0, but not under TF's visible devices).
+std::string CheckKind(const std::vector<Request>& rs) {
   auto op = [](const Request& q) { return std::string(OpTypeName(q.op)); };
   if (!AllSame(rs, op)) {
-    resp.error = "Mismatched operation for '" + name + "': " +
-                 Disagreement(rs, op) + ".";
-    return resp;
+    return "Mismatched operation for '" + rs[0].name + "': " + Disagreement(rs, op) + ".";
   }
   auto dtype = [](const Request& q) { return std::string(DataTypeName(q.dtype)); };
-  if (!AllSame(rs, dtype)) return fail("dtype", dtype);
-  // Host or GPU must agree; which GPU need not: each process drives its own
-  // (often each sees it as ordinal 0, but not under TF's visible devices).
+  std::string e = Mismatch(rs, "dtype", dtype);
+  if (!e.empty()) return e;
   auto device = [](const Request& q) {
     return std::string(q.device < 0 ? "host memory" : "GPU memory");
   };
-  if (!AllSame(rs, device)) return fail("device", device);
-  OpType t = rs[0].op;
-  if (t == OpType::kAllreduce || t == OpType::kReducescatter) {
-    auto rop = [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); };
-    if (!AllSame(rs, rop)) return fail("reduction op", rop);
-    auto pre = [](const Request& q) { return std::to_string(q.prescale); };
-    if (!AllSame(rs, pre)) return fail("prescale_factor", pre);
-    auto post = [](const Request& q) { return std::to_string(q.postscale); };
-    if (!AllSame(rs, post)) return fail("postscale_factor", post);
-    auto grp = [](const Request& q) {
-      return q.group.empty() ? std::string("no group")
-                             : "group '" + q.group + "' of " +
-                                   std::to_string(q.group_size);
-    };
-    if (!AllSame(rs, grp)) return fail("group", grp);
-  }
+  return Mismatch(rs, "device", device);
+}
+
+// Reductions: the reduce op, the scale factors and the group; broadcast:
+// the root.
+std::string CheckArguments(const std::vector<Request>& rs) {
+  const OpType t = rs[0].op;
   if (t == OpType::kBroadcast) {
     auto root = [](const Request& q) { return "root_rank " + std::to_string(q.root_rank); };
-    if (!AllSame(rs, root)) return fail("root rank", root);
+    return Mismatch(rs, "root rank", root);
   }
-  auto shape = [](const Request& q) { return "shape " + ShapeString(q.shape); };
-  if (t == OpType::kAllgather || t == OpType::kAlltoall) {
-    auto tail = [](const Request& q) {
-      std::vector<int64_t> s(q.shape.begin() + (q.shape.empty() ? 0 : 1),
-                             q.shape.end());
-      return "shape " + ShapeString(q.shape) + " (rank " +
-             std::to_string(q.shape.size()) + ", trailing " + ShapeString(s) +
-             ")";
-    };
-    auto tail_key = [](const Request& q) {
-      std::vector<int64_t> s(q.shape.begin() + (q.shape.empty() ? 0 : 1),
-                             q.shape.end());
-      return std::to_string(q.shape.size()) + ShapeString(s);
-    };
-    if (!AllSame(rs, tail_key)) {
-      resp.error = "Mismatched shape for " + std::string(OpTypeName(t)) +
-                   " '" + name +
-                   "': all dimensions but the first must agree; " +
-                   Disagreement(rs, tail) + ".";
-      return resp;
-    }
-    int n = static_cast<int>(rs.size());
+  if (t != OpType::kAllreduce && t != OpType::kReducescatter) return "";
+  auto rop = [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); };
+  auto pre = [](const Request& q) { return std::to_string(q.prescale); };
+  auto post = [](const Request& q) { return std::to_string(q.postscale); };
+  auto grp = [](const Request& q) {
+    return q.group.empty() ? std::string("no group")
+                           : "group '" + q.group + "' of " + std::to_string(q.group_size);
+  };
+  std::string e = Mismatch(rs, "reduction op", rop);
+  if (e.empty()) e = Mismatch(rs, "prescale_factor", pre);
+  if (e.empty()) e = Mismatch(rs, "postscale_factor", post);
+  if (e.empty()) e = Mismatch(rs, "group", grp);
+  return e;
+}
+
+std::vector<int64_t> Trailing(const Request& q) {
+  return std::vector<int64_t>(q.shape.begin() + (q.shape.empty() ? 0 : 1), q.shape.end());
+}
+
+// Shapes: equal, except the first dimension of allgather and alltoall,
+// whose per-rank sizes go into the response.
+std::string CheckShapes(const std::vector<Request>& rs, Response* resp) {
+  const OpType t = rs[0].op;
+  if (t == OpType::kBarrier) return "";
+  if (t != OpType::kAllgather && t != OpType::kAlltoall) {
+    auto shape = [](const Request& q) { return "shape " + ShapeString(q.shape); };
+    return Mismatch(rs, "shape", shape);
+  }
+  auto tail = [](const Request& q) {
+    return "shape " + ShapeString(q.shape) + " (rank " + std::to_string(q.shape.size()) +
+           ", trailing " + ShapeString(Trailing(q)) + ")";
+  };
+  auto tail_key = [](const Request& q) {
+    return std::to_string(q.shape.size()) + ShapeString(Trailing(q));
+  };
+  if (!AllSame(rs, tail_key)) {
+    return "Mismatched shape for " + std::string(OpTypeName(t)) + " '" + rs[0].name +
+           "': all dimensions but the first must agree; " + Disagreement(rs, tail) + ".";
+  }
+  for (const Request& q : rs) {
     if (t == OpType::kAllgather) {
-      for (const auto& q : rs) resp.first_dims.push_back(q.shape[0]);
+      resp->first_dims.push_back(q.shape[0]);
     } else {
-      for (const auto& q : rs) {
-        resp.splits_matrix.insert(resp.splits_matrix.end(), q.splits.begin(),
-                                  q.splits.end());
-      }
-      (void)n;
+      resp->splits_matrix.insert(resp->splits_matrix.end(), q.splits.begin(),
+                                 q.splits.end());
     }
-  } else if (t != OpType::kBarrier) {
-    if (!AllSame(rs, shape)) return fail("shape", shape);
   }
+  return "";
+}
+
+}  // namespace
+
+Response BuildResponse(const std::vector<Request>& rs) {
+  Response resp;
+  resp.req = rs[0];
+  resp.error = CheckKind(rs);
+  if (resp.error.empty()) resp.error = CheckArguments(rs);
+  if (resp.error.empty()) resp.error = CheckShapes(rs, &resp);
   return resp;
 }
 

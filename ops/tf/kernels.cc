@@ -356,15 +356,6 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     }
     Placement where;
     OP_REQUIRES_OK_ASYNC(ctx, GetPlacement(ctx, on_gpu_, &where), done);
-    // Completes the op when the last member finishes; keeps the first error.
-    // On a GPU the members share one ready event, released with the last.
-    struct Countdown {
-      std::atomic<int> left;
-      std::mutex mu;
-      ::tensorflow::Status status;
-      void* ready = nullptr;
-      int device = -1;
-    };
     auto state = std::make_shared<Countdown>();
     state->left = n;
     auto finish_one = [ctx, done, state](const ::tensorflow::Status& s) {
@@ -379,31 +370,9 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       }
     };
     std::vector<core::Entry> entries(n);
-    for (int i = 0; i < n; ++i) {
-      const Tensor& in = ctx->input(i);
-      core::Entry& e = entries[i];
-      Tensor* out = nullptr;
-      ::tensorflow::Status s = outputs_.Get(ctx, i, &out);
-      if (s.ok() && !ToCore(in.dtype(), &e.req.dtype)) {
-        s = ::tensorflow::errors::InvalidArgument(
-            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
-      }
-      if (!s.ok()) {  // fail the op before anything is enqueued
-        ctx->SetStatus(s);
-        done();
-        return;
-      }
-      e.req.name = base_ + "." + std::to_string(i);
-      e.req.op = core::OpType::kAllreduce;
-      e.req.shape = Dims(in.shape());
-      e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
-      e.req.prescale = prescale_;
-      e.req.postscale = postscale_;
-      e.req.group = base_;
-      e.req.group_size = n;
-      e.req.device = where.device;
-      e.input = in.tensor_data().data();
-      e.output = Data(*out);
+    // A failure here fails the op before anything is enqueued.
+    OP_REQUIRES_OK_ASYNC(ctx, MakeEntries(ctx, where, &entries), done);
+    for (core::Entry& e : entries) {
       e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
     }
     // Every output is allocated: the ready point for the whole group.
@@ -421,6 +390,44 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   }
 
  private:
+  // Completes the op when the last member finishes; keeps the first error.
+  // On a GPU the members share one ready event, released with the last.
+  struct Countdown {
+    std::atomic<int> left;
+    std::mutex mu;
+    ::tensorflow::Status status;
+    void* ready = nullptr;
+    int device = -1;
+  };
+
+  // One entry per input, its output allocated; `done` is left to the caller.
+  ::tensorflow::Status MakeEntries(OpKernelContext* ctx, const Placement& where,
+                                   std::vector<core::Entry>* entries) {
+    const int n = static_cast<int>(entries->size());
+    for (int i = 0; i < n; ++i) {
+      const Tensor& in = ctx->input(i);
+      core::Entry& e = (*entries)[i];
+      Tensor* out = nullptr;
+      TF_RETURN_IF_ERROR(outputs_.Get(ctx, i, &out));
+      if (!ToCore(in.dtype(), &e.req.dtype)) {
+        return ::tensorflow::errors::InvalidArgument(
+            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
+      }
+      e.req.name = base_ + "." + std::to_string(i);
+      e.req.op = core::OpType::kAllreduce;
+      e.req.shape = Dims(in.shape());
+      e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
+      e.req.prescale = prescale_;
+      e.req.postscale = postscale_;
+      e.req.group = base_;
+      e.req.group_size = n;
+      e.req.device = where.device;
+      e.input = in.tensor_data().data();
+      e.output = Data(*out);
+    }
+    return ::tensorflow::Status();
+  }
+
   const bool on_gpu_;
   std::string base_;
   int reduce_op_;

@@ -1,6 +1,7 @@
 """`kerasdist doctor` and `kerasdist check-build`, run as a user would."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -44,12 +45,20 @@ def test_doctor_says_which_path_large_allreduces_take():
     assert ("read the other ranks' tensors in place" in p.stdout
             or "shared-memory slots (in-place reads are not allowed" in p.stdout
             ), p.stdout
+    # The backend list (first enabled wins) follows the same settings; the
+    # GPU entry is there in builds with the GPU backend only.
+    assert re.search(r"backends, first enabled wins: (gpu,)?self,(cma,)?shm,mpi",
+                     p.stdout), p.stdout
     p = _cli("doctor", "--np", "2", "--timeout", "120",
              env=dict(os.environ, KERASDIST_CMA_ALLREDUCE="0"))
     assert "go through shared-memory slots" in p.stdout, p.stdout
+    assert re.search(r"backends, first enabled wins: (gpu,)?self,shm,mpi\b",
+                     p.stdout), p.stdout
     p = _cli("doctor", "--np", "2", "--timeout", "120",
              env=dict(os.environ, KERASDIST_SHM_ALLREDUCE="0"))
     assert "large allreduces use MPI" in p.stdout, p.stdout
+    assert re.search(r"backends, first enabled wins: (gpu,)?self,mpi\b",
+                     p.stdout), p.stdout
 
 
 def test_doctor_fails_and_says_so_when_the_selftest_fails():

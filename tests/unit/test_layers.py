@@ -1,0 +1,106 @@
+"""The native code's layers point one way, and its functions stay short.
+
+- ops/core/comm/ (the backends and their transports) includes no runtime
+  header: a backend sees only its own batch type.
+- The TF op library reaches the core through ops/core/frontend.h alone, and
+  nothing that header pulls in includes MPI; the built op library does not
+  link MPI.
+- No function in ops/ is longer than about a screen (60 lines of code, as
+  lizard counts them).
+"""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.helpers import REPO_ROOT
+
+OPS = os.path.join(REPO_ROOT, "ops")
+CORE = os.path.join(OPS, "core")
+COMM = os.path.join(CORE, "comm")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+([<"])([^>"]+)[>"]', re.M)
+
+# The core's own headers that only the runtime may see.
+RUNTIME_HEADERS = {"runtime.h", "global.h", "controller.h", "message.h",
+                   "layout.h", "config.h", "timeline.h", "fusion.h",
+                   "entry.h", "frontend.h", "validate.h"}
+
+
+def _includes(path):
+    with open(path) as f:
+        return [(kind, name) for kind, name in _INCLUDE.findall(f.read())]
+
+
+def _sources(directory):
+    return sorted(n for n in os.listdir(directory)
+                  if n.endswith((".h", ".cc")))
+
+
+def test_comm_includes_no_runtime_header():
+    for name in _sources(COMM):
+        for kind, inc in _includes(os.path.join(COMM, name)):
+            base = os.path.basename(inc)
+            assert not (kind == '"' and inc.startswith("../")
+                        and base in RUNTIME_HEADERS), (
+                f"ops/core/comm/{name} includes {inc}: backends must not "
+                "see the runtime's types")
+
+
+def _closure(start):
+    """Every project header reachable from `start` (quoted includes)."""
+    seen, todo = set(), [os.path.normpath(start)]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for kind, inc in _includes(path):
+            if kind == '"':
+                nxt = os.path.normpath(os.path.join(os.path.dirname(path), inc))
+                if os.path.exists(nxt):
+                    todo.append(nxt)
+    return seen
+
+
+def test_tf_ops_see_only_the_frontend_header():
+    for name in _sources(os.path.join(OPS, "tf")):
+        path = os.path.join(OPS, "tf", name)
+        core = [inc for kind, inc in _includes(path)
+                if kind == '"' and inc.startswith("../core/")]
+        assert core in ([], ["../core/frontend.h"]), (name, core)
+    reach = _closure(os.path.join(CORE, "frontend.h"))
+    for path in reach:
+        for kind, inc in _includes(path):
+            assert inc != "mpi.h", f"{path} (reached from frontend.h) includes mpi.h"
+    names = {os.path.basename(p) for p in reach}
+    assert "runtime.h" not in names and "global.h" not in names, names
+
+
+def test_op_library_does_not_link_mpi():
+    import kerasdist
+    lib = os.path.join(os.path.dirname(kerasdist.__file__), "_kerasdist_ops.so")
+    if not os.path.exists(lib):
+        pytest.skip("the TF op library is not built here")
+    out = subprocess.run(["readelf", "-d", lib], capture_output=True,
+                         text=True, check=True).stdout
+    needed = re.findall(r"\(NEEDED\).*\[(.+)\]", out)
+    assert "libkerasdist_core.so" in needed, needed
+    assert not [n for n in needed if "mpi" in n.lower()], needed
+
+
+def test_no_function_in_ops_is_longer_than_a_screen():
+    import lizard  # requirements-test.txt
+    too_long = []
+    for root, _, files in os.walk(OPS):
+        for name in files:
+            if not name.endswith((".cc", ".h", ".cu")):
+                continue
+            info = lizard.analyze_file(os.path.join(root, name))
+            for fn in info.function_list:
+                if fn.nloc > 60:
+                    rel = os.path.relpath(os.path.join(root, name), REPO_ROOT)
+                    too_long.append(f"{rel}:{fn.start_line} {fn.name} "
+                                    f"({fn.nloc} lines)")
+    assert not too_long, "split these functions:\n" + "\n".join(too_long)
