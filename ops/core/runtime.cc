@@ -34,6 +34,9 @@ constexpr auto kPendingSpin = std::chrono::milliseconds(5);
 constexpr int64_t kMaxSleepPendingUs = 200;
 constexpr int64_t kMaxSleepIdleUs = 2000;
 constexpr double kShutdownReplyTimeoutS = 30.0;
+// How long rank 0 waits, as it stops, for the other ranks' last control
+// messages (a rank that died never sends one).
+constexpr double kGoodbyeTimeoutS = 2.0;
 // The args of a batch's timeline event.
 std::string BatchArgs(const CollectiveBatch& b) {
   return "\"bytes\":" + std::to_string(b.bytes()) + ",\"fused\":" +
@@ -239,7 +242,46 @@ void Runtime::Loop() {
       IdleWait(idle_rounds++, !pending_.empty());
     }
   }
+  SayGoodbye();
   mpi_->FlushSends(5.0);
+}
+
+// Every control message must be received before MPI finalizes, or MPI warns
+// about unmatched messages at exit (UCX: "unexpected tag-receive descriptor
+// ... was not matched": seen on rank 0 when other ranks' shutdown requests
+// crossed its decision). So a worker that never asked for the shutdown sends
+// its request now, as its last message, and rank 0 receives until every
+// worker's last message has come, within a bound.
+void Runtime::SayGoodbye() {
+  const Topology& topo = topology();
+  if (topo.rank != 0) {
+    if (sent_shutdown_) return;
+    RankMessage bye;
+    bye.shutdown = true;
+    sent_shutdown_ = true;
+    // Best effort: the job is ending, and a failure here changes nothing.
+    (void)mpi_->SendControl(0, Serialize(bye));
+    return;
+  }
+  said_goodbye_.resize(topo.size, false);
+  int missing = 0;
+  for (int r = 1; r < topo.size; ++r) missing += said_goodbye_[r] ? 0 : 1;
+  const Clock::time_point until =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(kGoodbyeTimeoutS));
+  while (missing > 0 && Clock::now() < until) {
+    bool got = false;
+    int src = 0;
+    std::string bytes;
+    RankMessage m;
+    if (!mpi_->PollControl(&got, &src, &bytes).ok()) return;
+    if (!got) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    } else if (Deserialize(bytes, &m).ok() && m.shutdown && !said_goodbye_[src]) {
+      said_goodbye_[src] = true;
+      --missing;
+    }
+  }
 }
 
 void Runtime::IdleWait(int idle_rounds, bool have_pending) {
@@ -335,6 +377,10 @@ Status Runtime::ReceiveFromWorkers(bool* worked) {
     RankMessage m;
     KD_RETURN_IF_ERROR(Deserialize(bytes, &m));
     coordinator_->Add(src, m, *cache_);
+    if (m.shutdown) {
+      said_goodbye_.resize(topology().size, false);
+      said_goodbye_[src] = true;
+    }
     *worked = true;
   }
 }
@@ -606,6 +652,12 @@ void Runtime::RecordRun(const std::vector<const Response*>& resps,
   const char* phase = OpPhaseName(b.op);
   if (b.packed == Clock::time_point{}) {
     RecordBatch(resps, phase, start, end, BatchArgs(b));
+    return;
+  }
+  if (b.phases != nullptr) {
+    RecordBatch(resps, b.phases[0], start, b.packed, "");
+    RecordBatch(resps, b.phases[1], b.packed, b.reduced, BatchArgs(b));
+    RecordBatch(resps, b.phases[2], b.reduced, end, "");
     return;
   }
   RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", start, b.packed, "");

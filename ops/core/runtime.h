@@ -94,6 +94,7 @@ class Runtime {
   Status DecideAndRun(Clock::time_point now);
   bool PollBackends();
   void IdleWait(int idle_rounds, bool have_pending);
+  void SayGoodbye();
 
   // Executing the coordinator's decisions.
   Status Execute(const CoordinatorMessage& msg);
@@ -143,6 +144,8 @@ class Runtime {
   std::unique_ptr<ResponseCache> cache_;
   std::unique_ptr<Coordinator> coordinator_;
   bool sent_shutdown_ = false;
+  // Rank 0: which ranks have sent their last control message (a shutdown).
+  std::vector<bool> said_goodbye_;
   // Poll rather than sleep while collectives are in flight (kPendingSpin);
   // off when this node's ranks outnumber their CPUs, where the polling
   // thread would take a core another rank is computing on.

@@ -68,6 +68,9 @@ struct CollectiveBatch {
   // the other's marks.
   const char* transport = "";
   std::chrono::steady_clock::time_point packed{}, reduced{};
+  // The timeline's names for the three phases those marks divide the batch
+  // into; null: the fusion buffer's (copy in, the collective, copy out).
+  const char* const* phases = nullptr;
 
   int64_t elements() const;
   int64_t bytes() const { return elements() * DataTypeSize(dtype); }

@@ -22,6 +22,8 @@ Status MakeBackends(const BackendOptions& o, BackendList* out) {
     if (b) out->push_back(std::move(b));
     out->push_back(std::move(shm));
   }
+  KD_RETURN_IF_ERROR(MakeHierarchicalBackend(o, &b));
+  if (b) out->push_back(std::move(b));
   out->push_back(std::move(mpi));
   return Status::OK();
 }

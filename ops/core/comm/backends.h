@@ -30,6 +30,10 @@ struct BackendOptions {
   bool cma = true;                // KERASDIST_CMA_ALLREDUCE
   int64_t cma_min_tensor_bytes = 0;  // KERASDIST_CMA_MIN_TENSOR_BYTES
   bool gpu_host_staged = false;   // KERASDIST_GPU_OPERATIONS=MPI
+  // KERASDIST_HIERARCHICAL_ALLREDUCE: 0 off, 1 on where the job spans hosts
+  // with several ranks on some host; and the smallest batch it takes.
+  int hierarchical = 1;
+  int64_t hierarchical_min_bytes = 0;
 };
 
 using BackendList = std::vector<std::unique_ptr<Backend>>;
@@ -43,6 +47,10 @@ Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b);
 // Factories (each in its backend's file).
 // GPU tensors: NCCL, or staged through host memory (device_backend.cc).
 Status MakeDeviceBackend(const BackendOptions& o, std::unique_ptr<Backend>* out);
+// Several hosts, several ranks on some host: within each host over its node
+// path, across hosts among one leader per host, then back within each host
+// (hierarchical_backend.cc).
+Status MakeHierarchicalBackend(const BackendOptions& o, std::unique_ptr<Backend>* out);
 // Single node, staged in shared-memory slots; `fallback` runs a batch the
 // ranks could not get slots for. *agreed_min_bytes: the smallest allreduce
 // it takes, agreed by the ranks (shm_backend.cc).

@@ -371,4 +371,32 @@ std::unique_ptr<Communicator> MpiContext::MakeHostCommunicator() {
   return std::make_unique<MpiCommunicator>(comm_);
 }
 
+std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm) {
+  return std::make_unique<MpiCommunicator>(comm);
+}
+
+Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
+                          int* hosts, int* largest_node) {
+  *node = *leaders = MPI_COMM_NULL;
+  KD_RETURN_IF_ERROR(NodeComm(comm, node));
+  MPI_Comm_set_errhandler(*node, MPI_ERRORS_RETURN);
+  int node_rank = 0, node_size = 1, rank = 0;
+  MPI_Comm_rank(*node, &node_rank);
+  MPI_Comm_size(*node, &node_size);
+  MPI_Comm_rank(comm, &rank);
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split(comm, node_rank == 0 ? 0 : MPI_UNDEFINED, rank, leaders),
+      "MPI_Comm_split"));
+  if (*leaders != MPI_COMM_NULL) MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
+  int mine[2] = {node_rank == 0 ? 1 : 0, node_size}, all[2] = {0, 0};
+  int sums = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&mine[0], &sums, 1, MPI_INT, MPI_SUM, comm), "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&mine[1], &all[1], 1, MPI_INT, MPI_MAX, comm), "MPI_Allreduce"));
+  *hosts = sums;
+  *largest_node = all[1];
+  return Status::OK();
+}
+
 }  // namespace kerasdist::core

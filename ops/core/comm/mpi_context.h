@@ -63,6 +63,15 @@ Status MpiStatus(int code, const char* call);
 // memory; else MPI_COMM_NULL. The answer is the same on every rank.
 Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local);
 
+// MPI's collectives over `comm` (which the caller keeps alive).
+std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm);
+
+// Collective over `comm`: *node holds the ranks of this rank's node (the
+// node's rank 0 leads it), *leaders one rank per node (MPI_COMM_NULL on the
+// others); *hosts is the number of nodes, *largest_node the most ranks on one.
+Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
+                          int* hosts, int* largest_node);
+
 // Collective over `comm`: *largest is the largest `mine` of all ranks.
 Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest);
 
