@@ -12,10 +12,12 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
+from kerasdist.run import remote
 from kerasdist.run import settings
 
 PROG = "kerasdist run"
@@ -86,6 +88,15 @@ def make_parser():
                        help="host1:slots,host2:slots (default: this machine)")
     where.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' or 'host:N' a line")
+    p.add_argument("--ssh-command", metavar="CMD",
+                   default=os.environ.get(remote.SSH_COMMAND),
+                   help="the remote shell that starts ranks on other hosts, "
+                   "called like ssh: CMD HOST COMMAND (default: ssh, or "
+                   f"${remote.SSH_COMMAND})")
+    p.add_argument("--network-interface", metavar="IFACE",
+                   help="the interface whose address the other hosts reach "
+                   "this machine at (hydra's -iface; default: the address "
+                   "of this machine's host name)")
     p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
                    metavar="MB", help="tensor fusion buffer size in MiB")
     p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
@@ -135,6 +146,8 @@ def parse_args(argv):
         elif args.hostfile is not None:
             args.hosts = hosts_lib.parse_hostfile(args.hostfile)
             source = f"--hostfile {args.hostfile}"
+        args.ssh_argv = (None if args.ssh_command is None else
+                         remote.split_command(args.ssh_command))
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.hosts is not None:
@@ -196,7 +209,7 @@ def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
 
 def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
                        no_prefix=False, python=None, bind=False,
-                       report_bind=False):
+                       report_bind=False, launcher_exec=None, iface=None):
     """Builds the hydra mpiexec command line.
 
     Args:
@@ -210,6 +223,10 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
         python: the interpreter for the wrapper (default sys.executable).
         bind: ask the wrapper to bind each rank to its share of the CPUs.
         report_bind: ask the wrapper to print each rank's binding.
+        launcher_exec: the remote shell executable (hydra's -launcher-exec),
+            or None for hydra's default (ssh).
+        iface: the network interface hydra advertises to the other hosts,
+            or None.
 
     Returns:
         The argv list.
@@ -219,6 +236,10 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
         argv += ["-genv", name, value]
     if hosts:
         argv += ["-hosts", hosts_lib.hydra_hosts_arg(hosts)]
+    if launcher_exec:
+        argv += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
+    if iface:
+        argv += ["-iface", iface]
     argv += ["-n", str(np)]
     return argv + rank_wrapper_argv(no_prefix, python, bind,
                                     report_bind) + list(command)
@@ -249,6 +270,33 @@ def main(argv=None):
         log.raw(f"{PROG}: error: {e}\n".encode())
         return 1
 
+    if not _check_remote_hosts(args, log):
+        return 1
+    if args.ssh_argv is None or len(args.ssh_argv) == 1:
+        return _run(args, mpiexec, log)
+    with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
+        return _run(args, mpiexec, log, workdir)
+
+
+def _check_remote_hosts(args, log):
+    """Names each remote host its remote shell cannot reach; True if none."""
+    shell = remote.effective_command(args.ssh_argv, os.environ)
+    remote_hosts = [h for h, _ in args.hosts or () if not remote.is_local(h)]
+    if not remote_hosts or shell is None:
+        return True
+    failed = remote.check_hosts(remote_hosts, shell)
+    for host, reason in failed:
+        log.raw(f"{PROG}: error: cannot start ranks on host {host}: "
+                f"`{shlex.join(shell)} {host} true` failed: {reason}. Check "
+                f"the host name and that this command works without a "
+                f"password, or give another remote shell with "
+                f"--ssh-command.\n".encode())
+    return not failed
+
+
+def _run(args, mpiexec, log, workdir=None):
+    launcher_exec = (None if args.ssh_argv is None else
+                     remote.launcher_exec(args.ssh_argv, workdir))
     attempts = args.max_restarts + 1
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     outcome = None
@@ -261,7 +309,9 @@ def main(argv=None):
             mpi_argv = build_mpiexec_argv(mpiexec, args.np, args.command,
                                           rank_env, args.hosts, args.no_prefix,
                                           bind=args.bind_to == "core",
-                                          report_bind=args.verbose)
+                                          report_bind=args.verbose,
+                                          launcher_exec=launcher_exec,
+                                          iface=args.network_interface)
             if args.verbose:
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)

@@ -273,11 +273,15 @@ class Cluster:
             "ip link set lo up",
             f"exec {shlex.quote(sys.executable)} -c \"$0\" \"$1\"",
         ])
-        host.proc = subprocess.Popen(
-            ["unshare", "--net", "--uts", "--ipc", "--mount", "--pid",
-             "--fork", "--mount-proc", "--kill-child",
-             "sh", "-c", setup, _INIT, f"{ANCHOR_TAG}={self.owner}"],
-            stdin=subprocess.DEVNULL, preexec_fn=_anchor_preexec)
+        # The anchor's errors go to a file, not the test's stderr: unshare
+        # complains there when its child is killed at close().
+        with open(self._log_path(host), "wb") as log:
+            host.proc = subprocess.Popen(
+                ["unshare", "--net", "--uts", "--ipc", "--mount", "--pid",
+                 "--fork", "--mount-proc", "--kill-child",
+                 "sh", "-c", setup, _INIT, f"{ANCHOR_TAG}={self.owner}"],
+                stdin=subprocess.DEVNULL, stderr=log,
+                preexec_fn=_anchor_preexec)
         host.pid = self._wait_for_init(host)
         peer = f"{self.tag}p{i}"
         _sh(["ip", "link", "add", host.link, "type", "veth", "peer", "name",
@@ -291,14 +295,19 @@ class Cluster:
             "ip link set eth0 up",
         ])])
 
+    def _log_path(self, host):
+        return os.path.join(self.dir, f"{host.name}.log")
+
     def _wait_for_init(self, host, timeout=20.0):
         """The PID of the host's init, once its setup has exec'd it."""
         deadline = time.monotonic() + timeout
         tag = f"{ANCHOR_TAG}={self.owner}".encode()
         while time.monotonic() < deadline:
             if host.proc.poll() is not None:
+                with open(self._log_path(host)) as f:
+                    log = f.read().strip()
                 raise RuntimeError(f"host {host.name}: unshare exited with "
-                                   f"code {host.proc.returncode}")
+                                   f"code {host.proc.returncode}: {log}")
             try:
                 with open(f"/proc/{host.proc.pid}/task/{host.proc.pid}/"
                           "children") as f:
