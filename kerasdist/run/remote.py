@@ -42,7 +42,8 @@ def is_local(host):
     can bind; a name that resolves to this machine under another name is
     taken as remote (the check then reaches it through the remote shell).
     """
-    names = {"localhost", socket.gethostname(), socket.gethostname().split(".")[0]}
+    me = socket.gethostname()
+    names = {"localhost", me, me.split(".")[0]}
     if host in names:
         return True
     for family in (socket.AF_INET, socket.AF_INET6):

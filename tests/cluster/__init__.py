@@ -454,7 +454,8 @@ done
 host=$1
 shift
 case "$host" in
-{cases}  *) echo "ssh: Could not resolve hostname $host: Name or service not known" >&2
+{cases}  *) echo "ssh: Could not resolve hostname $host:" \
+          "Name or service not known" >&2
      exit 255 ;;
 esac
 exec nsenter -t "$pid" {ns} -- sh -c "$*"

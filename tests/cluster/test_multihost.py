@@ -139,7 +139,8 @@ def _processes_in(cluster, host):
     code = ("import os\n"
             "for p in os.listdir('/proc'):\n"
             "    if p.isdigit() and int(p) not in (1, os.getpid()):\n"
-            "        print(open(f'/proc/{p}/cmdline').read().replace('\\0', ' '))")
+            "        with open(f'/proc/{p}/cmdline') as f:\n"
+            "            print(f.read().replace('\\0', ' '))")
     return cluster.run(host, [sys.executable, "-c", code]).stdout.splitlines()
 
 
