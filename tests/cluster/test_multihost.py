@@ -1,7 +1,8 @@
 """`kerasdist run` across test hosts, the way users run it: `-H host:slots`
 through a remote shell (an nsenter script, and once a real OpenSSH server),
 every collective against numpy, the topology, where the bytes go, model.fit
-against a single-process run, and hosts that cannot be reached."""
+against a single-process run, a Trainer resumed after one host's ranks were
+killed, and hosts that cannot be reached."""
 
 import os
 import re
@@ -124,6 +125,7 @@ def test_every_collective_matches_numpy_across_hosts(cluster, np_, hosts):
                    for l in lines), (r, lines)
 
 
+@pytest.mark.slow
 def test_model_fit_across_hosts_equals_one_process(cluster):
     out = run_on(cluster, 4, "kdt0:2,kdt1:2",
                  _worker("keras_optimizer_worker.py", "hosts"), timeout=400)
@@ -134,14 +136,29 @@ def test_model_fit_across_hosts_equals_one_process(cluster):
             assert check in lines, (r, check, out.stdout[-3000:])
 
 
-def _processes_in(cluster, host):
-    """The command lines running in `host` but its init and this probe."""
+def _processes_in(cluster, host, settle=5.0):
+    """The processes (state and command line) alive in `host` but its init
+    and this probe, after waiting up to `settle` s for exiting ones (a rank
+    ends a moment after the launcher has its exit status)."""
     code = ("import os\n"
             "for p in os.listdir('/proc'):\n"
-            "    if p.isdigit() and int(p) not in (1, os.getpid()):\n"
-            "        with open(f'/proc/{p}/cmdline') as f:\n"
-            "            print(f.read().replace('\\0', ' '))")
-    return cluster.run(host, [sys.executable, "-c", code]).stdout.splitlines()
+            "    if not p.isdigit() or int(p) in (1, os.getpid()):\n"
+            "        continue\n"
+            "    try:\n"
+            "        stat = open(f'/proc/{p}/stat').read()\n"
+            "        cmd = open(f'/proc/{p}/cmdline').read()\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    state = stat.rsplit(')', 1)[1].split()[0]\n"
+            "    if state != 'Z':\n"
+            "        print(state, cmd.replace('\\0', ' '))")
+    deadline = time.monotonic() + settle
+    while True:
+        alive = cluster.run(host, [sys.executable, "-c", code]
+                            ).stdout.splitlines()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.25)
 
 
 def test_host_that_does_not_resolve_is_named_and_nothing_is_left(cluster):
@@ -225,3 +242,34 @@ def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
         for host in cluster.hosts:
             cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
                                "kill $(cat /run/sshd.pid); true"])
+
+
+@pytest.mark.slow
+def test_trainer_resumes_exactly_after_a_hosts_ranks_are_killed(cluster,
+                                                                 tmp_path):
+    # One rank a host: the Trainer worker SIGKILLs the last rank (kdt1's
+    # only one) right after the epoch-2 checkpoint; the relaunched job must
+    # end in the state of a job that was never interrupted.
+    import numpy as np
+
+    def trainer(*args):
+        return _worker("trainer_worker.py", "resume", *map(str, args))
+
+    hosts = "kdt0:1,kdt1:1"
+    straight = run_on(cluster, 2, hosts,
+                      trainer(tmp_path / "a", tmp_path / "a.npy"))
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    killed = run_on(cluster, 2, hosts, trainer(
+        tmp_path / "b", tmp_path / "b.npy", "--kill-after-epoch", 2))
+    assert killed.returncode != 0
+    assert "rank 1 (host kdt1) exited with signal 9" in killed.stdout, (
+        killed.stdout[-4000:])
+    for host in cluster.hosts:
+        assert _processes_in(cluster, host) == [], host
+    resumed = run_on(cluster, 2, hosts,
+                     trainer(tmp_path / "b", tmp_path / "b.npy"))
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    for r in range(2):
+        assert "worker: initial_epoch 2" in rank_lines(resumed.stdout, r)
+    np.testing.assert_allclose(np.load(tmp_path / "b.npy"),
+                               np.load(tmp_path / "a.npy"), rtol=0, atol=1e-6)
