@@ -19,6 +19,7 @@ from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
 from kerasdist.run import remote
 from kerasdist.run import settings
+from kerasdist.run import slurm
 
 PROG = "kerasdist run"
 
@@ -82,7 +83,8 @@ def make_parser():
         epilog="Example: kerasdist run -np 2 python train.py",
     )
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int,
-                   required=True, metavar="N", help="number of ranks")
+                   metavar="N", help="number of ranks (default inside a "
+                   "Slurm allocation: its number of tasks)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
                        help="host1:slots,host2:slots (default: this machine)")
@@ -123,16 +125,24 @@ def make_parser():
     return p
 
 
-def parse_args(argv):
+def parse_args(argv, environ=None):
     """Parses and validates the launcher's arguments.
+
+    Args:
+        argv: the arguments after `kerasdist run`.
+        environ: the environment (default os.environ), for the Slurm
+            allocation the launcher may run in.
 
     Returns:
         An argparse.Namespace with `hosts` replaced by [(host, slots), ...]
-        (None for this machine only) and `command` without a leading "--".
+        (None for this machine only or for hydra to take from Slurm),
+        `slurm` the allocation's [(host, slots), ...] or None, and `command`
+        without a leading "--".
 
     Raises:
         UsageError: the input is invalid.
     """
+    environ = os.environ if environ is None else environ
     args = make_parser().parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
@@ -148,15 +158,48 @@ def parse_args(argv):
             source = f"--hostfile {args.hostfile}"
         args.ssh_argv = (None if args.ssh_command is None else
                          remote.split_command(args.ssh_command))
+        args.slurm = slurm.allocation(environ)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.slurm is not None:
+        _check_against_slurm(args, environ)
+    elif args.np is None:
+        raise UsageError("-np N is required outside a Slurm allocation "
+                         "(usage: kerasdist run -np N command [args...])")
     if args.hosts is not None:
         slots = hosts_lib.total_slots(args.hosts)
+        if args.np is None:
+            args.np = slots
         if args.np > slots:
             raise UsageError(
                 f"-np {args.np} is more than the {slots} slot(s) given by "
                 f"{source} ({hosts_lib.hydra_hosts_arg(args.hosts)})")
     return args
+
+
+def _check_against_slurm(args, environ):
+    """Inside an allocation: -H/--hostfile, when given, win but must name
+    hosts of the allocation; otherwise -np defaults to its tasks and may not
+    exceed them (hydra then takes the hosts from Slurm itself)."""
+    nodes = environ.get(slurm.NODELIST)
+    if args.hosts is not None:
+        outside = [h for h, _ in args.hosts
+                   if h not in {n for n, _ in args.slurm}]
+        if outside:
+            raise UsageError(
+                f"host {outside[0]} is not in this Slurm allocation "
+                f"({slurm.NODELIST}={nodes}); name hosts of the allocation "
+                "or leave out -H/--hostfile to use all of it")
+        return
+    tasks = hosts_lib.total_slots(args.slurm)
+    if args.np is None:
+        args.np = tasks
+    elif args.np > tasks:
+        raise UsageError(
+            f"-np {args.np} is more than the {tasks} task(s) of this Slurm "
+            f"allocation ({slurm.TASKS_PER_NODE}="
+            f"{environ.get(slurm.TASKS_PER_NODE, '1 per node')}); ask Slurm "
+            f"for more (salloc -n {args.np}) or lower -np")
 
 
 def find_mpiexec(environ=None, prefix=None, which=shutil.which):
@@ -280,6 +323,8 @@ def main(argv=None):
 
 def _check_remote_hosts(args, log):
     """Names each remote host its remote shell cannot reach; True if none."""
+    if args.slurm is not None and args.ssh_argv is None:
+        return True  # hydra starts the ranks with srun, not a remote shell
     shell = remote.effective_command(args.ssh_argv, os.environ)
     remote_hosts = [h for h, _ in args.hosts or () if not remote.is_local(h)]
     if not remote_hosts or shell is None:
