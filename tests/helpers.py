@@ -49,7 +49,7 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 
     Args:
-        np: number of ranks.
+        np: number of ranks, or None to give no -np.
         args: the command to run on every rank (a list).
         timeout: seconds before the whole process group is killed.
         env: environment (default os.environ); the repo root is prepended
@@ -68,7 +68,7 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
             the output so far.
     """
     argv = [*prefix, sys.executable, "-m", "kerasdist.run", *launcher_args,
-            "-np", str(np), *args]
+            *([] if np is None else ["-np", str(np)]), *args]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
