@@ -127,3 +127,22 @@ def test_main_names_the_host_and_starts_nothing(shell, tmp_path, capfdbinary):
                                "host bad: ")
     assert "Could not resolve hostname bad" in lines[0]
     assert not marker.exists()
+
+
+def test_a_proxy_that_cannot_connect_back_ends_the_job(capfdbinary):
+    # A stand-in for mpiexec under srun: hydra's proxy message, then a wait
+    # that would never end by itself.
+    from kerasdist.run import job
+    line = ("[proxy:1@node2] main (/src/pm/hydra/proxy/pmip.c:100): unable "
+            "to connect to server head at port 4242 (check for firewalls!)")
+    argv = ["sh", "-c", f"echo '{line}' >&2; exec sleep 60"]
+    start = time.monotonic()
+    with job.Interrupts() as interrupts:
+        outcome = job.run_attempt(argv, dict(os.environ), interrupts)
+    assert time.monotonic() - start < 10
+    assert outcome.exit_code == 1 and not outcome.retryable
+    err = capfdbinary.readouterr().err.decode().splitlines()
+    assert err == [line, "kerasdist: host node2 could not connect back to "
+                   "this machine at head:4242; give the interface the hosts "
+                   "reach this machine on with --network-interface (hydra's "
+                   "-iface)."]
