@@ -12,6 +12,7 @@ Standard library only.
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -27,6 +28,11 @@ def unavailable_reason():
             return (f"needs {name} (apt-get install slurmctld slurmd "
                     "slurm-client munge)")
     return None
+
+
+def _die_with_parent():
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _which(name):
@@ -70,8 +76,11 @@ class Slurm:
 
     def _spawn(self, argv, name):
         with open(self._log(name + ".out"), "wb") as out:
+            # The daemons die with the test process, even when it is
+            # SIGKILLed (the slurmds also go with their hosts).
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT)
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=_die_with_parent)
         self.procs.append(proc)
         return proc
 
