@@ -44,17 +44,20 @@ def rank_env(drop=(), **extra):
     return env
 
 
-def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None):
+def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
+           prefix=()):
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 
     Args:
-        np: number of ranks.
+        np: number of ranks, or None to give no -np.
         args: the command to run on every rank (a list).
         timeout: seconds before the whole process group is killed.
         env: environment (default os.environ); the repo root is prepended
             to its PYTHONPATH.
         launcher_args: launcher flags placed before -np.
         cwd: working directory (default the repo root).
+        prefix: argv put before the launcher's (e.g. a namespace to run
+            it in); it must exec the launcher.
 
     Returns:
         A subprocess.CompletedProcess; `stdout` holds stdout and stderr
@@ -64,8 +67,8 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None):
         AssertionError: the launcher ran past `timeout`; the message holds
             the output so far.
     """
-    argv = [sys.executable, "-m", "kerasdist.run", *launcher_args,
-            "-np", str(np), *args]
+    argv = [*prefix, sys.executable, "-m", "kerasdist.run", *launcher_args,
+            *([] if np is None else ["-np", str(np)]), *args]
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,

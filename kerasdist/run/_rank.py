@@ -11,6 +11,9 @@ and:
 - kills the command if the wrapper itself dies (Linux parent-death signal);
 - reports a failed exit (nonzero code or a signal) to the launcher as one
   marker line on stderr, which the launcher removes from the output;
+- sets KERASDIST_HOSTNAME to the name of the host the rank runs on (as
+  Horovod's launcher sets HOROVOD_HOSTNAME), so every rank can tell which
+  host it is on without asking MPI;
 - with `--bind`, restricts the command to this rank's share of the CPUs it
   may run on (see cpu_share), so that the ranks of one machine do not chase
   each other across cores and each TensorFlow sizes its thread pools by its
@@ -36,6 +39,8 @@ import threading
 
 # Shared with the launcher (kerasdist/run/job.py imports these names).
 MARKER = b"\x1ekerasdist-rank-exit "
+# The host's name, for every rank (see docs/launcher.md).
+HOSTNAME_ENV = "KERASDIST_HOSTNAME"
 # Seconds between forwarding an ending signal and SIGKILL.
 KILL_GRACE_S = 5.0
 
@@ -306,6 +311,7 @@ def main(argv=None):
         sys.stderr.write("kerasdist: _rank: no command given\n")
         return 2
     rank = rank_from_env(os.environ)
+    os.environ[HOSTNAME_ENV] = socket.gethostname()
     if bind:
         _bind(rank, report)
     status = _Wrapper(argv, prefix).run(rank)

@@ -13,6 +13,7 @@ _KILL_AFTER_S its process group gets SIGKILL.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,19 +69,23 @@ class Outcome:
         timed_out: whether the launcher's --timeout stopped the job.
         signum: the signal that interrupted the launcher, or None.
         reason: a short description for logs ("rank 1 exited with code 3").
+        final: a relaunch would fail the same way (e.g. a host cannot
+            reach this machine), so --max-restarts does not apply.
     """
 
     def __init__(self, exit_code, failure=None, timed_out=False, signum=None,
-                 reason=""):
+                 reason="", final=False):
         self.exit_code = exit_code
         self.failure = failure
         self.timed_out = timed_out
         self.signum = signum
         self.reason = reason
+        self.final = final
 
     @property
     def retryable(self):
-        return self.exit_code != 0 and not self.timed_out and not self.signum
+        return (self.exit_code != 0 and not self.timed_out and not self.signum
+                and not self.final)
 
 
 class Interrupts:
@@ -131,6 +136,30 @@ class Log:
         self.raw(f"kerasdist: {text}\n".encode())
 
 
+# hydra's proxy on a host that cannot connect back to mpiexec, e.g.
+# "[proxy:1@node2] main (...): unable to connect to server head at port 36959
+# (check for firewalls!)". Launched by ssh, mpiexec then ends by itself;
+# launched by srun it waits forever, so the launcher stops it.
+_UNREACHABLE_RE = re.compile(
+    rb"^\[proxy:\d+@(\S+)\] .*unable to connect to server (\S+) at port "
+    rb"(\d+)")
+
+
+class Unreachable:
+    """A host whose hydra proxy could not connect back to mpiexec."""
+
+    def __init__(self, host, server, port):
+        self.host = host
+        self.server = server
+        self.port = port
+
+    def describe(self):
+        return (f"host {self.host} could not connect back to this machine "
+                f"at {self.server}:{self.port}; give the interface the hosts "
+                "reach this machine on with --network-interface (hydra's "
+                "-iface)")
+
+
 class _Relay(threading.Thread):
     """Copies an output of mpiexec to the log, taking out the exit markers."""
 
@@ -141,11 +170,13 @@ class _Relay(threading.Thread):
         self.stream = stream
         self.failure = None
         self.failed = threading.Event()
+        self.unreachable = None
 
     def run(self):
         for line in iter(self.pipe.readline, b""):
             start = line.find(_rank.MARKER)
             if start < 0:
+                self._note_unreachable(line)
                 self.log.raw(line, self.stream)
                 continue
             if start > 0:  # an unprefixed partial line ran into the marker
@@ -155,6 +186,12 @@ class _Relay(threading.Thread):
                 self.failure = RankFailure(*parsed)
                 self.failed.set()
         self.pipe.close()
+
+    def _note_unreachable(self, line):
+        m = _UNREACHABLE_RE.match(line)
+        if m and self.unreachable is None:
+            self.unreachable = Unreachable(
+                *(g.decode(errors="replace") for g in m.groups()))
 
 
 def _signal_proc(proc, signum):
@@ -200,7 +237,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
     out_relay = _Relay(proc.stdout, log, log.out)
     out_relay.start()
 
-    stop_reason = None  # "failure", "timeout" or "signal"
+    stop_reason = None  # "failure", "unreachable", "timeout" or "signal"
     stopping_since = None
     forced = False
     while True:
@@ -219,6 +256,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
                 stop_reason, signum = "failure", signal.SIGTERM
                 log.line(f"{relay.failure.describe()}; "
                          "stopping the other ranks.")
+            elif (relay.unreachable or out_relay.unreachable) is not None:
+                stop_reason, signum = "unreachable", signal.SIGTERM
             elif deadline is not None and now >= deadline:
                 stop_reason, signum = "timeout", signal.SIGTERM
                 log.line(f"timeout: the job ran longer than {timeout:g} s; "
@@ -239,6 +278,11 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
     out_relay.join(timeout=5.0)
 
     failure = relay.failure
+    unreachable = relay.unreachable or out_relay.unreachable
+    if unreachable is not None and stop_reason in (None, "unreachable"):
+        # Said once, after hydra's own lines; a relaunch would fail the same.
+        log.line(f"{unreachable.describe()}.")
+        return Outcome(1, final=True, reason=unreachable.describe())
     if stop_reason == "timeout":
         return Outcome(124, failure, timed_out=True,
                        reason=f"the job timed out after {timeout:g} s")

@@ -12,11 +12,14 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import time
 
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
+from kerasdist.run import remote
 from kerasdist.run import settings
+from kerasdist.run import slurm
 
 PROG = "kerasdist run"
 
@@ -80,12 +83,22 @@ def make_parser():
         epilog="Example: kerasdist run -np 2 python train.py",
     )
     p.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int,
-                   required=True, metavar="N", help="number of ranks")
+                   metavar="N", help="number of ranks (default inside a "
+                   "Slurm allocation: its number of tasks)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
                        help="host1:slots,host2:slots (default: this machine)")
     where.add_argument("--hostfile", metavar="FILE",
                        help="file with one 'host slots=N' or 'host:N' a line")
+    p.add_argument("--ssh-command", metavar="CMD",
+                   default=os.environ.get(remote.SSH_COMMAND),
+                   help="the remote shell that starts ranks on other hosts, "
+                   "called like ssh: CMD HOST COMMAND (default: ssh, or "
+                   f"${remote.SSH_COMMAND})")
+    p.add_argument("--network-interface", metavar="IFACE",
+                   help="the interface whose address the other hosts reach "
+                   "this machine at (hydra's -iface; default: the address "
+                   "of this machine's host name)")
     p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
                    metavar="MB", help="tensor fusion buffer size in MiB")
     p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
@@ -112,16 +125,24 @@ def make_parser():
     return p
 
 
-def parse_args(argv):
+def parse_args(argv, environ=None):
     """Parses and validates the launcher's arguments.
+
+    Args:
+        argv: the arguments after `kerasdist run`.
+        environ: the environment (default os.environ), for the Slurm
+            allocation the launcher may run in.
 
     Returns:
         An argparse.Namespace with `hosts` replaced by [(host, slots), ...]
-        (None for this machine only) and `command` without a leading "--".
+        (None for this machine only or for hydra to take from Slurm),
+        `slurm` the allocation's [(host, slots), ...] or None, and `command`
+        without a leading "--".
 
     Raises:
         UsageError: the input is invalid.
     """
+    environ = os.environ if environ is None else environ
     args = make_parser().parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
@@ -135,15 +156,50 @@ def parse_args(argv):
         elif args.hostfile is not None:
             args.hosts = hosts_lib.parse_hostfile(args.hostfile)
             source = f"--hostfile {args.hostfile}"
+        args.ssh_argv = (None if args.ssh_command is None else
+                         remote.split_command(args.ssh_command))
+        args.slurm = slurm.allocation(environ)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.slurm is not None:
+        _check_against_slurm(args, environ)
+    elif args.np is None:
+        raise UsageError("-np N is required outside a Slurm allocation "
+                         "(usage: kerasdist run -np N command [args...])")
     if args.hosts is not None:
         slots = hosts_lib.total_slots(args.hosts)
+        if args.np is None:
+            args.np = slots
         if args.np > slots:
             raise UsageError(
                 f"-np {args.np} is more than the {slots} slot(s) given by "
                 f"{source} ({hosts_lib.hydra_hosts_arg(args.hosts)})")
     return args
+
+
+def _check_against_slurm(args, environ):
+    """Inside an allocation: -H/--hostfile, when given, win but must name
+    hosts of the allocation; otherwise -np defaults to its tasks and may not
+    exceed them (hydra then takes the hosts from Slurm itself)."""
+    nodes = environ.get(slurm.NODELIST)
+    if args.hosts is not None:
+        outside = [h for h, _ in args.hosts
+                   if h not in {n for n, _ in args.slurm}]
+        if outside:
+            raise UsageError(
+                f"host {outside[0]} is not in this Slurm allocation "
+                f"({slurm.NODELIST}={nodes}); name hosts of the allocation "
+                "or leave out -H/--hostfile to use all of it")
+        return
+    tasks = hosts_lib.total_slots(args.slurm)
+    if args.np is None:
+        args.np = tasks
+    elif args.np > tasks:
+        raise UsageError(
+            f"-np {args.np} is more than the {tasks} task(s) of this Slurm "
+            f"allocation ({slurm.TASKS_PER_NODE}="
+            f"{environ.get(slurm.TASKS_PER_NODE, '1 per node')}); ask Slurm "
+            f"for more (salloc -n {args.np}) or lower -np")
 
 
 def find_mpiexec(environ=None, prefix=None, which=shutil.which):
@@ -196,7 +252,7 @@ def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
 
 def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
                        no_prefix=False, python=None, bind=False,
-                       report_bind=False):
+                       report_bind=False, launcher_exec=None, iface=None):
     """Builds the hydra mpiexec command line.
 
     Args:
@@ -210,6 +266,10 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
         python: the interpreter for the wrapper (default sys.executable).
         bind: ask the wrapper to bind each rank to its share of the CPUs.
         report_bind: ask the wrapper to print each rank's binding.
+        launcher_exec: the remote shell executable (hydra's -launcher-exec),
+            or None for hydra's default (ssh).
+        iface: the network interface hydra advertises to the other hosts,
+            or None.
 
     Returns:
         The argv list.
@@ -219,6 +279,10 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
         argv += ["-genv", name, value]
     if hosts:
         argv += ["-hosts", hosts_lib.hydra_hosts_arg(hosts)]
+    if launcher_exec:
+        argv += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
+    if iface:
+        argv += ["-iface", iface]
     argv += ["-n", str(np)]
     return argv + rank_wrapper_argv(no_prefix, python, bind,
                                     report_bind) + list(command)
@@ -249,6 +313,35 @@ def main(argv=None):
         log.raw(f"{PROG}: error: {e}\n".encode())
         return 1
 
+    if not _check_remote_hosts(args, log):
+        return 1
+    if args.ssh_argv is None or len(args.ssh_argv) == 1:
+        return _run(args, mpiexec, log)
+    with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
+        return _run(args, mpiexec, log, workdir)
+
+
+def _check_remote_hosts(args, log):
+    """Names each remote host its remote shell cannot reach; True if none."""
+    if args.slurm is not None and args.ssh_argv is None:
+        return True  # hydra starts the ranks with srun, not a remote shell
+    shell = remote.effective_command(args.ssh_argv, os.environ)
+    remote_hosts = [h for h, _ in args.hosts or () if not remote.is_local(h)]
+    if not remote_hosts or shell is None:
+        return True
+    failed = remote.check_hosts(remote_hosts, shell)
+    for host, reason in failed:
+        log.raw(f"{PROG}: error: cannot start ranks on host {host}: "
+                f"`{shlex.join(shell)} {host} true` failed: {reason}. Check "
+                f"the host name and that this command works without a "
+                f"password, or give another remote shell with "
+                f"--ssh-command.\n".encode())
+    return not failed
+
+
+def _run(args, mpiexec, log, workdir=None):
+    launcher_exec = (None if args.ssh_argv is None else
+                     remote.launcher_exec(args.ssh_argv, workdir))
     attempts = args.max_restarts + 1
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     outcome = None
@@ -261,7 +354,9 @@ def main(argv=None):
             mpi_argv = build_mpiexec_argv(mpiexec, args.np, args.command,
                                           rank_env, args.hosts, args.no_prefix,
                                           bind=args.bind_to == "core",
-                                          report_bind=args.verbose)
+                                          report_bind=args.verbose,
+                                          launcher_exec=launcher_exec,
+                                          iface=args.network_interface)
             if args.verbose:
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)

@@ -7,7 +7,9 @@ allreduce reads the other ranks in place; those with a prescale factor use
 the slots), "shm" (every non-empty allreduce through shared-memory slots),
 "mpi" (shared memory off), "mixed" (off on odd ranks only: the ranks must
 agree on MPI) or "cma-mixed" (in-place reads off on odd ranks only: they must
-agree on the slots). The worker checks that the path was taken. "cma-choice"
+agree on the slots) or "hosts" (the single-node paths allowed for every
+size, as "cma", in a job that may span hosts: they must be used when all
+ranks share one host and never otherwise). The worker checks that the path was taken. "cma-choice"
 checks only how the in-place reads are chosen: a fused batch of small
 tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on average) goes through the
 slots, one of larger tensors is read in place.
@@ -30,7 +32,7 @@ from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
 MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
 _rank = int(os.environ.get("PMI_RANK", "0"))
-if MODE == "cma":
+if MODE in ("cma", "hosts"):
     kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
             cma_min_tensor_bytes=0)
 elif MODE == "cma-choice":
@@ -308,7 +310,8 @@ slots_used = shm_used - cma_used
 expected = {"default": (n > 1, None, None), "cma": (n > 1, n > 1, n > 1),
             "shm": (n > 1, False, n > 1), "mpi": (False, False, False),
             "mixed": (False, False, False),
-            "cma-mixed": (n > 1, False, n > 1)}[MODE]
+            "cma-mixed": (n > 1, False, n > 1),
+            "hosts": (n > 1 and kd.local_size() == n, None, None)}[MODE]
 for what, used, want in zip(("single-node", "in-place", "slot"),
                             (shm_used, cma_used, slots_used), expected):
     if want is not None and (used > 0) != want:

@@ -5,7 +5,8 @@
 Groups: equiv (training equivalence against a single-process truth), math
 (hand-computed updates: clipping, accumulation, Sum, predivide, groups,
 loss scaling), keras (serialization, save/load, XLA, mixed precision,
-errors), np1 (run alone at np=1: no collective is created). Default: all
+errors), np1 (run alone at np=1: no collective is created), hosts (two
+equivalence checks, for a job across test hosts). Default: all
 but np1. Each check prints
 `OK <check>`; any failure raises, which fails the rank and the job.
 
@@ -534,8 +535,14 @@ def group_np1():
     ok("np1_no_collectives")
 
 
+def group_hosts():
+    """The equivalence of model.fit, kept short for a job across hosts."""
+    check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
+    check_fit("fit_adam", lambda: keras.optimizers.Adam(0.01))
+
+
 GROUPS = {"equiv": group_equiv, "math": group_math, "keras": group_keras,
-          "np1": group_np1}
+          "np1": group_np1, "hosts": group_hosts}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["equiv", "math", "keras"]:

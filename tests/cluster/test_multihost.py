@@ -1,0 +1,275 @@
+"""`kerasdist run` across test hosts, the way users run it: `-H host:slots`
+through a remote shell (an nsenter script, and once a real OpenSSH server),
+every collective against numpy, the topology, where the bytes go, model.fit
+against a single-process run, a Trainer resumed after one host's ranks were
+killed, and hosts that cannot be reached."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cluster import Cluster, require
+from tests.helpers import REPO_ROOT, launch, rank_lines
+
+pytestmark = pytest.mark.cluster
+
+WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
+MIB = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require()
+    with Cluster(2) as c:
+        yield c
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _worker(name, *args):
+    return [sys.executable, os.path.join(WORKERS, name), *args]
+
+
+def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
+           env=None):
+    """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
+    the host names resolve to the test hosts."""
+    args = ["--ssh-command", ssh_command or cluster.remote_shell,
+            "--network-interface", cluster.bridge, "-H", hosts]
+    return launch(np_, command, timeout=timeout, env=env or _env(),
+                  launcher_args=args, prefix=cluster.launcher_prefix())
+
+
+def layout(hosts, np_):
+    """The topology hydra gives -H HOSTS: {rank: dict} (ranks fill hosts in
+    order), with Horovod's local and cross ranks."""
+    placed = []
+    for entry in hosts.split(","):
+        name, slots = entry.split(":")
+        placed += [name] * int(slots)
+    placed = placed[:np_]
+    topo = {}
+    for r, host in enumerate(placed):
+        local = [q for q in range(np_) if placed[q] == host]
+        local_rank = local.index(r)
+        same_local = [q for q in range(np_)
+                      if [p for p in range(np_)
+                          if placed[p] == placed[q]].index(q) == local_rank]
+        topo[r] = {"rank": r, "size": np_, "local_rank": local_rank,
+                   "local_size": len(local),
+                   "cross_rank": same_local.index(r),
+                   "cross_size": len(same_local), "host": host,
+                   "env_host": host}
+    return topo
+
+
+def _fields(line):
+    return {k: (int(v) if v.isdigit() else v)
+            for k, v in re.findall(r"(\w+)=(\S+)", line)}
+
+
+@pytest.mark.parametrize("np_, hosts", [
+    (4, "kdt0:2,kdt1:2"), (3, "kdt0:2,kdt1:1"), (2, "kdt0:2")])
+def test_topology_and_bytes_on_the_link(cluster, np_, hosts):
+    # The single-node paths are allowed for every size: across hosts they
+    # must not be taken (all the data crosses the veths, at least one
+    # payload per host for two hosts), on one host they must (and then the
+    # link carries far less than the payload).
+    used = sorted({h.split(":")[0] for h in hosts.split(",")})
+    before = {h.name: cluster.tx_bytes(h) for h in cluster.hosts}
+    out = run_on(cluster, np_, hosts, _worker("multihost_worker.py",
+                                              str(MIB)))
+    assert out.returncode == 0, out.stdout[-4000:]
+    sent = {h.name: cluster.tx_bytes(h) - before[h.name]
+            for h in cluster.hosts}
+    want = layout(hosts, np_)
+    payload = MIB << 20
+    for r in range(np_):
+        lines = rank_lines(out.stdout, r)
+        topo = [_fields(l) for l in lines if l.startswith("TOPO ")]
+        assert topo == [want[r]], (r, lines)
+        paths = [_fields(l) for l in lines if l.startswith("PATHS ")]
+        assert len(paths) == 1 and "OK" in lines, lines
+        if len(used) > 1:
+            assert paths[0] == {"single_node": 0, "in_place": 0}, paths
+        else:
+            assert paths[0]["single_node"] >= 1, paths
+    for name in used:
+        if len(used) > 1:
+            assert sent[name] >= payload, (name, sent, payload)
+        else:
+            assert sent[name] < payload // 4, (name, sent, payload)
+
+
+@pytest.mark.parametrize("np_, hosts", [(4, "kdt0:2,kdt1:2"),
+                                        (3, "kdt0:2,kdt1:1")])
+def test_every_collective_matches_numpy_across_hosts(cluster, np_, hosts):
+    out = run_on(cluster, np_, hosts,
+                 _worker("core_collectives_worker.py", "hosts"))
+    assert out.returncode == 0, out.stdout[-4000:]
+    for r in range(np_):
+        lines = rank_lines(out.stdout, r)
+        assert any(l.startswith("OK all") for l in lines), (r, lines)
+        assert any(l.startswith("OK path hosts: 0 single-node")
+                   for l in lines), (r, lines)
+
+
+@pytest.mark.slow
+def test_model_fit_across_hosts_equals_one_process(cluster):
+    out = run_on(cluster, 4, "kdt0:2,kdt1:2",
+                 _worker("keras_optimizer_worker.py", "hosts"), timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    for r in range(4):
+        lines = rank_lines(out.stdout, r)
+        for check in ("OK fit_sgd", "OK fit_adam", "DONE"):
+            assert check in lines, (r, check, out.stdout[-3000:])
+
+
+def _processes_in(cluster, host, settle=5.0):
+    """The processes (state and command line) alive in `host` but its init
+    and this probe, after waiting up to `settle` s for exiting ones (a rank
+    ends a moment after the launcher has its exit status)."""
+    code = ("import os\n"
+            "for p in os.listdir('/proc'):\n"
+            "    if not p.isdigit() or int(p) in (1, os.getpid()):\n"
+            "        continue\n"
+            "    try:\n"
+            "        stat = open(f'/proc/{p}/stat').read()\n"
+            "        cmd = open(f'/proc/{p}/cmdline').read()\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    state = stat.rsplit(')', 1)[1].split()[0]\n"
+            "    if state != 'Z':\n"
+            "        print(state, cmd.replace('\\0', ' '))")
+    deadline = time.monotonic() + settle
+    while True:
+        alive = cluster.run(host, [sys.executable, "-c", code]
+                            ).stdout.splitlines()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.25)
+
+
+def test_host_that_does_not_resolve_is_named_and_nothing_is_left(cluster):
+    start = time.monotonic()
+    out = run_on(cluster, 4, "kdt0:2,nohost:2",
+                 [sys.executable, "-c", "import time; time.sleep(60)"],
+                 timeout=60)
+    took = time.monotonic() - start
+    assert out.returncode != 0
+    assert took < 30, took
+    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1, out.stdout
+    assert "cannot start ranks on host nohost:" in lines[0], lines
+    assert "Could not resolve hostname nohost" in lines[0], lines
+    for host in cluster.hosts:
+        assert _processes_in(cluster, host) == [], host
+
+
+def _sshd(cluster, host, keys):
+    config = os.path.join(keys, f"sshd_config.{host.name}")
+    with open(config, "w") as f:
+        f.write(f"ListenAddress {host.address}:22\n"
+                f"HostKey {keys}/host_key\n"
+                f"AuthorizedKeysFile {keys}/authorized_keys\n"
+                "PermitRootLogin prohibit-password\n"
+                "PasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\n"
+                "UsePAM no\nStrictModes no\n"
+                f"PidFile /run/sshd.pid\n")
+    cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd", "-f",
+                       config])
+    # sshd forks into the background once it listens.
+    return config
+
+
+def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
+    sshd = shutil.which("sshd") or (
+        "/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
+    if sshd is None or shutil.which("ssh-keygen") is None:
+        message = "needs OpenSSH (apt-get install openssh-server)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and the test {message}", pytrace=False)
+        pytest.skip(message)
+    keys = str(tmp_path)
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
+                        "-f", os.path.join(keys, name)], check=True)
+    shutil.copy(os.path.join(keys, "client_key.pub"),
+                os.path.join(keys, "authorized_keys"))
+    for host in cluster.hosts:
+        _sshd(cluster, host, keys)
+    ssh = (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
+           "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
+    code = ("import os, socket; print(socket.gethostname(), "
+            "os.environ['KERASDIST_HOSTNAME'], os.environ['PMI_RANK'])")
+    try:
+        out = run_on(cluster, 4, "kdt0:2,kdt1:2",
+                     [sys.executable, "-c", code], timeout=90,
+                     ssh_command=ssh)
+        assert out.returncode == 0, out.stdout[-3000:]
+        for r, host in enumerate(["kdt0", "kdt0", "kdt1", "kdt1"]):
+            assert rank_lines(out.stdout, r) == [f"{host} {host} {r}"], (
+                out.stdout)
+        # The hosts are reachable from the machine only over their links,
+        # so ranks that see the hosts' names were started by their sshd.
+        # kdt1 refuses once its server is gone: one line, naming it, and no
+        # rank started on kdt0.
+        cluster.run(cluster.host("kdt1"),
+                    ["sh", "-c", "kill $(cat /run/sshd.pid)"])
+        out = run_on(cluster, 2, "kdt0:1,kdt1:1",
+                     [sys.executable, "-c", "print('never')"], timeout=60,
+                     ssh_command=ssh)
+        assert out.returncode != 0
+        assert "cannot start ranks on host kdt1:" in out.stdout, out.stdout
+        assert "Connection refused" in out.stdout, out.stdout
+        assert "never" not in out.stdout
+        for host in cluster.hosts:
+            assert not [c for c in _processes_in(cluster, host)
+                        if "sshd" not in c], host
+    finally:
+        for host in cluster.hosts:
+            cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
+                               "kill $(cat /run/sshd.pid); true"])
+
+
+@pytest.mark.slow
+def test_trainer_resumes_exactly_after_a_hosts_ranks_are_killed(cluster,
+                                                                 tmp_path):
+    # One rank a host: the Trainer worker SIGKILLs the last rank (kdt1's
+    # only one) right after the epoch-2 checkpoint; the relaunched job must
+    # end in the state of a job that was never interrupted.
+    import numpy as np
+
+    def trainer(*args):
+        return _worker("trainer_worker.py", "resume", *map(str, args))
+
+    hosts = "kdt0:1,kdt1:1"
+    straight = run_on(cluster, 2, hosts,
+                      trainer(tmp_path / "a", tmp_path / "a.npy"))
+    assert straight.returncode == 0, straight.stdout[-4000:]
+    killed = run_on(cluster, 2, hosts, trainer(
+        tmp_path / "b", tmp_path / "b.npy", "--kill-after-epoch", 2))
+    assert killed.returncode != 0
+    assert "rank 1 (host kdt1) exited with signal 9" in killed.stdout, (
+        killed.stdout[-4000:])
+    for host in cluster.hosts:
+        assert _processes_in(cluster, host) == [], host
+    resumed = run_on(cluster, 2, hosts,
+                     trainer(tmp_path / "b", tmp_path / "b.npy"))
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    for r in range(2):
+        assert "worker: initial_epoch 2" in rank_lines(resumed.stdout, r)
+    np.testing.assert_allclose(np.load(tmp_path / "b.npy"),
+                               np.load(tmp_path / "a.npy"), rtol=0, atol=1e-6)

@@ -1,0 +1,109 @@
+"""`kerasdist run` inside a real Slurm allocation on the test cluster:
+munged and slurmctld on the machine, a slurmd in each test host."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cluster import Cluster, require
+from tests.cluster import slurm as slurm_lib
+from tests.cluster.test_multihost import _env, _fields, _worker, layout
+from tests.helpers import launch, launcher_env, rank_lines
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    require()
+    reason = slurm_lib.unavailable_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and Slurm cannot run here: {reason}",
+                        pytrace=False)
+        pytest.skip(f"Slurm: {reason}")
+    with Cluster(2) as c, slurm_lib.Slurm(c) as s:
+        yield s
+
+
+def in_allocation(s, launcher_args, command, np_=None, alloc=("-N2", "-n4"),
+                  timeout=120):
+    """`salloc ALLOC kerasdist run [LAUNCHER_ARGS] [-np NP] COMMAND`."""
+    return launch(np_, command, timeout=timeout, env=s.env(_env()),
+                  launcher_args=launcher_args,
+                  prefix=s.prefix() + ["salloc", *alloc])
+
+
+def _assert_topology(out, hosts, np_):
+    assert out.returncode == 0, out.stdout[-4000:]
+    want = layout(hosts, np_)
+    for r in range(np_):
+        lines = rank_lines(out.stdout, r)
+        topo = [_fields(l) for l in lines if l.startswith("TOPO ")]
+        assert topo == [want[r]], (r, lines)
+        assert "PATHS single_node=0 in_place=0" in lines, lines
+
+
+def test_np_and_hosts_come_from_the_allocation(slurm):
+    out = in_allocation(slurm, ["--network-interface", slurm.cluster.bridge],
+                        _worker("multihost_worker.py", "4"))
+    _assert_topology(out, "kdt0:2,kdt1:2", 4)
+    # An uneven allocation: SLURM_TASKS_PER_NODE=2,1.
+    out = in_allocation(slurm, ["--network-interface", slurm.cluster.bridge],
+                        _worker("multihost_worker.py", "1"),
+                        alloc=("-N2", "-n3"))
+    _assert_topology(out, "kdt0:2,kdt1:1", 3)
+
+
+def test_np_beyond_the_allocation_is_one_line(slurm):
+    out = in_allocation(slurm, [], [sys.executable, "-c", "print('never')"],
+                        np_=5)
+    assert out.returncode == 2
+    errors = [l for l in out.stdout.splitlines() if "kerasdist" in l]
+    assert errors == ["kerasdist run: error: -np 5 is more than the 4 "
+                      "task(s) of this Slurm allocation "
+                      "(SLURM_TASKS_PER_NODE=2(x2)); ask Slurm for more "
+                      "(salloc -n 5) or lower -np"], out.stdout
+
+
+def test_hosts_that_cannot_reach_back_end_the_job_with_one_line(slurm):
+    # Without --network-interface hydra advertises the machine's host
+    # name, which the test hosts cannot resolve: its proxies fail, and
+    # mpiexec under srun would wait for them forever.
+    start = time.monotonic()
+    out = in_allocation(slurm, [], [sys.executable, "-c", "print('never')"],
+                        timeout=60)
+    assert out.returncode == 1, out.stdout
+    assert time.monotonic() - start < 30
+    ours = [l for l in out.stdout.splitlines() if l.startswith("kerasdist:")]
+    assert len(ours) == 1, out.stdout
+    assert "could not connect back to this machine at" in ours[0]
+    assert "--network-interface" in ours[0]
+
+
+def test_ranks_started_by_srun_directly(slurm):
+    # No launcher: srun starts the ranks and MPICH talks PMI-2 to slurmd.
+    argv = slurm.prefix() + ["salloc", "-N2", "-n4", "srun", "--mpi=pmi2",
+                             *_worker("multihost_worker.py", "4")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=launcher_env(slurm.env(_env())),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"srun ran past 120 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    want = layout("kdt0:2,kdt1:2", 4)
+    topo = sorted((_fields(l) for l in out.splitlines()
+                   if l.startswith("TOPO ")), key=lambda t: t["rank"])
+    for got in topo:
+        got["env_host"] = got["host"]  # no launcher, no KERASDIST_HOSTNAME
+    assert topo == [want[r] for r in range(4)], out
+    assert out.count("PATHS single_node=0 in_place=0") == 4, out
