@@ -156,8 +156,9 @@ const char* kerasdist_settings_table(void) {
   const Config defaults;
   t_text.clear();
   for (const Setting& s : Settings()) {
-    t_text += std::string(s.name) + "\t" + s.keyword + "\t" +
-              FormatSetting(s, defaults) + "\t" + s.doc + "\n";
+    t_text += std::string(s.name) + "\t" + s.key + "\t" +
+              (s.in_init ? "1" : "0") + "\t" + FormatSetting(s, defaults) +
+              "\t" + s.doc + "\n";
   }
   return t_text.c_str();
 }

@@ -50,9 +50,10 @@ const char* kerasdist_config_variables(void);
  * setting of kerasdist_settings_table, in its order; booleans as 1 or 0).
  * Empty before init. */
 const char* kerasdist_current_config(void);
-/* The settings table (ops/core/config.cc), one line per setting with four
- * tab-separated fields: NAME, init() keyword ("" when init() takes none),
- * default (formatted as kerasdist_current_config does) and a doc line. */
+/* The settings table (ops/core/config.cc), one line per setting with five
+ * tab-separated fields: NAME, key (its short name), 1 if Python's init()
+ * takes the key as a keyword else 0, the default (formatted as
+ * kerasdist_current_config does) and a doc line. */
 const char* kerasdist_settings_table(void);
 /* The settings kerasdist_init(..., settings) would run with (the environment,
  * then the `settings` lines), formatted as kerasdist_current_config; starts

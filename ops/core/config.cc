@@ -12,49 +12,55 @@ namespace kerasdist::core {
 const std::vector<Setting>& Settings() {
   using C = Config;
   static const std::vector<Setting> settings = {
-      {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold",
+      {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold", true,
        &C::fusion_threshold_bytes, 0, {},
        "Tensor Fusion buffer size in bytes (0 disables fusion)"},
-      {"KERASDIST_CYCLE_TIME", "cycle_time_ms", &C::cycle_time_ms, 0, {},
+      {"KERASDIST_CYCLE_TIME", "cycle_time_ms", true, &C::cycle_time_ms, 0, {},
        "batching window in milliseconds: how long the coordinator may wait "
        "after the first ready tensor for more to fuse (0: run what is ready "
        "at once)"},
-      {"KERASDIST_CACHE_CAPACITY", "cache_capacity", &C::cache_capacity, 0, {},
+      {"KERASDIST_CACHE_CAPACITY", "cache_capacity", true,
+       &C::cache_capacity, 0, {},
        "response cache entries (0 disables the cache)"},
-      {"KERASDIST_STALL_CHECK_TIME_SECONDS", "stall_check_time_seconds",
+      {"KERASDIST_STALL_CHECK_TIME_SECONDS", "stall_check_time_seconds", true,
        &C::stall_check_time_s, 0, {},
        "warn (on rank 0) when a tensor has waited this long for some ranks, "
        "naming it and the missing ranks (0 disables)"},
       {"KERASDIST_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_time_seconds",
+       true,
        &C::stall_shutdown_time_s, 0, {},
        "fail every rank when a tensor has waited this long (0 = never)"},
-      {"KERASDIST_TIMELINE", "timeline", &C::timeline_path, 0, {},
+      {"KERASDIST_TIMELINE", "timeline", true, &C::timeline_path, 0, {},
        "path of a Chrome-trace timeline written by rank 0 (empty: none)"},
-      {"KERASDIST_TIMELINE_MARK_CYCLES", "timeline_mark_cycles",
+      {"KERASDIST_TIMELINE_MARK_CYCLES", "timeline_mark_cycles", true,
        &C::timeline_mark_cycles, 0, {},
        "1 to mark every runtime cycle in the timeline"},
-      {"KERASDIST_AUTOTUNE", "autotune", &C::autotune, 0, {},
+      {"KERASDIST_AUTOTUNE", "autotune", true, &C::autotune, 0, {},
        "1 to tune the fusion threshold, cycle time and response cache while "
        "training (rank 0; see [timeline.md](timeline.md#autotune))"},
-      {"KERASDIST_AUTOTUNE_LOG", "autotune_log", &C::autotune_log, 0, {},
+      {"KERASDIST_AUTOTUNE_LOG", "autotune_log", true,
+       &C::autotune_log, 0, {},
        "CSV file recording every autotune sample"},
-      {"KERASDIST_GPU_OPERATIONS", "", &C::gpu_operations, 0, {"NCCL", "MPI"},
+      {"KERASDIST_GPU_OPERATIONS", "gpu_operations", false,
+       &C::gpu_operations, 0, {"NCCL", "MPI"},
        "`NCCL` or `MPI`: how collectives on GPU memory travel (`MPI`: staged "
        "through pinned host memory; see [gpu.md](gpu.md)); read only by a "
        "build with the GPU backend"},
-      {"KERASDIST_LOG_LEVEL", "log_level", &C::log_level, 0, {},
+      {"KERASDIST_LOG_LEVEL", "log_level", true, &C::log_level, 0, {},
        "0 quiet, 1 warnings, 2 debug"},
-      {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", &C::shm_allreduce, 0, {},
+      {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
+       &C::shm_allreduce, 0, {},
        "1: when every rank runs on one node, allreduce host tensors through "
        "shared memory (POSIX shm in `/dev/shm`, up to 64 MiB a rank, space "
        "reserved up front; if any rank cannot get it, all use MPI); 0: always "
        "MPI. The ranks agree: one rank's 0 turns it off for all"},
-      {"KERASDIST_CMA_ALLREDUCE", "cma_allreduce", &C::cma_allreduce, 0, {},
+      {"KERASDIST_CMA_ALLREDUCE", "cma_allreduce", true,
+       &C::cma_allreduce, 0, {},
        "1: the single-node allreduce reads the other ranks' tensors in place "
        "with `process_vm_readv` (nothing staged in `/dev/shm`, no size limit) "
        "where every rank can; 0: stage them in the shared-memory slots. The "
        "ranks agree"},
-      {"KERASDIST_CMA_MIN_TENSOR_BYTES", "cma_min_tensor_bytes",
+      {"KERASDIST_CMA_MIN_TENSOR_BYTES", "cma_min_tensor_bytes", true,
        &C::cma_min_tensor_bytes, 0, {},
        "with in-place reads on: a fused batch whose tensors average fewer "
        "bytes than this goes through the shared-memory slots instead, where "
@@ -62,14 +68,15 @@ const std::vector<Setting>& Settings() {
        "other rank (512 x 1 KiB: 0.60 ms against 0.73 ms a step); batches "
        "over 64 MiB always read in place. The ranks use the largest value "
        "given"},
-      {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES", "shm_allreduce_min_bytes",
+      {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES", "shm_allreduce_min_bytes", true,
        &C::shm_allreduce_min_bytes, 0, {},
        "smallest allreduce, in bytes after fusion, that takes the "
        "shared-memory path (the ranks use the largest value given)"},
       // Not a runtime knob: the launcher tells each rank which attempt it is
       // (--max-restarts), and the Trainer logs it. Listed here so its name
       // lives in one place with the others.
-      {"KERASDIST_RESTART_ATTEMPT", "", &C::restart_attempt, 0, {},
+      {"KERASDIST_RESTART_ATTEMPT", "restart_attempt", false,
+       &C::restart_attempt, 0, {},
        "0-based attempt number, set by `kerasdist run` under "
        "`--max-restarts`"},
   };

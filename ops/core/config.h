@@ -44,15 +44,16 @@ struct Config {
 struct Setting {
   using Field = std::variant<int64_t Config::*, int Config::*, double Config::*,
                              bool Config::*, std::string Config::*>;
-  const char* name;     // the environment variable, KERASDIST_...
-  const char* keyword;  // init()'s keyword argument; "" when init() takes none
+  const char* name;  // the environment variable, KERASDIST_...
+  const char* key;   // its short name (Python: init()'s keyword, if any)
+  bool in_init;      // init() takes `key` as a keyword argument
   Field field;
   int64_t min;                       // integers only
   std::vector<std::string> choices;  // strings only; empty = any text
   const char* doc;                   // one line for docs/env_vars.md
 };
 
-// Every setting the runtime understands, in the order docs/env_vars.md lists them.
+// Every setting the runtime understands, in docs/env_vars.md's order.
 const std::vector<Setting>& Settings();
 
 // Kept for existing callers: the (name, doc) pairs of Settings().
