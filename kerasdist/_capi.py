@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import threading
+import types
 
 _LIB_NAME = "libkerasdist_core.so"
 _lib = None
@@ -206,29 +207,34 @@ def parse_setting(name, value):
 
 # ---- enums (ops/core/types.h) and timeline names (ops/core/timeline.h) ------
 
+def _frozen(mapping):
+    """A read-only view: the cached tables are shared by every caller."""
+    return types.MappingProxyType(mapping)
+
+
 @functools.lru_cache(maxsize=None)
 def dtype_codes():
     """dtype name ("float32", "bfloat16"...) -> the core's DataType value."""
-    return {k: int(v) for k, v in _pairs("dtypes").items()}
+    return _frozen({k: int(v) for k, v in _pairs("dtypes").items()})
 
 
 @functools.lru_cache(maxsize=None)
 def reduce_ops():
     """Reduction name ("Average", "Sum", "Min", "Max", "Product") -> value."""
-    return {k: int(v) for k, v in _pairs("reduce_ops").items()}
+    return _frozen({k: int(v) for k, v in _pairs("reduce_ops").items()})
 
 
 @functools.lru_cache(maxsize=None)
 def op_types():
     """Collective name ("allreduce"...) -> the core's OpType value."""
-    return {k: int(v) for k, v in _pairs("op_types").items()}
+    return _frozen({k: int(v) for k, v in _pairs("op_types").items()})
 
 
 @functools.lru_cache(maxsize=None)
 def timeline_phases():
     """Timeline event name -> role (negotiate, queue, copy_in, collective,
     copy_out, marker), in the order a tensor meets the phases."""
-    return _pairs("timeline_phases")
+    return _frozen(_pairs("timeline_phases"))
 
 
 def _numpy_dtypes():
