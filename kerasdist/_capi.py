@@ -1,34 +1,27 @@
-"""ctypes binding of libkerasdist_core's C API. Imports no framework.
+"""ctypes binding of libkerasdist_core's C API. Imports no framework (and,
+unless asked for `DTYPES`, not numpy either).
 
-Used by `basics` (init, rank, size...), by the framework-free core tests and
-by the GPU checks that drive the core from cupy arrays.
+Used by `basics` (init, rank, size...), `autotune`, `timeline`, `doctor`,
+`timeline_tools`, the launcher (setting names), the framework-free core tests
+and the GPU checks that drive the core from cupy arrays.
+
+The core owns every name and number that crosses the boundary: the settings
+(their names, init() keywords, defaults, how values parse), the enum values of
+ops/core/types.h and the timeline's event names. This module asks the library
+for them (`settings_table()`, `dtype_codes()`, `reduce_ops()`, `op_types()`,
+`timeline_phases()`) and keeps no copy.
 """
 
+import collections
 import ctypes
+import functools
 import os
 import threading
-
-import numpy as np
+import types
 
 _LIB_NAME = "libkerasdist_core.so"
 _lib = None
 _lock = threading.Lock()
-
-# Values of the core's enums (ops/core/types.h).
-DTYPES = {
-    np.dtype(np.float16): 0,
-    np.dtype(np.float32): 2,
-    np.dtype(np.float64): 3,
-    np.dtype(np.int32): 4,
-    np.dtype(np.int64): 5,
-    np.dtype(np.uint8): 6,
-    np.dtype(np.bool_): 7,
-}
-BFLOAT16 = 1
-OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL = 0, 1, 2, 3
-OP_REDUCESCATTER, OP_BARRIER = 4, 5
-STATUS_NAMES = {1: "InvalidArgument", 2: "FailedPrecondition", 3: "Mismatch",
-                4: "Aborted", 5: "Internal"}
 
 
 class KerasdistError(RuntimeError):
@@ -85,9 +78,14 @@ def lib():
         l.kerasdist_init.argtypes = [i, i, s]
         l.kerasdist_init.restype = i
         for name in ("last_error", "build_info", "config_variables",
-                     "current_config"):
+                     "current_config", "settings_table", "dtypes",
+                     "reduce_ops", "op_types", "timeline_phases"):
             getattr(l, "kerasdist_" + name).restype = s
             getattr(l, "kerasdist_" + name).argtypes = []
+        l.kerasdist_resolve_config.argtypes = [s]
+        l.kerasdist_resolve_config.restype = s
+        l.kerasdist_parse_setting.argtypes = [s, s]
+        l.kerasdist_parse_setting.restype = s
         l.kerasdist_convert16.argtypes = [ctypes.c_int32, i, i,
                                           ctypes.c_void_p, ctypes.c_void_p,
                                           i64]
@@ -140,6 +138,136 @@ def text(fn_name):
     return getattr(lib(), "kerasdist_" + fn_name)().decode()
 
 
+def _pairs(fn_name):
+    """The "name=value" lines a C API function returns, as an ordered dict."""
+    return dict(line.split("=", 1) for line in text(fn_name).splitlines()
+                if "=" in line)
+
+
+# ---- settings (ops/core/config.cc's table) ----------------------------------
+
+Setting = collections.namedtuple("Setting", "name key in_init default doc")
+Setting.__doc__ = """One runtime setting: its environment variable, its
+short name `key`, whether init() takes `key` as a keyword argument, its
+default as `current_settings()` prints it, and a doc line."""
+
+
+@functools.lru_cache(maxsize=None)
+def settings_table():
+    """Every setting the runtime understands, as a tuple of `Setting`."""
+    rows = []
+    for line in text("settings_table").splitlines():
+        name, key, in_init, default, doc = line.split("\t", 4)
+        rows.append(Setting(name, key, in_init == "1", default, doc))
+    return tuple(rows)
+
+
+def setting_name(key):
+    """The environment variable of the setting `key` (`"autotune"` ->
+    `"KERASDIST_AUTOTUNE"`).
+
+    Raises:
+        KeyError: no setting has that key.
+    """
+    for s in settings_table():
+        if s.key == key:
+            return s.name
+    known = sorted(s.key for s in settings_table())
+    raise KeyError(f"no kerasdist setting has the key {key!r}; expected "
+                   f"one of {known}.")
+
+
+def current_settings():
+    """The running runtime's settings (name -> value); {} before init."""
+    return _pairs("current_config")
+
+
+def resolve_settings(overrides=""):
+    """The settings init() would run with, given the environment and
+    `overrides` ("NAME=value" lines); starts nothing.
+
+    Raises:
+        ValueError: a value is malformed or a name unknown (the core's text).
+    """
+    out = lib().kerasdist_resolve_config(overrides.encode())
+    if out is None:
+        raise ValueError(last_error())
+    return dict(line.split("=", 1) for line in out.decode().splitlines()
+                if "=" in line)
+
+
+def parse_setting(name, value):
+    """`value` of setting `name` as the runtime holds it, printed as
+    `current_settings()` does (booleans as "1" or "0").
+
+    Raises:
+        ValueError: the value is malformed or the name unknown.
+    """
+    out = lib().kerasdist_parse_setting(name.encode(), str(value).encode())
+    if out is None:
+        raise ValueError(last_error())
+    return out.decode()
+
+
+# ---- enums (ops/core/types.h) and timeline names (ops/core/timeline.h) ------
+
+def _frozen(mapping):
+    """A read-only view: the cached tables are shared by every caller."""
+    return types.MappingProxyType(mapping)
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_codes():
+    """dtype name ("float32", "bfloat16"...) -> the core's DataType value."""
+    return _frozen({k: int(v) for k, v in _pairs("dtypes").items()})
+
+
+@functools.lru_cache(maxsize=None)
+def reduce_ops():
+    """Reduction name ("Average", "Sum", "Min", "Max", "Product") -> value."""
+    return _frozen({k: int(v) for k, v in _pairs("reduce_ops").items()})
+
+
+@functools.lru_cache(maxsize=None)
+def op_types():
+    """Collective name ("allreduce"...) -> the core's OpType value."""
+    return _frozen({k: int(v) for k, v in _pairs("op_types").items()})
+
+
+@functools.lru_cache(maxsize=None)
+def timeline_phases():
+    """Timeline event name -> role (negotiate, queue, copy_in, collective,
+    copy_out, marker), in the order a tensor meets the phases."""
+    return _frozen(_pairs("timeline_phases"))
+
+
+def _numpy_dtypes():
+    import numpy as np  # only the handle API's users need it
+
+    out = {}
+    for name, code in dtype_codes().items():
+        try:
+            out[np.dtype(name)] = code
+        except TypeError:
+            pass  # bfloat16: no numpy dtype (BFLOAT16 holds its code)
+    return out
+
+
+def __getattr__(name):
+    """Constants of the handle API, from the library on first use:
+    DTYPES (numpy dtype -> code), BFLOAT16 and OP_ALLREDUCE & co."""
+    if name == "DTYPES":
+        value = _numpy_dtypes()
+    elif name == "BFLOAT16":
+        value = dtype_codes()["bfloat16"]
+    elif name.startswith("OP_") and name[3:].lower() in op_types():
+        value = op_types()[name[3:].lower()]
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
 def _i64_array(values):
     values = list(values)
     return (ctypes.c_int64 * max(len(values), 1))(*values)
@@ -149,8 +277,10 @@ class Handle:
     """An enqueued collective (host or device pointers); `wait()` finishes it."""
 
     def __init__(self, op, name, dtype_code, shape, input_ptr, output_ptr,
-                 reduce_op=1, root_rank=0, prescale=1.0, postscale=1.0,
+                 reduce_op=None, root_rank=0, prescale=1.0, postscale=1.0,
                  splits=None, group=None, group_size=0, device=-1):
+        if reduce_op is None:
+            reduce_op = reduce_ops()["Sum"]
         self._shape = _i64_array(shape)
         self._splits = _i64_array(splits or [])
         req = _Request(

@@ -1,5 +1,5 @@
-"""Process setup, resume protocol and small helpers of the Trainer
-(private)."""
+"""Process setup and small helpers of the Trainer (private); the resume
+protocol is in _trainer_resume."""
 
 import collections
 import contextlib
@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from kerasdist import __version__ as kerasdist_version
 from kerasdist import basics
-from kerasdist import checkpoints
 from kerasdist import collectives
 
 
@@ -61,46 +60,15 @@ def rank_independent_names():
         global_state.set_global_attribute(key, merged)
 
 
-def resume_on_rank0(find, load, what):
-    """Rank 0 finds a checkpoint with `find()` (a manifest or None) and
-    loads it with `load(manifest)`; every rank learns the outcome.
-
-    Returns:
-        The number of epochs the loaded checkpoint had done, or None when
-        there was none (the same on every rank).
-
-    Raises:
-        checkpoints.CheckpointError: on every rank, when rank 0 found only
-            damaged checkpoints or could not load one.
-    """
-    code, epoch, message = 0, 0, ""
-    if basics.rank() == 0:
-        try:
-            manifest = find()
-            if manifest is not None:
-                load(manifest)
-                code, epoch = 1, int(manifest["epoch"])
-        except Exception as e:  # the other ranks must hear about it
-            code, message = 2, f"{type(e).__name__}: {e}"
-    # One broadcast, also on failure: a rank that raised alone would leave
-    # the others waiting in their next collective.
-    status = collectives.broadcast(
-        tf.constant([code, epoch], tf.int64), 0,
-        name="kerasdist.trainer.resume").numpy()
-    if status[0] == 2:
-        raise checkpoints.CheckpointError(
-            message or f"rank 0 could not load {what}; see its error.")
-    return int(status[1]) if status[0] == 1 else None
-
-
-def manifest_info(trainer, logs, config_keys):
-    """What a checkpoint's manifest records besides the file facts."""
+def manifest_info(trainer, logs, config_keys, resume_fields):
+    """What a checkpoint's manifest records besides the file facts:
+    `resume_fields` (ResumeProtocol.manifest_fields()) and the trainer's
+    public state."""
     cls = type(trainer)
     return {
         "step": int(trainer.optimizer.iterations),
         "world_size": basics.size(),
-        "phase": trainer._phase,
-        "fine_tune_of": trainer._fine_tune_key,
+        **resume_fields,
         "trainer_class": f"{cls.__module__}.{cls.__qualname__}",
         "trainer": {k: getattr(trainer, k) for k in config_keys},
         "logs": {k: float(v) for k, v in logs.items()

@@ -30,7 +30,6 @@ Example:
 import csv
 import ctypes
 import math
-import os
 import statistics
 import threading
 import time
@@ -357,30 +356,22 @@ def stop_autotune(timeout=10.0):
     return tuner.stop(timeout)
 
 
-def _setting(settings, name):
-    if name in settings:
-        return settings[name]
-    # Until the runtime reports these in current_config, fall back to the
-    # environment (init(autotune=True) then needs the variable set as well).
-    return os.environ.get(name, "")
-
-
 def maybe_start():
-    """Starts the tuner if `KERASDIST_AUTOTUNE` is on (called by init()).
+    """Starts the tuner if the runtime's `KERASDIST_AUTOTUNE` setting is on
+    (called by init(); the setting comes from the environment or
+    `init(autotune=True)`).
 
     Returns:
         The `Autotuner` on rank 0 when tuning was asked for, else None.
     """
-    from kerasdist import basics
-
-    settings = basics.current_settings()
-    if _setting(settings, "KERASDIST_AUTOTUNE").lower() not in (
-            "1", "true", "yes", "on"):
+    settings = _capi.current_settings()
+    # The core prints booleans as 1 or 0 (and has parsed the value).
+    if settings.get(_capi.setting_name("autotune")) != "1":
         return None
     if _capi.lib().kerasdist_rank() != 0:
         return None
     with _tuner_lock:
         if _tuner is not None and not _tuner.done.is_set():
             return _tuner
-    log = _setting(settings, "KERASDIST_AUTOTUNE_LOG") or None
+    log = settings.get(_capi.setting_name("autotune_log")) or None
     return start_autotune(log_path=log)

@@ -4,36 +4,23 @@ import atexit
 import threading
 
 from kerasdist import _capi
+from kerasdist import autotune
 
-# Reduction ops (the core's values; Horovod's numbering without Adasum).
-Average = 0
-Sum = 1
-Min = 3
-Max = 4
-Product = 5
+# Reduction ops: the core's values (ops/core/types.h; Horovod's numbering
+# without Adasum), asked from the library.
+Average = _capi.reduce_ops()["Average"]
+Sum = _capi.reduce_ops()["Sum"]
+Min = _capi.reduce_ops()["Min"]
+Max = _capi.reduce_ops()["Max"]
+Product = _capi.reduce_ops()["Product"]
 
-_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max",
-             Product: "Product"}
 _atexit_registered = False
 _lock = threading.Lock()
 
-# init() keyword -> the runtime setting it overrides (ops/core/config.cc).
-_SETTINGS = {
-    "fusion_threshold": "KERASDIST_FUSION_THRESHOLD",
-    "cycle_time_ms": "KERASDIST_CYCLE_TIME",
-    "cache_capacity": "KERASDIST_CACHE_CAPACITY",
-    "stall_check_time_seconds": "KERASDIST_STALL_CHECK_TIME_SECONDS",
-    "stall_shutdown_time_seconds": "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS",
-    "timeline": "KERASDIST_TIMELINE",
-    "timeline_mark_cycles": "KERASDIST_TIMELINE_MARK_CYCLES",
-    "autotune": "KERASDIST_AUTOTUNE",
-    "autotune_log": "KERASDIST_AUTOTUNE_LOG",
-    "log_level": "KERASDIST_LOG_LEVEL",
-    "shm_allreduce": "KERASDIST_SHM_ALLREDUCE",
-    "shm_allreduce_min_bytes": "KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
-    "cma_allreduce": "KERASDIST_CMA_ALLREDUCE",
-    "cma_min_tensor_bytes": "KERASDIST_CMA_MIN_TENSOR_BYTES",
-}
+
+def _keywords():
+    """init() keyword -> the setting it overrides (ops/core/config.cc)."""
+    return {s.key: s.name for s in _capi.settings_table() if s.in_init}
 
 
 def _format(value):
@@ -55,7 +42,10 @@ def init(comm=None, **settings):
             environment variables: `fusion_threshold` (bytes),
             `cycle_time_ms`, `cache_capacity`, `stall_check_time_seconds`,
             `stall_shutdown_time_seconds`, `timeline`, `timeline_mark_cycles`,
-            `autotune`, `autotune_log`, `log_level`.
+            `autotune`, `autotune_log`, `log_level`, `shm_allreduce`,
+            `shm_allreduce_min_bytes`, `cma_allreduce`,
+            `cma_min_tensor_bytes` (the "`init()` keyword" column of
+            docs/env_vars.md).
 
     Raises:
         ValueError: for an unknown setting or a malformed value.
@@ -67,41 +57,42 @@ def init(comm=None, **settings):
     >>> print(kd.rank(), kd.size())
     """
     global _atexit_registered
-    unknown = sorted(set(settings) - set(_SETTINGS))
+    keywords = _keywords()
+    unknown = sorted(set(settings) - set(keywords))
     if unknown:
         raise ValueError(f"init() got unknown settings {unknown}; expected "
-                         f"some of {sorted(_SETTINGS)}.")
-    lines = [f"{_SETTINGS[k]}={_format(v)}" for k, v in settings.items()
-             if v is not None]
+                         f"some of {sorted(keywords)}.")
+    overrides = "\n".join(f"{keywords[k]}={_format(v)}"
+                          for k, v in settings.items() if v is not None)
     comm_f = 0
     if comm is not None:
         if not hasattr(comm, "py2f"):
             raise TypeError("init(comm=...) expects an mpi4py communicator, "
                             f"got {type(comm).__name__}.")
         comm_f = comm.py2f()
+    # The core parses the settings (the environment's and these) as init
+    # would, so a malformed one is a ValueError naming the variable.
+    _capi.resolve_settings(overrides)
     lib = _capi.lib()
     with _lock:
         if lib.kerasdist_init(int(comm is not None), comm_f,
-                              "\n".join(lines).encode()) != 0:
-            message = _capi.last_error()
-            if "expected" in message or "unknown setting" in message:
-                raise ValueError(message)
-            raise RuntimeError(f"kerasdist.init() failed: {message}")
+                              overrides.encode()) != 0:
+            raise RuntimeError(
+                f"kerasdist.init() failed: {_capi.last_error()}")
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
-    from kerasdist import autotune  # numpy/scikit-learn only when asked for
     autotune.maybe_start()
 
 
 def shutdown():
-    """Stops the runtime; pending collectives fail. `init()` may follow."""
-    import sys
-    autotune = sys.modules.get("kerasdist.autotune")
-    if autotune is not None:
-        autotune.stop_autotune()
-    if _capi._lib is not None or _capi.os.path.exists(_capi.library_path()):
-        _capi.lib().kerasdist_shutdown()
+    """Stops the runtime; pending collectives fail. `init()` may follow.
+
+    A running autotuner (started by `init()` or by `start_autotune()`) is
+    stopped first: it cannot outlive the runtime it tunes.
+    """
+    autotune.stop_autotune()
+    _capi.lib().kerasdist_shutdown()
 
 
 def is_initialized():
@@ -166,6 +157,9 @@ def build_info():
 
 
 def current_settings():
-    """The running runtime's effective settings, as a dict of strings."""
-    return dict(line.split("=", 1) for line in
-                _capi.text("current_config").splitlines() if "=" in line)
+    """The running runtime's effective settings, as a dict of strings.
+
+    Every `KERASDIST_*` setting (docs/env_vars.md) maps to its value as the
+    runtime holds it (booleans as "1" or "0"); {} before `init()`.
+    """
+    return _capi.current_settings()

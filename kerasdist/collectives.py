@@ -6,6 +6,7 @@ import threading
 
 import tensorflow as tf
 
+from kerasdist import _capi
 from kerasdist import basics
 from kerasdist._native import ops as _ops
 
@@ -14,9 +15,10 @@ _counter_lock = threading.Lock()
 
 
 def _check_op(op, what):
-    if op not in basics._OP_NAMES:
-        raise ValueError(f"{what}: op must be one of kerasdist.Average, Sum, "
-                         f"Min, Max, Product; got {op!r}.")
+    ops = _capi.reduce_ops()
+    if op not in ops.values():
+        raise ValueError(f"{what}: op must be one of kerasdist."
+                         f"{', '.join(ops)}; got {op!r}.")
 
 
 def _auto_name(kind, name):

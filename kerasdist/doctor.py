@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import kerasdist
+from kerasdist import _capi
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
 # TensorFlow's start-up chatter would drown the report.
@@ -30,7 +31,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def _native_info():
     """(build_info dict, None) or (None, error text)."""
     try:
-        from kerasdist import _capi
         lines = _capi.text("build_info").splitlines()
     except (ImportError, OSError) as e:
         return None, str(e)
@@ -113,12 +113,12 @@ def selftest():
     """
     import numpy as np
 
-    from kerasdist import _capi
     lib = _capi.lib()
     if lib.kerasdist_init(0, 0, b"") != 0:
         raise RuntimeError(f"init failed: {_capi.last_error()}")
     rank, size = lib.kerasdist_rank(), lib.kerasdist_size()
-    f32 = _capi.DTYPES[np.dtype(np.float32)]
+    f32 = _capi.dtype_codes()["float32"]
+    sum_op, avg_op = _capi.reduce_ops()["Sum"], _capi.reduce_ops()["Average"]
 
     def ptr(a):
         return a.ctypes.data if a.size else None
@@ -143,12 +143,12 @@ def selftest():
     n = 1000
     everyone = sum(mine(r, n) for r in range(size))
     out = np.empty(n, np.float32)
-    run(_capi.OP_ALLREDUCE, "doctor.sum", mine(rank, n), out, reduce_op=1)
+    run(_capi.OP_ALLREDUCE, "doctor.sum", mine(rank, n), out, reduce_op=sum_op)
     np.testing.assert_array_equal(out, everyone, "allreduce sum")
     xs = [mine(rank, n + k) for k in range(4)]
     outs = [np.empty_like(x) for x in xs]
     handles = [_capi.Handle(_capi.OP_ALLREDUCE, f"doctor.fused.{k}", f32,
-                            x.shape, ptr(x), ptr(o), reduce_op=0)
+                            x.shape, ptr(x), ptr(o), reduce_op=avg_op)
                for k, (x, o) in enumerate(zip(xs, outs))]
     for h in handles:
         h.wait(timeout=60)
@@ -169,19 +169,20 @@ def selftest():
         a, np.repeat([r * 1000 + rank for r in range(size)], 2)
         .astype(np.float32), "alltoall")
     rs = owned(run(_capi.OP_REDUCESCATTER, "doctor.rs", mine(rank, 2 * size),
-                   reduce_op=1))
+                   reduce_op=sum_op))
     total = sum(mine(r, 2 * size) for r in range(size))
     np.testing.assert_array_equal(rs, total[2 * rank:2 * rank + 2],
                                   "reducescatter")
     h = _capi.Handle(_capi.OP_BARRIER, "doctor.barrier",
-                     _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
+                     _capi.dtype_codes()["uint8"], (), None, None)
     h.wait(timeout=60)
     # A 1 MiB allreduce takes the single-node path when there is one: say
     # which (in-place reads, shared-memory slots, or MPI).
     big = 1 << 18
     before = (lib.kerasdist_shm_allreduces(), lib.kerasdist_cma_allreduces())
     out = np.empty(big, np.float32)
-    run(_capi.OP_ALLREDUCE, "doctor.large", mine(rank, big), out, reduce_op=1)
+    run(_capi.OP_ALLREDUCE, "doctor.large", mine(rank, big), out,
+        reduce_op=sum_op)
     np.testing.assert_array_equal(out, sum(mine(r, big) for r in range(size)),
                                   "allreduce 1 MiB")
     shm = lib.kerasdist_shm_allreduces() - before[0]
@@ -236,9 +237,28 @@ def install_checks(np_ranks):
     except Exception as e:  # noqa: BLE001 - its message says what to do
         out.append((FAIL, f"mpiexec: {e}"))
     out += gpu_checks(info, _gpus(), np_ranks)
-    out.append(shm_check(_shm_free("/dev/shm"), np_ranks,
-                         os.environ.get("KERASDIST_SHM_ALLREDUCE", "1")))
+    if info is not None:
+        settings, err = _settings()
+        if settings is None:
+            out.append((FAIL, f"settings: {err} init() would fail; fix or "
+                              "unset that variable."))
+        else:
+            out.append(shm_check(_shm_free("/dev/shm"), np_ranks,
+                                 settings[_shm_name()]))
     return out
+
+
+def _shm_name():
+    return _capi.setting_name("shm_allreduce")
+
+
+def _settings():
+    """(the settings init() would run with here, None), or (None, the
+    core's message about a malformed KERASDIST_* variable)."""
+    try:
+        return _capi.resolve_settings(), None
+    except ValueError as e:
+        return None, str(e)
 
 
 def _shm_free(path):
@@ -259,9 +279,10 @@ def shm_check(free, np_ranks, setting):
     as its largest allreduce, at most 64 MiB (bigger tensors go through in
     pieces); when the slots do not fit in /dev/shm the ranks use MPI for
     those sizes."""
-    if setting.strip() in ("0", "false", "False", "no"):
-        return (INFO, "shared-memory allreduce off (KERASDIST_SHM_ALLREDUCE=0)"
-                      ": single-node allreduces use MPI.")
+    # `setting` is the variable's text; the core says what it means.
+    if _capi.parse_setting(_shm_name(), setting) == "0":
+        return (INFO, f"shared-memory allreduce off ({_shm_name()}="
+                      f"{setting}): single-node allreduces use MPI.")
     if free is None:
         return (WARN, "no /dev/shm: single-node allreduces will use MPI "
                       "(slower for large tensors). Mount a tmpfs there.")

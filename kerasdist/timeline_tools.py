@@ -12,7 +12,8 @@ to browse it; this module answers the usual questions from a terminal:
     kerasdist timeline plot trace.json -o gantt.png --steps 3
 
 A file cut short (a killed job) is read up to the last complete event.
-Standard library only, except `plot`, which needs matplotlib.
+Standard library only, except `plot`, which needs matplotlib; the event
+names come from kerasdist's core library, which writes them.
 """
 
 import argparse
@@ -20,11 +21,33 @@ import collections
 import json
 import sys
 
-PHASES = ("NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
-          "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
-          "MEMCPY_OUT_FUSION_BUFFER")
-COLLECTIVES = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL",
-               "REDUCESCATTER", "BARRIER")
+from kerasdist import _capi
+
+
+def _names(*roles):
+    """Event names of the given roles (ops/core/timeline.h: negotiate,
+    queue, copy_in, collective, copy_out, marker), in the order a tensor
+    meets the phases."""
+    return tuple(name for name, role in _capi.timeline_phases().items()
+                 if role in roles)
+
+
+def phase_names():
+    """Every phase name, in the order a tensor goes through them."""
+    return _names("negotiate", "queue", "copy_in", "collective", "copy_out")
+
+
+def collective_names():
+    """The collectives' phase names (ALLREDUCE, ...)."""
+    return _names("collective")
+
+
+def _negotiate():
+    return _names("negotiate")[0]
+
+
+def _cycle():
+    return _names("marker")[0]
 
 
 class Trace:
@@ -101,6 +124,7 @@ def load(path):
         text = f.read()
     raw, truncated = _decode_events(text)
     events, names, cycles = [], {}, []
+    cycle = _cycle()
     for e in raw:
         if not isinstance(e, dict):
             continue
@@ -110,7 +134,7 @@ def load(path):
         elif ph == "X" and "ts" in e:
             e.setdefault("dur", 0)
             events.append(e)
-        elif ph in ("i", "I") and e.get("name") == "CYCLE":
+        elif ph in ("i", "I") and e.get("name") == cycle:
             cycles.append(e.get("ts", 0))
     return Trace(events, names, cycles, truncated)
 
@@ -167,6 +191,7 @@ def summarize(trace, top=10):
         lambda: collections.defaultdict(float))
     negotiations = []
     batches = {}  # a fused batch appears on every row it holds: count once
+    colls, negotiate = collective_names(), _negotiate()
     t0, t1 = None, None
     for e in trace.events:
         ph, dur, ts = e.get("name", "?"), e.get("dur", 0), e["ts"]
@@ -176,13 +201,13 @@ def summarize(trace, top=10):
         phases[ph]["total_us"] += dur
         row = tensors[trace.name(e.get("tid"))]
         row[ph] += dur
-        if ph in COLLECTIVES:
+        if ph in colls:
             args = e.get("args") or {}
             row["count"] += 1
             row["fused"] += args.get("fused", 1)
             batches[(ph, ts, dur, args.get("bytes", 0))] = args.get(
                 "bytes", 0)
-        if ph == "NEGOTIATE":
+        if ph == negotiate:
             negotiations.append(e)
     for p in phases.values():
         p["mean_us"] = p["total_us"] / p["count"] if p["count"] else 0.0
@@ -198,7 +223,7 @@ def summarize(trace, top=10):
                   "first_rank": (e.get("args") or {}).get("first_rank"),
                   "last_rank": (e.get("args") or {}).get("last_rank")}
                  for e in waits]
-    ordered = {p: dict(phases[p]) for p in PHASES if p in phases}
+    ordered = {p: dict(phases[p]) for p in phase_names() if p in phases}
     ordered.update({p: dict(v) for p, v in phases.items() if p not in ordered})
     return {
         "phases": ordered,
@@ -233,10 +258,11 @@ def format_summary(s, max_tensors=30):
                    f"{p['mean_us']:>11.1f}{extra}")
     out.append("")
     cols = [p for p in s["phases"]]
-    short = {"NEGOTIATE": "negotiate", "QUEUE": "queue",
-             "MEMCPY_IN_FUSION_BUFFER": "copy_in",
-             "MEMCPY_OUT_FUSION_BUFFER": "copy_out"}
-    heads = [short.get(p, p.lower()) for p in cols]
+    # Column heads: the role for the bookkeeping phases, the collective's
+    # name for the collectives.
+    roles = _capi.timeline_phases()
+    heads = [p.lower() if roles.get(p, "collective") == "collective"
+             else roles[p] for p in cols]
     width = max([len("tensor")] + [len(t) for t in s["tensors"]])
     width = min(width, 48)
     out.append("# per tensor (ms; sorted by total, busiest first)")
@@ -277,9 +303,10 @@ def _step_window(trace, steps, skip):
     every tensor is reduced once per step, so the k-th negotiation of that
     row starts step k.
     """
-    negs = [e for e in trace.events if e.get("name") == "NEGOTIATE"]
+    negs = [e for e in trace.events if e.get("name") == _negotiate()]
     if not negs:
-        negs = [e for e in trace.events if e.get("name") in COLLECTIVES]
+        colls = collective_names()
+        negs = [e for e in trace.events if e.get("name") in colls]
     if not negs:
         return None
     ref = min(negs, key=lambda e: e["ts"]).get("tid")
@@ -291,9 +318,9 @@ def _step_window(trace, steps, skip):
     return begin, end
 
 
-_COLORS = {"NEGOTIATE": "#d9d9d9", "QUEUE": "#fdb462",
-           "MEMCPY_IN_FUSION_BUFFER": "#80b1d3",
-           "MEMCPY_OUT_FUSION_BUFFER": "#8dd3c7"}
+# Bar colour by the phase's role (ops/core/timeline.h).
+_COLORS = {"negotiate": "#d9d9d9", "queue": "#fdb462", "copy_in": "#80b1d3",
+           "copy_out": "#8dd3c7", "collective": "#e41a1c"}
 
 
 def plot(trace, output, steps=None, skip=0, max_rows=60, title=None):
@@ -351,11 +378,12 @@ def plot(trace, output, steps=None, skip=0, max_rows=60, title=None):
     height = max(2.5, 0.25 * len(tids) + 1.5)
     fig, ax = plt.subplots(figsize=(12, height))
     legend = []
-    for phase in list(PHASES) + sorted(set(bars) - set(PHASES)):
+    known = phase_names()
+    roles = _capi.timeline_phases()
+    for phase in list(known) + sorted(set(bars) - set(known)):
         if phase not in bars:
             continue
-        color = _COLORS.get(phase, "#e41a1c" if phase in COLLECTIVES
-                            else "#bebada")
+        color = _COLORS.get(roles.get(phase), "#bebada")
         for row, spans in bars[phase].items():
             ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color,
                            edgecolor="none")

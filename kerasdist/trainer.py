@@ -16,12 +16,12 @@ import tensorflow as tf
 
 from kerasdist import _trainer_callbacks as _tcb
 from kerasdist import _trainer_data as _tdata
+from kerasdist import _trainer_resume as _tresume
 from kerasdist import _trainer_state as _tstate
 from kerasdist import basics
 from kerasdist import checkpoints
 from kerasdist import callbacks as kd_callbacks
 from kerasdist.optimizer import DistributedOptimizer
-from kerasdist.run import settings as _run_settings
 
 # fit() arguments the Trainer sets itself; fit_kwargs may not override them.
 _RESERVED_FIT_KWARGS = frozenset({
@@ -148,9 +148,7 @@ class Trainer:
         self.epochs_done = 0  # epochs the current weights were trained for
         self.resumed_from = None  # weight file of the checkpoint loaded
         self.last_checkpoint = None  # manifest path of the last one written
-        self._source = None  # manifest to load (set by from_checkpoint)
-        self._phase = "fit"
-        self._fine_tune_key = None  # see fine_tune
+        self._resume = _tresume.ResumeProtocol()
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -215,8 +213,9 @@ class Trainer:
         if val is not None:
             val = _tdata.as_dataset(val, "val_data()")
         self._prepare(train)
-        self._phase, self._fine_tune_key = "fit", None
-        start = self._resume() if self._source is None else self.epochs_done
+        self._resume.begin_fit()
+        start = (self._resume_fit() if self._resume.source is None
+                 else self.epochs_done)
         return self._train(train, val, start, self.epochs)
 
     def evaluate(self, data=None):
@@ -275,7 +274,7 @@ class Trainer:
                           os.path.dirname(manifest["weights_path"]))
         config.update(overrides)
         trainer = cls(**config)
-        trainer._source = manifest
+        trainer._resume.source = manifest
         trainer.epochs_done = int(manifest["epoch"])
         return trainer
 
@@ -312,15 +311,10 @@ class Trainer:
         if learning_rate is not None:
             self.learning_rate = float(learning_rate)
             self._set_learning_rate(self.scaled_learning_rate)
-        self._phase = "fine_tune"
         start = end = self.epochs_done
         end += epochs
-        self._fine_tune_key = None
-        if self._source is not None:
-            # Identifies this fine-tuning (source checkpoint and epoch range)
-            # so that a rerun after a crash can continue it.
-            self._fine_tune_key = (f"{self._source['weights_sha256']}:"
-                                   f"{start}:{end}")
+        self._resume.begin_fine_tune(start, end)
+        if self._resume.fine_tune_key is not None:
             start = self._resume_fine_tune(start, end)
         return self._train(dataset, val_data, start, end, warmup=False)
 
@@ -331,7 +325,8 @@ class Trainer:
             print(f"kerasdist.Trainer: {text}", flush=True)
 
     def _prepare(self, sample_data):
-        """Builds and compiles the model once (and loads `_source`)."""
+        """Builds and compiles the model once (and loads the resume
+        protocol's source checkpoint)."""
         if self.model is not None:
             return
         keras.utils.set_random_seed(self.seed)
@@ -359,10 +354,8 @@ class Trainer:
         self.model = model
         self._compile()
         self.optimizer.build(model.trainable_variables)
-        if self._source is not None:
-            source = self._source
-            _tstate.resume_on_rank0(lambda: source, self._load_on_rank0,
-                                    source["weights_path"])
+        if self._resume.source is not None:
+            self._resume.load_source(self._load_on_rank0)
             _tcb.sync_state(model)
 
     def _compile(self):
@@ -388,19 +381,16 @@ class Trainer:
             self._set_learning_rate(self.scaled_learning_rate)
         self.resumed_from = manifest["weights_path"]
 
-    def _resume(self):
+    def _resume_fit(self):
         """Finds and loads the newest checkpoint on rank 0; every rank gets
         the epoch to start from. Returns it."""
-        attempt = os.environ.get(_run_settings.RESTART_ATTEMPT, "0")
-        if attempt not in ("", "0"):
-            self._log(f"restart attempt {int(attempt) + 1} "
-                      f"({_run_settings.RESTART_ATTEMPT}={attempt})")
+        name, attempt = _tresume.restart_attempt()
+        if attempt:
+            self._log(f"restart attempt {attempt + 1} ({name}={attempt})")
         done = None
         if self.checkpoint_dir and self.auto_resume:
-            directory = self.checkpoint_dir
-            done = _tstate.resume_on_rank0(
-                lambda: checkpoints.latest(directory), self._load_on_rank0,
-                f"the checkpoints in {directory}")
+            done = self._resume.load_latest(self.checkpoint_dir,
+                                            self._load_on_rank0)
         if done is not None:
             _tcb.sync_state(self.model)
             self._log(f"resuming from {self.resumed_from} at epoch "
@@ -417,16 +407,8 @@ class Trainer:
         the same epochs from its newest checkpoint; returns the start."""
         if not (self.checkpoint_dir and self.auto_resume):
             return start
-        directory, key = self.checkpoint_dir, self._fine_tune_key
-
-        def find():
-            manifest = checkpoints.latest(directory)
-            if manifest is not None and manifest.get("fine_tune_of") == key:
-                return manifest
-            return None
-
-        done = _tstate.resume_on_rank0(find, self._load_on_rank0,
-                                       f"the checkpoints in {directory}")
+        done = self._resume.load_latest_fine_tune(self.checkpoint_dir,
+                                                  self._load_on_rank0)
         if done is None:
             return start
         _tcb.sync_state(self.model)
@@ -491,7 +473,8 @@ class Trainer:
 
     def _save(self, epochs_done, logs):
         self.epochs_done = epochs_done
-        info = _tstate.manifest_info(self, logs, _CONFIG_KEYS)
+        info = _tstate.manifest_info(self, logs, _CONFIG_KEYS,
+                                     self._resume.manifest_fields())
         self.last_checkpoint = checkpoints.save(
             self.checkpoint_dir, epochs_done, self.model.save_weights, info,
             keep=self.keep_checkpoints)

@@ -3,8 +3,9 @@
     kerasdist run -np 4 python train.py
     kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py
 
-Standard library only: never imports TensorFlow or the rest of kerasdist, so
-it starts in milliseconds. See docs/launcher.md.
+Standard library only: never imports TensorFlow; from the rest of kerasdist
+only the ctypes binding of the core library, for the settings' names (see
+settings.py). It starts in milliseconds. See docs/launcher.md.
 """
 
 import argparse
@@ -309,7 +310,8 @@ def main(argv=None):
         return 2
     try:
         mpiexec = find_mpiexec()
-    except FileNotFoundError as e:
+        _rank_env(args, 0)  # the core library names the variables
+    except (FileNotFoundError, ImportError) as e:
         log.raw(f"{PROG}: error: {e}\n".encode())
         return 1
 

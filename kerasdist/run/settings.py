@@ -1,18 +1,39 @@
 """Environment variables that `kerasdist run` sets for every rank.
 
-The names are fixed: the runtime reads them. Standard library only.
+The runtime reads them, and their names belong to its settings table
+(ops/core/config.cc). The launcher asks the core library for them through
+`kerasdist._capi` (ctypes; it imports neither TensorFlow nor numpy) instead
+of keeping a copy: loading the library costs tens of milliseconds once per
+launch, where TensorFlow would cost seconds, and is done only when the ranks'
+environment is built (not for `--help` or a bad flag).
 """
 
 import os.path
 
-FUSION_THRESHOLD = "KERASDIST_FUSION_THRESHOLD"  # int bytes
-CYCLE_TIME = "KERASDIST_CYCLE_TIME"  # float milliseconds
-TIMELINE = "KERASDIST_TIMELINE"  # absolute file path
-AUTOTUNE = "KERASDIST_AUTOTUNE"  # "1" when enabled
-RESTART_ATTEMPT = "KERASDIST_RESTART_ATTEMPT"  # 0-based attempt number
-MPI_HOME = "KERASDIST_MPI_HOME"  # read by the launcher only
+MPI_HOME = "KERASDIST_MPI_HOME"  # read by the launcher only, not the runtime
 
 MIB = 1024 * 1024
+
+# The launcher flag behind each setting it sets, by the setting's key
+# (build_env below; docs/env_vars.md's "launcher flag" column).
+LAUNCHER_FLAGS = {
+    "fusion_threshold": "--fusion-threshold-mb",
+    "cycle_time_ms": "--cycle-time-ms",
+    "timeline": "--timeline-filename",
+    "autotune": "--autotune",
+    "restart_attempt": "--max-restarts",
+}
+
+
+def _name(key):
+    """The variable of the core's setting `key` (e.g. "cycle_time_ms").
+
+    Raises:
+        ImportError: the core library is not built (the message says how).
+    """
+    from kerasdist import _capi  # loads the core library: see above
+
+    return _capi.setting_name(key)
 
 
 def build_env(
@@ -40,15 +61,16 @@ def build_env(
     """
     env = {}
     if fusion_threshold_mb is not None:
-        env[FUSION_THRESHOLD] = str(int(round(fusion_threshold_mb * MIB)))
+        env[_name("fusion_threshold")] = str(
+            int(round(fusion_threshold_mb * MIB)))
     if cycle_time_ms is not None:
-        env[CYCLE_TIME] = repr(float(cycle_time_ms))
+        env[_name("cycle_time_ms")] = repr(float(cycle_time_ms))
     if timeline_filename is not None:
         path = os.path.expanduser(timeline_filename)
         if cwd is not None:
             path = os.path.join(cwd, path)
-        env[TIMELINE] = os.path.abspath(path)
+        env[_name("timeline")] = os.path.abspath(path)
     if autotune:
-        env[AUTOTUNE] = "1"
-    env[RESTART_ATTEMPT] = str(attempt)
+        env[_name("autotune")] = "1"
+    env[_name("restart_attempt")] = str(attempt)
     return env

@@ -9,8 +9,11 @@
 #include <string>
 
 #include "comm/device_backend.h"
+#include "config.h"
 #include "global.h"
 #include "half_kernels.h"
+#include "timeline.h"
+#include "types.h"
 
 #ifndef KERASDIST_VERSION
 #define KERASDIST_VERSION "0.0.0"
@@ -45,6 +48,15 @@ std::shared_ptr<HandleState> FindHandle(int64_t h) {
 int Fail(const std::string& message) {
   t_last_error = message;
   return -1;
+}
+
+// "name=value" lines of an enum's table.
+const char* EnumText(const std::vector<EnumName>& names) {
+  t_text.clear();
+  for (const EnumName& n : names) {
+    t_text += std::string(n.name) + "=" + std::to_string(n.value) + "\n";
+  }
+  return t_text.c_str();
 }
 
 }  // namespace
@@ -137,22 +149,58 @@ const char* kerasdist_config_variables(void) {
 
 const char* kerasdist_current_config(void) {
   auto rt = CurrentRuntime();
+  t_text = rt ? FormatConfig(rt->config()) : "";
+  return t_text.c_str();
+}
+
+const char* kerasdist_settings_table(void) {
+  const Config defaults;
   t_text.clear();
-  if (!rt) return t_text.c_str();
-  const Config& c = rt->config();
-  std::ostringstream o;
-  o << "KERASDIST_FUSION_THRESHOLD=" << c.fusion_threshold_bytes << "\n"
-    << "KERASDIST_CYCLE_TIME=" << c.cycle_time_ms << "\n"
-    << "KERASDIST_CACHE_CAPACITY=" << c.cache_capacity << "\n"
-    << "KERASDIST_STALL_CHECK_TIME_SECONDS=" << c.stall_check_time_s << "\n"
-    << "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS=" << c.stall_shutdown_time_s << "\n"
-    << "KERASDIST_TIMELINE=" << c.timeline_path << "\n"
-    << "KERASDIST_TIMELINE_MARK_CYCLES=" << (c.timeline_mark_cycles ? 1 : 0) << "\n"
-    << "KERASDIST_AUTOTUNE=" << (c.autotune ? 1 : 0) << "\n"
-    << "KERASDIST_AUTOTUNE_LOG=" << c.autotune_log << "\n"
-    << "KERASDIST_GPU_OPERATIONS=" << c.gpu_operations << "\n"
-    << "KERASDIST_LOG_LEVEL=" << c.log_level << "\n";
-  t_text = o.str();
+  for (const Setting& s : Settings()) {
+    t_text += std::string(s.name) + "\t" + s.key + "\t" +
+              (s.in_init ? "1" : "0") + "\t" + FormatSetting(s, defaults) +
+              "\t" + s.doc + "\n";
+  }
+  return t_text.c_str();
+}
+
+const char* kerasdist_resolve_config(const char* settings) {
+  Config config;
+  Status s = LoadConfig(settings ? settings : "", &config);
+  if (!s.ok()) {
+    Fail(s.message());
+    return nullptr;
+  }
+  t_text = FormatConfig(config);
+  return t_text.c_str();
+}
+
+const char* kerasdist_parse_setting(const char* name, const char* value) {
+  if (name == nullptr || value == nullptr) {
+    Fail("kerasdist_parse_setting needs a name and a value.");
+    return nullptr;
+  }
+  Config config;
+  Status s = ApplySetting(name, value, &config);
+  if (!s.ok()) {
+    Fail(s.message());
+    return nullptr;
+  }
+  for (const Setting& row : Settings()) {
+    if (std::string(name) == row.name) t_text = FormatSetting(row, config);
+  }
+  return t_text.c_str();
+}
+
+const char* kerasdist_dtypes(void) { return EnumText(DataTypeNames()); }
+const char* kerasdist_reduce_ops(void) { return EnumText(ReduceOpNames()); }
+const char* kerasdist_op_types(void) { return EnumText(OpTypeNames()); }
+
+const char* kerasdist_timeline_phases(void) {
+  t_text.clear();
+  for (const TimelinePhase& p : TimelinePhases()) {
+    t_text += std::string(p.name) + "=" + p.role + "\n";
+  }
   return t_text.c_str();
 }
 

@@ -46,8 +46,32 @@ int kerasdist_nccl_built(void);
 const char* kerasdist_build_info(void);
 /* Names of every KERASDIST_* setting, one per line. */
 const char* kerasdist_config_variables(void);
-/* The effective settings of the running runtime as "KEY=value" lines. */
+/* The effective settings of the running runtime as "KEY=value" lines (every
+ * setting of kerasdist_settings_table, in its order; booleans as 1 or 0).
+ * Empty before init. */
 const char* kerasdist_current_config(void);
+/* The settings table (ops/core/config.cc), one line per setting with five
+ * tab-separated fields: NAME, key (its short name), 1 if Python's init()
+ * takes the key as a keyword else 0, the default (formatted as
+ * kerasdist_current_config does) and a doc line. */
+const char* kerasdist_settings_table(void);
+/* The settings kerasdist_init(..., settings) would run with (the environment,
+ * then the `settings` lines), formatted as kerasdist_current_config; starts
+ * nothing. NULL with kerasdist_last_error() for a malformed or unknown one. */
+const char* kerasdist_resolve_config(const char* settings);
+/* `value` of setting `name` as the runtime would hold it, formatted as
+ * kerasdist_current_config does (booleans 1 or 0). NULL with
+ * kerasdist_last_error() when malformed or unknown. */
+const char* kerasdist_parse_setting(const char* name, const char* value);
+
+/* The enums of ops/core/types.h as "name=value" lines. */
+const char* kerasdist_dtypes(void);
+const char* kerasdist_reduce_ops(void);
+const char* kerasdist_op_types(void);
+/* The timeline's event names as "NAME=role" lines, role one of negotiate,
+ * queue, copy_in, collective, copy_out (in the order a tensor meets them)
+ * and marker (the cycle marker). */
+const char* kerasdist_timeline_phases(void);
 
 /* Timeline (rank 0 writes; elsewhere these succeed and do nothing). */
 int kerasdist_start_timeline(const char* path, int mark_cycles);

@@ -2,50 +2,93 @@
 
 #include <cerrno>
 #include <cstdlib>
-#include <map>
 #include <sstream>
+#include <type_traits>
 
 namespace kerasdist::core {
 
-const std::vector<ConfigVariable>& ConfigVariables() {
-  static const std::vector<ConfigVariable> vars = {
-      {"KERASDIST_FUSION_THRESHOLD",
-       "Tensor Fusion buffer size in bytes (integer, default 67108864; 0 "
-       "disables fusion)."},
-      {"KERASDIST_CYCLE_TIME",
-       "Batching window in milliseconds: how long the coordinator may wait "
-       "after the first ready tensor for more to fuse (float, default 0)."},
-      {"KERASDIST_CACHE_CAPACITY",
-       "Response cache entries (integer, default 1024; 0 disables the cache)."},
-      {"KERASDIST_STALL_CHECK_TIME_SECONDS",
-       "Warn when a tensor has waited this long for some ranks (float, "
-       "default 60; 0 disables)."},
-      {"KERASDIST_STALL_SHUTDOWN_TIME_SECONDS",
-       "Fail every rank when a tensor has waited this long (float, default 0 "
-       "= never)."},
-      {"KERASDIST_TIMELINE", "Path of a Chrome-trace timeline written by rank 0."},
-      {"KERASDIST_TIMELINE_MARK_CYCLES",
-       "1 to add a marker for every runtime cycle to the timeline."},
-      {"KERASDIST_AUTOTUNE", "1 to tune fusion threshold and cycle time online."},
-      {"KERASDIST_AUTOTUNE_LOG", "CSV file recording every autotune sample."},
-      {"KERASDIST_GPU_OPERATIONS",
-       "NCCL (default) or MPI: how collectives on GPU memory travel."},
-      {"KERASDIST_LOG_LEVEL", "0 quiet, 1 warnings (default), 2 debug."},
-      {"KERASDIST_SHM_ALLREDUCE",
-       "1 (default) to allreduce host tensors through shared memory when "
-       "every rank runs on one node; 0 to always use MPI."},
-      {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES",
-       "Smallest allreduce (bytes, after fusion) that goes through shared "
-       "memory (integer, default 16384); smaller ones use MPI."},
-      {"KERASDIST_CMA_ALLREDUCE",
-       "1 (default) to let the shared-memory allreduce read the other ranks' "
-       "tensors in place (cross-memory attach) where the system allows it; 0 "
-       "to stage them in shared-memory slots."},
-      {"KERASDIST_CMA_MIN_TENSOR_BYTES",
-       "Bytes per tensor, on average over a fused batch, from which the "
-       "in-place reads are used (integer, default 4096); batches of smaller "
-       "tensors go through the shared-memory slots."},
+// The one list of settings. A new setting is one row here (plus its Config
+// member); docs/env_vars.md is regenerated from it (a unit test compares).
+const std::vector<Setting>& Settings() {
+  using C = Config;
+  static const std::vector<Setting> settings = {
+      {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold", true,
+       &C::fusion_threshold_bytes, 0, {},
+       "Tensor Fusion buffer size in bytes (0 disables fusion)"},
+      {"KERASDIST_CYCLE_TIME", "cycle_time_ms", true, &C::cycle_time_ms, 0, {},
+       "batching window in milliseconds: how long the coordinator may wait "
+       "after the first ready tensor for more to fuse (0: run what is ready "
+       "at once)"},
+      {"KERASDIST_CACHE_CAPACITY", "cache_capacity", true,
+       &C::cache_capacity, 0, {},
+       "response cache entries (0 disables the cache)"},
+      {"KERASDIST_STALL_CHECK_TIME_SECONDS", "stall_check_time_seconds", true,
+       &C::stall_check_time_s, 0, {},
+       "warn (on rank 0) when a tensor has waited this long for some ranks, "
+       "naming it and the missing ranks (0 disables)"},
+      {"KERASDIST_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_time_seconds",
+       true,
+       &C::stall_shutdown_time_s, 0, {},
+       "fail every rank when a tensor has waited this long (0 = never)"},
+      {"KERASDIST_TIMELINE", "timeline", true, &C::timeline_path, 0, {},
+       "path of a Chrome-trace timeline written by rank 0 (empty: none)"},
+      {"KERASDIST_TIMELINE_MARK_CYCLES", "timeline_mark_cycles", true,
+       &C::timeline_mark_cycles, 0, {},
+       "1 to mark every runtime cycle in the timeline"},
+      {"KERASDIST_AUTOTUNE", "autotune", true, &C::autotune, 0, {},
+       "1 to tune the fusion threshold, cycle time and response cache while "
+       "training (rank 0; see [timeline.md](timeline.md#autotune))"},
+      {"KERASDIST_AUTOTUNE_LOG", "autotune_log", true,
+       &C::autotune_log, 0, {},
+       "CSV file recording every autotune sample"},
+      {"KERASDIST_GPU_OPERATIONS", "gpu_operations", false,
+       &C::gpu_operations, 0, {"NCCL", "MPI"},
+       "`NCCL` or `MPI`: how collectives on GPU memory travel (`MPI`: staged "
+       "through pinned host memory; see [gpu.md](gpu.md)); read only by a "
+       "build with the GPU backend"},
+      {"KERASDIST_LOG_LEVEL", "log_level", true, &C::log_level, 0, {},
+       "0 quiet, 1 warnings, 2 debug"},
+      {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
+       &C::shm_allreduce, 0, {},
+       "1: when every rank runs on one node, allreduce host tensors through "
+       "shared memory (POSIX shm in `/dev/shm`, up to 64 MiB a rank, space "
+       "reserved up front; if any rank cannot get it, all use MPI); 0: always "
+       "MPI. The ranks agree: one rank's 0 turns it off for all"},
+      {"KERASDIST_CMA_ALLREDUCE", "cma_allreduce", true,
+       &C::cma_allreduce, 0, {},
+       "1: the single-node allreduce reads the other ranks' tensors in place "
+       "with `process_vm_readv` (nothing staged in `/dev/shm`, no size limit) "
+       "where every rank can; 0: stage them in the shared-memory slots. The "
+       "ranks agree"},
+      {"KERASDIST_CMA_MIN_TENSOR_BYTES", "cma_min_tensor_bytes", true,
+       &C::cma_min_tensor_bytes, 0, {},
+       "with in-place reads on: a fused batch whose tensors average fewer "
+       "bytes than this goes through the shared-memory slots instead, where "
+       "one copy costs less than pinning each small tensor's page in the "
+       "other rank (512 x 1 KiB: 0.60 ms against 0.73 ms a step); batches "
+       "over 64 MiB always read in place. The ranks use the largest value "
+       "given"},
+      {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES", "shm_allreduce_min_bytes", true,
+       &C::shm_allreduce_min_bytes, 0, {},
+       "smallest allreduce, in bytes after fusion, that takes the "
+       "shared-memory path (the ranks use the largest value given)"},
+      // Not a runtime knob: the launcher tells each rank which attempt it is
+      // (--max-restarts), and the Trainer logs it. Listed here so its name
+      // lives in one place with the others.
+      {"KERASDIST_RESTART_ATTEMPT", "restart_attempt", false,
+       &C::restart_attempt, 0, {},
+       "0-based attempt number, set by `kerasdist run` under "
+       "`--max-restarts`"},
   };
+  return settings;
+}
+
+const std::vector<ConfigVariable>& ConfigVariables() {
+  static const std::vector<ConfigVariable> vars = [] {
+    std::vector<ConfigVariable> v;
+    for (const Setting& s : Settings()) v.push_back({s.name, s.doc});
+    return v;
+  }();
   return vars;
 }
 
@@ -90,56 +133,91 @@ Status ParseBool(const std::string& name, const std::string& v, bool* out) {
   return Status::OK();
 }
 
-Status Apply(const std::string& name, const std::string& v, Config* c) {
-  int64_t i = 0;
-  if (name == "KERASDIST_FUSION_THRESHOLD") {
-    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->fusion_threshold_bytes));
-  } else if (name == "KERASDIST_CYCLE_TIME") {
-    KD_RETURN_IF_ERROR(ParseFloat(name, v, &c->cycle_time_ms));
-  } else if (name == "KERASDIST_CACHE_CAPACITY") {
-    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->cache_capacity));
-  } else if (name == "KERASDIST_STALL_CHECK_TIME_SECONDS") {
-    KD_RETURN_IF_ERROR(ParseFloat(name, v, &c->stall_check_time_s));
-  } else if (name == "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS") {
-    KD_RETURN_IF_ERROR(ParseFloat(name, v, &c->stall_shutdown_time_s));
-  } else if (name == "KERASDIST_TIMELINE") {
-    c->timeline_path = v;
-  } else if (name == "KERASDIST_TIMELINE_MARK_CYCLES") {
-    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->timeline_mark_cycles));
-  } else if (name == "KERASDIST_AUTOTUNE") {
-    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->autotune));
-  } else if (name == "KERASDIST_AUTOTUNE_LOG") {
-    c->autotune_log = v;
-  } else if (name == "KERASDIST_GPU_OPERATIONS") {
-    if (v != "NCCL" && v != "MPI") {
-      return Status::InvalidArgument(name + "=\"" + v +
-                                     "\": expected NCCL or MPI.");
-    }
-    c->gpu_operations = v;
-  } else if (name == "KERASDIST_SHM_ALLREDUCE") {
-    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->shm_allreduce));
-  } else if (name == "KERASDIST_CMA_ALLREDUCE") {
-    KD_RETURN_IF_ERROR(ParseBool(name, v, &c->cma_allreduce));
-  } else if (name == "KERASDIST_CMA_MIN_TENSOR_BYTES") {
-    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->cma_min_tensor_bytes));
-  } else if (name == "KERASDIST_SHM_ALLREDUCE_MIN_BYTES") {
-    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &c->shm_allreduce_min_bytes));
-  } else if (name == "KERASDIST_LOG_LEVEL") {
-    KD_RETURN_IF_ERROR(ParseInt(name, v, 0, &i));
-    c->log_level = static_cast<int>(i);
-  } else {
-    return Status::InvalidArgument("unknown setting " + name + ".");
+Status ParseString(const Setting& s, const std::string& v, std::string* out) {
+  if (s.choices.empty()) {
+    *out = v;
+    return Status::OK();
   }
-  return Status::OK();
+  std::string expected;
+  for (size_t i = 0; i < s.choices.size(); ++i) {
+    if (v == s.choices[i]) {
+      *out = v;
+      return Status::OK();
+    }
+    expected += (i == 0 ? "" : i + 1 == s.choices.size() ? " or " : ", ") +
+                s.choices[i];
+  }
+  return Status::InvalidArgument(std::string(s.name) + "=\"" + v +
+                                 "\": expected " + expected + ".");
+}
+
+// Parses `v` into the Config member the row names, by the member's type.
+Status Parse(const Setting& s, const std::string& v, Config* c) {
+  const std::string name = s.name;
+  if (auto f = std::get_if<int64_t Config::*>(&s.field)) {
+    return ParseInt(name, v, s.min, &(c->**f));
+  }
+  if (auto f = std::get_if<int Config::*>(&s.field)) {
+    int64_t i = 0;
+    KD_RETURN_IF_ERROR(ParseInt(name, v, s.min, &i));
+    c->**f = static_cast<int>(i);
+    return Status::OK();
+  }
+  if (auto f = std::get_if<double Config::*>(&s.field)) {
+    return ParseFloat(name, v, &(c->**f));
+  }
+  if (auto f = std::get_if<bool Config::*>(&s.field)) {
+    return ParseBool(name, v, &(c->**f));
+  }
+  return ParseString(s, v, &(c->*std::get<std::string Config::*>(s.field)));
+}
+
+const Setting* Find(const std::string& name) {
+  for (const Setting& s : Settings()) {
+    if (name == s.name) return &s;
+  }
+  return nullptr;
 }
 
 }  // namespace
 
+Status ApplySetting(const std::string& name, const std::string& value,
+                    Config* config) {
+  const Setting* s = Find(name);
+  if (s == nullptr) {
+    return Status::InvalidArgument("unknown setting " + name + ".");
+  }
+  return Parse(*s, value, config);
+}
+
+std::string FormatSetting(const Setting& s, const Config& c) {
+  std::ostringstream o;
+  std::visit(
+      [&](auto field) {
+        using T = std::decay_t<decltype(c.*field)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          o << (c.*field ? 1 : 0);
+        } else {
+          o << c.*field;
+        }
+      },
+      s.field);
+  return o.str();
+}
+
+std::string FormatConfig(const Config& c) {
+  std::string text;
+  for (const Setting& s : Settings()) {
+    text += std::string(s.name) + "=" + FormatSetting(s, c) + "\n";
+  }
+  return text;
+}
+
 Status LoadConfig(const std::string& overrides, Config* config) {
   Config c;
-  for (const auto& var : ConfigVariables()) {
-    const char* v = std::getenv(var.name);
-    if (v != nullptr) KD_RETURN_IF_ERROR(Apply(var.name, v, &c));
+  for (const Setting& s : Settings()) {
+    const char* v = std::getenv(s.name);
+    if (v != nullptr) KD_RETURN_IF_ERROR(Parse(s, v, &c));
   }
   std::istringstream in(overrides);
   std::string line;
@@ -150,7 +228,8 @@ Status LoadConfig(const std::string& overrides, Config* config) {
       return Status::InvalidArgument("malformed setting \"" + line +
                                      "\": expected NAME=VALUE.");
     }
-    KD_RETURN_IF_ERROR(Apply(line.substr(0, eq), line.substr(eq + 1), &c));
+    KD_RETURN_IF_ERROR(
+        ApplySetting(line.substr(0, eq), line.substr(eq + 1), &c));
   }
   *config = c;
   return Status::OK();

@@ -1,11 +1,17 @@
 // The runtime's settings. config.cc is the only place that reads KERASDIST_*
 // environment variables; init(...) keyword arguments arrive as overrides in the
 // same KEY=VALUE form and win over the environment.
+//
+// Settings() is the one table of them: the name, the Config field it sets, how
+// its value is parsed, its default (the Config member's initial value) and a
+// doc line. Parsing, the list of names, current_settings() and
+// docs/env_vars.md all come from it (the C API hands it to Python).
 #ifndef KERASDIST_CORE_CONFIG_H_
 #define KERASDIST_CORE_CONFIG_H_
 
 #include <cstdint>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "status.h"
@@ -28,19 +34,49 @@ struct Config {
   bool cma_allreduce = true;            // ... reading peers in place (CMA)
   int64_t cma_min_tensor_bytes = 4096;  // ... for batches with tensors this big on average
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
+  int64_t restart_attempt = 0;          // set by the launcher; read by the Trainer
 };
 
+// One row of the settings table. `field` says which Config member the setting
+// sets and, by its type, how a value is parsed: integers (>= `min`), numbers
+// (>= 0), booleans (1/true/True/yes or 0/false/False/no/empty) and strings
+// (one of `choices` when there are any, else free text).
+struct Setting {
+  using Field = std::variant<int64_t Config::*, int Config::*, double Config::*,
+                             bool Config::*, std::string Config::*>;
+  const char* name;  // the environment variable, KERASDIST_...
+  const char* key;   // its short name (Python: init()'s keyword, if any)
+  bool in_init;      // init() takes `key` as a keyword argument
+  Field field;
+  int64_t min;                       // integers only
+  std::vector<std::string> choices;  // strings only; empty = any text
+  const char* doc;                   // one line for docs/env_vars.md
+};
+
+// Every setting the runtime understands, in docs/env_vars.md's order.
+const std::vector<Setting>& Settings();
+
+// Kept for existing callers: the (name, doc) pairs of Settings().
 struct ConfigVariable {
   const char* name;
   const char* meaning;
 };
-
-// Every variable the runtime understands (docs/env_vars.md is checked against it).
 const std::vector<ConfigVariable>& ConfigVariables();
 
 // Builds the configuration from the environment, then applies `overrides`
 // ("KERASDIST_X=value" lines). A malformed value fails and names the variable.
 Status LoadConfig(const std::string& overrides, Config* config);
+
+// Parses one value into `config` as LoadConfig would (unknown names fail).
+Status ApplySetting(const std::string& name, const std::string& value,
+                    Config* config);
+
+// The value of `setting` in `config` as current_settings() reports it:
+// integers and numbers as C++ streams print them, booleans as 1 or 0.
+std::string FormatSetting(const Setting& setting, const Config& config);
+
+// "NAME=value" lines of every setting, in table order.
+std::string FormatConfig(const Config& config);
 
 }  // namespace kerasdist::core
 

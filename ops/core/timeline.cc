@@ -3,7 +3,24 @@
 #include <cerrno>
 #include <cstring>
 
+#include "types.h"
+
 namespace kerasdist::core {
+
+const std::vector<TimelinePhase>& TimelinePhases() {
+  static const std::vector<TimelinePhase> phases = [] {
+    std::vector<TimelinePhase> p = {{kNegotiatePhase, "negotiate"},
+                                    {kQueuePhase, "queue"},
+                                    {kCopyInPhase, "copy_in"}};
+    for (int v = 0; v < kNumOpTypes; ++v) {
+      p.push_back({OpPhaseName(static_cast<OpType>(v)), "collective"});
+    }
+    p.push_back({kCopyOutPhase, "copy_out"});
+    p.push_back({kCycleMarker, "marker"});
+    return p;
+  }();
+  return phases;
+}
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -89,7 +106,7 @@ void Timeline::Phases(const std::vector<const std::string*>& tensors,
 
 void Timeline::Cycle(Clock::time_point t) {
   std::lock_guard<std::mutex> l(mu_);
-  events_.push_back(Event{-1, "CYCLE", Micros(t), 0, nullptr});
+  events_.push_back(Event{-1, kCycleMarker, Micros(t), 0, nullptr});
 }
 
 void Timeline::WriterLoop() {
@@ -123,8 +140,8 @@ void Timeline::Flush() {
   for (const std::string& m : meta) add(m);
   for (const Event& e : batch) {
     if (e.row < 0) {
-      add("{\"ph\":\"i\",\"s\":\"g\",\"name\":\"CYCLE\",\"pid\":0,"
-          "\"tid\":0,\"ts\":" + std::to_string(e.ts) + "}");
+      add("{\"ph\":\"i\",\"s\":\"g\",\"name\":\"" + std::string(e.phase) +
+          "\",\"pid\":0,\"tid\":0,\"ts\":" + std::to_string(e.ts) + "}");
     } else {
       add("{\"ph\":\"X\",\"name\":\"" + std::string(e.phase) +
           "\",\"pid\":0,\"tid\":" + std::to_string(e.row) +

@@ -24,6 +24,25 @@
 
 namespace kerasdist::core {
 
+// The names of the timeline's events. The collective phases are
+// OpPhaseName(op) (types.h). runtime.cc records with these names.
+inline constexpr char kNegotiatePhase[] = "NEGOTIATE";
+inline constexpr char kQueuePhase[] = "QUEUE";
+inline constexpr char kCopyInPhase[] = "MEMCPY_IN_FUSION_BUFFER";
+inline constexpr char kCopyOutPhase[] = "MEMCPY_OUT_FUSION_BUFFER";
+inline constexpr char kCycleMarker[] = "CYCLE";  // an instant event
+
+// An event name with its role: "negotiate", "queue", "copy_in",
+// "collective", "copy_out" or "marker".
+struct TimelinePhase {
+  const char* name;
+  const char* role;
+};
+// Every event name the timeline writes, in the order a tensor meets the
+// phases (the collectives in OpType order), the cycle marker last. The C API
+// hands it to kerasdist/timeline_tools.py.
+const std::vector<TimelinePhase>& TimelinePhases();
+
 class Timeline {
  public:
   using Clock = std::chrono::steady_clock;

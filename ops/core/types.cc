@@ -82,6 +82,34 @@ const char* OpTypeName(OpType op) {
   return "unknown";
 }
 
+// The ranges below cover every value the enums may take; the IsValid*
+// functions decide which exist.
+std::vector<EnumName> DataTypeNames() {
+  std::vector<EnumName> out;
+  for (int32_t v = 0; v < kNumDataTypes; ++v) {
+    out.push_back({DataTypeName(static_cast<DataType>(v)), v});
+  }
+  return out;
+}
+
+std::vector<EnumName> ReduceOpNames() {
+  std::vector<EnumName> out;
+  for (int32_t v = 0; v <= static_cast<int32_t>(ReduceOp::kProduct); ++v) {
+    if (IsValidReduceOp(v)) {
+      out.push_back({ReduceOpName(static_cast<ReduceOp>(v)), v});
+    }
+  }
+  return out;
+}
+
+std::vector<EnumName> OpTypeNames() {
+  std::vector<EnumName> out;
+  for (int32_t v = 0; v < kNumOpTypes; ++v) {
+    out.push_back({OpTypeName(static_cast<OpType>(v)), v});
+  }
+  return out;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

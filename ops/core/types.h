@@ -1,5 +1,6 @@
 // Enumerations shared by every layer. The numeric values are part of the C API
-// (kerasdist/_native.py mirrors them by asking the library, never by copying).
+// (kerasdist/_capi.py learns them by asking the library, through
+// kerasdist_dtypes() & co, never by copying them).
 #ifndef KERASDIST_CORE_TYPES_H_
 #define KERASDIST_CORE_TYPES_H_
 
@@ -39,6 +40,16 @@ enum class OpType : int32_t {
   kBarrier = 5,
 };
 constexpr int kNumOpTypes = 6;
+
+// A value of one of the enums above with its name, for the C API's tables.
+struct EnumName {
+  const char* name;
+  int32_t value;
+};
+// Every value with its *Name() below, in numeric order.
+std::vector<EnumName> DataTypeNames();
+std::vector<EnumName> ReduceOpNames();
+std::vector<EnumName> OpTypeNames();
 
 int64_t DataTypeSize(DataType dt);
 bool IsValidDataType(int32_t v);

@@ -1,0 +1,160 @@
+"""How kerasdist's Python modules may use each other, checked on their
+source with `ast` (nothing is imported):
+
+- the imports between kerasdist modules form no cycle (counting imports
+  inside functions, which would otherwise hide one);
+- no module reaches into another kerasdist module's private names
+  (`basics._OP_NAMES`), nor into private attributes that another module's
+  class sets on itself (`trainer._phase` read outside the Trainer);
+- nothing looks modules up in `sys.modules` to dodge an import;
+- the launcher (`kerasdist.run`) uses only itself and the ctypes binding,
+  `autotune` only the ctypes binding, and only the command-line tools
+  import the launcher.
+"""
+
+import ast
+import os
+
+from tests.helpers import REPO_ROOT
+
+PACKAGE = os.path.join(REPO_ROOT, "kerasdist")
+# Command-line front ends that may start or describe the launcher.
+_LAUNCHER_USERS = {"kerasdist.cli", "kerasdist.doctor",
+                   "kerasdist._settings_doc"}
+
+
+def _modules():
+    """{module name: parsed tree} for every .py file of the package."""
+    out = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, REPO_ROOT)[:-3].replace(os.sep, ".")
+            module = rel[:-len(".__init__")] if rel.endswith(
+                ".__init__") else rel
+            with open(path) as f:
+                out[module] = ast.parse(f.read(), path)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module, tree):
+    """{local alias: kerasdist module} and the set of kerasdist modules
+    `module` imports (anywhere in the file), plus names imported `from` a
+    module: {alias: (module, name)}."""
+    aliases, targets, names = {}, set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "kerasdist":
+                    targets.add(a.name)
+                    if a.asname:
+                        aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.split(".")[0] == "kerasdist":
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in MODULES:
+                    targets.add(full)
+                    aliases[a.asname or a.name] = full
+                else:
+                    targets.add(node.module)
+                    names[a.asname or a.name] = (node.module, a.name)
+    targets.discard(module)
+    return aliases, {t for t in targets if t in MODULES}, names
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_import_cycles():
+    graph = {m: _imports(m, t)[1] for m, t in MODULES.items()}
+    # Importing a submodule imports its package first; that is no cycle.
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not m.startswith(t + ".")}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycle = path[path.index(t):] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_private_names_of_other_modules():
+    bad = []
+    for module, tree in MODULES.items():
+        aliases, _, names = _imports(module, tree)
+        for alias, (source, name) in names.items():
+            if _private(name) and source != module:
+                bad.append(f"{module}: from {source} import {name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and \
+                    isinstance(node.value, ast.Name) and \
+                    node.value.id in aliases and \
+                    f"{aliases[node.value.id]}.{node.attr}" not in MODULES:
+                bad.append(f"{module}:{node.lineno}: "
+                           f"{node.value.id}.{node.attr}")
+    assert not bad, "private names used across modules: " + ", ".join(bad)
+
+
+def _own_private_attributes(tree):
+    """Private attributes a module's classes set on `self`."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and \
+                isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id == "self":
+            out.add(node.attr)
+    return out
+
+
+def test_no_private_attributes_of_other_modules_objects():
+    owners = {m: _own_private_attributes(t) for m, t in MODULES.items()}
+    bad = []
+    for module, tree in MODULES.items():
+        foreign = set().union(*(a for m, a in owners.items() if m != module))
+        foreign -= owners[module]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in foreign and \
+                    isinstance(node.value, ast.Name) and \
+                    node.value.id not in ("self", "cls"):
+                bad.append(f"{module}:{node.lineno}: "
+                           f"{node.value.id}.{node.attr}")
+    assert not bad, ("another module's private attributes: "
+                     + ", ".join(bad))
+
+
+def test_no_sys_modules_lookups():
+    bad = [m for m, t in MODULES.items() for node in ast.walk(t)
+           if isinstance(node, ast.Attribute) and node.attr == "modules"
+           and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not bad, bad
+
+
+def test_layers():
+    deps = {m: _imports(m, t)[1] for m, t in MODULES.items()}
+    binding = {"kerasdist._capi", "kerasdist"}
+    for m, targets in deps.items():
+        if m.startswith("kerasdist.run"):
+            outside = {t for t in targets
+                       if not t.startswith("kerasdist.run")} - binding
+            assert not outside, f"the launcher {m} imports {outside}"
+        elif m not in _LAUNCHER_USERS:
+            launcher = {t for t in targets if t.startswith("kerasdist.run")}
+            assert not launcher, f"{m} imports the launcher: {launcher}"
+    assert deps["kerasdist.autotune"] <= binding, deps["kerasdist.autotune"]
+    assert "kerasdist.autotune" in deps["kerasdist.basics"]
