@@ -170,66 +170,96 @@ CoordinatorMessage BroadcastDecision(LocalCommunicator& comm, const std::string&
   return m;
 }
 
+// One rank's state across the steps of a run.
+struct RankState {
+  LocalCommunicator& comm;
+  CommunicatorBackend backend;
+  ResponseCache cache{64};
+  Coordinator coord;  // used on rank 0 only
+  std::mt19937 rng;
+  std::vector<std::string> log;  // the batches run, by names
+
+  RankState(LocalCommunicator& c, const Config& config, unsigned seed)
+      : comm(c), backend("local", &c, c.rank()), coord(c.size(), config), rng(seed) {}
+};
+
+// This rank's next message: up to two of its tensors in its own order.
+RankMessage NextMessage(RankState& st, const std::vector<Tensor>& ts,
+                        const std::vector<int>& order, size_t* next) {
+  RankMessage m;
+  for (unsigned k = st.rng() % 3; k > 0 && *next < order.size(); --k) {
+    const Request& q = ts[order[(*next)++]].req;
+    const int ci = st.cache.Lookup(q, st.comm.rank(), st.comm.size());
+    if (ci >= 0) {
+      m.cached.push_back(ci);
+    } else {
+      m.requests.push_back(q);
+    }
+  }
+  return m;
+}
+
+// Executes rank 0's decision as every rank does; returns the tensors run.
+size_t Execute(RankState& st, const CoordinatorMessage& d, std::vector<Tensor>& ts) {
+  size_t executed = 0;
+  for (const Batch& batch : d.batches) {
+    std::vector<const Response*> resps;
+    std::string line;
+    for (size_t i = 0; i < batch.cache_index.size(); ++i) {
+      resps.push_back(batch.cache_index[i] >= 0 ? &st.cache.Get(batch.cache_index[i])
+                                                : &batch.responses[i]);
+      line += resps.back()->req.name + " ";
+    }
+    RunBatch(st.backend, resps, ts, st.comm.size());
+    for (size_t i = 0; i < batch.cache_index.size(); ++i) {
+      if (batch.cache_index[i] < 0) st.cache.Put(batch.responses[i]);
+    }
+    executed += resps.size();
+    st.log.push_back(line);
+  }
+  return executed;
+}
+
+// One training step: rounds of report, decide, execute until every tensor
+// ran; returns how many of this rank's reports were cache indices.
+size_t RunStep(RankState& st, int step) {
+  const int me = st.comm.rank(), n = st.comm.size();
+  std::vector<Tensor> ts = Tensors(me, n, step);
+  std::vector<int> order(ts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::shuffle(order.begin(), order.end(), st.rng);
+  size_t next = 0, executed = 0, cached = 0;
+  while (executed < ts.size()) {
+    const RankMessage m = NextMessage(st, ts, order, &next);
+    cached += m.cached.size();
+    if (st.rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(st.rng() % 100));
+    const std::vector<RankMessage> all = Exchange(st.comm, m);
+    std::string decision;
+    if (me == 0) {
+      for (int r = 0; r < n; ++r) st.coord.Add(r, all[r], st.cache);
+      decision = Serialize(st.coord.Decide(st.cache));
+    }
+    executed += Execute(st, BroadcastDecision(st.comm, decision), ts);
+  }
+  CHECK(next == order.size());
+  CheckResults(ts, me, n, step);
+  return cached;
+}
+
 KD_TEST(NegotiatedStepsOverThreads) {
   int fused = 0;
+  Config config;
+  config.fusion_threshold_bytes = 128;  // some tensors fuse, some do not
   for (int n = 1; n <= 4; ++n) {
     for (unsigned seed = 0; seed < 8; ++seed) {
       std::vector<std::vector<std::string>> logs(n);
       RunRanks(n, [&](LocalCommunicator& comm) {
-        const int me = comm.rank();
-        std::mt19937 rng(seed * 131 + me);
-        CommunicatorBackend backend("local", &comm, me);
-        ResponseCache cache(64);
-        Config config;
-        config.fusion_threshold_bytes = 128;  // some tensors fuse, some do not
-        Coordinator coord(n, config);
-        for (int step = 0; step < 2; ++step) {
-          std::vector<Tensor> ts = Tensors(me, n, step);
-          std::vector<int> order(ts.size());
-          for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-          std::shuffle(order.begin(), order.end(), rng);
-          size_t next = 0, executed = 0, cached = 0;
-          while (executed < ts.size()) {
-            RankMessage m;
-            for (unsigned k = rng() % 3; k > 0 && next < order.size(); --k) {
-              const Request& q = ts[order[next++]].req;
-              const int ci = cache.Lookup(q, me, n);
-              if (ci >= 0) {
-                m.cached.push_back(ci);
-              } else {
-                m.requests.push_back(q);
-              }
-            }
-            cached += m.cached.size();
-            if (rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
-            const std::vector<RankMessage> all = Exchange(comm, m);
-            std::string decision;
-            if (me == 0) {
-              for (int r = 0; r < n; ++r) coord.Add(r, all[r], cache);
-              decision = Serialize(coord.Decide(cache));
-            }
-            const CoordinatorMessage d = BroadcastDecision(comm, decision);
-            for (const Batch& batch : d.batches) {
-              std::vector<const Response*> resps;
-              std::string line;
-              for (size_t i = 0; i < batch.cache_index.size(); ++i) {
-                resps.push_back(batch.cache_index[i] >= 0 ? &cache.Get(batch.cache_index[i])
-                                                          : &batch.responses[i]);
-                line += resps.back()->req.name + " ";
-              }
-              RunBatch(backend, resps, ts, n);
-              for (size_t i = 0; i < batch.cache_index.size(); ++i) {
-                if (batch.cache_index[i] < 0) cache.Put(batch.responses[i]);
-              }
-              executed += resps.size();
-              logs[me].push_back(line);
-            }
-          }
-          CHECK(next == order.size());
-          CheckResults(ts, me, n, step);
-          // The second step's requests equal the first's: all from the cache.
-          if (step == 1) CHECK_MSG(cached == ts.size(), std::to_string(cached) + " cached");
-        }
+        RankState st(comm, config, seed * 131 + comm.rank());
+        RunStep(st, 0);
+        // The second step's requests equal the first's: all from the cache.
+        const size_t cached = RunStep(st, 1);
+        CHECK_MSG(cached == Requests(comm.rank(), n).size(), std::to_string(cached) + " cached");
+        logs[comm.rank()] = st.log;
       });
       for (int r = 1; r < n; ++r) CHECK_MSG(logs[r] == logs[0], "rank " + std::to_string(r) + " ran other batches");
       for (const std::string& line : logs[0]) fused += std::count(line.begin(), line.end(), ' ') > 1;

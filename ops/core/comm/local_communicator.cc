@@ -92,46 +92,59 @@ Status LocalCommunicator::Collective(const LocalSlot& mine, Compute compute, Fin
   return s;
 }
 
-// The arguments every rank must agree on, and those each must get right.
+namespace {
+
+// What each rank must get right on its own.
+Status CheckOwn(const LocalSlot& s, int r, int n) {
+  if (s.op == ReduceOp::kAverage) {
+    return Status::InvalidArgument(std::string(s.collective) +
+                                   ": Average never reaches a communicator; send it as Sum "
+                                   "with a postscale (AverageAsSum in scale.h).");
+  }
+  if (s.root < 0 || s.root >= n) {
+    return Status::InvalidArgument(std::string(s.collective) + ": root " + std::to_string(s.root) +
+                                   " is not in [0, " + std::to_string(n) + ").");
+  }
+  for (const auto* v : {s.sizes, s.recv_sizes}) {
+    if (v != nullptr && static_cast<int>(v->size()) != n) {
+      return Status::InvalidArgument(std::string(s.collective) + ": rank " + std::to_string(r) +
+                                     " passed " + std::to_string(v->size()) + " sizes for " +
+                                     std::to_string(n) + " ranks.");
+    }
+  }
+  return Status::OK();
+}
+
+// What rank r must pass as rank 0 did.
+Status CheckSame(const LocalSlot& s0, const LocalSlot& s, int r) {
+  auto fail = [&](const std::string& what, const std::string& v0, const std::string& vr) {
+    return Status::InvalidArgument("local communicator: ranks disagree on " + what + " of " +
+                                   s0.collective + ": rank 0 passed " + v0 + ", rank " +
+                                   std::to_string(r) + " passed " + vr + ".");
+  };
+  if (std::strcmp(s.collective, s0.collective) != 0) {
+    return fail("the collective", s0.collective, s.collective);
+  }
+  if (s.count != s0.count) return fail("the count", std::to_string(s0.count), std::to_string(s.count));
+  if (s.dtype != s0.dtype) return fail("the dtype", DataTypeName(s0.dtype), DataTypeName(s.dtype));
+  if (s.op != s0.op) return fail("the reduction", ReduceOpName(s0.op), ReduceOpName(s.op));
+  if (s.root != s0.root) return fail("the root", std::to_string(s0.root), std::to_string(s.root));
+  // Allgather and reducescatter: every rank passes the same sizes.
+  if (s.sizes != nullptr && s.recv_sizes == nullptr && *s.sizes != *s0.sizes) {
+    return fail("the sizes", ShapeString(*s0.sizes), ShapeString(*s.sizes));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+// Every rank checks every slot, in the same order, so a bad call fails on
+// all ranks alike (with the same message).
 Status LocalCommunicator::Agree(const LocalSlot& mine) const {
   const int n = group_->size();
-  auto fail = [&](const std::string& what, int r, const std::string& v0, const std::string& vr) {
-    return Status::InvalidArgument(std::string("local communicator: ranks disagree on ") + what +
-                                   " of " + mine.collective + ": rank 0 passed " + v0 +
-                                   ", rank " + std::to_string(r) + " passed " + vr + ".");
-  };
-  const LocalSlot& s0 = group_->slot(0);
   for (int r = 0; r < n; ++r) {
-    const LocalSlot& s = group_->slot(r);
-    if (std::strcmp(s.collective, s0.collective) != 0) {
-      return fail("the collective", r, s0.collective, s.collective);
-    }
-    if (s.count != s0.count) {
-      return fail("the count", r, std::to_string(s0.count), std::to_string(s.count));
-    }
-    if (s.dtype != s0.dtype) return fail("the dtype", r, DataTypeName(s0.dtype), DataTypeName(s.dtype));
-    if (s.op != s0.op) return fail("the reduction", r, ReduceOpName(s0.op), ReduceOpName(s.op));
-    if (s.root != s0.root) return fail("the root", r, std::to_string(s0.root), std::to_string(s.root));
-    if (s.op == ReduceOp::kAverage) {
-      return Status::InvalidArgument(std::string(mine.collective) +
-                                     ": Average never reaches a communicator; send it as Sum "
-                                     "with a postscale (AverageAsSum in scale.h).");
-    }
-    if (s.root < 0 || s.root >= n) {
-      return Status::InvalidArgument(std::string(mine.collective) + ": root " +
-                                     std::to_string(s.root) + " is not in [0, " +
-                                     std::to_string(n) + ").");
-    }
-    for (const auto* v : {s.sizes, s.recv_sizes}) {
-      if (v != nullptr && static_cast<int>(v->size()) != n) {
-        return Status::InvalidArgument(std::string(mine.collective) + ": rank " + std::to_string(r) +
-                                       " passed " + std::to_string(v->size()) +
-                                       " sizes for " + std::to_string(n) + " ranks.");
-      }
-    }
-    if (s.sizes != nullptr && s.recv_sizes == nullptr && *s.sizes != *s0.sizes) {
-      return fail("the sizes", r, ShapeString(*s0.sizes), ShapeString(*s.sizes));
-    }
+    KD_RETURN_IF_ERROR(CheckSame(group_->slot(0), group_->slot(r), r));
+    KD_RETURN_IF_ERROR(CheckOwn(group_->slot(r), r, n));
   }
   if (mine.recv_sizes == nullptr) return Status::OK();
   // Alltoall: what s sends to r is what r expects from s.
