@@ -30,7 +30,8 @@ KD_TEST(RankThatLeavesFailsItsPeers) {
       for (int i = 0; i < 2; ++i) {
         Status s = comm.Allreduce(buf.data(), 8, DataType::kFloat32, ReduceOp::kSum);
         CHECK(s.code() == StatusCode::kAborted);
-        CHECK_CONTAINS(s.message(), "rank " + std::to_string(n - 1) + " left the group (test: it gave up)");
+        CHECK_CONTAINS(s.message(),
+                       "rank " + std::to_string(n - 1) + " left the group (test: it gave up)");
       }
     });
   }
@@ -70,7 +71,8 @@ KD_TEST(DisagreeingCallsFailOnEveryRank) {
     const int64_t count = comm.rank() == 2 ? 3 : 4;
     Status s = comm.Allreduce(buf.data(), count, DataType::kInt32, ReduceOp::kSum);
     CHECK(s.code() == StatusCode::kInvalidArgument);
-    CHECK_CONTAINS(s.message(), "ranks disagree on the count of allreduce: rank 0 passed 4, rank 2 passed 3");
+    CHECK_CONTAINS(s.message(),
+                   "ranks disagree on the count of allreduce: rank 0 passed 4, rank 2 passed 3");
     CHECK(buf[0] == 1);  // untouched
     // Different collectives at the same point.
     s = comm.rank() == 1 ? comm.Barrier() : comm.Broadcast(buf.data(), 16, 0);

@@ -50,7 +50,8 @@ KD_TEST(ControlMessagesArriveInOrderPerSender) {
           Receive(control, &src, &bytes);
           RankMessage m;
           CHECK_OK(Deserialize(bytes, &m));
-          CHECK_MSG(m.cached == std::vector<int32_t>{next[src]++}, "out of order from rank " + std::to_string(src));
+          CHECK_MSG(m.cached == std::vector<int32_t>{next[src]++},
+                    "out of order from rank " + std::to_string(src));
         }
         for (int r = 1; r < n; ++r) CHECK_OK(control.SendControl(r, "done " + std::to_string(r)));
       }

@@ -57,7 +57,9 @@ std::vector<Request> Requests(int rank, int n) {
 }
 
 // The value tensor `t` of step `step` holds on `rank` at element i.
-double Val(int rank, int t, int step, int64_t i, DataType dt) { return Value(rank, t + 10 * step, i, dt); }
+double Val(int rank, int t, int step, int64_t i, DataType dt) {
+  return Value(rank, t + 10 * step, i, dt);
+}
 
 std::vector<Tensor> Tensors(int rank, int n, int step) {
   std::vector<Tensor> ts;
@@ -66,7 +68,9 @@ std::vector<Tensor> Tensors(int rank, int n, int step) {
     Tensor x{qs[t]};
     const int64_t count = NumElements(x.req.shape);
     x.in.resize(count * Size(x.req.dtype));
-    for (int64_t i = 0; i < count; ++i) Put(x.in, i, x.req.dtype, Val(rank, t, step, i, x.req.dtype));
+    for (int64_t i = 0; i < count; ++i) {
+      Put(x.in, i, x.req.dtype, Val(rank, t, step, i, x.req.dtype));
+    }
     x.out.assign(x.in.size(), 0);
     ts.push_back(std::move(x));
   }
@@ -82,7 +86,8 @@ void CheckResults(const std::vector<Tensor>& ts, int rank, int n, int step) {
       int64_t k = 0;
       for (int r = 0; r < n; ++r) {
         for (int64_t i = 0; i < (r + 1) * 2; ++i, ++k) {
-          CHECK_MSG(Get(out, k, q.dtype) == Val(r, t, step, i, q.dtype), "gather element " + std::to_string(k));
+          CHECK_MSG(Get(out, k, q.dtype) == Val(r, t, step, i, q.dtype),
+                    "gather element " + std::to_string(k));
         }
       }
       CHECK(static_cast<int64_t>(out.size()) == k * 4);
@@ -114,7 +119,8 @@ void RunBatch(Backend& backend, const std::vector<const Response*>& resps,
   const Response& head = *resps[0];
   CHECK_MSG(head.error.empty(), head.error);
   auto mine = [&](const std::string& name) -> Tensor& {
-    auto it = std::find_if(ts.begin(), ts.end(), [&](const Tensor& t) { return t.req.name == name; });
+    auto it = std::find_if(ts.begin(), ts.end(),
+                           [&](const Tensor& t) { return t.req.name == name; });
     CHECK_MSG(it != ts.end(), "unknown tensor " + name);
     return *it;
   };
@@ -261,8 +267,12 @@ KD_TEST(NegotiatedStepsOverThreads) {
         CHECK_MSG(cached == Requests(comm.rank(), n).size(), std::to_string(cached) + " cached");
         logs[comm.rank()] = st.log;
       });
-      for (int r = 1; r < n; ++r) CHECK_MSG(logs[r] == logs[0], "rank " + std::to_string(r) + " ran other batches");
-      for (const std::string& line : logs[0]) fused += std::count(line.begin(), line.end(), ' ') > 1;
+      for (int r = 1; r < n; ++r) {
+        CHECK_MSG(logs[r] == logs[0], "rank " + std::to_string(r) + " ran other batches");
+      }
+      for (const std::string& line : logs[0]) {
+        fused += std::count(line.begin(), line.end(), ' ') > 1;
+      }
     }
   }
   CHECK_MSG(fused > 0, "no batch was fused: the test no longer covers fusion");

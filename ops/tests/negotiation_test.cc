@@ -76,7 +76,8 @@ void CheckDecision(const CoordinatorMessage& m, std::vector<std::string>& fresh)
     last_head = head;
     total += b.responses.size();
   }
-  CHECK_MSG(total == fresh.size(), std::to_string(fresh.size() - total) + " ready tensors not decided");
+  CHECK_MSG(total == fresh.size(),
+            std::to_string(fresh.size() - total) + " ready tensors not decided");
   fresh.clear();
 }
 
@@ -169,7 +170,8 @@ KD_TEST(MismatchNamesTensorValuesAndRanks) {
   }
   // A different collective under the same name.
   std::vector<Request> rs = {Req("x", {2}), Req("x", {2}, DataType::kFloat32, OpType::kBroadcast)};
-  CHECK_CONTAINS(DecideError(rs), "Mismatched operation for 'x': rank 0 sent allreduce, rank 1 sent broadcast");
+  CHECK_CONTAINS(DecideError(rs),
+                 "Mismatched operation for 'x': rank 0 sent allreduce, rank 1 sent broadcast");
   // Allgather: first dimensions may differ, the rest may not.
   rs = {Req("g", {3, 2}, DataType::kFloat32, OpType::kAllgather),
         Req("g", {1, 5}, DataType::kFloat32, OpType::kAllgather)};
@@ -281,7 +283,8 @@ KD_TEST(StallReportNamesTheMissingRanks) {
     std::string ready = "0";
     for (int r = 2; r < n; ++r) ready += ", " + std::to_string(r);
     CHECK_CONTAINS(rep.warnings[0], "allreduce 'late' has waited 6");
-    CHECK_CONTAINS(rep.warnings[0], "submitted by rank(s) " + ready + ", still missing on rank(s) 1.");
+    CHECK_CONTAINS(rep.warnings[0],
+                   "submitted by rank(s) " + ready + ", still missing on rank(s) 1.");
     // Warned once; past the shutdown limit the job fails, naming rank 1.
     CHECK(coord.CheckStalls(start + std::chrono::seconds(90)).warnings.empty());
     rep = coord.CheckStalls(start + std::chrono::seconds(121));

@@ -94,11 +94,13 @@ KD_TEST(ValidationRules) {
   q = Valid(OpType::kBroadcast);
   for (int root : {-1, 2}) {
     q.root_rank = root;
-    CHECK_CONTAINS(Problem(q), "broadcast 't': root_rank must be in [0, 2), got " + std::to_string(root));
+    CHECK_CONTAINS(Problem(q),
+                   "broadcast 't': root_rank must be in [0, 2), got " + std::to_string(root));
   }
   q = Valid(OpType::kAllgather);
   q.shape = {};
-  CHECK_CONTAINS(Problem(q), "allgather 't' needs a tensor of at least one dimension; got a scalar.");
+  CHECK_CONTAINS(Problem(q),
+                 "allgather 't' needs a tensor of at least one dimension; got a scalar.");
 
   q = Valid(OpType::kAllreduce);
   q.shape = {3, -1};
@@ -137,7 +139,8 @@ KD_TEST(AlltoallSplits) {
   q = Valid(OpType::kAlltoall);
   Status s = PrepareRequest(q, 3, false);
   CHECK(s.code() == StatusCode::kInvalidArgument);
-  CHECK_CONTAINS(s.message(), "the first dimension (4) must be divisible by the number of ranks (3); pass splits.");
+  CHECK_CONTAINS(s.message(), "the first dimension (4) must be divisible by the number of "
+                              "ranks (3); pass splits.");
 }
 
 KD_TEST(ReducescatterLayoutGivesEarlierRanksTheExtraRows) {

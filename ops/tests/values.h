@@ -29,7 +29,8 @@ inline uint16_t EncodeHalf(float f) {
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   if ((x & 0x7fffffffu) == 0) return sign;
   const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
-  CHECK_MSG(exp > 0 && exp < 31 && (x & 0x1fffu) == 0, "not exact in float16: " + std::to_string(f));
+  CHECK_MSG(exp > 0 && exp < 31 && (x & 0x1fffu) == 0,
+            "not exact in float16: " + std::to_string(f));
   return static_cast<uint16_t>(sign | exp << 10 | ((x >> 13) & 0x3ffu));
 }
 
@@ -68,13 +69,25 @@ inline int64_t Size(DataType dt) {
 inline void Put(std::vector<char>& buf, int64_t i, DataType dt, double v) {
   char* p = buf.data() + i * Size(dt);
   switch (dt) {
-    case DataType::kFloat16: { uint16_t h = EncodeHalf(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
-    case DataType::kBFloat16: { uint16_t h = EncodeBFloat16(static_cast<float>(v)); std::memcpy(p, &h, 2); break; }
+    case DataType::kFloat16: {
+      const uint16_t h = EncodeHalf(static_cast<float>(v));
+      std::memcpy(p, &h, 2);
+      break;
+    }
+    case DataType::kBFloat16: {
+      const uint16_t h = EncodeBFloat16(static_cast<float>(v));
+      std::memcpy(p, &h, 2);
+      break;
+    }
     case DataType::kFloat32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
     case DataType::kFloat64: std::memcpy(p, &v, 8); break;
     case DataType::kInt32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
     case DataType::kInt64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p, &x, 8); break; }
-    default: { uint8_t x = static_cast<uint8_t>(static_cast<int64_t>(v) & 0xff); std::memcpy(p, &x, 1); break; }
+    default: {
+      const uint8_t x = static_cast<uint8_t>(static_cast<int64_t>(v) & 0xff);
+      std::memcpy(p, &x, 1);
+      break;
+    }
   }
 }
 

@@ -32,9 +32,11 @@ def _no_compiler():
 @functools.lru_cache(maxsize=None)
 def _build():
     """Builds the binary once per session; returns make's error, if any."""
+    jobs = min(4, os.cpu_count() or 1)
     p = subprocess.run(
-        ["make", "--no-print-directory", "-C", os.path.join(REPO_ROOT, "ops"),
-         "core-tests", f"OUT={OUT}", f"PYTHON={sys.executable}"],
+        ["make", "--no-print-directory", f"-j{jobs}", "-C",
+         os.path.join(REPO_ROOT, "ops"), "core-tests", f"OUT={OUT}",
+         f"PYTHON={sys.executable}"],
         capture_output=True, text=True, timeout=1200)
     if p.returncode != 0:
         return (p.stdout + p.stderr)[-4000:]
