@@ -11,6 +11,7 @@
 #include <string>
 
 #include "communicator.h"
+#include "control_channel.h"
 
 namespace kerasdist::core {
 
@@ -20,7 +21,7 @@ struct Topology {
   int cross_rank = 0, cross_size = 1;
 };
 
-class MpiContext {
+class MpiContext : public ControlChannel {
  public:
   // `parent_f` is a Fortran handle of the communicator to use (mpi4py's
   // comm.py2f()) when `has_parent`, else MPI_COMM_WORLD. (Handles can be
@@ -28,17 +29,17 @@ class MpiContext {
   // MPI if nobody has.
   static Status Create(bool has_parent, int parent_f,
                        std::unique_ptr<MpiContext>* out);
-  ~MpiContext();
+  ~MpiContext() override;
 
   const Topology& topology() const { return topo_; }
   MPI_Comm comm() const { return comm_; }
 
   // Control plane: small negotiation messages, never blocking the caller.
-  Status SendControl(int dest, std::string bytes);
-  Status PollControl(bool* got, int* src, std::string* bytes);
-  Status ProgressSends();
+  Status SendControl(int dest, std::string bytes) override;
+  Status PollControl(bool* got, int* src, std::string* bytes) override;
+  Status ProgressSends() override;
   // Waits (bounded) for this rank's control sends to leave, at shutdown.
-  void FlushSends(double timeout_s);
+  void FlushSends(double timeout_s) override;
 
   std::unique_ptr<Communicator> MakeHostCommunicator();
 

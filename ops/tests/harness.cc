@@ -1,0 +1,104 @@
+#include "harness.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kdtest {
+
+namespace {
+
+struct Test {
+  const char* name;
+  void (*fn)();
+};
+
+std::vector<Test>& Tests() {
+  static std::vector<Test> tests;
+  return tests;
+}
+
+// Runs one test; prints its line and returns whether it passed.
+bool RunOne(const Test& t) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    t.fn();
+  } catch (const Failure& f) {
+    error = f.what;
+  } catch (const std::exception& e) {
+    error = std::string("exception: ") + e.what();
+  }
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - start).count();
+  if (error.empty()) {
+    std::printf("[ OK ] %s (%.1f ms)\n", t.name, ms);
+  } else {
+    std::printf("[FAIL] %s (%.1f ms)\n  %s\n", t.name, ms, error.c_str());
+  }
+  std::fflush(stdout);
+  return error.empty();
+}
+
+}  // namespace
+
+void Fail(const char* file, int line, const std::string& what) {
+  throw Failure{std::string(file) + ":" + std::to_string(line) + ": " + what};
+}
+
+void Register(const char* name, void (*fn)()) { Tests().push_back({name, fn}); }
+
+void RunRanks(int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
+              double timeout_s) {
+  auto group = std::make_shared<kerasdist::core::LocalGroup>(n, timeout_s);
+  std::mutex mu;
+  std::string first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        // Destroyed on the way out, failure or not: peers then fail, naming r.
+        kerasdist::core::LocalCommunicator comm(group, r);
+        fn(comm);
+      } catch (const Failure& f) {
+        std::lock_guard<std::mutex> l(mu);
+        if (first.empty()) first = "rank " + std::to_string(r) + ": " + f.what;
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> l(mu);
+        if (first.empty()) first = "rank " + std::to_string(r) + ": exception: " + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (!first.empty()) throw Failure{"with " + std::to_string(n) + " ranks, " + first};
+}
+
+}  // namespace kdtest
+
+int main(int argc, char** argv) {
+  auto& tests = kdtest::Tests();
+  if (argc == 2 && std::strcmp(argv[1], "--list") == 0) {
+    for (const auto& t : tests) std::printf("%s\n", t.name);
+    return 0;
+  }
+  if (argc == 3 && std::strcmp(argv[1], "--run") == 0) {
+    for (const auto& t : tests) {
+      if (std::strcmp(t.name, argv[2]) == 0) return kdtest::RunOne(t) ? 0 : 1;
+    }
+    std::fprintf(stderr, "no test named '%s'; --list shows them\n", argv[2]);
+    return 2;
+  }
+  if (argc != 1) {
+    std::fprintf(stderr, "usage: %s [--list | --run NAME]\n", argv[0]);
+    return 2;
+  }
+  int failed = 0;
+  for (const auto& t : tests) failed += kdtest::RunOne(t) ? 0 : 1;
+  std::printf("%zu tests, %d failed\n", tests.size(), failed);
+  return failed == 0 ? 0 : 1;
+}
