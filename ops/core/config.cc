@@ -72,6 +72,17 @@ const std::vector<Setting>& Settings() {
        &C::shm_allreduce_min_bytes, 0, {},
        "smallest allreduce, in bytes after fusion, that takes the "
        "shared-memory path (the ranks use the largest value given)"},
+      {"KERASDIST_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true,
+       &C::hierarchical_allreduce, 0, {},
+       "1: when the job spans several hosts and some host runs more than "
+       "one rank, allreduce within each host over its node path, across "
+       "hosts among one leader per host, then within each host again, so "
+       "each host's link carries the 2(H-1)/H x size minimum; 0: every rank "
+       "in one MPI allreduce. The ranks agree: one rank's 0 turns it off"},
+      {"KERASDIST_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", true,
+       &C::hierarchical_min_bytes, 0, {},
+       "smallest allreduce, in bytes after fusion, that goes hierarchical "
+       "(smaller ones take one MPI allreduce)"},
       // Not a runtime knob: the launcher tells each rank which attempt it is
       // (--max-restarts), and the Trainer logs it. Listed here so its name
       // lives in one place with the others.

@@ -33,6 +33,8 @@ struct Config {
   int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
   bool cma_allreduce = true;            // ... reading peers in place (CMA)
   int64_t cma_min_tensor_bytes = 4096;  // ... for batches with tensors this big on average
+  bool hierarchical_allreduce = true;   // several hosts: within, across, within
+  int64_t hierarchical_min_bytes = 0;   // smaller batches go flat
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
   int64_t restart_attempt = 0;          // set by the launcher; read by the Trainer
 };

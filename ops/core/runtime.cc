@@ -65,6 +65,8 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   bo.cma = config.cma_allreduce;
   bo.cma_min_tensor_bytes = config.cma_min_tensor_bytes;
   bo.gpu_host_staged = config.gpu_operations == "MPI";
+  bo.hierarchical = config.hierarchical_allreduce;
+  bo.hierarchical_min_bytes = config.hierarchical_min_bytes;
   KD_RETURN_IF_ERROR(MakeBackends(bo, &rt->backends_));
   rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
@@ -434,7 +436,7 @@ Status Runtime::DecideAndRun(Clock::time_point now) {
     for (ReadyInfo& info : coordinator_->TakeReadyInfo()) {
       std::string wait;
       for (int64_t w : info.wait_us) wait += (wait.empty() ? "" : ",") + std::to_string(w);
-      loop_timeline_->Phase(info.name, "NEGOTIATE", info.first, info.last,
+      loop_timeline_->Phase(info.name, kNegotiatePhase, info.first, info.last,
                             "\"first_rank\":" + std::to_string(info.first_rank) +
                                 ",\"last_rank\":" + std::to_string(info.last_rank) +
                                 ",\"wait_us\":[" + wait + "]");
@@ -638,7 +640,7 @@ void Runtime::RecordQueued(const std::vector<const Response*>& resps,
   for (const Response* r : resps) {
     auto it = ready_at_.find(r->req.name);
     if (it == ready_at_.end()) continue;
-    loop_timeline_->Phase(r->req.name, "QUEUE", it->second, start);
+    loop_timeline_->Phase(r->req.name, kQueuePhase, it->second, start);
     ready_at_.erase(it);
   }
 }
@@ -660,9 +662,9 @@ void Runtime::RecordRun(const std::vector<const Response*>& resps,
     RecordBatch(resps, b.phases[2], b.reduced, end, "");
     return;
   }
-  RecordBatch(resps, "MEMCPY_IN_FUSION_BUFFER", start, b.packed, "");
+  RecordBatch(resps, kCopyInPhase, start, b.packed, "");
   RecordBatch(resps, phase, b.packed, b.reduced, BatchArgs(b));
-  RecordBatch(resps, "MEMCPY_OUT_FUSION_BUFFER", b.reduced, end, "");
+  RecordBatch(resps, kCopyOutPhase, b.reduced, end, "");
 }
 
 // One phase per tensor, from the batch's issue on the communication stream

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "comm/backend.h"
 #include "types.h"
 
 namespace kerasdist::core {
@@ -15,6 +16,7 @@ const std::vector<TimelinePhase>& TimelinePhases() {
     for (int v = 0; v < kNumOpTypes; ++v) {
       p.push_back({OpPhaseName(static_cast<OpType>(v)), "collective"});
     }
+    for (const char* name : kHierarchicalPhases) p.push_back({name, "collective"});
     p.push_back({kCopyOutPhase, "copy_out"});
     p.push_back({kCycleMarker, "marker"});
     return p;

@@ -7,7 +7,7 @@
 #include <memory>
 #include <thread>
 
-#include "../core/comm/backends.h"
+#include "../core/comm/backend.h"
 #include "../core/comm/communicator_backend.h"
 #include "../core/scale.h"
 #include "harness.h"

@@ -34,4 +34,11 @@ Status Backend::Alltoall(CollectiveBatch& b, uint64_t) { return Unsupported(b.op
 Status Backend::Reducescatter(CollectiveBatch& b, uint64_t) { return Unsupported(b.op); }
 Status Backend::Barrier(CollectiveBatch& b, uint64_t) { return Unsupported(b.op); }
 
+Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b) {
+  for (const auto& backend : list) {
+    if (backend->Enabled(b)) return backend.get();
+  }
+  return nullptr;
+}
+
 }  // namespace kerasdist::core

@@ -76,6 +76,11 @@ struct CollectiveBatch {
   int64_t bytes() const { return elements() * DataTypeSize(dtype); }
 };
 
+// The timeline's names for a hierarchical allreduce's three phases (within
+// each host, across hosts, back within each host).
+inline constexpr const char* kHierarchicalPhases[3] = {
+    "NODE_ALLREDUCE", "CROSS_ALLREDUCE", "NODE_BROADCAST"};
+
 // The end of an asynchronous batch (see Backend::Poll).
 struct Completion {
   uint64_t tag = 0;
@@ -122,6 +127,12 @@ class Backend {
   // (its Enabled() accepted a batch it cannot run).
   Status Unsupported(OpType op) const;
 };
+
+// An ordered list of backends: a batch runs on the first enabled one.
+using BackendList = std::vector<std::unique_ptr<Backend>>;
+
+// The first backend of `list` enabled for `b`, or null.
+Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b);
 
 }  // namespace kerasdist::core
 

@@ -28,11 +28,4 @@ Status MakeBackends(const BackendOptions& o, BackendList* out) {
   return Status::OK();
 }
 
-Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b) {
-  for (const auto& backend : list) {
-    if (backend->Enabled(b)) return backend.get();
-  }
-  return nullptr;
-}
-
 }  // namespace kerasdist::core

@@ -32,17 +32,12 @@ struct BackendOptions {
   bool gpu_host_staged = false;   // KERASDIST_GPU_OPERATIONS=MPI
   // KERASDIST_HIERARCHICAL_ALLREDUCE: 0 off, 1 on where the job spans hosts
   // with several ranks on some host; and the smallest batch it takes.
-  int hierarchical = 1;
+  bool hierarchical = true;
   int64_t hierarchical_min_bytes = 0;
 };
 
-using BackendList = std::vector<std::unique_ptr<Backend>>;
-
 // The list, in the order batches try them. Collective over o.comm.
 Status MakeBackends(const BackendOptions& o, BackendList* out);
-
-// The first backend of `list` enabled for `b`, or null.
-Backend* ChooseBackend(const BackendList& list, const CollectiveBatch& b);
 
 // Factories (each in its backend's file).
 // GPU tensors: NCCL, or staged through host memory (device_backend.cc).

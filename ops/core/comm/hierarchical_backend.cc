@@ -24,10 +24,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The timeline's names for the three phases.
-const char* const kHierPhases[3] = {"NODE_ALLREDUCE", "CROSS_ALLREDUCE",
-                                    "NODE_BROADCAST"};
-
 class HierarchicalBackend : public Backend {
  public:
   HierarchicalBackend(const BackendOptions& o, MPI_Comm node, MPI_Comm leaders)
@@ -114,7 +110,7 @@ Status HierarchicalBackend::Allreduce(CollectiveBatch& b, uint64_t tag) {
   b.reduced = Clock::now();
   KD_RETURN_IF_ERROR(NodeBroadcast(b));
   b.transport = Name();
-  b.phases = kHierPhases;
+  b.phases = kHierarchicalPhases;
   return Status::OK();
 }
 
@@ -150,7 +146,7 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
 Status MakeHierarchicalBackend(const BackendOptions& o, std::unique_ptr<Backend>* out) {
   out->reset();
   // Every rank must agree whether to build it: the setting may differ.
-  int mine = o.hierarchical, agreed = 0;
+  int mine = o.hierarchical ? 1 : 0, agreed = 0;
   KD_RETURN_IF_ERROR(MpiStatus(
       MPI_Allreduce(&mine, &agreed, 1, MPI_INT, MPI_MIN, o.comm), "MPI_Allreduce"));
   if (agreed == 0) return Status::OK();
