@@ -31,8 +31,9 @@ import pytest
 from kerasdist.run import _rank
 
 _PR_SET_CHILD_SUBREAPER = 36
-# Seconds past a test's timeout before the backstop kills the session.
-_BACKSTOP_S = 60
+# Seconds past a test's timeout before the backstop kills the session
+# (tests/integration/test_no_hang.py sets it short).
+_BACKSTOP_S = float(os.environ.get("TESTS_TIMEOUT_BACKSTOP_S", "60"))
 _BACKSTOP_KEY = pytest.StashKey[threading.Timer]()
 
 
@@ -98,8 +99,11 @@ def _no_process_left_behind(request):
 
 
 def _backstop(item, timeout):
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # else the message would die with the capture
+        capture.suspend_global_capture(item)
     sys.stderr.write(
-        f"\n+++ {item.nodeid} is still running {_BACKSTOP_S} s after its "
+        f"\n+++ {item.nodeid} is still running {_BACKSTOP_S:g} s after its "
         f"{timeout:g} s timeout (stuck where the timeout's exception cannot "
         "reach it): killing every process pytest started, and pytest. "
         "Stacks:\n")
