@@ -184,13 +184,17 @@ def _has_exited(proc):
 
 def _job_snapshot(proc):
     """{pid: start time} of mpiexec and every process of the job now."""
-    procs = _rank.job_processes(roots=(proc.pid,), sessions=(proc.pid,))
+    roots = (proc.pid,) if proc.returncode is None else ()
+    procs = _rank.job_processes(roots=roots, sessions=(proc.pid,))
     return {pid: st[3] for pid, st in procs.items()}
 
 
 def _kill_job(proc, known):
-    return _rank.kill_job(roots=(proc.pid,), sessions=(proc.pid,),
-                          known=known)
+    # Walk from mpiexec's pid only while no wait() has reaped it (poll(),
+    # e.g. inside send_signal, may have): a reaped pid may be another
+    # process's by now. Its session id stays taken while the session lasts.
+    roots = (proc.pid,) if proc.returncode is None else ()
+    return _rank.kill_job(roots=roots, sessions=(proc.pid,), known=known)
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):

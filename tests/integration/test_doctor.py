@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
@@ -26,6 +28,8 @@ def test_check_build_prints_the_table():
         assert any(l.startswith(row) for l in p.stdout.splitlines()), row
 
 
+@pytest.mark.parallel
+@pytest.mark.slow
 def test_doctor_passes_on_a_working_install():
     p = _cli("doctor", "--np", "2", "--timeout", "120")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -72,6 +76,8 @@ def _in_place_reads_allowed():
         holder.wait(timeout=30)
 
 
+@pytest.mark.parallel
+@pytest.mark.slow
 def test_doctor_says_which_path_large_allreduces_take():
     # The self-test's 1 MiB allreduce reports the path it took, which follows
     # the settings and the machine: in-place reads where process_vm_readv is
@@ -91,6 +97,7 @@ def test_doctor_says_which_path_large_allreduces_take():
     assert "large allreduces use MPI" in p.stdout, p.stdout
 
 
+@pytest.mark.parallel
 def test_doctor_fails_and_says_so_when_the_selftest_fails():
     env = dict(os.environ, KERASDIST_FUSION_THRESHOLD="lots")
     p = _cli("doctor", "--timeout", "60", env=env)

@@ -24,6 +24,8 @@ from tests.helpers import python_cmd  # noqa: E402
 from tests.helpers import recorded_pids  # noqa: E402
 from tests.helpers import rank_lines  # noqa: E402
 
+pytestmark = pytest.mark.parallel
+
 # Ranks of a failed job must be gone within this many seconds.
 _TEARDOWN_S = 30
 
@@ -190,6 +192,7 @@ def test_timeout_stops_job_with_124(tmp_path):
     assert_all_gone(tmp_path)
 
 
+@pytest.mark.slow
 def test_timeout_kills_children_that_left_the_rank(tmp_path):
     # Each rank's children ignore SIGTERM, one in a process group of its own
     # (out of reach of the wrapper's signals), one in a session of its own

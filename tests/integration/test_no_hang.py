@@ -17,7 +17,7 @@ from tests.helpers import assert_all_gone
 from tests.helpers import launcher_env
 from tests.helpers import recorded_pids
 
-pytestmark = pytest.mark.parallel
+pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
 # The inner test's timeout: long enough for two ranks (no TensorFlow) and
 # their children to start on a busy machine.
