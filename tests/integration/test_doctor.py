@@ -78,6 +78,7 @@ def _in_place_reads_allowed():
 
 @pytest.mark.parallel
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three self-tests of up to 120 s each, and start-up
 def test_doctor_says_which_path_large_allreduces_take():
     # The self-test's 1 MiB allreduce reports the path it took, which follows
     # the settings and the machine: in-place reads where process_vm_readv is
