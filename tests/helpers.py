@@ -11,9 +11,11 @@ Standard library only; never imports TensorFlow.
 
 import os
 import re
-import signal
 import subprocess
 import sys
+import time
+
+from kerasdist.run import _rank
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,10 +50,15 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
            prefix=()):
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 
+    Whatever ends the wait early (the timeout, or pytest-timeout's exception
+    in the middle of it), the launcher's whole process tree is killed first,
+    mpiexec's session and every rank included.
+
     Args:
         np: number of ranks, or None to give no -np.
         args: the command to run on every rank (a list).
-        timeout: seconds before the whole process group is killed.
+        timeout: seconds before the launcher and every process of its job
+            are killed.
         env: environment (default os.environ); the repo root is prepended
             to its PYTHONPATH.
         launcher_args: launcher flags placed before -np.
@@ -82,8 +89,11 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+    except BaseException as e:
+        kill_tree(proc)
+        if not isinstance(e, subprocess.TimeoutExpired):
+            proc.wait()
+            raise
         try:
             out, _ = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
@@ -94,18 +104,14 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
     return subprocess.CompletedProcess(argv, proc.returncode, out, None)
 
 
-def _kill_tree(proc):
-    # The launcher's own session holds the launcher only: mpiexec runs in a
-    # session of its own, so end it gracefully first, then kill the group.
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=25)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def kill_tree(proc):
+    """SIGKILLs a process started with start_new_session=True and every
+    process of its tree: its descendants, the sessions it and they lead
+    (mpiexec's), and their process groups. Returns the pids killed."""
+    # A reaped process's pid may have been given to another one: then only
+    # its session (whose id stays taken while it has a process) is safe.
+    roots = (proc.pid,) if proc.returncode is None else ()
+    return _rank.kill_job(roots=roots, sessions=(proc.pid,))
 
 
 def rank_lines(output, rank, stream="stdout"):
@@ -116,3 +122,62 @@ def rank_lines(output, rank, stream="stdout"):
         if m and int(m.group(1)) == rank and m.group(2) == stream:
             lines.append(m.group(3))
     return lines
+
+
+def pid_file_code(directory, body):
+    """Python code for a rank: it records its pid in DIRECTORY/pid.<rank>,
+    then runs `body`, which may use os, sys, time, signal, subprocess, r
+    (the rank, an int) and D (the directory)."""
+    return (
+        "import os, sys, time, signal, subprocess\n"
+        "r = int(os.environ['PMI_RANK'])\n"
+        f"D = {str(directory)!r}\n"
+        "open(os.path.join(D, f'pid.{r}'), 'w').write(str(os.getpid()))\n"
+        + body
+    )
+
+
+# A pid_file_code body: the rank starts two children that ignore SIGTERM,
+# one in a process group of its own and one in a session of its own (so
+# neither a signal to the rank's group nor one to mpiexec's session reaches
+# it), records their pids in D/pid.<rank>.group and D/pid.<rank>.session,
+# prints "up" and sleeps.
+STRAY_CHILDREN = (
+    "stray = [sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']\n"
+    "for kind, kw in (('group', {'process_group': 0}),\n"
+    "                 ('session', {'start_new_session': True})):\n"
+    "    p = subprocess.Popen(stray, **kw)\n"
+    "    open(os.path.join(D, f'pid.{r}.{kind}'), 'w').write(str(p.pid))\n"
+    "print('up', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def recorded_pids(directory):
+    """{file name: pid} of the pid.* files pid_file_code's ranks wrote."""
+    return {p.name: int(p.read_text())
+            for p in sorted(directory.glob("pid.*"))}
+
+
+def assert_all_gone(directory, within=5):
+    """Asserts that every process recorded by pid_file_code in `directory`
+    has ended (a zombie counts as ended) within `within` seconds."""
+    pids = recorded_pids(directory)
+    assert pids, "no rank recorded its pid"
+    deadline = time.monotonic() + within
+    while True:
+        alive = {n: p for n, p in pids.items() if is_running(p)}
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    assert not alive, f"processes still running: {alive}"
+
+
+def is_running(pid):
+    """Whether `pid` is a live process (not gone, not a zombie), by /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

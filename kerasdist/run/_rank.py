@@ -7,7 +7,8 @@ and:
   line with a single write() so lines of different ranks never mix mid-line
   (for lines up to PIPE_BUF bytes, which pipes write atomically);
 - forwards SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the command and, after a
-  grace period, kills it if it ignores an ending signal;
+  grace period, kills it (and every process it started) if it ignores an
+  ending signal;
 - kills the command if the wrapper itself dies (Linux parent-death signal);
 - reports a failed exit (nonzero code or a signal) to the launcher as one
   marker line on stderr, which the launcher removes from the output;
@@ -174,6 +175,115 @@ def parse_marker(line):
         return None
 
 
+def _stat(pid):
+    """(ppid, pgid, sid, start time) of a live process from /proc, or None.
+
+    None for a process that is gone or a zombie (nothing left to kill).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: the
+    # fields that follow start after its last ')'.
+    fields = data[data.rfind(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    # state ppid pgrp session ... starttime (field 22, index 19 here)
+    return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
+
+
+def _process_table():
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    return table
+
+
+def job_processes(roots=(), sessions=(), known=None):
+    """The live processes of a job, read from /proc.
+
+    Args:
+        roots: pids whose whole trees belong to the job (live processes this
+            caller has not reaped, so their pids cannot have been reused).
+        sessions: session ids whose every process belongs to the job (a
+            session id stays taken while any process is in the session).
+        known: {pid: start time} from an earlier call; those still running
+            (same pid, same start time) belong to the job.
+
+    Returns:
+        {pid: (ppid, pgid, sid, start time)} of `roots`, the processes of
+        `sessions` and of `known`, every descendant of those, and every
+        process of a session one of them leads; the caller excluded.
+    """
+    table = _process_table()
+    children = {}
+    for pid, (ppid, _, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    sessions = set(sessions)
+    todo = [p for p in roots if p in table]
+    todo += [p for p, st in table.items() if st[2] in sessions]
+    todo += [p for p, start in (known or {}).items()
+             if p in table and table[p][3] == start]
+    found = set()
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found.add(pid)
+        todo += children.get(pid, [])
+        sid = table[pid][2]
+        if sid == pid and sid not in sessions:  # a session leader
+            sessions.add(sid)
+            todo += [p for p, st in table.items() if st[2] == sid]
+    found.discard(os.getpid())
+    return {pid: table[pid] for pid in found}
+
+
+def kill_job(roots=(), sessions=(), known=None):
+    """SIGKILLs every process of a job (see job_processes) and its group.
+
+    The processes are stopped (SIGSTOP) and the tree read again before the
+    kill, so that none forks or leaves its parent unseen while they are
+    killed one by one; this repeats until no process of the job is left.
+    Process groups are killed as well: a process that left its parent's
+    tree by setpgid() but kept its group still goes. The caller's own
+    process group is spared.
+
+    Returns:
+        The pids killed.
+    """
+    own_group = os.getpgid(0)
+    killed = set()
+    for _ in range(10):
+        procs = job_processes(roots, sessions, known)
+        if not procs:
+            break
+        for pid in procs:
+            _send(pid, signal.SIGSTOP)
+        procs.update(job_processes(roots, sessions, known))
+        for pgid in {st[1] for st in procs.values()} - {own_group}:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in procs:
+            _send(pid, signal.SIGKILL)
+        killed.update(procs)
+    return killed
+
+
+def _send(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
+
+
 def _libc_prctl():
     try:
         import ctypes
@@ -232,11 +342,10 @@ class _Wrapper:
             self.kill_timer.start()
 
     def _kill(self):
+        # The command's whole tree: children it moved to process groups of
+        # their own would outlive a kill of its group alone.
         if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_job(roots=(self.proc.pid,))
 
     def run(self, rank):
         prctl = _libc_prctl()

@@ -9,7 +9,10 @@ Stopping a job: send the ending signal to mpiexec, which forwards it to every
 rank's wrapper, which forwards it to the command and SIGKILLs the command
 after _rank.KILL_GRACE_S. If mpiexec is still alive after _FORCE_AFTER_S it
 gets two SIGINTs (hydra's "Ctrl-C again to force abort"), and after
-_KILL_AFTER_S its process group gets SIGKILL.
+_KILL_AFTER_S mpiexec and every process of the job get SIGKILL. Once mpiexec
+has exited, whatever of the job outlived it is killed too: the processes of
+mpiexec's session, and those the job had when it was being stopped (a rank's
+child may have left the session or its parent's tree).
 """
 
 import os
@@ -201,11 +204,34 @@ def _signal_proc(proc, signum):
         pass
 
 
-def _kill_group(proc):
+def _has_exited(proc):
+    """Whether mpiexec has exited, without reaping it.
+
+    Until proc.wait() reaps it, mpiexec's pid (also its session's id) cannot
+    be given to another process, so the job's processes can still be found
+    by it.
+    """
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
+        info = os.waitid(os.P_PID, proc.pid,
+                         os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    except ChildProcessError:  # reaped already
+        return True
+    return info is not None
+
+
+def _job_snapshot(proc):
+    """{pid: start time} of mpiexec and every process of the job now."""
+    roots = (proc.pid,) if proc.returncode is None else ()
+    procs = _rank.job_processes(roots=roots, sessions=(proc.pid,))
+    return {pid: st[3] for pid, st in procs.items()}
+
+
+def _kill_job(proc, known):
+    # Walk from mpiexec's pid only while no wait() has reaped it (poll(),
+    # e.g. inside send_signal, may have): a reaped pid may be another
+    # process's by now. Its session id stays taken while the session lasts.
+    roots = (proc.pid,) if proc.returncode is None else ()
+    return _rank.kill_job(roots=roots, sessions=(proc.pid,), known=known)
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
@@ -239,13 +265,10 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
 
     stop_reason = None  # "failure", "unreachable", "timeout" or "signal"
     stopping_since = None
-    forced = False
-    while True:
-        try:
-            rc = proc.wait(timeout=_POLL_S)
-            break
-        except subprocess.TimeoutExpired:
-            pass
+    forced = killed = False
+    known = {}  # the job's processes when it was being stopped
+    while not _has_exited(proc):
+        time.sleep(_POLL_S)
         now = time.monotonic()
         if stopping_since is None:
             if interrupts.signum is not None:
@@ -263,6 +286,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
                 log.line(f"timeout: the job ran longer than {timeout:g} s; "
                          "stopping all ranks.")
             if stop_reason is not None:
+                known = _job_snapshot(proc)
                 _signal_proc(proc, signum)
                 stopping_since = now
         else:
@@ -272,8 +296,15 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
                 _signal_proc(proc, signal.SIGINT)
                 time.sleep(0.2)
                 _signal_proc(proc, signal.SIGINT)
-            if waited > _KILL_AFTER_S:
-                _kill_group(proc)
+            if waited > _KILL_AFTER_S and not killed:
+                killed = True
+                _kill_job(proc, known)
+    if stop_reason is not None:
+        left = _kill_job(proc, known)
+        if left:
+            log.line(f"killed {len(left)} process(es) of the job that "
+                     "outlived mpiexec.")
+    rc = proc.wait()
     relay.join(timeout=5.0)
     out_relay.join(timeout=5.0)
 

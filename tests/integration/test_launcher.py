@@ -15,44 +15,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from tests.helpers import REPO_ROOT  # noqa: E402
+from tests.helpers import STRAY_CHILDREN  # noqa: E402
+from tests.helpers import assert_all_gone  # noqa: E402
 from tests.helpers import launch  # noqa: E402
 from tests.helpers import launcher_env  # noqa: E402
+from tests.helpers import pid_file_code  # noqa: E402
 from tests.helpers import python_cmd  # noqa: E402
+from tests.helpers import recorded_pids  # noqa: E402
 from tests.helpers import rank_lines  # noqa: E402
+
+pytestmark = pytest.mark.parallel
 
 # Ranks of a failed job must be gone within this many seconds.
 _TEARDOWN_S = 30
-
-
-def _pid_file_code(tmp_path, body):
-    """Code that records its pid in tmp_path/pid.<rank>, then runs body."""
-    return (
-        "import os, sys, time, signal\n"
-        "r = int(os.environ['PMI_RANK'])\n"
-        f"open(os.path.join({str(tmp_path)!r}, f'pid.{{r}}'), 'w')"
-        ".write(str(os.getpid()))\n"
-        + body
-    )
-
-
-def _assert_all_gone(tmp_path):
-    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
-    assert pids, "no rank recorded its pid"
-    deadline = time.monotonic() + 5
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
-        time.sleep(0.1)
-    assert not alive, f"ranks still running: {alive}"
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_prefixes_stdout_and_stderr_and_env(tmp_path):
@@ -139,14 +114,14 @@ def test_failed_rank_stops_the_job(tmp_path, failing, code, message):
     body = (f"if r == 1: time.sleep(0.5); {failing}\n"
             "time.sleep(600)\n")
     start = time.monotonic()
-    out = launch(2, python_cmd(_pid_file_code(tmp_path, body)),
+    out = launch(2, python_cmd(pid_file_code(tmp_path, body)),
                  timeout=_TEARDOWN_S + 30)
     assert time.monotonic() - start < _TEARDOWN_S, out.stdout
     assert out.returncode == code, out.stdout
     import socket
     assert message.format(host=socket.gethostname()) in out.stdout
     assert "stopping the other ranks" in out.stdout
-    _assert_all_gone(tmp_path)
+    assert_all_gone(tmp_path)
 
 
 def test_rank_ignoring_sigterm_is_killed(tmp_path):
@@ -154,12 +129,12 @@ def test_rank_ignoring_sigterm_is_killed(tmp_path):
             "if r == 0: time.sleep(0.5); sys.exit(5)\n"
             "time.sleep(600)\n")
     start = time.monotonic()
-    out = launch(3, python_cmd(_pid_file_code(tmp_path, body)),
+    out = launch(3, python_cmd(pid_file_code(tmp_path, body)),
                  timeout=_TEARDOWN_S + 30)
     assert time.monotonic() - start < _TEARDOWN_S, out.stdout
     assert out.returncode == 5, out.stdout
     assert "rank 0 (host" in out.stdout
-    _assert_all_gone(tmp_path)
+    assert_all_gone(tmp_path)
 
 
 @pytest.mark.parametrize("launcher_args, command", [
@@ -208,20 +183,39 @@ def test_max_restarts_gives_up_with_last_code():
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()
-    out = launch(2, python_cmd(_pid_file_code(tmp_path, body)), timeout=60,
+    out = launch(2, python_cmd(pid_file_code(tmp_path, body)), timeout=60,
                  launcher_args=("--timeout", "2"))
     assert out.returncode == 124, out.stdout
     assert time.monotonic() - start < _TEARDOWN_S
     assert "timeout" in out.stdout
     assert rank_lines(out.stdout, 1) == ["up"]
-    _assert_all_gone(tmp_path)
+    assert_all_gone(tmp_path)
+
+
+@pytest.mark.slow
+def test_timeout_kills_children_that_left_the_rank(tmp_path):
+    # Each rank's children ignore SIGTERM, one in a process group of its own
+    # (out of reach of the wrapper's signals), one in a session of its own
+    # (out of reach of a kill of mpiexec's session): --timeout must still
+    # leave no process of the job running.
+    out = launch(2, python_cmd(pid_file_code(tmp_path, STRAY_CHILDREN)),
+                 timeout=90, launcher_args=("--timeout", "8"))
+    assert out.returncode == 124, out.stdout
+    assert [rank_lines(out.stdout, r) for r in (0, 1)] == [["up"]] * 2, (
+        "the ranks did not start within the 8 s timeout:\n" + out.stdout)
+    assert sorted(recorded_pids(tmp_path)) == [
+        "pid.0", "pid.0.group", "pid.0.session",
+        "pid.1", "pid.1.group", "pid.1.session"]
+    assert "killed 4 process(es) of the job that outlived mpiexec" in (
+        out.stdout), out.stdout
+    assert_all_gone(tmp_path, within=2)
 
 
 def test_sigint_to_launcher_stops_all_ranks(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kerasdist.run", "-np", "2",
-         *python_cmd(_pid_file_code(tmp_path, body))],
+         *python_cmd(pid_file_code(tmp_path, body))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=launcher_env(), cwd=REPO_ROOT, start_new_session=True)
     try:
@@ -236,7 +230,7 @@ def test_sigint_to_launcher_stops_all_ranks(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out
     assert "received SIGINT" in out
-    _assert_all_gone(tmp_path)
+    assert_all_gone(tmp_path)
 
 
 def test_np3_oversubscribes_and_no_prefix():

@@ -1,14 +1,16 @@
-"""The autotuner on real ranks: CSV samples, the best setting applied."""
+"""The autotuner on real ranks: its log, its verdict and the setting it
+leaves applied follow its rule, whatever the measured speeds."""
 
 import csv
 import os
+import statistics
 import sys
 
 import pytest
 
 from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
-pytestmark = pytest.mark.parallel
+pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "autotune_worker.py")
 
@@ -24,34 +26,51 @@ def _ok(out, np_):
                    rank_lines(out.stdout, r)), out.stdout[-4000:]
 
 
-def test_start_autotune_samples_and_applies_best(tmp_path):
+def _key(row):
+    return row["threshold"], row["cycle_ms"], row["cache"]
+
+
+def _score(row):
+    return float(row["bytes_per_s"])
+
+
+def test_start_autotune_samples_confirms_and_keeps_by_its_rule(tmp_path):
+    # What the tuner measures depends on the machine; what it must do with
+    # the measurements does not: those are checked here, from its log.
     log = tmp_path / "tune.csv"
     out = launch(2, [sys.executable, WORKER, "api", str(log)], timeout=240,
                  env=_env())
     _ok(out, 2)
     with open(log) as f:
         rows = list(csv.DictReader(f))
-
-    def key(r):
-        return r["threshold"], r["cycle_ms"], r["cache"]
-
-    # The first scored sample is the starting setting: the worker's slow
-    # one (5 ms cycle time), which some other sample beats.
-    start = key(rows[2])
-    assert start == ("67108864", "5.0", "1")
-    best = key(max(rows[2:8], key=lambda r: float(r["bytes_per_s"])))
-    assert best != start, rows
-    # Then 2 confirmation rounds, start and best alternating; the best is
-    # kept if its median (of two: the mean) beats the start's by over 2%,
-    # as it does here by far.
-    assert [r["phase"] for r in rows] == (["warmup"] * 2 + ["sample"] * 6
-                                          + ["confirm"] * 4 + ["final"])
-    pairs = rows[8:12]
-    assert [key(r) for r in pairs] == [start, best, start, best]
-    mean = {k: sum(float(r["bytes_per_s"]) for r in pairs if key(r) == k) / 2
-            for k in (start, best)}
-    assert mean[best] > 1.02 * mean[start], pairs
-    assert key(rows[-1]) == best
+    phases = [r["phase"] for r in rows]
+    assert phases[:8] == ["warmup"] * 2 + ["sample"] * 6, phases
+    samples = rows[2:8]
+    # The first scored sample is the setting the job started with (the
+    # worker's, with the longest cycle time).
+    start = ("67108864", "5.0", "1")
+    assert _key(samples[0]) == start
+    best = _key(max(samples, key=_score))
+    if best == start:
+        # Nothing beat the start: no confirmation, the start stays.
+        assert phases[8:] == ["final"], phases
+        kept, confirmed = start, "None"
+    else:
+        # Two rounds of start and best in turn; the best is kept only if
+        # its median beats the start's by more than 2%.
+        assert phases[8:] == ["confirm"] * 4 + ["final"], phases
+        pairs = rows[8:12]
+        assert [_key(r) for r in pairs] == [start, best, start, best]
+        median = {k: statistics.median(_score(r) for r in pairs
+                                       if _key(r) == k)
+                  for k in (start, best)}
+        won = median[best] > 1.02 * median[start]
+        kept, confirmed = (best if won else start), str(won)
+    assert _key(rows[-1]) == kept, rows[-1]
+    # Rank 0 checked that the runtime runs with the final row's setting;
+    # it reports the tuner's verdict.
+    line = [l for l in rank_lines(out.stdout, 0) if l.startswith("OK ")]
+    assert f"confirmed={confirmed}" in line[0], line
 
 
 def test_env_autotune_stopped_early(tmp_path):

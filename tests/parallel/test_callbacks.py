@@ -15,7 +15,10 @@ from tests.helpers import REPO_ROOT  # noqa: E402
 from tests.helpers import launch  # noqa: E402
 from tests.helpers import rank_lines  # noqa: E402
 
-pytestmark = [pytest.mark.parallel, pytest.mark.slow]
+# 600 s a test: the module's training job (up to 300 s) runs in the first
+# test's setup, and the resume test launches another.
+pytestmark = [pytest.mark.parallel, pytest.mark.slow,
+              pytest.mark.timeout(600)]
 
 NP = 2
 _WORKER = os.path.join(REPO_ROOT, "tests", "workers",

@@ -85,6 +85,8 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
     assert "OK 48 MiB (in place)" in out.stdout, out.stdout[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # its launch may take 300 s
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_ops_eager_function_gradients_out_of_order(np_):
     out = launch(np_, _worker("tf_ops_worker.py"), timeout=300, env=_env())

@@ -51,6 +51,7 @@ def test_shard_rejects_bad_input():
 
 @pytest.mark.parallel
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # its launch may take 300 s
 @pytest.mark.parametrize("np_", [2, 3])
 def test_uneven_shards_finish_with_equal_steps(np_):
     out = launch(np_, [sys.executable, _WORKER], timeout=300,

@@ -12,7 +12,9 @@ import pytest
 
 from tests.helpers import REPO_ROOT, launch, rank_lines
 
-pytestmark = pytest.mark.parallel
+# 600 s a test: each job's launch may take 400 s.
+pytestmark = [pytest.mark.parallel, pytest.mark.slow,
+              pytest.mark.timeout(600)]
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "local_sgd_worker.py")
 ALL = {"k1": "k1_equals_sync", "k4": "k4_identical_at_averaging_points",

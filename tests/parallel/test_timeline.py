@@ -10,7 +10,7 @@ import pytest
 from kerasdist import timeline_tools
 from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
-pytestmark = pytest.mark.parallel
+pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
 WORKER = os.path.join(REPO_ROOT, "tests", "workers", "timeline_worker.py")
 

@@ -43,6 +43,7 @@ def _missing_reason():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # the build may take 900 s
 def test_gpu_backend_compiles_and_links(tmp_path):
     reason = _missing_reason()
     if reason:

@@ -3,6 +3,8 @@ AVX2) and the portable scalar code, against numpy's and ml_dtypes' (round to
 nearest even), bit for bit. These conversions run inside the MPI reduction of
 16-bit floats and in every 16-bit scale (Average, pre/postscale)."""
 
+import platform
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -71,8 +73,20 @@ def test_narrow_rounds_like_numpy(dtype, simd):
     _same_bits_or_both_nan(got, want, KINDS[dtype])
 
 
-def test_simd_reported_and_bad_dtype_is_refused():
-    assert _capi.lib().kerasdist_simd16() in (0, 1)
+def _cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_simd_reported_as_the_cpu_allows_and_bad_dtype_is_refused():
+    # The vector code needs x86-64 with AVX2 and F16C (as the kernel, which
+    # also checks the OS saves the AVX registers, reports them).
+    want = (platform.machine() == "x86_64"
+            and {"avx2", "f16c"} <= _cpu_flags())
+    assert _capi.lib().kerasdist_simd16() == int(want)
     x = np.zeros(4, np.float32)
     y = np.zeros(4, np.uint16)
     assert _capi.lib().kerasdist_convert16(2, 0, 1, x.ctypes.data,

@@ -93,7 +93,8 @@ def main():
         assert abs(float(final["best_bytes_per_s"]) - want_score) < 0.2, (
             final, want_score)
         print(f"OK autotune steps={steps} best={applied} "
-              f"samples={len(scores)}", flush=True)
+              f"samples={len(scores)} confirmed={tuner.confirmed}",
+              flush=True)
     else:
         print("OK autotune", flush=True)
 

@@ -1,0 +1,141 @@
+"""No test leaves a process behind, and none can hang the session.
+
+- pytest becomes a child subreaper: a process orphaned by a test (a rank
+  whose launcher was killed, a child of a killed rank) is re-parented to
+  pytest instead of init, so it stays in pytest's process tree.
+- After every test, every process the test started that is still running
+  (with its tree, sessions and process groups) is killed, and the test is
+  warned about by name; then the orphans it left are reaped.
+- pytest-timeout (the `signal` method, see pyproject.toml) fails a test that
+  runs past its timeout: the exception unwinds through the test, whose
+  launches kill their process trees (tests/helpers.py), and the teardown
+  above kills the rest. A test stuck where the exception cannot reach it
+  (inside C code) is caught by a backstop thread _BACKSTOP_S later, which
+  prints every thread's stack, kills every process pytest started and
+  exits.
+- SIGTERM (the overall bound in .ci/run sends it) kills every process
+  pytest started, then stops the session as Ctrl-C does, so the summary
+  and the slowest tests still print.
+"""
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import warnings
+
+import pytest
+
+from kerasdist.run import _rank
+
+_PR_SET_CHILD_SUBREAPER = 36
+# Seconds past a test's timeout before the backstop kills the session
+# (tests/integration/test_no_hang.py sets it short).
+_BACKSTOP_S = float(os.environ.get("TESTS_TIMEOUT_BACKSTOP_S", "60"))
+_BACKSTOP_KEY = pytest.StashKey[threading.Timer]()
+
+
+def _become_subreaper():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: orphans go to init, the rest still holds
+
+
+def _started_by_pytest():
+    """{pid: start time} of every live process in pytest's tree."""
+    procs = _rank.job_processes(roots=(os.getpid(),))
+    return {pid: st[3] for pid, st in procs.items()}
+
+
+def _command_line(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
+def _reap_orphans(keep):
+    """Reaps the zombie children of pytest whose pids are not in `keep`
+    (the children a longer-lived fixture may still wait for)."""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in keep:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2:].split()
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            try:
+                os.waitpid(int(name), os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _kill_everything_started():
+    _rank.kill_job(roots=(os.getpid(),))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind(request):
+    before = _started_by_pytest()
+    yield
+    left = {pid: start for pid, start in _started_by_pytest().items()
+            if before.get(pid) != start}
+    if left:
+        names = {pid: _command_line(pid) for pid in left}
+        _rank.kill_job(known=left)
+        warnings.warn(
+            f"{request.node.nodeid} left {len(left)} process(es) running; "
+            f"killed: {sorted(names.items())}", stacklevel=1)
+    _reap_orphans(keep=set(before))
+
+
+def _backstop(item, timeout):
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # else the message would die with the capture
+        capture.suspend_global_capture(item)
+    sys.stderr.write(
+        f"\n+++ {item.nodeid} is still running {_BACKSTOP_S:g} s after its "
+        f"{timeout:g} s timeout (stuck where the timeout's exception cannot "
+        "reach it): killing every process pytest started, and pytest. "
+        "Stacks:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    _kill_everything_started()
+    os._exit(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    timer = threading.Timer(settings.timeout + _BACKSTOP_S, _backstop,
+                            (item, settings.timeout))
+    timer.daemon = True
+    timer.start()
+    item.stash[_BACKSTOP_KEY] = timer
+    # None: pytest-timeout goes on to set its own timer.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item):
+    timer = item.stash.get(_BACKSTOP_KEY, None)
+    if timer is not None:
+        timer.cancel()
+
+
+def _on_sigterm(signum, frame):
+    _kill_everything_started()
+    raise KeyboardInterrupt("SIGTERM: the session ran past its bound")
+
+
+def pytest_configure(config):
+    _become_subreaper()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
