@@ -1,0 +1,451 @@
+"""Collectives on JAX arrays: eagerly and inside `jax.jit`, differentiable
+(`jax.custom_vjp`) as the TF ops are.
+
+Each collective is an XLA FFI custom call (ops/jax/ffi.cc) that enqueues
+through the core, so it is negotiated by name and fused like TF's. Inside
+`jax.jit` an unnamed collective is named at trace time, from the traced
+function and a counter that restarts with every trace; the ranks trace the
+same code, so the names agree. Shapes inside `jax.jit` are fixed at trace
+time, so there `allgather` needs the same first dimension on every rank and
+`alltoall` an even split; eagerly both may differ per rank (the sizes are
+exchanged first).
+"""
+
+import ctypes
+import functools
+import os
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kerasdist import _capi, _names, basics
+
+_LIB_NAME = "_kerasdist_jax.so"
+# FFI target -> symbol in the handler library.
+_TARGETS = {
+    "allreduce": "KerasdistAllreduce",
+    "grouped_allreduce": "KerasdistGroupedAllreduce",
+    "allgather": "KerasdistAllgather",
+    "broadcast": "KerasdistBroadcast",
+    "alltoall": "KerasdistAlltoall",
+    "reducescatter": "KerasdistReducescatter",
+    "barrier": "KerasdistBarrier",
+}
+_lock = threading.Lock()
+_registered = False
+# Per-trace counters of unnamed collectives, keyed by the outermost jit trace.
+_trace_counters = weakref.WeakKeyDictionary()
+
+
+def library_path():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(here, _LIB_NAME)
+
+
+def _register():
+    """Loads the handler library once and registers its FFI targets."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        path = library_path()
+        if not os.path.exists(path):
+            raise ImportError(
+                f"kerasdist's JAX op library is missing ({path}). Install jax "
+                "first, then rebuild kerasdist: `pip install "
+                "--no-build-isolation -e .[jax]` (or `make -C ops JAX=1`).")
+        _capi.lib()  # the core first, so the handlers resolve against it
+        lib = ctypes.CDLL(path)
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(
+                f"kerasdist_{target}", jax.ffi.pycapsule(getattr(lib, symbol)),
+                platform="cpu")
+        _registered = True
+
+
+def _program_trace():
+    """The outermost `jax.jit` trace being built, or None when eager (also
+    under an eager `jax.grad`, whose linearize trace stages nothing)."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+    stack = core.unsafe_get_trace_stack(core.unsafe_get_current_trace())
+    for trace in stack:  # outermost first
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return trace
+    return None
+
+
+def _auto_name(kind, name):
+    """The name ranks negotiate by; identical on every rank.
+
+    Explicit names win. Eagerly, unnamed calls are numbered in call order.
+    Inside `jax.jit` they are numbered per trace, prefixed with the traced
+    function's name, like the unique names of a TF graph.
+    """
+    if name is not None:
+        return str(name)
+    trace = _program_trace()
+    if trace is None:
+        return _names.eager_name(kind, None)
+    with _lock:
+        counters = _trace_counters.setdefault(trace, {})
+        k = counters.get(kind, 0)
+        counters[kind] = k + 1
+    info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    func = getattr(info, "func_name", None) or "jit"
+    return f"{kind}.{func}.{k}"
+
+
+def _require_init():
+    if not basics.is_initialized():
+        raise RuntimeError("kerasdist is not initialized; call kerasdist.init() "
+                           "first.")
+
+
+def _check_op(op, what):
+    if op not in basics._OP_NAMES:
+        raise ValueError(f"{what}: op must be one of kerasdist.Average, Sum, "
+                         f"Min, Max, Product; got {op!r}.")
+
+
+def _call(target, out_types, *args, **attrs):
+    # has_side_effect: XLA must never drop a collective whose result is
+    # unused on one rank (a broadcast's gradient off the root): the others
+    # would wait for it forever.
+    _register()
+    return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
+                            has_side_effect=True)(*args, **attrs)
+
+
+def _like(x, rows=None):
+    shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def _reduce_attrs(op, prescale, postscale):
+    return dict(reduce_op=np.int32(op), prescale=np.float64(prescale),
+                postscale=np.float64(postscale))
+
+
+def _differentiable(op):
+    if op not in (basics.Average, basics.Sum):
+        raise NotImplementedError(
+            "Only Sum and Average allreduces are differentiable.")
+
+
+# ---- allreduce ---------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _allreduce(x, name, op, prescale, postscale):
+    return _call("allreduce", _like(x), x, name=name,
+                 **_reduce_attrs(op, prescale, postscale))
+
+
+def _allreduce_fwd(x, name, op, prescale, postscale):
+    return _allreduce(x, name, op, prescale, postscale), None
+
+
+def _allreduce_bwd(name, op, prescale, postscale, _, grad):
+    _differentiable(op)
+    return (_allreduce(grad, name + ".grad", op, prescale, postscale),)
+
+
+_allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+
+
+def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """Reduces an array over all ranks; every rank gets the result.
+
+    Args:
+        tensor: a JAX array or array-like (float16, bfloat16, float32,
+            float64, int32, int64, uint8; 64-bit types need
+            `jax_enable_x64`).
+        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
+            Average of integers divides with truncation toward zero.
+        name: the name ranks match this collective by. Inside `jax.jit` one
+            is derived at trace time; eagerly, unnamed calls are numbered in
+            call order.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Returns:
+        An array of the same shape and dtype. Differentiable for Sum and
+        Average (the gradient is the same allreduce of the cotangent).
+
+    Raises:
+        ValueError: for an unknown `op`.
+        RuntimeError: if kerasdist is not initialized.
+
+    Example:
+    >>> import kerasdist.jax as kd
+    >>> kd.init()
+    >>> total = kd.allreduce(jnp.array([1.0, 2.0]), op=kd.Sum)
+    """
+    _require_init()
+    _check_op(op, "allreduce")
+    tensor = jnp.asarray(tensor)
+    return _allreduce(tensor, _auto_name("allreduce", name), int(op),
+                      float(prescale_factor), float(postscale_factor))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _grouped(xs, name, op, prescale, postscale):
+    return tuple(_call("grouped_allreduce", [_like(x) for x in xs], *xs,
+                       name=name, **_reduce_attrs(op, prescale, postscale)))
+
+
+def _grouped_fwd(xs, name, op, prescale, postscale):
+    return _grouped(xs, name, op, prescale, postscale), None
+
+
+def _grouped_bwd(name, op, prescale, postscale, _, grads):
+    _differentiable(op)
+    return (_grouped(tuple(grads), name + ".grad", op, prescale, postscale),)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_allreduce(tensors, op=basics.Average, name=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces a list of arrays together: one custom call whose members
+    (named `<name>.<i>`) the core fuses into as few collectives as the
+    fusion threshold allows.
+
+    Returns:
+        A list of reduced arrays, in the input order.
+    """
+    _require_init()
+    _check_op(op, "grouped_allreduce")
+    tensors = tuple(jnp.asarray(t) for t in tensors)
+    if not tensors:
+        return []
+    return list(_grouped(tensors, _auto_name("grouped_allreduce", name),
+                         int(op), float(prescale_factor),
+                         float(postscale_factor)))
+
+
+# ---- allgather ---------------------------------------------------------------
+
+
+def _host_int64(op, values, name):
+    """A small eager collective on int64 values through the core (the sizes
+    an eager allgather/alltoall needs before it can shape its result)."""
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    kwargs = {"splits": [1] * basics.size()} if op == _capi.OP_ALLTOALL else {}
+    h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
+                     values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
+    h.wait()
+    ptr, shape = h.output()
+    out = np.empty(shape, np.int64)
+    if out.size:
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+    return tuple(int(v) for v in out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _allgather(x, name, rows):
+    return _call("allgather", _like(x, sum(rows)), x, name=name)
+
+
+def _allgather_fwd(x, name, rows):
+    return _allgather(x, name, rows), None
+
+
+def _allgather_bwd(name, rows, _, grad):
+    # Every rank's output holds this rank's rows: their gradient is the sum
+    # of every rank's cotangent for them.
+    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    r = basics.rank()
+    start = sum(rows[:r])
+    return (summed[start:start + rows[r]],)
+
+
+_allgather.defvjp(_allgather_fwd, _allgather_bwd)
+
+
+def allgather(tensor, name=None):
+    """Concatenates every rank's array along the first dimension.
+
+    Eagerly the first dimension may differ between ranks; inside `jax.jit`
+    it must be the same on every rank (the result's shape is fixed when the
+    function is traced), else the call fails with an error naming both
+    shapes. The other dimensions must agree.
+
+    Returns:
+        An array with the rows of rank 0, then rank 1, ...
+    """
+    _require_init()
+    tensor = jnp.asarray(tensor)
+    if tensor.ndim == 0:
+        raise ValueError("allgather needs an array with a first dimension, "
+                         "got a scalar; reshape it to [1].")
+    name = _auto_name("allgather", name)
+    if _program_trace() is None:
+        rows = _host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
+                           name + ".rows")
+    else:
+        rows = (tensor.shape[0],) * basics.size()
+    return _allgather(tensor, name, rows)
+
+
+# ---- broadcast ---------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _broadcast(x, name, root):
+    return _call("broadcast", _like(x), x, name=name, root_rank=np.int32(root))
+
+
+def _broadcast_fwd(x, name, root):
+    return _broadcast(x, name, root), None
+
+
+def _broadcast_bwd(name, root, _, grad):
+    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    return (summed if basics.rank() == root else summed * 0,)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Every rank receives `root_rank`'s array (any dtype, also bool/uint8).
+
+    The gradient flows to the root only: it gets the sum of every rank's
+    cotangent, the others zeros.
+    """
+    _require_init()
+    size = basics.size()
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < size:
+        raise ValueError(f"root_rank must be an int in [0, {size}), got "
+                         f"{root_rank!r}.")
+    return _broadcast(jnp.asarray(tensor), _auto_name("broadcast", name),
+                      int(root_rank))
+
+
+# ---- alltoall ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _alltoall(x, name, splits, recv):
+    return _call("alltoall", _like(x, sum(recv)), x, name=name,
+                 splits=np.asarray(splits, np.int64))
+
+
+def _alltoall_fwd(x, name, splits, recv):
+    return _alltoall(x, name, splits, recv), None
+
+
+def _alltoall_bwd(name, splits, recv, _, grad):
+    # The rows go back where they came from.
+    return (_alltoall(grad, name + ".grad", recv, splits),)
+
+
+_alltoall.defvjp(_alltoall_fwd, _alltoall_bwd)
+
+
+def _concrete_splits(splits, rows, size):
+    if isinstance(splits, jax.core.Tracer):
+        raise ValueError("alltoall: splits must be concrete (a list or numpy "
+                         "array), not a traced value.")
+    splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+    if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall: splits must be {size} non-negative row "
+                         f"counts summing to the first dimension ({rows}); got "
+                         f"{list(splits)}.")
+    return splits
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
+
+    Without `splits` the first dimension is divided evenly (it must divide
+    by `size()`). Inside `jax.jit` only the even split is supported, since
+    the received sizes fix the result's shape.
+
+    Returns:
+        (received, received_splits): rows from every rank in rank order, and
+        how many rows came from each rank (int32).
+    """
+    _require_init()
+    tensor = jnp.asarray(tensor)
+    n = basics.size()
+    if tensor.ndim == 0:
+        raise ValueError("alltoall needs an array with a first dimension, got "
+                         "a scalar.")
+    rows = tensor.shape[0]
+    name = _auto_name("alltoall", name)
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs a first dimension "
+                             f"divisible by size() ({n}), got {rows}.")
+        splits = recv = (rows // n,) * n
+    else:
+        splits = _concrete_splits(splits, rows, n)
+        if _program_trace() is not None:
+            raise ValueError(
+                "alltoall inside jax.jit supports only splits=None (an even "
+                "split): the received sizes would fix the result's shape. "
+                "Call it outside jax.jit for explicit splits.")
+        recv = _host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
+    return (_alltoall(tensor, name, splits, recv),
+            jnp.asarray(np.asarray(recv, np.int32)))
+
+
+# ---- reducescatter -----------------------------------------------------------
+
+
+def _scatter_rows(rows, n):
+    """Rows each rank keeps: earlier ranks one more when it does not divide."""
+    return tuple(rows // n + (k < rows % n) for k in range(n))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _reducescatter(x, name, op, prescale, postscale, counts):
+    return _call("reducescatter", _like(x, counts[basics.rank()]), x,
+                 name=name, **_reduce_attrs(op, prescale, postscale))
+
+
+def _reducescatter_fwd(x, name, op, prescale, postscale, counts):
+    return _reducescatter(x, name, op, prescale, postscale, counts), None
+
+
+def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
+    _differentiable(op)
+    gathered = _allgather(grad, name + ".grad", counts)
+    scale = prescale * postscale / (len(counts) if op == basics.Average else 1)
+    return (gathered * jnp.asarray(scale, gathered.dtype),)
+
+
+_reducescatter.defvjp(_reducescatter_fwd, _reducescatter_bwd)
+
+
+def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduces over all ranks; rank r keeps its slice of the first dimension
+    (earlier ranks get one extra row when it does not divide evenly)."""
+    _require_init()
+    _check_op(op, "reducescatter")
+    tensor = jnp.asarray(tensor)
+    if tensor.ndim == 0:
+        raise ValueError("reducescatter needs an array with a first "
+                         "dimension, got a scalar.")
+    return _reducescatter(tensor, _auto_name("reducescatter", name), int(op),
+                          float(prescale_factor), float(postscale_factor),
+                          _scatter_rows(tensor.shape[0], basics.size()))
+
+
+def barrier(name=None):
+    """Returns once every rank has called it (inside `jax.jit`: completes
+    when every rank's program reached it)."""
+    _require_init()
+    token = _call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
+                  name=_auto_name("barrier", name))
+    if _program_trace() is None:
+        token.block_until_ready()
