@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kerasdist import _capi, _names, basics
+from kerasdist import _capi, _frontend, basics
 
 _LIB_NAME = "_kerasdist_jax.so"
 # FFI target -> symbol in the handler library.
@@ -89,7 +89,7 @@ def _auto_name(kind, name):
         return str(name)
     trace = _program_trace()
     if trace is None:
-        return _names.eager_name(kind, None)
+        return _frontend.eager_name(kind, None)
     with _lock:
         counters = _trace_counters.setdefault(trace, {})
         k = counters.get(kind, 0)
@@ -233,21 +233,6 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
 # ---- allgather ---------------------------------------------------------------
 
 
-def _host_int64(op, values, name):
-    """A small eager collective on int64 values through the core (the sizes
-    an eager allgather/alltoall needs before it can shape its result)."""
-    values = np.ascontiguousarray(values, dtype=np.int64)
-    kwargs = {"splits": [1] * basics.size()} if op == _capi.OP_ALLTOALL else {}
-    h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
-                     values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
-    h.wait()
-    ptr, shape = h.output()
-    out = np.empty(shape, np.int64)
-    if out.size:
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-    return tuple(int(v) for v in out)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _allgather(x, name, rows):
     return _call("allgather", _like(x, sum(rows)), x, name=name)
@@ -287,7 +272,7 @@ def allgather(tensor, name=None):
                          "got a scalar; reshape it to [1].")
     name = _auto_name("allgather", name)
     if _program_trace() is None:
-        rows = _host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
+        rows = _frontend.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
                            name + ".rows")
     else:
         rows = (tensor.shape[0],) * basics.size()
@@ -393,17 +378,12 @@ def alltoall(tensor, splits=None, name=None):
                 "alltoall inside jax.jit supports only splits=None (an even "
                 "split): the received sizes would fix the result's shape. "
                 "Call it outside jax.jit for explicit splits.")
-        recv = _host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
+        recv = _frontend.host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
     return (_alltoall(tensor, name, splits, recv),
             jnp.asarray(np.asarray(recv, np.int32)))
 
 
 # ---- reducescatter -----------------------------------------------------------
-
-
-def _scatter_rows(rows, n):
-    """Rows each rank keeps: earlier ranks one more when it does not divide."""
-    return tuple(rows // n + (k < rows % n) for k in range(n))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -438,7 +418,7 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
                          "dimension, got a scalar.")
     return _reducescatter(tensor, _auto_name("reducescatter", name), int(op),
                           float(prescale_factor), float(postscale_factor),
-                          _scatter_rows(tensor.shape[0], basics.size()))
+                          _frontend.scatter_rows(tensor.shape[0], basics.size()))
 
 
 def barrier(name=None):
