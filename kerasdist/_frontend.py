@@ -50,3 +50,60 @@ def host_int64(op, values, name):
     if out.size:
         ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
     return tuple(int(v) for v in out)
+
+
+def _code(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":  # ml_dtypes' type, as JAX uses
+        return _capi.BFLOAT16
+    return _capi.DTYPES[dtype]
+
+
+def _contiguous(x):
+    x = np.asarray(x)  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+    return x if x.flags.c_contiguous else x.copy()
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p) if a.size else None
+
+
+def run_host(op, name, inputs, out_shapes, group=False, owned=False,
+             **kwargs):
+    """Runs one collective on host numpy arrays through the core and waits.
+
+    Args:
+        op: a `_capi.OP_*` value.
+        name: the collective's name; with `group`, the inputs are members
+            `<name>.<i>` of the group `name` (as the op libraries name them).
+        inputs: numpy arrays (one unless `group`).
+        out_shapes: the result shape for each input.
+        group: enqueue the inputs as one group, all before any wait.
+        owned: the core allocates the result (its size depends on the other
+            ranks); it is copied out after its shape is checked.
+        **kwargs: more `_capi.Handle` arguments (reduce_op, root_rank...).
+
+    Returns:
+        A list of numpy arrays.
+    """
+    inputs = [_contiguous(x) for x in inputs]
+    outs = [np.empty(s, x.dtype) for s, x in zip(out_shapes, inputs)]
+    if group:
+        kwargs.update(group=name, group_size=len(inputs))
+    handles = []
+    for i, (x, out) in enumerate(zip(inputs, outs)):
+        handles.append(_capi.Handle(
+            op, f"{name}.{i}" if group else name, _code(x.dtype), x.shape,
+            _ptr(x), None if owned else _ptr(out), **kwargs))
+    for h in handles:
+        h.wait()
+    if owned:
+        for h, out in zip(handles, outs):
+            ptr, shape = h.output()
+            if tuple(shape) != out.shape:
+                raise _capi.KerasdistError(
+                    f"collective '{name}' produced shape {list(shape)}, "
+                    f"expected {list(out.shape)}.")
+            if out.size:
+                ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+    return outs

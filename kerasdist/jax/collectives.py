@@ -101,8 +101,8 @@ def _auto_name(kind, name):
 
 def _require_init():
     if not basics.is_initialized():
-        raise RuntimeError("kerasdist is not initialized; call kerasdist.init() "
-                           "first.")
+        raise RuntimeError("kerasdist is not initialized; call "
+                           "kerasdist.init() first.")
 
 
 def _check_op(op, what):
@@ -111,13 +111,70 @@ def _check_op(op, what):
                          f"Min, Max, Product; got {op!r}.")
 
 
+_DTYPES = frozenset(np.dtype(t) for t in (
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int32,
+    jnp.int64, jnp.uint8, jnp.bool_))
+
+
+def _array(x, what):
+    """`x` as a JAX array of a dtype the core reduces, else a TypeError."""
+    x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in _DTYPES:
+        raise TypeError(f"kerasdist {what}: unsupported dtype {x.dtype}; "
+                        "expected float16, bfloat16, float32, float64, int32, "
+                        "int64, uint8 or bool.")
+    return x
+
+
+# target -> (core op, result allocated by the core)
+_HOST_OPS = {
+    "allreduce": (_capi.OP_ALLREDUCE, False),
+    "grouped_allreduce": (_capi.OP_ALLREDUCE, False),
+    "allgather": (_capi.OP_ALLGATHER, True),
+    "broadcast": (_capi.OP_BROADCAST, False),
+    "alltoall": (_capi.OP_ALLTOALL, True),
+    "reducescatter": (_capi.OP_REDUCESCATTER, True),
+}
+
+
 def _call(target, out_types, *args, **attrs):
-    # has_side_effect: XLA must never drop a collective whose result is
-    # unused on one rank (a broadcast's gradient off the root): the others
-    # would wait for it forever.
-    _register()
-    return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
-                            has_side_effect=True)(*args, **attrs)
+    """Runs a collective: as a custom call when traced, else at once.
+
+    Concrete arrays (eager calls, and the forward and backward passes of an
+    eager `jax.grad`) go to the core directly: an eager custom call would
+    compile a program for every new name.
+    """
+    if any(isinstance(a, jax.core.Tracer) for a in args) or (
+            _program_trace() is not None):
+        # has_side_effect: XLA must never drop a collective whose result is
+        # unused on one rank (a broadcast's gradient off the root): the
+        # others would wait for it forever.
+        _register()
+        return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
+                                has_side_effect=True)(*args, **attrs)
+    return _run_eager(target, out_types, args, attrs)
+
+
+def _run_eager(target, out_types, args, attrs):
+    name = attrs.pop("name")
+    if target == "barrier":
+        _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
+                     (), None, None).wait()
+        return jnp.zeros((), jnp.int32)
+    op, owned = _HOST_OPS[target]
+    kwargs = {"reduce_op": int(attrs.get("reduce_op", basics.Sum)),
+              "prescale": float(attrs.get("prescale", 1.0)),
+              "postscale": float(attrs.get("postscale", 1.0)),
+              "root_rank": int(attrs.get("root_rank", 0))}
+    if "splits" in attrs:
+        kwargs["splits"] = [int(s) for s in attrs["splits"]]
+    many = isinstance(out_types, (list, tuple))
+    shapes = [t.shape for t in (out_types if many else [out_types])]
+    outs = _frontend.run_host(op, name, [np.asarray(a) for a in args], shapes,
+                              group=target == "grouped_allreduce",
+                              owned=owned, **kwargs)
+    outs = [jnp.asarray(o) for o in outs]
+    return outs if many else outs[0]
 
 
 def _like(x, rows=None):
@@ -188,7 +245,7 @@ def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     """
     _require_init()
     _check_op(op, "allreduce")
-    tensor = jnp.asarray(tensor)
+    tensor = _array(tensor, "allreduce")
     return _allreduce(tensor, _auto_name("allreduce", name), int(op),
                       float(prescale_factor), float(postscale_factor))
 
@@ -222,7 +279,7 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
     """
     _require_init()
     _check_op(op, "grouped_allreduce")
-    tensors = tuple(jnp.asarray(t) for t in tensors)
+    tensors = tuple(_array(t, "grouped_allreduce") for t in tensors)
     if not tensors:
         return []
     return list(_grouped(tensors, _auto_name("grouped_allreduce", name),
@@ -266,7 +323,7 @@ def allgather(tensor, name=None):
         An array with the rows of rank 0, then rank 1, ...
     """
     _require_init()
-    tensor = jnp.asarray(tensor)
+    tensor = _array(tensor, "allgather")
     if tensor.ndim == 0:
         raise ValueError("allgather needs an array with a first dimension, "
                          "got a scalar; reshape it to [1].")
@@ -307,10 +364,11 @@ def broadcast(tensor, root_rank, name=None):
     """
     _require_init()
     size = basics.size()
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < size:
+    if (not isinstance(root_rank, (int, np.integer))
+            or not 0 <= root_rank < size):
         raise ValueError(f"root_rank must be an int in [0, {size}), got "
                          f"{root_rank!r}.")
-    return _broadcast(jnp.asarray(tensor), _auto_name("broadcast", name),
+    return _broadcast(_array(tensor, "broadcast"), _auto_name("broadcast", name),
                       int(root_rank))
 
 
@@ -359,7 +417,7 @@ def alltoall(tensor, splits=None, name=None):
         how many rows came from each rank (int32).
     """
     _require_init()
-    tensor = jnp.asarray(tensor)
+    tensor = _array(tensor, "alltoall")
     n = basics.size()
     if tensor.ndim == 0:
         raise ValueError("alltoall needs an array with a first dimension, got "
@@ -412,13 +470,14 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     (earlier ranks get one extra row when it does not divide evenly)."""
     _require_init()
     _check_op(op, "reducescatter")
-    tensor = jnp.asarray(tensor)
+    tensor = _array(tensor, "reducescatter")
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs an array with a first "
                          "dimension, got a scalar.")
+    counts = _frontend.scatter_rows(tensor.shape[0], basics.size())
     return _reducescatter(tensor, _auto_name("reducescatter", name), int(op),
                           float(prescale_factor), float(postscale_factor),
-                          _frontend.scatter_rows(tensor.shape[0], basics.size()))
+                          counts)
 
 
 def barrier(name=None):

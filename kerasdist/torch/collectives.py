@@ -93,11 +93,15 @@ def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
     # the whole group at once and fuses it.
     xs = [x.contiguous() for x in xs]
     outs = [torch.empty_like(x) for x in xs]
+    # Checked before anything is enqueued: a group short of a member would
+    # keep the other ranks waiting for it.
+    devices = [_device(x, "grouped_allreduce") for x in xs]
+    for x in xs:
+        _code(x)
     handles = [_start(_capi.OP_ALLREDUCE, f"{name}.{i}", x, out, reduce_op=op,
                       prescale=prescale, postscale=postscale, group=name,
-                      group_size=len(xs),
-                      device=_device(x, "grouped_allreduce"))
-               for i, (x, out) in enumerate(zip(xs, outs))]
+                      group_size=len(xs), device=device)
+               for i, (x, out, device) in enumerate(zip(xs, outs, devices))]
     for h in handles:
         h.wait()
     return outs
@@ -235,13 +239,13 @@ torch.library.register_autograd("kerasdist::reducescatter",
                                 setup_context=_reducescatter_context)
 
 
-# ---- public API ----------------------------------------------------------------
+# ---- public API --------------------------------------------------------------
 
 
 def _require_init():
     if not basics.is_initialized():
-        raise RuntimeError("kerasdist is not initialized; call kerasdist.init() "
-                           "first.")
+        raise RuntimeError("kerasdist is not initialized; call "
+                           "kerasdist.init() first.")
 
 
 def _check_op(op, what):

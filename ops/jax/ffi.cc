@@ -65,6 +65,7 @@ struct Spec {
   double postscale = 1.0;
   std::string group;
   int32_t group_size = 0;
+  std::vector<int64_t> splits;  // alltoall: rows sent to each rank
 };
 
 // One enqueued tensor: where its result goes and, for results the core
@@ -78,6 +79,36 @@ struct Pending {
   std::vector<int64_t> out_dims;
 };
 
+// Enqueues one tensor (`in` may be null: a barrier) and records it.
+ffi::Error Submit(Pending p, const Spec& s, int32_t dtype,
+                  std::vector<int64_t> shape, const void* in,
+                  std::vector<Pending>* pending) {
+  kerasdist_request r{};
+  r.name = p.name.c_str();
+  r.op = static_cast<int32_t>(s.op);
+  r.reduce_op = s.reduce_op;
+  r.dtype = dtype;
+  r.ndim = static_cast<int32_t>(shape.size());
+  r.shape = shape.data();
+  r.root_rank = s.root_rank;
+  r.prescale = s.prescale;
+  r.postscale = s.postscale;
+  r.nsplits = static_cast<int32_t>(s.splits.size());
+  r.splits = s.splits.data();
+  r.group = s.group.c_str();
+  r.group_size = s.group_size;
+  r.device = -1;
+  p.handle = kerasdist_enqueue(&r, in, p.copy_out ? nullptr : p.out);
+  if (p.handle == 0) {
+    return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
+                                       kerasdist_last_error());
+  }
+  pending->push_back(std::move(p));
+  return ffi::Error::Success();
+}
+
+// Enqueues `in`; the result goes straight into `out`, or, with `copy_out`,
+// into core-owned memory that Finish copies after checking its shape.
 ffi::Error Enqueue(const std::string& name, const Spec& s,
                    const ffi::AnyBuffer& in, ffi::AnyBuffer* out, bool copy_out,
                    std::vector<Pending>* pending) {
@@ -88,36 +119,13 @@ ffi::Error Enqueue(const std::string& name, const Spec& s,
         "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
         "or bool.");
   }
-  std::vector<int64_t> shape = Dims(in);
-  kerasdist_request r{};
-  r.name = name.c_str();
-  r.op = static_cast<int32_t>(s.op);
-  r.reduce_op = s.reduce_op;
-  r.dtype = dtype;
-  r.ndim = static_cast<int32_t>(shape.size());
-  r.shape = shape.data();
-  r.root_rank = s.root_rank;
-  r.prescale = s.prescale;
-  r.postscale = s.postscale;
-  r.group = s.group.c_str();
-  r.group_size = s.group_size;
-  r.device = -1;
   Pending p;
   p.name = name;
-  if (out != nullptr) {
-    p.out = out->untyped_data();
-    p.out_bytes = out->size_bytes();
-    p.copy_out = copy_out;
-    p.out_dims = Dims(*out);
-  }
-  p.handle = kerasdist_enqueue(&r, in.untyped_data(),
-                               copy_out || out == nullptr ? nullptr : p.out);
-  if (p.handle == 0) {
-    return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
-                                       kerasdist_last_error());
-  }
-  pending->push_back(std::move(p));
-  return ffi::Error::Success();
+  p.out = out->untyped_data();
+  p.out_bytes = out->size_bytes();
+  p.copy_out = copy_out;
+  p.out_dims = Dims(*out);
+  return Submit(std::move(p), s, dtype, Dims(in), in.untyped_data(), pending);
 }
 
 // Waits for one finished handle and moves a core-owned result into XLA's
@@ -193,19 +201,28 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
   s.postscale = postscale;
   s.group = std::string(name);
   s.group_size = static_cast<int32_t>(xs.size());
-  std::vector<Pending> pending;
-  ffi::Error err = ffi::Error::Success();
-  for (size_t i = 0; i < xs.size() && err.success(); ++i) {
+  // Every member is checked before any is enqueued: a group short of a
+  // member would keep the other ranks waiting for it.
+  std::vector<ffi::AnyBuffer> ins, outs;
+  for (size_t i = 0; i < xs.size(); ++i) {
     auto x = xs.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::AnyBuffer>(i);
-    if (!x.has_value() || !y.has_value()) {
-      err = ffi::Error::Internal("kerasdist: grouped allreduce operand " +
-                                 std::to_string(i) + " is not a buffer.");
-      break;
+    int32_t dtype;
+    if (!x.has_value() || !y.has_value() ||
+        !ToCore(x->element_type(), &dtype)) {
+      return Complete({}, ffi::Error::InvalidArgument(
+                              "kerasdist: grouped allreduce '" + s.group +
+                              "': member " + std::to_string(i) +
+                              " is not a buffer of a supported dtype."));
     }
-    ffi::AnyBuffer out = **y;
-    err = Enqueue(s.group + "." + std::to_string(i), s, *x, &out, false,
-                  &pending);
+    ins.push_back(*x);
+    outs.push_back(**y);
+  }
+  std::vector<Pending> pending;
+  ffi::Error err = ffi::Error::Success();
+  for (size_t i = 0; i < ins.size() && err.success(); ++i) {
+    err = Enqueue(s.group + "." + std::to_string(i), s, ins[i], &outs[i],
+                  false, &pending);
   }
   return Complete(std::move(pending), std::move(err));
 }
@@ -226,43 +243,12 @@ ffi::Future BroadcastImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 }
 
 ffi::Future AlltoallImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         std::string_view name, ffi::Span<const int64_t> splits) {
-  // The C API takes the splits in the request; build it here, not in Enqueue.
-  int32_t dtype;
-  std::vector<Pending> pending;
-  std::string n(name);
-  if (!ToCore(x.element_type(), &dtype)) {
-    return Complete({}, ffi::Error::InvalidArgument(
-                            "kerasdist: alltoall '" + n +
-                            "' got an unsupported dtype."));
-  }
-  std::vector<int64_t> shape = Dims(x);
-  std::vector<int64_t> sp(splits.begin(), splits.end());
-  kerasdist_request r{};
-  r.name = n.c_str();
-  r.op = static_cast<int32_t>(OpType::kAlltoall);
-  r.reduce_op = 1;
-  r.dtype = dtype;
-  r.ndim = static_cast<int32_t>(shape.size());
-  r.shape = shape.data();
-  r.prescale = r.postscale = 1.0;
-  r.nsplits = static_cast<int32_t>(sp.size());
-  r.splits = sp.data();
-  r.group = "";
-  r.device = -1;
-  Pending p;
-  p.name = n;
-  p.out = y->untyped_data();
-  p.out_bytes = y->size_bytes();
-  p.copy_out = true;
-  p.out_dims = Dims(*y);
-  p.handle = kerasdist_enqueue(&r, x.untyped_data(), nullptr);
-  if (p.handle == 0) {
-    return Complete({}, ffi::Error::InvalidArgument(
-                            std::string("kerasdist: ") + kerasdist_last_error()));
-  }
-  pending.push_back(std::move(p));
-  return Complete(std::move(pending), ffi::Error::Success());
+                         std::string_view name,
+                         ffi::Span<const int64_t> splits) {
+  Spec s;
+  s.op = OpType::kAlltoall;
+  s.splits.assign(splits.begin(), splits.end());
+  return One(name, s, x, &*y, true);
 }
 
 ffi::Future ReducescatterImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -281,27 +267,15 @@ ffi::Future ReducescatterImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 ffi::Future BarrierImpl(ffi::Result<ffi::AnyBuffer> token,
                         std::string_view name) {
   std::memset(token->untyped_data(), 0, token->size_bytes());
-  std::string n(name);
-  int64_t no_dims = 0;
-  kerasdist_request r{};
-  r.name = n.c_str();
-  r.op = static_cast<int32_t>(OpType::kBarrier);
-  r.reduce_op = 1;
-  r.dtype = static_cast<int32_t>(DataType::kUInt8);
-  r.shape = &no_dims;
-  r.prescale = r.postscale = 1.0;
-  r.group = "";
-  r.device = -1;
+  Spec s;
+  s.op = OpType::kBarrier;
   Pending p;
-  p.name = n;
-  p.handle = kerasdist_enqueue(&r, nullptr, nullptr);
-  if (p.handle == 0) {
-    return Complete({}, ffi::Error::InvalidArgument(
-                            std::string("kerasdist: ") + kerasdist_last_error()));
-  }
+  p.name = std::string(name);
   std::vector<Pending> pending;
-  pending.push_back(std::move(p));
-  return Complete(std::move(pending), ffi::Error::Success());
+  ffi::Error e = Submit(std::move(p), s,
+                        static_cast<int32_t>(DataType::kUInt8), {}, nullptr,
+                        &pending);
+  return Complete(std::move(pending), std::move(e));
 }
 
 }  // namespace

@@ -45,7 +45,8 @@ def expect(got, want, what, tol=0.0):
 
 
 def values(size, rank, dtype, stride=3):
-    return ((np.arange(size) % 7) + rank * stride).astype(np.int64).astype(dtype)
+    base = (np.arange(size) % 7 + rank * stride).astype(np.int64)
+    return base.astype(dtype)
 
 
 # ---- adapters: numpy in, numpy out -------------------------------------------
@@ -173,7 +174,7 @@ for dt in ALL:
         expect(to_np(got), want, f"allgather {dname} {rows}")
 print("OK allgather", flush=True)
 
-# ---- broadcast: every root, every dtype ----------------------------------------
+# ---- broadcast: every root, every dtype --------------------------------------
 for dt in ALL:
     dname = np.dtype(dt).name
     for root in range(n):
@@ -185,7 +186,7 @@ for dt in ALL:
                    f"broadcast {dname} root {root} size {size}")
 print("OK broadcast", flush=True)
 
-# ---- alltoall: even split, and explicit splits eagerly -------------------------
+# ---- alltoall: even split, and explicit splits eagerly -----------------------
 for dt in (np.float32, np.int64, np.float16, np.bool_, BF16):
     dname = np.dtype(dt).name
     mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
@@ -213,7 +214,7 @@ if not JIT:
            "alltoall received splits")
 print("OK alltoall", flush=True)
 
-# ---- reducescatter: rows not divisible by size, factors ---------------------
+# ---- reducescatter: rows not divisible by size, factors ----------------------
 for dt in (np.float32, np.float64, np.int32, np.int64, np.float16, BF16):
     dname = np.dtype(dt).name
     for rows in (n, 2 * n + 1, 1):
@@ -239,7 +240,7 @@ for i in range(3):
 print("OK barrier", flush=True)
 
 
-# ---- gradients against their analytic values --------------------------------
+# ---- gradients against their analytic values ---------------------------------
 def grads_jax():
     """Each loss's gradient on rank r, from jax.grad (eager or jitted)."""
     def grad(loss, x):
