@@ -1,15 +1,15 @@
 """Collectives on JAX arrays: eagerly and inside `jax.jit`, differentiable
 (`jax.custom_vjp`) as the TF ops are.
 
-Each collective is an XLA FFI custom call (ops/jax/ffi.cc) that enqueues
-through the core, so it is negotiated by name and fused like TF's. Inside
+Inside `jax.jit` each collective is an XLA FFI custom call (ops/jax/ffi.cc)
+that enqueues through the core, so it is negotiated by name and fused like
+TF's; eager calls on concrete arrays go to the core directly. Inside
 `jax.jit` an unnamed collective is named at trace time, from the traced
 function and a counter that restarts with every trace; the ranks trace the
 same code, so the names agree. Shapes inside `jax.jit` are fixed at trace
 time, so there `allgather` needs the same first dimension on every rank and
 `alltoall` an even split; eagerly both may differ per rank (the sizes are
-exchanged first).
-"""
+exchanged first)."""
 
 import ctypes
 import functools
@@ -54,9 +54,10 @@ def _register():
         path = library_path()
         if not os.path.exists(path):
             raise ImportError(
-                f"kerasdist's JAX op library is missing ({path}). Install jax "
-                "first, then rebuild kerasdist: `pip install "
-                "--no-build-isolation -e .[jax]` (or `make -C ops JAX=1`).")
+                f"kerasdist's JAX op library is missing ({path}): kerasdist "
+                "was built without jax. Rebuild it now that jax is "
+                "installed: `pip install --no-build-isolation -e .` from "
+                "the kerasdist source tree (or `make -C ops JAX=1`).")
         _capi.lib()  # the core first, so the handlers resolve against it
         lib = ctypes.CDLL(path)
         for target, symbol in _TARGETS.items():

@@ -342,6 +342,18 @@ def jax_program():
         expect(outs[26], np.max(xs, 0), "program grouped max")
         expect(outs[27], np.max(xs, 0)[:3], "program grouped max 2")
     print("OK jit program x3", flush=True)
+
+    # Trace-time names: numbered per trace and prefixed with the function,
+    # so every trace (and every rank) lowers the same names.
+    def two(x):
+        return kd.allreduce(x), kd.broadcast(kd.allreduce(x * 2), 0)
+
+    import re
+    for _ in range(2):
+        text = jax.jit(two).lower(jnp.ones(3)).as_text()
+        names = re.findall(r'name = "([^"]+)"', text)
+        if names != ["allreduce.two.0", "allreduce.two.1", "broadcast.two.0"]:
+            fail("trace-time names", names)
     if n > 1:
         try:
             jax.jit(lambda t: kd.allgather(t))(jnp.ones([r + 1, 2]))
