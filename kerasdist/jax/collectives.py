@@ -11,93 +11,14 @@ time, so there `allgather` needs the same first dimension on every rank and
 `alltoall` an even split; eagerly both may differ per rank (the sizes are
 exchanged first)."""
 
-import ctypes
 import functools
-import os
-import threading
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kerasdist import _capi, _frontend, basics
-
-_LIB_NAME = "_kerasdist_jax.so"
-# FFI target -> symbol in the handler library.
-_TARGETS = {
-    "allreduce": "KerasdistAllreduce",
-    "grouped_allreduce": "KerasdistGroupedAllreduce",
-    "allgather": "KerasdistAllgather",
-    "broadcast": "KerasdistBroadcast",
-    "alltoall": "KerasdistAlltoall",
-    "reducescatter": "KerasdistReducescatter",
-    "barrier": "KerasdistBarrier",
-}
-_lock = threading.Lock()
-_registered = False
-# Per-trace counters of unnamed collectives, keyed by the outermost jit trace.
-_trace_counters = weakref.WeakKeyDictionary()
-
-
-def library_path():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(here, _LIB_NAME)
-
-
-def _register():
-    """Loads the handler library once and registers its FFI targets."""
-    global _registered
-    with _lock:
-        if _registered:
-            return
-        path = library_path()
-        if not os.path.exists(path):
-            raise ImportError(
-                f"kerasdist's JAX op library is missing ({path}): kerasdist "
-                "was built without jax. Rebuild it now that jax is "
-                "installed: `pip install --no-build-isolation -e .` from "
-                "the kerasdist source tree (or `make -C ops JAX=1`).")
-        _capi.lib()  # the core first, so the handlers resolve against it
-        lib = ctypes.CDLL(path)
-        for target, symbol in _TARGETS.items():
-            jax.ffi.register_ffi_target(
-                f"kerasdist_{target}", jax.ffi.pycapsule(getattr(lib, symbol)),
-                platform="cpu")
-        _registered = True
-
-
-def _program_trace():
-    """The outermost `jax.jit` trace being built, or None when eager (also
-    under an eager `jax.grad`, whose linearize trace stages nothing)."""
-    from jax._src import core
-    from jax._src.interpreters import partial_eval as pe
-    stack = core.unsafe_get_trace_stack(core.unsafe_get_current_trace())
-    for trace in stack:  # outermost first
-        if isinstance(trace, pe.DynamicJaxprTrace):
-            return trace
-    return None
-
-
-def _auto_name(kind, name):
-    """The name ranks negotiate by; identical on every rank.
-
-    Explicit names win. Eagerly, unnamed calls are numbered in call order.
-    Inside `jax.jit` they are numbered per trace, prefixed with the traced
-    function's name, like the unique names of a TF graph.
-    """
-    if name is not None:
-        return str(name)
-    trace = _program_trace()
-    if trace is None:
-        return _frontend.eager_name(kind, None)
-    with _lock:
-        counters = _trace_counters.setdefault(trace, {})
-        k = counters.get(kind, 0)
-        counters[kind] = k + 1
-    info = getattr(getattr(trace, "frame", None), "debug_info", None)
-    func = getattr(info, "func_name", None) or "jit"
-    return f"{kind}.{func}.{k}"
+from kerasdist.jax._dispatch import auto_name, call, program_trace
 
 
 def _require_init():
@@ -127,57 +48,6 @@ def _array(x, what):
     return x
 
 
-# target -> (core op, result allocated by the core)
-_HOST_OPS = {
-    "allreduce": (_capi.OP_ALLREDUCE, False),
-    "grouped_allreduce": (_capi.OP_ALLREDUCE, False),
-    "allgather": (_capi.OP_ALLGATHER, True),
-    "broadcast": (_capi.OP_BROADCAST, False),
-    "alltoall": (_capi.OP_ALLTOALL, True),
-    "reducescatter": (_capi.OP_REDUCESCATTER, True),
-}
-
-
-def _call(target, out_types, *args, **attrs):
-    """Runs a collective: as a custom call when traced, else at once.
-
-    Concrete arrays (eager calls, and the forward and backward passes of an
-    eager `jax.grad`) go to the core directly: an eager custom call would
-    compile a program for every new name.
-    """
-    if any(isinstance(a, jax.core.Tracer) for a in args) or (
-            _program_trace() is not None):
-        # has_side_effect: XLA must never drop a collective whose result is
-        # unused on one rank (a broadcast's gradient off the root): the
-        # others would wait for it forever.
-        _register()
-        return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
-                                has_side_effect=True)(*args, **attrs)
-    return _run_eager(target, out_types, args, attrs)
-
-
-def _run_eager(target, out_types, args, attrs):
-    name = attrs.pop("name")
-    if target == "barrier":
-        _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
-                     (), None, None).wait()
-        return jnp.zeros((), jnp.int32)
-    op, owned = _HOST_OPS[target]
-    kwargs = {"reduce_op": int(attrs.get("reduce_op", basics.Sum)),
-              "prescale": float(attrs.get("prescale", 1.0)),
-              "postscale": float(attrs.get("postscale", 1.0)),
-              "root_rank": int(attrs.get("root_rank", 0))}
-    if "splits" in attrs:
-        kwargs["splits"] = [int(s) for s in attrs["splits"]]
-    many = isinstance(out_types, (list, tuple))
-    shapes = [t.shape for t in (out_types if many else [out_types])]
-    outs = _frontend.run_host(op, name, [np.asarray(a) for a in args], shapes,
-                              group=target == "grouped_allreduce",
-                              owned=owned, **kwargs)
-    outs = [jnp.asarray(o) for o in outs]
-    return outs if many else outs[0]
-
-
 def _like(x, rows=None):
     shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
     return jax.ShapeDtypeStruct(shape, x.dtype)
@@ -199,7 +69,7 @@ def _differentiable(op):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _allreduce(x, name, op, prescale, postscale):
-    return _call("allreduce", _like(x), x, name=name,
+    return call("allreduce", _like(x), x, name=name,
                  **_reduce_attrs(op, prescale, postscale))
 
 
@@ -247,13 +117,13 @@ def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     _require_init()
     _check_op(op, "allreduce")
     tensor = _array(tensor, "allreduce")
-    return _allreduce(tensor, _auto_name("allreduce", name), int(op),
+    return _allreduce(tensor, auto_name("allreduce", name), int(op),
                       float(prescale_factor), float(postscale_factor))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _grouped(xs, name, op, prescale, postscale):
-    return tuple(_call("grouped_allreduce", [_like(x) for x in xs], *xs,
+    return tuple(call("grouped_allreduce", [_like(x) for x in xs], *xs,
                        name=name, **_reduce_attrs(op, prescale, postscale)))
 
 
@@ -283,7 +153,7 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
     tensors = tuple(_array(t, "grouped_allreduce") for t in tensors)
     if not tensors:
         return []
-    return list(_grouped(tensors, _auto_name("grouped_allreduce", name),
+    return list(_grouped(tensors, auto_name("grouped_allreduce", name),
                          int(op), float(prescale_factor),
                          float(postscale_factor)))
 
@@ -293,7 +163,7 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _allgather(x, name, rows):
-    return _call("allgather", _like(x, sum(rows)), x, name=name)
+    return call("allgather", _like(x, sum(rows)), x, name=name)
 
 
 def _allgather_fwd(x, name, rows):
@@ -328,8 +198,8 @@ def allgather(tensor, name=None):
     if tensor.ndim == 0:
         raise ValueError("allgather needs an array with a first dimension, "
                          "got a scalar; reshape it to [1].")
-    name = _auto_name("allgather", name)
-    if _program_trace() is None:
+    name = auto_name("allgather", name)
+    if program_trace() is None:
         rows = _frontend.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
                            name + ".rows")
     else:
@@ -342,7 +212,7 @@ def allgather(tensor, name=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _broadcast(x, name, root):
-    return _call("broadcast", _like(x), x, name=name, root_rank=np.int32(root))
+    return call("broadcast", _like(x), x, name=name, root_rank=np.int32(root))
 
 
 def _broadcast_fwd(x, name, root):
@@ -369,7 +239,7 @@ def broadcast(tensor, root_rank, name=None):
             or not 0 <= root_rank < size):
         raise ValueError(f"root_rank must be an int in [0, {size}), got "
                          f"{root_rank!r}.")
-    return _broadcast(_array(tensor, "broadcast"), _auto_name("broadcast", name),
+    return _broadcast(_array(tensor, "broadcast"), auto_name("broadcast", name),
                       int(root_rank))
 
 
@@ -378,7 +248,7 @@ def broadcast(tensor, root_rank, name=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _alltoall(x, name, splits, recv):
-    return _call("alltoall", _like(x, sum(recv)), x, name=name,
+    return call("alltoall", _like(x, sum(recv)), x, name=name,
                  splits=np.asarray(splits, np.int64))
 
 
@@ -424,7 +294,7 @@ def alltoall(tensor, splits=None, name=None):
         raise ValueError("alltoall needs an array with a first dimension, got "
                          "a scalar.")
     rows = tensor.shape[0]
-    name = _auto_name("alltoall", name)
+    name = auto_name("alltoall", name)
     if splits is None:
         if rows % n:
             raise ValueError(f"alltoall without splits needs a first dimension "
@@ -432,7 +302,7 @@ def alltoall(tensor, splits=None, name=None):
         splits = recv = (rows // n,) * n
     else:
         splits = _concrete_splits(splits, rows, n)
-        if _program_trace() is not None:
+        if program_trace() is not None:
             raise ValueError(
                 "alltoall inside jax.jit supports only splits=None (an even "
                 "split): the received sizes would fix the result's shape. "
@@ -447,7 +317,7 @@ def alltoall(tensor, splits=None, name=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _reducescatter(x, name, op, prescale, postscale, counts):
-    return _call("reducescatter", _like(x, counts[basics.rank()]), x,
+    return call("reducescatter", _like(x, counts[basics.rank()]), x,
                  name=name, **_reduce_attrs(op, prescale, postscale))
 
 
@@ -476,7 +346,7 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
         raise ValueError("reducescatter needs an array with a first "
                          "dimension, got a scalar.")
     counts = _frontend.scatter_rows(tensor.shape[0], basics.size())
-    return _reducescatter(tensor, _auto_name("reducescatter", name), int(op),
+    return _reducescatter(tensor, auto_name("reducescatter", name), int(op),
                           float(prescale_factor), float(postscale_factor),
                           counts)
 
@@ -485,7 +355,7 @@ def barrier(name=None):
     """Returns once every rank has called it (inside `jax.jit`: completes
     when every rank's program reached it)."""
     _require_init()
-    token = _call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
-                  name=_auto_name("barrier", name))
-    if _program_trace() is None:
+    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
+                  name=auto_name("barrier", name))
+    if program_trace() is None:
         token.block_until_ready()
