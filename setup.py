@@ -17,6 +17,8 @@ from setuptools.command.build_ext import build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.1.0"
 NATIVE = ["libkerasdist_core.so", "_kerasdist_ops.so", "_build_info.json"]
+# Built only when their framework is importable at build time (ops/Makefile).
+OPTIONAL_NATIVE = ["_kerasdist_jax.so"]
 
 
 class MakeBuild(build_ext):
@@ -41,11 +43,16 @@ class MakeBuild(build_ext):
         if not self.inplace:
             dest = os.path.join(self.build_lib, "kerasdist")
             os.makedirs(dest, exist_ok=True)
-            for name in NATIVE:
+            for name in NATIVE + _built(OPTIONAL_NATIVE):
                 shutil.copy2(os.path.join(src_pkg, name), dest)
 
     def get_outputs(self):
         return []
+
+
+def _built(names):
+    here = os.path.join(HERE, "kerasdist")
+    return [n for n in names if os.path.exists(os.path.join(here, n))]
 
 
 setup(
@@ -54,12 +61,17 @@ setup(
     description="Fast synchronous data-parallel training for Keras 3 on "
                 "TensorFlow (Horovod-style, MPI and NCCL)",
     packages=find_packages(include=["kerasdist", "kerasdist.*"]),
-    package_data={"kerasdist": NATIVE},
+    package_data={"kerasdist": NATIVE + OPTIONAL_NATIVE},
     ext_modules=[Extension("kerasdist._native_build_marker", sources=[])],
     cmdclass={"build_ext": MakeBuild},
     python_requires=">=3.10",
     install_requires=["numpy", "keras>=3.8,<4", "mpich", "mpi4py>=4",
                       "h5py"],
-    extras_require={"plot": ["matplotlib"], "test": ["pytest"]},
+    # The JAX op library is compiled only if jax is importable when kerasdist
+    # is built, and pip builds before it installs the extras: in a fresh
+    # environment install jax first (pip install "jax[cpu]==0.10.2"), then
+    # kerasdist with --no-build-isolation. torch needs nothing compiled.
+    extras_require={"plot": ["matplotlib"], "test": ["pytest"],
+                    "jax": ["jax[cpu]==0.10.2"], "torch": ["torch==2.13.0"]},
     entry_points={"console_scripts": ["kerasdist=kerasdist.cli:main"]},
 )

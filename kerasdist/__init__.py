@@ -6,7 +6,9 @@
     optimizer = kd.DistributedOptimizer(optimizer)
 
 Attributes are imported on first use, so `python -m kerasdist.run` (the
-launcher) starts without importing TensorFlow.
+launcher) starts without importing TensorFlow. JAX and PyTorch users import
+`kerasdist.jax` or `kerasdist.torch` (the same collectives on their arrays
+and tensors), which never import TensorFlow.
 """
 
 import importlib

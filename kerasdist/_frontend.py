@@ -1,0 +1,109 @@
+"""Framework-free pieces the JAX and PyTorch front ends share: collective
+names for eager calls, the row split of a reducescatter, and small eager
+collectives on sizes (what an allgather or alltoall must know before it can
+shape its result).
+
+The ranks match collectives by name, so an unnamed one needs a name that is
+the same on every rank for the same logical tensor. Eagerly, unnamed calls
+are numbered in call order per kind (every rank makes them in the same
+order, as with TF's eager ops).
+"""
+
+import ctypes
+import itertools
+import threading
+
+import numpy as np
+
+from kerasdist import _capi, basics
+
+_counters = {}
+_lock = threading.Lock()
+
+
+def eager_name(kind, name):
+    """`name`, or `<kind>.noname.<k>` for the k-th unnamed call of `kind`."""
+    if name is not None:
+        return str(name)
+    with _lock:
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+
+def scatter_rows(rows, n):
+    """Rows each rank keeps in a reducescatter of `rows` rows over `n` ranks:
+    earlier ranks get one more when it does not divide (as the core does)."""
+    return tuple(rows // n + (k < rows % n) for k in range(n))
+
+
+def host_int64(op, values, name):
+    """Runs a small allgather (`_capi.OP_ALLGATHER`) or one-value-per-rank
+    alltoall (`_capi.OP_ALLTOALL`) of int64 `values` through the core and
+    returns the result as a tuple of ints."""
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    kwargs = {"splits": [1] * basics.size()} if op == _capi.OP_ALLTOALL else {}
+    h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
+                     values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
+    h.wait()
+    ptr, shape = h.output()
+    out = np.empty(shape, np.int64)
+    if out.size:
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+    return tuple(int(v) for v in out)
+
+
+def _code(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":  # ml_dtypes' type, as JAX uses
+        return _capi.BFLOAT16
+    return _capi.DTYPES[dtype]
+
+
+def _contiguous(x):
+    x = np.asarray(x)  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+    return x if x.flags.c_contiguous else x.copy()
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p) if a.size else None
+
+
+def run_host(op, name, inputs, out_shapes, group=False, owned=False,
+             **kwargs):
+    """Runs one collective on host numpy arrays through the core and waits.
+
+    Args:
+        op: a `_capi.OP_*` value.
+        name: the collective's name; with `group`, the inputs are members
+            `<name>.<i>` of the group `name` (as the op libraries name them).
+        inputs: numpy arrays (one unless `group`).
+        out_shapes: the result shape for each input.
+        group: enqueue the inputs as one group, all before any wait.
+        owned: the core allocates the result (its size depends on the other
+            ranks); it is copied out after its shape is checked.
+        **kwargs: more `_capi.Handle` arguments (reduce_op, root_rank...).
+
+    Returns:
+        A list of numpy arrays.
+    """
+    inputs = [_contiguous(x) for x in inputs]
+    outs = [np.empty(s, x.dtype) for s, x in zip(out_shapes, inputs)]
+    if group:
+        kwargs.update(group=name, group_size=len(inputs))
+    handles = []
+    for i, (x, out) in enumerate(zip(inputs, outs)):
+        handles.append(_capi.Handle(
+            op, f"{name}.{i}" if group else name, _code(x.dtype), x.shape,
+            _ptr(x), None if owned else _ptr(out), **kwargs))
+    for h in handles:
+        h.wait()
+    if owned:
+        for h, out in zip(handles, outs):
+            ptr, shape = h.output()
+            if tuple(shape) != out.shape:
+                raise _capi.KerasdistError(
+                    f"collective '{name}' produced shape {list(shape)}, "
+                    f"expected {list(out.shape)}.")
+            if out.size:
+                ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+    return outs

@@ -1,0 +1,20 @@
+"""kerasdist for JAX: the collectives on JAX arrays, eagerly and inside
+`jax.jit`, plus the process API. Imports no TensorFlow.
+
+    import kerasdist.jax as kd
+    kd.init()
+    grads = kd.grouped_allreduce(grads)          # inside a jitted step too
+"""
+
+from kerasdist.basics import (Average, Max, Min, Product, Sum, cross_rank,
+                              cross_size, init, is_initialized, local_rank,
+                              local_size, rank, shutdown, size)
+from kerasdist.jax.collectives import (allgather, allreduce, alltoall,
+                                       barrier, broadcast, grouped_allreduce,
+                                       reducescatter)
+
+__all__ = ["Average", "Max", "Min", "Product", "Sum", "allgather",
+           "allreduce", "alltoall", "barrier", "broadcast", "cross_rank",
+           "cross_size", "grouped_allreduce", "init", "is_initialized",
+           "local_rank", "local_size", "rank", "reducescatter", "shutdown",
+           "size"]

@@ -1,0 +1,361 @@
+"""Collectives on JAX arrays: eagerly and inside `jax.jit`, differentiable
+(`jax.custom_vjp`) as the TF ops are.
+
+Inside `jax.jit` each collective is an XLA FFI custom call (ops/jax/ffi.cc)
+that enqueues through the core, so it is negotiated by name and fused like
+TF's; eager calls on concrete arrays go to the core directly. Inside
+`jax.jit` an unnamed collective is named at trace time, from the traced
+function and a counter that restarts with every trace; the ranks trace the
+same code, so the names agree. Shapes inside `jax.jit` are fixed at trace
+time, so there `allgather` needs the same first dimension on every rank and
+`alltoall` an even split; eagerly both may differ per rank (the sizes are
+exchanged first)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kerasdist import _capi, _frontend, basics
+from kerasdist.jax._dispatch import auto_name, call, program_trace
+
+
+def _require_init():
+    if not basics.is_initialized():
+        raise RuntimeError("kerasdist is not initialized; call "
+                           "kerasdist.init() first.")
+
+
+def _check_op(op, what):
+    if op not in basics._OP_NAMES:
+        raise ValueError(f"{what}: op must be one of kerasdist.Average, Sum, "
+                         f"Min, Max, Product; got {op!r}.")
+
+
+_DTYPES = frozenset(np.dtype(t) for t in (
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int32,
+    jnp.int64, jnp.uint8, jnp.bool_))
+
+
+def _array(x, what):
+    """`x` as a JAX array of a dtype the core reduces, else a TypeError."""
+    x = jnp.asarray(x)
+    if np.dtype(x.dtype) not in _DTYPES:
+        raise TypeError(f"kerasdist {what}: unsupported dtype {x.dtype}; "
+                        "expected float16, bfloat16, float32, float64, int32, "
+                        "int64, uint8 or bool.")
+    return x
+
+
+def _like(x, rows=None):
+    shape = x.shape if rows is None else (rows,) + tuple(x.shape[1:])
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def _reduce_attrs(op, prescale, postscale):
+    return dict(reduce_op=np.int32(op), prescale=np.float64(prescale),
+                postscale=np.float64(postscale))
+
+
+def _differentiable(op):
+    if op not in (basics.Average, basics.Sum):
+        raise NotImplementedError(
+            "Only Sum and Average allreduces are differentiable.")
+
+
+# ---- allreduce ---------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _allreduce(x, name, op, prescale, postscale):
+    return call("allreduce", _like(x), x, name=name,
+                 **_reduce_attrs(op, prescale, postscale))
+
+
+def _allreduce_fwd(x, name, op, prescale, postscale):
+    return _allreduce(x, name, op, prescale, postscale), None
+
+
+def _allreduce_bwd(name, op, prescale, postscale, _, grad):
+    _differentiable(op)
+    return (_allreduce(grad, name + ".grad", op, prescale, postscale),)
+
+
+_allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+
+
+def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """Reduces an array over all ranks; every rank gets the result.
+
+    Args:
+        tensor: a JAX array or array-like (float16, bfloat16, float32,
+            float64, int32, int64, uint8; 64-bit types need
+            `jax_enable_x64`).
+        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
+            Average of integers divides with truncation toward zero.
+        name: the name ranks match this collective by. Inside `jax.jit` one
+            is derived at trace time; eagerly, unnamed calls are numbered in
+            call order.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Returns:
+        An array of the same shape and dtype. Differentiable for Sum and
+        Average (the gradient is the same allreduce of the cotangent).
+
+    Raises:
+        ValueError: for an unknown `op`.
+        RuntimeError: if kerasdist is not initialized.
+
+    Example:
+    >>> import kerasdist.jax as kd
+    >>> kd.init()
+    >>> total = kd.allreduce(jnp.array([1.0, 2.0]), op=kd.Sum)
+    """
+    _require_init()
+    _check_op(op, "allreduce")
+    tensor = _array(tensor, "allreduce")
+    return _allreduce(tensor, auto_name("allreduce", name), int(op),
+                      float(prescale_factor), float(postscale_factor))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _grouped(xs, name, op, prescale, postscale):
+    return tuple(call("grouped_allreduce", [_like(x) for x in xs], *xs,
+                       name=name, **_reduce_attrs(op, prescale, postscale)))
+
+
+def _grouped_fwd(xs, name, op, prescale, postscale):
+    return _grouped(xs, name, op, prescale, postscale), None
+
+
+def _grouped_bwd(name, op, prescale, postscale, _, grads):
+    _differentiable(op)
+    return (_grouped(tuple(grads), name + ".grad", op, prescale, postscale),)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_allreduce(tensors, op=basics.Average, name=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces a list of arrays together: one custom call whose members
+    (named `<name>.<i>`) the core fuses into as few collectives as the
+    fusion threshold allows.
+
+    Returns:
+        A list of reduced arrays, in the input order.
+    """
+    _require_init()
+    _check_op(op, "grouped_allreduce")
+    tensors = tuple(_array(t, "grouped_allreduce") for t in tensors)
+    if not tensors:
+        return []
+    return list(_grouped(tensors, auto_name("grouped_allreduce", name),
+                         int(op), float(prescale_factor),
+                         float(postscale_factor)))
+
+
+# ---- allgather ---------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _allgather(x, name, rows):
+    return call("allgather", _like(x, sum(rows)), x, name=name)
+
+
+def _allgather_fwd(x, name, rows):
+    return _allgather(x, name, rows), None
+
+
+def _allgather_bwd(name, rows, _, grad):
+    # Every rank's output holds this rank's rows: their gradient is the sum
+    # of every rank's cotangent for them.
+    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    r = basics.rank()
+    start = sum(rows[:r])
+    return (summed[start:start + rows[r]],)
+
+
+_allgather.defvjp(_allgather_fwd, _allgather_bwd)
+
+
+def allgather(tensor, name=None):
+    """Concatenates every rank's array along the first dimension.
+
+    Eagerly the first dimension may differ between ranks; inside `jax.jit`
+    it must be the same on every rank (the result's shape is fixed when the
+    function is traced), else the call fails with an error naming both
+    shapes. The other dimensions must agree.
+
+    Returns:
+        An array with the rows of rank 0, then rank 1, ...
+    """
+    _require_init()
+    tensor = _array(tensor, "allgather")
+    if tensor.ndim == 0:
+        raise ValueError("allgather needs an array with a first dimension, "
+                         "got a scalar; reshape it to [1].")
+    name = auto_name("allgather", name)
+    if program_trace() is None:
+        rows = _frontend.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
+                           name + ".rows")
+    else:
+        rows = (tensor.shape[0],) * basics.size()
+    return _allgather(tensor, name, rows)
+
+
+# ---- broadcast ---------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _broadcast(x, name, root):
+    return call("broadcast", _like(x), x, name=name, root_rank=np.int32(root))
+
+
+def _broadcast_fwd(x, name, root):
+    return _broadcast(x, name, root), None
+
+
+def _broadcast_bwd(name, root, _, grad):
+    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    return (summed if basics.rank() == root else summed * 0,)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Every rank receives `root_rank`'s array (any dtype, also bool/uint8).
+
+    The gradient flows to the root only: it gets the sum of every rank's
+    cotangent, the others zeros.
+    """
+    _require_init()
+    size = basics.size()
+    if (not isinstance(root_rank, (int, np.integer))
+            or not 0 <= root_rank < size):
+        raise ValueError(f"root_rank must be an int in [0, {size}), got "
+                         f"{root_rank!r}.")
+    return _broadcast(_array(tensor, "broadcast"), auto_name("broadcast", name),
+                      int(root_rank))
+
+
+# ---- alltoall ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _alltoall(x, name, splits, recv):
+    return call("alltoall", _like(x, sum(recv)), x, name=name,
+                 splits=np.asarray(splits, np.int64))
+
+
+def _alltoall_fwd(x, name, splits, recv):
+    return _alltoall(x, name, splits, recv), None
+
+
+def _alltoall_bwd(name, splits, recv, _, grad):
+    # The rows go back where they came from.
+    return (_alltoall(grad, name + ".grad", recv, splits),)
+
+
+_alltoall.defvjp(_alltoall_fwd, _alltoall_bwd)
+
+
+def _concrete_splits(splits, rows, size):
+    if isinstance(splits, jax.core.Tracer):
+        raise ValueError("alltoall: splits must be concrete (a list or numpy "
+                         "array), not a traced value.")
+    splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+    if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall: splits must be {size} non-negative row "
+                         f"counts summing to the first dimension ({rows}); got "
+                         f"{list(splits)}.")
+    return splits
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
+
+    Without `splits` the first dimension is divided evenly (it must divide
+    by `size()`). Inside `jax.jit` only the even split is supported, since
+    the received sizes fix the result's shape.
+
+    Returns:
+        (received, received_splits): rows from every rank in rank order, and
+        how many rows came from each rank (int32).
+    """
+    _require_init()
+    tensor = _array(tensor, "alltoall")
+    n = basics.size()
+    if tensor.ndim == 0:
+        raise ValueError("alltoall needs an array with a first dimension, got "
+                         "a scalar.")
+    rows = tensor.shape[0]
+    name = auto_name("alltoall", name)
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs a first dimension "
+                             f"divisible by size() ({n}), got {rows}.")
+        splits = recv = (rows // n,) * n
+    else:
+        splits = _concrete_splits(splits, rows, n)
+        if program_trace() is not None:
+            raise ValueError(
+                "alltoall inside jax.jit supports only splits=None (an even "
+                "split): the received sizes would fix the result's shape. "
+                "Call it outside jax.jit for explicit splits.")
+        recv = _frontend.host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
+    return (_alltoall(tensor, name, splits, recv),
+            jnp.asarray(np.asarray(recv, np.int32)))
+
+
+# ---- reducescatter -----------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _reducescatter(x, name, op, prescale, postscale, counts):
+    return call("reducescatter", _like(x, counts[basics.rank()]), x,
+                 name=name, **_reduce_attrs(op, prescale, postscale))
+
+
+def _reducescatter_fwd(x, name, op, prescale, postscale, counts):
+    return _reducescatter(x, name, op, prescale, postscale, counts), None
+
+
+def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
+    _differentiable(op)
+    gathered = _allgather(grad, name + ".grad", counts)
+    scale = prescale * postscale / (len(counts) if op == basics.Average else 1)
+    return (gathered * jnp.asarray(scale, gathered.dtype),)
+
+
+_reducescatter.defvjp(_reducescatter_fwd, _reducescatter_bwd)
+
+
+def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduces over all ranks; rank r keeps its slice of the first dimension
+    (earlier ranks get one extra row when it does not divide evenly)."""
+    _require_init()
+    _check_op(op, "reducescatter")
+    tensor = _array(tensor, "reducescatter")
+    if tensor.ndim == 0:
+        raise ValueError("reducescatter needs an array with a first "
+                         "dimension, got a scalar.")
+    counts = _frontend.scatter_rows(tensor.shape[0], basics.size())
+    return _reducescatter(tensor, auto_name("reducescatter", name), int(op),
+                          float(prescale_factor), float(postscale_factor),
+                          counts)
+
+
+def barrier(name=None):
+    """Returns once every rank has called it (inside `jax.jit`: completes
+    when every rank's program reached it)."""
+    _require_init()
+    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
+                  name=auto_name("barrier", name))
+    if program_trace() is None:
+        token.block_until_ready()

@@ -1,0 +1,20 @@
+"""kerasdist for PyTorch: the collectives on torch tensors (custom ops with
+autograd), plus the process API. Imports no TensorFlow.
+
+    import kerasdist.torch as kd
+    kd.init()
+    grads = kd.grouped_allreduce([p.grad for p in model.parameters()])
+"""
+
+from kerasdist.basics import (Average, Max, Min, Product, Sum, cross_rank,
+                              cross_size, init, is_initialized, local_rank,
+                              local_size, rank, shutdown, size)
+from kerasdist.torch.collectives import (allgather, allreduce, alltoall,
+                                         barrier, broadcast, grouped_allreduce,
+                                         reducescatter)
+
+__all__ = ["Average", "Max", "Min", "Product", "Sum", "allgather",
+           "allreduce", "alltoall", "barrier", "broadcast", "cross_rank",
+           "cross_size", "grouped_allreduce", "init", "is_initialized",
+           "local_rank", "local_size", "rank", "reducescatter", "shutdown",
+           "size"]

@@ -1,0 +1,388 @@
+"""Collectives on PyTorch tensors: `torch.library` custom ops with autograd,
+as the TF ops have.
+
+The ops call the core through its C API (ctypes): each enqueues its tensor,
+which the core negotiates by name with the other ranks and fuses with what
+else is in flight, and waits for it. No C++ extension is compiled. CPU
+tensors take every collective; CUDA tensors (a core built with
+KERASDIST_WITH_NCCL) take allreduce, grouped_allreduce and broadcast, whose
+results have the input's shape and so can be allocated on the GPU first.
+"""
+
+import ctypes
+
+import numpy as np
+import torch
+
+from kerasdist import _capi, _frontend, basics
+
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
+          torch.float64: np.float64, torch.int32: np.int32,
+          torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def _code(t):
+    if t.dtype == torch.bfloat16:
+        return _capi.BFLOAT16
+    if t.dtype not in _NUMPY:
+        raise TypeError(f"kerasdist: unsupported dtype {t.dtype}; expected "
+                        "float16, bfloat16, float32, float64, int32, int64, "
+                        "uint8 or bool.")
+    return _capi.DTYPES[np.dtype(_NUMPY[t.dtype])]
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr()) if t.numel() else None
+
+
+def _device(t, what):
+    """The core's device index for `t` (-1: host memory)."""
+    if t.device.type == "cpu":
+        return -1
+    if t.device.type != "cuda":
+        raise ValueError(f"kerasdist {what}: tensors on {t.device.type} are "
+                         "not supported; use CPU or CUDA tensors.")
+    if not basics.nccl_built():
+        raise RuntimeError(f"kerasdist {what}: a CUDA tensor needs kerasdist "
+                           "built with KERASDIST_WITH_NCCL=1 (this build has "
+                           "no GPU backend); move the tensor to the CPU.")
+    # The core reads the input on its own stream: what torch queued on the
+    # current stream to produce it must be finished first.
+    torch.cuda.current_stream(t.device).synchronize()
+    return t.device.index
+
+
+def _start(op, name, x, out, **kwargs):
+    return _capi.Handle(op, name, _code(x), tuple(x.shape), _ptr(x),
+                        None if out is None else _ptr(out), **kwargs)
+
+
+def _owned(handle, like):
+    """Copies a result the core allocated into a new tensor."""
+    ptr, shape = handle.output()
+    out = torch.empty(shape, dtype=like.dtype)
+    if out.numel() and ptr:
+        ctypes.memmove(out.data_ptr(), ptr, out.numel() * out.element_size())
+    return out
+
+
+def _host_only(x, what):
+    if _device(x, what) >= 0:
+        raise NotImplementedError(
+            f"kerasdist {what} of a CUDA tensor is not supported (its result "
+            "size depends on the other ranks); move the tensor to the CPU.")
+
+
+# ---- the ops (positional, typed arguments: torch.library's schema) ----------
+
+
+@torch.library.custom_op("kerasdist::allreduce", mutates_args=())
+def _allreduce(x: torch.Tensor, name: str, op: int, prescale: float,
+               postscale: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _start(_capi.OP_ALLREDUCE, name, x, out, reduce_op=op, prescale=prescale,
+           postscale=postscale, device=_device(x, "allreduce")).wait()
+    return out
+
+
+@torch.library.custom_op("kerasdist::grouped_allreduce", mutates_args=())
+def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
+             postscale: float) -> list[torch.Tensor]:
+    # Every member is enqueued before any is waited for, so the core sees
+    # the whole group at once and fuses it.
+    xs = [x.contiguous() for x in xs]
+    outs = [torch.empty_like(x) for x in xs]
+    # Checked before anything is enqueued: a group short of a member would
+    # keep the other ranks waiting for it.
+    devices = [_device(x, "grouped_allreduce") for x in xs]
+    for x in xs:
+        _code(x)
+    handles = [_start(_capi.OP_ALLREDUCE, f"{name}.{i}", x, out, reduce_op=op,
+                      prescale=prescale, postscale=postscale, group=name,
+                      group_size=len(xs), device=device)
+               for i, (x, out, device) in enumerate(zip(xs, outs, devices))]
+    for h in handles:
+        h.wait()
+    return outs
+
+
+@torch.library.custom_op("kerasdist::allgather", mutates_args=())
+def _allgather(x: torch.Tensor, name: str) -> torch.Tensor:
+    _host_only(x, "allgather")
+    x = x.contiguous()
+    h = _start(_capi.OP_ALLGATHER, name, x, None)
+    h.wait()
+    return _owned(h, x)
+
+
+@torch.library.custom_op("kerasdist::broadcast", mutates_args=())
+def _broadcast(x: torch.Tensor, name: str, root: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _start(_capi.OP_BROADCAST, name, x, out, root_rank=root,
+           device=_device(x, "broadcast")).wait()
+    return out
+
+
+@torch.library.custom_op("kerasdist::alltoall", mutates_args=())
+def _alltoall(x: torch.Tensor, name: str,
+              splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    _host_only(x, "alltoall")
+    x = x.contiguous()
+    h = _start(_capi.OP_ALLTOALL, name, x, None, splits=splits)
+    h.wait()
+    recv = h.recv_splits(basics.size())
+    return _owned(h, x), torch.tensor(recv, dtype=torch.int64)
+
+
+@torch.library.custom_op("kerasdist::reducescatter", mutates_args=())
+def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
+                   postscale: float) -> torch.Tensor:
+    _host_only(x, "reducescatter")
+    x = x.contiguous()
+    h = _start(_capi.OP_REDUCESCATTER, name, x, None, reduce_op=op,
+               prescale=prescale, postscale=postscale)
+    h.wait()
+    return _owned(h, x)
+
+
+# ---- gradients (as the TF ops': kerasdist/collectives.py) --------------------
+
+
+def _keep_args(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _differentiable(op):
+    if op not in (basics.Average, basics.Sum):
+        raise NotImplementedError(
+            "Only Sum and Average allreduces are differentiable.")
+
+
+def _allreduce_grad(ctx, grad):
+    name, op, prescale, postscale = ctx.args
+    _differentiable(op)
+    return _allreduce(grad, name + ".grad", op, prescale, postscale), *(
+        None,) * 4
+
+
+def _grouped_grad(ctx, grads):
+    name, op, prescale, postscale = ctx.args
+    _differentiable(op)
+    return _grouped(list(grads), name + ".grad", op, prescale,
+                    postscale), *(None,) * 4
+
+
+def _allgather_context(ctx, inputs, output):
+    ctx.args = inputs[1:]
+    ctx.rows = inputs[0].shape[0]
+
+
+def _allgather_grad(ctx, grad):
+    # Every rank's output holds this rank's rows: their gradient is the sum
+    # of every rank's cotangent for them.
+    (name,) = ctx.args
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
+                        1.0)
+    rows = _frontend.host_int64(_capi.OP_ALLGATHER, [ctx.rows],
+                                name + ".grad.rows")
+    start = sum(rows[:basics.rank()])
+    return summed[start:start + ctx.rows], None
+
+
+def _broadcast_grad(ctx, grad):
+    name, root = ctx.args
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
+                        1.0)
+    return (summed if basics.rank() == root else torch.zeros_like(summed),
+            None, None)
+
+
+def _alltoall_context(ctx, inputs, output):
+    ctx.args = inputs[1:]
+    ctx.recv = output[1].tolist()
+
+
+def _alltoall_grad(ctx, grad, _splits_grad):
+    # The rows go back where they came from.
+    name, _ = ctx.args
+    back, _ = _alltoall(grad.contiguous(), name + ".grad", ctx.recv)
+    return back, None, None
+
+
+def _reducescatter_context(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _reducescatter_grad(ctx, grad):
+    name, op, prescale, postscale = ctx.args
+    _differentiable(op)
+    gathered = _allgather(grad.contiguous(), name + ".grad")
+    scale = prescale * postscale / (basics.size() if op == basics.Average
+                                    else 1)
+    return gathered * scale, None, None, None, None
+
+
+torch.library.register_autograd("kerasdist::allreduce", _allreduce_grad,
+                                setup_context=_keep_args)
+torch.library.register_autograd("kerasdist::grouped_allreduce", _grouped_grad,
+                                setup_context=_keep_args)
+torch.library.register_autograd("kerasdist::allgather", _allgather_grad,
+                                setup_context=_allgather_context)
+torch.library.register_autograd("kerasdist::broadcast", _broadcast_grad,
+                                setup_context=_keep_args)
+torch.library.register_autograd("kerasdist::alltoall", _alltoall_grad,
+                                setup_context=_alltoall_context)
+torch.library.register_autograd("kerasdist::reducescatter",
+                                _reducescatter_grad,
+                                setup_context=_reducescatter_context)
+
+
+# ---- public API --------------------------------------------------------------
+
+
+def _require_init():
+    if not basics.is_initialized():
+        raise RuntimeError("kerasdist is not initialized; call "
+                           "kerasdist.init() first.")
+
+
+def _check_op(op, what):
+    if op not in basics._OP_NAMES:
+        raise ValueError(f"{what}: op must be one of kerasdist.Average, Sum, "
+                         f"Min, Max, Product; got {op!r}.")
+
+
+def _tensor(x):
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _rows(x, what):
+    if x.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with a first dimension, got "
+                         "a scalar; reshape it to [1].")
+    return x.shape[0]
+
+
+def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """Reduces a tensor over all ranks; every rank gets the result.
+
+    Args:
+        tensor: a `torch.Tensor` (float16, bfloat16, float32, float64,
+            int32, int64, uint8) or array-like.
+        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
+            Average of integers divides with truncation toward zero.
+        name: the name ranks match this collective by. Unnamed calls are
+            numbered in call order, which must then be the same on every
+            rank.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+
+    Returns:
+        A new tensor of the same shape and dtype. Differentiable for Sum and
+        Average (the gradient is the same allreduce of the incoming one).
+
+    Raises:
+        ValueError: for an unknown `op`.
+        RuntimeError: if kerasdist is not initialized, or a collective
+            failed (`kerasdist._capi.KerasdistError`, naming the ranks).
+
+    Example:
+    >>> import kerasdist.torch as kd
+    >>> kd.init()
+    >>> total = kd.allreduce(torch.tensor([1.0, 2.0]), op=kd.Sum)
+    """
+    _require_init()
+    _check_op(op, "allreduce")
+    return _allreduce(_tensor(tensor), _frontend.eager_name("allreduce", name),
+                      int(op), float(prescale_factor), float(postscale_factor))
+
+
+def grouped_allreduce(tensors, op=basics.Average, name=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces a list of tensors together (members named `<name>.<i>`, which
+    the core fuses into as few collectives as the threshold allows).
+
+    Returns:
+        A list of reduced tensors, in the input order.
+    """
+    _require_init()
+    _check_op(op, "grouped_allreduce")
+    tensors = [_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    return list(_grouped(tensors,
+                         _frontend.eager_name("grouped_allreduce", name),
+                         int(op), float(prescale_factor),
+                         float(postscale_factor)))
+
+
+def allgather(tensor, name=None):
+    """Concatenates every rank's tensor along the first dimension (which may
+    differ between ranks; the other dimensions must agree)."""
+    _require_init()
+    tensor = _tensor(tensor)
+    _rows(tensor, "allgather")
+    return _allgather(tensor, _frontend.eager_name("allgather", name))
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Every rank receives `root_rank`'s tensor (any dtype, also bool/uint8).
+
+    The gradient flows to the root only: it gets the sum of every rank's
+    incoming gradient, the others zeros.
+    """
+    _require_init()
+    size = basics.size()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(f"root_rank must be an int in [0, {size}), got "
+                         f"{root_rank!r}.")
+    return _broadcast(_tensor(tensor), _frontend.eager_name("broadcast", name),
+                      root_rank)
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
+
+    Without `splits` the first dimension is divided evenly.
+
+    Returns:
+        (received, received_splits): rows from every rank in rank order, and
+        how many rows came from each rank (int64).
+    """
+    _require_init()
+    tensor = _tensor(tensor)
+    rows = _rows(tensor, "alltoall")
+    n = basics.size()
+    if splits is None:
+        splits = []
+    else:
+        splits = [int(s) for s in torch.as_tensor(splits).reshape(-1).tolist()]
+        if len(splits) != n or min(splits) < 0 or sum(splits) != rows:
+            raise ValueError(f"alltoall: splits must be {n} non-negative row "
+                             f"counts summing to the first dimension ({rows});"
+                             f" got {splits}.")
+    return _alltoall(tensor, _frontend.eager_name("alltoall", name), splits)
+
+
+def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduces over all ranks; rank r keeps its slice of the first dimension
+    (earlier ranks get one extra row when it does not divide evenly)."""
+    _require_init()
+    _check_op(op, "reducescatter")
+    tensor = _tensor(tensor)
+    _rows(tensor, "reducescatter")
+    return _reducescatter(tensor, _frontend.eager_name("reducescatter", name),
+                          int(op), float(prescale_factor),
+                          float(postscale_factor))
+
+
+def barrier(name=None):
+    """Returns once every rank has called it."""
+    _require_init()
+    h = _capi.Handle(_capi.OP_BARRIER, _frontend.eager_name("barrier", name),
+                     _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
+    h.wait()
