@@ -131,7 +131,8 @@ def test_drop_is_silent_and_cut_is_restored(cluster):
                                 "import socket, time\n"
                                 "s = socket.socket()\n"
                                 "s.bind(('0.0.0.0', 5002)); s.listen(16)\n"
-                                "time.sleep(120)"])
+                                "time.sleep(120)"],
+                           start_new_session=True)
     try:
         _wait_for(lambda: _connects(cluster, h0, "kdt1", 5002, 2) == "ok")
         cluster.drop(h1)
@@ -144,7 +145,9 @@ def test_drop_is_silent_and_cut_is_restored(cluster):
         cluster.restore(h0)
         _wait_for(lambda: _connects(cluster, h0, "kdt1", 5002, 2) == "ok")
     finally:
-        server.kill()
+        # nsenter forks the server into the host's PID namespace: end the
+        # group (nsenter and the server), not nsenter alone.
+        os.killpg(server.pid, signal.SIGKILL)
         server.wait()
 
 
@@ -156,6 +159,16 @@ def _require_tool(name):
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true and {message}", pytrace=False)
     pytest.skip(message)
+
+
+def _gone(pid):
+    """No such process, or only its zombie (under a subreaper such as the
+    test session, an orphan that died stays a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _wait_for(predicate, timeout=15.0):
@@ -187,8 +200,7 @@ def test_a_killed_owner_leaves_nothing_that_the_next_cluster_keeps():
         owner.send_signal(signal.SIGKILL)  # no finally, no atexit
         owner.wait(timeout=10)
         # The hosts die with their owner (parent-death signal)...
-        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}")
-                                  for p in anchors))
+        _wait_for(lambda: all(_gone(p) for p in anchors))
         # ...and the bridge it left is removed by the next cluster.
         assert any(name.startswith(tag) for name in _links())
         removed = remove_leftovers()
