@@ -273,3 +273,24 @@ def test_trainer_resumes_exactly_after_a_hosts_ranks_are_killed(cluster,
         assert "worker: initial_epoch 2" in rank_lines(resumed.stdout, r)
     np.testing.assert_allclose(np.load(tmp_path / "b.npy"),
                                np.load(tmp_path / "a.npy"), rtol=0, atol=1e-6)
+
+
+# What MPI or its UCX transport print when a job ends with messages still in
+# flight (seen on rank 0 before the runtime's last-message handshake: other
+# ranks' shutdown requests crossing rank 0's decision, 3 runs in 5 at np=3).
+_UNCLEAN = re.compile(r"not matched|unexpected tag|pending|BAD TERMINATION|"
+                      r"UCX\s+(WARN|ERROR)", re.I)
+
+
+@pytest.mark.slow
+def test_a_job_across_hosts_ends_without_mpi_warnings(cluster):
+    # The race needs ranks that ask to shut down at about the same time: the
+    # self-test ends on every rank right after its last collective. Several
+    # runs, since it was a race.
+    for attempt in range(4):
+        out = run_on(cluster, 3, "kdt0:2,kdt1:1",
+                     [sys.executable, "-m", "kerasdist.doctor", "--selftest"])
+        assert out.returncode == 0, out.stdout[-4000:]
+        assert out.stdout.count("selftest OK") == 3, out.stdout[-4000:]
+        bad = [l for l in out.stdout.splitlines() if _UNCLEAN.search(l)]
+        assert not bad, (attempt, bad)
