@@ -21,6 +21,14 @@ _counters = {}
 _lock = threading.Lock()
 
 
+def check_op(op, what):
+    """Raises ValueError unless `op` is one of the core's reduce ops."""
+    ops = _capi.reduce_ops()
+    if op not in ops.values():
+        raise ValueError(f"{what}: op must be one of kerasdist."
+                         f"{', kerasdist.'.join(ops)}; got {op!r}.")
+
+
 def eager_name(kind, name):
     """`name`, or `<kind>.noname.<k>` for the k-th unnamed call of `kind`."""
     if name is not None:

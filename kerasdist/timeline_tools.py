@@ -26,15 +26,16 @@ from kerasdist import _capi
 
 def _names(*roles):
     """Event names of the given roles (ops/core/timeline.h: negotiate,
-    queue, copy_in, collective, copy_out, marker), in the order a tensor
-    meets the phases."""
+    queue, copy_in, collective, host_in, host_out, copy_out, marker), in the
+    order a tensor meets the phases."""
     return tuple(name for name, role in _capi.timeline_phases().items()
                  if role in roles)
 
 
 def phase_names():
     """Every phase name, in the order a tensor goes through them."""
-    return _names("negotiate", "queue", "copy_in", "collective", "copy_out")
+    return _names("negotiate", "queue", "copy_in", "collective", "host_in",
+                  "host_out", "copy_out")
 
 
 def collective_names():

@@ -249,9 +249,7 @@ def _require_init():
 
 
 def _check_op(op, what):
-    if op not in basics._OP_NAMES:
-        raise ValueError(f"{what}: op must be one of kerasdist.Average, Sum, "
-                         f"Min, Max, Product; got {op!r}.")
+    _frontend.check_op(op, what)
 
 
 def _tensor(x):

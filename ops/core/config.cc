@@ -7,11 +7,13 @@
 
 namespace kerasdist::core {
 
-// The one list of settings. A new setting is one row here (plus its Config
-// member); docs/env_vars.md is regenerated from it (a unit test compares).
-const std::vector<Setting>& Settings() {
-  using C = Config;
-  static const std::vector<Setting> settings = {
+namespace {
+
+using C = Config;
+
+// The coordinator, the timeline, autotune and logging.
+std::vector<Setting> RuntimeSettings() {
+  return {
       {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold", true,
        &C::fusion_threshold_bytes, 0, {},
        "Tensor Fusion buffer size in bytes (0 disables fusion)"},
@@ -48,6 +50,12 @@ const std::vector<Setting>& Settings() {
        "build with the GPU backend"},
       {"KERASDIST_LOG_LEVEL", "log_level", true, &C::log_level, 0, {},
        "0 quiet, 1 warnings, 2 debug"},
+  };
+}
+
+// The data path's backends, and what the launcher sets.
+std::vector<Setting> DataPathSettings() {
+  return {
       {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
        &C::shm_allreduce, 0, {},
        "1: when every rank runs on one node, allreduce host tensors through "
@@ -91,6 +99,19 @@ const std::vector<Setting>& Settings() {
        "0-based attempt number, set by `kerasdist run` under "
        "`--max-restarts`"},
   };
+}
+
+}  // namespace
+
+// The one list of settings. A new setting is one row in one of the lists
+// above (plus its Config member); docs/env_vars.md is regenerated from it (a
+// unit test compares).
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> settings = [] {
+    std::vector<Setting> all = RuntimeSettings();
+    for (Setting& s : DataPathSettings()) all.push_back(std::move(s));
+    return all;
+  }();
   return settings;
 }
 

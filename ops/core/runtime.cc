@@ -364,8 +364,10 @@ Status Runtime::CoordinatorRound(const RankMessage& mine, bool* worked) {
     *worked = true;
     return Status::OK();
   }
-  if (!coordinator_->HasReady() || HoldForFusion(now)) return Status::OK();
+  if (!coordinator_->HasReady()) return Status::OK();
+  // Holding for fusion counts as work: the loop keeps polling meanwhile.
   *worked = true;
+  if (HoldForFusion(now)) return Status::OK();
   return DecideAndRun(now);
 }
 

@@ -16,7 +16,11 @@ const std::vector<TimelinePhase>& TimelinePhases() {
     for (int v = 0; v < kNumOpTypes; ++v) {
       p.push_back({OpPhaseName(static_cast<OpType>(v)), "collective"});
     }
-    for (const char* name : kHierarchicalPhases) p.push_back({name, "collective"});
+    // A hierarchical allreduce: within the host, across hosts (the
+    // collective), back within the host.
+    p.push_back({kHierarchicalPhases[0], "host_in"});
+    p.push_back({kHierarchicalPhases[1], "collective"});
+    p.push_back({kHierarchicalPhases[2], "host_out"});
     p.push_back({kCopyOutPhase, "copy_out"});
     p.push_back({kCycleMarker, "marker"});
     return p;

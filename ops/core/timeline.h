@@ -33,7 +33,8 @@ inline constexpr char kCopyOutPhase[] = "MEMCPY_OUT_FUSION_BUFFER";
 inline constexpr char kCycleMarker[] = "CYCLE";  // an instant event
 
 // An event name with its role: "negotiate", "queue", "copy_in",
-// "collective", "copy_out" or "marker".
+// "collective", "host_in" / "host_out" (a hierarchical allreduce's phases
+// within a host, around its cross-host collective), "copy_out" or "marker".
 struct TimelinePhase {
   const char* name;
   const char* role;

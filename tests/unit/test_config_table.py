@@ -131,8 +131,11 @@ def test_timeline_names_come_from_the_core():
     phases = _capi.timeline_phases()
     assert timeline_tools.phase_names()[0] == "NEGOTIATE"
     assert timeline_tools.phase_names()[-1] == "MEMCPY_OUT_FUSION_BUFFER"
+    # Every collective's phase, and a hierarchical allreduce's cross-host one.
     assert set(timeline_tools.collective_names()) == {
-        n.upper() for n in _capi.op_types()}
+        n.upper() for n in _capi.op_types()} | {"CROSS_ALLREDUCE"}
+    assert [n for n, r in phases.items() if r in ("host_in", "host_out")] == [
+        "NODE_ALLREDUCE", "NODE_BROADCAST"]
     assert [n for n, r in phases.items() if r == "marker"] == ["CYCLE"]
 
 
