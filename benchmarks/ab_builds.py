@@ -37,6 +37,9 @@ def _run(tree, argv, timeout):
     env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
     p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True,
                        timeout=timeout)
+    if os.environ.get("AB_KEEP"):
+        with open(os.environ["AB_KEEP"], "a") as f:
+            f.write(f"### {tree}: {' '.join(argv)}\n{p.stdout}\n")
     if p.returncode != 0:
         sys.exit(f"{' '.join(argv)} failed in {tree} (exit {p.returncode}):\n"
                  + (p.stdout + p.stderr)[-3000:])
@@ -48,10 +51,14 @@ def _launch(script, *args):
             script, "--rounds", "1", *args]
 
 
+_PREFIX = re.compile(r"^\[\d+\]<std(?:out|err)>:")
+
+
 def collect_tables(out, section, into):
-    """Adds W1/W2 rows (time in us) of `out` to into[(section, size, system)]."""
+    """Adds W1/W2 rows (time in us) of `out` to into[(section, size, system)]
+    (rank 0 prints them; the launcher prefixes each line with its rank)."""
     for line in out.splitlines():
-        m = _TABLE.match(line)
+        m = _TABLE.match(_PREFIX.sub("", line))
         if m and int(m.group(8)) == 0:
             into[(section, int(m.group(1)), m.group(4).strip())].append(
                 float(m.group(5)))

@@ -87,10 +87,17 @@ std::vector<Setting> DataPathSettings() {
        "hosts among one leader per host, then within each host again, so "
        "each host's link carries the 2(H-1)/H x size minimum; 0: every rank "
        "in one MPI allreduce. The ranks agree: one rank's 0 turns it off"},
+      {"KERASDIST_HIERARCHICAL_ALLGATHER", "hierarchical_allgather", true,
+       &C::hierarchical_allgather, 0, {},
+       "1: on such a job, allgather by gathering each host's parts on one "
+       "leader per host, allgathering the hosts' blocks among the leaders "
+       "and broadcasting the result within each host; 0: one MPI allgather. "
+       "The ranks agree"},
       {"KERASDIST_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", true,
        &C::hierarchical_min_bytes, 0, {},
-       "smallest allreduce, in bytes after fusion, that goes hierarchical "
-       "(smaller ones take one MPI allreduce)"},
+       "smallest allreduce (in bytes after fusion) or allgather (bytes of "
+       "the result) that goes hierarchical; smaller ones take one MPI "
+       "collective. The ranks use the largest value given"},
       // Not a runtime knob: the launcher tells each rank which attempt it is
       // (--max-restarts), and the Trainer logs it. Listed here so its name
       // lives in one place with the others.

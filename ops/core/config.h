@@ -34,6 +34,7 @@ struct Config {
   bool cma_allreduce = true;            // ... reading peers in place (CMA)
   int64_t cma_min_tensor_bytes = 4096;  // ... for batches with tensors this big on average
   bool hierarchical_allreduce = true;   // several hosts: within, across, within
+  bool hierarchical_allgather = true;   // ... the same for allgather
   int64_t hierarchical_min_bytes = 0;   // smaller batches go flat
   int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
   int64_t restart_attempt = 0;          // set by the launcher; read by the Trainer

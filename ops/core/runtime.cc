@@ -66,6 +66,7 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   bo.cma_min_tensor_bytes = config.cma_min_tensor_bytes;
   bo.gpu_host_staged = config.gpu_operations == "MPI";
   bo.hierarchical = config.hierarchical_allreduce;
+  bo.hierarchical_allgather = config.hierarchical_allgather;
   bo.hierarchical_min_bytes = config.hierarchical_min_bytes;
   KD_RETURN_IF_ERROR(MakeBackends(bo, &rt->backends_));
   rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());

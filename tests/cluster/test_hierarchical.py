@@ -30,7 +30,8 @@ def cluster():
 def _check_job(cluster, np_, hosts, out_dir, hier, timeline=None):
     """Runs the worker's `check` mode; returns {rank: fields of its lines}."""
     os.makedirs(out_dir)
-    extra = {"KERASDIST_HIERARCHICAL_ALLREDUCE": int(hier)}
+    extra = {"KERASDIST_HIERARCHICAL_ALLREDUCE": int(hier),
+             "KERASDIST_HIERARCHICAL_ALLGATHER": int(hier)}
     if timeline:
         extra["KERASDIST_TIMELINE"] = timeline
     out = run_on(cluster, np_, hosts,
@@ -44,9 +45,13 @@ def _check_job(cluster, np_, hosts, out_dir, hier, timeline=None):
         backends = [l.split()[1] for l in lines if l.startswith("BACKENDS ")]
         runs = [dict(kv.split("=") for kv in l.split()[1:])
                 for l in lines if l.startswith("RUNS ")]
+        gathers = [int(l.split("=")[1]) for l in lines
+                   if l.startswith("GATHERS hier=")]
         assert len(backends) == 1 and len(runs) == 1, lines
+        assert len(gathers) == 1, lines
         seen[r] = {"backends": backends[0].split(","),
-                   "runs": {k: int(v) for k, v in runs[0].items()}}
+                   "runs": {k: int(v) for k, v in runs[0].items()},
+                   "gathers": gathers[0]}
     return seen
 
 
@@ -76,6 +81,9 @@ def test_hierarchical_matches_numpy_and_the_flat_path(cluster, tmp_path,
         assert "hier" not in flat[r]["backends"], flat[r]
         assert flat[r]["runs"]["hier"] == 0, flat[r]
         assert flat[r]["runs"]["mpi"] > 0, flat[r]
+        # Every allgather (2 dtypes x 2 shapes) went hierarchical, or none.
+        assert hier[r]["gathers"] == 4, hier[r]
+        assert flat[r]["gathers"] == 0, flat[r]
         # Each run's results were checked against numpy in the worker
         # (floats within the summation error bound of any order, so the two
         # runs' floats are at most twice that apart); here: integer results

@@ -6,7 +6,9 @@ test hosts, allreducing through the C API (no TensorFlow).
 
 `check`: prints `BACKENDS <list>`, then allreduces int32/int64 (Sum and
 Average) and float32/float64 (Sum) as single tensors of several sizes and
-as batches of tensors started together (which the runtime fuses), checks
+as batches of tensors started together (which the runtime fuses), and
+allgathers int32/float64 tensors whose first dimension differs by rank
+(printing `GATHERS hier=N`, the batches the hier backend ran for them), checks
 each result against numpy (integers exactly; floats within the summation
 error bound, see _float_bound), saves every result to OUT/rank<r>.npz for
 the test to compare with another run's, and prints `RUNS hier=N mpi=M` (the
@@ -27,7 +29,7 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist import _capi
-from np_collectives import allreduce, barrier, start_allreduce
+from np_collectives import allgather, allreduce, barrier, start_allreduce
 
 INT_TYPES = (np.int32, np.int64)
 FLOAT_TYPES = (np.float32, np.float64)
@@ -97,7 +99,33 @@ def run_checks(out_dir):
                 h.wait(timeout=120)
                 check(c, got, n, k, dtype, op)
                 results[c] = got
+    results.update(run_allgathers())
     np.savez(os.path.join(out_dir, f"rank{r}.npz"), **results)
+
+
+GATHERS = ((1, 3), (1000, 50))  # rows per rank step, columns
+
+
+def run_allgathers():
+    """Allgathers with rank k sending (k + 1) x rows rows, against numpy."""
+    r, n = kd.rank(), kd.size()
+    lib = _capi.lib()
+    before = lib.kerasdist_backend_runs(b"hier")
+    results = {}
+    for dtype in (np.int32, np.float64):
+        for rows, width in GATHERS:
+            case = f"allgather.{np.dtype(dtype).name}.{rows}x{width}"
+            part = [inputs(case, k, (k + 1) * rows * width, dtype).reshape(
+                -1, width) for k in range(n)]
+            got = allgather(part[r], case)
+            want = np.concatenate(part)
+            if got.dtype != want.dtype or not np.array_equal(got, want):
+                print(f"FAIL {case}: got shape {got.shape}", flush=True)
+                sys.exit(1)
+            results[case] = got
+    print(f"GATHERS hier={lib.kerasdist_backend_runs(b'hier') - before}",
+          flush=True)
+    return results
 
 
 def main():

@@ -33,6 +33,7 @@ struct BackendOptions {
   // KERASDIST_HIERARCHICAL_ALLREDUCE: 0 off, 1 on where the job spans hosts
   // with several ranks on some host; and the smallest batch it takes.
   bool hierarchical = true;
+  bool hierarchical_allgather = true;  // KERASDIST_HIERARCHICAL_ALLGATHER
   int64_t hierarchical_min_bytes = 0;
 };
 
