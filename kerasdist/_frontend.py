@@ -21,6 +21,13 @@ _counters = {}
 _lock = threading.Lock()
 
 
+def require_init():
+    """Raises RuntimeError unless kerasdist.init() has run."""
+    if not basics.is_initialized():
+        raise RuntimeError("kerasdist is not initialized; call "
+                           "kerasdist.init() first.")
+
+
 def check_op(op, what):
     """Raises ValueError unless `op` is one of the core's reduce ops."""
     ops = _capi.reduce_ops()

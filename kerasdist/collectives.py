@@ -6,7 +6,7 @@ import threading
 
 import tensorflow as tf
 
-from kerasdist import _capi
+from kerasdist import _frontend
 from kerasdist import basics
 from kerasdist._native import ops as _ops
 
@@ -14,11 +14,7 @@ _counters = {}
 _counter_lock = threading.Lock()
 
 
-def _check_op(op, what):
-    ops = _capi.reduce_ops()
-    if op not in ops.values():
-        raise ValueError(f"{what}: op must be one of kerasdist."
-                         f"{', '.join(ops)}; got {op!r}.")
+_check_op = _frontend.check_op
 
 
 def _auto_name(kind, name):

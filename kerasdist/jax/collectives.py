@@ -21,14 +21,8 @@ from kerasdist import _capi, _frontend, basics
 from kerasdist.jax._dispatch import auto_name, call, program_trace
 
 
-def _require_init():
-    if not basics.is_initialized():
-        raise RuntimeError("kerasdist is not initialized; call "
-                           "kerasdist.init() first.")
-
-
-def _check_op(op, what):
-    _frontend.check_op(op, what)
+_require_init = _frontend.require_init
+_check_op = _frontend.check_op
 
 
 _DTYPES = frozenset(np.dtype(t) for t in (

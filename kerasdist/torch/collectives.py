@@ -242,14 +242,8 @@ torch.library.register_autograd("kerasdist::reducescatter",
 # ---- public API --------------------------------------------------------------
 
 
-def _require_init():
-    if not basics.is_initialized():
-        raise RuntimeError("kerasdist is not initialized; call "
-                           "kerasdist.init() first.")
-
-
-def _check_op(op, what):
-    _frontend.check_op(op, what)
+_require_init = _frontend.require_init
+_check_op = _frontend.check_op
 
 
 def _tensor(x):
