@@ -14,17 +14,22 @@ Status MakeBackends(const BackendOptions& o, BackendList* out) {
   KD_RETURN_IF_ERROR(MakeDeviceBackend(o, &b));
   if (b) out->push_back(std::move(b));
   out->push_back(std::make_unique<SelfBackend>(o.size));
-  std::unique_ptr<Backend> shm;
-  BackendOptions node = o;
-  KD_RETURN_IF_ERROR(MakeShmBackend(o, mpi.get(), &shm, &node.shm_min_bytes));
-  if (shm) {
-    KD_RETURN_IF_ERROR(MakeCmaBackend(node, &b));
-    if (b) out->push_back(std::move(b));
-    out->push_back(std::move(shm));
-  }
+  KD_RETURN_IF_ERROR(AddSingleNodeBackends(o, mpi.get(), out));
   KD_RETURN_IF_ERROR(MakeHierarchicalBackend(o, &b));
   if (b) out->push_back(std::move(b));
   out->push_back(std::move(mpi));
+  return Status::OK();
+}
+
+Status AddSingleNodeBackends(const BackendOptions& o, Backend* fallback,
+                             BackendList* list) {
+  std::unique_ptr<Backend> shm, cma;
+  BackendOptions node = o;
+  KD_RETURN_IF_ERROR(MakeShmBackend(o, fallback, &shm, &node.shm_min_bytes));
+  if (!shm) return Status::OK();
+  KD_RETURN_IF_ERROR(MakeCmaBackend(node, &cma));
+  if (cma) list->push_back(std::move(cma));
+  list->push_back(std::move(shm));
   return Status::OK();
 }
 

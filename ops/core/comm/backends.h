@@ -40,6 +40,12 @@ struct BackendOptions {
 // The list, in the order batches try them. Collective over o.comm.
 Status MakeBackends(const BackendOptions& o, BackendList* out);
 
+// The single-node backends, `cma` before `shm`, appended to `list` where
+// the ranks of o.comm share one node (collective over o.comm); `fallback`
+// runs what the slots cannot hold.
+Status AddSingleNodeBackends(const BackendOptions& o, Backend* fallback,
+                             BackendList* list);
+
 // Factories (each in its backend's file).
 // GPU tensors: NCCL, or staged through host memory (device_backend.cc).
 Status MakeDeviceBackend(const BackendOptions& o, std::unique_ptr<Backend>* out);

@@ -32,8 +32,8 @@ class HierarchicalBackend : public Backend {
  public:
   // `allreduce` / `allgather`: which collectives it takes (agreed by the
   // ranks, as the minimum size is: Enabled must answer alike everywhere).
-  HierarchicalBackend(const BackendOptions& o, MPI_Comm node, MPI_Comm leaders,
-                      bool allreduce, bool allgather, int64_t min_bytes)
+  HierarchicalBackend(MPI_Comm node, MPI_Comm leaders, bool allreduce,
+                      bool allgather, int64_t min_bytes)
       : node_comm_(node), leader_comm_(leaders), min_bytes_(min_bytes),
         allreduce_(allreduce), allgather_(allgather) {
     MPI_Comm_rank(node, &node_rank_);
@@ -65,13 +65,7 @@ class HierarchicalBackend : public Backend {
     n.host = node_mpi_.get();
     auto mpi = std::make_unique<CommunicatorBackend>("mpi", n.host, n.rank);
     node_list_.push_back(std::make_unique<SelfBackend>(n.size));
-    std::unique_ptr<Backend> shm, cma;
-    KD_RETURN_IF_ERROR(MakeShmBackend(n, mpi.get(), &shm, &n.shm_min_bytes));
-    if (shm) {
-      KD_RETURN_IF_ERROR(MakeCmaBackend(n, &cma));
-      if (cma) node_list_.push_back(std::move(cma));
-      node_list_.push_back(std::move(shm));
-    }
+    KD_RETURN_IF_ERROR(AddSingleNodeBackends(n, mpi.get(), &node_list_));
     node_list_.push_back(std::move(mpi));
     return Status::OK();
   }
@@ -261,7 +255,7 @@ Status MakeHierarchicalBackend(const BackendOptions& o, std::unique_ptr<Backend>
   MPI_Comm node, leaders;
   int hosts = 1, largest = 1;
   KD_RETURN_IF_ERROR(NodeAndLeaderComms(o.comm, &node, &leaders, &hosts, &largest));
-  auto h = std::make_unique<HierarchicalBackend>(o, node, leaders, agreed[0] != 0,
+  auto h = std::make_unique<HierarchicalBackend>(node, leaders, agreed[0] != 0,
                                                  agreed[1] != 0, min_bytes);
   if (hosts < 2 || largest < 2) return Status::OK();  // h frees the comms
   KD_RETURN_IF_ERROR(h->MakeNodeList(o));
