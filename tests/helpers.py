@@ -18,6 +18,7 @@ import time
 from kerasdist.run import _rank
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
 
 _PREFIX_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 
@@ -44,6 +45,22 @@ def rank_env(drop=(), **extra):
         env.pop(k, None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def worker_env(**extra):
+    """os.environ for ranks that run a tests/workers script: that folder
+    first on PYTHONPATH (workers import np_collectives), TF quiet unless
+    set, then `extra` (values turned into strings; may replace either)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def worker_cmd(name, *args):
+    """[python, tests/workers/NAME, *args]."""
+    return [sys.executable, os.path.join(WORKERS, name), *args]
 
 
 def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,

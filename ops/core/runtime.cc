@@ -551,6 +551,7 @@ Status Runtime::PrepareBatch(const Response& head, std::vector<Entry>& entries,
   b->reduce_op = sc.op;
   b->postscale = sc.post;
   b->divisor = sc.divisor;
+  b->tensors.reserve(entries.size());
   for (Entry& e : entries) {
     b->tensors.push_back({&e.req.name, e.input, e.output, NumElements(e.req.shape),
                           e.ready_event});

@@ -5,14 +5,13 @@ a host's link carries about the 2(H-1)/H x size minimum."""
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 from tests.cluster import Cluster, require
-from tests.cluster.test_multihost import _env, _worker, run_on
-from tests.helpers import rank_lines
+from tests.cluster.test_multihost import run_on
+from tests.helpers import rank_lines, worker_cmd, worker_env
 
 pytestmark = pytest.mark.cluster
 
@@ -35,8 +34,8 @@ def _check_job(cluster, np_, hosts, out_dir, hier, timeline=None):
     if timeline:
         extra["KERASDIST_TIMELINE"] = timeline
     out = run_on(cluster, np_, hosts,
-                 _worker("hierarchical_worker.py", "check", str(out_dir)),
-                 env=_env(**extra))
+                 worker_cmd("hierarchical_worker.py", "check", str(out_dir)),
+                 env=worker_env(**extra))
     assert out.returncode == 0, out.stdout[-4000:]
     seen = {}
     for r in range(np_):
@@ -121,8 +120,8 @@ def test_a_hosts_link_carries_about_the_minimum(cluster):
     hosts = cluster.hosts
     before = {h.name: cluster.tx_bytes(h) for h in hosts}
     out = run_on(cluster, 4, "kdt0:2,kdt1:2",
-                 _worker("hierarchical_worker.py", "bytes", str(mib)),
-                 env=_env(KERASDIST_HIERARCHICAL_ALLREDUCE=1))
+                 worker_cmd("hierarchical_worker.py", "bytes", str(mib)),
+                 env=worker_env(KERASDIST_HIERARCHICAL_ALLREDUCE=1))
     assert out.returncode == 0, out.stdout[-4000:]
     for r in range(4):
         lines = rank_lines(out.stdout, r)

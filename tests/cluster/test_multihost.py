@@ -14,11 +14,10 @@ import time
 import pytest
 
 from tests.cluster import Cluster, require
-from tests.helpers import REPO_ROOT, launch, rank_lines
+from tests.helpers import launch, rank_lines, worker_cmd, worker_env
 
 pytestmark = pytest.mark.cluster
 
-WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
 MIB = 16
 
 
@@ -29,25 +28,13 @@ def cluster():
         yield c
 
 
-def _env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _worker(name, *args):
-    return [sys.executable, os.path.join(WORKERS, name), *args]
-
-
 def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
            env=None):
     """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
     the host names resolve to the test hosts."""
     args = ["--ssh-command", ssh_command or cluster.remote_shell,
             "--network-interface", cluster.bridge, "-H", hosts]
-    return launch(np_, command, timeout=timeout, env=env or _env(),
+    return launch(np_, command, timeout=timeout, env=env or worker_env(),
                   launcher_args=args, prefix=cluster.launcher_prefix())
 
 
@@ -88,7 +75,7 @@ def test_topology_and_bytes_on_the_link(cluster, np_, hosts):
     # link carries far less than the payload).
     used = sorted({h.split(":")[0] for h in hosts.split(",")})
     before = {h.name: cluster.tx_bytes(h) for h in cluster.hosts}
-    out = run_on(cluster, np_, hosts, _worker("multihost_worker.py",
+    out = run_on(cluster, np_, hosts, worker_cmd("multihost_worker.py",
                                               str(MIB)))
     assert out.returncode == 0, out.stdout[-4000:]
     sent = {h.name: cluster.tx_bytes(h) - before[h.name]
@@ -116,7 +103,7 @@ def test_topology_and_bytes_on_the_link(cluster, np_, hosts):
                                         (3, "kdt0:2,kdt1:1")])
 def test_every_collective_matches_numpy_across_hosts(cluster, np_, hosts):
     out = run_on(cluster, np_, hosts,
-                 _worker("core_collectives_worker.py", "hosts"))
+                 worker_cmd("core_collectives_worker.py", "hosts"))
     assert out.returncode == 0, out.stdout[-4000:]
     for r in range(np_):
         lines = rank_lines(out.stdout, r)
@@ -128,7 +115,7 @@ def test_every_collective_matches_numpy_across_hosts(cluster, np_, hosts):
 @pytest.mark.slow
 def test_model_fit_across_hosts_equals_one_process(cluster):
     out = run_on(cluster, 4, "kdt0:2,kdt1:2",
-                 _worker("keras_optimizer_worker.py", "hosts"), timeout=400)
+                 worker_cmd("keras_optimizer_worker.py", "hosts"), timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
     for r in range(4):
         lines = rank_lines(out.stdout, r)
@@ -253,7 +240,7 @@ def test_trainer_resumes_exactly_after_a_hosts_ranks_are_killed(cluster,
     import numpy as np
 
     def trainer(*args):
-        return _worker("trainer_worker.py", "resume", *map(str, args))
+        return worker_cmd("trainer_worker.py", "resume", *map(str, args))
 
     hosts = "kdt0:1,kdt1:1"
     straight = run_on(cluster, 2, hosts,

@@ -11,8 +11,9 @@ import pytest
 
 from tests.cluster import Cluster, require
 from tests.cluster import slurm as slurm_lib
-from tests.cluster.test_multihost import _env, _fields, _worker, layout
-from tests.helpers import launch, launcher_env, rank_lines
+from tests.cluster.test_multihost import _fields, layout
+from tests.helpers import (launch, launcher_env, rank_lines, worker_cmd,
+                           worker_env)
 
 pytestmark = pytest.mark.cluster
 
@@ -33,7 +34,7 @@ def slurm():
 def in_allocation(s, launcher_args, command, np_=None, alloc=("-N2", "-n4"),
                   timeout=120):
     """`salloc ALLOC kerasdist run [LAUNCHER_ARGS] [-np NP] COMMAND`."""
-    return launch(np_, command, timeout=timeout, env=s.env(_env()),
+    return launch(np_, command, timeout=timeout, env=s.env(worker_env()),
                   launcher_args=launcher_args,
                   prefix=s.prefix() + ["salloc", *alloc])
 
@@ -50,11 +51,11 @@ def _assert_topology(out, hosts, np_):
 
 def test_np_and_hosts_come_from_the_allocation(slurm):
     out = in_allocation(slurm, ["--network-interface", slurm.cluster.bridge],
-                        _worker("multihost_worker.py", "4"))
+                        worker_cmd("multihost_worker.py", "4"))
     _assert_topology(out, "kdt0:2,kdt1:2", 4)
     # An uneven allocation: SLURM_TASKS_PER_NODE=2,1.
     out = in_allocation(slurm, ["--network-interface", slurm.cluster.bridge],
-                        _worker("multihost_worker.py", "1"),
+                        worker_cmd("multihost_worker.py", "1"),
                         alloc=("-N2", "-n3"))
     _assert_topology(out, "kdt0:2,kdt1:1", 3)
 
@@ -88,10 +89,10 @@ def test_hosts_that_cannot_reach_back_end_the_job_with_one_line(slurm):
 def test_ranks_started_by_srun_directly(slurm):
     # No launcher: srun starts the ranks and MPICH talks PMI-2 to slurmd.
     argv = slurm.prefix() + ["salloc", "-N2", "-n4", "srun", "--mpi=pmi2",
-                             *_worker("multihost_worker.py", "4")]
+                             *worker_cmd("multihost_worker.py", "4")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env=launcher_env(slurm.env(_env())),
+                            env=launcher_env(slurm.env(worker_env())),
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=120)

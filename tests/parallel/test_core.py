@@ -6,24 +6,10 @@ import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, rank_lines
+from tests.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
+                           worker_cmd, worker_env)
 
 pytestmark = pytest.mark.parallel
-
-WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _worker(name, *args):
-    import sys
-    return [sys.executable, os.path.join(WORKERS, name), *args]
 
 
 def _assert_all_ranks(out, np_, line):
@@ -43,8 +29,8 @@ def test_collectives_match_numpy(np_, path):
     # and the reduce-scatter of three ranks), "mpi" none; "mixed" has shared
     # memory off on one rank only, so all must agree on MPI, "cma-mixed" the
     # in-place reads, so all must agree on the slots.
-    out = launch(np_, _worker("core_collectives_worker.py", path), timeout=180,
-                 env=_env())
+    out = launch(np_, worker_cmd("core_collectives_worker.py", path),
+                 timeout=180, env=worker_env())
     _assert_all_ranks(out, np_, "OK all")
     _assert_all_ranks(out, np_, f"OK path {path}")
 
@@ -76,9 +62,10 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
                     "the job a small /dev/shm")
     out = subprocess.run(
         prefix + [sys.executable, "-m", "kerasdist.run", "-np", "2",
-                  *_worker("shm_fallback_worker.py")],
+                  *worker_cmd("shm_fallback_worker.py")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=180, env=_env(PYTHONPATH=REPO_ROOT + os.pathsep + WORKERS),
+        timeout=180,
+        env=worker_env(PYTHONPATH=REPO_ROOT + os.pathsep + WORKERS),
         cwd=REPO_ROOT)
     _assert_all_ranks(out, 2, "OK fallback")
     assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]
@@ -89,33 +76,34 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
 @pytest.mark.timeout(400)  # its launch may take 300 s
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tf_ops_eager_function_gradients_out_of_order(np_):
-    out = launch(np_, _worker("tf_ops_worker.py"), timeout=300, env=_env())
+    out = launch(np_, worker_cmd("tf_ops_worker.py"), timeout=300,
+                 env=worker_env())
     _assert_all_ranks(out, np_, "OK all")
 
 
 def test_init_errors_and_reinit():
-    out = launch(2, _worker("core_errors_worker.py", "init"), timeout=60,
-                 env=_env())
+    out = launch(2, worker_cmd("core_errors_worker.py", "init"), timeout=60,
+                 env=worker_env())
     _assert_all_ranks(out, 2, "OK init")
 
 
 def test_init_with_an_mpi4py_subcommunicator():
-    out = launch(3, _worker("core_errors_worker.py", "comm"), timeout=60,
-                 env=_env())
+    out = launch(3, worker_cmd("core_errors_worker.py", "comm"), timeout=60,
+                 env=worker_env())
     _assert_all_ranks(out, 3, "OK comm")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_mismatch_fails_every_rank_with_names(np_):
-    out = launch(np_, _worker("core_errors_worker.py", "mismatch"), timeout=60,
-                 env=_env())
+    out = launch(np_, worker_cmd("core_errors_worker.py", "mismatch"),
+                 timeout=60, env=worker_env())
     _assert_all_ranks(out, np_, "OK mismatch")
     assert "Mismatched shape for allreduce 'shape.x'" in out.stdout
 
 
 def test_stall_warns_then_fails_every_rank():
-    out = launch(2, _worker("core_errors_worker.py", "stall"), timeout=60,
-                 env=_env(KERASDIST_STALL_CHECK_TIME_SECONDS=1,
+    out = launch(2, worker_cmd("core_errors_worker.py", "stall"), timeout=60,
+                 env=worker_env(KERASDIST_STALL_CHECK_TIME_SECONDS=1,
                           KERASDIST_STALL_SHUTDOWN_TIME_SECONDS=3))
     _assert_all_ranks(out, 2, "OK stall")
     warnings = [l for l in rank_lines(out.stdout, 0, "stderr")
@@ -130,8 +118,8 @@ def test_stall_warns_then_fails_every_rank():
 ])
 def test_rank_that_leaves_ends_the_job(how, needle):
     start = time.monotonic()
-    out = launch(2, _worker("core_errors_worker.py", "exit"), timeout=60,
-                 env=_env(HOW=how))
+    out = launch(2, worker_cmd("core_errors_worker.py", "exit"), timeout=60,
+                 env=worker_env(HOW=how))
     assert time.monotonic() - start < 30, out.stdout
     assert out.returncode != 0, out.stdout
     assert needle in out.stdout, out.stdout[-3000:]

@@ -8,17 +8,10 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, launcher_env, rank_lines
+from tests.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
+                           rank_lines, worker_env)
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
-
-WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3])
@@ -28,7 +21,7 @@ def test_collectives_match_numpy(front, mode, np_):
     pytest.importorskip(front)
     out = launch(np_, [sys.executable,
                        os.path.join(WORKERS, "frontend_collectives_worker.py"),
-                       front, mode], timeout=400, env=_env())
+                       front, mode], timeout=400, env=worker_env())
     assert out.returncode == 0, out.stdout[-4000:]
     for r in range(np_):
         lines = rank_lines(out.stdout, r)

@@ -388,15 +388,11 @@ Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
       MPI_Comm_split(comm, node_rank == 0 ? 0 : MPI_UNDEFINED, rank, leaders),
       "MPI_Comm_split"));
   if (*leaders != MPI_COMM_NULL) MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
-  int mine[2] = {node_rank == 0 ? 1 : 0, node_size}, all[2] = {0, 0};
-  int sums = 0;
+  const int leads = node_rank == 0 ? 1 : 0;
   KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&mine[0], &sums, 1, MPI_INT, MPI_SUM, comm), "MPI_Allreduce"));
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&mine[1], &all[1], 1, MPI_INT, MPI_MAX, comm), "MPI_Allreduce"));
-  *hosts = sums;
-  *largest_node = all[1];
-  return Status::OK();
+      MPI_Allreduce(&leads, hosts, 1, MPI_INT, MPI_SUM, comm), "MPI_Allreduce"));
+  return MpiStatus(MPI_Allreduce(&node_size, largest_node, 1, MPI_INT, MPI_MAX, comm),
+                   "MPI_Allreduce");
 }
 
 }  // namespace kerasdist::core
