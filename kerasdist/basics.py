@@ -1,6 +1,8 @@
 """Process-level API: init, shutdown and the topology queries."""
 
 import atexit
+import os
+import sys
 import threading
 
 from kerasdist import _capi
@@ -16,6 +18,7 @@ Product = _capi.reduce_ops()["Product"]
 
 _atexit_registered = False
 _lock = threading.Lock()
+_uncaught = False  # the main thread ended with an uncaught exception
 
 
 def _keywords():
@@ -80,9 +83,38 @@ def init(comm=None, **settings):
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_at_exit)
+            sys.excepthook = _noting_uncaught(sys.excepthook)
             _atexit_registered = True
     autotune.maybe_start()
+
+
+def _noting_uncaught(hook):
+    def excepthook(exc_type, exc, tb):
+        global _uncaught
+        _uncaught = True
+        hook(exc_type, exc, tb)
+    return excepthook
+
+
+def _at_exit():
+    """Shuts down at exit; after an uncaught exception, ends the process.
+
+    A rank that dies of an exception must not wait for the others: they may
+    be inside a collective (kerasdist's or mpi4py's) waiting for it, and
+    MPI's finalize waits for them, so nobody would ever leave. Ending the
+    process at once (after the traceback, and after the atexit handlers
+    registered later than `init()`) lets the launcher see the failure and
+    stop the job.
+    """
+    if _uncaught and is_initialized() and size() > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+    shutdown()
 
 
 def shutdown():

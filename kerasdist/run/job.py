@@ -28,6 +28,9 @@ from kerasdist.run import _rank
 _POLL_S = 0.1
 _FORCE_AFTER_S = 12.0
 _KILL_AFTER_S = 20.0
+# How long after a rank's failure the launcher waits for more before it
+# says what happened.
+_SETTLE_S = 0.5
 
 
 def describe_status(status):
@@ -163,37 +166,136 @@ class Unreachable:
                 "-iface)")
 
 
+# The line a rank prints when its heartbeat lost a peer (ops/core/comm/
+# liveness.cc), e.g. "kerasdist: rank 0: lost host node2 (ranks 2, 3): no
+# heartbeat for 30 s (...); ending this rank."
+_LOST_RE = re.compile(rb"kerasdist: rank (\d+): lost (.*); ending this rank\.")
+
+# hydra's banner when a rank ends badly. The launcher says what happened in
+# a line of its own, so the banner is left out (shown with --verbose).
+_BANNER_RE = re.compile(
+    rb"^(=+|=   (BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES|PID \d+ "
+    rb"RUNNING AT .*|EXIT CODE: .*|CLEANING UP REMAINING PROCESSES|YOU CAN "
+    rb"IGNORE THE BELOW CLEANUP MESSAGES)|YOUR APPLICATION TERMINATED WITH "
+    rb"THE EXIT STRING: .*|This typically refers to a problem with your "
+    rb"application\.|Please see the FAQ page for debugging suggestions)\s*$")
+
+
+# hydra's own error trace, e.g. "[mpiexec@node1] HYDU_sock_write (...): write
+# error", printed when it cannot signal a proxy that is gone. Once the
+# launcher is stopping the job it has said why, so these are left out.
+_HYDRA_TRACE_RE = re.compile(rb"^\[(mpiexec|proxy:[^\]@]*)@[^\]]*\] ")
+
+
+class Findings:
+    """What the relays picked out of the job's output, shared by both."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.failures = []  # RankFailure, in the order seen
+        self.lost = {}      # rank -> what its heartbeat lost (text)
+        self.unreachable = None
+        self.failed = threading.Event()
+        self.stopping = threading.Event()  # the launcher is stopping the job
+
+    def add_failure(self, failure):
+        with self.lock:
+            self.failures.append(failure)
+        self.failed.set()
+
+    def add_lost(self, rank, text):
+        with self.lock:
+            self.lost.setdefault(rank, text)
+
+    def describe(self):
+        """One clause for the launcher's line: who failed and how.
+
+        The ranks that failed on their own come first (grouped by host and
+        status); ranks that only ended because their heartbeat lost a peer
+        are not named as failing: what they lost is said instead.
+        """
+        with self.lock:
+            failures = list(self.failures)
+            lost = dict(self.lost)
+        culprits = [f for f in failures if f.rank not in lost]
+        if culprits:
+            return "; ".join(_group_failures(culprits))
+        if lost:
+            return "lost " + lost[min(lost)]
+        return failures[0].describe() if failures else ""
+
+    def first_failure(self):
+        with self.lock:
+            culprits = [f for f in self.failures if f.rank not in self.lost]
+            return (culprits or self.failures or [None])[0]
+
+
+def _group_failures(failures):
+    groups = {}
+    for f in failures:
+        groups.setdefault((f.host, f.status), []).append(f.rank)
+    out = []
+    for (host, status), ranks in groups.items():
+        ranks = sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else 0)
+        who = (f"rank {ranks[0]}" if len(ranks) == 1 else
+               "ranks " + ", ".join(str(r) for r in ranks))
+        out.append(f"{who} (host {host}) exited with {describe_status(status)}")
+    return out
+
+
 class _Relay(threading.Thread):
     """Copies an output of mpiexec to the log, taking out the exit markers."""
 
-    def __init__(self, pipe, log, stream):
+    def __init__(self, pipe, log, stream, findings, banner=False):
         super().__init__(daemon=True)
         self.pipe = pipe
         self.log = log
         self.stream = stream
-        self.failure = None
-        self.failed = threading.Event()
-        self.unreachable = None
+        self.findings = findings
+        self.banner = banner
+        self._held = None  # a blank line that may open hydra's banner
 
     def run(self):
         for line in iter(self.pipe.readline, b""):
             start = line.find(_rank.MARKER)
             if start < 0:
-                self._note_unreachable(line)
-                self.log.raw(line, self.stream)
+                self._note(line)
+                self._write(line)
                 continue
             if start > 0:  # an unprefixed partial line ran into the marker
-                self.log.raw(line[:start] + b"\n", self.stream)
+                self._write(line[:start] + b"\n")
             parsed = _rank.parse_marker(line[start:])
-            if parsed and parsed[2] != 0 and self.failure is None:
-                self.failure = RankFailure(*parsed)
-                self.failed.set()
+            if parsed and parsed[2] != 0:
+                self.findings.add_failure(RankFailure(*parsed))
+        if self._held is not None:
+            self.log.raw(self._held, self.stream)
         self.pipe.close()
 
-    def _note_unreachable(self, line):
+    def _write(self, line):
+        if (not self.banner and self.findings.stopping.is_set()
+                and _HYDRA_TRACE_RE.match(line)):
+            return
+        if not self.banner:
+            if line.strip() == b"" and self._held is None:
+                self._held = line
+                return
+            if _BANNER_RE.match(line):
+                self._held = None
+                return
+        if self._held is not None:
+            self.log.raw(self._held, self.stream)
+            self._held = None
+        self.log.raw(line, self.stream)
+
+    def _note(self, line):
+        m = _LOST_RE.search(line)
+        if m:
+            self.findings.add_lost(m.group(1).decode(),
+                                   m.group(2).decode(errors="replace"))
+            return
         m = _UNREACHABLE_RE.match(line)
-        if m and self.unreachable is None:
-            self.unreachable = Unreachable(
+        if m and self.findings.unreachable is None:
+            self.findings.unreachable = Unreachable(
                 *(g.decode(errors="replace") for g in m.groups()))
 
 
@@ -234,7 +336,8 @@ def _kill_job(proc, known):
     return _rank.kill_job(roots=roots, sessions=(proc.pid,), known=known)
 
 
-def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
+def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
+                banner=False):
     """Runs mpiexec once and returns its Outcome.
 
     Args:
@@ -245,6 +348,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
             (exit code 124), or None.
         timeout: the --timeout value, for the message only.
         log: a Log.
+        banner: pass hydra's "BAD TERMINATION" banner through (--verbose).
 
     Returns:
         An Outcome.
@@ -258,58 +362,92 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
     except OSError as e:
         log.line(f"cannot run {argv[0]!r}: {e.strerror or e}")
         return Outcome(127, reason="mpiexec could not be started")
-    relay = _Relay(proc.stderr, log, log.err)
-    relay.start()
-    out_relay = _Relay(proc.stdout, log, log.out)
-    out_relay.start()
-
-    stop_reason = None  # "failure", "unreachable", "timeout" or "signal"
-    stopping_since = None
-    forced = killed = False
-    known = {}  # the job's processes when it was being stopped
+    findings = Findings()
+    relays = [_Relay(proc.stderr, log, log.err, findings, banner),
+              _Relay(proc.stdout, log, log.out, findings, banner)]
+    for relay in relays:
+        relay.start()
+    stopper = _Stopper(proc, findings, interrupts, deadline, timeout, log)
     while not _has_exited(proc):
         time.sleep(_POLL_S)
-        now = time.monotonic()
-        if stopping_since is None:
-            if interrupts.signum is not None:
-                stop_reason, signum = "signal", interrupts.signum
-                name = signal.Signals(signum).name
-                log.line(f"received {name}; stopping all ranks.")
-            elif relay.failed.is_set():
-                stop_reason, signum = "failure", signal.SIGTERM
-                log.line(f"{relay.failure.describe()}; "
-                         "stopping the other ranks.")
-            elif (relay.unreachable or out_relay.unreachable) is not None:
-                stop_reason, signum = "unreachable", signal.SIGTERM
-            elif deadline is not None and now >= deadline:
-                stop_reason, signum = "timeout", signal.SIGTERM
-                log.line(f"timeout: the job ran longer than {timeout:g} s; "
-                         "stopping all ranks.")
-            if stop_reason is not None:
-                known = _job_snapshot(proc)
-                _signal_proc(proc, signum)
-                stopping_since = now
-        else:
-            waited = now - stopping_since
-            if not forced and (waited > _FORCE_AFTER_S or interrupts.count > 1):
-                forced = True
-                _signal_proc(proc, signal.SIGINT)
-                time.sleep(0.2)
-                _signal_proc(proc, signal.SIGINT)
-            if waited > _KILL_AFTER_S and not killed:
-                killed = True
-                _kill_job(proc, known)
-    if stop_reason is not None:
-        left = _kill_job(proc, known)
-        if left:
-            log.line(f"killed {len(left)} process(es) of the job that "
-                     "outlived mpiexec.")
+        stopper.step(time.monotonic())
+    stopper.finish()
     rc = proc.wait()
-    relay.join(timeout=5.0)
-    out_relay.join(timeout=5.0)
+    for relay in relays:
+        relay.join(timeout=5.0)
+    return _outcome(rc, stopper.reason, findings, interrupts, timeout, log)
 
-    failure = relay.failure
-    unreachable = relay.unreachable or out_relay.unreachable
+
+class _Stopper:
+    """Decides when to stop a running job, and stops it step by step."""
+
+    def __init__(self, proc, findings, interrupts, deadline, timeout, log):
+        self.proc = proc
+        self.findings = findings
+        self.interrupts = interrupts
+        self.deadline = deadline
+        self.timeout = timeout
+        self.log = log
+        self.reason = None  # "failure", "unreachable", "timeout" or "signal"
+        self.since = None
+        self.failed_at = None
+        self.forced = self.killed = False
+        self.known = {}  # the job's processes when it was being stopped
+
+    def step(self, now):
+        if self.since is None:
+            signum = self._why(now)
+            if self.reason is not None:
+                self.findings.stopping.set()
+                self.known = _job_snapshot(self.proc)
+                _signal_proc(self.proc, signum)
+                self.since = now
+            return
+        waited = now - self.since
+        if not self.forced and (waited > _FORCE_AFTER_S
+                                or self.interrupts.count > 1):
+            self.forced = True
+            _signal_proc(self.proc, signal.SIGINT)
+            time.sleep(0.2)
+            _signal_proc(self.proc, signal.SIGINT)
+        if waited > _KILL_AFTER_S and not self.killed:
+            self.killed = True
+            _kill_job(self.proc, self.known)
+
+    def _why(self, now):
+        if self.interrupts.signum is not None:
+            self.reason = "signal"
+            name = signal.Signals(self.interrupts.signum).name
+            self.log.line(f"received {name}; stopping all ranks.")
+            return self.interrupts.signum
+        if self.findings.failed.is_set():
+            # Failures come in bursts (a host's ranks, then the ranks whose
+            # heartbeat lost them): a moment more, and one line says it.
+            self.failed_at = self.failed_at or now
+            if now - self.failed_at >= _SETTLE_S:
+                self.reason = "failure"
+                self.log.line(f"{self.findings.describe()}; "
+                              "stopping the other ranks.")
+        elif self.findings.unreachable is not None:
+            self.reason = "unreachable"
+        elif self.deadline is not None and now >= self.deadline:
+            self.reason = "timeout"
+            self.log.line(f"timeout: the job ran longer than "
+                          f"{self.timeout:g} s; stopping all ranks.")
+        return signal.SIGTERM
+
+    def finish(self):
+        if self.reason is None:
+            return
+        left = _kill_job(self.proc, self.known)
+        if left:
+            self.log.line(f"killed {len(left)} process(es) of the job that "
+                          "outlived mpiexec.")
+
+
+def _outcome(rc, stop_reason, findings, interrupts, timeout, log):
+    failure = findings.first_failure()
+    unreachable = findings.unreachable
     if unreachable is not None and stop_reason in (None, "unreachable"):
         # Said once, after hydra's own lines; a relaunch would fail the same.
         log.line(f"{unreachable.describe()}.")
@@ -324,9 +462,9 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None):
                               f"{signal.Signals(signum).name}")
     if failure is not None:
         if stop_reason is None:  # mpiexec ended before the loop saw it
-            log.line(f"{failure.describe()}.")
+            log.line(f"{findings.describe()}.")
         return Outcome(failure.exit_code, failure,
-                       reason=failure.describe(with_host=False))
+                       reason=findings.describe())
     if rc != 0:
         log.line(f"mpiexec exited with {describe_status(rc)}.")
         return Outcome(status_exit_code(rc),

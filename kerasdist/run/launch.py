@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
 from kerasdist.run import remote
@@ -110,6 +111,13 @@ def make_parser():
                    help="let the runtime tune fusion and cycle time")
     p.add_argument("--max-restarts", type=_non_negative_int, default=0,
                    metavar="K", help="relaunch a failed job up to K times")
+    p.add_argument("--min-np", type=_positive_int, metavar="M",
+                   help="with --max-restarts: relaunch on the hosts that "
+                   "still answer with as few as M ranks (default: -np)")
+    p.add_argument("--host-discovery-script", metavar="SCRIPT",
+                   help="a program that prints the hosts available now "
+                   "(hostfile lines); run before every attempt, so hosts "
+                   "can leave and come back")
     p.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                    help="stop the job after SECONDS in all (exit code 124)")
     p.add_argument("--no-prefix", action="store_true",
@@ -175,7 +183,23 @@ def parse_args(argv, environ=None):
             raise UsageError(
                 f"-np {args.np} is more than the {slots} slot(s) given by "
                 f"{source} ({hosts_lib.hydra_hosts_arg(args.hosts)})")
+    _check_elastic(args)
     return args
+
+
+def _check_elastic(args):
+    if args.host_discovery_script is not None:
+        if args.hosts is not None:
+            raise UsageError("--host-discovery-script lists the hosts: leave "
+                             "out -H/--hostfile")
+        if not os.access(args.host_discovery_script, os.X_OK):
+            raise UsageError(f"--host-discovery-script "
+                             f"{args.host_discovery_script}: not an "
+                             "executable file")
+    if args.min_np is not None and args.min_np > args.np:
+        raise UsageError(f"--min-np {args.min_np} is more than -np {args.np}")
+    if args.min_np is None:
+        args.min_np = args.np
 
 
 def _check_against_slurm(args, environ):
@@ -296,6 +320,7 @@ def _rank_env(args, attempt):
         cycle_time_ms=args.cycle_time_ms,
         timeline_filename=args.timeline_filename,
         autotune=args.autotune,
+        network_interface=args.network_interface,
     )
 
 
@@ -349,12 +374,20 @@ def _run(args, mpiexec, log, workdir=None):
     outcome = None
     with job.Interrupts() as interrupts:
         for attempt in range(attempts):
+            placed = _place(args, log, attempt > 0)
+            if placed is None:
+                return outcome.exit_code if outcome else 1
+            np_, hosts = placed
             if attempt > 0:
-                log.line(f"attempt {attempt + 1} of {attempts} (the last "
-                         f"attempt ended because {outcome.reason})")
+                where = ("" if np_ == args.np and hosts == args.hosts else
+                         f" on {np_} rank(s)"
+                         + (f" ({hosts_lib.hydra_hosts_arg(hosts)})"
+                            if hosts else ""))
+                log.line(f"attempt {attempt + 1} of {attempts}{where} (the "
+                         f"last attempt ended because {outcome.reason})")
             rank_env = _rank_env(args, attempt)
-            mpi_argv = build_mpiexec_argv(mpiexec, args.np, args.command,
-                                          rank_env, args.hosts, args.no_prefix,
+            mpi_argv = build_mpiexec_argv(mpiexec, np_, args.command,
+                                          rank_env, hosts, args.no_prefix,
                                           bind=args.bind_to == "core",
                                           report_bind=args.verbose,
                                           launcher_exec=launcher_exec,
@@ -363,9 +396,45 @@ def _run(args, mpiexec, log, workdir=None):
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)
             outcome = job.run_attempt(mpi_argv, env, interrupts, deadline,
-                                      args.timeout, log)
+                                      args.timeout, log, banner=args.verbose)
             if not outcome.retryable:
                 break
         if outcome.exit_code != 0 and attempts > 1 and outcome.retryable:
             log.line(f"giving up after {attempts} attempts.")
     return outcome.exit_code
+
+
+def _candidate_hosts(args, log):
+    if args.host_discovery_script is None:
+        return args.hosts
+    try:
+        return elastic.discover(args.host_discovery_script)
+    except ValueError as e:
+        log.line(f"{e}; taking no hosts from it this time.")
+        return []
+
+
+def _place(args, log, restarting):
+    """(np, hosts) for the next attempt, or None when too few hosts answer.
+
+    The first attempt runs where it was asked (hosts from the discovery
+    script, if any); a restart, or a run with --host-discovery-script, only
+    on the hosts that answer now (elastic.answering), with up to -np ranks.
+    """
+    hosts = _candidate_hosts(args, log)
+    if hosts is None:
+        return args.np, None  # this machine, or the Slurm allocation
+    if restarting or args.host_discovery_script is not None:
+        shell = remote.effective_command(args.ssh_argv, os.environ)
+        hosts, failed = elastic.answering(hosts, shell, args.network_interface)
+        for host, reason in failed:
+            log.line(f"host {host} does not answer ({reason}); leaving it "
+                     "out.")
+    np_ = elastic.ranks_for(args.np, args.min_np, hosts)
+    if np_ is None:
+        slots = hosts_lib.total_slots(hosts) if hosts else 0
+        log.line(f"giving up: the hosts that answer have {slots} slot(s) "
+                 f"({hosts_lib.hydra_hosts_arg(hosts) or 'none'}), fewer "
+                 f"than --min-np {args.min_np}.")
+        return None
+    return np_, hosts

@@ -97,13 +97,14 @@ def _check_argv(argv, timeout):
     return argv
 
 
-def check_hosts(hosts, argv, timeout=15.0):
+def check_hosts(hosts, argv, timeout=15.0, command=("true",)):
     """Runs `argv HOST true` on every remote host at once.
 
     Args:
         hosts: host names.
         argv: the remote shell command (a list).
         timeout: seconds to wait for all of them together.
+        command: what to run there instead of `true` (a list).
 
     Returns:
         [(host, reason), ...] for the hosts that failed, in `hosts` order;
@@ -116,7 +117,7 @@ def check_hosts(hosts, argv, timeout=15.0):
     for host in hosts:
         try:
             procs[host] = subprocess.Popen(
-                base + [host, "true"], stdin=subprocess.DEVNULL,
+                base + [host, *command], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True)
         except OSError as e:

@@ -22,6 +22,7 @@ LAUNCHER_FLAGS = {
     "timeline": "--timeline-filename",
     "autotune": "--autotune",
     "restart_attempt": "--max-restarts",
+    "network_interface": "--network-interface",
 }
 
 
@@ -43,6 +44,7 @@ def build_env(
     timeline_filename=None,
     autotune=False,
     cwd=None,
+    network_interface=None,
 ):
     """Returns the KERASDIST_* variables for every rank of one attempt.
 
@@ -55,6 +57,8 @@ def build_env(
             (the launcher's working directory when None), or None.
         autotune: whether to set KERASDIST_AUTOTUNE=1.
         cwd: the directory a relative timeline path is relative to.
+        network_interface: the interface rank 0's heartbeat is reached
+            at first (--network-interface), or None.
 
     Returns:
         A dict of name -> string value, in a fixed order.
@@ -72,5 +76,7 @@ def build_env(
         env[_name("timeline")] = os.path.abspath(path)
     if autotune:
         env[_name("autotune")] = "1"
+    if network_interface:
+        env[_name("network_interface")] = network_interface
     env[_name("restart_attempt")] = str(attempt)
     return env

@@ -32,6 +32,21 @@ std::vector<Setting> RuntimeSettings() {
        true,
        &C::stall_shutdown_time_s, 0, {},
        "fail every rank when a tensor has waited this long (0 = never)"},
+      {"KERASDIST_HEARTBEAT_TIMEOUT_SECONDS", "heartbeat_timeout_seconds", true,
+       &C::heartbeat_timeout_s, 0, {},
+       "a rank not heard from for this long is lost: every rank that learns "
+       "of it prints one line naming the lost ranks and their host and ends "
+       "with exit code 75, so the job never hangs on a dead host, a cut link "
+       "or a frozen rank (rank 0's value holds for all; 0 turns the "
+       "heartbeat off). See [launcher.md](launcher.md#when-things-fail)"},
+      {"KERASDIST_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds",
+       true, &C::heartbeat_interval_s, 0, {},
+       "how often each rank and rank 0 send each other a heartbeat, from a "
+       "thread of their own over TCP (rank 0's value holds for all)"},
+      {"KERASDIST_NETWORK_INTERFACE", "network_interface", false,
+       &C::network_interface, 0, {},
+       "the interface whose address the other hosts reach rank 0's "
+       "heartbeat at first (set by `kerasdist run --network-interface`)"},
       {"KERASDIST_TIMELINE", "timeline", true, &C::timeline_path, 0, {},
        "path of a Chrome-trace timeline written by rank 0 (empty: none)"},
       {"KERASDIST_TIMELINE_MARK_CYCLES", "timeline_mark_cycles", true,

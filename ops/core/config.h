@@ -24,6 +24,9 @@ struct Config {
   int64_t cache_capacity = 1024;       // response cache entries; 0 disables the cache
   double stall_check_time_s = 60.0;    // warn about tensors missing on some ranks
   double stall_shutdown_time_s = 0.0;  // 0 = never fail a stalled job
+  double heartbeat_timeout_s = 30.0;   // a peer silent this long is lost; 0 = off
+  double heartbeat_interval_s = 1.0;   // how often the ranks say they are alive
+  std::string network_interface;       // rank 0's heartbeat address comes from it first
   std::string timeline_path;           // empty = no timeline
   bool timeline_mark_cycles = false;
   bool autotune = false;

@@ -51,6 +51,9 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
   KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
+  KD_RETURN_IF_ERROR(StartLiveness(rt->mpi_->comm(), config.heartbeat_interval_s,
+                                   config.heartbeat_timeout_s,
+                                   config.network_interface, &rt->liveness_));
   rt->host_ = rt->mpi_->MakeHostCommunicator();
   bool oversubscribed = false;
   KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
@@ -221,6 +224,9 @@ void Runtime::Shutdown() {
     cv_.notify_all();
   }
   if (thread_.joinable()) thread_.join();
+  // After the loop's goodbyes: a rank that has said them is done, and the
+  // others must not count it as lost when its process ends.
+  if (liveness_) liveness_->Stop();
 }
 
 // ---- The loop ---------------------------------------------------------------

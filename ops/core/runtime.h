@@ -124,6 +124,7 @@ class Runtime {
 
   Config config_;
   std::unique_ptr<MpiContext> mpi_;
+  std::unique_ptr<Liveness> liveness_;  // the heartbeat; empty at one rank
   std::unique_ptr<Communicator> host_;
   BackendList backends_;  // first enabled wins
   std::unique_ptr<std::atomic<int64_t>[]> backend_runs_;

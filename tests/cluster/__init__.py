@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from tests.helpers import launch, worker_env
+
 PREFIX = "kdt"
 NET_BASE = (198, 18)  # RFC 2544 benchmarking range: 198.18.0.0/15
 ANCHOR_TAG = "kerasdist-test-cluster-anchor"
@@ -431,6 +433,41 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
+           env=None):
+    """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
+    the host names resolve to the test hosts."""
+    args = ["--ssh-command", ssh_command or cluster.remote_shell,
+            "--network-interface", cluster.bridge, "-H", hosts]
+    return launch(np_, command, timeout=timeout, env=env or worker_env(),
+                  launcher_args=args, prefix=cluster.launcher_prefix())
+
+
+def processes_in(cluster, host, settle=5.0):
+    """The processes (state and command line) alive in `host` but its init
+    and this probe, after waiting up to `settle` s for exiting ones (a rank
+    ends a moment after the launcher has its exit status)."""
+    code = ("import os\n"
+            "for p in os.listdir('/proc'):\n"
+            "    if not p.isdigit() or int(p) in (1, os.getpid()):\n"
+            "        continue\n"
+            "    try:\n"
+            "        stat = open(f'/proc/{p}/stat').read()\n"
+            "        cmd = open(f'/proc/{p}/cmdline').read()\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    state = stat.rsplit(')', 1)[1].split()[0]\n"
+            "    if state != 'Z':\n"
+            "        print(state, cmd.replace('\\0', ' '))")
+    deadline = time.monotonic() + settle
+    while True:
+        alive = cluster.run(host, [sys.executable, "-c", code]
+                            ).stdout.splitlines()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.25)
 
 
 _NFT_DROP = """\

@@ -9,8 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.cluster import Cluster, require
-from tests.cluster.test_multihost import run_on
+from tests.cluster import Cluster, require, run_on
 from tests.helpers import rank_lines, worker_cmd, worker_env
 
 pytestmark = pytest.mark.cluster

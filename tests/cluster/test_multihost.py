@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.cluster import Cluster, require
-from tests.helpers import launch, rank_lines, worker_cmd, worker_env
+from tests.cluster import Cluster, processes_in, require, run_on
+from tests.helpers import rank_lines, worker_cmd
 
 pytestmark = pytest.mark.cluster
 
@@ -26,16 +26,6 @@ def cluster():
     require()
     with Cluster(2) as c:
         yield c
-
-
-def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
-           env=None):
-    """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
-    the host names resolve to the test hosts."""
-    args = ["--ssh-command", ssh_command or cluster.remote_shell,
-            "--network-interface", cluster.bridge, "-H", hosts]
-    return launch(np_, command, timeout=timeout, env=env or worker_env(),
-                  launcher_args=args, prefix=cluster.launcher_prefix())
 
 
 def layout(hosts, np_):
@@ -123,31 +113,6 @@ def test_model_fit_across_hosts_equals_one_process(cluster):
             assert check in lines, (r, check, out.stdout[-3000:])
 
 
-def _processes_in(cluster, host, settle=5.0):
-    """The processes (state and command line) alive in `host` but its init
-    and this probe, after waiting up to `settle` s for exiting ones (a rank
-    ends a moment after the launcher has its exit status)."""
-    code = ("import os\n"
-            "for p in os.listdir('/proc'):\n"
-            "    if not p.isdigit() or int(p) in (1, os.getpid()):\n"
-            "        continue\n"
-            "    try:\n"
-            "        stat = open(f'/proc/{p}/stat').read()\n"
-            "        cmd = open(f'/proc/{p}/cmdline').read()\n"
-            "    except OSError:\n"
-            "        continue\n"
-            "    state = stat.rsplit(')', 1)[1].split()[0]\n"
-            "    if state != 'Z':\n"
-            "        print(state, cmd.replace('\\0', ' '))")
-    deadline = time.monotonic() + settle
-    while True:
-        alive = cluster.run(host, [sys.executable, "-c", code]
-                            ).stdout.splitlines()
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.25)
-
-
 def test_host_that_does_not_resolve_is_named_and_nothing_is_left(cluster):
     start = time.monotonic()
     out = run_on(cluster, 4, "kdt0:2,nohost:2",
@@ -161,7 +126,7 @@ def test_host_that_does_not_resolve_is_named_and_nothing_is_left(cluster):
     assert "cannot start ranks on host nohost:" in lines[0], lines
     assert "Could not resolve hostname nohost" in lines[0], lines
     for host in cluster.hosts:
-        assert _processes_in(cluster, host) == [], host
+        assert processes_in(cluster, host) == [], host
 
 
 def _sshd(cluster, host, keys):
@@ -223,7 +188,7 @@ def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
         assert "Connection refused" in out.stdout, out.stdout
         assert "never" not in out.stdout
         for host in cluster.hosts:
-            assert not [c for c in _processes_in(cluster, host)
+            assert not [c for c in processes_in(cluster, host)
                         if "sshd" not in c], host
     finally:
         for host in cluster.hosts:
@@ -252,7 +217,7 @@ def test_trainer_resumes_exactly_after_a_hosts_ranks_are_killed(cluster,
     assert "rank 1 (host kdt1) exited with signal 9" in killed.stdout, (
         killed.stdout[-4000:])
     for host in cluster.hosts:
-        assert _processes_in(cluster, host) == [], host
+        assert processes_in(cluster, host) == [], host
     resumed = run_on(cluster, 2, hosts,
                      trainer(tmp_path / "b", tmp_path / "b.npy"))
     assert resumed.returncode == 0, resumed.stdout[-4000:]

@@ -5,6 +5,7 @@ Every launch has a timeout, so no test can hang.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,7 +168,8 @@ def test_max_restarts_relaunches_failed_job():
                  launcher_args=("--max-restarts", "1"))
     assert out.returncode == 0, out.stdout
     assert ("kerasdist: attempt 2 of 2 (the last attempt ended because "
-            "rank 1 exited with signal 9 (SIGKILL))") in out.stdout
+            f"rank 1 (host {socket.gethostname()}) exited with signal 9 "
+            "(SIGKILL))") in out.stdout
     for r in (0, 1):
         assert rank_lines(out.stdout, r)[-1] == "attempt 1", out.stdout
 

@@ -12,6 +12,7 @@
 
 #include "communicator.h"
 #include "control_channel.h"
+#include "liveness.h"
 
 namespace kerasdist::core {
 
@@ -54,6 +55,14 @@ class MpiContext : public ControlChannel {
   };
   std::deque<Pending> sends_;
 };
+
+// Collective over `comm`: starts this rank's heartbeat (liveness.h) with
+// rank 0's interval and timeout (seconds); *out stays empty for one rank or
+// a timeout of 0. `interface` is where rank 0's address is taken first.
+// Fails on every rank if any rank cannot connect.
+Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
+                     const std::string& interface,
+                     std::unique_ptr<Liveness>* out);
 
 // Turns an MPI error code into a Status naming the call.
 Status MpiStatus(int code, const char* call);
