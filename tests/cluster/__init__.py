@@ -436,11 +436,12 @@ class Cluster:
 
 
 def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
-           env=None):
+           env=None, launcher_args=()):
     """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
     the host names resolve to the test hosts."""
     args = ["--ssh-command", ssh_command or cluster.remote_shell,
-            "--network-interface", cluster.bridge, "-H", hosts]
+            "--network-interface", cluster.bridge, "-H", hosts,
+            *launcher_args]
     return launch(np_, command, timeout=timeout, env=env or worker_env(),
                   launcher_args=args, prefix=cluster.launcher_prefix())
 

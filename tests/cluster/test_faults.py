@@ -9,12 +9,13 @@ behind on any host, and not show MPI's "BAD TERMINATION" banner."""
 
 import os
 import re
+import threading
 import time
 
 import pytest
 
 from tests.cluster import Cluster, processes_in, require, run_on
-from tests.helpers import worker_cmd, worker_env
+from tests.helpers import rank_lines, worker_cmd, worker_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -79,3 +80,70 @@ def test_a_fault_ends_every_rank_within_the_bound(cluster, tmp_path, where,
         left = [c for c in processes_in(cluster, host, settle=10.0)
                 if "fault_worker" in c]
         assert left == [], (host.name, left)
+
+
+def _when(path, then, timeout=120.0):
+    """Runs `then` in a thread once `path` exists (or after the timeout)."""
+    def wait():
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        then()
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
+
+
+def test_restart_goes_on_without_a_lost_host_and_takes_it_back(cluster,
+                                                                tmp_path):
+    # Attempt 1 loses kdt1's link: attempt 2 runs on kdt0 alone (--min-np
+    # 1); kdt1 comes back while it runs, and attempt 3, after attempt 2
+    # failed, runs on both hosts again.
+    kdt1 = cluster.host("kdt1")
+
+    def bring_back():
+        cluster.restore(kdt1)
+        open(tmp_path / "go", "w").close()
+
+    waiter = _when(tmp_path / "attempt1", bring_back)
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    try:
+        out = run_on(cluster, 2, "kdt0:1,kdt1:1",
+                     worker_cmd("elastic_worker.py", str(tmp_path)),
+                     timeout=300, env=env, launcher_args=(
+                         "--max-restarts", "2", "--min-np", "1"))
+    finally:
+        cluster.restore(kdt1)
+        waiter.join(timeout=5)
+    assert out.returncode == 0, out.stdout[-4000:]
+    said = _launcher_lines(out.stdout)
+    assert any(re.search(r"lost host kdt1 \(rank 1\)", l) for l in said), said
+    assert any(l.startswith("kerasdist: host kdt1 does not answer")
+               for l in said), said
+    assert any(l.startswith("kerasdist: attempt 2 of 3 on 1 rank(s) "
+                            "(kdt0:1)") for l in said), said
+    assert any(l.startswith("kerasdist: attempt 3 of 3 (the last attempt "
+                            "ended because rank 0 (host kdt0) exited with "
+                            "code 3)") for l in said), said
+    assert rank_lines(out.stdout, 0)[-2:] == ["attempt 2 size 2 host kdt0",
+                                              "finished"], out.stdout[-3000:]
+    assert rank_lines(out.stdout, 1)[-2:] == ["attempt 2 size 2 host kdt1",
+                                              "finished"], out.stdout[-3000:]
+    assert "attempt 1 size 1 host kdt0" in rank_lines(out.stdout, 0)
+
+
+def test_restart_gives_up_below_min_np(cluster, tmp_path):
+    kdt1 = cluster.host("kdt1")
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    try:
+        out = run_on(cluster, 2, "kdt0:1,kdt1:1",
+                     worker_cmd("elastic_worker.py", str(tmp_path)),
+                     timeout=200, env=env, launcher_args=(
+                         "--max-restarts", "2"))
+    finally:
+        cluster.restore(kdt1)
+    assert out.returncode != 0
+    said = _launcher_lines(out.stdout)
+    assert ("kerasdist: giving up: the hosts that answer have 1 slot(s) "
+            "(kdt0:1), fewer than --min-np 2.") in said, said
+    assert "attempt 1 size" not in out.stdout

@@ -1,0 +1,117 @@
+// The heartbeat (comm/liveness.h) over real loopback TCP, in one process: a
+// coordinator and workers on threads, with on_lost capturing the line that
+// would end the process.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "../core/comm/liveness.h"
+#include "harness.h"
+
+namespace kdtest {
+namespace {
+
+using namespace kerasdist::core;
+
+// The line on_lost gets, waited for with a bound.
+struct Said {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string line;
+  void Set(const std::string& l) {
+    std::lock_guard<std::mutex> g(mu);
+    line = l;
+    cv.notify_all();
+  }
+  std::string Wait(double seconds) {
+    std::unique_lock<std::mutex> g(mu);
+    cv.wait_for(g, std::chrono::duration<double>(seconds), [&] { return !line.empty(); });
+    return line;
+  }
+};
+
+LivenessOptions Options(int rank, int size, Said* said) {
+  LivenessOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.hosts = {"node1", "node2", "node2"};
+  o.hosts.resize(size, "node2");
+  o.interval_s = 0.05;
+  o.timeout_s = 0.5;
+  o.on_lost = [said](const std::string& l) { said->Set(l); };
+  return o;
+}
+
+// A worker that says hello and then nothing: frozen from the start.
+int SilentWorker(int port, int rank) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  CHECK(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0);
+  uint32_t hello[4] = {1, static_cast<uint32_t>(rank), 0, 0x6b646862};
+  CHECK(send(fd, hello, sizeof(hello), 0) == sizeof(hello));
+  return fd;
+}
+
+KD_TEST(DescribeLostNamesAWholeHostOrEachRank) {
+  const std::vector<std::string> hosts = {"a", "b", "b", "c"};
+  CHECK_CONTAINS(DescribeLost(hosts, {{2, LostReason::kSilent}, {1, LostReason::kSilent}}, 30),
+                 "host b (ranks 1, 2): no heartbeat for 30 s");
+  CHECK_CONTAINS(DescribeLost(hosts, {{2, LostReason::kClosed}}, 30),
+                 "rank 2 on host b: its connection closed without a goodbye");
+  const std::string two = DescribeLost(hosts, {{3, LostReason::kClosed}, {1, LostReason::kSilent}}, 5);
+  CHECK_CONTAINS(two, "rank 1 on host b: no heartbeat for 5 s");
+  CHECK_CONTAINS(two, "; host c (rank 3): its connection closed");
+}
+
+KD_TEST(LivenessFindsASilentWorkerAndTellsTheOthers) {
+  int listen_fd = -1, port = -1;
+  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  Said said0, said1;
+  std::unique_ptr<Liveness> worker;
+  int silent = -1;
+  std::thread t([&] {
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port, &worker));
+    silent = SilentWorker(port, 2);
+  });
+  std::unique_ptr<Liveness> coordinator;
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd, &coordinator));
+  t.join();
+  CHECK_CONTAINS(said0.Wait(5.0), "kerasdist: rank 0: lost rank 2 on host node2: no heartbeat for 0.5 s");
+  CHECK_CONTAINS(said1.Wait(5.0), "kerasdist: rank 1: lost rank 2 on host node2: no heartbeat");
+  close(silent);
+}
+
+KD_TEST(LivenessTellsAGoodbyeFromADeath) {
+  int listen_fd = -1, port = -1;
+  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  Said said0, said1;
+  std::unique_ptr<Liveness> worker, coordinator;
+  int dying = -1;
+  std::thread t([&] {
+    // An address that does not parse is skipped for the next.
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"not-an-address", "127.0.0.1"},
+                                   port, &worker));
+    dying = SilentWorker(port, 2);
+  });
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd, &coordinator));
+  t.join();
+  worker->Stop();  // rank 1 says goodbye: it must not be named below
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  close(dying);  // rank 2 as a process that died: closed, no goodbye
+  const std::string line = said0.Wait(5.0);
+  CHECK_CONTAINS(line, "lost rank 2 on host node2: its connection closed without a goodbye");
+  CHECK(line.find("rank 1 ") == std::string::npos);
+  CHECK(said1.line.empty());
+}
+
+}  // namespace
+}  // namespace kdtest
