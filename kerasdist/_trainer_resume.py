@@ -97,6 +97,22 @@ class ResumeProtocol:
                                rng_count)
 
 
+def describe(point, end, size, scale_lr):
+    """Where a job resumes from `point` (a Resumed), in words."""
+    where = f"at epoch {point.epoch + 1} of {end}"
+    if point.samples:
+        where += f", after its first {point.samples} examples"
+    if point.world_size and point.world_size != size:
+        changes = (["the rest of the epoch re-sharded"] if point.samples
+                   else [])
+        if scale_lr:
+            changes.append("the learning rate rescaled")
+        where += f"; written at {point.world_size} ranks, now {size}"
+        if changes:
+            where += ": " + " and ".join(changes)
+    return where
+
+
 def restart_attempt():
     """(name, attempt): the launcher's 0-based attempt number, from the
     runtime's settings (0 outside `kerasdist run --max-restarts`)."""

@@ -225,15 +225,21 @@ def prune(directory, keep):
         doomed.append(steps[0])
     for key in doomed:
         _remove(directory, [manifest_name(*key), weights_name(*key)])
-    kept = {weights_name(*key) for key in found if key not in doomed}
+    if found:
+        kept = [key for key in found if key not in doomed]
+        _remove_orphans(directory, found[0], kept)
+
+
+def _remove_orphans(directory, newest, kept):
+    """Deletes weight files older than the checkpoint `newest` that belong
+    to no checkpoint in `kept`. A crash between the two renames of `save`
+    leaves one; a newer one may be a write in progress, so it stays."""
+    keep = {weights_name(*key) for key in kept}
     for path in glob.glob(os.path.join(glob.escape(directory),
                                        "epoch-*" + _WEIGHTS_SUFFIX)):
         name = os.path.basename(path)
         key = _parse(_WEIGHTS_RE, name)
-        # A crash between the two renames of `save` leaves one; only
-        # ones older than the newest manifest are safe to delete (a newer
-        # one may be a write in progress).
-        if key is not None and name not in kept and found and key < found[0]:
+        if key is not None and key < newest and name not in keep:
             _remove(directory, [name])
 
 

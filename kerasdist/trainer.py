@@ -171,8 +171,7 @@ class Trainer:
         self.last_checkpoint = None  # manifest path of the last one written
         self._resume = _tresume.ResumeProtocol()
         self._source_point = None  # where from_checkpoint's checkpoint is
-        self._writer = None  # rank 0's background writer, during _train
-        self._snapshotter = None  # what the writer writes, on rank 0
+        self._steps = None  # rank 0's StepCheckpoints, during _train
         self._plan = None  # the EpochPlan of the _train in progress
 
     # ---- what a subclass overrides --------------------------------------
@@ -442,15 +441,7 @@ class Trainer:
         return point
 
     def _log_resume(self, point, end, what="resuming"):
-        where = f"at epoch {point.epoch + 1} of {end}"
-        if point.samples:
-            where += f", after its first {point.samples} examples"
-        size = basics.size()
-        if point.world_size and point.world_size != size:
-            where += (f"; written at {point.world_size} ranks, now {size}: "
-                      "the rest of the epoch is re-sharded")
-            if self.scale_lr:
-                where += " and the learning rate rescaled"
+        where = _tresume.describe(point, end, basics.size(), self.scale_lr)
         self._log(f"{what} from {self.resumed_from} {where} (optimizer "
                   f"step {int(self.optimizer.iterations)})")
 
@@ -509,8 +500,9 @@ class Trainer:
         val_local = None if val is None else self._val_pipeline(val)
         self._plan = plan
         if rank == 0 and self.checkpoint_dir and self.step_checkpoints:
-            self._snapshotter = _tsnap.Snapshotter(self.model)
-            self._writer = _tsnap.BackgroundWriter()
+            self._steps = _tsnap.StepCheckpoints(
+                self.model, self.checkpoint_dir, self.keep_checkpoints,
+                written=self._step_written)
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
@@ -520,9 +512,9 @@ class Trainer:
                     warmup and self.warmup_epochs > 0, point),
                 verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
         finally:
-            writer, self._writer = self._writer, None
-            if writer is not None:
-                writer.close()  # the step checkpoint in flight completes
+            steps, self._steps = self._steps, None
+            if steps is not None:
+                steps.close()  # the step checkpoint in flight completes
         return self.history
 
     def _val_pipeline(self, val):
@@ -563,9 +555,9 @@ class Trainer:
             cbs.append(_tcb.ReseedCallback(self.seed, rank))
         if self.checkpoint_dir:
             cbs.append(_tcb.CheckpointCallback(self._save))
-        if self._writer is not None:
+        if self._steps is not None:
             cbs.append(_tcb.StepCheckpointCallback(
-                self._save_step, self._writer.busy, plan.is_last,
+                self._save_step, self._steps.busy, plan.is_last,
                 self.checkpoint_every_steps, self.checkpoint_every_seconds))
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
@@ -573,8 +565,8 @@ class Trainer:
         return cbs
 
     def _save(self, epochs_done, logs):
-        if self._writer is not None:
-            self._writer.wait()  # one writer at a time in the directory
+        if self._steps is not None:
+            self._steps.wait()  # one writer at a time in the directory
         self.epochs_done = epochs_done
         info = _tstate.manifest_info(self, logs, _CONFIG_KEYS,
                                      self._resume.manifest_fields())
@@ -582,24 +574,17 @@ class Trainer:
             self.checkpoint_dir, epochs_done, self.model.save_weights, info,
             keep=self.keep_checkpoints)
 
+    def _step_written(self, path):
+        # On the writer's thread; an epoch checkpoint waits for it first.
+        self.last_checkpoint = path
+
     def _save_step(self, epoch, batch):
-        """Rank 0, at a step boundary: snapshots the state after batch
-        `batch` of epoch `epoch` (0-based) and has it written in the
-        background."""
-        samples = self._plan.position(epoch, batch)
-        records = self._snapshotter.take()
+        """Rank 0, at a step boundary: has the state after batch `batch` of
+        epoch `epoch` (0-based) written in the background."""
         info = _tstate.manifest_info(self, {}, _CONFIG_KEYS,
                                      self._resume.manifest_fields())
         info["rng_counters"] = _tcb.seed_counters(self.model)
-        directory, keep = self.checkpoint_dir, self.keep_checkpoints
-
-        def write():
-            self.last_checkpoint = checkpoints.save(
-                directory, epoch,
-                lambda path: _tsnap.write_weights(records, path), info,
-                keep=keep, samples=samples)
-
-        self._writer.submit(write)
+        self._steps.save(epoch, self._plan.position(epoch, batch), info)
 
     def _eval_data(self, dataset):
         n = _tdata.count(dataset)

@@ -255,6 +255,12 @@ def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
     newest = checkpoints.latest(tmp_path / "b")
     assert newest["epoch"] == 1 and 0 < newest["samples"] < 40, newest
     assert newest["samples"] == 8 * (newest["step"] - 5)
+    # from_checkpoint continues that run too, into another directory.
+    copy = Dropping.from_checkpoint(tmp_path / "b",
+                                    checkpoint_dir=tmp_path / "c")
+    copy.fit()
+    assert copy.checkpoint_every_steps == every.get("checkpoint_every_steps")
+    np.testing.assert_array_equal(_state(copy), _state(straight))
     resumed = Dropping(checkpoint_dir=tmp_path / "b", **kwargs)
     resumed.fit()
     assert resumed.initial_epoch == 1
@@ -270,7 +276,10 @@ def test_snapshot_is_the_keras_weight_file(tmp_path):
 
     trainer = Dropping(epochs=1, batch_size=8, verbose=0)
     trainer.fit()
-    snapshot = _trainer_snapshot.Snapshotter(trainer.model).take()
+    snapshotter = _trainer_snapshot.Snapshotter(trainer.model)
+    # Layers and optimizer give their variables: one read, no walk, a step.
+    assert snapshotter._layout is not None
+    snapshot = snapshotter.take()
     before = _state(trainer)
     trainer.fit()  # the snapshot is a copy: training on leaves it alone
     _trainer_snapshot.write_weights(snapshot, tmp_path / "s.weights.h5")
