@@ -23,8 +23,7 @@ def seed_counters(model):
     """How many draws each seed generator has made since its epoch began
     (the second half of its state; the first comes from seed, epoch and
     rank). The same on every rank: all run the same steps."""
-    return [int(keras.ops.convert_to_numpy(g.state)[1])
-            for g in seed_generators(model)]
+    return [int(g.state.value.numpy()[1]) for g in seed_generators(model)]
 
 
 class ReseedCallback(keras.callbacks.Callback):
