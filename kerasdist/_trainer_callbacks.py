@@ -1,17 +1,29 @@
 """Callbacks the Trainer adds on its own (private)."""
 
+import time
+
 import keras
 import numpy as np
 
 from kerasdist import basics
+from kerasdist import callbacks as kd_callbacks
 from kerasdist import collectives
 
 
-def _seed_generators(model):
+def seed_generators(model):
+    """The model's random-seed generators (Dropout, noise layers...), in
+    an order that is the same on every rank."""
     generators = []
     for layer in model._flatten_layers(include_self=True):
         generators.extend(getattr(layer, "_seed_generators", None) or [])
     return generators
+
+
+def seed_counters(model):
+    """How many draws each seed generator has made since its epoch began
+    (the second half of its state; the first comes from seed, epoch and
+    rank). The same on every rank: all run the same steps."""
+    return [int(g.state.value.numpy()[1]) for g in seed_generators(model)]
 
 
 class ReseedCallback(keras.callbacks.Callback):
@@ -21,20 +33,141 @@ class ReseedCallback(keras.callbacks.Callback):
     The random numbers of epoch e then do not depend on how many epochs
     this process ran before: a resumed job draws the same dropout masks as
     an uninterrupted one. Ranks draw different ones (they see different
-    examples anyway).
+    examples anyway). A job resumed in the middle of epoch `resume_epoch`
+    starts that epoch's generators at the draw counts the step checkpoint
+    recorded (`resume_counters`), so its later steps draw what the
+    uninterrupted job drew.
     """
 
-    def __init__(self, seed, rank):
+    def __init__(self, seed, rank, resume_epoch=None, resume_counters=()):
         super().__init__()
         self.seed = int(seed)
         self.rank = int(rank)
+        self.resume_epoch = resume_epoch
+        self.resume_counters = list(resume_counters)
 
     def on_epoch_begin(self, epoch, logs=None):
-        for i, generator in enumerate(_seed_generators(self.model)):
+        generators = seed_generators(self.model)
+        counters = [0] * len(generators)
+        if epoch == self.resume_epoch and self.resume_counters:
+            counters = self.resume_counters
+        for i, generator in enumerate(generators):
             value = (self.seed * 1000003 + epoch * 7919 + self.rank * 104729
                      + i * 31) % (2 ** 31 - 1)
             state = generator.state
-            state.assign(np.array([value, 0], dtype=state.dtype))
+            state.assign(np.array([value, counters[i]], dtype=state.dtype))
+
+
+class _EndOfEpoch:
+    """A truthy `model.stop_training` that ends the epoch, not the training
+    (as in EqualizeStepsCallback)."""
+
+    def __bool__(self):
+        return True
+
+
+_END_OF_EPOCH = _EndOfEpoch()
+
+
+class ShortEpochCallback(keras.callbacks.Callback):
+    """Ends epoch `epoch` after `steps` batches: the part of an epoch left
+    after a step checkpoint is shorter than a whole one."""
+
+    def __init__(self, epoch, steps):
+        super().__init__()
+        self.epoch = epoch
+        self.steps = steps
+        self._active = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._active = epoch == self.epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._active and batch + 1 >= self.steps and \
+                not self.model.stop_training:
+            self.model.stop_training = _END_OF_EPOCH
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.on_train_end()
+
+    def on_train_end(self, logs=None):
+        if self.model.stop_training is _END_OF_EPOCH:
+            self.model.stop_training = False
+
+
+class ResumedWarmupCallback(kd_callbacks.LearningRateWarmupCallback):
+    """The learning-rate warmup of a job resumed within epoch `epoch`: its
+    batch b counts as batch `b + offset` of that epoch, `offset` being the
+    part already trained in steps of the current size. At the size that
+    wrote the checkpoint the offset is a whole number of steps and the
+    learning rates are those of the uninterrupted job; at another size the
+    warmup goes on from the same fraction of the epoch, towards the rate
+    scaled for the new size."""
+
+    def __init__(self, initial_lr, warmup_epochs, epoch, offset, verbose=0):
+        super().__init__(initial_lr=initial_lr, warmup_epochs=warmup_epochs,
+                         verbose=verbose)
+        self.resume_epoch = epoch
+        self.offset = offset
+        self._shift = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._shift = self.offset if epoch == self.resume_epoch else 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch + self._shift, logs)
+
+
+class StepCheckpointCallback(keras.callbacks.Callback):
+    """Rank 0's step checkpoints: when `every_steps` steps or
+    `every_seconds` seconds have passed since the last checkpoint (of
+    either kind), `save(epoch, batch)` snapshots the state and hands it to
+    the background writer.
+
+    Never at an epoch's last step (the epoch checkpoint follows at once)
+    and never while the previous write is in flight (`busy()`): the step
+    does not wait for the disk; the snapshot is taken at the first step
+    boundary after the write has finished.
+    """
+
+    def __init__(self, save, busy, is_last, every_steps=None,
+                 every_seconds=None):
+        super().__init__()
+        self._save = save
+        self._busy = busy
+        self._is_last = is_last  # is_last(epoch, batch)
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self._epoch = 0
+        self._reset()
+
+    def _reset(self):
+        self._steps = 0
+        self._since = time.monotonic()
+
+    def _due(self):
+        return (self.every_steps is not None
+                and self._steps >= self.every_steps) or (
+            self.every_seconds is not None
+            and time.monotonic() - self._since >= self.every_seconds)
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if not self._due() or self._busy() or \
+                self._is_last(self._epoch, batch):
+            return
+        self._save(self._epoch, batch)
+        self._reset()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._reset()  # the epoch checkpoint was just written
 
 
 class CheckpointCallback(keras.callbacks.Callback):

@@ -2,6 +2,9 @@
 continues from, and what its checkpoints record so that a rerun can
 continue them."""
 
+import collections
+
+import numpy as np
 import tensorflow as tf
 
 from kerasdist import basics
@@ -11,6 +14,11 @@ from kerasdist import collectives
 # The core's setting the launcher sets for every attempt under
 # --max-restarts; current_settings() reports it (a KeyError if it is renamed).
 _RESTART_ATTEMPT = "KERASDIST_RESTART_ATTEMPT"
+
+# Where a loaded checkpoint stands, as every rank learns it: `epoch` epochs
+# done plus `samples` examples of the next; `world_size` ranks wrote it;
+# `rng` the random-seed counters of the model's seed generators then.
+Resumed = collections.namedtuple("Resumed", "epoch samples world_size rng")
 
 
 class ResumeProtocol:
@@ -51,34 +59,58 @@ class ResumeProtocol:
         """What a checkpoint written now records for a later resume."""
         return {"phase": self.phase, "fine_tune_of": self.fine_tune_key}
 
-    def load_source(self, load):
+    def load_source(self, load, rng_count=0):
         """Loads `source` on rank 0 with `load(manifest)`; every rank
-        learns whether it worked."""
+        learns whether it worked, and where it stands (a `Resumed`)."""
         source = self.source
-        resume_on_rank0(lambda: source, load, source["weights_path"])
+        return resume_on_rank0(lambda: source, load, source["weights_path"],
+                               rng_count)
 
-    def load_latest(self, directory, load):
-        """Loads the newest checkpoint in `directory` (rank 0).
+    def load_latest(self, directory, load, rng_count=0):
+        """Loads the newest checkpoint in `directory` (rank 0), after
+        removing what killed writes left there.
 
         Returns:
-            Its epoch count, or None when there is none (on every rank).
+            A `Resumed`, or None when there is none (on every rank).
         """
-        return resume_on_rank0(lambda: checkpoints.latest(directory), load,
-                               f"the checkpoints in {directory}")
+        def find():
+            checkpoints.remove_temporaries(directory)
+            return checkpoints.latest(directory)
 
-    def load_latest_fine_tune(self, directory, load):
+        return resume_on_rank0(find, load, f"the checkpoints in {directory}",
+                               rng_count)
+
+    def load_latest_fine_tune(self, directory, load, rng_count=0):
         """Loads the newest checkpoint in `directory` if it belongs to the
-        fine-tuning in progress (same key). Returns its epoch count or None.
+        fine-tuning in progress (same key). Returns a `Resumed` or None.
         """
         key = self.fine_tune_key
 
         def find():
+            checkpoints.remove_temporaries(directory)
             manifest = checkpoints.latest(directory)
             if manifest is not None and manifest.get("fine_tune_of") == key:
                 return manifest
             return None
 
-        return resume_on_rank0(find, load, f"the checkpoints in {directory}")
+        return resume_on_rank0(find, load, f"the checkpoints in {directory}",
+                               rng_count)
+
+
+def describe(point, end, size, scale_lr):
+    """Where a job resumes from `point` (a Resumed), in words."""
+    where = f"at epoch {point.epoch + 1} of {end}"
+    if point.samples:
+        where += f", after its first {point.samples} examples"
+    if point.world_size and point.world_size != size:
+        changes = (["the rest of the epoch re-sharded"] if point.samples
+                   else [])
+        if scale_lr:
+            changes.append("the learning rate rescaled")
+        where += f"; written at {point.world_size} ranks, now {size}"
+        if changes:
+            where += ": " + " and ".join(changes)
+    return where
 
 
 def restart_attempt():
@@ -87,33 +119,49 @@ def restart_attempt():
     return _RESTART_ATTEMPT, int(basics.current_settings()[_RESTART_ATTEMPT])
 
 
-def resume_on_rank0(find, load, what):
+def _position(manifest, rng_count):
+    """[epoch, samples, world_size, *rng counters] of a manifest."""
+    rng = [int(c) for c in manifest.get("rng_counters") or []]
+    if len(rng) != rng_count:
+        rng = [0] * rng_count  # another model's: start the epoch's streams
+    return [int(manifest["epoch"]), int(manifest.get("samples", 0)),
+            int(manifest.get("world_size") or 0), *rng]
+
+
+def resume_on_rank0(find, load, what, rng_count=0):
     """Rank 0 finds a checkpoint with `find()` (a manifest or None) and
     loads it with `load(manifest)`; every rank learns the outcome.
 
+    Args:
+        rng_count: the number of seed generators of the model (the same on
+            every rank), whose counters the checkpoint may record.
+
     Returns:
-        The number of epochs the loaded checkpoint had done, or None when
-        there was none (the same on every rank).
+        A `Resumed` of the loaded checkpoint, or None when there was none
+        (the same on every rank).
 
     Raises:
         checkpoints.CheckpointError: on every rank, when rank 0 found only
             damaged checkpoints or could not load one.
     """
-    code, epoch, message = 0, 0, ""
+    row, message = [0] + [0] * (3 + rng_count), ""
     if basics.rank() == 0:
         try:
             manifest = find()
             if manifest is not None:
                 load(manifest)
-                code, epoch = 1, int(manifest["epoch"])
+                row = [1] + _position(manifest, rng_count)
         except Exception as e:  # the other ranks must hear about it
-            code, message = 2, f"{type(e).__name__}: {e}"
+            row[0], message = 2, f"{type(e).__name__}: {e}"
     # One broadcast, also on failure: a rank that raised alone would leave
     # the others waiting in their next collective.
     status = collectives.broadcast(
-        tf.constant([code, epoch], tf.int64), 0,
-        name="kerasdist.trainer.resume").numpy()
+        tf.constant(np.array(row, np.int64)), 0,
+        name=f"kerasdist.trainer.resume.{rng_count}").numpy()
     if status[0] == 2:
         raise checkpoints.CheckpointError(
             message or f"rank 0 could not load {what}; see its error.")
-    return int(status[1]) if status[0] == 1 else None
+    if status[0] != 1:
+        return None
+    return Resumed(int(status[1]), int(status[2]), int(status[3]),
+                   [int(c) for c in status[4:]])

@@ -86,6 +86,29 @@ def positive_int(name, value):
     return int(value)
 
 
+def step_checkpoint_settings(every_steps, every_seconds, checkpoint_dir):
+    """Checks checkpoint_every_steps / _seconds; returns them (int or None,
+    float or None).
+
+    Raises:
+        ValueError: for a value that is not > 0, or either without a
+            checkpoint_dir.
+    """
+    if every_steps is not None:
+        every_steps = positive_int("checkpoint_every_steps", every_steps)
+    if every_seconds is not None:
+        if isinstance(every_seconds, bool) or not isinstance(
+                every_seconds, (int, float, np.number)) or \
+                not every_seconds > 0:
+            raise ValueError("checkpoint_every_seconds must be a number > 0, "
+                             f"got {every_seconds!r}.")
+        every_seconds = float(every_seconds)
+    if (every_steps or every_seconds) and checkpoint_dir is None:
+        raise ValueError("checkpoint_every_steps / checkpoint_every_seconds "
+                         "need a checkpoint_dir to write to.")
+    return every_steps, every_seconds
+
+
 def check_numbers(learning_rate, warmup_epochs, seed):
     """Raises ValueError for a bad learning rate, warmup or seed."""
     if isinstance(learning_rate, bool) or not isinstance(

@@ -1,9 +1,15 @@
 """The Trainer's checkpoint store: atomic, verified, rotated.
 
-A directory holds one pair of files per saved epoch:
+A directory holds one pair of files per checkpoint:
 
     epoch-000002.weights.h5   model weights and the whole optimizer state
     epoch-000002.json         the manifest, written last
+
+An epoch checkpoint is named after the epochs it completed. A step
+checkpoint, written in the middle of an epoch, also names how many examples
+of the next epoch were trained: `epoch-000002-sample-000000480` holds the
+state after 2 epochs and the first 480 examples of the third. Checkpoints
+are ordered by (epochs, samples); the newest is the one to resume from.
 
 The manifest is the commit record. It names the weight file, its size and
 SHA-256, the epoch to resume from, the optimizer step, the world size and
@@ -33,21 +39,45 @@ import warnings
 
 MANIFEST_VERSION = 1
 _WEIGHTS_SUFFIX = ".weights.h5"
-_NAME_RE = re.compile(r"^epoch-(\d{6,})\.json$")
+_TMP_PREFIX = ".tmp-"
+_NAME_RE = re.compile(r"^epoch-(\d{6,})(?:-sample-(\d{9,}))?\.json$")
+_WEIGHTS_RE = re.compile(r"^epoch-(\d{6,})(?:-sample-(\d{9,}))?"
+                         + re.escape(_WEIGHTS_SUFFIX) + "$")
+
+# Fault injection for the tests (tests/workers/trainer_fault_worker.py):
+# when set, called as `_fault_hook(point, path)` at the points of a write
+# where a crash leaves a different state on disk ("written": the temporary
+# file is complete but not synced or renamed; "renamed": `path` is in
+# place; "committed": the manifest is in place, older checkpoints not yet
+# pruned). None in normal use.
+_fault_hook = None
 
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
-def weights_name(epoch):
-    """File name of the weights of the checkpoint after `epoch` epochs."""
-    return f"epoch-{epoch:06d}{_WEIGHTS_SUFFIX}"
+def _stem(epoch, samples=0):
+    if samples:
+        return f"epoch-{epoch:06d}-sample-{samples:09d}"
+    return f"epoch-{epoch:06d}"
 
 
-def manifest_name(epoch):
-    """File name of the manifest of the checkpoint after `epoch` epochs."""
-    return f"epoch-{epoch:06d}.json"
+def weights_name(epoch, samples=0):
+    """File name of the weights of the checkpoint after `epoch` epochs (and
+    `samples` examples of the next one)."""
+    return _stem(epoch, samples) + _WEIGHTS_SUFFIX
+
+
+def manifest_name(epoch, samples=0):
+    """File name of the manifest of the checkpoint after `epoch` epochs (and
+    `samples` examples of the next one)."""
+    return _stem(epoch, samples) + ".json"
+
+
+def _fault(point, path):
+    if _fault_hook is not None:
+        _fault_hook(point, path)
 
 
 def file_sha256(path):
@@ -68,16 +98,18 @@ def _umask():
 def _atomic_write(path, write):
     """Calls `write(tmp_path)`, fsyncs, then renames tmp over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory,
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory,
                                suffix=os.path.basename(path))
     os.close(fd)
     try:
         write(tmp)
+        _fault("written", tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         # mkstemp creates 0600; give the file the mode open() would.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+        _fault("renamed", path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -95,8 +127,8 @@ def check_directory(directory):
                          "if missing).")
 
 
-def save(directory, epoch, save_weights, info, keep=3):
-    """Writes the checkpoint after `epoch` epochs; returns its manifest path.
+def save(directory, epoch, save_weights, info, keep=3, samples=0):
+    """Writes a checkpoint; returns its manifest path.
 
     Args:
         directory: the checkpoint directory (created if missing).
@@ -105,60 +137,122 @@ def save(directory, epoch, save_weights, info, keep=3):
             `model.save_weights`.
         info: a JSON-serialisable dict stored in the manifest (step, world
             size, versions, trainer settings).
-        keep: how many of the newest checkpoints to keep (>= 1).
+        keep: how many of the newest epoch checkpoints to keep (>= 1).
+        samples: for a step checkpoint, the examples of epoch `epoch + 1`
+            already trained (> 0); 0 for an epoch checkpoint.
 
     Returns:
         The path of the manifest written.
     """
     os.makedirs(directory, exist_ok=True)
-    weights = os.path.join(directory, weights_name(epoch))
+    weights = os.path.join(directory, weights_name(epoch, samples))
     _atomic_write(weights, save_weights)
     manifest = dict(info, format=MANIFEST_VERSION, epoch=int(epoch),
+                    samples=int(samples),
                     weights=os.path.basename(weights),
                     weights_bytes=os.path.getsize(weights),
                     weights_sha256=file_sha256(weights),
                     written_at=time.time())
-    path = os.path.join(directory, manifest_name(epoch))
+    path = os.path.join(directory, manifest_name(epoch, samples))
 
     def write_manifest(tmp):
         with open(tmp, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
 
     _atomic_write(path, write_manifest)
+    _fsync_directory(directory)
+    _fault("committed", path)
     prune(directory, keep)
     return path
 
 
-def list_epochs(directory):
-    """Epochs that have a manifest in `directory`, newest first."""
-    epochs = []
+def _fsync_directory(directory):
+    """Makes the renames in `directory` durable (not only atomic)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _parse(regex, name):
+    m = regex.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def list_checkpoints(directory):
+    """(epoch, samples) of every checkpoint with a manifest in `directory`,
+    newest first."""
+    found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "*.json")):
-        m = _NAME_RE.match(os.path.basename(path))
-        if m:
-            epochs.append(int(m.group(1)))
-    return sorted(epochs, reverse=True)
+        key = _parse(_NAME_RE, os.path.basename(path))
+        if key is not None:
+            found.append(key)
+    return sorted(found, reverse=True)
+
+
+def list_epochs(directory):
+    """Epochs that have an epoch checkpoint in `directory`, newest first."""
+    return [e for e, samples in list_checkpoints(directory) if not samples]
+
+
+def _remove(directory, names):
+    for name in names:
+        try:
+            os.remove(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
 
 
 def prune(directory, keep):
-    """Deletes all but the `keep` newest checkpoints (manifest first, so a
-    half-deleted checkpoint is never mistaken for a complete one), and
-    weight files that lost their manifest."""
-    epochs = list_epochs(directory)
-    for epoch in epochs[keep:]:
-        for name in (manifest_name(epoch), weights_name(epoch)):
-            try:
-                os.remove(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-    kept = {weights_name(e) for e in epochs[:keep]}
+    """Deletes what is no longer needed, manifests first (a half-deleted
+    checkpoint is never mistaken for a complete one): all but the `keep`
+    newest epoch checkpoints; every step checkpoint but the newest, and
+    that one too once an epoch checkpoint is newer; weight files without a
+    manifest that are older than the newest manifest."""
+    found = list_checkpoints(directory)
+    epochs = [key for key in found if not key[1]]
+    steps = [key for key in found if key[1]]
+    doomed = epochs[keep:] + steps[1:]
+    if steps and epochs and epochs[0] > steps[0]:
+        doomed.append(steps[0])
+    for key in doomed:
+        _remove(directory, [manifest_name(*key), weights_name(*key)])
+    if found:
+        kept = [key for key in found if key not in doomed]
+        _remove_orphans(directory, found[0], kept)
+
+
+def _remove_orphans(directory, newest, kept):
+    """Deletes weight files older than the checkpoint `newest` that belong
+    to no checkpoint in `kept`. A crash between the two renames of `save`
+    leaves one; a newer one may be a write in progress, so it stays."""
+    keep = {weights_name(*key) for key in kept}
     for path in glob.glob(os.path.join(glob.escape(directory),
                                        "epoch-*" + _WEIGHTS_SUFFIX)):
-        if os.path.basename(path) not in kept:
-            # A crash between the two renames of `save` leaves one; only
-            # ones older than the newest manifest are safe to delete.
-            m = re.match(r"^epoch-(\d+)", os.path.basename(path))
-            if epochs and int(m.group(1)) < epochs[0]:
-                os.remove(path)
+        name = os.path.basename(path)
+        key = _parse(_WEIGHTS_RE, name)
+        if key is not None and key < newest and name not in keep:
+            _remove(directory, [name])
+
+
+def remove_temporaries(directory):
+    """Deletes the temporary files that a write killed midway left in
+    `directory`. Call it only while nothing writes there (before training
+    starts). Returns the names removed."""
+    if directory is None or not os.path.isdir(directory):
+        return []
+    names = sorted(n for n in os.listdir(directory)
+                   if n.startswith(_TMP_PREFIX))
+    _remove(directory, names)
+    return names
 
 
 def read_manifest(path):
@@ -179,6 +273,7 @@ def read_manifest(path):
         weights = os.path.join(os.path.dirname(os.path.abspath(path)),
                                manifest["weights"])
         int(manifest["epoch"])
+        int(manifest.get("samples", 0))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"unreadable checkpoint manifest {path}: "
                               f"{e}") from None
@@ -208,10 +303,9 @@ def latest(directory, warn=True):
     """
     if directory is None or not os.path.isdir(directory):
         return None
-    epochs = list_epochs(directory)
     problems = []
-    for epoch in epochs:
-        path = os.path.join(directory, manifest_name(epoch))
+    for key in list_checkpoints(directory):
+        path = os.path.join(directory, manifest_name(*key))
         try:
             return read_manifest(path)
         except CheckpointError as e:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from kerasdist import _trainer_callbacks as _tcb
 from kerasdist import _trainer_data as _tdata
 from kerasdist import _trainer_resume as _tresume
+from kerasdist import _trainer_snapshot as _tsnap
 from kerasdist import _trainer_state as _tstate
 from kerasdist import basics
 from kerasdist import checkpoints
@@ -31,7 +32,8 @@ _RESERVED_FIT_KWARGS = frozenset({
 # Constructor settings a checkpoint records, so from_checkpoint can rebuild.
 _CONFIG_KEYS = ("epochs", "batch_size", "learning_rate", "scale_lr",
                 "warmup_epochs", "seed", "data_is_sharded", "shuffle",
-                "shuffle_buffer")
+                "shuffle_buffer", "checkpoint_every_steps",
+                "checkpoint_every_seconds")
 
 
 class Trainer:
@@ -50,7 +52,13 @@ class Trainer:
     Exact resume: epoch e's data order and random numbers derive from
     (`seed`, e), and a checkpoint holds the weights and the whole optimizer
     state (iteration count included), so stopping after epoch k and
-    resuming gives the same weights as training straight through.
+    resuming gives the same weights as training straight through. Step
+    checkpoints (`checkpoint_every_steps` / `checkpoint_every_seconds`)
+    also record the position within the epoch and the random-number
+    counters, so a job resumed from one continues the epoch where it
+    stopped: at the same size with the same weights as an uninterrupted
+    run, at another size with the rest of the epoch's examples re-sharded
+    over the new ranks and the learning rate rescaled.
 
     Args:
         epochs: total number of epochs (>= 1).
@@ -64,7 +72,12 @@ class Trainer:
             (`LearningRateWarmupCallback`); 0 disables it.
         checkpoint_dir: directory for checkpoints (written by rank 0 at
             every epoch end). None disables checkpoints and resume.
-        keep_checkpoints: how many of the newest checkpoints to keep.
+        keep_checkpoints: how many of the newest epoch checkpoints to keep
+            (of step checkpoints only the newest is kept).
+        checkpoint_every_steps: also write a step checkpoint every this
+            many steps (rank 0, in the background); None: none.
+        checkpoint_every_seconds: also write a step checkpoint when this
+            many seconds have passed since the last checkpoint; None: none.
         auto_resume: resume from the newest complete checkpoint in
             `checkpoint_dir` if there is one.
         seed: seeds weight initialisation, data order and dropout.
@@ -105,13 +118,20 @@ class Trainer:
 
     def __init__(self, *, epochs=1, batch_size=32, learning_rate=1e-3,
                  scale_lr=True, warmup_epochs=0, checkpoint_dir=None,
-                 keep_checkpoints=3, auto_resume=True, seed=0, verbose=1,
-                 tensorboard_dir=None, data_is_sharded=False, shuffle=True,
-                 shuffle_buffer=None, fit_kwargs=None):
+                 keep_checkpoints=3, checkpoint_every_steps=None,
+                 checkpoint_every_seconds=None, auto_resume=True, seed=0,
+                 verbose=1, tensorboard_dir=None, data_is_sharded=False,
+                 shuffle=True, shuffle_buffer=None, fit_kwargs=None):
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
                                                      keep_checkpoints)
+        self.checkpoint_every_steps, self.checkpoint_every_seconds = \
+            _tstate.step_checkpoint_settings(
+                checkpoint_every_steps, checkpoint_every_seconds,
+                checkpoint_dir)
+        if self.step_checkpoints:
+            _tsnap.check_supported()
         _tstate.check_numbers(learning_rate, warmup_epochs, seed)
         if shuffle_buffer is not None:
             shuffle_buffer = _tstate.positive_int("shuffle_buffer",
@@ -145,10 +165,14 @@ class Trainer:
         self.optimizer = None
         self.history = None
         self.initial_epoch = 0
+        self.initial_samples = 0  # examples of initial_epoch done before
         self.epochs_done = 0  # epochs the current weights were trained for
         self.resumed_from = None  # weight file of the checkpoint loaded
         self.last_checkpoint = None  # manifest path of the last one written
         self._resume = _tresume.ResumeProtocol()
+        self._source_point = None  # where from_checkpoint's checkpoint is
+        self._steps = None  # rank 0's StepCheckpoints, during _train
+        self._plan = None  # the EpochPlan of the _train in progress
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -190,6 +214,12 @@ class Trainer:
     # ---- public API -----------------------------------------------------
 
     @property
+    def step_checkpoints(self):
+        """Whether step checkpoints are on."""
+        return (self.checkpoint_every_steps is not None
+                or self.checkpoint_every_seconds is not None)
+
+    @property
     def scaled_learning_rate(self):
         """`learning_rate * size()` with `scale_lr`, else `learning_rate`."""
         return self.learning_rate * (basics.size() if self.scale_lr else 1)
@@ -214,9 +244,10 @@ class Trainer:
             val = _tdata.as_dataset(val, "val_data()")
         self._prepare(train)
         self._resume.begin_fit()
-        start = (self._resume_fit() if self._resume.source is None
-                 else self.epochs_done)
-        return self._train(train, val, start, self.epochs)
+        point = (self._resume_fit() if self._resume.source is None
+                 else self._source_point)
+        return self._train(train, val, self.epochs_done, self.epochs,
+                           point=point)
 
     def evaluate(self, data=None):
         """Evaluates on `data` (default `val_data()`), split over the ranks.
@@ -314,9 +345,11 @@ class Trainer:
         start = end = self.epochs_done
         end += epochs
         self._resume.begin_fine_tune(start, end)
+        point = None
         if self._resume.fine_tune_key is not None:
-            start = self._resume_fine_tune(start, end)
-        return self._train(dataset, val_data, start, end, warmup=False)
+            start, point = self._resume_fine_tune(start, end)
+        return self._train(dataset, val_data, start, end, warmup=False,
+                           point=point)
 
     # ---- internals ------------------------------------------------------
 
@@ -355,7 +388,8 @@ class Trainer:
         self._compile()
         self.optimizer.build(model.trainable_variables)
         if self._resume.source is not None:
-            self._resume.load_source(self._load_on_rank0)
+            self._source_point = self._resume.load_source(
+                self._load_on_rank0, self._rng_count())
             _tcb.sync_state(model)
 
     def _compile(self):
@@ -370,15 +404,21 @@ class Trainer:
                           keras.optimizers.schedules.LearningRateSchedule):
             self.optimizer.learning_rate = float(value)
 
+    def _rng_count(self):
+        return len(_tcb.seed_generators(self.model))
+
     def _load_on_rank0(self, manifest):
         """Loads a verified checkpoint on rank 0 (sync_state spreads it)."""
         if basics.rank() != 0:
             return
         self.model.load_weights(manifest["weights_path"])
-        if manifest.get("world_size") != basics.size():
+        old, new = manifest.get("world_size"), basics.size()
+        if old and old != new and self.scale_lr:
             # Written at another world size: its learning rate was scaled
-            # for that size.
-            self._set_learning_rate(self.scaled_learning_rate)
+            # for that size (a warmup in progress sets it again each step).
+            lr = float(keras.ops.convert_to_numpy(
+                self.optimizer.learning_rate))
+            self._set_learning_rate(lr * new / old)
         self.resumed_from = manifest["weights_path"]
 
     def _resume_fit(self):
@@ -387,39 +427,61 @@ class Trainer:
         name, attempt = _tresume.restart_attempt()
         if attempt:
             self._log(f"restart attempt {attempt + 1} ({name}={attempt})")
-        done = None
+        point = None
         if self.checkpoint_dir and self.auto_resume:
-            done = self._resume.load_latest(self.checkpoint_dir,
-                                            self._load_on_rank0)
-        if done is not None:
+            point = self._resume.load_latest(
+                self.checkpoint_dir, self._load_on_rank0, self._rng_count())
+        if point is not None:
             _tcb.sync_state(self.model)
-            self._log(f"resuming from {self.resumed_from} at epoch "
-                      f"{done + 1} of {self.epochs} (optimizer "
-                      f"step {int(self.optimizer.iterations)})")
+            self._log_resume(point, self.epochs)
         elif self.checkpoint_dir and self.auto_resume:
             self._log(f"no checkpoint in {self.checkpoint_dir}; starting "
                       "from epoch 1")
-        self.epochs_done = done or 0
-        return self.epochs_done
+        self.epochs_done = point.epoch if point else 0
+        return point
+
+    def _log_resume(self, point, end, what="resuming"):
+        where = _tresume.describe(point, end, basics.size(), self.scale_lr)
+        self._log(f"{what} from {self.resumed_from} {where} (optimizer "
+                  f"step {int(self.optimizer.iterations)})")
 
     def _resume_fine_tune(self, start, end):
         """Continues an interrupted fine_tune of the same checkpoint over
         the same epochs from its newest checkpoint; returns the start."""
         if not (self.checkpoint_dir and self.auto_resume):
-            return start
-        done = self._resume.load_latest_fine_tune(self.checkpoint_dir,
-                                                  self._load_on_rank0)
-        if done is None:
-            return start
+            return start, None
+        point = self._resume.load_latest_fine_tune(
+            self.checkpoint_dir, self._load_on_rank0, self._rng_count())
+        if point is None:
+            return start, None
         _tcb.sync_state(self.model)
-        self._log(f"resuming fine-tuning from {self.resumed_from} at epoch "
-                  f"{done + 1} of {end}")
-        self.epochs_done = done
-        return done
+        self._log_resume(point, end, "resuming fine-tuning")
+        self.epochs_done = point.epoch
+        return point.epoch, point
 
-    def _train(self, train, val, start, end, warmup=True):
-        self.initial_epoch = start
-        if start >= end:
+    def _epoch_plan(self, n, start, point):
+        """Where training starts: epoch `start`, or within it when `point`
+        (a Resumed) is a step checkpoint of that epoch."""
+        kwargs = dict(size=basics.size(), sharded=self.data_is_sharded,
+                      batch_size=self.batch_size)
+        steps = _tdata.epoch_steps(n, **kwargs)
+        position, first_steps = 0, steps
+        if point is not None and point.samples and point.epoch == start:
+            first_steps = _tdata.epoch_steps(n, position=point.samples,
+                                             **kwargs)
+            if first_steps:
+                position = point.samples
+            else:  # fewer examples left than ranks: the epoch is done
+                start, first_steps = start + 1, steps
+        return _tdata.EpochPlan(start, position, first_steps, steps,
+                                _tdata.samples_per_step(**kwargs))
+
+    def _train(self, train, val, start, end, warmup=True, point=None):
+        n = _tdata.count(train)
+        plan = self._epoch_plan(n, start, point)
+        self.initial_epoch = plan.first_epoch
+        self.initial_samples = plan.first_position
+        if plan.first_epoch >= end:
             self._log(f"all {end} epochs are done already; nothing to train")
             self.history = keras.callbacks.History()
             self.history.set_model(self.model)
@@ -429,55 +491,100 @@ class Trainer:
         # global one. Never 0: TF's get_seed then compares the (tensor) op
         # seed with 0 in Python, which fails inside the tf.data function.
         tf.random.set_seed(self.seed % (2 ** 31 - 1) + 1)
-        pipeline, steps = _tdata.train_pipeline(
-            train, _tdata.count(train), rank=rank, size=size,
-            sharded=self.data_is_sharded, batch_size=self.batch_size,
-            seed=self.seed, shuffle=self.shuffle,
-            shuffle_buffer=self.shuffle_buffer, first_epoch=start,
-            last_epoch=end)
-        val_local = None
-        if val is not None:
-            val_local, n_local = self._eval_data(val)
-            counts = _tstate.gather_row([float(n_local)], "val.count")[:, 0]
-            if counts.min() == 0:
-                raise ValueError("val_data() leaves some rank without "
-                                 "examples; give it at least size() "
-                                 "examples.")
-        history = self.model.fit(
-            pipeline, epochs=end, initial_epoch=start, steps_per_epoch=steps,
-            validation_data=val_local, shuffle=False,  # the pipeline does
-            callbacks=self._callbacks(warmup and self.warmup_epochs > 0),
-            verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
-        self.history = history
-        return history
+        pipeline, _ = _tdata.train_pipeline(
+            train, n, rank=rank, size=size, sharded=self.data_is_sharded,
+            batch_size=self.batch_size, seed=self.seed, shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer, first_epoch=plan.first_epoch,
+            last_epoch=end, first_position=plan.first_position,
+            first_steps=plan.first_steps)
+        val_local = None if val is None else self._val_pipeline(val)
+        self._plan = plan
+        if rank == 0 and self.checkpoint_dir and self.step_checkpoints:
+            self._steps = _tsnap.StepCheckpoints(
+                self.model, self.checkpoint_dir, self.keep_checkpoints,
+                written=self._step_written)
+        try:
+            self.history = self.model.fit(
+                pipeline, epochs=end, initial_epoch=plan.first_epoch,
+                steps_per_epoch=plan.steps, validation_data=val_local,
+                shuffle=False,  # the pipeline does
+                callbacks=self._callbacks(
+                    warmup and self.warmup_epochs > 0, point),
+                verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
+        finally:
+            steps, self._steps = self._steps, None
+            if steps is not None:
+                steps.close()  # the step checkpoint in flight completes
+        return self.history
 
-    def _callbacks(self, warmup):
-        rank = basics.rank()
+    def _val_pipeline(self, val):
+        val_local, n_local = self._eval_data(val)
+        counts = _tstate.gather_row([float(n_local)], "val.count")[:, 0]
+        if counts.min() == 0:
+            raise ValueError("val_data() leaves some rank without "
+                             "examples; give it at least size() "
+                             "examples.")
+        return val_local
+
+    def _warmup_callback(self):
+        plan = self._plan
+        kwargs = dict(initial_lr=self.scaled_learning_rate,
+                      warmup_epochs=self.warmup_epochs,
+                      verbose=self.verbose if basics.rank() == 0 else 0)
+        if plan.first_position:
+            return _tcb.ResumedWarmupCallback(
+                epoch=plan.first_epoch,
+                offset=plan.first_position / plan.per_step, **kwargs)
+        return kd_callbacks.LearningRateWarmupCallback(**kwargs)
+
+    def _callbacks(self, warmup, point):
+        rank, plan = basics.rank(), self._plan
         cbs = [kd_callbacks.BroadcastGlobalVariablesCallback(0),
                kd_callbacks.MetricAverageCallback()]
         if warmup:
-            cbs.append(kd_callbacks.LearningRateWarmupCallback(
-                initial_lr=self.scaled_learning_rate,
-                warmup_epochs=self.warmup_epochs,
-                verbose=self.verbose if rank == 0 else 0))
+            cbs.append(self._warmup_callback())
         # The pipeline already gives every rank the same number of steps;
         # this keeps that true for anything fit_kwargs might change.
         cbs.append(kd_callbacks.EqualizeStepsCallback())
-        cbs.append(_tcb.ReseedCallback(self.seed, rank))
+        if plan.first_position:  # within an epoch: go on from there
+            cbs.append(_tcb.ReseedCallback(self.seed, rank, plan.first_epoch,
+                                           point.rng))
+            cbs.append(_tcb.ShortEpochCallback(plan.first_epoch,
+                                               plan.first_steps))
+        else:
+            cbs.append(_tcb.ReseedCallback(self.seed, rank))
         if self.checkpoint_dir:
             cbs.append(_tcb.CheckpointCallback(self._save))
+        if self._steps is not None:
+            cbs.append(_tcb.StepCheckpointCallback(
+                self._save_step, self._steps.busy, plan.is_last,
+                self.checkpoint_every_steps, self.checkpoint_every_seconds))
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
         return cbs
 
     def _save(self, epochs_done, logs):
+        if self._steps is not None:
+            self._steps.wait()  # one writer at a time in the directory
         self.epochs_done = epochs_done
         info = _tstate.manifest_info(self, logs, _CONFIG_KEYS,
                                      self._resume.manifest_fields())
         self.last_checkpoint = checkpoints.save(
             self.checkpoint_dir, epochs_done, self.model.save_weights, info,
             keep=self.keep_checkpoints)
+
+    def _step_written(self, path):
+        # On the writer's thread; an epoch checkpoint waits for it first.
+        self.last_checkpoint = path
+
+    def _save_step(self, epoch, batch):
+        """Rank 0, at a step boundary: has the state after batch `batch` of
+        epoch `epoch` (0-based) written in the background."""
+        info = _tstate.manifest_info(self, {}, _CONFIG_KEYS,
+                                     self._resume.manifest_fields())
+        info["rng_counters"] = _tcb.seed_counters(self.model)
+        self._steps.save(epoch, self._plan.position(epoch, batch), info)
 
     def _eval_data(self, dataset):
         n = _tdata.count(dataset)

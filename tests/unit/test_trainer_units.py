@@ -14,6 +14,7 @@ import tensorflow as tf  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
 from kerasdist import _trainer_data  # noqa: E402
+from kerasdist import _trainer_snapshot  # noqa: E402
 from kerasdist import _trainer_state  # noqa: E402
 from kerasdist import checkpoints  # noqa: E402
 
@@ -51,6 +52,16 @@ class Tiny(kd.Trainer):
     ({"learning_rate": 0.0}, "learning_rate must be a number > 0"),
     ({"warmup_epochs": -1}, "warmup_epochs must be an int >= 0"),
     ({"fit_kwargs": {"epochs": 3}}, "fit_kwargs may not set ['epochs']"),
+    ({"checkpoint_every_steps": 0, "checkpoint_dir": "c"},
+     "checkpoint_every_steps must be an int >= 1, got 0"),
+    ({"checkpoint_every_steps": 2.5, "checkpoint_dir": "c"},
+     "checkpoint_every_steps must be an int >= 1, got 2.5"),
+    ({"checkpoint_every_seconds": 0, "checkpoint_dir": "c"},
+     "checkpoint_every_seconds must be a number > 0, got 0"),
+    ({"checkpoint_every_seconds": "60", "checkpoint_dir": "c"},
+     "checkpoint_every_seconds must be a number > 0, got '60'"),
+    ({"checkpoint_every_steps": 10}, "need a checkpoint_dir"),
+    ({"checkpoint_every_seconds": 30.0}, "need a checkpoint_dir"),
 ])
 def test_bad_settings_raise_in_constructor(kwargs, needle):
     with pytest.raises(ValueError) as e:
@@ -204,6 +215,92 @@ def test_model_names_do_not_depend_on_earlier_models():
     assert build().name not in (first.name, second.name)  # still unique
 
 
+class Dropping(Tiny):
+    """Tiny with dropout (random numbers to resume) and a crash at a given
+    optimizer step."""
+
+    crash_at = None
+
+    def build_model(self):
+        return keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(2, activation="softmax")])
+
+    def callbacks(self):
+        def crash(batch, logs):
+            if int(self.optimizer.iterations) == self.crash_at:
+                raise _Crash()
+        return [keras.callbacks.LambdaCallback(on_train_batch_end=crash)]
+
+
+def _state(trainer):
+    return np.concatenate([np.ravel(np.asarray(v)) for v in
+                           trainer.model.weights + trainer.optimizer.variables])
+
+
+@pytest.mark.parametrize("every", [{"checkpoint_every_steps": 2},
+                                   {"checkpoint_every_seconds": 1e-9}],
+                         ids=["steps", "seconds"])
+def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
+    kwargs = dict(epochs=3, batch_size=8, learning_rate=0.05, verbose=0,
+                  warmup_epochs=1, **every)
+    straight = Dropping(checkpoint_dir=tmp_path / "a", **kwargs)
+    straight.fit()
+    crashed = Dropping(checkpoint_dir=tmp_path / "b", **kwargs)
+    crashed.crash_at = 8  # epoch 2 (5 steps an epoch), its third step
+    with pytest.raises(_Crash):
+        crashed.fit()
+    # fit() waited for the write in flight; the newest is a step checkpoint.
+    newest = checkpoints.latest(tmp_path / "b")
+    assert newest["epoch"] == 1 and 0 < newest["samples"] < 40, newest
+    assert newest["samples"] == 8 * (newest["step"] - 5)
+    # from_checkpoint continues that run too, into another directory.
+    copy = Dropping.from_checkpoint(tmp_path / "b",
+                                    checkpoint_dir=tmp_path / "c")
+    copy.fit()
+    assert copy.checkpoint_every_steps == every.get("checkpoint_every_steps")
+    np.testing.assert_array_equal(_state(copy), _state(straight))
+    resumed = Dropping(checkpoint_dir=tmp_path / "b", **kwargs)
+    resumed.fit()
+    assert resumed.initial_epoch == 1
+    assert resumed.initial_samples == newest["samples"]
+    np.testing.assert_array_equal(_state(resumed), _state(straight))
+    # At the end only epoch checkpoints are left.
+    assert sorted(os.listdir(tmp_path / "b")) == sorted(
+        os.listdir(tmp_path / "a"))
+
+
+def test_snapshot_is_the_keras_weight_file(tmp_path):
+    import h5py
+
+    trainer = Dropping(epochs=1, batch_size=8, verbose=0)
+    trainer.fit()
+    snapshotter = _trainer_snapshot.Snapshotter(trainer.model)
+    # Layers and optimizer give their variables: one read, no walk, a step.
+    assert snapshotter._layout is not None
+    snapshot = snapshotter.take()
+    before = _state(trainer)
+    trainer.fit()  # the snapshot is a copy: training on leaves it alone
+    _trainer_snapshot.write_weights(snapshot, tmp_path / "s.weights.h5")
+    trainer.model.save_weights(tmp_path / "k.weights.h5")
+
+    def tree(path):
+        items = []
+        with h5py.File(path) as f:
+            f.visititems(lambda name, obj: items.append(
+                (name, dict(obj.attrs)) if isinstance(obj, h5py.Group)
+                else (name, obj.shape, obj.dtype)))
+        return items
+
+    assert tree(tmp_path / "s.weights.h5") == tree(tmp_path / "k.weights.h5")
+    fresh = Dropping(epochs=1, verbose=0)
+    fresh._prepare(tf.data.Dataset.from_tensor_slices((X, Y)))
+    fresh.model.load_weights(tmp_path / "s.weights.h5")
+    np.testing.assert_array_equal(_state(fresh), before)
+    assert not np.array_equal(_state(trainer), before)
+
+
 # ---- checkpoint store ------------------------------------------------------
 
 
@@ -285,6 +382,67 @@ def test_manifest_records_checksum(tmp_path):
     assert manifest["world_size"] == 3 and manifest["epoch"] == 7
 
 
+def _names(path):
+    return sorted(os.listdir(path))
+
+
+def test_step_checkpoints_order_and_rotation(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"e1"), {})
+    checkpoints.save(tmp_path, 1, _writer(b"s64"), {}, samples=64)
+    assert checkpoints.latest(tmp_path)["samples"] == 64
+    checkpoints.save(tmp_path, 1, _writer(b"s128"), {}, samples=128)
+    # The older step checkpoint goes once the newer one is complete.
+    assert _names(tmp_path) == [
+        "epoch-000001-sample-000000128.json",
+        "epoch-000001-sample-000000128.weights.h5",
+        "epoch-000001.json", "epoch-000001.weights.h5"]
+    manifest = checkpoints.latest(tmp_path)
+    assert (manifest["epoch"], manifest["samples"]) == (1, 128)
+    assert checkpoints.list_checkpoints(tmp_path) == [(1, 128), (1, 0)]
+    # A newer epoch checkpoint makes the step checkpoint obsolete.
+    checkpoints.save(tmp_path, 2, _writer(b"e2"), {})
+    assert _names(tmp_path) == ["epoch-000001.json", "epoch-000001.weights.h5",
+                                "epoch-000002.json", "epoch-000002.weights.h5"]
+
+
+def test_damaged_step_checkpoint_falls_back(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"e1"), {})
+    checkpoints.save(tmp_path, 1, _writer(b"s64"), {}, samples=64)
+    os.truncate(tmp_path / "epoch-000001-sample-000000064.weights.h5", 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = checkpoints.latest(tmp_path)
+    assert (manifest["epoch"], manifest["samples"]) == (1, 0)
+    assert any("sample-000000064" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("point, kind, survivor", [
+    ("written", ".weights.h5", 64), ("renamed", ".weights.h5", 64),
+    ("written", ".json", 64), ("committed", ".json", 128)])
+def test_a_write_cut_short_leaves_a_checkpoint(tmp_path, monkeypatch, point,
+                                               kind, survivor):
+    checkpoints.save(tmp_path, 1, _writer(b"s64"), {}, samples=64)
+
+    def hook(where, path):
+        if where == point and path.endswith(kind) and "128" in path:
+            raise _Crash()
+
+    monkeypatch.setattr(checkpoints, "_fault_hook", hook)
+    with pytest.raises(_Crash):
+        checkpoints.save(tmp_path, 1, _writer(b"s128"), {}, samples=128)
+    assert checkpoints.latest(tmp_path)["samples"] == survivor
+
+
+def test_temporaries_of_killed_writes_are_removed(tmp_path):
+    checkpoints.save(tmp_path, 1, _writer(b"e1"), {})
+    (tmp_path / ".tmp-abc.epoch-000002.weights.h5").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert checkpoints.remove_temporaries(tmp_path) == [
+        ".tmp-abc.epoch-000002.weights.h5"]
+    assert _names(tmp_path) == ["epoch-000001.json", "epoch-000001.weights.h5",
+                                "notes.txt"]
+
+
 # ---- epoch pipeline --------------------------------------------------------
 
 
@@ -317,3 +475,45 @@ def test_shards_are_disjoint_and_equal_in_steps():
         assert len(seen) == len(set(seen))  # no example twice in an epoch
         # 23 over 2: 12 + 11 in 3 batches of <= 4; over 3: 8 + 8 + 7 in 2.
         assert sorted(seen) == list(range(23))
+
+
+def _epoch(rank, size, batch_size, position=0, n=23):
+    """Epoch 1's batches for one rank, from `position` of its order."""
+    tf.random.set_seed(11)
+    ds = tf.data.Dataset.range(n)
+    first_steps = _trainer_data.epoch_steps(
+        n, size=size, sharded=False, batch_size=batch_size,
+        position=position)
+    pipeline, _ = _trainer_data.train_pipeline(
+        ds, n, rank=rank, size=size, sharded=False, batch_size=batch_size,
+        seed=3, shuffle=True, shuffle_buffer=None, first_epoch=1,
+        last_epoch=3, first_position=position, first_steps=first_steps)
+    batches = [b.numpy().tolist() for b in pipeline]
+    return batches[:first_steps], batches[first_steps:]
+
+
+def test_resumed_epoch_continues_the_order_at_any_size():
+    (order,), _ = _epoch(0, 1, batch_size=23)  # the epoch's permutation
+    full = {r: _epoch(r, 2, 4)[0] for r in range(2)}
+    # Two steps at size 2 train exactly the first 2 * 4 * 2 examples.
+    assert sorted(x for r in range(2) for b in full[r][:2] for x in b) == \
+        sorted(order[:16])
+    for r in range(2):
+        resumed, later = _epoch(r, 2, 4, position=16)
+        assert resumed == full[r][2:]  # the same size: the same batches
+        assert later == _epoch(r, 2, 4)[1]  # later epochs as before
+    for size, batch_size in ((1, 2), (3, 3)):
+        rest = [x for r in range(size)
+                for b in _epoch(r, size, batch_size, 16)[0] for x in b]
+        assert sorted(rest) == sorted(order[16:])  # each once, at any size
+
+
+def test_epoch_plan_positions():
+    plan = _trainer_data.EpochPlan(first_epoch=2, first_position=48,
+                                   first_steps=3, steps=7, per_step=16)
+    assert plan.position(2, 0) == 64 and plan.position(3, 0) == 16
+    assert plan.is_last(2, 2) and not plan.is_last(3, 2)
+    assert plan.is_last(3, 6)
+    # Fewer examples left than ranks: no step for the rest of the epoch.
+    assert _trainer_data.epoch_steps(23, size=3, sharded=False,
+                                     batch_size=2, position=21) == 0
