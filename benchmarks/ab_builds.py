@@ -1,7 +1,11 @@
 """Two builds of kerasdist against each other, alternating, in one run.
 
     python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5] [--w3-rounds 3]
-        [--skip w1,w2,w3]
+        [--skip w1,w2,w3] [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
+
+The two sides may be one tree with different settings: e.g. the
+heartbeat's cost is `ab_builds.py . . --old-env
+KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0` (old: off, new: on).
 
 Each tree is a checkout with its native libraries built in place (`make -C
 ops OUT=$PWD/kerasdist`). Round by round, in alternating order, each tree
@@ -33,8 +37,9 @@ _W3 = re.compile(r"^\s*(\w+)\s+([\w-]+)\s+\d+\s+\d+\s+(\d)\s+([0-9.]+)\s+([0-9.]
                  r"\s+([0-9.]+)\s+\S+\s+(True|False)\s*$")
 
 
-def _run(tree, argv, timeout):
-    env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
+def _run(tree, argv, timeout, extra_env=None):
+    env = dict(os.environ, PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3",
+               **(extra_env or {}))
     p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True,
                        timeout=timeout)
     if os.environ.get("AB_KEEP"):
@@ -76,17 +81,18 @@ def collect_w3(out, into):
             into[key + ("eff",)].append(float(m.group(6)))
 
 
-def one_round(tree, skip, into):
+def one_round(tree, skip, into, env=None):
     bench = os.path.join(tree, "benchmarks")
     if "w1" not in skip:
-        out = _run(tree, _launch(os.path.join(bench, "allreduce.py"), "--no-fusion"), 1200)
+        out = _run(tree, _launch(os.path.join(bench, "allreduce.py"), "--no-fusion"),
+                   1200, env)
         collect_tables(out, "w1", into)
     if "w2" not in skip:
-        out = _run(tree, _launch(os.path.join(bench, "fusion.py")), 1200)
+        out = _run(tree, _launch(os.path.join(bench, "fusion.py")), 1200, env)
         collect_tables(out, "w2", into)
     if "w3" not in skip:
         out = _run(tree, [sys.executable, os.path.join(bench, "keras_scaling.py"),
-                          "--rounds", "1"], 2400)
+                          "--rounds", "1"], 2400, env)
         collect_w3(out, into)
 
 
@@ -96,13 +102,13 @@ def _fmt(values):
     return f"{statistics.median(values):.4g} ({min(values):.4g}-{max(values):.4g})"
 
 
-def summary(results, old_tree, new_tree):
-    keys = sorted(set(results[old_tree]) | set(results[new_tree]), key=str)
-    print(f"# old = {old_tree}\n# new = {new_tree}")
+def summary(results, old, new):
+    keys = sorted(set(results[0]) | set(results[1]), key=str)
+    print(f"# old = {old}\n# new = {new}")
     print("# W1/W2: time(us) of one allreduce / one step; W3: total img/s and "
           "efficiency; medians (range) over the rounds; new/old of the medians")
     for k in keys:
-        a, b = results[old_tree].get(k, []), results[new_tree].get(k, [])
+        a, b = results[0].get(k, []), results[1].get(k, [])
         ratio = (statistics.median(b) / statistics.median(a)
                  if a and b and statistics.median(a) else float("nan"))
         name = " ".join(str(x) for x in k)
@@ -118,17 +124,24 @@ def main():
     p.add_argument("--w3-rounds", type=int, default=3,
                    help="rounds that include W3 (the slowest), from the first")
     p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3")
+    p.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable set for the old side's runs (repeatable)")
+    p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable set for the new side's runs (repeatable)")
     args = p.parse_args()
     trees = [os.path.abspath(args.old), os.path.abspath(args.new)]
-    results = {t: collections.defaultdict(list) for t in trees}
+    envs = [dict(kv.split("=", 1) for kv in args.old_env),
+            dict(kv.split("=", 1) for kv in args.new_env)]
+    results = [collections.defaultdict(list), collections.defaultdict(list)]
     skip = set(filter(None, args.skip.split(",")))
     for r in range(args.rounds):
-        order = trees if r % 2 == 0 else trees[::-1]
-        for tree in order:
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
             s = skip | ({"w3"} if r >= args.w3_rounds else set())
-            print(f"# round {r + 1}/{args.rounds}: {tree}", flush=True)
-            one_round(tree, s, results[tree])
-    summary(results, *trees)
+            print(f"# round {r + 1}/{args.rounds}: {trees[side]} {envs[side]}",
+                  flush=True)
+            one_round(trees[side], s, results[side], envs[side])
+    names = [f"{t} {e}" if e else t for t, e in zip(trees, envs)]
+    summary(results, *names)
 
 
 if __name__ == "__main__":

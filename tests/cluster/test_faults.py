@@ -147,3 +147,53 @@ def test_restart_gives_up_below_min_np(cluster, tmp_path):
     assert ("kerasdist: giving up: the hosts that answer have 1 slot(s) "
             "(kdt0:1), fewer than --min-np 2.") in said, said
     assert "attempt 1 size" not in out.stdout
+
+
+SOAK_FAULTS = 20
+
+
+@pytest.mark.timeout(1500)
+def test_soak_twenty_faults_in_a_row_each_recovered(cluster, tmp_path):
+    # A Trainer job on two hosts is broken 20 times (tests/workers/
+    # trainer_soak_worker.py: SIGKILL, SIGSTOP, an exception, or kdt1's
+    # packets dropped, at random steps) and restarted each time, at one or
+    # two ranks (--min-np 1). It must finish, and its newest checkpoint
+    # must load into a fresh model with the trained weights.
+    kdt1 = cluster.host("kdt1")
+    ckpt, state = tmp_path / "ckpt", tmp_path / "state"
+    ckpt.mkdir()
+    state.mkdir()
+    done = threading.Event()
+
+    def undrop_after_each_drop():
+        handled = set()
+        while not done.is_set():
+            for name in os.listdir(state):
+                if name.startswith("fault.") and name not in handled:
+                    handled.add(name)
+                    if " drop " in (state / name).read_text():
+                        time.sleep(HEARTBEAT_TIMEOUT_S + 1)
+                        cluster.undrop(kdt1)
+            time.sleep(0.2)
+
+    helper = threading.Thread(target=undrop_after_each_drop, daemon=True)
+    helper.start()
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    try:
+        out = run_on(cluster, 2, "kdt0:1,kdt1:1", worker_cmd(
+            "trainer_soak_worker.py", str(ckpt), str(state), "7",
+            str(SOAK_FAULTS)), timeout=1400, env=env, launcher_args=(
+                "--max-restarts", str(SOAK_FAULTS + 2), "--min-np", "1"))
+    finally:
+        done.set()
+        helper.join(timeout=10)
+        cluster.undrop(kdt1)
+    assert out.returncode == 0, out.stdout[-5000:]
+    faults = sorted(n for n in os.listdir(state) if n.startswith("fault."))
+    assert len(faults) == SOAK_FAULTS, (faults, out.stdout[-5000:])
+    restarts = [l for l in _launcher_lines(out.stdout)
+                if re.match(r"kerasdist: attempt \d+ of", l)]
+    assert len(restarts) == SOAK_FAULTS, restarts
+    assert "worker: the newest checkpoint loads" in out.stdout
+    kinds = {(state / n).read_text().split()[1] for n in faults}
+    assert kinds == {"kill", "freeze", "exception", "drop"}, kinds
