@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests import trainer_records as tr
 from tests.cluster import Cluster, processes_in, require, run_on
 from tests.helpers import rank_lines, worker_cmd, worker_env
 
@@ -147,6 +148,76 @@ def test_restart_gives_up_below_min_np(cluster, tmp_path):
     assert ("kerasdist: giving up: the hosts that answer have 1 slot(s) "
             "(kdt0:1), fewer than --min-np 2.") in said, said
     assert "attempt 1 size" not in out.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """An uninterrupted Trainer job on both hosts (one rank each), with the
+    losses of three more seeds (the run-to-run spread)."""
+    root = tmp_path_factory.mktemp("trainer")
+    out = run_on(cluster, 2, "kdt0:1,kdt1:1", worker_cmd(
+        "trainer_fault_worker.py", "reference", str(root / "ref"),
+        str(root), "--tag", "ref"), timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    spread = [tr.loss(out)] + [
+        float(v) for v in re.findall(r"SPREAD \d (\S+)", "\n".join(
+            rank_lines(out.stdout, 0)))]
+    assert len(spread) == 4, out.stdout[-3000:]
+    return root, spread
+
+
+def test_trainer_frozen_on_one_host_resumes_exactly(cluster, reference):
+    # kdt1's rank freezes in the middle of epoch 2; the heartbeat ends the
+    # job and --max-restarts relaunches it at the same size: the same final
+    # state as the uninterrupted job, bit for bit.
+    import numpy as np
+
+    root, _ = reference
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    out = run_on(cluster, 2, "kdt0:1,kdt1:1", worker_cmd(
+        "trainer_fault_worker.py", "run", str(root / "frozen"), str(root),
+        "--tag", "frozen", "--kill-rank", "1", "--kill-step", "22",
+        "--kill-how", "freeze"), timeout=400, env=env,
+        launcher_args=("--max-restarts", "1"))
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "lost host kdt1 (rank 1): no heartbeat" in out.stdout
+    epoch, samples, _ = tr.resumed(out)
+    assert epoch == 1 and samples > 0, out.stdout[-3000:]
+    np.testing.assert_array_equal(np.load(root / "frozen.npy"),
+                                  np.load(root / "ref.npy"))
+
+
+def test_trainer_goes_on_without_a_silent_host(cluster, reference):
+    # kdt1 drops every packet in the middle of epoch 2: the job goes on at
+    # one rank on kdt0 (--min-np 1) from the last step checkpoint. Every
+    # epoch trains each example once (as many seen as uninterrupted), and
+    # the loss is within the run-to-run spread.
+    root, spread = reference
+    kdt1 = cluster.host("kdt1")
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    try:
+        out = run_on(cluster, 2, "kdt0:1,kdt1:1", worker_cmd(
+            "trainer_fault_worker.py", "run", str(root / "shrunk"),
+            str(root), "--tag", "shrunk", "--kill-rank", "1",
+            "--kill-step", "22", "--kill-how", "drop"), timeout=400,
+            env=env, launcher_args=("--max-restarts", "1", "--min-np", "1"))
+    finally:
+        cluster.undrop(kdt1)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "attempt 2 of 2 on 1 rank(s) (kdt0:1)" in out.stdout
+    assert "written at 2 ranks, now 1" in out.stdout, out.stdout[-3000:]
+    epoch, samples, step = tr.resumed(out)
+    assert epoch == 1 and samples > 0, out.stdout[-3000:]
+    before = tr.steps(root, "shrunk", 0, 2)  # attempt 0: both ranks
+    after = tr.steps(root, "shrunk", 1, 1)   # attempt 1: rank 0 alone
+    epochs = tr.epochs(tr.job_steps(before, until=step)
+                       + tr.job_steps(after))
+    assert len(epochs) == 3
+    for ids in epochs:
+        assert sorted(ids) == list(range(tr.N))
+    lo, hi = min(spread), max(spread)
+    assert lo - (hi - lo) <= tr.loss(out) <= hi + (hi - lo), (
+        tr.loss(out), spread)
 
 
 SOAK_FAULTS = 20

@@ -19,7 +19,6 @@ truth the interrupted jobs are held to:
   complete, and the job ends where the reference ended.
 """
 
-import collections
 import os
 import re
 import sys
@@ -34,15 +33,13 @@ from tests.helpers import launch  # noqa: E402
 from tests.helpers import rank_lines  # noqa: E402
 from tests.helpers import worker_cmd  # noqa: E402
 from tests.helpers import worker_env  # noqa: E402
+from tests import trainer_records as tr  # noqa: E402
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]
 
-N, BATCH, EPOCHS, WARMUP, LR = 240, 8, 3, 2, 0.01  # as in the worker
+N, BATCH, EPOCHS, WARMUP, LR = tr.N, 8, 3, 2, 0.01  # as in the worker
 _TIMEOUT = 300
-_RESUMED = re.compile(
-    r"resuming from \S+ at epoch (\d+) of \d+(?:, after its first (\d+) "
-    r"examples)?.*\(optimizer step (\d+)\)")
 
 
 def _run(np_, mode, ckpt, logs, *args, launcher_args=()):
@@ -56,57 +53,6 @@ def _assert_done(out, np_):
     assert out.returncode == 0, out.stdout[-6000:]
     for r in range(np_):
         assert rank_lines(out.stdout, r)[-1] == "DONE", out.stdout[-3000:]
-
-
-def _loss(out):
-    return float(re.search(r"LOSS (\S+)", "\n".join(
-        rank_lines(out.stdout, 0))).group(1))
-
-
-def _steps(logs, tag, attempt, np_):
-    """{rank: [(step, lr, ids), ...]} of one attempt's records."""
-    out = {}
-    for r in range(np_):
-        rows = []
-        with open(logs / f"ids.{tag}.a{attempt}.r{r}.txt") as f:
-            for line in f:
-                step, lr, *ids = line.split()
-                rows.append((int(step), float(lr), [int(i) for i in ids]))
-        out[r] = rows
-    return out
-
-
-def _resumed(out):
-    """(epoch index, examples done in it, optimizer step) of the resume."""
-    for line in rank_lines(out.stdout, 0):
-        m = _RESUMED.search(line)
-        if m:
-            return int(m.group(1)) - 1, int(m.group(2) or 0), int(m.group(3))
-    raise AssertionError("no resume in:\n" + out.stdout[-4000:])
-
-
-def _epochs(steps):
-    """Splits a job's steps (lists of the ids every rank trained in each
-    step, in order) into epochs of N examples; returns their id lists."""
-    epochs, current = [], []
-    for ids in steps:
-        current += ids
-        if len(current) >= N:
-            epochs.append(current)
-            current = []
-    assert not current, f"{len(current)} examples after the last epoch"
-    return epochs
-
-
-def _job_steps(records, until=None):
-    """The ids of every step of a job (all ranks together), in step
-    order, from {rank: rows}; steps after `until` are left out."""
-    by_step = collections.defaultdict(list)
-    for rows in records.values():
-        for step, _, ids in rows:
-            if until is None or step <= until:
-                by_step[step] += ids
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _warmup_lr(size, epoch, batch, steps):
@@ -123,18 +69,18 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     out = _run(2, "reference", root / "ref", root, "--tag", "ref")
     _assert_done(out, 2)
-    spread = [_loss(out)] + [
+    spread = [tr.loss(out)] + [
         float(m.group(1)) for m in re.finditer(
             r"SPREAD \d (\S+)", "\n".join(rank_lines(out.stdout, 0)))]
     assert len(spread) == 4, out.stdout[-3000:]
-    return root, _steps(root, "ref", 0, 2), spread
+    return root, tr.steps(root, "ref", 0, 2), spread
 
 
 def test_reference_trains_every_example_once_an_epoch(reference):
     root, records, _ = reference
-    steps = _job_steps(records)
+    steps = tr.job_steps(records)
     assert len(steps) == EPOCHS * N // (2 * BATCH)
-    for ids in _epochs(steps):
+    for ids in tr.epochs(steps):
         assert sorted(ids) == list(range(N))
     # Step checkpoints give way to the epoch checkpoints that follow them.
     assert sorted(os.listdir(root / "ref")) == [
@@ -149,13 +95,13 @@ def test_restart_mid_epoch_same_size_is_exact(reference):
                launcher_args=("--max-restarts", "1"))
     _assert_done(out, 2)
     assert "rank 1 kills itself: after step 22" in out.stdout
-    epoch, samples, step = _resumed(out)
+    epoch, samples, step = tr.resumed(out)
     # Resumed within epoch 2 (index 1), at a step checkpoint before the kill.
     assert epoch == 1 and 0 < samples < N and 15 < step < 22, out.stdout
     assert samples == (step - 15) * 2 * BATCH
     np.testing.assert_array_equal(np.load(root / "same.npy"),
                                   np.load(root / "ref.npy"))
-    first, second = _steps(root, "same", 0, 2), _steps(root, "same", 1, 2)
+    first, second = tr.steps(root, "same", 0, 2), tr.steps(root, "same", 1, 2)
     for r in range(2):
         kept = [row for row in first[r] if row[0] <= step]
         assert kept + second[r] == ref_records[r], r
@@ -175,19 +121,19 @@ def test_resume_at_another_size(reference, sizes):
     out = _run(new, "run", ckpt, root, "--tag", f"{tag}b")
     _assert_done(out, new)
     assert f"written at {old} ranks, now {new}" in out.stdout
-    epoch, samples, step = _resumed(out)
+    epoch, samples, step = tr.resumed(out)
     assert epoch == 1 and 0 < samples < N, out.stdout
     assert samples == (step - per_epoch) * old * BATCH
 
-    before = _steps(root, f"{tag}a", 0, old)
-    after = _steps(root, f"{tag}b", 0, new)
+    before = tr.steps(root, f"{tag}a", 0, old)
+    after = tr.steps(root, f"{tag}b", 0, new)
     # Every epoch, the interrupted one too, trains each example once: as
     # many examples seen as in the reference, none twice, none left out.
-    epochs = _epochs(_job_steps(before, until=step) + _job_steps(after))
+    epochs = tr.epochs(tr.job_steps(before, until=step) + tr.job_steps(after))
     assert len(epochs) == EPOCHS
     for ids in epochs:
         assert sorted(ids) == list(range(N))
-    assert sum(map(len, epochs)) == sum(map(len, _job_steps(ref_records)))
+    assert sum(map(len, epochs)) == sum(map(len, tr.job_steps(ref_records)))
 
     # The warmup goes on at the new size from the same point of epoch 2.
     new_steps = N // (new * BATCH)
@@ -199,7 +145,7 @@ def test_resume_at_another_size(reference, sizes):
     # The loss: within the spread of four uninterrupted runs (seeds 0-3),
     # widened by that spread on either side.
     lo, hi = min(spread), max(spread)
-    assert lo - (hi - lo) <= _loss(out) <= hi + (hi - lo), (_loss(out),
+    assert lo - (hi - lo) <= tr.loss(out) <= hi + (hi - lo), (tr.loss(out),
                                                             spread)
 
 

@@ -34,6 +34,7 @@ import argparse
 import glob
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -124,13 +125,36 @@ def die(why):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Killer(keras.callbacks.Callback):
-    """On attempt 0, rank `rank` dies after step `step`, once a step
-    checkpoint of the current epoch is on disk."""
+_DROP = """\
+table inet kdt_drop {
+    chain in { type filter hook input priority -300; iifname "eth0" drop; }
+    chain out { type filter hook output priority -300; oifname "eth0" drop; }
+}
+"""
 
-    def __init__(self, ckpt_dir, rank, step):
+
+def strike(how, why):
+    """Ends this rank (kill), freezes it (freeze) or cuts its test host off
+    silently (drop: nftables on the host's link; tests/cluster only)."""
+    if how == "kill":
+        die(why)
+    print(f"worker: rank {kd.rank()} does {how}: {why}", flush=True)
+    if how == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "drop":
+        subprocess.run(["nft", "-f", "-"], input=_DROP.encode(), check=True)
+    else:
+        raise ValueError(f"unknown fault {how!r}")
+
+
+class Killer(keras.callbacks.Callback):
+    """On attempt 0, rank `rank` dies (or `how`: see strike) after step
+    `step`, once a step checkpoint of the current epoch is on disk."""
+
+    def __init__(self, ckpt_dir, rank, step, how="kill"):
         super().__init__()
         self.ckpt_dir, self.rank, self.step = ckpt_dir, rank, step
+        self.how = how
         self.epoch = 0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -146,7 +170,7 @@ class Killer(keras.callbacks.Callback):
         while not glob.glob(pattern) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert glob.glob(pattern), f"no step checkpoint {pattern}"
-        die(f"after step {self.step}")
+        strike(self.how, f"after step {self.step}")
 
 
 class Toy(kd.Trainer):
@@ -219,7 +243,8 @@ def mode_run(args):
     open_log(args.log_dir, args.tag)
     killer = []
     if args.kill_step is not None:
-        killer = [Killer(args.ckpt_dir, args.kill_rank, args.kill_step)]
+        killer = [Killer(args.ckpt_dir, args.kill_rank, args.kill_step,
+                         args.kill_how)]
     trainer, loss = train(args, callbacks=killer)
     finish(args, trainer, loss)
 
@@ -281,6 +306,8 @@ def main():
     p.add_argument("--tag", default="run")
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-step", type=int)
+    p.add_argument("--kill-how", default="kill",
+                   choices=["kill", "freeze", "drop"])
     args = p.parse_args()
     kd.init()
     {"reference": mode_reference, "run": mode_run,
