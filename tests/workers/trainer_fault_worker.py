@@ -134,8 +134,9 @@ table inet kdt_drop {
 
 
 def strike(how, why):
-    """Ends this rank (kill), freezes it (freeze) or cuts its test host off
-    silently (drop: nftables on the host's link; tests/cluster only)."""
+    """Ends this rank (kill, exception), freezes it (freeze) or cuts its
+    test host off (drop: nftables drops every packet on the host's link;
+    link_down: the link goes down; tests/cluster only)."""
     if how == "kill":
         die(why)
     print(f"worker: rank {kd.rank()} does {how}: {why}", flush=True)
@@ -143,6 +144,10 @@ def strike(how, why):
         os.kill(os.getpid(), signal.SIGSTOP)
     elif how == "drop":
         subprocess.run(["nft", "-f", "-"], input=_DROP.encode(), check=True)
+    elif how == "link_down":
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+    elif how == "exception":
+        raise RuntimeError(f"an injected error on rank {kd.rank()}")
     else:
         raise ValueError(f"unknown fault {how!r}")
 
@@ -307,7 +312,8 @@ def main():
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-step", type=int)
     p.add_argument("--kill-how", default="kill",
-                   choices=["kill", "freeze", "drop"])
+                   choices=["kill", "freeze", "drop", "link_down",
+                            "exception"])
     args = p.parse_args()
     kd.init()
     {"reference": mode_reference, "run": mode_run,
