@@ -16,7 +16,7 @@ import pytest
 
 from tests import trainer_records as tr
 from tests.cluster import Cluster, processes_in, require, run_on
-from tests.helpers import rank_lines, worker_cmd, worker_env
+from tests.helpers import launch, rank_lines, worker_cmd, worker_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -95,37 +95,58 @@ def _when(path, then, timeout=120.0):
     return t
 
 
-def test_restart_goes_on_without_a_lost_host_and_takes_it_back(cluster,
-                                                                tmp_path):
+@pytest.mark.parametrize("hosts_from", ["-H", "discovery"])
+def test_restart_goes_on_without_a_lost_host_and_takes_it_back(
+        cluster, tmp_path, hosts_from):
     # Attempt 1 loses kdt1's link: attempt 2 runs on kdt0 alone (--min-np
     # 1); kdt1 comes back while it runs, and attempt 3, after attempt 2
-    # failed, runs on both hosts again.
+    # failed, runs on both hosts again. With a --host-discovery-script the
+    # hosts come from its output, which drops kdt1 and lists it again.
     kdt1 = cluster.host("kdt1")
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("kdt0:1\nkdt1:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    where = (["-H", "kdt0:1,kdt1:1"] if hosts_from == "-H" else
+             ["--host-discovery-script", str(script)])
 
     def bring_back():
         cluster.restore(kdt1)
+        listed.write_text("kdt0:1\nkdt1:1\n")
         open(tmp_path / "go", "w").close()
 
+    def fault_seen():
+        if hosts_from == "discovery":
+            listed.write_text("kdt0:1\n")
+
+    first = _when(tmp_path / "fault0", fault_seen)
     waiter = _when(tmp_path / "attempt1", bring_back)
     env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
     try:
-        out = run_on(cluster, 2, "kdt0:1,kdt1:1",
-                     worker_cmd("elastic_worker.py", str(tmp_path)),
-                     timeout=300, env=env, launcher_args=(
+        out = launch(2, worker_cmd("elastic_worker.py", str(tmp_path)),
+                     timeout=300, env=env, prefix=cluster.launcher_prefix(),
+                     launcher_args=(
+                         "--ssh-command", cluster.remote_shell,
+                         "--network-interface", cluster.bridge, *where,
                          "--max-restarts", "2", "--min-np", "1"))
     finally:
         cluster.restore(kdt1)
+        first.join(timeout=5)
         waiter.join(timeout=5)
     assert out.returncode == 0, out.stdout[-4000:]
     said = _launcher_lines(out.stdout)
     assert any(re.search(r"lost host kdt1 \(rank 1\)", l) for l in said), said
-    assert any(l.startswith("kerasdist: host kdt1 does not answer")
-               for l in said), said
+    if hosts_from == "-H":
+        assert any(l.startswith("kerasdist: host kdt1 does not answer")
+                   for l in said), said
     assert any(l.startswith("kerasdist: attempt 2 of 3 on 1 rank(s) "
                             "(kdt0:1)") for l in said), said
-    assert any(l.startswith("kerasdist: attempt 3 of 3 (the last attempt "
-                            "ended because rank 0 (host kdt0) exited with "
-                            "code 3)") for l in said), said
+    # (-H: the hosts asked for; discovery: the script's, said in full.)
+    assert any(re.match(r"kerasdist: attempt 3 of 3 (on 2 rank\(s\) "
+                        r"\(kdt0:1,kdt1:1\) )?\(the last attempt ended "
+                        r"because rank 0 \(host kdt0\) exited with code 3\)",
+                        l) for l in said), said
     assert rank_lines(out.stdout, 0)[-2:] == ["attempt 2 size 2 host kdt0",
                                               "finished"], out.stdout[-3000:]
     assert rank_lines(out.stdout, 1)[-2:] == ["attempt 2 size 2 host kdt1",

@@ -168,6 +168,12 @@ def test_parse_args_hostfile(tmp_path):
     (["-np", "2", "--max-restarts", "-1", "cmd"], "non-negative"),
     (["-np", "2", "--fusion-threshold-mb", "x", "cmd"], "non-negative"),
     (["-np", "2", "--cycle-time-ms", "-3", "cmd"], "non-negative"),
+    (["-np", "2", "--min-np", "3", "cmd"], "--min-np 3 is more than -np 2"),
+    (["-np", "2", "--min-np", "0", "cmd"], "positive integer"),
+    (["-np", "2", "-H", "a:2", "--host-discovery-script", "/bin/true",
+      "cmd"], "leave out -H"),
+    (["-np", "2", "--host-discovery-script", "/nonexistent/discover",
+      "cmd"], "not an executable file"),
 ])
 def test_parse_args_rejects(argv, message):
     with pytest.raises(launch.UsageError, match=message):
@@ -342,3 +348,37 @@ def test_launcher_imports_no_tensorflow():
         os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
                    timeout=60)
+
+
+def test_min_np_defaults_to_np():
+    assert launch.parse_args(["-np", "3", "cmd"]).min_np == 3
+    assert launch.parse_args(["-np", "3", "--min-np", "1", "cmd"]).min_np == 1
+
+
+def test_ranks_for_takes_what_fits_between_min_np_and_np():
+    from kerasdist.run import elastic
+
+    assert elastic.ranks_for(4, 2, [("a", 2), ("b", 2)]) == 4
+    assert elastic.ranks_for(4, 2, [("a", 2), ("b", 1)]) == 3
+    assert elastic.ranks_for(4, 2, [("a", 1)]) is None
+    assert elastic.ranks_for(4, 1, []) is None
+    assert elastic.ranks_for(2, 2, [("a", 8)]) == 2
+
+
+def test_discover_reads_hostfile_lines_and_names_a_broken_script(tmp_path):
+    from kerasdist.run import elastic
+
+    good = tmp_path / "good.sh"
+    good.write_text("#!/bin/sh\necho 'a:2'\necho 'b slots=3 # spare'\n")
+    good.chmod(0o755)
+    assert elastic.discover(str(good)) == [("a", 2), ("b", 3)]
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/sh\necho 'no hosts today' >&2\nexit 4\n")
+    bad.chmod(0o755)
+    with pytest.raises(ValueError, match="exited with code 4: no hosts today"):
+        elastic.discover(str(bad))
+    empty = tmp_path / "empty.sh"
+    empty.write_text("#!/bin/sh\ntrue\n")
+    empty.chmod(0o755)
+    with pytest.raises(ValueError, match="no hosts listed"):
+        elastic.discover(str(empty))

@@ -3,8 +3,8 @@ with --max-restarts and --min-np). Every attempt checks an allreduce against
 numpy at its size and prints "attempt A size S host H" on each rank.
 
 argv: STATE_DIR
-  attempt 0: the last rank takes its host's link down; the heartbeat ends
-             the job.
+  attempt 0: the last rank writes STATE_DIR/fault0 and takes its host's
+             link down; the heartbeat ends the job.
   attempt 1: rank 0 writes STATE_DIR/attempt1, waits for STATE_DIR/go (the
              test brings the link back first), then exits with code 3.
   attempt 2: finishes ("finished" on every rank).
@@ -34,6 +34,7 @@ def main():
     print(f"attempt {ATTEMPT} size {size} host {socket.gethostname()}",
           flush=True)
     if ATTEMPT == 0 and rank == size - 1:
+        open(os.path.join(STATE, "fault0"), "w").close()
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
     if ATTEMPT == 0:
         for step in range(10**6):
