@@ -2,11 +2,11 @@
 continues from, and what its checkpoints record so that a rerun can
 continue them."""
 
-import tensorflow as tf
+import numpy as np
 
+from kerasdist import _frontend
 from kerasdist import basics
 from kerasdist import checkpoints
-from kerasdist import collectives
 
 # The core's setting the launcher sets for every attempt under
 # --max-restarts; current_settings() reports it (a KeyError if it is renamed).
@@ -110,9 +110,8 @@ def resume_on_rank0(find, load, what):
             code, message = 2, f"{type(e).__name__}: {e}"
     # One broadcast, also on failure: a rank that raised alone would leave
     # the others waiting in their next collective.
-    status = collectives.broadcast(
-        tf.constant([code, epoch], tf.int64), 0,
-        name="kerasdist.trainer.resume").numpy()
+    status = _frontend.host_broadcast(
+        np.array([code, epoch], np.int64), 0, "kerasdist.trainer.resume")
     if status[0] == 2:
         raise checkpoints.CheckpointError(
             message or f"rank 0 could not load {what}; see its error.")
