@@ -168,6 +168,7 @@ def _distributed_class(base, settings):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
+            self._kerasdist_reduced = False
 
         def __setattr__(self, name, value):
             super().__setattr__(name, value)
@@ -198,7 +199,7 @@ def _distributed_class(base, settings):
                 variables = self._trainable_variables
             else:  # let Keras raise its own error
                 return super().apply(grads, trainable_variables)
-            if not grads:
+            if not grads or self._kerasdist_reduced:
                 return super().apply(grads, trainable_variables)
             if settings.backward_passes_per_step == 1:
                 reduced = self._kerasdist_reduce(grads, variables)
@@ -215,6 +216,23 @@ def _distributed_class(base, settings):
                 settings.average_aggregated_gradients,
                 lambda summed: self._kerasdist_reduce(summed, variables),
                 lambda reduced: parent_apply(reduced, trainable_variables))
+
+        def stateless_apply(self, optimizer_variables, grads,
+                            trainable_variables):
+            # JAX's train step comes here, not to `apply`; and a
+            # LossScaleOptimizer's stateless_apply never calls `apply`.
+            # Reduce once, here, whatever the class does next.
+            if not self.built or self._kerasdist_reduced:
+                return super().stateless_apply(
+                    optimizer_variables, grads, trainable_variables)
+            grads = self._kerasdist_reduce(list(grads),
+                                           self._trainable_variables)
+            self._kerasdist_reduced = True
+            try:
+                return super().stateless_apply(
+                    optimizer_variables, grads, trainable_variables)
+            finally:
+                self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
             return _keras_backend.reduce_gradients(
