@@ -22,39 +22,68 @@ from kerasdist import basics
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def name():
+def backend():
     """The running Keras backend; ValueError if kerasdist does not support
     it."""
-    backend = keras.backend.backend()
-    if backend not in BACKENDS:
+    name = keras.backend.backend()
+    if name not in BACKENDS:
         raise ValueError(
             f"kerasdist supports the Keras backends {', '.join(BACKENDS)}; "
-            f"this process runs Keras on {backend!r}. Set KERAS_BACKEND to "
+            f"this process runs Keras on {name!r}. Set KERAS_BACKEND to "
             "one of them before importing keras.")
-    return backend
+    return name
 
 
 def collectives():
     """The collectives module for the running backend's tensors."""
-    backend = name()
-    if backend == "jax":
+    name = backend()
+    if name == "jax":
         from kerasdist.jax import collectives as front
-    elif backend == "torch":
+    elif name == "torch":
         from kerasdist.torch import collectives as front
     else:
         from kerasdist import collectives as front
     return front
 
 
+def collective(public_name):
+    """`kerasdist.<public_name>` for the running backend's tensors: the
+    TF ops' wrapper on TensorFlow, `kerasdist.jax`'s or `kerasdist.torch`'s
+    otherwise (`broadcast_variables` of Keras variables is here)."""
+    if public_name == "broadcast_variables" and backend() != "tensorflow":
+        return broadcast_variables
+    return getattr(collectives(), public_name)
+
+
+def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
+    """Assigns `root_rank`'s values to Keras `variables` on every rank
+    (JAX and PyTorch backends; TensorFlow's is
+    `kerasdist.collectives.broadcast_variables`).
+
+    Names derive from the variables' paths, so every rank must pass the
+    same variables (in any order).
+    """
+    basics_size = basics.size()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < basics_size:
+        raise ValueError(f"root_rank must be an int in [0, {basics_size}), "
+                         f"got {root_rank!r}.")
+    variables = list(variables)
+    names = [f"{name_prefix}.{getattr(v, 'path', None) or v.name}"
+             for v in variables]
+    if len(set(names)) != len(names):
+        names = [f"{n}.{i}" for i, n in enumerate(names)]
+    assign_broadcast(variables, root_rank, names)
+
+
 def value(variable):
     """A Keras variable's current value as the front end takes it."""
-    if name() == "torch":
+    if backend() == "torch":
         return variable.value.detach()
     return variable.value
 
 
 def _no_grad():
-    if name() == "torch":
+    if backend() == "torch":
         import torch
         return torch.no_grad()
     import contextlib
@@ -70,19 +99,19 @@ def assign_broadcast(variables, root_rank, names):
             v.assign(front.broadcast(value(v), root_rank, name=n))
 
 
-def assign_average(variables, name_):
+def assign_average(variables, name):
     """Replaces each variable by its average over the ranks: one grouped
     allreduce, then the assignments. Returns a function that does it (on
     TensorFlow a `tf.function`, traced once)."""
     front = collectives()
-    if name() == "tensorflow":
+    if backend() == "tensorflow":
         import tensorflow as tf
 
         @tf.function
         def average_tf():
             values = front.grouped_allreduce(
                 [tf.convert_to_tensor(v) for v in variables],
-                op=basics.Average, name=name_)
+                op=basics.Average, name=name)
             for v, x in zip(variables, values):
                 v.assign(x)
 
@@ -92,7 +121,7 @@ def assign_average(variables, name_):
         with _no_grad():
             values = front.grouped_allreduce(
                 [value(v) for v in variables], op=basics.Average,
-                name=name_)
+                name=name)
             for v, x in zip(variables, values):
                 v.assign(x)
 
@@ -115,7 +144,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
     compression around it, predivide as prescale/postscale, nothing
     communicated at size 1. JAX and PyTorch gradients are dense, so
     `sparse_as_dense` changes nothing there."""
-    if name() == "tensorflow":
+    if backend() == "tensorflow":
         from kerasdist import _keras_util
         return _keras_util.reduce_gradients(
             grads, variables, prefix, compression=compression, op=op,
@@ -161,7 +190,7 @@ def unique_name(base):
     collectives of one jitted step may run at once, so two must never
     share a name); unchanged eagerly and on the other backends, where
     collectives of one name run one after the other."""
-    if name() != "jax":
+    if backend() != "jax":
         return base
     from kerasdist.jax._dispatch import program_trace, auto_name
     if program_trace() is None:
@@ -172,7 +201,7 @@ def unique_name(base):
 def agree_finite(finite, prefix):
     """A LossScaleOptimizer's finiteness flag, True only if it is True on
     every rank (one allreduce Min), as a tensor of the running backend."""
-    if name() == "tensorflow":
+    if backend() == "tensorflow":
         from kerasdist import _optimizer_tf
         return _optimizer_tf.agree_finite(finite, prefix)
     front = collectives()

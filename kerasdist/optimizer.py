@@ -150,7 +150,7 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups)
-    if _keras_backend.name() == "tensorflow":
+    if _keras_backend.backend() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
@@ -189,7 +189,7 @@ def _distributed_class(base, settings):
                     self._trainable_variables)
 
         def apply(self, grads, trainable_variables=None):
-            if _keras_backend.name() == "tensorflow":
+            if _keras_backend.backend() == "tensorflow":
                 _tf().check_not_xla()
             grads = list(grads)
             if trainable_variables is not None:
@@ -264,7 +264,7 @@ def _check_passes(backward_passes_per_step):
             backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be an int >= 1; got "
                          f"{backward_passes_per_step!r}.")
-    backend = _keras_backend.name()
+    backend = _keras_backend.backend()
     if backward_passes_per_step > 1 and backend != "tensorflow":
         raise ValueError(
             "DistributedOptimizer(backward_passes_per_step > 1) needs the "
