@@ -34,6 +34,13 @@ def backend():
     return name
 
 
+def jit_compile():
+    """The `jit_compile` that fits a train step with kerasdist inside:
+    True on JAX (its collectives are XLA custom calls), False elsewhere
+    (TensorFlow's ops have no XLA kernel; PyTorch runs eagerly)."""
+    return backend() == "jax"
+
+
 def collectives():
     """The collectives module for the running backend's tensors."""
     name = backend()
