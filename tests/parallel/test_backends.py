@@ -26,7 +26,8 @@ BACKENDS = ["tensorflow", "jax", "torch"]
 NP = 2
 WORKER_CHECKS = [
     "apply_averages", "fit_sgd_momentum", "fit_adam", "fit_num_groups=3",
-    "fit_predivide", "fit_sgd", "fit_fp16", "broadcast", "metric_average",
+    "fit_predivide", "fit_sgd", "fit_fp16", "fit_gradient_accumulation",
+    "broadcast", "metric_average",
     "lr_warmup", "model_average", "equalize_steps", "checkpoint",
     "fit_loss_scale"]
 BACKEND_CHECKS = {

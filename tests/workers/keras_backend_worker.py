@@ -166,6 +166,11 @@ def group_optimizer():
             jit_compile=False)
         assert_close(got, truth, "fit_adam_eager")
         ok("fit_adam_eager")
+    # Keras' own accumulation (JAX's and PyTorch's stand-in for
+    # backward_passes_per_step): averaged at every backward pass, the same
+    # as one process accumulating the global batches.
+    check_fit("fit_gradient_accumulation", lambda: keras.optimizers.SGD(
+        0.1, momentum=0.5, gradient_accumulation_steps=3))
     if BACKEND != "tensorflow":
         try:
             kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
