@@ -7,7 +7,9 @@ through `Optimizer.apply(grads, trainable_variables)`:
   `apply`;
 - custom loops call `apply_gradients` or `apply`;
 - `LossScaleOptimizer.apply` checks finiteness and calls its inner
-  optimizer's `apply`.
+  optimizer's `apply`;
+- Keras' JAX train step calls `stateless_apply` (which calls `apply`,
+  except a `LossScaleOptimizer`'s): the wrapper reduces there too, once.
 
 `apply` then filters empty gradients, unscales, and calls
 `_backend_apply_gradients`, which clips (`clipnorm`, `clipvalue`,
@@ -16,6 +18,10 @@ Keras wrapper hooked `_compute_gradients`/`get_gradients`, which Keras 3
 never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
+
+The reduction runs on the Keras backend's own tensors (`_keras_backend`):
+TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
+jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 """
 
 import sys
@@ -96,7 +102,12 @@ def DistributedOptimizer(optimizer, name=None,
     `backward_passes_per_step` act, and the per-step cost is that of the
     plain optimizer.
 
-    XLA: the collectives have no XLA kernel. When `model.fit` (or
+    Backends: the same on TensorFlow, JAX and PyTorch, except that
+    `backward_passes_per_step > 1` needs TensorFlow (elsewhere pass
+    `gradient_accumulation_steps` to the Keras optimizer) and that only
+    TensorFlow has `tf.IndexedSlices` gradients (`sparse_as_dense`).
+
+    XLA (TensorFlow): the TF ops have no XLA kernel. When `model.fit` (or
     `train_on_batch`) is about to build the train function of a model
     compiled with `jit_compile=True` (or "auto" resolved to XLA, as on a
     GPU) and this optimizer, kerasdist sets `model.jit_compile = False`
