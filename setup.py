@@ -59,7 +59,7 @@ setup(
     name="kerasdist",
     version=VERSION,
     description="Fast synchronous data-parallel training for Keras 3 on "
-                "TensorFlow (Horovod-style, MPI and NCCL)",
+                "TensorFlow, JAX and PyTorch (Horovod-style, MPI and NCCL)",
     packages=find_packages(include=["kerasdist", "kerasdist.*"]),
     package_data={"kerasdist": NATIVE + OPTIONAL_NATIVE},
     ext_modules=[Extension("kerasdist._native_build_marker", sources=[])],

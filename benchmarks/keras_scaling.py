@@ -39,6 +39,15 @@ machine has cores (the launcher then binds nobody): reported in a table of
 its own, efficiency against 4 x the np=1 run. `--plot` draws total images/s
 against the number of ranks for each model, with the ideal-linear line (np
 x the np=1 median) and MWMS's point (matplotlib needed).
+`--backends tensorflow,jax,torch` runs every row on each Keras backend
+(KERAS_BACKEND for the ranks; default tensorflow alone), in the same
+rounds: TensorFlow feeds a tf.data pipeline and compiles without XLA, JAX
+feeds numpy batches to its jitted step (the collectives are XLA custom
+calls), PyTorch feeds numpy batches to its eager step; one compute thread
+per process on each (XLA_FLAGS / torch.set_num_threads). `--overhead` adds a
+`plain` row at np=1 (the plain Keras optimizer, no DistributedOptimizer)
+and a table of the per-step overhead of kerasdist at np=1 against it, per
+backend and model.
 Run it alone: the machine has 2 cores.
 """
 
@@ -90,21 +99,40 @@ def _timed_fit(model, data, steps, warmup, meet=None):
         ends.append(time.perf_counter())
 
     timer = keras.callbacks.LambdaCallback(on_train_batch_end=batch_end)
-    model.fit(data.prefetch(2), steps_per_epoch=warmup + steps, epochs=1,
+    model.fit(data, steps_per_epoch=warmup + steps, epochs=1,
               verbose=0, callbacks=[timer])
     return steps * BATCH / (ends[-1] - ends[warmup - 1])
 
 
-def setup_rank(model_name, communicate=True):
-    """This rank's W3 job: one TF thread of each kind, kerasdist started,
+def _threads(backend):
+    """One compute thread of each kind on this rank (before the model)."""
+    if backend == "tensorflow":
+        import tensorflow as tf
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    elif backend == "torch":
+        import torch
+        torch.set_num_threads(1)
+        torch.set_num_interop_threads(1)
+    # JAX: XLA_FLAGS, set by _launch before the process starts.
+
+
+def _batches(x, y):
+    """Numpy batches of (x, y), repeated forever (JAX, PyTorch)."""
+    while True:
+        for i in range(0, len(x) - BATCH + 1, BATCH):
+            yield x[i:i + BATCH], y[i:i + BATCH]
+
+
+def setup_rank(model_name, communicate=True, backend="tensorflow"):
+    """This rank's W3 job: one thread of each kind, kerasdist started,
     1024 random images of its own (repeated, batched), the model compiled
     with SGD momentum (inside DistributedOptimizer if `communicate`) and
-    rank 0's weights broadcast. Returns (model, dataset)."""
+    rank 0's weights broadcast. Returns (model, data): a tf.data pipeline
+    on TensorFlow, a generator of numpy batches otherwise."""
     import numpy as np
-    import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    _threads(backend)
     import keras
 
     import kerasdist as kd
@@ -113,48 +141,60 @@ def setup_rank(model_name, communicate=True):
     rng = np.random.default_rng(kd.rank())
     x = rng.random((1024, 32, 32, 3), dtype=np.float32)
     y = rng.integers(0, 10, size=(1024,))
-    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
+    if backend == "tensorflow":
+        import tensorflow as tf
+        data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
+            BATCH).prefetch(2)
+    else:
+        data = _batches(x, y)
     model = _build(model_name)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     model.compile(
         optimizer=kd.DistributedOptimizer(sgd) if communicate else sgd,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=False)
+        # TF's ops have no XLA kernel; JAX's step is jitted with them.
+        jit_compile=backend == "jax")
     kd.broadcast_variables(model.variables, root_rank=0)
     return model, data
 
 
-def worker(model_name, steps, warmup, communicate=True, meet=False):
+def worker(model_name, steps, warmup, communicate=True, meet=False,
+           backend="tensorflow"):
     """One rank: train, time, check weights; rank 0 prints a RESULT line.
 
     With communicate=False each rank trains on its own with the plain
     optimizer (no allreduce): the np=2 ceiling of this machine, i.e. what
-    two processes sharing its cores and memory reach with no communication.
-    With meet=True as well, the ranks still meet once per step (a 4-byte
-    allreduce after each batch): the cost of waiting for the slower rank.
+    two processes sharing its cores and memory reach with no communication
+    (at np=1: plain Keras). With meet=True as well, the ranks still meet
+    once per step (a 4-byte allreduce after each batch): the cost of
+    waiting for the slower rank.
     """
     import numpy as np
-    import tensorflow as tf
 
     import kerasdist as kd
 
-    model, data = setup_rank(model_name, communicate)
-    one = tf.constant([1.0])
+    model, data = setup_rank(model_name, communicate, backend)
+    import keras
+
+    def numpy(x):
+        return np.asarray(keras.ops.convert_to_numpy(x))
+
+    one = np.ones([1], np.float32)
     img_sec = _timed_fit(
         model, data, steps, warmup,
         meet=(lambda: kd.allreduce(one, name="bench.meet")) if meet else None)
 
     mine = np.concatenate([w.ravel() for w in model.get_weights()])
-    every = kd.allgather(tf.constant(mine[None, :]), name="bench.weights")
-    same = all(np.array_equal(row, every[0].numpy()) for row in every.numpy())
-    rates = kd.allgather(tf.constant([img_sec], tf.float64),
-                         name="bench.rates").numpy().tolist()
+    every = numpy(kd.allgather(mine[None, :], name="bench.weights"))
+    same = all(np.array_equal(row, every[0]) for row in every)
+    rates = numpy(kd.allgather(np.array([img_sec], np.float32),
+                               name="bench.rates")).tolist()
     if kd.rank() == 0:
         print("RESULT " + json.dumps({
             "model": model_name, "np": kd.size(), "rates": rates,
             "params": int(model.count_params()),
-            "tensors": len(model.trainable_variables), "same": same}),
-            flush=True)
+            "tensors": len(model.trainable_variables), "same": same,
+            "backend": keras.backend.backend()}), flush=True)
 
 
 def mwms_worker(model_name, steps, warmup):
@@ -267,24 +307,29 @@ def _launch_mwms(model_name, steps, warmup, workers=2):
             "same": len({r["digest"] for r in results}) == 1}
 
 
-def _launch(np_, model_name, steps, warmup, system="kerasdist"):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+def _launch(np_, model_name, steps, warmup, system="kerasdist",
+            backend="tensorflow"):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND=backend)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if backend == "jax":  # one XLA CPU thread, as TF's one intra-op thread
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_"
+                            "thread_eigen=false intra_op_parallelism_"
+                            "threads=1").strip()
     argv = [sys.executable, "-m", "kerasdist.run", "-np", str(np_),
             sys.executable, os.path.abspath(__file__), "--worker",
             "--system", system, "--model", model_name, "--steps", str(steps),
-            "--warmup", str(warmup)]
+            "--warmup", str(warmup), "--backends", backend]
     out = subprocess.run(argv, capture_output=True, text=True, env=env,
                          cwd=REPO_ROOT, timeout=900)
     for line in out.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError(f"np={np_} {model_name} failed (exit "
+    raise RuntimeError(f"{backend} np={np_} {model_name} failed (exit "
                        f"{out.returncode}):\n{out.stdout[-3000:]}"
                        f"{out.stderr[-3000:]}")
 
 
-def main():
+def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", action="store_true",
                         help=argparse.SUPPRESS)
@@ -306,6 +351,12 @@ def main():
                         "shows medians (default 3)")
     parser.add_argument("--models", default="cnn,mlp20",
                         help="comma-separated: cnn, mlp20")
+    parser.add_argument("--backends", default="tensorflow",
+                        help="comma-separated Keras backends: tensorflow, "
+                        "jax, torch (default tensorflow)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also run plain Keras at np=1 and print "
+                        "kerasdist's per-step overhead against it")
     parser.add_argument("--np4", action="store_true",
                         help="also run kerasdist at np=4 (oversubscribed on "
                         "a 2-core machine), reported separately")
@@ -313,74 +364,140 @@ def main():
                         "the ideal-linear line, to this PNG")
     parser.add_argument("--steps-cnn", type=int, default=40)
     parser.add_argument("--steps-mlp", type=int, default=200)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.backends = args.backends.split(",")
+    bad = set(args.backends) - {"tensorflow", "jax", "torch"}
+    if bad:
+        parser.error(f"--backends: unknown {sorted(bad)}; use tensorflow, "
+                     "jax, torch")
+    return args
+
+
+def _runs(args):
+    """(backend, system, np) of one round, each backend's kerasdist np=1
+    first (the reference of its efficiencies)."""
+    runs = []
+    for backend in args.backends:
+        runs += [(backend, "kerasdist", 1), (backend, "kerasdist", 2)]
+        if args.overhead:
+            runs.append((backend, "plain", 1))
+        if args.mwms and backend == "tensorflow":
+            runs.append((backend, "mwms", 2))
+        if args.ceiling:
+            runs += [(backend, "no-comm", 2), (backend, "sync-only", 2)]
+        if args.np4:
+            runs.append((backend, "kerasdist", 4))
+    return runs
+
+
+def _label(backend, system):
+    """The system column: TensorFlow's rows keep their names."""
+    return system if backend == "tensorflow" else f"{system}-{backend}"
+
+
+def _measure(model_name, steps, runs, args):
+    """Every run once per round; totals, efficiencies (against the same
+    backend's kerasdist np=1 of the same round) and the last RESULT."""
+    totals = {run: [] for run in runs}
+    effs = {run: [] for run in runs}
+    info = {}
+    for _ in range(args.rounds):
+        single = {}
+        for backend, system, np_ in runs:
+            if system == "mwms":
+                r = _launch_mwms(model_name, steps, args.warmup)
+            else:
+                r = _launch(np_, model_name, steps, args.warmup, system,
+                            backend)
+            total = sum(r["rates"])
+            single.setdefault(backend, total)
+            run = (backend, system, np_)
+            totals[run].append(total)
+            effs[run].append(total / (np_ * single[backend]))
+            same = info.get(run, {}).get("same", True)
+            info[run] = dict(r, same=same and r["same"])
+    return totals, effs, info
+
+
+def _overhead_rows(model_name, runs, totals):
+    """kerasdist np=1 against plain Keras np=1, per backend: the per-step
+    overhead (plain img/s / kerasdist img/s - 1) of each round, medians."""
+    rows = []
+    for backend, system, np_ in runs:
+        if system != "plain":
+            continue
+        ours = totals[(backend, "kerasdist", 1)]
+        plain = totals[(backend, "plain", 1)]
+        over = [p / o - 1 for p, o in zip(plain, ours)]
+        rows.append(f"  {model_name:>6} {backend:>10} "
+                    f"{statistics.median(plain):>10.1f} "
+                    f"{statistics.median(ours):>10.1f} "
+                    f"{100 * statistics.median(over):>+8.1f}% "
+                    f"{100 * min(over):>+6.1f}..{100 * max(over):+.1f}%")
+    return rows
+
+
+def main():
+    args = _parse()
     if args.worker:
         if args.system == "mwms":
             mwms_worker(args.model, args.steps, args.warmup)
         else:
             worker(args.model, args.steps, args.warmup,
-                   communicate=args.system not in ("no-comm", "sync-only"),
-                   meet=args.system == "sync-only")
+                   communicate=args.system not in ("no-comm", "sync-only",
+                                                   "plain"),
+                   meet=args.system == "sync-only",
+                   backend=args.backends[0])
         return
 
     print(f"# W3: model.fit, batch 64 per rank, SGD momentum; {args.rounds} "
           "round(s), systems alternating; eff = total / (np x kerasdist np=1 "
-          "of the same round); medians, eff range over rounds")
-    print(f"# {'model':>6} {'system':>9} {'params':>9} {'tensors':>7} "
+          "of the same backend and round); medians, eff range over rounds; "
+          f"backends {','.join(args.backends)} (system-<backend> rows)")
+    print(f"# {'model':>6} {'system':>15} {'params':>9} {'tensors':>7} "
           f"{'np':>3} {'img/s/rank':>11} {'total':>9} {'eff':>5} "
           f"{'range':>11} {'same':>5}")
     models = [m for m in (("cnn", args.steps_cnn), ("mlp20", args.steps_mlp))
               if m[0] in args.models.split(",")]
     if args.plot:
         _check_matplotlib()
-    summary = {}  # (model, system, np) -> median total img/s
-    separate = []  # rows printed after the main table
+    summary = {}  # (model, system, np) -> median total img/s (TensorFlow)
+    separate, overhead = [], []  # rows printed after the main table
+    runs = _runs(args)
     for model_name, steps in models:
-        runs = [("kerasdist", 1), ("kerasdist", 2)]
-        if args.mwms:
-            runs.append(("mwms", 2))
-        if args.ceiling:
-            runs += [("no-comm", 2), ("sync-only", 2)]
-        if args.np4:
-            runs.append(("kerasdist", 4))
-        totals = {run: [] for run in runs}
-        effs = {run: [] for run in runs}
-        info = {}
-        for _ in range(args.rounds):
-            single = None
-            for system, np_ in runs:
-                if system == "mwms":
-                    r = _launch_mwms(model_name, steps, args.warmup)
-                else:
-                    r = _launch(np_, model_name, steps, args.warmup, system)
-                total = sum(r["rates"])
-                if single is None:
-                    single = total
-                totals[(system, np_)].append(total)
-                effs[(system, np_)].append(total / (np_ * single))
-                same = info.get((system, np_), {}).get("same", True)
-                info[(system, np_)] = dict(r, same=same and r["same"])
-        for system, np_ in runs:
-            r = info[(system, np_)]
-            total = statistics.median(totals[(system, np_)])
-            e = effs[(system, np_)]
+        totals, effs, info = _measure(model_name, steps, runs, args)
+        for run in runs:
+            backend, system, np_ = run
+            r = info[run]
+            total = statistics.median(totals[run])
+            e = effs[run]
             span = f"{min(e):.2f}-{max(e):.2f}"
-            summary[(model_name, system, np_)] = total
-            row = (f"  {model_name:>6} {system:>9} {r['params']:>9} "
-                   f"{r['tensors']:>7} {np_:>3} {total / np_:>11.1f} "
-                   f"{total:>9.1f} {statistics.median(e):>5.2f} {span:>11} "
+            if backend == "tensorflow":
+                summary[(model_name, system, np_)] = total
+            row = (f"  {model_name:>6} {_label(backend, system):>15} "
+                   f"{r['params']:>9} {r['tensors']:>7} {np_:>3} "
+                   f"{total / np_:>11.1f} {total:>9.1f} "
+                   f"{statistics.median(e):>5.2f} {span:>11} "
                    f"{str(r['same']):>5}")
             if np_ > 2:
                 separate.append(row)
             else:
                 print(row, flush=True)
+        overhead += _overhead_rows(model_name, runs, totals)
     if separate:
         print(f"# oversubscribed: more ranks than this machine's "
               f"{os.cpu_count()} CPUs (nobody bound); eff = total / "
               "(np x kerasdist np=1 of the same round)")
         for row in separate:
             print(row, flush=True)
-    if args.plot:
+    if overhead:
+        print("# per-step overhead at np=1: plain Keras img/s / kerasdist "
+              "img/s - 1 (same backend and round); medians, range")
+        print(f"# {'model':>6} {'backend':>10} {'plain':>10} "
+              f"{'kerasdist':>10} {'overhead':>9} {'range':>15}")
+        for row in overhead:
+            print(row, flush=True)
+    if args.plot and ("tensorflow" in args.backends):
         _plot(args.plot, [m for m, _ in models], summary)
 
 

@@ -51,10 +51,12 @@ def main():
     ])
     lr = args.lr * kd.size()  # (3) the global batch is size() times larger
     optimizer = kd.DistributedOptimizer(keras.optimizers.Adam(lr))
-    # jit_compile=False: the collectives have no XLA kernel (Keras's "auto"
-    # turns XLA on when a GPU is present).
+    # Keras's default jit_compile fits every backend: JAX's jitted step
+    # calls the collectives as XLA custom calls; TensorFlow's ops have no
+    # XLA kernel, so where "auto" means XLA (a GPU) kerasdist turns it off
+    # with a warning (pass jit_compile=False there to silence it).
     model.compile(optimizer, "sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=False)
+                  metrics=["accuracy"])
 
     callbacks = [  # (4) order matters: averaging before the readers
         kd.callbacks.BroadcastGlobalVariablesCallback(0),

@@ -6,9 +6,12 @@
     optimizer = kd.DistributedOptimizer(optimizer)
 
 Attributes are imported on first use, so `python -m kerasdist.run` (the
-launcher) starts without importing TensorFlow. JAX and PyTorch users import
-`kerasdist.jax` or `kerasdist.torch` (the same collectives on their arrays
-and tensors), which never import TensorFlow.
+launcher) starts without importing TensorFlow. The Keras layer
+(DistributedOptimizer, callbacks, data, Trainer) runs on the Keras backend
+that KERAS_BACKEND selects (tensorflow, jax or torch), and so do the
+collectives here (`kerasdist.allreduce`...): they take that backend's
+tensors. `kerasdist.jax` and `kerasdist.torch` offer the same collectives
+without Keras, and never import TensorFlow.
 """
 
 import importlib
@@ -41,6 +44,12 @@ __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name):
+    if name in _EXPORTS and _EXPORTS[name] == "collectives":
+        # Chosen by the Keras backend (kerasdist/_keras_backend.py).
+        backend = importlib.import_module("kerasdist._keras_backend")
+        value = backend.collective(name)
+        globals()[name] = value
+        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"kerasdist.{name}")
     module = _EXPORTS.get(name)

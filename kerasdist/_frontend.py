@@ -122,3 +122,43 @@ def run_host(op, name, inputs, out_shapes, group=False, owned=False,
             if out.size:
                 ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
     return outs
+
+
+# ---- small host collectives on numpy (any Keras backend) ---------------------
+
+
+def host_allreduce(array, op, name):
+    """Allreduces a numpy array (any shape) through the core; returns the
+    result as a numpy array. For small control values (step counts, flags)
+    that every Keras backend exchanges the same way."""
+    require_init()
+    x = np.asarray(array)
+    return run_host(_capi.OP_ALLREDUCE, name, [x], [x.shape],
+                    reduce_op=int(op))[0]
+
+
+def host_allgather(array, name):
+    """Allgathers a numpy array whose first dimension is the same on every
+    rank; returns the `[size() * rows, ...]` result as a numpy array."""
+    require_init()
+    x = np.asarray(array)
+    if x.ndim == 0:
+        raise ValueError("host_allgather needs an array with a first "
+                         "dimension, got a scalar.")
+    shape = (x.shape[0] * basics.size(),) + x.shape[1:]
+    return run_host(_capi.OP_ALLGATHER, name, [x], [shape], owned=True)[0]
+
+
+def host_broadcast(array, root_rank, name):
+    """Every rank gets `root_rank`'s numpy array (same shape everywhere)."""
+    require_init()
+    x = np.asarray(array)
+    return run_host(_capi.OP_BROADCAST, name, [x], [x.shape],
+                    root_rank=int(root_rank))[0]
+
+
+def host_barrier(name):
+    """Returns once every rank has called it."""
+    require_init()
+    _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
+                 (), None, None).wait()

@@ -5,9 +5,10 @@ import time
 import keras
 import numpy as np
 
+from kerasdist import _frontend
+from kerasdist import _keras_backend
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
-from kerasdist import collectives
 
 
 def seed_generators(model):
@@ -186,7 +187,7 @@ class CheckpointCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if basics.rank() == 0:
             self._save(epoch + 1, dict(logs or {}))
-        collectives.barrier(name=f"kerasdist.trainer.checkpoint.{epoch}")
+        _frontend.host_barrier(f"kerasdist.trainer.checkpoint.{epoch}")
 
 
 def sync_state(model):
@@ -199,7 +200,6 @@ def sync_state(model):
     variables = list(model.weights)
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
-    for i, v in enumerate(variables):
-        shape = "x".join(str(d) for d in v.shape)
-        v.assign(collectives.broadcast(
-            v, 0, name=f"kerasdist.trainer.sync.{i}.{shape}"))
+    names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)
+             for i, v in enumerate(variables)]
+    _keras_backend.assign_broadcast(variables, 0, names)

@@ -5,11 +5,10 @@ continue them."""
 import collections
 
 import numpy as np
-import tensorflow as tf
 
+from kerasdist import _frontend
 from kerasdist import basics
 from kerasdist import checkpoints
-from kerasdist import collectives
 
 # The core's setting the launcher sets for every attempt under
 # --max-restarts; current_settings() reports it (a KeyError if it is renamed).
@@ -155,9 +154,8 @@ def resume_on_rank0(find, load, what, rng_count=0):
             row[0], message = 2, f"{type(e).__name__}: {e}"
     # One broadcast, also on failure: a rank that raised alone would leave
     # the others waiting in their next collective.
-    status = collectives.broadcast(
-        tf.constant(np.array(row, np.int64)), 0,
-        name=f"kerasdist.trainer.resume.{rng_count}").numpy()
+    status = _frontend.host_broadcast(
+        np.array(row, np.int64), 0, f"kerasdist.trainer.resume.{rng_count}")
     if status[0] == 2:
         raise checkpoints.CheckpointError(
             message or f"rank 0 could not load {what}; see its error.")

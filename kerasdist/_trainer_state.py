@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdist import __version__ as kerasdist_version
+from kerasdist import _frontend
 from kerasdist import basics
-from kerasdist import collectives
 
 
 def start():
@@ -126,8 +126,7 @@ def check_numbers(learning_rate, warmup_epochs, seed):
 def gather_row(row, tag):
     """[size, len(row)] float64 table of every rank's `row`."""
     row = np.asarray([row], np.float64)
-    return collectives.allgather(
-        row, name=f"kerasdist.trainer.{tag}").numpy()
+    return _frontend.host_allgather(row, f"kerasdist.trainer.{tag}")
 
 
 def layers_to_freeze(model, freeze):

@@ -8,9 +8,11 @@ A compressor turns a tensor into what goes over the wire and back again:
 
 Averaging happens in the runtime on the compressed values, so float16
 averages are computed in float16.
-"""
 
-import tensorflow as tf
+The compressors take the tensors of any Keras backend (TensorFlow tensors,
+JAX arrays and tracers, PyTorch tensors) and import no framework
+themselves: they cast with the tensor's own methods.
+"""
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
@@ -56,15 +58,41 @@ class FP16Compressor(Compressor):
     @staticmethod
     def compress(tensor):
         dtype = tensor.dtype
-        if dtype.is_floating and dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), dtype
-        return tensor, None
+        if not _is_float(dtype) or _is_half(dtype):
+            return tensor, None
+        return _cast(tensor, "float16"), dtype
 
     @staticmethod
     def decompress(tensor, ctx):
         if ctx is None:
             return tensor
-        return tf.cast(tensor, ctx)
+        return _cast(tensor, ctx)
+
+
+def _dtype_name(dtype):
+    name = getattr(dtype, "name", None)  # tf.DType, numpy (JAX) dtypes
+    if isinstance(name, str):
+        return name
+    return str(dtype).rsplit(".", 1)[-1]  # torch.float16 -> float16
+
+
+def _is_float(dtype):
+    return "float" in _dtype_name(dtype)  # bfloat16 too
+
+
+def _is_half(dtype):
+    return _dtype_name(dtype) == "float16"
+
+
+def _cast(tensor, dtype):
+    """`tensor` as `dtype` (the tensor's own dtype object, or "float16")."""
+    framework = type(tensor).__module__.split(".")[0]
+    if framework == "torch":
+        return tensor.half() if dtype == "float16" else tensor.to(dtype)
+    if framework == "tensorflow":
+        import tensorflow as tf
+        return tf.cast(tensor, dtype)
+    return tensor.astype(dtype)  # JAX arrays and tracers, numpy
 
 
 class Compression:

@@ -12,10 +12,9 @@ with the global batch (`lr * size()`), with a warmup
 import math
 
 import numpy as np
-import tensorflow as tf
 
+from kerasdist import _frontend
 from kerasdist import basics
-from kerasdist import collectives
 
 
 def _rank_size(rank, size):
@@ -28,6 +27,15 @@ def _rank_size(rank, size):
     if not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"rank must be an int in [0, {size}), got {rank!r}.")
     return rank, size
+
+
+def _is_dataset(data):
+    """A `tf.data.Dataset`, told without importing TensorFlow (a JAX or
+    PyTorch job that shards numpy arrays never loads it)."""
+    if not type(data).__module__.startswith("tensorflow"):
+        return False
+    import tensorflow as tf
+    return isinstance(data, tf.data.Dataset)
 
 
 def _is_structure(data):
@@ -84,7 +92,7 @@ def shard(data, rank=None, size=None):
     ```
     """
     rank, size = _rank_size(rank, size)
-    if isinstance(data, tf.data.Dataset):
+    if _is_dataset(data):
         return data.shard(size, rank)
     lengths = {len(leaf) for leaf in _leaves(data)}
     if len(lengths) > 1:
@@ -105,7 +113,7 @@ def num_batches(data, batch_size=None):
     Raises:
         ValueError: if the count is unknown.
     """
-    if isinstance(data, tf.data.Dataset):
+    if _is_dataset(data):
         n = int(data.cardinality())
         if n < 0:
             raise ValueError(
@@ -129,9 +137,9 @@ def min_steps(local_steps):
     steps = kerasdist.data.min_steps(len(my_batches))
     ```
     """
-    value = tf.constant(int(local_steps), tf.int64)
-    return int(collectives.allreduce(value, op=basics.Min,
-                                     name="kerasdist.data.min_steps"))
+    value = np.array(int(local_steps), np.int64)
+    return int(_frontend.host_allreduce(value, basics.Min,
+                                        "kerasdist.data.min_steps"))
 
 
 def equalize_steps(data, batch_size=None):

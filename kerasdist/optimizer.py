@@ -7,7 +7,9 @@ through `Optimizer.apply(grads, trainable_variables)`:
   `apply`;
 - custom loops call `apply_gradients` or `apply`;
 - `LossScaleOptimizer.apply` checks finiteness and calls its inner
-  optimizer's `apply`.
+  optimizer's `apply`;
+- Keras' JAX train step calls `stateless_apply` (which calls `apply`,
+  except a `LossScaleOptimizer`'s): the wrapper reduces there too, once.
 
 `apply` then filters empty gradients, unscales, and calls
 `_backend_apply_gradients`, which clips (`clipnorm`, `clipvalue`,
@@ -16,26 +18,20 @@ Keras wrapper hooked `_compute_gradients`/`get_gradients`, which Keras 3
 never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
+
+The reduction runs on the Keras backend's own tensors (`_keras_backend`):
+TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
+jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 """
 
 import sys
-import warnings
-
-import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist import collectives
-from kerasdist import _keras_util
+from kerasdist import _gradients
+from kerasdist import _keras_backend
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedOptimizer"]
-
-_XLA_MESSAGE = (
-    "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
-    "function: its collectives have no XLA kernel. Drop `jit_compile=True` "
-    "from the tf.function around a custom train step, or compile the model "
-    "with `model.compile(..., jit_compile=False)` (model.fit and "
-    "train_on_batch turn XLA off by themselves, with a warning).")
 
 
 class _Settings:
@@ -45,23 +41,10 @@ class _Settings:
         self.__dict__.update(kwargs)
 
 
-class _Accumulators:
-    """Local gradient sums for backward_passes_per_step > 1.
-
-    Plain `tf.Variable`s held outside Keras tracking: they are not in
-    `optimizer.variables`, so a saved model's optimizer state has the same
-    layout as the unwrapped optimizer's and loads without kerasdist. The
-    price: a partial accumulation is not checkpointed.
-    """
-
-    def __init__(self, variables):
-        with tf.init_scope():
-            self.grads = [
-                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                            name="kerasdist_accum")
-                for v in variables]
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name="kerasdist_accum_count")
+def _tf():
+    """The TensorFlow-only parts (accumulation, XLA), on that backend."""
+    from kerasdist import _optimizer_tf
+    return _optimizer_tf
 
 
 def DistributedOptimizer(optimizer, name=None,
@@ -119,7 +102,12 @@ def DistributedOptimizer(optimizer, name=None,
     `backward_passes_per_step` act, and the per-step cost is that of the
     plain optimizer.
 
-    XLA: the collectives have no XLA kernel. When `model.fit` (or
+    Backends: the same on TensorFlow, JAX and PyTorch, except that
+    `backward_passes_per_step > 1` needs TensorFlow (elsewhere pass
+    `gradient_accumulation_steps` to the Keras optimizer) and that only
+    TensorFlow has `tf.IndexedSlices` gradients (`sparse_as_dense`).
+
+    XLA (TensorFlow): the TF ops have no XLA kernel. When `model.fit` (or
     `train_on_batch`) is about to build the train function of a model
     compiled with `jit_compile=True` (or "auto" resolved to XLA, as on a
     GPU) and this optimizer, kerasdist sets `model.jit_compile = False`
@@ -163,12 +151,9 @@ def DistributedOptimizer(optimizer, name=None,
         raise TypeError("DistributedOptimizer expects a "
                         "keras.optimizers.Optimizer (Keras 3); got "
                         f"{type(optimizer).__name__}.")
-    _keras_util.check_args(op, compression, gradient_predivide_factor,
-                           num_groups, "DistributedOptimizer")
-    if not isinstance(backward_passes_per_step, int) or \
-            backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be an int >= 1; got "
-                         f"{backward_passes_per_step!r}.")
+    _gradients.check_args(op, compression, gradient_predivide_factor,
+                          num_groups, "DistributedOptimizer")
+    _check_passes(backward_passes_per_step)
     settings = _Settings(
         prefix=name or "DistributedOptimizer", compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,
@@ -176,7 +161,8 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups)
-    _install_train_function_hook()
+    if _keras_backend.backend() == "tensorflow":
+        _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
     if optimizer.built:
@@ -193,6 +179,7 @@ def _distributed_class(base, settings):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
+            self._kerasdist_reduced = False
 
         def __setattr__(self, name, value):
             super().__setattr__(name, value)
@@ -209,12 +196,12 @@ def _distributed_class(base, settings):
         def build(self, variables):
             super().build(variables)
             if settings.backward_passes_per_step > 1:
-                self._kerasdist_accum = _Accumulators(
+                self._kerasdist_accum = _tf().Accumulators(
                     self._trainable_variables)
 
         def apply(self, grads, trainable_variables=None):
-            if _keras_util.in_xla_context():
-                raise RuntimeError(_XLA_MESSAGE)
+            if _keras_backend.backend() == "tensorflow":
+                _tf().check_not_xla()
             grads = list(grads)
             if trainable_variables is not None:
                 trainable_variables = list(trainable_variables)
@@ -223,57 +210,48 @@ def _distributed_class(base, settings):
                 variables = self._trainable_variables
             else:  # let Keras raise its own error
                 return super().apply(grads, trainable_variables)
-            if not grads:
+            if not grads or self._kerasdist_reduced:
                 return super().apply(grads, trainable_variables)
             if settings.backward_passes_per_step == 1:
                 reduced = self._kerasdist_reduce(grads, variables)
                 return super().apply(reduced, trainable_variables)
 
             if not self.built:
-                with tf.name_scope(self.name):
-                    self.build(variables)
-                self.built = True
+                _tf().build(self, variables)
+            acc = self._kerasdist_accum
             # super() needs the enclosing method's frame; bind it here.
             parent_apply = super().apply
-            return self._kerasdist_accumulate(grads, variables,
-                                              trainable_variables,
-                                              parent_apply)
+            return _tf().accumulate(
+                [acc.grads[self._get_variable_index(v)] for v in variables],
+                acc.count, grads, settings.backward_passes_per_step,
+                settings.average_aggregated_gradients,
+                lambda summed: self._kerasdist_reduce(summed, variables),
+                lambda reduced: parent_apply(reduced, trainable_variables))
+
+        def stateless_apply(self, optimizer_variables, grads,
+                            trainable_variables):
+            # JAX's train step comes here, not to `apply`; and a
+            # LossScaleOptimizer's stateless_apply never calls `apply`.
+            # Reduce once, here, whatever the class does next.
+            if not self.built or self._kerasdist_reduced:
+                return super().stateless_apply(
+                    optimizer_variables, grads, trainable_variables)
+            grads = self._kerasdist_reduce(list(grads),
+                                           self._trainable_variables)
+            self._kerasdist_reduced = True
+            try:
+                return super().stateless_apply(
+                    optimizer_variables, grads, trainable_variables)
+            finally:
+                self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
-            return _keras_util.reduce_gradients(
+            return _keras_backend.reduce_gradients(
                 grads, variables, settings.prefix,
                 compression=settings.compression, op=settings.op,
                 sparse_as_dense=settings.sparse_as_dense,
                 gradient_predivide_factor=settings.gradient_predivide_factor,
                 num_groups=settings.num_groups)
-
-        def _kerasdist_accumulate(self, grads, variables,
-                                  trainable_variables, parent_apply):
-            acc = self._kerasdist_accum
-            k = settings.backward_passes_per_step
-            slots = [acc.grads[self._get_variable_index(v)]
-                     for v in variables]
-            for g, slot in zip(grads, slots):
-                if g is not None:
-                    slot.assign_add(tf.cast(tf.convert_to_tensor(g),
-                                            slot.dtype))
-            count = acc.count.assign_add(1)
-
-            def communicate():
-                summed = [None if g is None else tf.identity(slot)
-                          for g, slot in zip(grads, slots)]
-                if settings.average_aggregated_gradients:
-                    summed = [None if s is None else s / k for s in summed]
-                reduced = self._kerasdist_reduce(summed, variables)
-                parent_apply(reduced, trainable_variables)
-                for slot in slots:
-                    slot.assign(tf.zeros_like(slot))
-                return tf.constant(True)
-
-            # Every rank counts the same calls, so all take the same branch
-            # and the collectives inside stay matched.
-            return tf.cond(tf.equal(count % k, 0), communicate,
-                           lambda: tf.constant(False))
 
     # Serialize as the user's class: the saved file then names it and loads
     # without kerasdist.
@@ -292,51 +270,18 @@ def _is_distributed(optimizer):
     return False
 
 
-# ---- XLA: turn it off for the train function, with one warning --------------
-
-_XLA_WARNING = (
-    "kerasdist: XLA was turned off for the train step of model {name!r} "
-    "(model.jit_compile is now False): kerasdist's collectives have no XLA "
-    "kernel. Compile the model with jit_compile=False to silence this "
-    "warning.")
-
-
-def _turn_off_xla(model):
-    """Before Keras builds a train function: no XLA with kerasdist inside."""
-    if model.run_eagerly or not _is_distributed(model.optimizer):
-        return
-    if not model.jit_compile:  # resolves "auto"
-        return
-    model.jit_compile = False
-    model.train_function = None  # rebuilt without XLA
-    if not getattr(model, "_kerasdist_xla_warned", False):
-        model._kerasdist_xla_warned = True
-        warnings.warn(_XLA_WARNING.format(name=model.name), UserWarning,
-                      stacklevel=3)
-
-
-def _install_train_function_hook():
-    """Wraps Keras's `make_train_function` (once per process).
-
-    `fit` and `train_on_batch` call it before the first step is traced, so
-    this is the last moment `jit_compile` can still be changed. Without the
-    private class (a Keras change), the clear error in `apply` remains.
-    """
-    try:
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    except ImportError:  # pragma: no cover
-        return
-    original = TensorFlowTrainer.make_train_function
-    if getattr(original, "_kerasdist_hook", False):
-        return
-
-    def make_train_function(self, force=False):
-        _turn_off_xla(self)
-        return original(self, force=force)
-
-    make_train_function._kerasdist_hook = True
-    make_train_function.__doc__ = original.__doc__
-    TensorFlowTrainer.make_train_function = make_train_function
+def _check_passes(backward_passes_per_step):
+    if not isinstance(backward_passes_per_step, int) or \
+            backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be an int >= 1; got "
+                         f"{backward_passes_per_step!r}.")
+    backend = _keras_backend.backend()
+    if backward_passes_per_step > 1 and backend != "tensorflow":
+        raise ValueError(
+            "DistributedOptimizer(backward_passes_per_step > 1) needs the "
+            f"TensorFlow backend; on {backend} pass gradient_accumulation_"
+            "steps to the Keras optimizer instead (the gradients are then "
+            "averaged over the ranks at every backward pass).")
 
 
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------
@@ -370,17 +315,9 @@ def _synced_loss_scale_class(base):
             finite = super().check_finite(grads)
             if basics.size() == 1:
                 return finite
-            if _keras_util.in_xla_context():
-                raise RuntimeError(_XLA_MESSAGE)
-            prefix = self.inner_optimizer._kerasdist_settings.prefix
-            name = f"{prefix}.loss_scale_finite"
-            if not tf.executing_eagerly():
-                graph = tf.compat.v1.get_default_graph()
-                name = graph.unique_name(name, mark_as_used=True)
             # Min over ranks: finite only if every rank's gradients are.
-            agreed = collectives.allreduce(tf.cast(finite, tf.int32),
-                                           op=basics.Min, name=name)
-            return tf.greater(agreed, 0)
+            prefix = self.inner_optimizer._kerasdist_settings.prefix
+            return _keras_backend.agree_finite(finite, prefix)
 
     _SyncedLossScaleOptimizer.__name__ = base.__name__
     _SyncedLossScaleOptimizer.__qualname__ = base.__qualname__

@@ -4,6 +4,7 @@ over all ranks, for custom training loops."""
 import tensorflow as tf
 
 from kerasdist import basics
+from kerasdist import _gradients
 from kerasdist import _keras_util
 from kerasdist.compression import Compression
 
@@ -65,8 +66,8 @@ class DistributedGradientTape:
         if not isinstance(tape, tf.GradientTape):
             raise TypeError("DistributedGradientTape expects a "
                             f"tf.GradientTape; got {type(tape).__name__}.")
-        _keras_util.check_args(op, compression, gradient_predivide_factor,
-                               num_groups, "DistributedGradientTape")
+        _gradients.check_args(op, compression, gradient_predivide_factor,
+                              num_groups, "DistributedGradientTape")
         self._num_groups = num_groups
         self._tape = tape
         self._compression = compression

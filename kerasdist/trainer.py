@@ -19,6 +19,7 @@ from kerasdist import _trainer_data as _tdata
 from kerasdist import _trainer_resume as _tresume
 from kerasdist import _trainer_snapshot as _tsnap
 from kerasdist import _trainer_state as _tstate
+from kerasdist import _keras_backend
 from kerasdist import basics
 from kerasdist import checkpoints
 from kerasdist import callbacks as kd_callbacks
@@ -393,11 +394,12 @@ class Trainer:
             _tcb.sync_state(model)
 
     def _compile(self):
-        # jit_compile=False: kerasdist's collectives are custom TF ops with
-        # no XLA kernel, so an XLA-compiled train step could not call them
-        # (Keras's default "auto" turns XLA on when a GPU is present).
+        # TensorFlow: no XLA, kerasdist's TF ops have no XLA kernel (Keras's
+        # "auto" turns XLA on when a GPU is present). JAX: the jitted step
+        # calls them as XLA custom calls. PyTorch: eager, Keras's default.
         self.model.compile(optimizer=self.optimizer, loss=self.build_loss(),
-                           metrics=self.build_metrics(), jit_compile=False)
+                           metrics=self.build_metrics(),
+                           jit_compile=_keras_backend.jit_compile())
 
     def _set_learning_rate(self, value):
         if not isinstance(self.optimizer._learning_rate,

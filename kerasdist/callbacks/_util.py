@@ -1,9 +1,11 @@
 """Helpers shared by the callbacks (private)."""
 
-import numpy as np
-import tensorflow as tf
+import hashlib
 
-from kerasdist import collectives
+import numpy as np
+
+from kerasdist import _frontend
+from kerasdist import _keras_backend
 
 
 def model_is_built(model):
@@ -37,14 +39,11 @@ def variable_name(v):
 
 
 def _fingerprint(v):
-    # FarmHash of the raw bytes: exact (no float tolerance) and the same on
-    # every rank that holds the same bits.
-    flat = tf.reshape(tf.convert_to_tensor(v), [1, -1])
-    if flat.dtype in (tf.bfloat16, tf.float16):
-        flat = tf.cast(flat, tf.float32)
-    if flat.dtype == tf.bool:
-        flat = tf.cast(flat, tf.uint8)
-    return tf.bitcast(tf.fingerprint(flat)[0], tf.int64)
+    # A hash of the raw bytes: exact (no float tolerance) and the same on
+    # every rank that holds the same bits, on every backend.
+    data = np.ascontiguousarray(_keras_backend.to_numpy(v))
+    digest = hashlib.blake2b(data.tobytes(), digest_size=8).digest()
+    return np.frombuffer(digest, np.int64)[0]
 
 
 def verify_identical(variables, tag):
@@ -57,9 +56,9 @@ def verify_identical(variables, tag):
     variables = list(variables)
     if not variables:
         return
-    row = tf.reshape(tf.stack([_fingerprint(v) for v in variables]), [1, -1])
-    table = collectives.allgather(
-        row, name=f"kerasdist.verify.{tag}.{len(variables)}").numpy()
+    row = np.array([[_fingerprint(v) for v in variables]], np.int64)
+    table = _frontend.host_allgather(
+        row, name=f"kerasdist.verify.{tag}.{len(variables)}")
     for i, v in enumerate(variables):
         column = table[:, i]
         differs = np.nonzero(column != column[0])[0]

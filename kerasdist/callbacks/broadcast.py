@@ -3,7 +3,7 @@
 import keras
 
 from kerasdist import basics
-from kerasdist import collectives
+from kerasdist import _keras_backend
 from kerasdist.callbacks import _util
 
 
@@ -79,9 +79,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # Names come from positions and shapes, not from variable paths:
         # auto-generated layer names ("dense_3") may differ between ranks
         # that built a different number of layers before this model.
-        for i, v in enumerate(variables):
-            shape = "x".join(str(d) for d in v.shape)
-            v.assign(collectives.broadcast(
-                v, self.root_rank, name=f"kerasdist.bgv.{i}.{shape}"))
+        names = [f"kerasdist.bgv.{i}." + "x".join(str(d) for d in v.shape)
+                 for i, v in enumerate(variables)]
+        _keras_backend.assign_broadcast(variables, self.root_rank, names)
         if self.verify:
             _util.verify_identical(variables, "after the broadcast")

@@ -3,10 +3,9 @@
 import zlib
 
 import keras
-import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist import collectives
+from kerasdist import _keras_backend
 from kerasdist.callbacks import _util
 
 
@@ -107,7 +106,8 @@ class ModelAverageCallback(keras.callbacks.Callback):
         self._average_now(self._iterations())
 
     def _iterations(self):
-        return int(self.model.optimizer.iterations.numpy())
+        return int(keras.ops.convert_to_numpy(
+            self.model.optimizer.iterations))
 
     def _average_now(self, step):
         if basics.size() == 1 or step == self._averaged_at:
@@ -125,20 +125,22 @@ class ModelAverageCallback(keras.callbacks.Callback):
             _util.build_optimizer(self.model)
             skip = {id(optimizer.iterations)}
             rate = getattr(optimizer, "_learning_rate", None)
-            if isinstance(rate, tf.Variable):
+            if isinstance(rate, keras.Variable):
                 skip.add(id(rate))
             variables += [v for v in optimizer.variables
                           if id(v) not in skip]
         seen, unique = set(), []
         for v in variables:
-            if tf.as_dtype(v.dtype).is_floating and id(v) not in seen:
+            if keras.backend.is_float_dtype(v.dtype) and id(v) not in seen:
                 seen.add(id(v))
                 unique.append(v)
         return unique
 
 
 def _averaging_function(variables, k):
-    """One tf.function: a grouped allreduce of every value, then assigns.
+    """A function that replaces every variable by its average over ranks
+    (one grouped allreduce, then the assigns; a `tf.function` on
+    TensorFlow).
 
     Collective names come from the variables' count and shapes (the same
     on every rank that built the same model), not from layer names, which
@@ -147,13 +149,4 @@ def _averaging_function(variables, k):
     shapes = ".".join("x".join(str(d) for d in v.shape) for v in variables)
     crc = zlib.crc32(shapes.encode())  # not hash(): salted per process
     name = f"kerasdist.model_average.{k}.{len(variables)}.{crc:08x}"
-
-    @tf.function
-    def average():
-        values = collectives.grouped_allreduce(
-            [tf.convert_to_tensor(v) for v in variables],
-            op=basics.Average, name=name)
-        for v, value in zip(variables, values):
-            v.assign(value)
-
-    return average
+    return _keras_backend.assign_average(variables, name)

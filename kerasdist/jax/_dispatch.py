@@ -24,6 +24,11 @@ _TARGETS = {
     "reducescatter": "KerasdistReducescatter",
     "barrier": "KerasdistBarrier",
 }
+# Targets with a CUDA handler too (ops/jax/ffi_cuda.cc): their result has
+# the input's shape. The others run on GPU arrays only eagerly (through the
+# host).
+CUDA_TARGETS = frozenset(("allreduce", "grouped_allreduce", "broadcast",
+                          "barrier"))
 _lock = threading.Lock()
 _registered = False
 # Per-trace counters of unnamed collectives, keyed by the outermost jit trace.
@@ -54,6 +59,15 @@ def _register():
             jax.ffi.register_ffi_target(
                 f"kerasdist_{target}", jax.ffi.pycapsule(getattr(lib, symbol)),
                 platform="cpu")
+            # A library built with the core's GPU backend also has handlers
+            # on device memory for the shape-keeping collectives.
+            if target in CUDA_TARGETS:
+                symbol += "Cuda"
+                if hasattr(lib, symbol):
+                    jax.ffi.register_ffi_target(
+                        f"kerasdist_{target}",
+                        jax.ffi.pycapsule(getattr(lib, symbol)),
+                        platform="CUDA")
         _registered = True
 
 
@@ -114,6 +128,11 @@ def call(target, out_types, *args, **attrs):
         # unused on one rank (a broadcast's gradient off the root): the
         # others would wait for it forever.
         _register()
+        if target not in CUDA_TARGETS and jax.default_backend() == "gpu":
+            raise NotImplementedError(
+                f"kerasdist.jax {target} inside jax.jit runs on the CPU "
+                "only: its result's size depends on the other ranks. Call "
+                "it outside jax.jit (eagerly, through host memory).")
         return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
                                 has_side_effect=True)(*args, **attrs)
     return _run_eager(target, out_types, args, attrs)

@@ -147,6 +147,28 @@ def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
     return _owned(h, x)
 
 
+# ---- shapes for torch.compile ------------------------------------------------
+# The ops whose result has the input's shape can be traced by torch.compile
+# (Keras' `jit_compile=True` on the torch backend): the compiled step calls
+# them as it would eagerly. The others' result sizes depend on the other
+# ranks, so a compiled function falls back to eager around them.
+
+
+@_allreduce.register_fake
+def _(x, name, op, prescale, postscale):
+    return torch.empty_like(x)
+
+
+@_grouped.register_fake
+def _(xs, name, op, prescale, postscale):
+    return [torch.empty_like(x) for x in xs]
+
+
+@_broadcast.register_fake
+def _(x, name, root):
+    return torch.empty_like(x)
+
+
 # ---- gradients (as the TF ops': kerasdist/collectives.py) --------------------
 
 
@@ -242,8 +264,10 @@ torch.library.register_autograd("kerasdist::reducescatter",
 # ---- public API --------------------------------------------------------------
 
 
-_require_init = _frontend.require_init
-_check_op = _frontend.check_op
+# Plain Python checks (ctypes calls into the core): torch.compile runs them
+# as they are instead of tracing them.
+_require_init = torch.compiler.disable(_frontend.require_init)
+_check_op = torch.compiler.disable(_frontend.check_op)
 
 
 def _tensor(x):

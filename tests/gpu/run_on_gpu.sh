@@ -2,7 +2,7 @@
 # The GPU check: on a machine with an NVIDIA GPU and the CUDA toolkit (nvcc),
 # no TensorFlow needed. From the repository root:
 #
-#   tests/gpu/run_on_gpu.sh
+#   tests/gpu/run_on_gpu.sh [all|core|keras-jax]
 #
 # 1. installs what is missing of numpy, mpich, cupy-cuda13x, nvidia-nccl-cu13
 #    (from wheels in .whl/ when that folder exists: offline machines; see
@@ -13,12 +13,26 @@
 #    KERASDIST_GPU_OPERATIONS=MPI (NCCL refuses two ranks on one GPU); and
 #    checks that NCCL with two ranks on one GPU fails with a message, not a hang;
 #    and that the np=1 run's timeline has the device batches.
+# 4. (keras-jax) Keras on JAX: builds kerasdist itself with NCCL and JAX's
+#    CUDA handlers (TF=0) into a scratch copy of the package, then runs
+#    tests/gpu/keras_jax_check.py: np=1 through NCCL (collectives inside
+#    jax.jit on device arrays, model.fit equivalence, a bandwidth table next
+#    to cupy's NCCL on the same buffers, step overhead against plain Keras)
+#    and np=2 on the one GPU host-staged (KERASDIST_GPU_OPERATIONS=MPI),
+#    each with a timeline that must show the device path. Needs jax with
+#    CUDA and keras (missing ones come from .whl/: tests/gpu/fetch_wheels.sh).
+# `core` runs 1-3, `keras-jax` only 4, `all` (default) both.
+# KD_GPU_DRY_RUN=1 with keras-jax: the dry run on a machine without a GPU
+# (installs nothing, runs the check on JAX's CPU devices).
 # Exit status 0 when every check passed. A few minutes at most.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
+WHAT=${1:-all}
+case "$WHAT" in all|core|keras-jax) ;; *) echo "usage: $0 [all|core|keras-jax]"; exit 2;; esac
 OUT=${KD_GPU_OUT:-$(mktemp -d)}
 STEP_TIMEOUT=${KD_GPU_STEP_TIMEOUT:-240}
+DRY=${KD_GPU_DRY_RUN:-0}
 failed=0
 say() { printf '\n=== %s\n' "$*"; }
 
@@ -27,12 +41,18 @@ nvidia-smi -L || echo "nvidia-smi failed: is there a GPU and a driver?"
 "$PY" --version
 
 say "dependencies"
+if [ "$DRY" = 1 ]; then
+  echo "dry run: installing nothing"
+else
 need=()
 "$PY" -c 'import numpy' 2>/dev/null || need+=(numpy)
 "$PY" -c 'import mpi4py' 2>/dev/null || true  # not needed here
 [ -x "$("$PY" -c 'import sys; print(sys.prefix)')/bin/mpiexec" ] || command -v mpiexec >/dev/null || need+=(mpich)
 "$PY" -c 'import cupy' 2>/dev/null || need+=(cupy-cuda13x)
 "$PY" -c 'import nvidia.nccl' 2>/dev/null || need+=(nvidia-nccl-cu13)
+if [ "$WHAT" != core ]; then
+  "$PY" -c 'import keras' 2>/dev/null || need+=(keras)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ -d .whl ]; then
     "$PY" -m pip install -q --no-index --find-links .whl "${need[@]}" || exit 2
@@ -41,7 +61,9 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 "$PY" -c 'import cupy, numpy; print("cupy", cupy.__version__, "numpy", numpy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())'
+fi
 
+if [ "$WHAT" != keras-jax ]; then
 say "build (make gpu-check, TF=0)"
 start=$(date +%s)
 if ! make -C ops -j"$(nproc)" gpu-check OUT="$OUT" PYTHON="$PY" VERSION=gpu-check; then
@@ -86,6 +108,12 @@ elif grep -q "NCCL error" "$log" && [ $rc -ne 124 ]; then
   echo "OK: failed cleanly (exit $rc) with an NCCL error message"
 else
   echo "FAIL: exit $rc without an NCCL error message (124 = hang)"; failed=1
+fi
+
+fi
+
+if [ "$WHAT" != core ]; then
+  . tests/gpu/keras_jax.sh
 fi
 
 say "result"

@@ -1,0 +1,42 @@
+"""Framework-free argument checks and gradient grouping shared by
+DistributedOptimizer and DistributedGradientTape on every Keras backend."""
+
+from kerasdist import basics
+from kerasdist.compression import Compressor
+
+
+def check_args(op, compression, gradient_predivide_factor, num_groups, what):
+    """Validates the arguments both wrappers share; raises ValueError."""
+    if op not in (basics.Average, basics.Sum):
+        raise ValueError(f"{what}: op must be kerasdist.Average or "
+                         f"kerasdist.Sum; got {op!r}.")
+    if not (isinstance(compression, type)
+            and issubclass(compression, Compressor)) and not (
+                hasattr(compression, "compress")
+                and hasattr(compression, "decompress")):
+        raise ValueError(f"{what}: compression must be a Compressor such as "
+                         f"kerasdist.Compression.fp16; got {compression!r}.")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be > 0; "
+                         f"got {gradient_predivide_factor!r}.")
+    if gradient_predivide_factor != 1.0 and op != basics.Average:
+        raise ValueError(f"{what}: gradient_predivide_factor needs "
+                         "op=kerasdist.Average.")
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) \
+            or num_groups < 0:
+        raise ValueError(f"{what}: num_groups must be an int >= 0; got "
+                         f"{num_groups!r}.")
+
+
+def split_groups(count, num_groups):
+    """Splits range(count) into min(num_groups, count) contiguous lists
+    whose lengths differ by at most one (longer ones first), like
+    `numpy.array_split`. Pure, so every rank gets the same groups."""
+    n = min(num_groups, count)
+    base, extra = divmod(count, n)
+    groups, start = [], 0
+    for g in range(n):
+        stop = start + base + (1 if g < extra else 0)
+        groups.append(list(range(start, stop)))
+        start = stop
+    return groups

@@ -1,0 +1,217 @@
+"""What the Keras layer (DistributedOptimizer, the callbacks, data, the
+Trainer) does differently on each Keras backend, in one place.
+
+- Gradients: on TensorFlow the TF ops reduce them (`_keras_util`); on JAX
+  and PyTorch the front ends `kerasdist.jax` / `kerasdist.torch` do, on the
+  backend's own arrays: inside JAX's jitted, stateless train step as XLA
+  custom calls on tracers, in PyTorch's eager step as custom ops.
+- Variables (broadcast, model averaging) go through the backend's front end
+  too, so a GPU tensor stays where it is.
+- Small control values (metrics, step counts, flags, fingerprints) go
+  through the core as numpy arrays on every backend (`_frontend.host_*`).
+
+Nothing here imports TensorFlow unless the Keras backend is TensorFlow.
+"""
+
+import keras
+import numpy as np
+
+from kerasdist import basics
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def backend():
+    """The running Keras backend; ValueError if kerasdist does not support
+    it."""
+    name = keras.backend.backend()
+    if name not in BACKENDS:
+        raise ValueError(
+            f"kerasdist supports the Keras backends {', '.join(BACKENDS)}; "
+            f"this process runs Keras on {name!r}. Set KERAS_BACKEND to "
+            "one of them before importing keras.")
+    return name
+
+
+def jit_compile():
+    """The `jit_compile` that fits a train step with kerasdist inside:
+    True on JAX (its collectives are XLA custom calls), False elsewhere
+    (TensorFlow's ops have no XLA kernel; PyTorch runs eagerly)."""
+    return backend() == "jax"
+
+
+def collectives():
+    """The collectives module for the running backend's tensors."""
+    name = backend()
+    if name == "jax":
+        from kerasdist.jax import collectives as front
+    elif name == "torch":
+        from kerasdist.torch import collectives as front
+    else:
+        from kerasdist import collectives as front
+    return front
+
+
+def collective(public_name):
+    """`kerasdist.<public_name>` for the running backend's tensors: the
+    TF ops' wrapper on TensorFlow, `kerasdist.jax`'s or `kerasdist.torch`'s
+    otherwise (`broadcast_variables` of Keras variables is here)."""
+    if public_name == "broadcast_variables" and backend() != "tensorflow":
+        return broadcast_variables
+    return getattr(collectives(), public_name)
+
+
+def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
+    """Assigns `root_rank`'s values to Keras `variables` on every rank
+    (JAX and PyTorch backends; TensorFlow's is
+    `kerasdist.collectives.broadcast_variables`).
+
+    Names derive from the variables' paths, so every rank must pass the
+    same variables (in any order).
+    """
+    basics_size = basics.size()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < basics_size:
+        raise ValueError(f"root_rank must be an int in [0, {basics_size}), "
+                         f"got {root_rank!r}.")
+    variables = list(variables)
+    names = [f"{name_prefix}.{getattr(v, 'path', None) or v.name}"
+             for v in variables]
+    if len(set(names)) != len(names):
+        names = [f"{n}.{i}" for i, n in enumerate(names)]
+    assign_broadcast(variables, root_rank, names)
+
+
+def value(variable):
+    """A Keras variable's current value as the front end takes it."""
+    if backend() == "torch":
+        return variable.value.detach()
+    return variable.value
+
+
+def _no_grad():
+    if backend() == "torch":
+        import torch
+        return torch.no_grad()
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def assign_broadcast(variables, root_rank, names):
+    """Assigns `root_rank`'s value of each variable to it, on every rank
+    (one broadcast per variable, named by `names`)."""
+    front = collectives()
+    with _no_grad():
+        for v, n in zip(variables, names):
+            v.assign(front.broadcast(value(v), root_rank, name=n))
+
+
+def assign_average(variables, name):
+    """Replaces each variable by its average over the ranks: one grouped
+    allreduce, then the assignments. Returns a function that does it (on
+    TensorFlow a `tf.function`, traced once)."""
+    front = collectives()
+    if backend() == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def average_tf():
+            values = front.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in variables],
+                op=basics.Average, name=name)
+            for v, x in zip(variables, values):
+                v.assign(x)
+
+        return average_tf
+
+    def average():
+        with _no_grad():
+            values = front.grouped_allreduce(
+                [value(v) for v in variables], op=basics.Average,
+                name=name)
+            for v, x in zip(variables, values):
+                v.assign(x)
+
+    return average
+
+
+def to_numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+# ---- gradients ---------------------------------------------------------------
+
+
+def reduce_gradients(grads, variables, prefix, compression=None,
+                     op=basics.Average, sparse_as_dense=False,
+                     gradient_predivide_factor=1.0, num_groups=0):
+    """Allreduces a flat gradient list (`None` kept) on the running
+    backend; see `_keras_util.reduce_gradients` (TensorFlow), which this
+    mirrors for JAX and PyTorch arrays: one grouped allreduce per group,
+    compression around it, predivide as prescale/postscale, nothing
+    communicated at size 1. JAX and PyTorch gradients are dense, so
+    `sparse_as_dense` changes nothing there."""
+    if backend() == "tensorflow":
+        from kerasdist import _keras_util
+        return _keras_util.reduce_gradients(
+            grads, variables, prefix, compression=compression, op=op,
+            sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups)
+    if compression is None:
+        from kerasdist.compression import Compression
+        compression = Compression.none
+    index = [i for i, g in enumerate(grads) if g is not None]
+    wires = [compression.compress(grads[i]) for i in index]
+    out = list(grads)
+    if basics.size() == 1 or not index:
+        reduced = [w for w, _ in wires]
+    else:
+        reduced = _grouped([w for w, _ in wires], prefix, op,
+                           gradient_predivide_factor, num_groups)
+    for i, r, (_, ctx) in zip(index, reduced, wires):
+        out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _grouped(wires, prefix, op, predivide, num_groups):
+    from kerasdist._gradients import split_groups
+    front = collectives()
+    if predivide != 1.0:
+        op, prescale, postscale = (basics.Sum, 1.0 / predivide,
+                                   predivide / basics.size())
+    else:
+        prescale = postscale = 1.0
+    groups = num_groups if num_groups > 0 else 1
+    reduced = []
+    for g, members in enumerate(split_groups(len(wires), groups)):
+        reduced += front.grouped_allreduce(
+            [wires[j] for j in members], op=op,
+            name=unique_name(f"{prefix}.group{g}of{groups}"),
+            prescale_factor=prescale, postscale_factor=postscale)
+    return reduced
+
+
+def unique_name(base):
+    """`base`, made unique within the JAX program being traced (several
+    collectives of one jitted step may run at once, so two must never
+    share a name); unchanged eagerly and on the other backends, where
+    collectives of one name run one after the other."""
+    if backend() != "jax":
+        return base
+    from kerasdist.jax._dispatch import program_trace, auto_name
+    if program_trace() is None:
+        return base
+    return auto_name(base, None)
+
+
+def agree_finite(finite, prefix):
+    """A LossScaleOptimizer's finiteness flag, True only if it is True on
+    every rank (one allreduce Min), as a tensor of the running backend."""
+    if backend() == "tensorflow":
+        from kerasdist import _optimizer_tf
+        return _optimizer_tf.agree_finite(finite, prefix)
+    front = collectives()
+    flag = keras.ops.cast(finite, "int32")
+    agreed = front.allreduce(flag, op=basics.Min,
+                             name=unique_name(f"{prefix}.loss_scale_finite"))
+    return keras.ops.greater(agreed, 0)

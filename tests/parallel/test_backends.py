@@ -1,0 +1,104 @@
+"""The Keras layer on every Keras backend (TensorFlow, JAX, PyTorch), with
+real ranks: the same worker, the same examples and the same Horovod-style
+script, only KERAS_BACKEND differs.
+
+- tests/workers/keras_backend_worker.py: DistributedOptimizer's `model.fit`
+  against one process on the global batch (and proof that skipping the
+  average would fail it), the callbacks, sharding, the rank-0 checkpoint;
+- examples/horovod_keras_mnist.py: Horovod's Keras example, moved over;
+- examples/keras_mnist.py and examples/trainer_mnist.py on JAX and PyTorch
+  (tests/parallel/test_callbacks.py and test_trainer.py run them on
+  TensorFlow).
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT, WORKERS, launch, rank_lines, worker_env
+
+pytestmark = [pytest.mark.parallel, pytest.mark.slow,
+              pytest.mark.timeout(600)]
+
+BACKENDS = ["tensorflow", "jax", "torch"]
+NP = 2
+WORKER_CHECKS = [
+    "apply_averages", "fit_sgd_momentum", "fit_adam", "fit_num_groups=3",
+    "fit_predivide", "fit_sgd", "fit_fp16", "fit_gradient_accumulation",
+    "broadcast", "metric_average",
+    "lr_warmup", "model_average", "equalize_steps", "checkpoint",
+    "fit_loss_scale"]
+BACKEND_CHECKS = {
+    "tensorflow": [],
+    "jax": ["fit_adam_eager", "accumulation_error", "no_tensorflow"],
+    "torch": ["accumulation_error", "no_tensorflow"],
+}
+
+
+def _needs(backend):
+    pytest.importorskip(backend)
+
+
+def _run(backend, argv, cwd=None):
+    return launch(NP, argv, timeout=450, cwd=cwd,
+                  env=worker_env(KERAS_BACKEND=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keras_layer(backend, tmp_path):
+    _needs(backend)
+    out = _run(backend, [sys.executable,
+                         os.path.join(WORKERS, "keras_backend_worker.py"),
+                         str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-6000:]
+    expected = WORKER_CHECKS + BACKEND_CHECKS[backend]
+    for r in range(NP):
+        lines = rank_lines(out.stdout, r)
+        got = [line[3:] for line in lines if line.startswith("OK ")]
+        assert sorted(got) == sorted(expected), (r, got, out.stdout[-4000:])
+        assert lines[-1] == "DONE", lines[-5:]
+
+
+def _accuracies(out, pattern):
+    accs = []
+    for r in range(NP):
+        text = "\n".join(rank_lines(out.stdout, r))
+        m = re.search(pattern, text)
+        assert m, text[-3000:]
+        accs.append(float(m.group(1)))
+    return accs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_horovod_style_script(backend, tmp_path):
+    _needs(backend)
+    script = os.path.join(REPO_ROOT, "examples", "horovod_keras_mnist.py")
+    out = _run(backend, [sys.executable, script, "--epochs", "3",
+                         "--checkpoint-dir", str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-6000:]
+    accs = _accuracies(out, rf"accuracy ([0-9.]+) on {backend}")
+    # Ten classes: chance is 0.1. Every rank evaluates the same weights.
+    assert accs[0] == accs[1] and accs[0] > 0.5, accs
+    assert "checkpoint reloaded: Adam, same weights: True" in \
+        rank_lines(out.stdout, 0), out.stdout[-3000:]
+    assert sorted(os.listdir(tmp_path)) == [
+        f"checkpoint-{e}.keras" for e in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+@pytest.mark.parametrize("example, files", [
+    ("keras_mnist.py", ["epoch1.weights.h5", "epoch2.weights.h5"]),
+    ("trainer_mnist.py", ["epoch-000001.json", "epoch-000001.weights.h5",
+                          "epoch-000002.json", "epoch-000002.weights.h5"]),
+])
+def test_example(backend, example, files, tmp_path):
+    _needs(backend)
+    out = _run(backend, [sys.executable,
+                         os.path.join(REPO_ROOT, "examples", example),
+                         "--epochs", "2", "--checkpoint-dir", str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-6000:]
+    accs = _accuracies(out, r"test accuracy: ([0-9.]+)")
+    assert accs[0] == accs[1] and accs[0] > 0.5, accs
+    assert sorted(os.listdir(tmp_path)) == files
