@@ -19,6 +19,7 @@
 #include "core/c_api.h"
 #include "core/types.h"
 #include "xla/ffi/api/ffi.h"
+#include "jax/ffi_types.h"
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
@@ -26,22 +27,7 @@ using kerasdist::core::OpType;
 
 namespace {
 
-bool ToCore(ffi::DataType t, int32_t* out) {
-  DataType d;
-  switch (t) {
-    case ffi::DataType::F16: d = DataType::kFloat16; break;
-    case ffi::DataType::BF16: d = DataType::kBFloat16; break;
-    case ffi::DataType::F32: d = DataType::kFloat32; break;
-    case ffi::DataType::F64: d = DataType::kFloat64; break;
-    case ffi::DataType::S32: d = DataType::kInt32; break;
-    case ffi::DataType::S64: d = DataType::kInt64; break;
-    case ffi::DataType::U8: d = DataType::kUInt8; break;
-    case ffi::DataType::PRED: d = DataType::kBool; break;
-    default: return false;
-  }
-  *out = static_cast<int32_t>(d);
-  return true;
-}
+using kerasdist::jax_ffi::ToCore;
 
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
   auto d = b.dimensions();
