@@ -219,8 +219,9 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
     s << "rank " << opt.rank << " could not reach rank 0's heartbeat port "
       << port << " at any of its addresses (";
     for (size_t i = 0; i < addresses.size(); ++i) s << (i ? ", " : "") << addresses[i];
-    s << "); allow TCP between the hosts, or name the interface they reach "
-         "each other on with --network-interface";
+    s << "); allow TCP between the hosts, name the interface they reach "
+         "each other on with --network-interface, or turn the heartbeat off "
+         "with KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
     return Status::Internal(s.str());
   }
   if (!SendFrame(fd, kHello, opt.rank)) {
@@ -267,8 +268,10 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
     }
     return Status::Internal(RankList(absent) +
                             " never reached rank 0's heartbeat port; allow "
-                            "TCP between the hosts, or name the interface "
-                            "they reach each other on with --network-interface");
+                            "TCP between the hosts, name the interface they "
+                            "reach each other on with --network-interface, "
+                            "or turn the heartbeat off with "
+                            "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0");
   }
   if (pipe2(l->wake_, O_CLOEXEC) != 0) return Status::Internal(Errno("pipe"));
   l->thread_ = std::thread(&Liveness::Loop, l.get());
