@@ -214,10 +214,7 @@ class Findings:
         status); ranks that only ended because their heartbeat lost a peer
         are not named as failing: what they lost is said instead.
         """
-        with self.lock:
-            failures = list(self.failures)
-            lost = dict(self.lost)
-        culprits = [f for f in failures if f.rank not in lost]
+        failures, lost, culprits = self._split()
         if culprits:
             return "; ".join(_group_failures(culprits))
         if lost:
@@ -225,9 +222,14 @@ class Findings:
         return failures[0].describe() if failures else ""
 
     def first_failure(self):
+        failures, _, culprits = self._split()
+        return (culprits or failures or [None])[0]
+
+    def _split(self):
+        """(failures, lost, the failures of ranks that lost nothing)."""
         with self.lock:
-            culprits = [f for f in self.failures if f.rank not in self.lost]
-            return (culprits or self.failures or [None])[0]
+            failures, lost = list(self.failures), dict(self.lost)
+        return failures, lost, [f for f in failures if f.rank not in lost]
 
 
 def _group_failures(failures):

@@ -19,7 +19,7 @@
 #include "core/c_api.h"
 #include "core/types.h"
 #include "xla/ffi/api/ffi.h"
-#include "jax/ffi_types.h"
+#include "jax/ffi_common.h"
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
@@ -27,6 +27,9 @@ using kerasdist::core::OpType;
 
 namespace {
 
+using kerasdist::jax_ffi::Request;
+using kerasdist::jax_ffi::ReduceSpec;
+using kerasdist::jax_ffi::Spec;
 using kerasdist::jax_ffi::ToCore;
 
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
@@ -41,18 +44,6 @@ std::string DimsText(const std::vector<int64_t>& d) {
   }
   return s + "]";
 }
-
-// The parts of a request that differ between the collectives.
-struct Spec {
-  OpType op = OpType::kAllreduce;
-  int32_t reduce_op = 1;
-  int32_t root_rank = 0;
-  double prescale = 1.0;
-  double postscale = 1.0;
-  std::string group;
-  int32_t group_size = 0;
-  std::vector<int64_t> splits;  // alltoall: rows sent to each rank
-};
 
 // One enqueued tensor: where its result goes and, for results the core
 // owns, the shape XLA allocated for it.
@@ -69,21 +60,7 @@ struct Pending {
 ffi::Error Submit(Pending p, const Spec& s, int32_t dtype,
                   std::vector<int64_t> shape, const void* in,
                   std::vector<Pending>* pending) {
-  kerasdist_request r{};
-  r.name = p.name.c_str();
-  r.op = static_cast<int32_t>(s.op);
-  r.reduce_op = s.reduce_op;
-  r.dtype = dtype;
-  r.ndim = static_cast<int32_t>(shape.size());
-  r.shape = shape.data();
-  r.root_rank = s.root_rank;
-  r.prescale = s.prescale;
-  r.postscale = s.postscale;
-  r.nsplits = static_cast<int32_t>(s.splits.size());
-  r.splits = s.splits.data();
-  r.group = s.group.c_str();
-  r.group_size = s.group_size;
-  r.device = -1;
+  kerasdist_request r = Request(p.name, s, dtype, shape, -1);
   p.handle = kerasdist_enqueue(&r, in, p.copy_out ? nullptr : p.out);
   if (p.handle == 0) {
     return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
@@ -169,10 +146,7 @@ ffi::Future One(std::string_view name, const Spec& s, const ffi::AnyBuffer& in,
 ffi::Future AllreduceImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           std::string_view name, int32_t reduce_op,
                           double prescale, double postscale) {
-  Spec s;
-  s.reduce_op = reduce_op;
-  s.prescale = prescale;
-  s.postscale = postscale;
+  Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
   return One(name, s, x, &*y, false);
 }
 
@@ -181,10 +155,7 @@ ffi::Future AllreduceImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
                                  std::string_view name, int32_t reduce_op,
                                  double prescale, double postscale) {
-  Spec s;
-  s.reduce_op = reduce_op;
-  s.prescale = prescale;
-  s.postscale = postscale;
+  Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
   s.group = std::string(name);
   s.group_size = static_cast<int32_t>(xs.size());
   // Every member is checked before any is enqueued: a group short of a
@@ -240,11 +211,7 @@ ffi::Future AlltoallImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 ffi::Future ReducescatterImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                               std::string_view name, int32_t reduce_op,
                               double prescale, double postscale) {
-  Spec s;
-  s.op = OpType::kReducescatter;
-  s.reduce_op = reduce_op;
-  s.prescale = prescale;
-  s.postscale = postscale;
+  Spec s = ReduceSpec(OpType::kReducescatter, reduce_op, prescale, postscale);
   return One(name, s, x, &*y, true);
 }
 

@@ -20,7 +20,7 @@
 #include "core/c_api.h"
 #include "core/types.h"
 #include "xla/ffi/api/ffi.h"
-#include "jax/ffi_types.h"
+#include "jax/ffi_common.h"
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
@@ -28,6 +28,9 @@ using kerasdist::core::OpType;
 
 namespace {
 
+using kerasdist::jax_ffi::Request;
+using kerasdist::jax_ffi::ReduceSpec;
+using kerasdist::jax_ffi::Spec;
 using kerasdist::jax_ffi::ToCore;
 
 ffi::Error CudaError(const char* what, cudaError_t e) {
@@ -49,16 +52,6 @@ int DeviceOf(const void* ptr) {
   return device;
 }
 
-struct Spec {
-  OpType op = OpType::kAllreduce;
-  int32_t reduce_op = 1;
-  int32_t root_rank = 0;
-  double prescale = 1.0;
-  double postscale = 1.0;
-  std::string group;
-  int32_t group_size = 0;
-};
-
 struct Member {
   std::string name;
   ffi::AnyBuffer in;
@@ -78,19 +71,8 @@ std::string RunMembers(const Spec& s, std::vector<Member>& members) {
     }
     auto d = m.in.dimensions();
     std::vector<int64_t> shape(d.begin(), d.end());
-    kerasdist_request r{};
-    r.name = m.name.c_str();
-    r.op = static_cast<int32_t>(s.op);
-    r.reduce_op = s.reduce_op;
-    r.dtype = dtype;
-    r.ndim = static_cast<int32_t>(shape.size());
-    r.shape = shape.data();
-    r.root_rank = s.root_rank;
-    r.prescale = s.prescale;
-    r.postscale = s.postscale;
-    r.group = s.group.c_str();
-    r.group_size = s.group_size;
-    r.device = DeviceOf(m.in.untyped_data());
+    kerasdist_request r = Request(m.name, s, dtype, shape,
+                                  DeviceOf(m.in.untyped_data()));
     int64_t h = kerasdist_enqueue(&r, m.in.untyped_data(),
                                   m.out.untyped_data());
     if (h == 0) {
@@ -125,10 +107,7 @@ ffi::Error AllreduceImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, std::string_view name,
                          int32_t reduce_op, double prescale,
                          double postscale) {
-  Spec s;
-  s.reduce_op = reduce_op;
-  s.prescale = prescale;
-  s.postscale = postscale;
+  Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
   return Run(stream, s, {{std::string(name), x, *y}});
 }
 
@@ -137,10 +116,7 @@ ffi::Error GroupedAllreduceImpl(cudaStream_t stream, ffi::RemainingArgs xs,
                                 ffi::RemainingRets ys, std::string_view name,
                                 int32_t reduce_op, double prescale,
                                 double postscale) {
-  Spec s;
-  s.reduce_op = reduce_op;
-  s.prescale = prescale;
-  s.postscale = postscale;
+  Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
   s.group = std::string(name);
   s.group_size = static_cast<int32_t>(xs.size());
   std::vector<Member> members;

@@ -44,6 +44,7 @@ import tempfile
 import time
 
 from tests.helpers import launch, worker_env
+from tests.workers import host_faults
 
 PREFIX = "kdt"
 NET_BASE = (198, 18)  # RFC 2544 benchmarking range: 198.18.0.0/15
@@ -389,7 +390,7 @@ class Cluster:
 
     def drop(self, host):
         """Makes `host` silently drop every packet on its link (nftables)."""
-        self.run(host, ["nft", "-f", "-"], input=_NFT_DROP)
+        self.run(host, ["nft", "-f", "-"], input=host_faults.NFT_DROP)
 
     def undrop(self, host):
         self.run(host, ["nft", "delete", "table", "inet", "kdt_drop"],
@@ -397,7 +398,7 @@ class Cluster:
 
     def cut(self, host):
         """Takes `host`'s link down."""
-        self.run(host, ["ip", "link", "set", "eth0", "down"])
+        self.run(host, host_faults.LINK_DOWN)
 
     def restore(self, host):
         self.run(host, ["ip", "link", "set", "eth0", "up"])
@@ -470,13 +471,6 @@ def processes_in(cluster, host, settle=5.0):
             return alive
         time.sleep(0.25)
 
-
-_NFT_DROP = """\
-table inet kdt_drop {
-    chain in { type filter hook input priority -300; iifname "eth0" drop; }
-    chain out { type filter hook output priority -300; oifname "eth0" drop; }
-}
-"""
 
 # Used as ssh by hydra (`-launcher-exec`): [ssh options] HOST COMMAND...
 # runs COMMAND in HOST's namespaces the way sshd would: `sh -c "$*"`.

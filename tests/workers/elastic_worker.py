@@ -12,12 +12,12 @@ argv: STATE_DIR
 
 import os
 import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+import host_faults
 import kerasdist as kd
 from np_collectives import allreduce
 
@@ -35,7 +35,7 @@ def main():
           flush=True)
     if ATTEMPT == 0 and rank == size - 1:
         open(os.path.join(STATE, "fault0"), "w").close()
-        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        host_faults.take_this_hosts_link_down()
     if ATTEMPT == 0:
         for step in range(10**6):
             allreduce(x, name="grad")

@@ -22,25 +22,18 @@ and the rank that breaks things writes STATE_DIR/fault with the time.
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+import host_faults
 import kerasdist as kd
 from np_collectives import allreduce, broadcast
 
 WHERE, FAULT, FAULT_RANK = sys.argv[1], sys.argv[2], int(sys.argv[3])
 STATE = sys.argv[4] if len(sys.argv) > 4 else None
 STEPS_BEFORE = 5
-
-DROP = """\
-table inet kdt_drop {
-    chain in { type filter hook input priority -300; iifname "eth0" drop; }
-    chain out { type filter hook output priority -300; oifname "eth0" drop; }
-}
-"""
 
 
 def _note(name, text):
@@ -81,9 +74,9 @@ def inject():
     elif FAULT == "exception":
         raise RuntimeError(f"an injected error on rank {kd.rank()}")
     elif FAULT == "link_down":
-        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        host_faults.take_this_hosts_link_down()
     elif FAULT == "drop":
-        subprocess.run(["nft", "-f", "-"], input=DROP.encode(), check=True)
+        host_faults.drop_this_hosts_packets()
     else:
         raise ValueError(f"unknown fault {FAULT!r}")
 

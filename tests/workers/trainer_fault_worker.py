@@ -34,7 +34,6 @@ import argparse
 import glob
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -52,6 +51,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import host_faults  # noqa: E402
 import kerasdist as kd  # noqa: E402
 from kerasdist import checkpoints  # noqa: E402
 from kerasdist import collectives  # noqa: E402
@@ -125,14 +125,6 @@ def die(why):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-_DROP = """\
-table inet kdt_drop {
-    chain in { type filter hook input priority -300; iifname "eth0" drop; }
-    chain out { type filter hook output priority -300; oifname "eth0" drop; }
-}
-"""
-
-
 def strike(how, why):
     """Ends this rank (kill, exception), freezes it (freeze) or cuts its
     test host off (drop: nftables drops every packet on the host's link;
@@ -143,9 +135,9 @@ def strike(how, why):
     if how == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif how == "drop":
-        subprocess.run(["nft", "-f", "-"], input=_DROP.encode(), check=True)
+        host_faults.drop_this_hosts_packets()
     elif how == "link_down":
-        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        host_faults.take_this_hosts_link_down()
     elif how == "exception":
         raise RuntimeError(f"an injected error on rank {kd.rank()}")
     else:

@@ -20,13 +20,13 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import keras
 import numpy as np
 
+import host_faults
 import kerasdist as kd
 from kerasdist import checkpoints
 from trainer_fault_worker import Toy, _Log
@@ -35,12 +35,6 @@ CKPT, STATE, SEED, FAULTS = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
                              int(sys.argv[4]))
 ATTEMPT = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0"))
 KINDS = ["kill", "freeze", "exception", "drop"]
-DROP = """\
-table inet kdt_drop {
-    chain in { type filter hook input priority -300; iifname "eth0" drop; }
-    chain out { type filter hook output priority -300; oifname "eth0" drop; }
-}
-"""
 
 
 def _step_checkpoints():
@@ -84,8 +78,7 @@ class Fault(keras.callbacks.Callback):
         elif self.kind == "exception":
             raise RuntimeError(f"an injected error on rank {kd.rank()}")
         else:
-            subprocess.run(["nft", "-f", "-"], input=DROP.encode(),
-                           check=True)
+            host_faults.drop_this_hosts_packets()
 
 
 def main():
