@@ -11,6 +11,12 @@ round:
   enqueue + wait, no TensorFlow (the runtime's own cost);
 - kerasdist tf.function: `kerasdist.allreduce` inside a tf.function, one
   call per timed unit (includes TF's function-call cost, ~tens of us);
+- kd tf.function+asarray: the same call, then the result as a numpy array
+  (`np.asarray`, which shares the tensor's buffer): the whole trip from
+  numpy back to numpy, like the core's row;
+- kd tf.function+.numpy(): the same, read with `.numpy()`, which copies the
+  result into a new array (TensorFlow's choice; at 16 MiB the copy and its
+  page faults cost about as much as the allreduce);
 - kerasdist eager: `kerasdist.allreduce` called eagerly (for reference);
 - kerasdist in-graph, chained: one tf.function holding CHAIN allreduces,
   each reducing the previous one's result (Sum, then Average of values
@@ -89,6 +95,17 @@ def make_systems(comm, kd, tf, nbytes):
     def in_function():
         last["t"] = tf_call(tx)
 
+    def in_function_read():
+        # The result as a numpy array without a copy (np.asarray shares the
+        # tensor's buffer): what the core's row hands over in `out`.
+        last["t"] = tf_call(tx)
+        last["a"] = np.asarray(last["t"])
+
+    def in_function_numpy():
+        # .numpy() copies the tensor into a new array (TensorFlow's choice).
+        last["t"] = tf_call(tx)
+        last["a"] = last["t"].numpy()
+
     def eager():
         last["t"] = kd.allreduce(tx, op=kd.Sum, name=name + ".eager")
 
@@ -111,6 +128,8 @@ def make_systems(comm, kd, tf, nbytes):
     return {RAW: (raw, check_out, 1),
             "kerasdist core (ctypes)": (core, check_out, 1),
             "kerasdist tf.function": (in_function, check_tf, 1),
+            "kd tf.function+asarray": (in_function_read, check_tf, 1),
+            "kd tf.function+.numpy()": (in_function_numpy, check_tf, 1),
             "kerasdist eager": (eager, check_tf, 1),
             f"kerasdist in-graph x{CHAIN}": (chained, check_tf, CHAIN),
             "TF alone, tf.function": (alone, check_alone, 1)}

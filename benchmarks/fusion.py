@@ -17,6 +17,8 @@ Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
 - TF alone, in-graph: the in-graph function with a copy (tf.identity) in
   place of each allreduce: what TF itself costs per call of that function,
   which the two in-graph rows include;
+- TF alone, grouped: the grouped row's function with one tf.identity_n in
+  place of the grouped op: TensorFlow's own cost of that step;
 - kerasdist core (ctypes): COUNT requests enqueued through the C API on
   numpy buffers, then waited for: the runtime without TensorFlow (but with
   ctypes' per-call cost, ~10 us a tensor);
@@ -96,6 +98,12 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
         for s, d in zip(src_vars, dst_vars):
             d.assign(tf.identity(s.read_value()))
 
+    @tf.function(autograph=False)
+    def tf_alone_grouped_step():
+        outs = tf.identity_n([s.read_value() for s in src_vars])
+        for d, r in zip(dst_vars, outs):
+            d.assign(r)
+
     def check_alone():
         return wrong_list([v.numpy() - s.numpy() + w
                            for v, s, w in zip(dst_vars, src_vars, want)])
@@ -149,6 +157,7 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
         "kerasdist in-graph": (tf_graph_step, check_graph),
         "kerasdist grouped, in-graph": (tf_grouped_step, check_graph),
         "TF alone, in-graph": (tf_alone_step, check_alone),
+        "TF alone, grouped": (tf_alone_grouped_step, check_alone),
         "kerasdist core (ctypes)": (kd_core, check_outs),
         **({"kerasdist runtime (C loop)": (kd_native, check_outs)}
            if native else {}),

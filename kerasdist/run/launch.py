@@ -126,6 +126,10 @@ def make_parser():
                    help="core (default): each rank of a host runs on its own "
                    "equal share of the host's cores (unbound when ranks "
                    "outnumber CPUs); none: the OS places every rank")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="leave malloc's memory on 4 KiB pages (by default "
+                   "each rank starts with glibc.malloc.hugetlb=1 in "
+                   "GLIBC_TUNABLES, so large tensors sit on 2 MiB pages)")
     p.add_argument("--verbose", action="store_true",
                    help="print the mpiexec command line and each rank's "
                    "CPU binding")
@@ -261,7 +265,7 @@ def find_mpiexec(environ=None, prefix=None, which=shutil.which):
 
 
 def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
-                      report_bind=False):
+                      report_bind=False, huge_pages=False):
     """The per-rank wrapper's command line, ending with "--"."""
     wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "_rank.py")
@@ -272,12 +276,15 @@ def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
         argv.append("--bind")
     if report_bind:
         argv.append("--report-bind")
+    if huge_pages:
+        argv.append("--huge-pages")
     return argv + ["--"]
 
 
 def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
                        no_prefix=False, python=None, bind=False,
-                       report_bind=False, launcher_exec=None, iface=None):
+                       report_bind=False, launcher_exec=None, iface=None,
+                       huge_pages=False):
     """Builds the hydra mpiexec command line.
 
     Args:
@@ -295,6 +302,8 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
             or None for hydra's default (ssh).
         iface: the network interface hydra advertises to the other hosts,
             or None.
+        huge_pages: ask the wrapper to back each rank's malloc by huge
+            pages (see _rank.with_huge_pages).
 
     Returns:
         The argv list.
@@ -309,8 +318,8 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
     if iface:
         argv += ["-iface", iface]
     argv += ["-n", str(np)]
-    return argv + rank_wrapper_argv(no_prefix, python, bind,
-                                    report_bind) + list(command)
+    return argv + rank_wrapper_argv(no_prefix, python, bind, report_bind,
+                                    huge_pages) + list(command)
 
 
 def _rank_env(args, attempt):
@@ -390,6 +399,7 @@ def _run(args, mpiexec, log, workdir=None):
                                           rank_env, hosts, args.no_prefix,
                                           bind=args.bind_to == "core",
                                           report_bind=args.verbose,
+                                          huge_pages=not args.no_huge_pages,
                                           launcher_exec=launcher_exec,
                                           iface=args.network_interface)
             if args.verbose:

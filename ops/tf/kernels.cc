@@ -237,18 +237,20 @@ class CollectiveKernel : public AsyncOpKernel {
   // is recorded here).
   void Submit(OpKernelContext* ctx, DoneCallback done, core::RuntimeRef& rt,
               core::Entry e, const Placement& where) {
-    if (!e.done) {
-      e.done = [ctx, done](const core::Result& r) {
-        if (!r.status.ok()) ctx->SetStatus(ToTf(r.status));
-        done();
-      };
-    }
     void* ready = nullptr;
     ::tensorflow::Status recorded = RecordReady(where, &ready);
     if (!recorded.ok()) {
       ctx->SetStatus(recorded);
       done();
       return;
+    }
+    // From here on every ending goes through e.done (moved, not copied:
+    // one allocation fewer per call), a failed enqueue included.
+    if (!e.done) {
+      e.done = [ctx, done = std::move(done)](const core::Result& r) {
+        if (!r.status.ok()) ctx->SetStatus(ToTf(r.status));
+        done();
+      };
     }
     if (ready != nullptr) {
       e.ready_event = ready;
@@ -258,12 +260,15 @@ class CollectiveKernel : public AsyncOpKernel {
         inner(r);
       };
     }
-    core::Status s = rt.Enqueue(std::move(e));
-    if (!s.ok()) {
-      ReleaseReady(ready, where.device);
-      ctx->SetStatus(ToTf(s));
-      done();
-    }
+    std::vector<core::Entry> one;
+    one.push_back(std::move(e));
+    size_t queued = 0;
+    core::Status s = rt.EnqueueMany(one, &queued);
+    // Entries not queued stay in `one`, their callbacks untouched.
+    if (queued == 0) one[0].done(core::Result{s.ok() ? core::Status::Internal(
+                                                           "kerasdist: the op was not queued.")
+                                                     : s,
+                                                 {}});
   }
 
   // For results whose shape only negotiation knows. On a GPU the memory TF
@@ -356,54 +361,59 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     }
     Placement where;
     OP_REQUIRES_OK_ASYNC(ctx, GetPlacement(ctx, on_gpu_, &where), done);
-    auto state = std::make_shared<Countdown>();
-    state->left = n;
-    auto finish_one = [ctx, done, state](const ::tensorflow::Status& s) {
-      if (!s.ok()) {
-        std::lock_guard<std::mutex> l(state->mu);
-        if (state->status.ok()) state->status = s;
-      }
-      if (--state->left == 0) {
-        ReleaseReady(state->ready, state->device);
-        if (!state->status.ok()) ctx->SetStatus(state->status);
-        done();
-      }
-    };
     std::vector<core::Entry> entries(n);
     // A failure here fails the op before anything is enqueued.
     OP_REQUIRES_OK_ASYNC(ctx, MakeEntries(ctx, where, &entries), done);
-    for (core::Entry& e : entries) {
-      e.done = [finish_one](const core::Result& r) { finish_one(ToTf(r.status)); };
-    }
     // Every output is allocated: the ready point for the whole group.
-    state->device = where.device;
-    ::tensorflow::Status recorded = RecordReady(where, &state->ready);
-    if (!recorded.ok()) {
-      ctx->SetStatus(recorded);
-      done();
-      return;
+    void* ready = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, RecordReady(where, &ready), done);
+    // The members' callbacks hold only this (one pointer: no allocation per
+    // member); the op's own `done` is moved here once.
+    auto state = std::make_shared<Countdown>(ctx, std::move(done), n, ready,
+                                             where.device);
+    for (core::Entry& e : entries) {
+      e.ready_event = ready;
+      e.done = [state](const core::Result& r) { state->Finish(r.status); };
     }
-    for (core::Entry& e : entries) e.ready_event = state->ready;
     size_t queued = 0;
     core::Status s = rt.EnqueueMany(entries, &queued);
-    for (size_t i = queued; i < entries.size(); ++i) finish_one(ToTf(s));
+    for (size_t i = queued; i < entries.size(); ++i) state->Finish(s);
   }
 
  private:
   // Completes the op when the last member finishes; keeps the first error.
   // On a GPU the members share one ready event, released with the last.
-  struct Countdown {
-    std::atomic<int> left;
-    std::mutex mu;
-    ::tensorflow::Status status;
-    void* ready = nullptr;
-    int device = -1;
+  class Countdown {
+   public:
+    Countdown(OpKernelContext* ctx, DoneCallback done, int n, void* ready, int device)
+        : ctx_(ctx), done_(std::move(done)), left_(n), ready_(ready), device_(device) {}
+
+    void Finish(const core::Status& s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> l(mu_);
+        if (first_error_.ok()) first_error_ = s;
+      }
+      if (--left_ != 0) return;
+      ReleaseReady(ready_, device_);
+      if (!first_error_.ok()) ctx_->SetStatus(ToTf(first_error_));
+      done_();
+    }
+
+   private:
+    OpKernelContext* const ctx_;
+    const DoneCallback done_;
+    std::atomic<int> left_;
+    std::mutex mu_;
+    core::Status first_error_;
+    void* const ready_;
+    const int device_;
   };
 
   // One entry per input, its output allocated; `done` is left to the caller.
   ::tensorflow::Status MakeEntries(OpKernelContext* ctx, const Placement& where,
                                    std::vector<core::Entry>* entries) {
     const int n = static_cast<int>(entries->size());
+    const std::vector<std::string>& names = MemberNames(n);
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
       core::Entry& e = (*entries)[i];
@@ -413,7 +423,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         return ::tensorflow::errors::InvalidArgument(
             "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
       }
-      e.req.name = base_ + "." + std::to_string(i);
+      e.req.name = names[i];
       e.req.op = core::OpType::kAllreduce;
       e.req.shape = Dims(in.shape());
       e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
@@ -428,11 +438,23 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     return ::tensorflow::Status();
   }
 
+  // "<base>.<i>" for every member, built once: a node's input count is fixed.
+  const std::vector<std::string>& MemberNames(int n) {
+    std::lock_guard<std::mutex> l(names_mu_);
+    if (static_cast<int>(names_.size()) != n) {
+      names_.clear();
+      for (int i = 0; i < n; ++i) names_.push_back(base_ + "." + std::to_string(i));
+    }
+    return names_;
+  }
+
   const bool on_gpu_;
   std::string base_;
   int reduce_op_;
   float prescale_, postscale_;
   OutputCache outputs_;
+  std::mutex names_mu_;
+  std::vector<std::string> names_;
 };
 
 class AllgatherOp : public CollectiveKernel {

@@ -138,3 +138,18 @@ def test_shm_line_says_what_to_do():
     status, text = shm_check(None, 2, "1")
     assert status == WARN and "no /dev/shm" in text
     assert shm_check(None, 2, "0")[0] == INFO
+
+
+def test_huge_pages_line():
+    from kerasdist.doctor import INFO, OK, huge_pages_check
+    assert huge_pages_check("madvise", ("glibc", "2.36"))[0] == OK
+    assert huge_pages_check("always", ("glibc", "2.35"))[0] == OK
+    for mode, libc, says in ((None, ("glibc", "2.36"), "absent"),
+                             ("never", ("glibc", "2.36"), "never"),
+                             ("madvise", ("glibc", "2.31"), "2.31"),
+                             ("madvise", ("", ""), "unknown")):
+        status, text = huge_pages_check(mode, libc)
+        assert status == INFO and says in text, text
+    # This machine's own line is one of those, and names its mode.
+    status, text = huge_pages_check(doctor._thp_mode(), ("glibc", "2.36"))
+    assert str(doctor._thp_mode() or "absent") in text

@@ -54,6 +54,72 @@ def test_prefixes_stdout_and_stderr_and_env(tmp_path):
         assert rank_lines(out.stdout, r, "stderr") == [f"err {r}"]
 
 
+# A rank mallocs 64 MiB (as TensorFlow's CPU allocator does for a large
+# tensor), touches every page and prints its GLIBC_TUNABLES and how much of
+# the block's mapping the kernel backs by huge pages (/proc/self/smaps).
+_HUGE = (
+    "import ctypes, os, re\n"
+    "libc = ctypes.CDLL(None)\n"
+    "libc.malloc.restype = ctypes.c_void_p\n"
+    "n = 64 << 20\n"
+    "p = libc.malloc(n)\n"
+    "ctypes.memset(p, 1, n)\n"
+    "kb, inside = None, False\n"
+    "for line in open('/proc/self/smaps'):\n"
+    "    m = re.match(r'([0-9a-f]+)-([0-9a-f]+) ', line)\n"
+    "    if m:\n"
+    "        inside = int(m.group(1), 16) <= p < int(m.group(2), 16)\n"
+    "    elif inside and line.startswith('AnonHugePages:'):\n"
+    "        kb = int(line.split()[1])\n"
+    "print('huge', os.environ.get('GLIBC_TUNABLES'), kb)\n"
+)
+
+
+def _huge_of(out, r):
+    lines = [l for l in rank_lines(out.stdout, r) if l.startswith("huge ")]
+    assert len(lines) == 1, out.stdout
+    _, tunables, kb = lines[0].split()
+    return tunables, int(kb)
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def test_ranks_malloc_on_huge_pages_unless_told_not_to():
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()!r} here")
+    plain = {k: v for k, v in launcher_env().items() if k != "GLIBC_TUNABLES"}
+    out = launch(2, python_cmd(_HUGE), timeout=60, env=plain)
+    assert out.returncode == 0, out.stdout
+    for r in (0, 1):
+        tunables, kb = _huge_of(out, r)
+        assert tunables == "glibc.malloc.hugetlb=1", out.stdout
+        assert kb >= 32 * 1024, out.stdout  # most of the 64 MiB block
+    # A user's own tunables are kept; their own hugetlb setting wins.
+    env = dict(plain, GLIBC_TUNABLES="glibc.malloc.hugetlb=0:"
+               "glibc.malloc.arena_max=4")
+    out = launch(1, python_cmd(_HUGE), timeout=60, env=env)
+    assert out.returncode == 0, out.stdout
+    assert _huge_of(out, 0)[0] == env["GLIBC_TUNABLES"], out.stdout
+    if _thp_mode() == "madvise":  # under "always" every block is huge
+        assert _huge_of(out, 0)[1] == 0, out.stdout
+    env = dict(plain, GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    out = launch(1, python_cmd(_HUGE), timeout=60, env=env)
+    assert _huge_of(out, 0)[0] == ("glibc.malloc.arena_max=4:"
+                                    "glibc.malloc.hugetlb=1"), out.stdout
+    out = launch(1, python_cmd(_HUGE), timeout=60, env=plain,
+                 launcher_args=("--no-huge-pages",))
+    tunables, kb = _huge_of(out, 0)
+    assert tunables == "None", out.stdout
+    if _thp_mode() == "madvise":
+        assert kb == 0, out.stdout
+
+
 _AFFINITY = "import os; print('cpus', sorted(os.sched_getaffinity(0)))"
 
 

@@ -89,6 +89,26 @@ def test_slots_and_hydra_arg():
 
 # --- env -------------------------------------------------------------------
 
+@pytest.mark.parametrize("value,expected", [
+    (None, "glibc.malloc.hugetlb=1"),
+    ("", "glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),
+    ("a=1:glibc.malloc.hugetlb=2", "a=1:glibc.malloc.hugetlb=2"),
+    ("glibc.malloc.hugetlbx=1", "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1"),
+])
+def test_with_huge_pages_keeps_the_users_tunables(value, expected):
+    assert _rank.with_huge_pages(value) == expected
+
+
+def test_wrapper_argv_asks_for_huge_pages_only_when_told():
+    assert "--huge-pages" in launch.rank_wrapper_argv(huge_pages=True)
+    assert "--huge-pages" not in launch.rank_wrapper_argv()
+    args = launch.parse_args(["--no-huge-pages", "-np", "2", "python", "x.py"])
+    assert args.no_huge_pages
+    assert not launch.parse_args(["-np", "2", "python", "x.py"]).no_huge_pages
+
+
 def test_build_env_minimal():
     assert settings.build_env(0) == {"KERASDIST_RESTART_ATTEMPT": "0"}
 
