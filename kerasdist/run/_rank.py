@@ -424,7 +424,7 @@ def with_huge_pages(value):
     4 KiB pages, where numpy madvises its large arrays onto 2 MiB ones. The
     single-node allreduce reads and writes the other rank's tensors in place
     (process_vm_readv/writev), which walks and pins them page by page: a
-    16 MiB allreduce through a tf.function took 11-15% less time on huge
+    16 MiB allreduce through a tf.function took 12-18% less time on huge
     pages (docs/benchmarks.md). It takes effect where the kernel's
     transparent huge pages are `madvise` or `always` (see `kerasdist
     doctor`), and only for a process started with it, hence here.
