@@ -346,6 +346,10 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
     OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
     OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    // "<base>.<i>" for every member, built once: a node's input count is fixed.
+    for (int i = 0; i < c->num_inputs(); ++i) {
+      names_.push_back(base_ + "." + std::to_string(i));
+    }
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -413,7 +417,6 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   ::tensorflow::Status MakeEntries(OpKernelContext* ctx, const Placement& where,
                                    std::vector<core::Entry>* entries) {
     const int n = static_cast<int>(entries->size());
-    const std::vector<std::string>& names = MemberNames(n);
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
       core::Entry& e = (*entries)[i];
@@ -423,7 +426,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         return ::tensorflow::errors::InvalidArgument(
             "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
       }
-      e.req.name = names[i];
+      e.req.name = names_[i];
       e.req.op = core::OpType::kAllreduce;
       e.req.shape = Dims(in.shape());
       e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
@@ -438,22 +441,11 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     return ::tensorflow::Status();
   }
 
-  // "<base>.<i>" for every member, built once: a node's input count is fixed.
-  const std::vector<std::string>& MemberNames(int n) {
-    std::lock_guard<std::mutex> l(names_mu_);
-    if (static_cast<int>(names_.size()) != n) {
-      names_.clear();
-      for (int i = 0; i < n; ++i) names_.push_back(base_ + "." + std::to_string(i));
-    }
-    return names_;
-  }
-
   const bool on_gpu_;
   std::string base_;
   int reduce_op_;
   float prescale_, postscale_;
   OutputCache outputs_;
-  std::mutex names_mu_;
   std::vector<std::string> names_;
 };
 

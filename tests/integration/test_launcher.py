@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from kerasdist import doctor  # noqa: E402
 from tests.helpers import REPO_ROOT  # noqa: E402
 from tests.helpers import STRAY_CHILDREN  # noqa: E402
 from tests.helpers import assert_all_gone  # noqa: E402
@@ -82,17 +83,10 @@ def _huge_of(out, r):
     return tunables, int(kb)
 
 
-def _thp_mode():
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "absent"
-
-
 def test_ranks_malloc_on_huge_pages_unless_told_not_to():
-    if _thp_mode() not in ("madvise", "always"):
-        pytest.skip(f"transparent huge pages are {_thp_mode()!r} here")
+    mode = doctor._thp_mode()
+    if mode not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {mode or 'absent'} here")
     plain = {k: v for k, v in launcher_env().items() if k != "GLIBC_TUNABLES"}
     out = launch(2, python_cmd(_HUGE), timeout=60, env=plain)
     assert out.returncode == 0, out.stdout
@@ -106,7 +100,7 @@ def test_ranks_malloc_on_huge_pages_unless_told_not_to():
     out = launch(1, python_cmd(_HUGE), timeout=60, env=env)
     assert out.returncode == 0, out.stdout
     assert _huge_of(out, 0)[0] == env["GLIBC_TUNABLES"], out.stdout
-    if _thp_mode() == "madvise":  # under "always" every block is huge
+    if mode == "madvise":  # under "always" every block is huge
         assert _huge_of(out, 0)[1] == 0, out.stdout
     env = dict(plain, GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     out = launch(1, python_cmd(_HUGE), timeout=60, env=env)
@@ -116,7 +110,7 @@ def test_ranks_malloc_on_huge_pages_unless_told_not_to():
                  launcher_args=("--no-huge-pages",))
     tunables, kb = _huge_of(out, 0)
     assert tunables == "None", out.stdout
-    if _thp_mode() == "madvise":
+    if mode == "madvise":
         assert kb == 0, out.stdout
 
 
