@@ -73,5 +73,5 @@ setup(
     # kerasdist with --no-build-isolation. torch needs nothing compiled.
     extras_require={"plot": ["matplotlib"], "test": ["pytest"],
                     "jax": ["jax[cpu]==0.10.2"], "torch": ["torch==2.13.0"]},
-    entry_points={"console_scripts": ["kerasdist=kerasdist.cli:main"]},
+    entry_points={"console_scripts": ["kerasdist=kerasdist.tools.cli:main"]},
 )

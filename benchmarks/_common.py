@@ -180,7 +180,7 @@ def native_step():
     import subprocess
     import tempfile
 
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -58,7 +58,7 @@ def make_systems(comm, kd, tf, nbytes):
     """name -> (one-call callable, check callable returning #wrong)."""
     from mpi4py import MPI
 
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
 
     rank, n = comm.Get_rank(), comm.Get_size()
     x = np.full(nbytes // 4, rank + 1, np.float32)

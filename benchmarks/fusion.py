@@ -47,7 +47,7 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
     """Builds name -> (step callable, check callable returning #wrong)."""
     from mpi4py import MPI
 
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
 
     rank, n = comm.Get_rank(), comm.Get_size()
     elems = nbytes // 4

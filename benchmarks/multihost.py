@@ -74,7 +74,7 @@ def _kd_allreduce(kd, x, out, name):
     API (enqueue and wait, no TensorFlow)."""
     import numpy as np
 
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
     code = _capi.DTYPES[np.dtype(np.float32)]
 
     def call():
@@ -213,7 +213,7 @@ def rank_fusion(opts):
     import keras
 
     import kerasdist as kd
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()

@@ -52,7 +52,7 @@ def main():
 
     tf = _common.tf_single_thread()
     import kerasdist as kd
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
     kd.init()
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()

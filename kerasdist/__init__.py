@@ -15,6 +15,9 @@ without Keras, and never import TensorFlow.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -32,22 +35,23 @@ _EXPORTS = {
     "broadcast_variables": "collectives", "alltoall": "collectives",
     "reducescatter": "collectives", "barrier": "collectives",
     "DistributedOptimizer": "optimizer", "Compression": "compression",
-    "DistributedGradientTape": "tape", "Trainer": "trainer",
+    "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
 }
 
 # Submodules reachable as attributes after `import kerasdist`.
-_SUBMODULES = ("callbacks", "schedules", "data", "timeline", "autotune")
+_SUBMODULES = ("callbacks", "collectives", "schedules", "data", "timeline",
+               "autotune")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name):
     if name in _EXPORTS and _EXPORTS[name] == "collectives":
-        # Chosen by the Keras backend (kerasdist/_keras_backend.py).
-        backend = importlib.import_module("kerasdist._keras_backend")
-        value = backend.collective(name)
+        # Chosen by the Keras backend (kerasdist/_framework.py).
+        framework = importlib.import_module("kerasdist._framework")
+        value = framework.collective(name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -62,3 +66,35 @@ def __getattr__(name):
 
 def __dir__():
     return __all__
+
+
+# Modules that moved when the package was laid out by layer. Their old paths
+# keep importing (`from kerasdist import checkpoints`,
+# `import kerasdist.tape`): each is the module at its new path, not a copy.
+_MOVED = {
+    "kerasdist.checkpoints": "kerasdist.trainer.checkpoints",
+    "kerasdist.tape": "kerasdist.tensorflow.tape",
+    "kerasdist.cli": "kerasdist.tools.cli",
+    "kerasdist.doctor": "kerasdist.tools.doctor",
+    "kerasdist.timeline_tools": "kerasdist.tools.timeline",
+    "kerasdist.callbacks.checkpoint": "kerasdist.callbacks.model_checkpoint",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module path to the module at its new one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return importlib.import_module(_MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModuleFinder())

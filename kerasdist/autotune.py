@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 _LOG_FIELDS = ("time", "threshold", "cycle_ms", "cache", "bytes_per_s",
                "best_bytes_per_s", "phase")

@@ -5,7 +5,7 @@ import os
 import sys
 import threading
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 from kerasdist import autotune
 
 # Reduction ops: the core's values (ops/core/types.h; Horovod's numbering

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from kerasdist import _frontend
+from kerasdist._core import host as _host
 from kerasdist import basics
 
 
@@ -138,7 +138,7 @@ def min_steps(local_steps):
     ```
     """
     value = np.array(int(local_steps), np.int64)
-    return int(_frontend.host_allreduce(value, basics.Min,
+    return int(_host.host_allreduce(value, basics.Min,
                                         "kerasdist.data.min_steps"))
 
 

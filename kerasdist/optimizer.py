@@ -19,7 +19,7 @@ never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
 
-The reduction runs on the Keras backend's own tensors (`_keras_backend`):
+The reduction runs on the Keras backend's own tensors (`kerasdist._framework`):
 TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
 jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 """
@@ -27,8 +27,8 @@ jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 import sys
 
 from kerasdist import basics
-from kerasdist import _gradients
-from kerasdist import _keras_backend
+from kerasdist._core import gradients as _gradients
+from kerasdist import _framework
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedOptimizer"]
@@ -43,7 +43,7 @@ class _Settings:
 
 def _tf():
     """The TensorFlow-only parts (accumulation, XLA), on that backend."""
-    from kerasdist import _optimizer_tf
+    from kerasdist.tensorflow import optimizer as _optimizer_tf
     return _optimizer_tf
 
 
@@ -161,7 +161,7 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups)
-    if _keras_backend.backend() == "tensorflow":
+    if _framework.backend() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
@@ -200,7 +200,7 @@ def _distributed_class(base, settings):
                     self._trainable_variables)
 
         def apply(self, grads, trainable_variables=None):
-            if _keras_backend.backend() == "tensorflow":
+            if _framework.backend() == "tensorflow":
                 _tf().check_not_xla()
             grads = list(grads)
             if trainable_variables is not None:
@@ -246,7 +246,7 @@ def _distributed_class(base, settings):
                 self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
-            return _keras_backend.reduce_gradients(
+            return _framework.reduce_gradients(
                 grads, variables, settings.prefix,
                 compression=settings.compression, op=settings.op,
                 sparse_as_dense=settings.sparse_as_dense,
@@ -275,7 +275,7 @@ def _check_passes(backward_passes_per_step):
             backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be an int >= 1; got "
                          f"{backward_passes_per_step!r}.")
-    backend = _keras_backend.backend()
+    backend = _framework.backend()
     if backward_passes_per_step > 1 and backend != "tensorflow":
         raise ValueError(
             "DistributedOptimizer(backward_passes_per_step > 1) needs the "
@@ -317,7 +317,7 @@ def _synced_loss_scale_class(base):
                 return finite
             # Min over ranks: finite only if every rank's gradients are.
             prefix = self.inner_optimizer._kerasdist_settings.prefix
-            return _keras_backend.agree_finite(finite, prefix)
+            return _framework.agree_finite(finite, prefix)
 
     _SyncedLossScaleOptimizer.__name__ = base.__name__
     _SyncedLossScaleOptimizer.__qualname__ = base.__qualname__

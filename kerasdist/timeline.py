@@ -17,7 +17,7 @@ import ctypes
 import os
 import threading
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 _bound = False
 _bind_lock = threading.Lock()

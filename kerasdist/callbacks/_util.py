@@ -4,8 +4,8 @@ import hashlib
 
 import numpy as np
 
-from kerasdist import _frontend
-from kerasdist import _keras_backend
+from kerasdist._core import host as _host
+from kerasdist import _framework
 
 
 def model_is_built(model):
@@ -41,7 +41,7 @@ def variable_name(v):
 def _fingerprint(v):
     # A hash of the raw bytes: exact (no float tolerance) and the same on
     # every rank that holds the same bits, on every backend.
-    data = np.ascontiguousarray(_keras_backend.to_numpy(v))
+    data = np.ascontiguousarray(_framework.to_numpy(v))
     digest = hashlib.blake2b(data.tobytes(), digest_size=8).digest()
     return np.frombuffer(digest, np.int64)[0]
 
@@ -57,7 +57,7 @@ def verify_identical(variables, tag):
     if not variables:
         return
     row = np.array([[_fingerprint(v) for v in variables]], np.int64)
-    table = _frontend.host_allgather(
+    table = _host.host_allgather(
         row, name=f"kerasdist.verify.{tag}.{len(variables)}")
     for i, v in enumerate(variables):
         column = table[:, i]

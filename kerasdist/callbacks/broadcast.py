@@ -3,7 +3,7 @@
 import keras
 
 from kerasdist import basics
-from kerasdist import _keras_backend
+from kerasdist import _framework
 from kerasdist.callbacks import _util
 
 
@@ -81,6 +81,6 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # that built a different number of layers before this model.
         names = [f"kerasdist.bgv.{i}." + "x".join(str(d) for d in v.shape)
                  for i, v in enumerate(variables)]
-        _keras_backend.assign_broadcast(variables, self.root_rank, names)
+        _framework.assign_broadcast(variables, self.root_rank, names)
         if self.verify:
             _util.verify_identical(variables, "after the broadcast")

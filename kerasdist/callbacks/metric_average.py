@@ -6,7 +6,7 @@ import zlib
 import keras
 import numpy as np
 
-from kerasdist import _frontend
+from kerasdist._core import host as _host
 
 
 def _average_logs(logs, tag):
@@ -20,7 +20,7 @@ def _average_logs(logs, tag):
     # metrics fails loudly instead of averaging unrelated numbers.
     key_sum = float(zlib.crc32("\n".join(keys).encode()))
     row = np.array([[key_sum] + [float(logs[k]) for k in keys]], np.float64)
-    table = _frontend.host_allgather(
+    table = _host.host_allgather(
         row, name=f"kerasdist.metric_average.{tag}")
     if np.any(table[:, 0] != key_sum):
         raise ValueError(

@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kerasdist import _capi, _frontend, basics
+from kerasdist import basics
+from kerasdist._core import capi as _capi
+from kerasdist._core import host as _host
 
 _LIB_NAME = "_kerasdist_jax.so"
 # FFI target -> symbol in the handler library.
@@ -36,8 +38,7 @@ _trace_counters = weakref.WeakKeyDictionary()
 
 
 def library_path():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(here, _LIB_NAME)
+    return os.path.join(_capi.NATIVE_DIR, _LIB_NAME)
 
 
 def _register():
@@ -94,7 +95,7 @@ def auto_name(kind, name):
         return str(name)
     trace = program_trace()
     if trace is None:
-        return _frontend.eager_name(kind, None)
+        return _host.eager_name(kind, None)
     with _lock:
         counters = _trace_counters.setdefault(trace, {})
         k = counters.get(kind, 0)
@@ -153,7 +154,7 @@ def _run_eager(target, out_types, args, attrs):
         kwargs["splits"] = [int(s) for s in attrs["splits"]]
     many = isinstance(out_types, (list, tuple))
     shapes = [t.shape for t in (out_types if many else [out_types])]
-    outs = _frontend.run_host(op, name, [np.asarray(a) for a in args], shapes,
+    outs = _host.run_host(op, name, [np.asarray(a) for a in args], shapes,
                               group=target == "grouped_allreduce",
                               owned=owned, **kwargs)
     outs = [jnp.asarray(o) for o in outs]

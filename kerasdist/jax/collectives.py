@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kerasdist import _capi, _frontend, basics
+from kerasdist import basics
+from kerasdist._core import capi as _capi
+from kerasdist._core import host as _host
 from kerasdist.jax._dispatch import auto_name, call, program_trace
 
 
-_require_init = _frontend.require_init
-_check_op = _frontend.check_op
+_require_init = _host.require_init
+_check_op = _host.check_op
 
 
 _DTYPES = frozenset(np.dtype(t) for t in (
@@ -192,7 +194,7 @@ def allgather(tensor, name=None):
                          "got a scalar; reshape it to [1].")
     name = auto_name("allgather", name)
     if program_trace() is None:
-        rows = _frontend.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
+        rows = _host.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
                            name + ".rows")
     else:
         rows = (tensor.shape[0],) * basics.size()
@@ -299,7 +301,7 @@ def alltoall(tensor, splits=None, name=None):
                 "alltoall inside jax.jit supports only splits=None (an even "
                 "split): the received sizes would fix the result's shape. "
                 "Call it outside jax.jit for explicit splits.")
-        recv = _frontend.host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
+        recv = _host.host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
     return (_alltoall(tensor, name, splits, recv),
             jnp.asarray(np.asarray(recv, np.int32)))
 
@@ -337,7 +339,7 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs an array with a first "
                          "dimension, got a scalar.")
-    counts = _frontend.scatter_rows(tensor.shape[0], basics.size())
+    counts = _host.scatter_rows(tensor.shape[0], basics.size())
     return _reducescatter(tensor, auto_name("reducescatter", name), int(op),
                           float(prescale_factor), float(postscale_factor),
                           counts)

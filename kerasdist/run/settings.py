@@ -2,7 +2,7 @@
 
 The runtime reads them, and their names belong to its settings table
 (ops/core/config.cc). The launcher asks the core library for them through
-`kerasdist._capi` (ctypes; it imports neither TensorFlow nor numpy) instead
+`kerasdist._core.capi` (ctypes; it imports neither TensorFlow nor numpy) instead
 of keeping a copy: loading the library costs tens of milliseconds once per
 launch, where TensorFlow would cost seconds, and is done only when the ranks'
 environment is built (not for `--help` or a bad flag).
@@ -32,7 +32,7 @@ def _name(key):
     Raises:
         ImportError: the core library is not built (the message says how).
     """
-    from kerasdist import _capi  # loads the core library: see above
+    from kerasdist._core import capi as _capi  # loads the core library: see above
 
     return _capi.setting_name(key)
 

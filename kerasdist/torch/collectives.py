@@ -14,7 +14,9 @@ import ctypes
 import numpy as np
 import torch
 
-from kerasdist import _capi, _frontend, basics
+from kerasdist import basics
+from kerasdist._core import capi as _capi
+from kerasdist._core import host as _host
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
           torch.float64: np.float64, torch.int32: np.int32,
@@ -169,7 +171,7 @@ def _(x, name, root):
     return torch.empty_like(x)
 
 
-# ---- gradients (as the TF ops': kerasdist/collectives.py) --------------------
+# ---- gradients (as the TF ops': kerasdist/tensorflow/collectives.py) -------
 
 
 def _keep_args(ctx, inputs, output):
@@ -207,7 +209,7 @@ def _allgather_grad(ctx, grad):
     (name,) = ctx.args
     summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
                         1.0)
-    rows = _frontend.host_int64(_capi.OP_ALLGATHER, [ctx.rows],
+    rows = _host.host_int64(_capi.OP_ALLGATHER, [ctx.rows],
                                 name + ".grad.rows")
     start = sum(rows[:basics.rank()])
     return summed[start:start + ctx.rows], None
@@ -266,8 +268,8 @@ torch.library.register_autograd("kerasdist::reducescatter",
 
 # Plain Python checks (ctypes calls into the core): torch.compile runs them
 # as they are instead of tracing them.
-_require_init = torch.compiler.disable(_frontend.require_init)
-_check_op = torch.compiler.disable(_frontend.check_op)
+_require_init = torch.compiler.disable(_host.require_init)
+_check_op = torch.compiler.disable(_host.check_op)
 
 
 def _tensor(x):
@@ -303,7 +305,7 @@ def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     Raises:
         ValueError: for an unknown `op`.
         RuntimeError: if kerasdist is not initialized, or a collective
-            failed (`kerasdist._capi.KerasdistError`, naming the ranks).
+            failed (`kerasdist._core.capi.KerasdistError`, naming the ranks).
 
     Example:
     >>> import kerasdist.torch as kd
@@ -312,7 +314,7 @@ def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     """
     _require_init()
     _check_op(op, "allreduce")
-    return _allreduce(_tensor(tensor), _frontend.eager_name("allreduce", name),
+    return _allreduce(_tensor(tensor), _host.eager_name("allreduce", name),
                       int(op), float(prescale_factor), float(postscale_factor))
 
 
@@ -330,7 +332,7 @@ def grouped_allreduce(tensors, op=basics.Average, name=None,
     if not tensors:
         return []
     return list(_grouped(tensors,
-                         _frontend.eager_name("grouped_allreduce", name),
+                         _host.eager_name("grouped_allreduce", name),
                          int(op), float(prescale_factor),
                          float(postscale_factor)))
 
@@ -341,7 +343,7 @@ def allgather(tensor, name=None):
     _require_init()
     tensor = _tensor(tensor)
     _rows(tensor, "allgather")
-    return _allgather(tensor, _frontend.eager_name("allgather", name))
+    return _allgather(tensor, _host.eager_name("allgather", name))
 
 
 def broadcast(tensor, root_rank, name=None):
@@ -355,7 +357,7 @@ def broadcast(tensor, root_rank, name=None):
     if not isinstance(root_rank, int) or not 0 <= root_rank < size:
         raise ValueError(f"root_rank must be an int in [0, {size}), got "
                          f"{root_rank!r}.")
-    return _broadcast(_tensor(tensor), _frontend.eager_name("broadcast", name),
+    return _broadcast(_tensor(tensor), _host.eager_name("broadcast", name),
                       root_rank)
 
 
@@ -380,7 +382,7 @@ def alltoall(tensor, splits=None, name=None):
             raise ValueError(f"alltoall: splits must be {n} non-negative row "
                              f"counts summing to the first dimension ({rows});"
                              f" got {splits}.")
-    return _alltoall(tensor, _frontend.eager_name("alltoall", name), splits)
+    return _alltoall(tensor, _host.eager_name("alltoall", name), splits)
 
 
 def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
@@ -391,7 +393,7 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
     _check_op(op, "reducescatter")
     tensor = _tensor(tensor)
     _rows(tensor, "reducescatter")
-    return _reducescatter(tensor, _frontend.eager_name("reducescatter", name),
+    return _reducescatter(tensor, _host.eager_name("reducescatter", name),
                           int(op), float(prescale_factor),
                           float(postscale_factor))
 
@@ -399,6 +401,6 @@ def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
 def barrier(name=None):
     """Returns once every rank has called it."""
     _require_init()
-    h = _capi.Handle(_capi.OP_BARRIER, _frontend.eager_name("barrier", name),
+    h = _capi.Handle(_capi.OP_BARRIER, _host.eager_name("barrier", name),
                      _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
     h.wait()

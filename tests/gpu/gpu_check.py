@@ -26,7 +26,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from kerasdist import _capi  # noqa: E402
+from kerasdist._core import capi as _capi  # noqa: E402
 
 TIMEOUT_S = 60
 

@@ -11,12 +11,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist import doctor  # noqa: E402
+from kerasdist.tools import doctor  # noqa: E402
 from tests.helpers import launcher_env  # noqa: E402
 
 
 def _cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kerasdist.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kerasdist.tools.cli", *args],
                           capture_output=True, text=True, timeout=timeout,
                           env=launcher_env(env))
 
@@ -129,7 +129,7 @@ def test_gpu_lines():
 
 
 def test_shm_line_says_what_to_do():
-    from kerasdist.doctor import OK, WARN, INFO, shm_check
+    from kerasdist.tools.doctor import OK, WARN, INFO, shm_check
 
     mib = 1 << 20
     assert shm_check(4096 * mib, 2, "1")[0] == OK
@@ -141,7 +141,7 @@ def test_shm_line_says_what_to_do():
 
 
 def test_huge_pages_line():
-    from kerasdist.doctor import INFO, OK, huge_pages_check
+    from kerasdist.tools.doctor import INFO, OK, huge_pages_check
     assert huge_pages_check("madvise", ("glibc", "2.36"))[0] == OK
     assert huge_pages_check("always", ("glibc", "2.35"))[0] == OK
     for mode, libc, says in ((None, ("glibc", "2.36"), "absent"),

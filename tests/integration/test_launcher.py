@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist import doctor  # noqa: E402
+from kerasdist.tools import doctor  # noqa: E402
 from tests.helpers import REPO_ROOT  # noqa: E402
 from tests.helpers import STRAY_CHILDREN  # noqa: E402
 from tests.helpers import assert_all_gone  # noqa: E402
@@ -339,7 +339,7 @@ def test_mpi_works_through_the_wrapper():
 
 def test_kerasdist_cli_run():
     out = subprocess.run(
-        [sys.executable, "-m", "kerasdist.cli", "run", "-np", "2",
+        [sys.executable, "-m", "kerasdist.tools.cli", "run", "-np", "2",
          *python_cmd("print('hi')")],
         capture_output=True, text=True, timeout=60, env=launcher_env(),
         cwd=REPO_ROOT)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kerasdist import timeline_tools
+from kerasdist.tools import timeline as timeline_tools
 from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]

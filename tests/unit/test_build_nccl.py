@@ -131,7 +131,7 @@ def test_tf_gpu_kernels_registered_exactly_when_built_with_nccl():
     code = (
         "import json\n"
         "import kerasdist as kd\n"
-        "from kerasdist import _native\n"
+        "from kerasdist.tensorflow import _native\n"
         "from tensorflow.python.framework import kernels\n"
         "_native.ops()\n"
         "out = {'nccl': kd.nccl_built()}\n"

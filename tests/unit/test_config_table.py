@@ -10,9 +10,9 @@ import pytest
 
 from tests.helpers import REPO_ROOT
 
-from kerasdist import _capi
-from kerasdist import _settings_doc
-from kerasdist import doctor
+from kerasdist._core import capi as _capi
+from kerasdist.tools import settings_doc as _settings_doc
+from kerasdist.tools import doctor
 from kerasdist.run import launch
 from kerasdist.run import settings as launcher_settings
 
@@ -33,7 +33,7 @@ def test_doc_table_is_the_generated_one():
     end = doc.index(_settings_doc.END) + len(_settings_doc.END) + 1
     assert doc[begin:end] == _settings_doc.markdown_table(), (
         "docs/env_vars.md's table differs from the core's; regenerate it "
-        "with `python -m kerasdist._settings_doc`.")
+        "with `python -m kerasdist.tools.settings_doc`.")
 
 
 def test_table_lists_every_setting_once_with_a_doc_line():
@@ -126,7 +126,7 @@ def test_enum_values_are_the_c_api_abi():
 
 
 def test_timeline_names_come_from_the_core():
-    from kerasdist import timeline_tools
+    from kerasdist.tools import timeline as timeline_tools
 
     phases = _capi.timeline_phases()
     assert timeline_tools.phase_names()[0] == "NEGOTIATE"

@@ -7,7 +7,7 @@ import sys
 
 from tests.helpers import REPO_ROOT
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 
 def test_every_setting_is_documented():
@@ -53,7 +53,7 @@ def test_version_mismatch_gives_a_clear_import_error(tmp_path):
     pkg = tmp_path / "kerasdist"
     shutil.copytree(os.path.join(REPO_ROOT, "kerasdist"), pkg)
     (pkg / "_build_info.json").write_text('{"tensorflow": "2.0.0"}')
-    code = ("import kerasdist._native as n\n"
+    code = ("import kerasdist.tensorflow._native as n\n"
             "try:\n    n.ops()\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                          text=True, cwd=tmp_path, timeout=120,

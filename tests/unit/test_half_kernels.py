@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 FLOAT16, BFLOAT16 = 0, 1
 KINDS = {FLOAT16: np.dtype(np.float16), BFLOAT16: np.dtype(ml_dtypes.bfloat16)}

@@ -19,8 +19,8 @@ from tests.helpers import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "kerasdist")
 # Command-line front ends that may start or describe the launcher.
-_LAUNCHER_USERS = {"kerasdist.cli", "kerasdist.doctor",
-                   "kerasdist._settings_doc"}
+_LAUNCHER_USERS = {"kerasdist.tools.cli", "kerasdist.tools.doctor",
+                   "kerasdist.tools.settings_doc"}
 
 
 def _modules():
@@ -147,7 +147,7 @@ def test_no_sys_modules_lookups():
 
 def test_layers():
     deps = {m: _imports(m, t)[1] for m, t in MODULES.items()}
-    binding = {"kerasdist._capi", "kerasdist"}
+    binding = {"kerasdist._core.capi", "kerasdist"}
     for m, targets in deps.items():
         if m.startswith("kerasdist.run"):
             outside = {t for t in targets

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist import cli  # noqa: E402
+from kerasdist.tools import cli  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
@@ -359,7 +359,7 @@ def test_cli_dispatch_is_lazy_and_listed(capsys):
 
 
 def test_launcher_imports_no_tensorflow():
-    code = ("import sys; import kerasdist.cli, kerasdist.run.launch, "
+    code = ("import sys; import kerasdist.tools.cli, kerasdist.run.launch, "
             "kerasdist.run.__main__; "
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "('tensorflow', 'numpy', 'keras')]; "

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from kerasdist import cli, timeline_tools
+from kerasdist.tools import cli
+from kerasdist.tools import timeline as timeline_tools
 
 
 def _x(name, tid, ts, dur, **args):

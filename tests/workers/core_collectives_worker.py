@@ -54,7 +54,7 @@ r, n = kd.rank(), kd.size()
 checks = 0
 
 if MODE == "cma-choice":
-    from kerasdist import _capi
+    from kerasdist._core import capi as _capi
 
     lib = _capi.lib()
     # (tensors, float32 elements each, read in place?): 64 x 1 KiB averages
@@ -172,7 +172,7 @@ if MODE in ("shm", "cma") and n > 1:
 if n > 1:
     # In place (output == input), fused and not: another rank may still be
     # reading this rank's input while this rank writes its result.
-    from kerasdist import _capi as _c
+    from kerasdist._core import capi as _c
     import ctypes as _ct
     bufs = [values(size, r, np.float32)  # big ones alone, small ones fused
             for size in (5000, 5017, 300, 301, 302, 303, 7)]
@@ -301,7 +301,7 @@ for i in range(3):
     barrier(f"barrier.{i}")
 print("OK barrier", flush=True)
 
-from kerasdist import _capi  # noqa: E402
+from kerasdist._core import capi as _capi  # noqa: E402
 
 shm_used = _capi.lib().kerasdist_shm_allreduces()
 cma_used = _capi.lib().kerasdist_cma_allreduces()

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import kerasdist as kd
-from kerasdist._capi import KerasdistError
+from kerasdist._core.capi import KerasdistError
 from np_collectives import allreduce, broadcast, start_allreduce
 
 mode = sys.argv[1]
@@ -106,7 +106,7 @@ elif mode == "mismatch":
         # Host memory on rank 0, "GPU memory" elsewhere (ordinals differ
         # between ranks, which alone is fine): refused in negotiation, before
         # any device is touched.
-        from kerasdist import _capi as _c
+        from kerasdist._core import capi as _c
         x = np.zeros(4, np.float32)
 
         def mixed():

@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 
 import kerasdist as kd
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 from np_collectives import allgather, allreduce, barrier, start_allreduce
 
 INT_TYPES = (np.int32, np.int64)

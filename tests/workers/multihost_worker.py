@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 import kerasdist as kd
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 from np_collectives import allreduce, barrier
 
 MIB = float(sys.argv[1]) if len(sys.argv) > 1 else 16.0

@@ -7,7 +7,7 @@ import ctypes
 
 import numpy as np
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 try:
     import ml_dtypes

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 import kerasdist as kd
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 from np_collectives import allreduce
 
 for cma in (False, True):

@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 
 import host_faults  # noqa: E402
 import kerasdist as kd  # noqa: E402
-from kerasdist import checkpoints  # noqa: E402
-from kerasdist import collectives  # noqa: E402
+from kerasdist.trainer import checkpoints  # noqa: E402
+from kerasdist.tensorflow import collectives  # noqa: E402
 
 N = 240  # divisible by batch * size at np 1 and 2: no example dropped
 BATCH = 8

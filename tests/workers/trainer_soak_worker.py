@@ -28,7 +28,7 @@ import numpy as np
 
 import host_faults
 import kerasdist as kd
-from kerasdist import checkpoints
+from kerasdist.trainer import checkpoints
 from trainer_fault_worker import Toy, _Log
 
 CKPT, STATE, SEED, FAULTS = (sys.argv[1], sys.argv[2], int(sys.argv[3]),

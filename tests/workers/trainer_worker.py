@@ -43,7 +43,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
-from kerasdist import checkpoints  # noqa: E402
+from kerasdist.trainer import checkpoints  # noqa: E402
 
 EPOCHS = 4
 BATCH = 16

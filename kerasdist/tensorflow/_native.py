@@ -7,7 +7,7 @@ import os
 
 import tensorflow as tf
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 _ops = None
 
@@ -22,7 +22,7 @@ def ops():
     global _ops
     if _ops is not None:
         return _ops
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = _capi.NATIVE_DIR
     path = os.path.join(here, "_kerasdist_ops.so")
     info_path = os.path.join(here, "_build_info.json")
     if not os.path.exists(path):

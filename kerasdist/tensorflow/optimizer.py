@@ -7,8 +7,8 @@ import warnings
 import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist import collectives
-from kerasdist import _keras_util
+from kerasdist.tensorflow import collectives
+from kerasdist.tensorflow import gradients as _tf_gradients
 
 XLA_MESSAGE = (
     "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
@@ -20,7 +20,7 @@ XLA_MESSAGE = (
 
 def check_not_xla():
     """Raises RuntimeError while tracing an XLA-compiled function."""
-    if _keras_util.in_xla_context():
+    if _tf_gradients.in_xla_context():
         raise RuntimeError(XLA_MESSAGE)
 
 

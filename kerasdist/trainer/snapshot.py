@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import checkpoints
+from kerasdist.trainer import checkpoints
 
 try:  # Keras 3's saving internals; step checkpoints need them.
     from keras.src.saving import saving_lib

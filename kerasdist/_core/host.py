@@ -15,7 +15,8 @@ import threading
 
 import numpy as np
 
-from kerasdist import _capi, basics
+from kerasdist import basics
+from kerasdist._core import capi as _capi
 
 _counters = {}
 _lock = threading.Lock()

@@ -5,8 +5,8 @@ import time
 import keras
 import numpy as np
 
-from kerasdist import _frontend
-from kerasdist import _keras_backend
+from kerasdist._core import host as _host
+from kerasdist import _framework
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 
@@ -187,7 +187,7 @@ class CheckpointCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if basics.rank() == 0:
             self._save(epoch + 1, dict(logs or {}))
-        _frontend.host_barrier(f"kerasdist.trainer.checkpoint.{epoch}")
+        _host.host_barrier(f"kerasdist.trainer.checkpoint.{epoch}")
 
 
 def sync_state(model):
@@ -202,4 +202,4 @@ def sync_state(model):
         variables += list(model.optimizer.variables)
     names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)
              for i, v in enumerate(variables)]
-    _keras_backend.assign_broadcast(variables, 0, names)
+    _framework.assign_broadcast(variables, 0, names)

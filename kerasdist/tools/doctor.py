@@ -6,7 +6,7 @@
 
 `doctor` prints one line per check, `OK` or what to do about it, and exits
 nonzero when a check failed. Its self-test runs every collective through the
-launcher (`python -m kerasdist.run -np N python -m kerasdist.doctor
+launcher (`python -m kerasdist.run -np N python -m kerasdist.tools.doctor
 --selftest`) from numpy via the C API, so it needs neither TensorFlow nor a GPU.
 """
 
@@ -19,12 +19,11 @@ import subprocess
 import sys
 
 import kerasdist
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
 # TensorFlow's start-up chatter would drown the report.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---- facts ------------------------------------------------------------------
@@ -40,7 +39,7 @@ def _native_info():
 
 def _tf_built_for():
     try:
-        with open(os.path.join(_HERE, "_build_info.json")) as f:
+        with open(os.path.join(_capi.NATIVE_DIR, "_build_info.json")) as f:
             return json.load(f).get("tensorflow")
     except (OSError, ValueError):
         return None
@@ -374,7 +373,7 @@ def selftest_check(np_ranks, timeout):
     """Runs the self-test under the launcher; (status, message)."""
     argv = [sys.executable, "-m", "kerasdist.run", "-np", str(np_ranks),
             "--timeout", str(timeout), sys.executable, "-m",
-            "kerasdist.doctor", "--selftest"]
+            "kerasdist.tools.doctor", "--selftest"]
     try:
         p = subprocess.run(argv, capture_output=True, text=True,
                            timeout=timeout + 30)

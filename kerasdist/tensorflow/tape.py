@@ -4,8 +4,8 @@ over all ranks, for custom training loops."""
 import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist import _gradients
-from kerasdist import _keras_util
+from kerasdist._core import gradients as _gradients
+from kerasdist.tensorflow import gradients as _tf_gradients
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedGradientTape"]
@@ -98,14 +98,14 @@ class DistributedGradientTape:
         grads = self._tape.gradient(
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients)
-        if _keras_util.in_xla_context():
+        if _tf_gradients.in_xla_context():
             raise RuntimeError(
                 "DistributedGradientTape cannot reduce gradients inside an "
                 "XLA-compiled function (the collectives have no XLA kernel); "
                 "drop jit_compile=True from the enclosing tf.function.")
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        reduced = _keras_util.reduce_gradients(
+        reduced = _tf_gradients.reduce_gradients(
             flat_grads, flat_sources, self._prefix,
             compression=self._compression, op=self._op,
             sparse_as_dense=self._sparse_as_dense,

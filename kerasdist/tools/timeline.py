@@ -21,7 +21,7 @@ import collections
 import json
 import sys
 
-from kerasdist import _capi
+from kerasdist._core import capi as _capi
 
 
 def _names(*roles):

@@ -13,10 +13,10 @@ import sys
 _COMMANDS = {
     "run": ("kerasdist.run.launch:main",
             "run a command on N ranks under mpiexec"),
-    "timeline": ("kerasdist.timeline_tools:main", "summarize or plot a timeline file"),
-    "doctor": ("kerasdist.doctor:doctor",
+    "timeline": ("kerasdist.tools.timeline:main", "summarize or plot a timeline file"),
+    "doctor": ("kerasdist.tools.doctor:doctor",
                "check this install and self-test every collective on 2 ranks"),
-    "check-build": ("kerasdist.doctor:check_build",
+    "check-build": ("kerasdist.tools.doctor:check_build",
                     "print what the native library was built with"),
 }
 

@@ -1,14 +1,14 @@
 """What the Keras layer (DistributedOptimizer, the callbacks, data, the
 Trainer) does differently on each Keras backend, in one place.
 
-- Gradients: on TensorFlow the TF ops reduce them (`_keras_util`); on JAX
+- Gradients: on TensorFlow the TF ops reduce them (`kerasdist.tensorflow.gradients`); on JAX
   and PyTorch the front ends `kerasdist.jax` / `kerasdist.torch` do, on the
   backend's own arrays: inside JAX's jitted, stateless train step as XLA
   custom calls on tracers, in PyTorch's eager step as custom ops.
 - Variables (broadcast, model averaging) go through the backend's front end
   too, so a GPU tensor stays where it is.
 - Small control values (metrics, step counts, flags, fingerprints) go
-  through the core as numpy arrays on every backend (`_frontend.host_*`).
+  through the core as numpy arrays on every backend (`_host.host_*`).
 
 Nothing here imports TensorFlow unless the Keras backend is TensorFlow.
 """
@@ -48,7 +48,7 @@ def collectives():
     elif name == "torch":
         from kerasdist.torch import collectives as front
     else:
-        from kerasdist import collectives as front
+        from kerasdist.tensorflow import collectives as front
     return front
 
 
@@ -64,7 +64,7 @@ def collective(public_name):
 def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
     """Assigns `root_rank`'s values to Keras `variables` on every rank
     (JAX and PyTorch backends; TensorFlow's is
-    `kerasdist.collectives.broadcast_variables`).
+    `kerasdist.tensorflow.collectives.broadcast_variables`).
 
     Names derive from the variables' paths, so every rank must pass the
     same variables (in any order).
@@ -145,14 +145,14 @@ def reduce_gradients(grads, variables, prefix, compression=None,
                      op=basics.Average, sparse_as_dense=False,
                      gradient_predivide_factor=1.0, num_groups=0):
     """Allreduces a flat gradient list (`None` kept) on the running
-    backend; see `_keras_util.reduce_gradients` (TensorFlow), which this
+    backend; see `_tf_gradients.reduce_gradients` (TensorFlow), which this
     mirrors for JAX and PyTorch arrays: one grouped allreduce per group,
     compression around it, predivide as prescale/postscale, nothing
     communicated at size 1. JAX and PyTorch gradients are dense, so
     `sparse_as_dense` changes nothing there."""
     if backend() == "tensorflow":
-        from kerasdist import _keras_util
-        return _keras_util.reduce_gradients(
+        from kerasdist.tensorflow import gradients as _tf_gradients
+        return _tf_gradients.reduce_gradients(
             grads, variables, prefix, compression=compression, op=op,
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
@@ -174,7 +174,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
 
 
 def _grouped(wires, prefix, op, predivide, num_groups):
-    from kerasdist._gradients import split_groups
+    from kerasdist._core.gradients import split_groups
     front = collectives()
     if predivide != 1.0:
         op, prescale, postscale = (basics.Sum, 1.0 / predivide,
@@ -208,7 +208,7 @@ def agree_finite(finite, prefix):
     """A LossScaleOptimizer's finiteness flag, True only if it is True on
     every rank (one allreduce Min), as a tensor of the running backend."""
     if backend() == "tensorflow":
-        from kerasdist import _optimizer_tf
+        from kerasdist.tensorflow import optimizer as _optimizer_tf
         return _optimizer_tf.agree_finite(finite, prefix)
     front = collectives()
     flag = keras.ops.cast(finite, "int32")

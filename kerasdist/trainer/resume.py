@@ -6,9 +6,9 @@ import collections
 
 import numpy as np
 
-from kerasdist import _frontend
+from kerasdist._core import host as _host
 from kerasdist import basics
-from kerasdist import checkpoints
+from kerasdist.trainer import checkpoints
 
 # The core's setting the launcher sets for every attempt under
 # --max-restarts; current_settings() reports it (a KeyError if it is renamed).
@@ -154,7 +154,7 @@ def resume_on_rank0(find, load, what, rng_count=0):
             row[0], message = 2, f"{type(e).__name__}: {e}"
     # One broadcast, also on failure: a rank that raised alone would leave
     # the others waiting in their next collective.
-    status = _frontend.host_broadcast(
+    status = _host.host_broadcast(
         np.array(row, np.int64), 0, f"kerasdist.trainer.resume.{rng_count}")
     if status[0] == 2:
         raise checkpoints.CheckpointError(

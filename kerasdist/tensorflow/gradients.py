@@ -5,8 +5,8 @@ reducing a gradient list of TF tensors."""
 import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist import collectives
-from kerasdist._gradients import split_groups
+from kerasdist.tensorflow import collectives
+from kerasdist._core.gradients import split_groups
 
 
 def in_xla_context():

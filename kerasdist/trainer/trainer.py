@@ -14,14 +14,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import _trainer_callbacks as _tcb
-from kerasdist import _trainer_data as _tdata
-from kerasdist import _trainer_resume as _tresume
-from kerasdist import _trainer_snapshot as _tsnap
-from kerasdist import _trainer_state as _tstate
-from kerasdist import _keras_backend
+from kerasdist.trainer import callbacks as _tcb
+from kerasdist.trainer import data as _tdata
+from kerasdist.trainer import resume as _tresume
+from kerasdist.trainer import snapshot as _tsnap
+from kerasdist.trainer import state as _tstate
+from kerasdist import _framework
 from kerasdist import basics
-from kerasdist import checkpoints
+from kerasdist.trainer import checkpoints
 from kerasdist import callbacks as kd_callbacks
 from kerasdist.optimizer import DistributedOptimizer
 
@@ -235,7 +235,7 @@ class Trainer:
         Raises:
             TypeError / ValueError: for bad data or a bad model, before
                 any training step.
-            kerasdist.checkpoints.CheckpointError: if `checkpoint_dir`
+            kerasdist.trainer.checkpoints.CheckpointError: if `checkpoint_dir`
                 holds checkpoints but none is intact.
         """
         _tstate.start()
@@ -399,7 +399,7 @@ class Trainer:
         # calls them as XLA custom calls. PyTorch: eager, Keras's default.
         self.model.compile(optimizer=self.optimizer, loss=self.build_loss(),
                            metrics=self.build_metrics(),
-                           jit_compile=_keras_backend.jit_compile())
+                           jit_compile=_framework.jit_compile())
 
     def _set_learning_rate(self, value):
         if not isinstance(self.optimizer._learning_rate,

@@ -1,5 +1,5 @@
 """Process setup and small helpers of the Trainer (private); the resume
-protocol is in _trainer_resume."""
+protocol is in kerasdist.trainer.resume."""
 
 import collections
 import contextlib
@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdist import __version__ as kerasdist_version
-from kerasdist import _frontend
+from kerasdist._core import host as _host
 from kerasdist import basics
 
 
@@ -126,7 +126,7 @@ def check_numbers(learning_rate, warmup_epochs, seed):
 def gather_row(row, tag):
     """[size, len(row)] float64 table of every rank's `row`."""
     row = np.asarray([row], np.float64)
-    return _frontend.host_allgather(row, f"kerasdist.trainer.{tag}")
+    return _host.host_allgather(row, f"kerasdist.trainer.{tag}")
 
 
 def layers_to_freeze(model, freeze):

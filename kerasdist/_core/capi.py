@@ -1,8 +1,8 @@
 """ctypes binding of libkerasdist_core's C API. Imports no framework (and,
 unless asked for `DTYPES`, not numpy either).
 
-Used by `basics` (init, rank, size...), `autotune`, `timeline`, `doctor`,
-`timeline_tools`, the launcher (setting names), the framework-free core tests
+Used by `basics` (init, rank, size...), `autotune`, `timeline`, the tools
+(`doctor`, `timeline`, `settings_doc`), the launcher (setting names), the framework-free core tests
 and the GPU checks that drive the core from cupy arrays.
 
 The core owns every name and number that crosses the boundary: the settings
@@ -51,8 +51,13 @@ class _Request(ctypes.Structure):
     ]
 
 
+# The native libraries (the core, the TF and JAX op libraries and the build
+# record) sit in the package's root directory.
+NATIVE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def library_path():
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), _LIB_NAME)
+    return os.path.join(NATIVE_DIR, _LIB_NAME)
 
 
 def lib():
