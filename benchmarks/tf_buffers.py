@@ -12,8 +12,9 @@ allocator, i.e. malloc); and, for reference, the same allreduce through one
 tf.function call. The systems alternate, CALLS calls each per round; the
 figure is the median per-call time on rank 0. Then, per buffer, how many kB
 of it the kernel backs by huge pages (AnonHugePages in /proc/self/smaps;
-a mapping the buffer shares with others counts whole). Compare runs with and without --no-huge-pages (see
-docs/benchmarks.md, "TensorFlow path speed").
+a mapping the buffer shares with others counts whole). Compare runs with
+and without --no-huge-pages (see
+benchmarks/results/2026-12-01-tensorflow-path-huge-pages.md).
 """
 
 import argparse

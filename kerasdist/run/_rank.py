@@ -423,9 +423,9 @@ def with_huge_pages(value):
     Why: TensorFlow's CPU allocator is malloc, whose large blocks sit on
     4 KiB pages, where numpy madvises its large arrays onto 2 MiB ones. The
     single-node allreduce reads and writes the other rank's tensors in place
-    (process_vm_readv/writev), which walks and pins them page by page: a
-    16 MiB allreduce through a tf.function took 12-18% less time on huge
-    pages (docs/benchmarks.md). It takes effect where the kernel's
+    (process_vm_readv/writev), which walks and pins them page by page, so
+    large tensors on huge pages reduce faster (docs/benchmarks.md). It
+    takes effect where the kernel's
     transparent huge pages are `madvise` or `always` (see `kerasdist
     doctor`), and only for a process started with it, hence here.
     """

@@ -273,7 +273,7 @@ def huge_pages_check(mode, libc):
     if mode is None or mode == "never":
         return (INFO, f"transparent huge pages are {mode or 'absent'} here: "
                       "large tensors stay on 4 KiB pages (the single-node "
-                      "allreduce of 16 MiB and up is then 10-20% slower).")
+                      "allreduce of large tensors is then slower).")
     if name != "glibc":
         return (INFO, f"C library {name or 'unknown'}: its malloc does not "
                       "take glibc.malloc.hugetlb; large tensors may stay on "
