@@ -7,6 +7,7 @@ the op library is compiled against it: install with
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,16 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+
+
+def _version():
+    """kerasdist.__version__, read from the source (the one place it is
+    written) without importing the package."""
+    with open(os.path.join(HERE, "kerasdist", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+VERSION = _version()
 NATIVE = ["libkerasdist_core.so", "_kerasdist_ops.so", "_build_info.json"]
 # Built only when their framework is importable at build time (ops/Makefile).
 OPTIONAL_NATIVE = ["_kerasdist_jax.so"]
