@@ -5,7 +5,10 @@ and:
 
 - prefixes every output line with the rank (`[1]<stdout>:text`), writing each
   line with a single write() so lines of different ranks never mix mid-line
-  (for lines up to PIPE_BUF bytes, which pipes write atomically);
+  (for lines up to PIPE_BUF bytes, which pipes write atomically); a line
+  that redraws itself with carriage returns (Keras' progress bar) is passed
+  on live, one write() per redraw, each with the prefix (see Units); with
+  `--no-prefix` the lines are passed on whole all the same;
 - forwards SIGINT/SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 to the command and, after a
   grace period, kills it (and every process it started) if it ignores an
   ending signal;
@@ -314,12 +317,86 @@ def _write_all(fd, data):
         data = data[written:]
 
 
+class Units:
+    """Cuts an output stream into the pieces that are written whole: lines
+    (ending in "\n") and redraws of a line in place (ending in "\r").
+
+    A progress bar such as Keras' draws each update as backspaces, "\r" and
+    the new text, with no line end until the bar is done. Once a line has
+    been redrawn that way, its text is passed on as soon as it arrives, as a
+    redraw ("text\r"), so the bar is shown live; other partial text waits
+    for its line end, so a line written in pieces (`print` under `python
+    -u`) is still passed on whole. Backspaces in redrawn lines are dropped:
+    they would walk back over the rank prefix.
+    """
+
+    _MAX = 1 << 16  # a partial line this long is passed on as it is
+
+    def __init__(self):
+        self.buf = b""
+        self.in_place = False  # the current line is being redrawn
+        self.shown = None  # its text as last passed on
+
+    def feed(self, data):
+        """The whole pieces that `data` completes, in order."""
+        self.buf += data
+        out = []
+        while True:
+            cr, nl = self.buf.find(b"\r"), self.buf.find(b"\n")
+            if cr < 0 and nl < 0:
+                break
+            if nl >= 0 and (cr < 0 or nl < cr or nl == cr + 1):
+                seg, self.buf = self.buf[:nl], self.buf[nl + 1:]
+                if self.in_place or seg.endswith(b"\r"):
+                    # The redrawn line's last text, then its end alone: the
+                    # launcher tells a bare "\n" from another rank's line.
+                    seg = seg.rstrip(b"\r").replace(b"\b", b"")
+                    if seg and seg != self.shown:
+                        out.append(seg + b"\r")
+                    out.append(b"\n")
+                else:
+                    out.append(seg + b"\n")
+                self.in_place, self.shown = False, None
+                continue
+            seg, self.buf = self.buf[:cr].replace(b"\b", b""), \
+                self.buf[cr + 1:]
+            self.in_place = True
+            if seg and seg != self.shown:
+                out.append(seg + b"\r")
+            self.shown = None
+        if self.in_place and self.buf:
+            text = self.buf.replace(b"\b", b"")
+            if text and text != self.shown:
+                out.append(text + b"\r")
+                self.shown = text
+        elif len(self.buf) >= self._MAX:
+            out.append(self.buf + b"\n")
+            self.buf = b""
+        return out
+
+    def close(self):
+        """What is left when the stream ends, ended as a line."""
+        if self.in_place:
+            return self.feed(b"\n")
+        rest, self.buf = self.buf, b""
+        return [rest + b"\n"] if rest else []
+
+
 def _pump(pipe, fd, prefix):
-    """Copies lines from `pipe` to `fd`, one write() per prefixed line."""
-    for line in iter(pipe.readline, b""):
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        _write_all(fd, prefix + line)
+    """Copies `pipe` to `fd`, one write() per prefixed piece (see Units)."""
+    units = Units()
+    source = pipe.fileno()
+    while True:
+        try:
+            data = os.read(source, 1 << 16)
+        except InterruptedError:
+            continue
+        if not data:
+            break
+        for piece in units.feed(data):
+            _write_all(fd, piece if piece == b"\n" else prefix + piece)
+    for piece in units.close():
+        _write_all(fd, piece if piece == b"\n" else prefix + piece)
     pipe.close()
 
 
@@ -375,7 +452,7 @@ class _Wrapper:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self._on_signal)
 
-        pipe = subprocess.PIPE if self.prefix else None
+        pipe = subprocess.PIPE
         try:
             self.proc = subprocess.Popen(
                 self.command,
@@ -398,16 +475,15 @@ class _Wrapper:
             self._forward(signum)
 
         pumps = []
-        if self.prefix:
-            for pipe_, fd, stream in (
-                (self.proc.stdout, 1, "stdout"),
-                (self.proc.stderr, 2, "stderr"),
-            ):
-                tag = f"[{rank}]<{stream}>:".encode()
-                t = threading.Thread(target=_pump, args=(pipe_, fd, tag))
-                t.daemon = True
-                t.start()
-                pumps.append(t)
+        for pipe_, fd, stream in (
+            (self.proc.stdout, 1, "stdout"),
+            (self.proc.stderr, 2, "stderr"),
+        ):
+            tag = f"[{rank}]<{stream}>:".encode() if self.prefix else b""
+            t = threading.Thread(target=_pump, args=(pipe_, fd, tag))
+            t.daemon = True
+            t.start()
+            pumps.append(t)
         status = self.proc.wait()
         for t in pumps:
             # A background grandchild may keep a pipe open; don't wait for it.

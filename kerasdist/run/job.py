@@ -117,26 +117,62 @@ class Interrupts:
             signal.signal(signum, handler)
 
 
+# A rank's prefix, `[3]<stdout>:`, at the start of a piece of output.
+_TAG_RE = re.compile(rb"^\[[^\]]*\]<std(?:out|err)>:")
+
+
 class Log:
     """Writes whole lines to the launcher's stdout/stderr, one at a time.
 
     One lock for both streams: when they are the same pipe (`2>&1`), a line
     longer than PIPE_BUF would otherwise be split by a line of the other.
+
+    A piece ending in "\r" redraws its line in place (a rank's progress
+    bar, see _rank.Units), and a bare "\n" ends such a line. While one is
+    open, a redraw of the same rank and stream replaces it; any other
+    output first ends it with "\n", so the bar stays whole on its line and
+    goes on below.
     """
 
     def __init__(self, out=None, err=None):
         self.out = out if out is not None else sys.stdout.buffer
         self.err = err if err is not None else sys.stderr.buffer
         self.lock = threading.Lock()
+        self._open = None  # (stream, rank prefix) of a line being redrawn
 
     def raw(self, data, stream=None):
         stream = self.err if stream is None else stream
         with self.lock:
             try:
+                if self._open is not None and data != b"\n":
+                    tag = _TAG_RE.match(data)
+                    key = (stream, tag.group(0) if tag else b"")
+                    if key != self._open or not data.endswith(b"\r"):
+                        self._open[0].write(b"\n")
+                        self._open[0].flush()
+                        self._open = None
+                if data == b"\n" and self._open is not None:
+                    stream = self._open[0]
                 stream.write(data)
                 stream.flush()
+                if data.endswith(b"\r"):
+                    tag = _TAG_RE.match(data)
+                    self._open = (stream, tag.group(0) if tag else b"")
+                else:
+                    self._open = None
             except (BrokenPipeError, ValueError):
                 pass
+
+    def end_line(self):
+        """Ends a line left open by a redraw (the job's output is over)."""
+        with self.lock:
+            if self._open is not None:
+                try:
+                    self._open[0].write(b"\n")
+                    self._open[0].flush()
+                except (BrokenPipeError, ValueError):
+                    pass
+                self._open = None
 
     def line(self, text):
         self.raw(f"kerasdist: {text}\n".encode())
@@ -245,6 +281,9 @@ def _group_failures(failures):
     return out
 
 
+_PIECE_END_RE = re.compile(rb"\r\n|\n|\r")
+
+
 class _Relay(threading.Thread):
     """Copies an output of mpiexec to the log, taking out the exit markers."""
 
@@ -257,8 +296,29 @@ class _Relay(threading.Thread):
         self.banner = banner
         self._held = None  # a blank line that may open hydra's banner
 
+    def _pieces(self):
+        """mpiexec's output cut after each "\n" and each "\r": the wrappers
+        write every line and every redraw of a line in one piece."""
+        buf = b""
+        source = self.pipe.fileno()
+        while True:
+            try:
+                data = os.read(source, 1 << 16)
+            except InterruptedError:
+                continue
+            if not data:
+                break
+            buf += data
+            start = 0
+            for m in _PIECE_END_RE.finditer(buf):
+                yield buf[start:m.end()]
+                start = m.end()
+            buf = buf[start:]
+        if buf:
+            yield buf + b"\n"
+
     def run(self):
-        for line in iter(self.pipe.readline, b""):
+        for line in self._pieces():
             start = line.find(_rank.MARKER)
             if start < 0:
                 self._note(line)
@@ -377,6 +437,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
     rc = proc.wait()
     for relay in relays:
         relay.join(timeout=5.0)
+    log.end_line()
     return _outcome(rc, stopper.reason, findings, interrupts, timeout, log)
 
 
