@@ -98,7 +98,8 @@ def _connect(address, deadline):
 
 
 def _start_server(port, size, timeout):
-    """Starts rank 0's server on `port`; returns once it listens."""
+    """Starts rank 0's server on `port` (0: any free one); returns the port
+    once it listens."""
     global _server
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
@@ -106,32 +107,71 @@ def _start_server(port, size, timeout):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         close_fds=True)
     line = proc.stdout.readline().strip()
-    if line != "ready":
+    if not line.startswith("ready "):
         proc.wait()
         raise RendezvousError(
             f"rank 0 cannot serve the rendezvous on port {port}: "
             f"{line or 'its server ended'}")
     _server = proc  # its stdin stays open while this process lives
+    return int(line.split()[1])
 
 
-def join(launch, timeout):
+def _agent_store(host, port, timeout):
+    """torchrun's own key-value store, which its agent serves on
+    MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True): there rank 0 cannot
+    listen, so it serves on a free port and says which in that store.
+    torch is there whenever torchrun is."""
+    import datetime
+    from torch.distributed import TCPStore
+    return TCPStore(host, port, is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout))
+
+
+def _address_toward(ip):
+    """This host's address on the route to `ip`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def join(launch, timeout, environ=None):
     """Meets the other ranks at `launch.coordinator`.
 
-    Rank 0 first starts the server there. Returns {name: value} for the
+    Rank 0 first starts the server there (under torchrun's agent store, on
+    a free port it publishes in that store). Returns {name: value} for the
     environment of MPI_Init (PMI_PORT, PMI_ID, PMI_RANK, PMI_SIZE).
 
     Raises:
         RendezvousError: the coordinator did not answer, or the ranks did
             not all arrive, within `timeout` seconds; or they disagree.
     """
+    environ = os.environ if environ is None else environ
     host, port = launch.coordinator
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
-    if launch.rank == 0:
+    ip = _resolve(host, deadline)
+    if (launch.convention == "torchrun" and
+            environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        key = (f"kerasdist/pmi/{environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        try:
+            store = _agent_store(ip, port, timeout)
+            if launch.rank == 0:
+                own = _start_server(0, launch.size, timeout)
+                store.set(key, f"{_address_toward(ip)}:{own}")
+            ip, _, served = store.get(key).decode().rpartition(":")
+        except RendezvousError:
+            raise
+        except Exception as e:  # torch's store errors have no common base
+            raise RendezvousError(
+                f"rank {launch.rank} of {launch.size} could not read rank "
+                f"0's address from torchrun's store at {where} within "
+                f"{timeout:g} s ({TIMEOUT_ENV}): {e}") from None
+        port, where = int(served), f"{ip}:{served}"
+    elif launch.rank == 0:
         _start_server(port, launch.size, timeout)
+    if launch.rank == 0:
         ip = "127.0.0.1"
-    else:
-        ip = _resolve(host, deadline)
     sock, error = _connect((ip, port), deadline)
     if sock is None:
         raise RendezvousError(
@@ -385,7 +425,7 @@ def _serve(port, size, timeout):
                              daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    print("ready", flush=True)
+    print(f"ready {listener.getsockname()[1]}", flush=True)
     while not server.finished():
         server.check_deadlines(time.monotonic())
         with server.cv:

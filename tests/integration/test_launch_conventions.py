@@ -128,3 +128,22 @@ def test_rank_that_never_arrives():
         "RuntimeError: kerasdist.init() failed: rank 0 of 3: ranks 1, 2 of 3 "
         "did not reach the coordinator within 3 s"), last
     assert took < 45
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_torchrun_itself():
+    """torchrun's agent holds MASTER_PORT (its store): rank 0 serves on a
+    free port and publishes it in that store."""
+    pytest.importorskip("torch.distributed.run")
+    env = _env(0, 1, 1)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    [(rc, out)] = start_processes(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+         "2", "--master-port", str(free_port()), *WORKER[1:]], [env],
+        timeout=200)
+    assert rc == 0, out
+    assert "launch convention torchrun: rank 0 of 2" in out, out
+    assert out.count("ok ") == 2, out
