@@ -41,6 +41,12 @@ def init(comm=None, **settings):
     Every rank of the job calls it once, before any collective. Calling it
     again while running does nothing; after `shutdown()` it starts afresh.
 
+    Under an MPI launcher (`kerasdist run`, `mpiexec`) MPI starts from it.
+    Processes started by a platform (torchrun's `RANK`, `WORLD_SIZE`,
+    `MASTER_ADDR`, `MASTER_PORT`, or Keras' `KERAS_DISTRIBUTION_*`) first
+    meet at the coordinator and then start MPI as one job (see
+    docs/launcher.md, "Without `kerasdist run`").
+
     Args:
         comm: an mpi4py communicator whose ranks form the job (default: all
             processes, `MPI.COMM_WORLD`).
@@ -54,8 +60,10 @@ def init(comm=None, **settings):
             docs/env_vars.md).
 
     Raises:
-        ValueError: for an unknown setting or a malformed value.
-        RuntimeError: if MPI cannot be started.
+        ValueError: for an unknown setting or a malformed value, or a
+            launch convention's variable missing, malformed or disagreeing.
+        RuntimeError: if MPI cannot be started, or the processes did not
+            meet within KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS.
 
     Example:
     >>> import kerasdist as kd
