@@ -1,12 +1,15 @@
 """Process-level API: init, shutdown and the topology queries."""
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
 
 from kerasdist._core import capi as _capi
 from kerasdist import autotune
+from kerasdist.run import conventions
+from kerasdist.run import rendezvous
 
 # Reduction ops: the core's values (ops/core/types.h; Horovod's numbering
 # without Adasum), asked from the library.
@@ -38,6 +41,12 @@ def init(comm=None, **settings):
     Every rank of the job calls it once, before any collective. Calling it
     again while running does nothing; after `shutdown()` it starts afresh.
 
+    Under an MPI launcher (`kerasdist run`, `mpiexec`) MPI starts from it.
+    Processes started by a platform (torchrun's `RANK`, `WORLD_SIZE`,
+    `MASTER_ADDR`, `MASTER_PORT`, or Keras' `KERAS_DISTRIBUTION_*`) first
+    meet at the coordinator and then start MPI as one job (see
+    docs/launcher.md, "Without `kerasdist run`").
+
     Args:
         comm: an mpi4py communicator whose ranks form the job (default: all
             processes, `MPI.COMM_WORLD`).
@@ -51,8 +60,10 @@ def init(comm=None, **settings):
             docs/env_vars.md).
 
     Raises:
-        ValueError: for an unknown setting or a malformed value.
-        RuntimeError: if MPI cannot be started.
+        ValueError: for an unknown setting or a malformed value, or a
+            launch convention's variable missing, malformed or disagreeing.
+        RuntimeError: if MPI cannot be started, or the processes did not
+            meet within KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS.
 
     Example:
     >>> import kerasdist as kd
@@ -78,8 +89,22 @@ def init(comm=None, **settings):
     _capi.resolve_settings(overrides)
     lib = _capi.lib()
     with _lock:
-        if lib.kerasdist_init(int(comm is not None), comm_f,
-                              overrides.encode()) != 0:
+        pmi_env = {}
+        if comm is None and not is_initialized():
+            pmi_env = _join_launch(lib)
+        saved = {k: os.environ.get(k) for k in pmi_env}
+        os.environ.update(pmi_env)
+        try:
+            failed = lib.kerasdist_init(int(comm is not None), comm_f,
+                                        overrides.encode()) != 0
+        finally:
+            # MPI has read them; processes this one starts must not.
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
         if not _atexit_registered:
@@ -87,6 +112,32 @@ def init(comm=None, **settings):
             sys.excepthook = _noting_uncaught(sys.excepthook)
             _atexit_registered = True
     autotune.maybe_start()
+
+
+def _join_launch(lib):
+    """Reads the launch convention (kerasdist/run/conventions.py); where a
+    platform rather than an MPI launcher started the job, meets the other
+    processes at its coordinator (kerasdist/run/rendezvous.py) and returns
+    the PMI variables for MPI_Init. {} where there is nothing to join."""
+    launch = conventions.detect(os.environ)
+    if launch.coordinator is None:
+        return {}
+    mpi_started = ctypes.c_int(0)
+    lib.MPI_Initialized(ctypes.byref(mpi_started))
+    if mpi_started.value:
+        raise RuntimeError(
+            f"kerasdist.init(): MPI was started before it (importing "
+            f"mpi4py.MPI starts it), as a job of one, so this process "
+            f"cannot join the {launch.convention} job of {launch.size}; "
+            f"call kerasdist.init() before importing mpi4py.MPI.")
+    timeout = rendezvous.timeout_from(os.environ)
+    if launch.rank == 0:
+        sys.stderr.write(f"kerasdist: {conventions.describe(launch)}\n")
+        sys.stderr.flush()
+    try:
+        return rendezvous.join(launch, timeout)
+    except rendezvous.RendezvousError as e:
+        raise RuntimeError(f"kerasdist.init() failed: {e}") from None
 
 
 def _noting_uncaught(hook):

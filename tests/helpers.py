@@ -198,3 +198,84 @@ def is_running(pid):
             return f.read().split(")")[-1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def free_port():
+    """A TCP port on the loopback nobody listens on now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank, size, port, local_rank=None, local_size=None,
+                 addr="127.0.0.1", **extra):
+    """rank_env() with exactly the variables torchrun gives each process
+    (RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT),
+    and none of an MPI launcher's."""
+    env = rank_env(drop=[k for k in os.environ if k.startswith(
+        ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "KERAS_DISTRIBUTION_"))])
+    env.update(RANK=rank, WORLD_SIZE=size,
+               LOCAL_RANK=rank if local_rank is None else local_rank,
+               LOCAL_WORLD_SIZE=size if local_size is None else local_size,
+               MASTER_ADDR=addr, MASTER_PORT=port)
+    env.update(extra)
+    return launcher_env({k: str(v) for k, v in env.items()})
+
+
+def start_processes(args, envs, delays=None, timeout=120):
+    """Starts one process of `args` per environment of `envs`, as a
+    platform would (no mpiexec): each in a session of its own, process i
+    `delays[i]` seconds after the first. Waits for all of them.
+
+    Whatever ends the wait early (the timeout, or pytest-timeout's
+    exception), every process's whole tree is killed first.
+
+    Returns:
+        [(returncode, stdout and stderr together)] in the order of `envs`.
+
+    Raises:
+        AssertionError: they ran past `timeout`; the message holds what
+            each printed so far.
+    """
+    import tempfile
+    delays = delays or [0] * len(envs)
+    order = sorted(range(len(envs)), key=lambda i: delays[i])
+    procs, files = [None] * len(envs), []
+    start = time.monotonic()
+    try:
+        for i in order:
+            time.sleep(max(0.0, start + delays[i] - time.monotonic()))
+            f = tempfile.TemporaryFile(mode="w+")
+            files.append((i, f))
+            procs[i] = subprocess.Popen(
+                args, stdout=f, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=envs[i], cwd=REPO_ROOT,
+                start_new_session=True)
+        deadline = start + timeout
+        for p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except BaseException as e:
+        for p in procs:
+            if p is not None:
+                kill_tree(p)
+                p.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise AssertionError(
+                f"processes ran past {timeout} s: {args}\n" + "\n".join(
+                    f"--- process {i} ---\n{_read(f)}"
+                    for i, f in sorted(files))) from None
+        raise
+    finally:
+        out = {i: _read(f) for i, f in files}
+        for _, f in files:
+            f.close()
+    for p in procs:
+        kill_tree(p)  # what a process left behind (none should)
+    return [(p.returncode, out[i]) for i, p in enumerate(procs)]
+
+
+def _read(f):
+    f.flush()
+    f.seek(0)
+    return f.read()

@@ -1,0 +1,149 @@
+"""Processes started the way platforms start them (torchrun's or Keras'
+variables, no mpiexec) form one job in kd.init(); bad variables, a missing
+coordinator and a missing rank are one clear error within a bound.
+
+Every test starts real processes with a timeout that kills their trees.
+"""
+
+import os
+import sys
+import time
+
+import pytest
+
+from tests.helpers import WORKERS
+from tests.helpers import free_port
+from tests.helpers import start_processes
+from tests.helpers import torchrun_env
+
+pytestmark = pytest.mark.parallel
+
+WORKER = [sys.executable, os.path.join(WORKERS,
+                                       "launch_convention_worker.py")]
+
+
+def _env(rank, size, port, **extra):
+    env = torchrun_env(rank, size, port, **extra)
+    env["PYTHONPATH"] = WORKERS + os.pathsep + env["PYTHONPATH"]
+    return env
+
+
+def _keras_env(rank, size, port):
+    env = _env(rank, size, port)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    env.update(KERAS_DISTRIBUTION_JOB_ADDRESSES=",".join(
+        f"127.0.0.1:{port + i}" for i in range(size)),
+        KERAS_DISTRIBUTION_NUM_PROCESSES=str(size),
+        KERAS_DISTRIBUTION_PROCESS_ID=str(rank))
+    return env
+
+
+def _assert_formed(results, size, convention):
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {r}:\n{out}"
+        assert f"ok {r} {size} " in out, f"process {r}:\n{out}"
+    log = [line for line in results[0][1].splitlines()
+           if "launch convention" in line]
+    assert len(log) == 1, results[0][1]
+    assert f"launch convention {convention}: rank 0 of {size}" in log[0]
+    assert not any("launch convention" in out for _, out in results[1:])
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_variables_form_one_job():
+    port = free_port()
+    results = start_processes(WORKER, [_env(r, 2, port) for r in range(2)],
+                              timeout=120)
+    _assert_formed(results, 2, "torchrun")
+    assert "ok 1 2 1 2" in results[1][1]  # local rank from MPI, same host
+    assert f"coordinator 127.0.0.1:{port}" in results[0][1]
+
+
+@pytest.mark.timeout(150)
+def test_keras_distribution_variables_form_one_job():
+    port = free_port()
+    results = start_processes(
+        WORKER, [_keras_env(r, 2, port) for r in range(2)], timeout=120)
+    _assert_formed(results, 2, "keras")
+
+
+@pytest.mark.timeout(150)
+def test_coordinator_twenty_seconds_late():
+    port = free_port()
+    results = start_processes(WORKER, [_env(r, 2, port) for r in range(2)],
+                              delays=[20, 0], timeout=110)
+    _assert_formed(results, 2, "torchrun")
+
+
+def _one_error(env, timeout=60):
+    start = time.monotonic()
+    [(rc, out)] = start_processes(WORKER, [env], timeout=timeout)
+    assert rc != 0, out
+    return out.strip().splitlines()[-1], time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change, message", [
+    ({"RANK": "2"}, "ValueError: RANK=2 is not below WORLD_SIZE=2; set RANK"),
+    ({"WORLD_SIZE": None},
+     "ValueError: RANK is set but WORLD_SIZE is not; set WORLD_SIZE"),
+    ({"MASTER_PORT": "http"},
+     "ValueError: MASTER_PORT gives port 'http'; set it to a TCP port"),
+    ({"KERAS_DISTRIBUTION_PROCESS_ID": "0",
+      "KERAS_DISTRIBUTION_NUM_PROCESSES": "2"},
+     "ValueError: torchrun says rank 1 of 2 (RANK, WORLD_SIZE) but keras "
+     "says rank 0 of 2"),
+])
+def test_bad_variables_are_one_line_error(change, message):
+    env = _env(1, 2, free_port())
+    for k, v in change.items():
+        if v is None:
+            env.pop(k)
+        else:
+            env[k] = v
+    last, took = _one_error(env)
+    assert last.startswith(message), last
+    assert took < 60
+
+
+@pytest.mark.timeout(90)
+def test_coordinator_that_never_answers():
+    port = free_port()
+    env = _env(1, 2, port, KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=3)
+    last, took = _one_error(env)
+    assert last.startswith(
+        f"RuntimeError: kerasdist.init() failed: rank 1 of 2 found no "
+        f"coordinator at 127.0.0.1:{port} within 3 s "
+        f"(KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS"), last
+    assert took < 45
+
+
+@pytest.mark.timeout(90)
+def test_rank_that_never_arrives():
+    env = _env(0, 3, free_port(), KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=3)
+    last, took = _one_error(env)
+    assert last.startswith(
+        "RuntimeError: kerasdist.init() failed: rank 0 of 3: ranks 1, 2 of 3 "
+        "did not reach the coordinator within 3 s"), last
+    assert took < 45
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_under_torchrun_itself():
+    """torchrun's agent holds MASTER_PORT (its store): rank 0 serves on a
+    free port and publishes it in that store."""
+    pytest.importorskip("torch.distributed.run")
+    env = _env(0, 1, 1)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    [(rc, out)] = start_processes(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+         "2", "--master-port", str(free_port()), *WORKER[1:]], [env],
+        timeout=200)
+    assert rc == 0, out
+    assert "launch convention torchrun: rank 0 of 2" in out, out
+    assert out.count("ok ") == 2, out
