@@ -71,7 +71,9 @@ def DistributedOptimizer(optimizer, name=None,
 
     Args:
         optimizer: a `keras.optimizers.Optimizer` (SGD, Adam, AdamW,
-            RMSprop, `keras.mixed_precision.LossScaleOptimizer`, ...).
+            RMSprop, `keras.mixed_precision.LossScaleOptimizer`, ...), or
+            what `keras.optimizers.get` takes: a name such as "adam"
+            (Keras' defaults) or a config dict.
         name: prefix of the collective names (default
             "DistributedOptimizer"); give two optimizers of one model
             different names.
@@ -143,6 +145,12 @@ def DistributedOptimizer(optimizer, name=None,
     """
     import keras
 
+    if isinstance(optimizer, (str, dict)):
+        # As keras' compile(optimizer="adam") accepts: a name or a config.
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as e:
+            raise ValueError(f"DistributedOptimizer: {e}") from None
     if getattr(optimizer, "_kerasdist_settings", None) is not None:
         raise ValueError(
             "DistributedOptimizer got an optimizer that is already a "

@@ -400,6 +400,28 @@ def _pump(pipe, fd, prefix):
     pipe.close()
 
 
+def command_problem(program):
+    """One line saying why `program`, a file here, cannot be run as a
+    command (a script given without its interpreter: `kerasdist run -np 2
+    train.py`), or None."""
+    if not os.path.isfile(program):
+        return None
+    script = program.endswith(".py")
+    if os.sep not in program:
+        import shutil
+        if shutil.which(program) is not None:
+            return None
+        fix = (f"to run a Python script write `python {program}`" if script
+               else f"to run it from this directory write `./{program}`")
+        return f"{program!r} is a file here but not a command on PATH: {fix}"
+    if not os.access(program, os.X_OK):
+        fix = (f"write `python {program}`" if script else
+               f"put its interpreter before it or make it executable "
+               f"(chmod +x {program})")
+        return f"{program!r} is not executable: {fix}"
+    return None
+
+
 class _Wrapper:
     def __init__(self, command, prefix):
         self.command = command
@@ -465,9 +487,11 @@ class _Wrapper:
                 preexec_fn=child_setup,
             )
         except OSError as e:
+            problem = command_problem(self.command[0])
             sys.stderr.write(
                 f"kerasdist: rank {rank}: cannot run {self.command[0]!r}: "
-                f"{e.strerror or e}\n"
+                f"{e.strerror or e}"
+                f"{'; ' + problem if problem else ''}\n"
             )
             sys.stderr.flush()
             return 127 if isinstance(e, FileNotFoundError) else 126

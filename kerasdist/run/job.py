@@ -525,7 +525,7 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log):
                               f"{signal.Signals(signum).name}")
     if failure is not None:
         if stop_reason is None:  # mpiexec ended before the loop saw it
-            log.line(f"{findings.describe()}.")
+            log.line(f"{findings.describe()}; the job has ended.")
         return Outcome(failure.exit_code, failure,
                        reason=findings.describe())
     if rc != 0:

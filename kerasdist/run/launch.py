@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from kerasdist.run import _rank
 from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
@@ -341,6 +342,10 @@ def main(argv=None):
         args = parse_args(argv)
     except UsageError as e:
         log.raw(f"{PROG}: error: {e}\n".encode())
+        return 2
+    problem = _rank.command_problem(args.command[0])
+    if problem is not None:
+        log.raw(f"{PROG}: error: {problem}.\n".encode())
         return 2
     try:
         mpiexec = find_mpiexec()

@@ -1,0 +1,79 @@
+"""Rough edges a newcomer meets in the first hour, one test each."""
+
+import os
+import subprocess
+import sys
+
+from kerasdist.run import _rank
+from kerasdist.run import job
+from tests.helpers import launcher_env
+
+
+def _script(tmp_path, name="train.py", mode=0o644):
+    path = tmp_path / name
+    path.write_text("print('hi')\n")
+    os.chmod(path, mode)
+    return path
+
+
+def test_script_without_python_is_named_with_the_fix(tmp_path, monkeypatch):
+    _script(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    problem = _rank.command_problem("train.py")
+    assert "not a command on PATH" in problem
+    assert "`python train.py`" in problem
+    problem = _rank.command_problem(os.path.join(".", "train.py"))
+    assert "is not executable" in problem and "python ./train.py" in problem
+
+
+def test_executable_or_unknown_commands_are_left_alone(tmp_path):
+    run = _script(tmp_path, "run.sh", 0o755)
+    assert _rank.command_problem(str(run)) is None
+    assert _rank.command_problem("python") is None
+    assert _rank.command_problem(str(tmp_path / "missing.py")) is None
+
+
+def test_launcher_refuses_a_script_without_python_in_one_line(tmp_path):
+    _script(tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "kerasdist.run", "-np", "2", "train.py"],
+        cwd=tmp_path, env=launcher_env(), capture_output=True, text=True,
+        timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines() == [
+        "kerasdist run: error: 'train.py' is a file here but not a command "
+        "on PATH: to run a Python script write `python train.py`."]
+
+
+def test_failure_seen_after_the_job_ended_says_so():
+    findings = job.Findings()
+    findings.add_failure(job.RankFailure("1", "node2", 3))
+    lines = []
+
+    class _Log:
+        def line(self, text):
+            lines.append(text)
+
+    outcome = job._outcome(3, None, findings, None, None, _Log())
+    assert outcome.exit_code == 3
+    assert lines == ["rank 1 (host node2) exited with code 3; the job has "
+                     "ended."]
+
+
+def test_distributed_optimizer_takes_an_optimizer_name():
+    code = (
+        "import keras, kerasdist as kd\n"
+        "kd.init()\n"
+        "opt = kd.DistributedOptimizer('adam')\n"
+        "assert isinstance(opt, keras.optimizers.Adam), type(opt)\n"
+        "assert abs(float(opt.learning_rate) - 0.001) < 1e-9\n"
+        "try:\n"
+        "    kd.DistributedOptimizer('no-such-optimizer')\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=launcher_env(
+        dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")), capture_output=True,
+        text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "ERR DistributedOptimizer: Could not interpret optimizer " \
+           "identifier: no-such-optimizer" in p.stdout, p.stdout
