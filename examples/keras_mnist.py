@@ -71,6 +71,11 @@ def main():
         latest = kd.callbacks.latest_checkpoint(args.checkpoint_dir)
         if latest is not None:
             initial_epoch = kd.callbacks.load_checkpoint(latest, model)
+            if kd.rank() == 0:
+                print(f"resuming from {latest}: "
+                      + (f"epoch {initial_epoch + 1} of {args.epochs}"
+                         if initial_epoch < args.epochs else
+                         f"all {args.epochs} epochs are done"), flush=True)
         callbacks.append(kd.callbacks.ModelCheckpoint(
             os.path.join(args.checkpoint_dir, "epoch{epoch}.weights.h5")))
 

@@ -98,6 +98,9 @@ class ResumeProtocol:
 
 def describe(point, end, size, scale_lr):
     """Where a job resumes from `point` (a Resumed), in words."""
+    if point.epoch >= end and not point.samples:
+        return (f"after its last epoch ({point.epoch} of {end} done): "
+                "nothing is left to train; raise `epochs` to train more")
     where = f"at epoch {point.epoch + 1} of {end}"
     if point.samples:
         where += f", after its first {point.samples} examples"

@@ -97,3 +97,14 @@ def test_mnist_example_small(tmp_path):
     assert accs[0] > 0.5, accs
     assert sorted(os.listdir(tmp_path)) == ["epoch1.weights.h5",
                                             "epoch2.weights.h5"]
+    # Run again with one epoch more: it says where it resumes and trains
+    # only that epoch.
+    out = launch(NP, [sys.executable,
+                      os.path.join(REPO_ROOT, "examples", "keras_mnist.py"),
+                      "--epochs", "3", "--checkpoint-dir", str(tmp_path)],
+                 timeout=300, env=_ENV)
+    assert out.returncode == 0, out.stdout[-6000:]
+    said = [ln for ln in rank_lines(out.stdout, 0) if "resuming" in ln]
+    assert said == [f"resuming from {tmp_path / 'epoch2.weights.h5'}: "
+                    "epoch 3 of 3"], out.stdout[-3000:]
+    assert "epoch3.weights.h5" in os.listdir(tmp_path)

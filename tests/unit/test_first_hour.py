@@ -77,3 +77,13 @@ def test_distributed_optimizer_takes_an_optimizer_name():
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ERR DistributedOptimizer: Could not interpret optimizer " \
            "identifier: no-such-optimizer" in p.stdout, p.stdout
+
+
+def test_trainer_resume_line_after_the_last_epoch():
+    from kerasdist.trainer import resume
+    done = resume.Resumed(epoch=10, samples=0, world_size=2, rng=[])
+    assert resume.describe(done, 10, 2, True) == (
+        "after its last epoch (10 of 10 done): nothing is left to train; "
+        "raise `epochs` to train more")
+    middle = resume.Resumed(epoch=4, samples=0, world_size=2, rng=[])
+    assert resume.describe(middle, 10, 2, True) == "at epoch 5 of 10"
