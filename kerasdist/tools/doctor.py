@@ -11,6 +11,8 @@ launcher (`python -m kerasdist.run -np N python -m kerasdist.tools.doctor
 """
 
 import argparse
+import ctypes
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,11 +47,60 @@ def _tf_built_for():
         return None
 
 
+# Distributions that install each module, for its version without the
+# seconds an import of TensorFlow or JAX takes.
+_DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow",
+                                 "tensorflow-gpu", "tf-nightly"),
+                  "keras": ("keras",), "jax": ("jax",), "torch": ("torch",)}
+
+
 def _version(module):
+    """(installed version, None) or (None, why not), read from the
+    package's metadata when it has any, else by importing it."""
+    for dist in _DISTRIBUTIONS.get(module, ()):
+        try:
+            return importlib.metadata.version(dist), None
+        except importlib.metadata.PackageNotFoundError:
+            continue
     try:
         return __import__(module).__version__, None
     except Exception as e:  # noqa: BLE001 - any import failure is a finding
         return None, f"{type(e).__name__}: {e}"
+
+
+def _jax_library():
+    """(path, None) when the JAX op library is there and loads, (path,
+    why not) otherwise."""
+    path = os.path.join(_capi.NATIVE_DIR, "_kerasdist_jax.so")
+    if not os.path.exists(path):
+        return path, "not built"
+    try:
+        _capi.lib()  # the core first: the JAX library links against it
+        ctypes.CDLL(path)
+    except OSError as e:
+        return path, f"does not load: {e}"
+    return path, None
+
+
+def jax_check(jax_version, library):
+    """(status, message) for the JAX front end: `jax_version` installed
+    (or None), `library` as _jax_library() gives it."""
+    path, problem = library
+    if jax_version is None:
+        if problem is None:
+            return (INFO, "JAX op library built; jax is not installed "
+                          "(only needed for KERAS_BACKEND=jax)")
+        return (INFO, "jax is not installed (only needed for "
+                      "KERAS_BACKEND=jax)")
+    if problem == "not built":
+        return (FAIL, f"jax {jax_version} is installed but kerasdist's JAX "
+                      f"op library was not built ({path}): rebuild with "
+                      "`pip install --no-build-isolation -e .` now that jax "
+                      "is there.")
+    if problem is not None:
+        return (FAIL, f"the JAX op library {path} {problem}: rebuild with "
+                      "`pip install --no-build-isolation -e .`.")
+    return (OK, f"jax {jax_version} and its op library")
 
 
 def _gpus():
@@ -78,6 +129,8 @@ def check_build_rows():
             ("TensorFlow built for", _tf_built_for() or "unknown"),
             ("TensorFlow running", tf_running or "not installed"),
             ("Keras", keras or "not installed"),
+            ("JAX running", _version("jax")[0] or "not installed"),
+            ("JAX op library", _jax_library()[1] or "built"),
             ("Python", sys.version.split()[0])]
     if info:
         rows += [("MPI library", info.get("mpi_library", "?")),
@@ -228,6 +281,7 @@ def install_checks(np_ranks):
                           "pip install 'keras>=3.8,<4'."))
     else:
         out.append((OK, f"Keras {keras}"))
+    out.append(jax_check(_version("jax")[0], _jax_library()))
     if info is not None:
         out.append((OK, f"MPI {info.get('mpi_standard')}: "
                         f"{info.get('mpi_library')}"))

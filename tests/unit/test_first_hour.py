@@ -87,3 +87,39 @@ def test_trainer_resume_line_after_the_last_epoch():
         "raise `epochs` to train more")
     middle = resume.Resumed(epoch=4, samples=0, world_size=2, rng=[])
     assert resume.describe(middle, 10, 2, True) == "at epoch 5 of 10"
+
+
+def test_doctor_fails_when_jax_is_installed_without_its_op_library(
+        tmp_path, monkeypatch):
+    from kerasdist._core import capi
+    from kerasdist.tools import doctor
+    monkeypatch.setattr(capi, "NATIVE_DIR", str(tmp_path))
+    status, message = doctor.jax_check("0.10.2", doctor._jax_library())
+    assert status == doctor.FAIL
+    assert "JAX op library was not built" in message
+    assert "pip install --no-build-isolation -e ." in message
+    assert doctor.jax_check(None, doctor._jax_library())[0] == doctor.INFO
+
+
+def test_doctor_loads_the_built_jax_op_library():
+    from kerasdist.tools import doctor
+    path, problem = doctor._jax_library()
+    if doctor._version("jax")[0] is None:
+        assert doctor.jax_check(None, (path, problem))[0] == doctor.INFO
+        return
+    # The test requirements install jax before kerasdist is built.
+    assert problem is None, (path, problem)
+    assert doctor.jax_check("0.10.2", (path, problem))[0] == doctor.OK
+
+
+def test_check_build_reads_versions_without_importing_frameworks():
+    code = ("import sys\n"
+            "from kerasdist.tools import doctor\n"
+            "rows = dict(doctor.check_build_rows())\n"
+            "assert rows['JAX op library'] in ('built', 'not built'), rows\n"
+            "heavy = [m for m in ('tensorflow', 'jax', 'torch')\n"
+            "         if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    p = subprocess.run([sys.executable, "-c", code], env=launcher_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
