@@ -300,9 +300,10 @@ def format_summary(s, max_tensors=30):
 def _step_window(trace, steps, skip):
     """(t_start, t_end) in us covering `steps` steps after `skip` steps.
 
-    A step is counted on the tensor row whose first negotiation comes first:
-    every tensor is reduced once per step, so the k-th negotiation of that
-    row starts step k.
+    A step is counted on the tensor row negotiated most often (the first
+    of those to appear): a gradient is reduced once per step, so the k-th
+    negotiation of its row starts step k, while a one-time start-up
+    broadcast or a once-per-epoch metric average would count far fewer.
     """
     negs = [e for e in trace.events if e.get("name") == _negotiate()]
     if not negs:
@@ -310,8 +311,10 @@ def _step_window(trace, steps, skip):
         negs = [e for e in trace.events if e.get("name") in colls]
     if not negs:
         return None
-    ref = min(negs, key=lambda e: e["ts"]).get("tid")
-    starts = sorted(e["ts"] for e in negs if e.get("tid") == ref)
+    rows = {}
+    for e in sorted(negs, key=lambda e: e["ts"]):
+        rows.setdefault(e.get("tid"), []).append(e["ts"])
+    starts = max(rows.values(), key=len)  # the first such row on a tie
     begin = starts[skip] if skip < len(starts) else starts[-1]
     end_i = skip + steps
     end = (starts[end_i] if end_i < len(starts)

@@ -1,5 +1,6 @@
 """Rough edges a newcomer meets in the first hour, one test each."""
 
+import json
 import os
 import subprocess
 import sys
@@ -123,3 +124,24 @@ def test_check_build_reads_versions_without_importing_frameworks():
     p = subprocess.run([sys.executable, "-c", code], env=launcher_env(),
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_timeline_steps_are_counted_on_a_gradient_not_the_start_up(
+        tmp_path):
+    # A model.fit trace: the start-up broadcast is negotiated once, first;
+    # then one gradient per step, three steps.
+    from kerasdist.tools import timeline
+
+    def neg(tid, ts):
+        return {"ph": "X", "name": "NEGOTIATE", "pid": 0, "tid": tid,
+                "ts": ts, "dur": 10, "args": {}}
+
+    events = [neg(1, 0)] + [neg(2, 100 + 1000 * k) for k in range(3)]
+    events.append({"ph": "X", "name": "ALLREDUCE", "pid": 0, "tid": 2,
+                   "ts": 2150, "dur": 50, "args": {}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(events))
+    trace = timeline.load(str(path))
+    assert timeline._step_window(trace, 1, 0) == (100, 1100)
+    assert timeline._step_window(trace, 1, 1) == (1100, 2100)
+    assert timeline._step_window(trace, 2, 1) == (1100, 2200)
