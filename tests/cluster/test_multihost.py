@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.cluster import Cluster, processes_in, require, run_on
-from tests.helpers import rank_lines, worker_cmd
+from tests.support.cluster import Cluster, processes_in, require, run_on
+from tests.support.helpers import rank_lines, worker_cmd
 
 pytestmark = pytest.mark.cluster
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
+from tests.support.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
+from tests.support.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
                            worker_cmd, worker_env)
 
 pytestmark = pytest.mark.parallel
@@ -65,7 +65,7 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
                   *worker_cmd("shm_fallback_worker.py")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=180,
-        env=worker_env(PYTHONPATH=REPO_ROOT + os.pathsep + WORKERS),
+        env=worker_env(),
         cwd=REPO_ROOT)
     _assert_all_ranks(out, 2, "OK fallback")
     assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]

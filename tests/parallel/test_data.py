@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.helpers import REPO_ROOT  # noqa: E402
-from tests.helpers import launch  # noqa: E402
-from tests.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
 
 _WORKER = os.path.join(REPO_ROOT, "tests", "workers", "data_shard_worker.py")
 _CHECKS = ["shard_disjoint_and_covering", "uneven_arrays", "uneven_dataset",

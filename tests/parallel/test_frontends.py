@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
+from tests.support.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
                            rank_lines, worker_env)
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]

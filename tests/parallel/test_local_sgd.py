@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, rank_lines
+from tests.support.helpers import REPO_ROOT, launch, rank_lines
 
 # 600 s a test: each job's launch may take 400 s.
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 
 import kerasdist as kd
-from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
+from tests.support.collectives import (BF16, allgather, allreduce, alltoall, barrier,
                             broadcast, reducescatter, start_allreduce)
 
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
