@@ -13,7 +13,7 @@ from tests.support.cluster import Cluster, require
 from tests.support import slurm as slurm_lib
 from tests.cluster.test_multihost import _fields, layout
 from tests.support.helpers import (launch, launcher_env, rank_lines, worker_cmd,
-                           worker_env)
+                                   worker_env)
 
 pytestmark = pytest.mark.cluster
 

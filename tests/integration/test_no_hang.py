@@ -3,7 +3,8 @@
 Each case runs a small pytest session of its own (a test file written to
 tmp_path) whose test launches ranks that never end, each with two children
 that ignore SIGTERM and left the rank's process group or session
-(tests/support/helpers.py STRAY_CHILDREN). The inner test hits its pytest-timeout;
+(tests/support/helpers.py STRAY_CHILDREN). The inner test hits its
+pytest-timeout;
 then every process the ranks recorded must be gone, checked by pid in /proc.
 """
 
@@ -29,7 +30,7 @@ _HEADER = f"""
 import os, signal, subprocess, sys
 import pytest
 from tests.support.helpers import (STRAY_CHILDREN, launch, launcher_env,
-                           pid_file_code, python_cmd)
+                                   pid_file_code, python_cmd)
 
 CODE = python_cmd(pid_file_code(os.path.dirname(__file__), STRAY_CHILDREN))
 

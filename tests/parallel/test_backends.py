@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, WORKERS, launch, rank_lines, worker_env
+from tests.support.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
+                                   worker_env)
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.support.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
-                           worker_cmd, worker_env)
+from tests.support.helpers import (REPO_ROOT, launch, rank_lines,
+                                   worker_cmd, worker_env)
 
 pytestmark = pytest.mark.parallel
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.support.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
-                           rank_lines, worker_env)
+                                   rank_lines, worker_env)
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
