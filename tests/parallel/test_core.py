@@ -1,7 +1,6 @@
 """The core runtime on real ranks: every collective against numpy (through the
 C API, without TensorFlow), the TF ops, and failures that must not hang."""
 
-import os
 import time
 
 import pytest
