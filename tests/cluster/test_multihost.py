@@ -58,7 +58,8 @@ def _fields(line):
 
 @pytest.mark.parametrize("np_, hosts", [
     (4, "kdt0:2,kdt1:2"), (3, "kdt0:2,kdt1:1"), (2, "kdt0:2")])
-def test_topology_and_bytes_on_the_link(cluster, np_, hosts):
+def test_topology_local_size_cross_rank_cross_size_and_link_bytes(
+        cluster, np_, hosts):
     # The single-node paths are allowed for every size: across hosts they
     # must not be taken (all the data crosses the veths, at least one
     # payload per host for two hosts), on one host they must (and then the

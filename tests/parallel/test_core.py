@@ -80,7 +80,7 @@ def test_tf_ops_eager_function_gradients_out_of_order(np_):
     _assert_all_ranks(out, np_, "OK all")
 
 
-def test_init_errors_and_reinit():
+def test_init_errors_shutdown_is_initialized_current_settings():
     out = launch(2, worker_cmd("core_errors_worker.py", "init"), timeout=60,
                  env=worker_env())
     _assert_all_ranks(out, 2, "OK init")

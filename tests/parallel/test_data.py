@@ -32,7 +32,7 @@ def test_shard_dataset_same_rule_as_arrays():
         assert got == data.shard(np.arange(10), rank=r, size=3).tolist()
 
 
-def test_shard_rejects_bad_input():
+def test_shard_and_num_batches_reject_bad_input():
     from kerasdist import data
     with pytest.raises(ValueError, match="same length"):
         data.shard((np.zeros(3), np.zeros(4)), rank=0, size=2)

@@ -24,7 +24,7 @@ np3_job = NP3.fixture("np3_job")
 
 
 @NP2.parametrize
-def test_optimizer_np2(check, np2_job):
+def test_distributed_optimizer_np2(check, np2_job):
     np2_job.assert_passed(check)
     if check == "jit_compile":
         lines = np2_job.rank_output(0)
@@ -35,10 +35,10 @@ def test_optimizer_np2(check, np2_job):
 
 
 @NP1.parametrize
-def test_optimizer_np1(check, np1_job):
+def test_distributed_optimizer_np1(check, np1_job):
     np1_job.assert_passed(check)
 
 
 @NP3.parametrize
-def test_optimizer_np3(check, np3_job):
+def test_distributed_optimizer_np3(check, np3_job):
     np3_job.assert_passed(check)

@@ -120,7 +120,7 @@ def check_uneven_arrays():
     fit_and_check("arrays", sx, len(sx), n // N, y=sy, batch_size=1)
 
 
-@check("uneven_dataset")
+@check("uneven_dataset_min_steps")
 def check_uneven_dataset():
     sds = uneven_dataset()
     local = int(sds.cardinality())

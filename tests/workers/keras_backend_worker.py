@@ -174,7 +174,7 @@ def fit_sgd():
     sgd_exact()
 
 
-@check("fit_fp16")
+@check("fit_compression_fp16")
 def fit_fp16():
     # fp16 on the wire: 11-bit significands; 12 SGD steps of lr 0.1 move
     # weights of order 1 by up to ~1e-3 from the float32 result.
@@ -222,7 +222,7 @@ def accumulation_error():
 # ---- callbacks ---------------------------------------------------------------
 
 
-@check("broadcast")
+@check("broadcast_global_variables")
 def check_broadcast():
     """Ranks start from different weights; with lr 0 every rank ends with
     the root's initial weights, and the optimizer state agrees."""
@@ -285,7 +285,7 @@ def check_metric_average():
     same_on_all_ranks([[l["loss"] for l in after.epoch_logs]], "metrics")
 
 
-@check("lr_warmup")
+@check("learning_rate_warmup")
 def check_lr_warmup():
     _, after, lr, warmup = metric_average_and_warmup_run()
     # Horovod's warmup, before batch b of epoch e (12 batches an epoch):
@@ -346,7 +346,7 @@ def check_equalize_steps():
     same_on_all_ranks(model.get_weights(), "uneven")
 
 
-@check("checkpoint")
+@check("model_checkpoint_latest_checkpoint_load_checkpoint")
 def check_checkpoint():
     """Rank 0 alone writes the checkpoint; it restores weights and the
     optimizer's state."""

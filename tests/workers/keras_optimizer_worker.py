@@ -226,7 +226,7 @@ def fit_uncompressed_ref():
     uncompressed_ref()
 
 
-@check("fit_fp16")
+@check("fit_compression_fp16")
 def fit_fp16():
     # fp16 on the wire: float16 has an 11-bit significand (relative rounding
     # 2**-11 ~ 5e-4 per gradient element); over 12 SGD steps of lr 0.1 the
@@ -243,9 +243,10 @@ def fit_fp16():
     same_on_all_ranks(got, "fit_fp16")
 
 
-@check("tape_eager", mode="eager")
-@check("tape_function", mode="function")
-@check("tape_function_groups3", mode="function", num_groups=3)
+@check("distributed_gradient_tape_eager", mode="eager")
+@check("distributed_gradient_tape_function", mode="function")
+@check("distributed_gradient_tape_function_groups3", mode="function",
+       num_groups=3)
 def check_tape(mode, num_groups=0):
     x, y = data()
     truth = fit(dense_model(), keras.optimizers.SGD(0.1), x, y, SIZE * B)
@@ -425,7 +426,7 @@ def adam_pair():
     return orig, kd.DistributedOptimizer(orig)
 
 
-@check("isinstance")
+@check("distributed_optimizer_isinstance")
 def is_instance():
     _, opt = adam_pair()
     assert isinstance(opt, keras.optimizers.Adam)
