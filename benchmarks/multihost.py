@@ -287,7 +287,7 @@ class Bench:
     """One test cluster of 2 hosts and the jobs run on it."""
 
     def __init__(self, args):
-        from tests.cluster import Cluster, unavailable_reason
+        from tests.support.cluster import Cluster, unavailable_reason
         reason = unavailable_reason()
         if reason:
             raise SystemExit(f"multihost.py needs a test cluster: {reason}")
@@ -306,7 +306,7 @@ class Bench:
                 self.cluster.unshape(h)
 
     def job(self, np_, hosts, mode, opts, timeout=900):
-        from tests.helpers import launch, rank_lines
+        from tests.support.helpers import launch, rank_lines
         c = self.cluster
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -504,7 +504,7 @@ def mode_model(b):
 
 def _line(sm, profile):
     """The profile's tc rate as a scaling_model Network, no latency."""
-    from tests.cluster import PROFILES
+    from tests.support.cluster import PROFILES
     rate = float(PROFILES[profile][0].replace("gbit", ""))
     return sm.Network.from_rate(profile, rate, 1.0, 0.0)
 

@@ -8,7 +8,7 @@
   warned about by name; then the orphans it left are reaped.
 - pytest-timeout (the `signal` method, see pyproject.toml) fails a test that
   runs past its timeout: the exception unwinds through the test, whose
-  launches kill their process trees (tests/helpers.py), and the teardown
+  launches kill their process trees (tests/support/helpers.py), and the teardown
   above kills the rest. A test stuck where the exception cannot reach it
   (inside C code) is caught by a backstop thread _BACKSTOP_S later, which
   prints every thread's stack, kills every process pytest started and

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.cluster import (Cluster, _anchor_pids, _links,
+from tests.support.cluster import (Cluster, _anchor_pids, _links,
                            remove_leftovers, require)
 
 pytestmark = pytest.mark.cluster
@@ -181,7 +181,7 @@ def _wait_for(predicate, timeout=15.0):
 _OWNER = """
 import sys, time
 sys.path.insert(0, %r)
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 c = Cluster(2)
 print(c.tag, c.hosts[0].pid, c.hosts[1].pid, flush=True)
 time.sleep(120)

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests import trainer_records as tr
-from tests.cluster import Cluster, processes_in, require, run_on
-from tests.helpers import launch, rank_lines, worker_cmd, worker_env
+from tests.support import trainer_records as tr
+from tests.support.cluster import Cluster, processes_in, require, run_on
+from tests.support.helpers import launch, rank_lines, worker_cmd, worker_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from tests.cluster import Cluster, require, run_on
-from tests.helpers import rank_lines, worker_cmd, worker_env
+from tests.support.cluster import Cluster, require, run_on
+from tests.support.helpers import rank_lines, worker_cmd, worker_env
 
 pytestmark = pytest.mark.cluster
 

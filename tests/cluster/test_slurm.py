@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from tests.cluster import Cluster, require
-from tests.cluster import slurm as slurm_lib
+from tests.support.cluster import Cluster, require
+from tests.support import slurm as slurm_lib
 from tests.cluster.test_multihost import _fields, layout
-from tests.helpers import (launch, launcher_env, rank_lines, worker_cmd,
-                           worker_env)
+from tests.support.helpers import (launch, launcher_env, rank_lines, worker_cmd,
+                                   worker_env)
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from kerasdist.tools import doctor  # noqa: E402
-from tests.helpers import launcher_env  # noqa: E402
+from tests.support.helpers import launcher_env  # noqa: E402
 
 
 def _cli(*args, env=None, timeout=300):

@@ -16,15 +16,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from kerasdist.tools import doctor  # noqa: E402
-from tests.helpers import REPO_ROOT  # noqa: E402
-from tests.helpers import STRAY_CHILDREN  # noqa: E402
-from tests.helpers import assert_all_gone  # noqa: E402
-from tests.helpers import launch  # noqa: E402
-from tests.helpers import launcher_env  # noqa: E402
-from tests.helpers import pid_file_code  # noqa: E402
-from tests.helpers import python_cmd  # noqa: E402
-from tests.helpers import recorded_pids  # noqa: E402
-from tests.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import STRAY_CHILDREN  # noqa: E402
+from tests.support.helpers import assert_all_gone  # noqa: E402
+from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import launcher_env  # noqa: E402
+from tests.support.helpers import pid_file_code  # noqa: E402
+from tests.support.helpers import python_cmd  # noqa: E402
+from tests.support.helpers import recorded_pids  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 

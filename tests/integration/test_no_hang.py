@@ -3,7 +3,8 @@
 Each case runs a small pytest session of its own (a test file written to
 tmp_path) whose test launches ranks that never end, each with two children
 that ignore SIGTERM and left the rank's process group or session
-(tests/helpers.py STRAY_CHILDREN). The inner test hits its pytest-timeout;
+(tests/support/helpers.py STRAY_CHILDREN). The inner test hits its
+pytest-timeout;
 then every process the ranks recorded must be gone, checked by pid in /proc.
 """
 
@@ -13,9 +14,9 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_all_gone
-from tests.helpers import launcher_env
-from tests.helpers import recorded_pids
+from tests.support.helpers import assert_all_gone
+from tests.support.helpers import launcher_env
+from tests.support.helpers import recorded_pids
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
@@ -28,8 +29,8 @@ _PIDS = ["pid.0", "pid.0.group", "pid.0.session",
 _HEADER = f"""
 import os, signal, subprocess, sys
 import pytest
-from tests.helpers import (STRAY_CHILDREN, launch, launcher_env,
-                           pid_file_code, python_cmd)
+from tests.support.helpers import (STRAY_CHILDREN, launch, launcher_env,
+                                   pid_file_code, python_cmd)
 
 CODE = python_cmd(pid_file_code(os.path.dirname(__file__), STRAY_CHILDREN))
 

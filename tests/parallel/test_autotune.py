@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
+from tests.support.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
@@ -73,7 +73,7 @@ def test_start_autotune_samples_confirms_and_keeps_by_its_rule(tmp_path):
     assert f"confirmed={confirmed}" in line[0], line
 
 
-def test_env_autotune_stopped_early(tmp_path):
+def test_env_autotune_stopped_early_by_stop_autotune(tmp_path):
     log = tmp_path / "tune_env.csv"
     out = launch(2, [sys.executable, WORKER, "env"], timeout=240,
                  env=_env(KERASDIST_AUTOTUNE=1, KERASDIST_AUTOTUNE_LOG=log))

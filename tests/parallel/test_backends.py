@@ -1,6 +1,7 @@
 """The Keras layer on every Keras backend (TensorFlow, JAX, PyTorch), with
 real ranks: the same worker, the same examples and the same Horovod-style
-script, only KERAS_BACKEND differs.
+script, only KERAS_BACKEND differs. One test per worker check and backend
+(test_keras_layer_jax[fit_adam]), one launch per backend.
 
 - tests/workers/keras_backend_worker.py: DistributedOptimizer's `model.fit`
   against one process on the global batch (and proof that skipping the
@@ -17,24 +18,23 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, WORKERS, launch, rank_lines, worker_env
+from tests.support.helpers import REPO_ROOT, launch, rank_lines, worker_env
+from tests.support.worker_checks import WorkerChecks
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]
 
 BACKENDS = ["tensorflow", "jax", "torch"]
 NP = 2
-WORKER_CHECKS = [
-    "apply_averages", "fit_sgd_momentum", "fit_adam", "fit_num_groups=3",
-    "fit_predivide", "fit_sgd", "fit_fp16", "fit_gradient_accumulation",
-    "broadcast", "metric_average",
-    "lr_warmup", "model_average", "equalize_steps", "checkpoint",
-    "fit_loss_scale"]
-BACKEND_CHECKS = {
-    "tensorflow": [],
-    "jax": ["fit_adam_eager", "accumulation_error", "no_tensorflow"],
-    "torch": ["accumulation_error", "no_tensorflow"],
-}
+# tests/workers/keras_backend_worker.py's checks on each backend, one launch
+# a backend; the worker's groups name the backends a check runs on.
+LAYER = {b: WorkerChecks("keras_backend_worker.py", np=NP, groups=(b,),
+                         args=("{tmp}",), timeout=450, requires=(b,),
+                         env={"KERAS_BACKEND": b})
+         for b in BACKENDS}
+tensorflow_job = LAYER["tensorflow"].fixture("tensorflow_job")
+jax_job = LAYER["jax"].fixture("jax_job")
+torch_job = LAYER["torch"].fixture("torch_job")
 
 
 def _needs(backend):
@@ -46,19 +46,19 @@ def _run(backend, argv, cwd=None):
                   env=worker_env(KERAS_BACKEND=backend))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_keras_layer(backend, tmp_path):
-    _needs(backend)
-    out = _run(backend, [sys.executable,
-                         os.path.join(WORKERS, "keras_backend_worker.py"),
-                         str(tmp_path)])
-    assert out.returncode == 0, out.stdout[-6000:]
-    expected = WORKER_CHECKS + BACKEND_CHECKS[backend]
-    for r in range(NP):
-        lines = rank_lines(out.stdout, r)
-        got = [line[3:] for line in lines if line.startswith("OK ")]
-        assert sorted(got) == sorted(expected), (r, got, out.stdout[-4000:])
-        assert lines[-1] == "DONE", lines[-5:]
+@LAYER["tensorflow"].parametrize
+def test_keras_layer_tensorflow(check, tensorflow_job):
+    tensorflow_job.assert_passed(check)
+
+
+@LAYER["jax"].parametrize
+def test_keras_layer_jax(check, jax_job):
+    jax_job.assert_passed(check)
+
+
+@LAYER["torch"].parametrize
+def test_keras_layer_torch(check, torch_job):
+    torch_job.assert_passed(check)
 
 
 def _accuracies(out, pattern):

@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.helpers import REPO_ROOT  # noqa: E402
-from tests.helpers import launch  # noqa: E402
-from tests.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
 
 # 600 s a test: the module's training job (up to 300 s) runs in the first
 # test's setup, and the resume test launches another.

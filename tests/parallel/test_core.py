@@ -1,13 +1,12 @@
 """The core runtime on real ranks: every collective against numpy (through the
 C API, without TensorFlow), the TF ops, and failures that must not hang."""
 
-import os
 import time
 
 import pytest
 
-from tests.helpers import (REPO_ROOT, WORKERS, launch, rank_lines,
-                           worker_cmd, worker_env)
+from tests.support.helpers import (REPO_ROOT, launch, rank_lines,
+                                   worker_cmd, worker_env)
 
 pytestmark = pytest.mark.parallel
 
@@ -65,7 +64,7 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
                   *worker_cmd("shm_fallback_worker.py")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=180,
-        env=worker_env(PYTHONPATH=REPO_ROOT + os.pathsep + WORKERS),
+        env=worker_env(),
         cwd=REPO_ROOT)
     _assert_all_ranks(out, 2, "OK fallback")
     assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]
@@ -81,7 +80,7 @@ def test_tf_ops_eager_function_gradients_out_of_order(np_):
     _assert_all_ranks(out, np_, "OK all")
 
 
-def test_init_errors_and_reinit():
+def test_init_errors_shutdown_is_initialized_current_settings():
     out = launch(2, worker_cmd("core_errors_worker.py", "init"), timeout=60,
                  env=worker_env())
     _assert_all_ranks(out, 2, "OK init")

@@ -10,13 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.helpers import REPO_ROOT  # noqa: E402
-from tests.helpers import launch  # noqa: E402
-from tests.helpers import rank_lines  # noqa: E402
-
-_WORKER = os.path.join(REPO_ROOT, "tests", "workers", "data_shard_worker.py")
-_CHECKS = ["shard_disjoint_and_covering", "uneven_arrays", "uneven_dataset",
-           "uneven_equalize_steps_repeat", "equalize_steps_arrays"]
+from tests.support.worker_checks import WorkerChecks  # noqa: E402
 
 
 def test_shard_arrays_strided_rule():
@@ -38,7 +32,7 @@ def test_shard_dataset_same_rule_as_arrays():
         assert got == data.shard(np.arange(10), rank=r, size=3).tolist()
 
 
-def test_shard_rejects_bad_input():
+def test_shard_and_num_batches_reject_bad_input():
     from kerasdist import data
     with pytest.raises(ValueError, match="same length"):
         data.shard((np.zeros(3), np.zeros(4)), rank=0, size=2)
@@ -49,16 +43,25 @@ def test_shard_rejects_bad_input():
     assert data.num_batches(np.zeros(5), batch_size=2) == 3
 
 
+# The uneven-shard checks of tests/workers/data_shard_worker.py, one test
+# per check and size, one launch per size (its launch may take 300 s).
+NP2 = WorkerChecks("data_shard_worker.py", np=2, timeout=300)
+NP3 = WorkerChecks("data_shard_worker.py", np=3, timeout=300)
+np2_job = NP2.fixture("np2_job")
+np3_job = NP3.fixture("np3_job")
+
+
 @pytest.mark.parallel
 @pytest.mark.slow
-@pytest.mark.timeout(400)  # its launch may take 300 s
-@pytest.mark.parametrize("np_", [2, 3])
-def test_uneven_shards_finish_with_equal_steps(np_):
-    out = launch(np_, [sys.executable, _WORKER], timeout=300,
-                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert out.returncode == 0, out.stdout[-6000:]
-    for r in range(np_):
-        lines = rank_lines(out.stdout, r)
-        assert [line[3:] for line in lines if line.startswith("OK ")] == \
-            _CHECKS, out.stdout[-6000:]
-        assert lines[-1] == "DONE"
+@pytest.mark.timeout(400)
+@NP2.parametrize
+def test_uneven_shards_equal_steps_np2(check, np2_job):
+    np2_job.assert_passed(check)
+
+
+@pytest.mark.parallel
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@NP3.parametrize
+def test_uneven_shards_equal_steps_np3(check, np3_job):
+    np3_job.assert_passed(check)

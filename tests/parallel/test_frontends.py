@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
-                           rank_lines, worker_env)
+from tests.support.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
+                                   rank_lines, worker_env)
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 

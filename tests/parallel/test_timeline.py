@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kerasdist.tools import timeline as timeline_tools
-from tests.helpers import REPO_ROOT, launch, rank_env, rank_lines
+from tests.support.helpers import REPO_ROOT, launch, rank_env, rank_lines
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 
@@ -81,7 +81,7 @@ def test_launcher_flag(tmp_path):
         assert "tl.grad.0" in _rows(json.load(f))
 
 
-def test_start_stop_at_run_time(tmp_path):
+def test_start_timeline_stop_timeline_at_run_time(tmp_path):
     out = launch(2, [sys.executable, WORKER, "runtime", str(tmp_path)],
                  timeout=180, env=_env())
     _ok(out, 2)

@@ -122,7 +122,7 @@ _GPU_OPS = ("KerasdistAllreduce", "KerasdistGroupedAllreduce",
             "KerasdistReducescatter")
 
 
-def test_tf_gpu_kernels_registered_exactly_when_built_with_nccl():
+def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     # The op library built for this checkout registers GPU kernels for every
     # collective with tensors (alltoall's split sizes in host memory) when the
     # core has its NCCL backend, and none without it. On CPU-only TensorFlow

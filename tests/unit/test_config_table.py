@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 from kerasdist._core import capi as _capi
 from kerasdist.tools import settings_doc as _settings_doc

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 from kerasdist._core import capi as _capi
 

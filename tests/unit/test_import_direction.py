@@ -16,7 +16,7 @@ source with `ast` (nothing is imported):
 import ast
 import os
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 PACKAGE = os.path.join(REPO_ROOT, "kerasdist")
 # Command-line front ends that may start or describe the launcher.

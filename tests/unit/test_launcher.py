@@ -16,7 +16,7 @@ from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
 from kerasdist.run import launch  # noqa: E402
 from kerasdist.run import settings  # noqa: E402
-from tests.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
 
 
 # --- hosts -----------------------------------------------------------------

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 OPS = os.path.join(REPO_ROOT, "ops")
 CORE = os.path.join(OPS, "core")

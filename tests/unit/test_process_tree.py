@@ -7,7 +7,7 @@ import sys
 import time
 
 from kerasdist.run import _rank
-from tests.helpers import is_running
+from tests.support.helpers import is_running
 
 # Renames itself to a name with ") " in it (as /proc/PID/stat shows it),
 # starts a child in a session of its own and one in a process group of its

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 
 def _load():

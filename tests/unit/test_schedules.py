@@ -18,7 +18,7 @@ def _values(schedule, steps):
     return np.array([float(schedule(s)) for s in steps])
 
 
-def test_linear_warmup_values():
+def test_warmup_schedule_linear_values():
     s = schedules.WarmupSchedule(0.8, warmup_steps=4, initial_scale=0.25)
     # base * (scale + (1 - scale) * step / warmup), computed by hand.
     expected = [0.2, 0.35, 0.5, 0.65, 0.8, 0.8, 0.8]

@@ -26,8 +26,9 @@ import threading
 import numpy as np
 
 import kerasdist as kd
-from np_collectives import (BF16, allgather, allreduce, alltoall, barrier,
-                            broadcast, reducescatter, start_allreduce)
+from tests.support.collectives import (BF16, allgather, allreduce,
+                                       alltoall, barrier, broadcast,
+                                       reducescatter, start_allreduce)
 
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
 MODE = sys.argv[1] if len(sys.argv) > 1 else "default"

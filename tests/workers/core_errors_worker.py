@@ -11,7 +11,7 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core.capi import KerasdistError
-from np_collectives import allreduce, broadcast, start_allreduce
+from tests.support.collectives import allreduce, broadcast, start_allreduce
 
 mode = sys.argv[1]
 

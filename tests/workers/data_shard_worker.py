@@ -1,10 +1,11 @@
 """Checks of kerasdist.data under `kerasdist run -np N`.
 
-Prints `OK <check>` per passed check; any failure raises. Uneven shards:
+Named checks (tests/support/checks.py); a failure raises. Uneven shards:
 without an agreed step count these jobs would hang in the gradient
 allreduce (the test's launch timeout would catch it).
 """
 
+import functools
 import os
 import warnings
 
@@ -21,14 +22,12 @@ import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
 from kerasdist import callbacks as kcb  # noqa: E402
+from tests.support import checks  # noqa: E402
+from tests.support.checks import check  # noqa: E402
 
 kd.init()
 R, N = kd.rank(), kd.size()
 keras.utils.set_random_seed(50 + R)
-
-
-def ok(check):
-    print(f"OK {check}", flush=True)
 
 
 def gathered(values, name):
@@ -36,6 +35,7 @@ def gathered(values, name):
     return kd.allgather(np.asarray(values, np.int64), name=name).numpy()
 
 
+@check("shard_disjoint_and_covering")
 def check_shard_cover():
     total = 10
     x = np.arange(total)
@@ -49,7 +49,6 @@ def check_shard_cover():
     assert sorted(all_ds.tolist()) == list(range(total)), all_ds
     d = kd.data.shard({"a": x, "b": y})
     np.testing.assert_array_equal(d["a"], sx)
-    ok("shard_disjoint_and_covering")
 
 
 class CountSteps(keras.callbacks.Callback):
@@ -93,25 +92,46 @@ def fit_and_check(tag, x, expected_local, expected_steps, **fit_kwargs):
     assert equal.steps == expected_steps, (equal.steps, expected_steps)
     assert counter.per_epoch == [expected_steps] * 3, counter.per_epoch
     assert_same_weights(m, tag)
-    ok(f"uneven_{tag}")
 
 
-def check_uneven():
-    n = 2 * N + 1  # one rank gets one more example than the others
+@functools.cache
+def uneven_arrays():
+    """(n, x, y, sx, sy): one rank gets one more example than the others."""
+    n = 2 * N + 1
     x = np.random.default_rng(0).normal(size=(n, 3)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     sx, sy = kd.data.shard((x, y))
+    return n, x, y, sx, sy
+
+
+@functools.cache
+def uneven_dataset():
+    # Sharding AFTER batch splits batches: 2N+1 batches of 2.
+    _, x, y, _, _ = uneven_arrays()
+    ds = tf.data.Dataset.from_tensor_slices(
+        (np.tile(x, (2, 1)), np.tile(y, (2, 1)))).batch(2)
+    return kd.data.shard(ds)
+
+
+@check("uneven_arrays")
+def check_uneven_arrays():
+    n, _, _, sx, sy = uneven_arrays()
     # batch_size=1: steps = examples per rank (3 on rank 0, 2 elsewhere).
     fit_and_check("arrays", sx, len(sx), n // N, y=sy, batch_size=1)
 
-    # Sharding AFTER batch splits batches: 2N+1 batches of 2.
-    ds = tf.data.Dataset.from_tensor_slices(
-        (np.tile(x, (2, 1)), np.tile(y, (2, 1)))).batch(2)
-    sds = kd.data.shard(ds)
+
+@check("uneven_dataset_min_steps")
+def check_uneven_dataset():
+    sds = uneven_dataset()
     local = int(sds.cardinality())
     fit_and_check("dataset", sds, local, kd.data.min_steps(local))
 
+
+@check("uneven_equalize_steps_repeat")
+def check_uneven_equalize_steps_repeat():
     # equalize_steps + repeat(): the other documented way.
+    n, _, _, _, _ = uneven_arrays()
+    sds = uneven_dataset()
     steps = kd.data.equalize_steps(sds)
     assert steps == n // N, steps
     m = model()
@@ -120,15 +140,15 @@ def check_uneven():
           callbacks=[kcb.BroadcastGlobalVariablesCallback(0), counter])
     assert counter.per_epoch == [steps, steps], counter.per_epoch
     assert_same_weights(m, "repeat")
-    ok("uneven_equalize_steps_repeat")
 
+
+@check("equalize_steps_arrays")
+def check_equalize_steps_arrays():
+    _, x, _, sx, sy = uneven_arrays()
     steps = kd.data.equalize_steps((sx, sy), batch_size=2)
     assert steps == min(-(-len(kd.data.shard(x, r, N)) // 2)
                         for r in range(N)), steps
-    ok("equalize_steps_arrays")
 
 
 if __name__ == "__main__":
-    check_shard_cover()
-    check_uneven()
-    print("DONE", flush=True)
+    checks.main(rank=R)

@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-import host_faults
+from tests.support import host_faults
 import kerasdist as kd
-from np_collectives import allreduce
+from tests.support.collectives import allreduce
 
 STATE = sys.argv[1]
 ATTEMPT = int(os.environ["KERASDIST_RESTART_ATTEMPT"])

@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-import host_faults
+from tests.support import host_faults
 import kerasdist as kd
-from np_collectives import allreduce, broadcast
+from tests.support.collectives import allreduce, broadcast
 
 WHERE, FAULT, FAULT_RANK = sys.argv[1], sys.argv[2], int(sys.argv[3])
 STATE = sys.argv[4] if len(sys.argv) > 4 else None

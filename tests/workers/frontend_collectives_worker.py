@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from np_collectives import BF16
+from tests.support.collectives import BF16
 
 FRONT = sys.argv[1]
 MODE = sys.argv[2] if len(sys.argv) > 2 else "eager"

@@ -29,7 +29,8 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi as _capi
-from np_collectives import allgather, allreduce, barrier, start_allreduce
+from tests.support.collectives import (allgather, allreduce, barrier,
+                                       start_allreduce)
 
 INT_TYPES = (np.int32, np.int64)
 FLOAT_TYPES = (np.float32, np.float64)

@@ -2,12 +2,12 @@
 (tensorflow, jax or torch), under `kerasdist run -np N` (N >= 2):
 
     KERAS_BACKEND=jax python -m kerasdist.run -np 2 python \
-        tests/workers/keras_backend_worker.py DIR
+        tests/workers/keras_backend_worker.py DIR [--only CHECK,...]
 
-Prints `OK <check>` per passed check and `DONE` at the end; any failure
-raises (non-zero exit). Truths are independent of kerasdist: the plain
-Keras optimizer on one process over the concatenated batch, closed-form
-averages and learning rates, every rank's raw values gathered.
+Named checks (tests/support/checks.py), grouped by the backends they run
+on; a failure raises (non-zero exit). Truths are independent of kerasdist:
+the plain Keras optimizer on one process over the concatenated batch,
+closed-form averages and learning rates, every rank's raw values gathered.
 
 Float32, the backends' default. The distributed step averages N per-rank
 mean gradients where the truth takes one mean over the global batch: the
@@ -16,6 +16,7 @@ After 12 steps the weights (of order 1) agree to well under ATOL = 1e-5,
 while training without averaging misses by more than 100 * ATOL (checked).
 """
 
+import functools
 import importlib
 import os
 import sys
@@ -24,6 +25,8 @@ import keras
 import numpy as np
 
 import kerasdist as kd
+from tests.support import checks
+from tests.support.checks import check
 
 BACKEND = keras.backend.backend()
 # The collectives on this backend's tensors (for the checks' own gathers).
@@ -37,10 +40,6 @@ STEPS = 12     # optimizer steps per equivalence check
 ATOL = 1e-5    # see the module docstring
 DIR = sys.argv[1]
 _seq = [0]
-
-
-def ok(check):
-    print(f"OK {check}", flush=True)
 
 
 def gather(value):
@@ -106,7 +105,11 @@ def assert_close(got, truth, what, atol=ATOL):
 
 # ---- DistributedOptimizer ----------------------------------------------------
 
+# The checks below run on every backend unless they name theirs.
+checks.group("tensorflow", "jax", "torch")
 
+
+@check("apply_averages")
 def check_apply_averages():
     """One apply with rank-dependent gradients: SGD(1) moves the weights by
     minus the average gradient, (N + 1) / 2, on every rank."""
@@ -116,7 +119,6 @@ def check_apply_averages():
     opt.apply([keras.ops.full((2, 3), float(R + 1))], [v])
     got = keras.ops.convert_to_numpy(v)
     np.testing.assert_array_equal(got, np.full((2, 3), -(N + 1) / 2.0))
-    ok("apply_averages")
 
 
 def check_fit(label, make_opt, atol=ATOL, **kd_args):
@@ -135,56 +137,92 @@ def check_fit(label, make_opt, atol=ATOL, **kd_args):
     miss = np.max(np.abs(flat(alone) - flat(truth)))
     assert miss > 100 * atol, f"{label}: unaveraged training is too close"
     print(f"{label}: max diff {diff:.2e}, unaveraged {miss:.2e}", flush=True)
-    ok(label)
     return got
 
 
-def group_optimizer():
-    check_apply_averages()
+@check("fit_sgd_momentum")
+def fit_sgd_momentum():
     check_fit("fit_sgd_momentum",
               lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+@check("fit_adam")
+def fit_adam():
     check_fit("fit_adam", lambda: keras.optimizers.Adam(0.01))
+
+
+@check("fit_num_groups_3")
+def fit_num_groups_3():
     check_fit("fit_num_groups=3", lambda: keras.optimizers.Adam(0.01),
               num_groups=3)
+
+
+@check("fit_predivide")
+def fit_predivide():
     check_fit("fit_predivide", lambda: keras.optimizers.SGD(0.1),
               gradient_predivide_factor=float(N))
+
+
+@functools.cache
+def sgd_exact():
+    """fit_sgd's weights, the reference of fit_fp16 (checked once)."""
+    return check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
+
+
+@check("fit_sgd")
+def fit_sgd():
+    sgd_exact()
+
+
+@check("fit_compression_fp16")
+def fit_fp16():
     # fp16 on the wire: 11-bit significands; 12 SGD steps of lr 0.1 move
     # weights of order 1 by up to ~1e-3 from the float32 result.
     x, y = data()
-    exact = check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
+    exact = sgd_exact()
     got = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.SGD(0.1), compression=kd.Compression.fp16),
         my_part(x), my_part(y), B)
     assert_close(got, exact, "fit_fp16", atol=2e-3)
     assert not np.array_equal(flat(got), flat(exact)), "not compressed"
     same_on_all_ranks(got, "fit_fp16")
-    ok("fit_fp16")
-    if BACKEND == "jax":  # the jitted step is the default: also eagerly
-        truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, N * B)
-        got = fit(dense_model(), kd.DistributedOptimizer(
-            keras.optimizers.Adam(0.01)), my_part(x), my_part(y), B,
-            jit_compile=False)
-        assert_close(got, truth, "fit_adam_eager")
-        ok("fit_adam_eager")
+
+
+@check("fit_adam_eager", groups=("jax",))
+def fit_adam_eager():
+    # The jitted step is the default on JAX: also eagerly.
+    x, y = data()
+    truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, N * B)
+    got = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01)), my_part(x), my_part(y), B,
+        jit_compile=False)
+    assert_close(got, truth, "fit_adam_eager")
+
+
+@check("fit_gradient_accumulation")
+def fit_gradient_accumulation():
     # Keras' own accumulation (JAX's and PyTorch's stand-in for
     # backward_passes_per_step): averaged at every backward pass, the same
     # as one process accumulating the global batches.
     check_fit("fit_gradient_accumulation", lambda: keras.optimizers.SGD(
         0.1, momentum=0.5, gradient_accumulation_steps=3))
-    if BACKEND != "tensorflow":
-        try:
-            kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                    backward_passes_per_step=2)
-        except ValueError as e:
-            assert "gradient_accumulation_steps" in str(e), e
-        else:
-            raise AssertionError("backward_passes_per_step=2 accepted")
-        ok("accumulation_error")
+
+
+@check("accumulation_error", groups=("jax", "torch"))
+def accumulation_error():
+    try:
+        kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                backward_passes_per_step=2)
+    except ValueError as e:
+        assert "gradient_accumulation_steps" in str(e), e
+    else:
+        raise AssertionError("backward_passes_per_step=2 accepted")
 
 
 # ---- callbacks ---------------------------------------------------------------
 
 
+@check("broadcast_global_variables")
 def check_broadcast():
     """Ranks start from different weights; with lr 0 every rank ends with
     the root's initial weights, and the optimizer state agrees."""
@@ -199,7 +237,6 @@ def check_broadcast():
         np.testing.assert_array_equal(w, expected)
     same_on_all_ranks([keras.ops.convert_to_numpy(v)
                        for v in model.optimizer.variables], "bcast.opt")
-    ok("broadcast")
 
 
 class _Record(keras.callbacks.Callback):
@@ -217,7 +254,10 @@ class _Record(keras.callbacks.Callback):
         self.epoch_logs.append(dict(logs or {}))
 
 
-def check_metric_average_and_warmup():
+@functools.cache
+def metric_average_and_warmup_run():
+    """One fit with MetricAverageCallback and LearningRateWarmupCallback,
+    recording the logs and learning rates before and after them."""
     x, y = data()
     raw, after = _Record(), _Record()
     lr, warmup = 0.05 * N, 2
@@ -229,6 +269,12 @@ def check_metric_average_and_warmup():
                   raw, kd.callbacks.MetricAverageCallback(),
                   kd.callbacks.LearningRateWarmupCallback(
                       lr, warmup_epochs=warmup), after])
+    return raw, after, lr, warmup
+
+
+@check("metric_average")
+def check_metric_average():
+    raw, after, _, _ = metric_average_and_warmup_run()
     for e, (mine, averaged) in enumerate(zip(raw.epoch_logs,
                                              after.epoch_logs)):
         for key in ("loss", "mae"):
@@ -237,7 +283,11 @@ def check_metric_average_and_warmup():
             assert abs(averaged[key] - expected) <= 1e-12 * max(
                 1.0, abs(expected)), (e, key, averaged[key], expected)
     same_on_all_ranks([[l["loss"] for l in after.epoch_logs]], "metrics")
-    ok("metric_average")
+
+
+@check("learning_rate_warmup")
+def check_lr_warmup():
+    _, after, lr, warmup = metric_average_and_warmup_run()
     # Horovod's warmup, before batch b of epoch e (12 batches an epoch):
     # lr / N * (epoch * (N - 1) / warmup + 1), epoch = e + (b + 1) / 12.
     batches = STEPS
@@ -252,9 +302,9 @@ def check_metric_average_and_warmup():
     # Read back from the model after each step: on JAX from the state the
     # step ran with, so a rate the step did not see would show here.
     np.testing.assert_allclose(after.lrs, expected, rtol=1e-6)
-    ok("lr_warmup")
 
 
+@check("model_average")
 def check_model_average():
     """ModelAverageCallback(1) with plain SGD (no momentum) equals
     synchronous training: the average of the ranks' updated weights is the
@@ -266,13 +316,13 @@ def check_model_average():
               [kd.callbacks.ModelAverageCallback(every_n_batches=1)])
     assert_close(got, truth, "model_average")
     same_on_all_ranks(got, "model_average")
-    ok("model_average")
 
 
-def check_checkpoint_and_uneven_shards():
-    """Rank 0 alone writes the checkpoint; it restores weights and the
-    optimizer's state. Uneven shards (9 examples on 2 ranks: 5 and 4, so
-    3 and 2 batches of 2) end every epoch after 2 steps everywhere."""
+@functools.cache
+def uneven_checkpointed_fit():
+    """A fit on uneven shards (9 examples on 2 ranks: 5 and 4, so 3 and 2
+    batches of 2) with EqualizeStepsCallback and a rank-0 ModelCheckpoint:
+    (model, rank 0's checkpoint directory)."""
     x, y = data()
     x, y = x[:4 * N + 1], y[:4 * N + 1]
     xs, ys = kd.data.shard((x, y))
@@ -285,9 +335,22 @@ def check_checkpoint_and_uneven_shards():
               callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0),
                          kd.callbacks.EqualizeStepsCallback(),
                          kd.callbacks.ModelCheckpoint(path)])
+    return model, mine
+
+
+@check("equalize_steps")
+def check_equalize_steps():
+    """Uneven shards end every epoch after 2 steps everywhere."""
+    model, _ = uneven_checkpointed_fit()
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 4
     same_on_all_ranks(model.get_weights(), "uneven")
-    ok("equalize_steps")
+
+
+@check("model_checkpoint_latest_checkpoint_load_checkpoint")
+def check_checkpoint():
+    """Rank 0 alone writes the checkpoint; it restores weights and the
+    optimizer's state."""
+    model, mine = uneven_checkpointed_fit()
     if R == 0:
         files = sorted(os.listdir(mine))
         assert files == ["epoch1.weights.h5", "epoch2.weights.h5"], files
@@ -306,25 +369,21 @@ def check_checkpoint_and_uneven_shards():
               for v in fresh.optimizer.variables]),
         flat([keras.ops.convert_to_numpy(v)
               for v in model.optimizer.variables]))
-    ok("checkpoint")
 
 
-def main():
-    group_optimizer()
-    check_broadcast()
-    check_metric_average_and_warmup()
-    check_model_average()
-    check_checkpoint_and_uneven_shards()
-    if BACKEND != "tensorflow":
-        # Keras itself imports TensorFlow when it is installed in
-        # keras.utils.set_random_seed and LossScaleOptimizer.get_config
-        # (hence that check last); kerasdist never does on JAX or PyTorch.
-        assert "tensorflow" not in sys.modules, "TensorFlow was imported"
-        ok("no_tensorflow")
+@check("no_tensorflow", groups=("jax", "torch"))
+def no_tensorflow():
+    # Keras itself imports TensorFlow when it is installed in
+    # keras.utils.set_random_seed and LossScaleOptimizer.get_config
+    # (hence that check last); kerasdist never does on JAX or PyTorch.
+    assert "tensorflow" not in sys.modules, "TensorFlow was imported"
+
+
+@check("fit_loss_scale")
+def fit_loss_scale():
     check_fit("fit_loss_scale", lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=2.0**10))
-    print("DONE", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    checks.main(rank=R)

@@ -1,14 +1,14 @@
 """Worker for tests/parallel/test_optimizer.py: runs under `kerasdist run`.
 
-    python -m kerasdist.run -np 2 python tests/workers/keras_optimizer_worker.py [group ...]
+    python -m kerasdist.run -np 2 python \
+        tests/workers/keras_optimizer_worker.py [--only CHECK,...] [--group G]
 
-Groups: equiv (training equivalence against a single-process truth), math
-(hand-computed updates: clipping, accumulation, Sum, predivide, groups,
-loss scaling), keras (serialization, save/load, XLA, mixed precision,
-errors), np1 (run alone at np=1: no collective is created), hosts (two
-equivalence checks, for a job across test hosts). Default: all
-but np1. Each check prints
-`OK <check>`; any failure raises, which fails the rank and the job.
+Named checks (tests/support/checks.py) in groups: equiv (training
+equivalence against a single-process truth), math (hand-computed updates:
+clipping, accumulation, Sum, predivide, groups, loss scaling), keras
+(serialization, save/load, XLA, mixed precision, errors), np1 (run alone at
+np=1: no collective is created). Default: all but np1. A failed check
+raises, which fails the rank and the job.
 
 The truth for an equivalence check is computed on every rank in-process,
 with the plain Keras optimizer on the full data (batch size * ranks), from
@@ -18,8 +18,8 @@ over ~12 steps is far above that rounding (~1e-15 per step) and far below
 any real mistake (a missing average changes weights at the 1e-2 level).
 """
 
+import functools
 import os
-import sys
 import tempfile
 import warnings
 
@@ -32,6 +32,8 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
+from tests.support import checks  # noqa: E402
+from tests.support.checks import check  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
 kd.init()
@@ -41,10 +43,6 @@ B = 4        # per-rank batch
 STEPS = 12   # optimizer steps per equivalence check
 RTOL = 1e-9  # float64; see the module docstring
 _seq = [0]
-
-
-def ok(check):
-    print(f"OK {check}", flush=True)
 
 
 def close(a, b, what, rtol=RTOL, atol=1e-12):
@@ -123,55 +121,118 @@ def check_fit(label, make_opt, make_model=dense_model, xy=None, rtol=RTOL,
     same_on_all_ranks(got, label)
     # The truth moved: a run that did not train would also be "equal".
     assert not np.allclose(flat(got), flat(make_model().get_weights()))
-    ok(label)
     return dist_opt, got
 
 
 # ---- equivalence -----------------------------------------------------------
 
 
-def group_equiv():
+checks.group("equiv")
+
+
+@check("fit_sgd")
+def fit_sgd():
     check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
+
+
+@check("fit_adam")
+def fit_adam():
     check_fit("fit_adam", lambda: keras.optimizers.Adam(0.01))
+
+
+@check("fit_sgd_momentum")
+def fit_sgd_momentum():
     check_fit("fit_sgd_momentum",
               lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
+
+
+@check("fit_rmsprop")
+def fit_rmsprop():
     check_fit("fit_rmsprop", lambda: keras.optimizers.RMSprop(0.01))
+
+
+@check("fit_adamw")
+def fit_adamw():
     check_fit("fit_adamw",
               lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
+
+
+@check("fit_loss_scale")
+def fit_loss_scale():
     check_fit("fit_loss_scale", lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=2.0**10))
+
+
+@check("fit_predivide")
+def fit_predivide():
     # The runtime's prescale/postscale factors are TF float attributes
     # (32-bit): 1/f and f/size carry a relative error up to ~6e-8 unless
     # they are powers of two, hence rtol 1e-6 here.
     check_fit("fit_predivide", lambda: keras.optimizers.SGD(0.1),
               rtol=1e-6, gradient_predivide_factor=float(SIZE))
+
+
+@check("fit_global_clipnorm")
+def fit_global_clipnorm():
     check_fit("fit_global_clipnorm",
               lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5))
-    # Groups change how gradients travel, not the result: 1 group, 3 groups
-    # of 4 tensors (2+1+1), more groups than tensors.
-    for groups in (1, 3, 100):
-        check_fit(f"fit_num_groups={groups}",
-                  lambda: keras.optimizers.Adam(0.01), num_groups=groups)
 
+
+# Groups change how gradients travel, not the result: 1 group, 3 groups
+# of 4 tensors (2+1+1), more groups than tensors.
+@check("fit_num_groups_1", num_groups=1)
+@check("fit_num_groups_3", num_groups=3)
+@check("fit_num_groups_100", num_groups=100)
+def fit_num_groups(num_groups):
+    check_fit(f"fit_num_groups={num_groups}",
+              lambda: keras.optimizers.Adam(0.01), num_groups=num_groups)
+
+
+def embed_data():
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 10, size=(SIZE * B * STEPS, 2)).astype("int32")
     ys = rng.normal(size=(len(ids), 1))
-    # SGD updates the same with sparse or dense gradients. Adam does not
-    # (Keras's sparse Adam leaves untouched rows' moments alone), so Adam is
-    # checked with the sparse path only, against Keras's sparse truth.
-    for dense in (False, True):
-        check_fit(f"fit_embedding_sgd_sparse_as_dense={dense}",
-                  lambda: keras.optimizers.SGD(0.5), embed_model,
-                  xy=(ids, ys), sparse_as_dense=dense)
-    check_fit("fit_embedding_adam_sparse",
-              lambda: keras.optimizers.Adam(0.05), embed_model, xy=(ids, ys))
+    return ids, ys
 
+
+# SGD updates the same with sparse or dense gradients. Adam does not
+# (Keras's sparse Adam leaves untouched rows' moments alone), so Adam is
+# checked with the sparse path only, against Keras's sparse truth.
+@check("fit_embedding_sgd_sparse_as_dense_false", dense=False)
+@check("fit_embedding_sgd_sparse_as_dense_true", dense=True)
+def fit_embedding_sgd(dense):
+    check_fit(f"fit_embedding_sgd_sparse_as_dense={dense}",
+              lambda: keras.optimizers.SGD(0.5), embed_model,
+              xy=embed_data(), sparse_as_dense=dense)
+
+
+@check("fit_embedding_adam_sparse")
+def fit_embedding_adam_sparse():
+    check_fit("fit_embedding_adam_sparse",
+              lambda: keras.optimizers.Adam(0.05), embed_model,
+              xy=embed_data())
+
+
+@functools.cache
+def uncompressed_ref():
+    """The uncompressed weights fit_fp16 compares with (checked once)."""
+    _, exact = check_fit("fit_uncompressed_ref",
+                         lambda: keras.optimizers.SGD(0.1))
+    return exact
+
+
+@check("fit_uncompressed_ref")
+def fit_uncompressed_ref():
+    uncompressed_ref()
+
+
+@check("fit_compression_fp16")
+def fit_fp16():
     # fp16 on the wire: float16 has an 11-bit significand (relative rounding
     # 2**-11 ~ 5e-4 per gradient element); over 12 SGD steps of lr 0.1 the
     # weights, of order 1, may move by ~1e-3 from the float64 result.
     x, y = data()
-    _, exact = check_fit("fit_uncompressed_ref",
-                         lambda: keras.optimizers.SGD(0.1))
+    exact = uncompressed_ref()
     got = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.SGD(0.1), compression=kd.Compression.fp16),
         my_part(x), my_part(y), B)
@@ -180,13 +241,12 @@ def group_equiv():
         "fp16 gave bit-identical weights: the gradients were not compressed"
     assert all(w.dtype == np.float64 for w in got)
     same_on_all_ranks(got, "fit_fp16")
-    ok("fit_fp16")
-
-    for mode in ("eager", "function"):
-        check_tape(mode)
-    check_tape("function", num_groups=3)
 
 
+@check("distributed_gradient_tape_eager", mode="eager")
+@check("distributed_gradient_tape_function", mode="function")
+@check("distributed_gradient_tape_function_groups3", mode="function",
+       num_groups=3)
 def check_tape(mode, num_groups=0):
     x, y = data()
     truth = fit(dense_model(), keras.optimizers.SGD(0.1), x, y, SIZE * B)
@@ -209,7 +269,6 @@ def check_tape(mode, num_groups=0):
     what = f"tape_{mode}" + (f"_groups{num_groups}" if num_groups else "")
     close(model.get_weights(), truth, what)
     same_on_all_ranks(model.get_weights(), what)
-    ok(what)
 
 
 # ---- hand-computed updates -------------------------------------------------
@@ -232,78 +291,97 @@ def apply_steps(opt, grads_per_step, function):
     return seen
 
 
-def group_math():
-    base = np.array([1.0, -2.0, 2.0])
-    mean_r = (SIZE + 1) / 2  # mean of (r + 1) over ranks
-    for function in (False, True):
-        tag = "function" if function else "eager"
+checks.group("math")
+BASE = np.array([1.0, -2.0, 2.0])
+MEAN_R = (SIZE + 1) / 2  # mean of (r + 1) over ranks
 
-        # op=Sum and predivide.
+
+def tag_of(function):
+    return "function" if function else "eager"
+
+
+@check("op_sum_eager", function=False)
+@check("op_sum_function", function=True)
+def op_sum(function):
+    # op=Sum and predivide.
+    base, mean_r, tag = BASE, MEAN_R, tag_of(function)
+    got = apply_steps(kd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), op=kd.Sum),
+        [base * (RANK + 1)], function)
+    close(got[0], -base * SIZE * mean_r, f"sum_{tag}")
+
+
+# backward_passes_per_step=2: local sum (or mean) of two gradients,
+# averaged over ranks, applied once; the first step changes nothing.
+@check("backward_passes_avg_false_eager", avg=False, function=False)
+@check("backward_passes_avg_true_eager", avg=True, function=False)
+@check("backward_passes_avg_false_function", avg=False, function=True)
+@check("backward_passes_avg_true_function", avg=True, function=True)
+def backward_passes(avg, function):
+    base, mean_r = BASE, MEAN_R
+    opt = kd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+        average_aggregated_gradients=avg)
+    grads = [base * (RANK + 1) * (t + 1) for t in range(4)]
+    got = apply_steps(opt, grads, function)
+    first = -base * mean_r * (1 + 2) / (2 if avg else 1)
+    second = first - base * mean_r * (3 + 4) / (2 if avg else 1)
+    close(got[0], np.zeros(3), f"bpps avg={avg} step0")
+    close(got[1], first, f"bpps avg={avg} step1")
+    close(got[2], first, f"bpps avg={avg} step2")
+    close(got[3], second, f"bpps avg={avg} step3")
+    assert int(opt.iterations.numpy()) == 2, opt.iterations
+
+
+@check("num_groups_eager", function=False)
+@check("num_groups_function", function=True)
+def num_groups(function):
+    # num_groups: two variables in two groups, eagerly (the group runs
+    # as one function) and in a tf.function.
+    base, mean_r, tag = BASE, MEAN_R, tag_of(function)
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), num_groups=2)
+    va = keras.Variable(np.zeros(3), name="ga")
+    vb = keras.Variable(np.zeros(2), name="gb")
+
+    def gstep(a, b):
+        opt.apply([a, b], [va, vb])
+
+    if function:
+        gstep = tf.function(gstep)
+    for _ in range(2):
+        gstep(tf.constant(base * (RANK + 1)),
+              tf.constant([1.0, -1.0]) * (RANK + 1))
+    close(va.numpy(), -2 * base * mean_r, f"groups a {tag}")
+    close(vb.numpy(), -2 * np.array([1.0, -1.0]) * mean_r,
+          f"groups b {tag}")
+
+
+@check("clip_on_averaged_gradient_eager", function=False)
+@check("clip_on_averaged_gradient_function", function=True)
+def clip_on_averaged_gradient(function):
+    # Clipping acts on the averaged gradient. Rank r sends
+    # small + (r - mean) * big: every local norm exceeds the clip
+    # threshold (at np >= 2), the average is `small`, below it.
+    base, mean_r, tag = BASE, MEAN_R, tag_of(function)
+    small = np.array([0.3, 0.0, 0.4])  # norm 0.5
+    big = np.array([10.0, 10.0, 10.0])
+    g = small + (RANK - (SIZE - 1) / 2) * big
+    for kw in ({"clipnorm": 1.0}, {"global_clipnorm": 1.0},
+               {"clipvalue": 1.0}):
         got = apply_steps(kd.DistributedOptimizer(
-            keras.optimizers.SGD(1.0), op=kd.Sum),
-            [base * (RANK + 1)], function)
-        close(got[0], -base * SIZE * mean_r, f"sum_{tag}")
-        ok(f"op_sum_{tag}")
-
-        # backward_passes_per_step=2: local sum (or mean) of two gradients,
-        # averaged over ranks, applied once; the first step changes nothing.
-        for avg in (False, True):
-            opt = kd.DistributedOptimizer(
-                keras.optimizers.SGD(1.0), backward_passes_per_step=2,
-                average_aggregated_gradients=avg)
-            grads = [base * (RANK + 1) * (t + 1) for t in range(4)]
-            got = apply_steps(opt, grads, function)
-            first = -base * mean_r * (1 + 2) / (2 if avg else 1)
-            second = first - base * mean_r * (3 + 4) / (2 if avg else 1)
-            close(got[0], np.zeros(3), f"bpps avg={avg} step0")
-            close(got[1], first, f"bpps avg={avg} step1")
-            close(got[2], first, f"bpps avg={avg} step2")
-            close(got[3], second, f"bpps avg={avg} step3")
-            assert int(opt.iterations.numpy()) == 2, opt.iterations
-            ok(f"backward_passes_avg={avg}_{tag}")
-
-        # num_groups: two variables in two groups, eagerly (the group runs
-        # as one function) and in a tf.function.
-        opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), num_groups=2)
-        va = keras.Variable(np.zeros(3), name="ga")
-        vb = keras.Variable(np.zeros(2), name="gb")
-
-        def gstep(a, b):
-            opt.apply([a, b], [va, vb])
-
-        if function:
-            gstep = tf.function(gstep)
-        for _ in range(2):
-            gstep(tf.constant(base * (RANK + 1)),
-                  tf.constant([1.0, -1.0]) * (RANK + 1))
-        close(va.numpy(), -2 * base * mean_r, f"groups a {tag}")
-        close(vb.numpy(), -2 * np.array([1.0, -1.0]) * mean_r,
-              f"groups b {tag}")
-        ok(f"num_groups_{tag}")
-
-        check_loss_scale_outside(function, tag)
-
-        # Clipping acts on the averaged gradient. Rank r sends
-        # small + (r - mean) * big: every local norm exceeds the clip
-        # threshold (at np >= 2), the average is `small`, below it.
-        small = np.array([0.3, 0.0, 0.4])  # norm 0.5
-        big = np.array([10.0, 10.0, 10.0])
-        g = small + (RANK - (SIZE - 1) / 2) * big
-        for kw in ({"clipnorm": 1.0}, {"global_clipnorm": 1.0},
-                   {"clipvalue": 1.0}):
-            got = apply_steps(kd.DistributedOptimizer(
-                keras.optimizers.SGD(1.0, **kw)), [g], function)
-            close(got[0], -small, f"clip {kw} {tag}")
-        # ...and does clip when the average is large: mean of (r+1)*base.
-        got = apply_steps(kd.DistributedOptimizer(
-            keras.optimizers.SGD(1.0, clipnorm=1.0)),
-            [base * (RANK + 1)], function)
-        avg_g = base * mean_r
-        close(got[0], -avg_g / np.linalg.norm(avg_g), f"clipnorm big {tag}")
-        ok(f"clip_on_averaged_gradient_{tag}")
+            keras.optimizers.SGD(1.0, **kw)), [g], function)
+        close(got[0], -small, f"clip {kw} {tag}")
+    # ...and does clip when the average is large: mean of (r+1)*base.
+    got = apply_steps(kd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0, clipnorm=1.0)),
+        [base * (RANK + 1)], function)
+    avg_g = base * mean_r
+    close(got[0], -avg_g / np.linalg.norm(avg_g), f"clipnorm big {tag}")
 
 
-def check_loss_scale_outside(function, tag):
+@check("loss_scale_outside_eager", function=False)
+@check("loss_scale_outside_function", function=True)
+def check_loss_scale_outside(function):
     """LossScaleOptimizer(DistributedOptimizer): ranks agree on finiteness.
 
     Step 0: only the last rank's gradient is infinite. Without agreement the
@@ -311,6 +389,7 @@ def check_loss_scale_outside(function, tag):
     it every rank skips the step and halves the scale. Step 1: all finite,
     every rank applies the average of the unscaled gradients.
     """
+    tag = tag_of(function)
     inner = kd.DistributedOptimizer(keras.optimizers.SGD(1.0))
     opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=8.0)
     assert type(opt).__name__ == "LossScaleOptimizer"
@@ -331,19 +410,32 @@ def check_loss_scale_outside(function, tag):
     close(var.numpy(), -base * (SIZE + 1) / 2, f"loss scale apply {tag}")
     same_on_all_ranks([var.numpy(), opt.dynamic_scale.numpy()],
                       f"loss_scale_{tag}")
-    ok(f"loss_scale_outside_{tag}")
 
 
 # ---- Keras integration -----------------------------------------------------
 
 
-def group_keras():
+checks.group("keras")
+
+
+@functools.cache
+def adam_pair():
+    """(plain Adam, its DistributedOptimizer), shared by the checks below
+    (save_load_model trains the wrapped one)."""
     orig = keras.optimizers.Adam(0.01, beta_1=0.8)
-    opt = kd.DistributedOptimizer(orig)
+    return orig, kd.DistributedOptimizer(orig)
+
+
+@check("distributed_optimizer_isinstance")
+def is_instance():
+    _, opt = adam_pair()
     assert isinstance(opt, keras.optimizers.Adam)
     assert type(opt) is not keras.optimizers.Adam
-    ok("isinstance")
 
+
+@check("get_config_round_trip")
+def get_config_round_trip():
+    orig, opt = adam_pair()
     cfg = opt.get_config()
     assert cfg == orig.get_config(), cfg
     plain = keras.optimizers.Adam.from_config(cfg)
@@ -353,8 +445,11 @@ def group_keras():
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert type(restored) is keras.optimizers.Adam
     assert restored.get_config() == cfg
-    ok("get_config_round_trip")
 
+
+@check("double_wrap_error")
+def double_wrap_error():
+    _, opt = adam_pair()
     try:
         kd.DistributedOptimizer(opt)
     except ValueError as e:
@@ -368,9 +463,13 @@ def group_keras():
         assert "already" in str(e), e
     else:
         raise AssertionError("double tape wrap did not raise")
-    ok("double_wrap_error")
 
-    # Save and load: the file loads without kerasdist custom objects.
+
+@functools.cache
+def saved_and_loaded():
+    """Trains adam_pair's optimizer on a model, saves it to a .keras file
+    and loads it back: (model, opt, loaded, x, y)."""
+    _, opt = adam_pair()
     x, y = data()
     model = dense_model()
     fit(model, opt, my_part(x), my_part(y), B)
@@ -378,15 +477,25 @@ def group_keras():
         path = os.path.join(tmp, "model.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
+    return model, opt, loaded, x, y
+
+
+@check("save_load_model")
+def save_load_model():
+    # Save and load: the file loads without kerasdist custom objects.
+    model, opt, loaded, _, _ = saved_and_loaded()
     assert type(loaded.optimizer) is keras.optimizers.Adam
     close(loaded.get_weights(), model.get_weights(), "load weights", rtol=0,
           atol=0)
     assert int(loaded.optimizer.iterations) == STEPS
     close(flat(loaded.optimizer.variables[1:]), flat(opt.variables[1:]),
           "load slots", rtol=0, atol=0)
-    ok("save_load_model")
 
+
+@check("wrap_built_optimizer")
+def wrap_built_optimizer():
     # Wrapping a built optimizer keeps its state, and training continues.
+    _, _, loaded, x, y = saved_and_loaded()
     rewrapped = kd.DistributedOptimizer(loaded.optimizer)
     assert int(rewrapped.iterations) == STEPS
     close(flat(rewrapped.variables), flat(loaded.optimizer.variables),
@@ -395,24 +504,6 @@ def group_keras():
     loaded.fit(my_part(x)[:B], my_part(y)[:B], batch_size=B, verbose=0)
     assert int(rewrapped.iterations) == STEPS + 1
     same_on_all_ranks(loaded.get_weights(), "rewrap")
-    ok("wrap_built_optimizer")
-
-    check_xla(x, y)
-    check_mixed_float16()
-
-    try:
-        kd.DistributedOptimizer(keras.optimizers.SGD(), op=kd.Max)
-    except ValueError as e:
-        assert "op must be" in str(e), e
-    else:
-        raise AssertionError("op=Max accepted")
-    try:
-        kd.DistributedGradientTape(tf.GradientTape(), num_groups=-1)
-    except ValueError as e:
-        assert "num_groups must be an int >= 0" in str(e), e
-    else:
-        raise AssertionError("tape num_groups=-1 accepted")
-    ok("bad_args")
 
 
 def kerasdist_warnings(caught):
@@ -420,9 +511,11 @@ def kerasdist_warnings(caught):
             in str(w.message)]
 
 
-def check_xla(x, y):
+@check("jit_compile")
+def check_xla():
     """jit_compile=True: XLA off with one warning, same training as without
     it; a custom XLA-compiled step still gets the clear error."""
+    x, y = data()
     plain = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B)
     model = dense_model()
@@ -469,9 +562,9 @@ def check_xla(x, y):
                 jit_compile="auto")
         assert not kerasdist_warnings(caught)
         close(got, plain, "auto", rtol=0, atol=0)
-    ok("jit_compile")
 
 
+@check("fit_mixed_float16")
 def check_mixed_float16():
     """Keras wraps the DistributedOptimizer in its own LossScaleOptimizer
     under mixed_float16; the wrapper's finiteness check is rank-agreed and
@@ -501,19 +594,42 @@ def check_mixed_float16():
         assert opt.get_config()["inner_optimizer"]["class_name"] == "SGD"
     finally:
         keras.mixed_precision.set_dtype_policy(previous)
-    ok("fit_mixed_float16")
 
 
-def group_np1():
-    """At np=1 no collective op is created, and training equals Keras."""
+@check("bad_args")
+def bad_args():
+    try:
+        kd.DistributedOptimizer(keras.optimizers.SGD(), op=kd.Max)
+    except ValueError as e:
+        assert "op must be" in str(e), e
+    else:
+        raise AssertionError("op=Max accepted")
+    try:
+        kd.DistributedGradientTape(tf.GradientTape(), num_groups=-1)
+    except ValueError as e:
+        assert "num_groups must be an int >= 0" in str(e), e
+    else:
+        raise AssertionError("tape num_groups=-1 accepted")
+
+
+checks.group("np1", default=False)
+
+
+@check("np1_fit_equals_keras")
+def np1_fit_equals_keras():
+    """At np=1 training equals Keras."""
     assert SIZE == 1, "group np1 runs at np=1"
     x, y = data()
     truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, B)
     got = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.Adam(0.01)), x, y, B)
     close(got, truth, "np1 fit", rtol=0, atol=0)
-    ok("np1_fit_equals_keras")
 
+
+@check("np1_no_collectives")
+def np1_no_collectives():
+    """At np=1 no collective op is created."""
+    assert SIZE == 1, "group np1 runs at np=1"
     var = keras.Variable(np.zeros(3), name="np1")
     for kw in ({}, {"num_groups": 2}, {"op": kd.Sum},
                {"gradient_predivide_factor": 2.0}):
@@ -532,19 +648,7 @@ def group_np1():
     var.assign(np.zeros(3))
     opt.apply([tf.constant([1.0 / 3.0, 0.0, 0.0], tf.float64)], [var])
     assert var.numpy()[0] == -float(np.float16(1.0 / 3.0)), var.numpy()
-    ok("np1_no_collectives")
 
-
-def group_hosts():
-    """The equivalence of model.fit, kept short for a job across hosts."""
-    check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
-    check_fit("fit_adam", lambda: keras.optimizers.Adam(0.01))
-
-
-GROUPS = {"equiv": group_equiv, "math": group_math, "keras": group_keras,
-          "np1": group_np1, "hosts": group_hosts}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["equiv", "math", "keras"]:
-        GROUPS[name]()
-    print("DONE", flush=True)
+    checks.main(rank=RANK)

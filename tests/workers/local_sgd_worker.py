@@ -1,16 +1,17 @@
 """Worker for tests/parallel/test_local_sgd.py: runs under `kerasdist run`.
 
-    python -m kerasdist.run -np 2 python tests/workers/local_sgd_worker.py [check ...]
+    python -m kerasdist.run -np 2 python \
+        tests/workers/local_sgd_worker.py [--only CHECK,...]
 
-Checks ModelAverageCallback (local SGD). Each check prints `OK <check>`;
-any failure raises, which fails the rank and the job. Float64 throughout:
+Checks ModelAverageCallback (local SGD), as named checks
+(tests/support/checks.py); a failure raises, which fails the rank and the
+job. Float64 throughout:
 K=1 local SGD and synchronous training differ only in summation order
 (~1e-15 per step), so rtol 1e-9 separates rounding from a real mistake.
 """
 
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
@@ -22,6 +23,8 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
+from tests.support import checks  # noqa: E402
+from tests.support.checks import check  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
 kd.init()
@@ -31,8 +34,8 @@ B = 4  # per-rank batch
 _seq = [0]
 
 
-def ok(check):
-    print(f"OK {check}", flush=True)
+# Every check is in group "all"; the np=3 job runs "schedule_and_uneven".
+checks.group("all")
 
 
 def flat(weights):
@@ -87,6 +90,8 @@ def train(opt, x, y, epochs=1, callbacks=(), model=None, **kw):
     return model
 
 
+@check("k1_equals_sync", 
+       groups=("all", "schedule_and_uneven"))
 def check_k1_equals_sync():
     """SGD without momentum, K=1: the average of the ranks' updated weights
     is the update by the averaged gradient."""
@@ -112,7 +117,6 @@ def check_k1_equals_sync():
     close(local.get_weights(), sync.get_weights(), "K=1 momentum vs sync")
     close(local.optimizer.variables, sync.optimizer.variables,
           "K=1 momentum slots")
-    ok("k1_equals_sync")
 
 
 class _Probe(keras.callbacks.Callback):
@@ -131,6 +135,8 @@ class _Probe(keras.callbacks.Callback):
         self.epochs.append(identical_on_all_ranks(self.model.get_weights()))
 
 
+@check("k4_identical_at_averaging_points",
+       groups=("all", "schedule_and_uneven"))
 def check_k4_schedule():
     """K=4, 6 batches per epoch, 2 epochs: identical right after steps
     4, 8, 12 and at both epoch ends, different everywhere else."""
@@ -144,7 +150,6 @@ def check_k4_schedule():
     assert probe.batches == want, probe.batches
     assert probe.epochs == [True, True], probe.epochs
     assert int(model.optimizer.iterations.numpy()) == 12
-    ok("k4_identical_at_averaging_points")
 
 
 def eval_loss(model, x, y):
@@ -152,6 +157,7 @@ def eval_loss(model, x, y):
                           - y) ** 2))
 
 
+@check("k8_converges_like_sync")
 def check_k8_converges():
     """K=8 reaches a loss close to synchronous training in as many epochs.
 
@@ -174,7 +180,6 @@ def check_k8_converges():
     assert l_sync < start / 4 and l_local < start / 4, (start, l_sync,
                                                         l_local)
     assert l_local <= 1.5 * l_sync + 0.01, (l_sync, l_local)
-    ok("k8_converges_like_sync")
 
 
 def _shared_dir():
@@ -185,6 +190,7 @@ def _shared_dir():
     return bytes(got).decode().strip()
 
 
+@check("resume_mid_period_exact")
 def check_resume():
     """A checkpoint after epoch 1 (4 steps, K=3: one step into a period),
     resumed on rank 0 and broadcast, ends bit-identical to the job that
@@ -223,9 +229,10 @@ def check_resume():
     kd.barrier(name="check.compared")
     if RANK == 0:
         shutil.rmtree(tmp)
-    ok("resume_mid_period_exact")
 
 
+@check("uneven_shards", 
+       groups=("all", "schedule_and_uneven"))
 def check_uneven_shards():
     """One more example than ranks * batches: rank 0 holds an extra (partial)
     batch; EqualizeStepsCallback keeps the averaging points matched."""
@@ -238,9 +245,9 @@ def check_uneven_shards():
                              kd.callbacks.ModelAverageCallback(2)])
     assert identical_on_all_ranks(model.get_weights())
     assert int(model.optimizer.iterations.numpy()) == 2 * steps
-    ok("uneven_shards")
 
 
+@check("bad_args")
 def check_bad_args():
     for bad in (0, -1, 2.0, True):
         try:
@@ -258,14 +265,7 @@ def check_bad_args():
         assert "plain optimizer" in str(e), e
     else:
         raise AssertionError("a DistributedOptimizer was accepted")
-    ok("bad_args")
 
-
-CHECKS = {"k1": check_k1_equals_sync, "k4": check_k4_schedule,
-          "k8": check_k8_converges, "resume": check_resume,
-          "uneven": check_uneven_shards, "bad_args": check_bad_args}
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(CHECKS):
-        CHECKS[name]()
-    print("DONE", flush=True)
+    checks.main(rank=RANK)

@@ -12,7 +12,7 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi as _capi
-from np_collectives import allreduce
+from tests.support.collectives import allreduce
 
 for cma in (False, True):
     kd.init(cma_allreduce=cma)

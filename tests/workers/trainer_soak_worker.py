@@ -26,7 +26,7 @@ import time
 import keras
 import numpy as np
 
-import host_faults
+from tests.support import host_faults
 import kerasdist as kd
 from kerasdist.trainer import checkpoints
 from trainer_fault_worker import Toy, _Log

@@ -1,6 +1,6 @@
 """Helpers for tests that run `kerasdist run` as a subprocess.
 
-    from tests.helpers import launch, python_cmd, rank_lines
+    from tests.support.helpers import launch, python_cmd, rank_lines
 
     out = launch(2, python_cmd("print('hi')"), timeout=60)
     assert out.returncode == 0, out.stdout
@@ -17,7 +17,8 @@ import time
 
 from kerasdist.run import _rank
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 WORKERS = os.path.join(REPO_ROOT, "tests", "workers")
 
 _PREFIX_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
@@ -48,11 +49,11 @@ def rank_env(drop=(), **extra):
 
 
 def worker_env(**extra):
-    """os.environ for ranks that run a tests/workers script: that folder
-    first on PYTHONPATH (workers import np_collectives), TF quiet unless
+    """os.environ for ranks that run a tests/workers script: the repo root
+    first on PYTHONPATH (workers import tests.support), TF quiet unless
     set, then `extra` (values turned into strings; may replace either)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = WORKERS + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -1,6 +1,12 @@
-"""A numpy front end over the core's C API (no TensorFlow), for the core tests.
+"""Collectives on host numpy arrays through the core's C API (no TensorFlow),
+for the core tests' workers. Each call enqueues one collective and waits for
+it, like the TF ops do.
 
-Each function enqueues one collective and waits for it, like the TF ops do.
+allreduce, broadcast and barrier are kerasdist._core.host.run_host, the
+library's own host path. The rest has no library equivalent: allgather with
+a first dimension that differs between ranks, alltoall with explicit splits
+(and the received splits), reducescatter, and start_allreduce (a collective
+left in flight, to test what happens meanwhile).
 """
 
 import ctypes
@@ -8,6 +14,7 @@ import ctypes
 import numpy as np
 
 from kerasdist._core import capi as _capi
+from kerasdist._core import host as _host
 
 try:
     import ml_dtypes
@@ -15,25 +22,17 @@ try:
 except ImportError:  # pragma: no cover
     BF16 = None
 
-
-def _code(dtype):
-    dtype = np.dtype(dtype)
-    if BF16 is not None and dtype == BF16:
-        return _capi.BFLOAT16
-    return _capi.DTYPES[dtype]
+_WAIT_S = 120  # a collective that does not finish fails the rank
 
 
-def _contig(x):
-    x = np.asarray(x)  # keeps 0-d arrays 0-d (ascontiguousarray would not)
-    return x if x.flags.c_contiguous else x.copy()
-
-
-def _ptr(a):
-    return a.ctypes.data_as(ctypes.c_void_p) if a.size else None
+# The library's dtype codes, contiguous copies and data pointers.
+_code, _contig, _ptr = _host._code, _host._contiguous, _host._ptr
 
 
 def start_allreduce(x, name, op=0, prescale=1.0, postscale=1.0, group=None,
                     group_size=0):
+    """Enqueues an allreduce and returns (handle, input, output) without
+    waiting; the caller keeps the arrays alive until handle.wait()."""
     x = _contig(x)
     out = np.empty_like(x)
     h = _capi.Handle(_capi.OP_ALLREDUCE, name, _code(x.dtype), x.shape,
@@ -43,9 +42,20 @@ def start_allreduce(x, name, op=0, prescale=1.0, postscale=1.0, group=None,
 
 
 def allreduce(x, name, op=0, prescale=1.0, postscale=1.0):
-    h, _, out = start_allreduce(x, name, op, prescale, postscale)
-    h.wait(timeout=120)
-    return out
+    x = np.asarray(x)
+    return _host.run_host(_capi.OP_ALLREDUCE, name, [x], [x.shape],
+                          reduce_op=op, prescale=prescale,
+                          postscale=postscale)[0]
+
+
+def broadcast(x, root, name):
+    x = np.asarray(x)
+    return _host.run_host(_capi.OP_BROADCAST, name, [x], [x.shape],
+                          root_rank=root)[0]
+
+
+def barrier(name="barrier"):
+    _host.host_barrier(name)
 
 
 def _owned(h, dtype):
@@ -61,24 +71,15 @@ def allgather(x, name):
     x = _contig(x)
     h = _capi.Handle(_capi.OP_ALLGATHER, name, _code(x.dtype), x.shape,
                      _ptr(x), None)
-    h.wait(timeout=120)
+    h.wait(timeout=_WAIT_S)
     return _owned(h, x.dtype)
-
-
-def broadcast(x, root, name):
-    x = _contig(x)
-    out = np.empty_like(x)
-    h = _capi.Handle(_capi.OP_BROADCAST, name, _code(x.dtype), x.shape,
-                     _ptr(x), _ptr(out), root_rank=root)
-    h.wait(timeout=120)
-    return out
 
 
 def alltoall(x, name, splits=None, size=None):
     x = _contig(x)
     h = _capi.Handle(_capi.OP_ALLTOALL, name, _code(x.dtype), x.shape,
                      _ptr(x), None, splits=splits)
-    h.wait(timeout=120)
+    h.wait(timeout=_WAIT_S)
     return _owned(h, x.dtype), h.recv_splits(size or 64)
 
 
@@ -87,11 +88,5 @@ def reducescatter(x, name, op=0, prescale=1.0, postscale=1.0):
     h = _capi.Handle(_capi.OP_REDUCESCATTER, name, _code(x.dtype), x.shape,
                      _ptr(x), None, reduce_op=op, prescale=prescale,
                      postscale=postscale)
-    h.wait(timeout=120)
+    h.wait(timeout=_WAIT_S)
     return _owned(h, x.dtype)
-
-
-def barrier(name="barrier"):
-    h = _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
-                     (), None, None)
-    h.wait(timeout=120)

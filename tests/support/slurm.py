@@ -49,7 +49,7 @@ class Slurm:
     """munged + slurmctld + one slurmd per host of `cluster`.
 
     Args:
-        cluster: a tests.cluster.Cluster.
+        cluster: a tests.support.cluster.Cluster.
         cpus: CPUs each test host offers to Slurm.
     """
 

@@ -6,7 +6,7 @@ test_trainer_faults.py, tests/cluster/test_faults.py)."""
 import collections
 import re
 
-from tests.helpers import rank_lines
+from tests.support.helpers import rank_lines
 
 N = 240  # examples, as in the worker
 RESUMED = re.compile(
