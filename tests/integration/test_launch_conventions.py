@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from tests.helpers import WORKERS
-from tests.helpers import free_port
-from tests.helpers import start_processes
-from tests.helpers import torchrun_env
+from tests.support.helpers import WORKERS
+from tests.support.helpers import free_port
+from tests.support.helpers import start_processes
+from tests.support.helpers import torchrun_env
 
 pytestmark = pytest.mark.parallel
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT, WORKERS, kill_tree, launcher_env
+from tests.support.helpers import REPO_ROOT, WORKERS, kill_tree, launcher_env
 
 pytestmark = pytest.mark.parallel
 

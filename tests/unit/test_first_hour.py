@@ -7,7 +7,7 @@ import sys
 
 from kerasdist.run import _rank
 from kerasdist.run import job
-from tests.helpers import launcher_env
+from tests.support.helpers import launcher_env
 
 
 def _script(tmp_path, name="train.py", mode=0o644):

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 import kerasdist as kd
-from np_collectives import allreduce
+from tests.support.collectives import allreduce
 
 kd.init()
 rank, size = kd.rank(), kd.size()
