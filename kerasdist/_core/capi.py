@@ -95,10 +95,6 @@ def lib():
                                           ctypes.c_void_p, ctypes.c_void_p,
                                           i64]
         l.kerasdist_convert16.restype = i
-        l.kerasdist_shm_allreduces.argtypes = []
-        l.kerasdist_shm_allreduces.restype = i64
-        l.kerasdist_cma_allreduces.argtypes = []
-        l.kerasdist_cma_allreduces.restype = i64
         l.kerasdist_backends.argtypes = []
         l.kerasdist_backends.restype = ctypes.c_char_p
         l.kerasdist_backend_runs.argtypes = [ctypes.c_char_p]
@@ -141,6 +137,18 @@ def last_error():
 
 def text(fn_name):
     return getattr(lib(), "kerasdist_" + fn_name)().decode()
+
+
+def backend_runs(name):
+    """How many batches the data path's backend `name` ("mpi", "shm",
+    "cma", "hier", "nccl", ...: ops/core/backends/backends.cc's list) ran
+    since init; 0 for a backend not in this job's list, -1 before init."""
+    return lib().kerasdist_backend_runs(name.encode())
+
+
+def backends():
+    """The data path's backends in the order a batch tries them."""
+    return text("backends").split(",") if text("backends") else []
 
 
 def _pairs(fn_name):

@@ -202,7 +202,7 @@ class Unreachable:
                 "-iface)")
 
 
-# The line a rank prints when its heartbeat lost a peer (ops/core/comm/
+# The line a rank prints when its heartbeat lost a peer (ops/core/control/
 # liveness.cc), e.g. "kerasdist: rank 0: lost host node2 (ranks 2, 3): no
 # heartbeat for 30 s (...); ending this rank."
 _LOST_RE = re.compile(rb"kerasdist: rank (\d+): lost (.*); ending this rank\.")

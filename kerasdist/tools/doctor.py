@@ -232,14 +232,14 @@ def selftest():
     # A 1 MiB allreduce takes the single-node path when there is one: say
     # which (in-place reads, shared-memory slots, or MPI).
     big = 1 << 18
-    before = (lib.kerasdist_shm_allreduces(), lib.kerasdist_cma_allreduces())
+    before = (_capi.backend_runs("shm"), _capi.backend_runs("cma"))
     out = np.empty(big, np.float32)
     run(_capi.OP_ALLREDUCE, "doctor.large", mine(rank, big), out,
         reduce_op=sum_op)
     np.testing.assert_array_equal(out, sum(mine(r, big) for r in range(size)),
                                   "allreduce 1 MiB")
-    shm = lib.kerasdist_shm_allreduces() - before[0]
-    cma = lib.kerasdist_cma_allreduces() - before[1]
+    shm = _capi.backend_runs("shm") - before[0]
+    cma = _capi.backend_runs("cma") - before[1]
     path = "in place" if cma else "slots" if shm else "MPI"
     backends = lib.kerasdist_backends().decode()
     lib.kerasdist_shutdown()

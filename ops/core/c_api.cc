@@ -8,7 +8,7 @@
 #include <sstream>
 #include <string>
 
-#include "comm/device_backend.h"
+#include "backends/gpu/device_backend.h"
 #include "config.h"
 #include "global.h"
 #include "half_kernels.h"
@@ -409,16 +409,6 @@ int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
 }
 
 int kerasdist_simd16(void) { return Simd16Available() ? 1 : 0; }
-
-int64_t kerasdist_cma_allreduces(void) {
-  auto rt = CurrentRuntime();
-  return rt ? rt->stats().cma_allreduces : -1;
-}
-
-int64_t kerasdist_shm_allreduces(void) {
-  auto rt = CurrentRuntime();
-  return rt ? rt->stats().shm_allreduces : -1;
-}
 
 const char* kerasdist_backends(void) {
   auto rt = CurrentRuntime();

@@ -108,17 +108,13 @@ void kerasdist_release(int64_t handle);
 int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
                         void* out, int64_t n);
 int kerasdist_simd16(void);
-/* How many allreduces (fused batches count once) took the single-node path
- * (shared-memory slots or in-place reads) since init, or -1 before init. */
-int64_t kerasdist_shm_allreduces(void);
-/* Of those, how many read the other ranks' tensors in place (cross-memory
- * attach, see comm/cma_allreduce.h); -1 before init. */
-int64_t kerasdist_cma_allreduces(void);
 /* The data path's backends in the order a batch tries them, comma-separated
- * ("gpu,self,cma,shm,mpi"; see comm/backends.h); empty before init. */
+ * ("gpu,self,cma,shm,mpi"; see backends/backends.cc); empty before init. */
 const char* kerasdist_backends(void);
-/* How many batches backend `name` ran since init (a batch one backend hands
- * to another counts for the one that ran it); -1 before init. */
+/* How many batches backend `name` ran since init, for every backend of that
+ * list (fused batches count once; a batch one backend hands to another
+ * counts for the one that ran it; "shm" and "cma" together: the single-node
+ * allreduces); 0 for a name not in the list; -1 before init. */
 int64_t kerasdist_backend_runs(const char* name);
 
 #ifdef __cplusplus

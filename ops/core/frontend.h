@@ -1,5 +1,6 @@
-// The seam between a framework front end (the TF kernels; JAX and PyTorch
-// next) and the core: queue entries, reach CUDA through hooks. Nothing here
+// The seam between the TF kernels and the core: queue entries, reach CUDA
+// through hooks. (JAX's FFI handlers and the PyTorch ops reach the core
+// through its C API, c_api.h.) Nothing here
 // includes MPI or the runtime's internals, so a front end compiles without
 // MPI flags and sees none of the core's headers beyond these few.
 #ifndef KERASDIST_CORE_FRONTEND_H_
@@ -8,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "comm/device_hooks.h"
+#include "backends/gpu/device_hooks.h"
 #include "entry.h"
 #include "host_buffer.h"
 #include "status.h"

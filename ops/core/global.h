@@ -1,5 +1,6 @@
-// The process's one runtime, for front ends compiled against the core (the
-// TF kernels); nullptr when not initialized.
+// The process's one runtime, for the core's own entry points (the C API,
+// c_api.cc, and the TF kernels' seam, frontend.cc); nullptr when not
+// initialized.
 #ifndef KERASDIST_CORE_GLOBAL_H_
 #define KERASDIST_CORE_GLOBAL_H_
 

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "comm/device_backend.h"
+#include "backends/gpu/device_backend.h"
 #include "layout.h"
 #include "scale.h"
 #include "validate.h"
@@ -58,20 +58,14 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   bool oversubscribed = false;
   KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
   rt->spin_while_pending_ = !oversubscribed;
-  BackendOptions bo;
-  bo.comm = rt->mpi_->comm();
-  bo.rank = rt->topology().rank;
-  bo.size = rt->topology().size;
-  bo.host = rt->host_.get();
-  bo.shm = config.shm_allreduce;
-  bo.shm_min_bytes = config.shm_allreduce_min_bytes;
-  bo.cma = config.cma_allreduce;
-  bo.cma_min_tensor_bytes = config.cma_min_tensor_bytes;
-  bo.gpu_host_staged = config.gpu_operations == "MPI";
-  bo.hierarchical = config.hierarchical_allreduce;
-  bo.hierarchical_allgather = config.hierarchical_allgather;
-  bo.hierarchical_min_bytes = config.hierarchical_min_bytes;
-  KD_RETURN_IF_ERROR(MakeBackends(bo, &rt->backends_));
+  NodeContext ctx;
+  ctx.comm = rt->mpi_->comm();
+  ctx.rank = rt->topology().rank;
+  ctx.size = rt->topology().size;
+  ctx.local_rank = rt->topology().local_rank;
+  ctx.local_size = rt->topology().local_size;
+  ctx.host = rt->host_.get();
+  KD_RETURN_IF_ERROR(MakeBackends(config, ctx, &rt->backends_));
   rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
   if (rt->topology().rank == 0) {
@@ -125,8 +119,6 @@ Runtime::Stats Runtime::stats() const {
   s.allreduced_bytes = stat_bytes_.load();
   s.batches = stat_batches_.load();
   s.busy_seconds = stat_busy_ns_.load() * 1e-9;
-  s.cma_allreduces = BackendRuns("cma");
-  s.shm_allreduces = BackendRuns("shm") + s.cma_allreduces;
   return s;
 }
 

@@ -2,7 +2,7 @@
 // Front ends (the TF kernels, the C API) call Enqueue and return at once; the
 // thread negotiates with the other ranks, runs the collectives in the
 // coordinator's order through the first enabled backend of its list
-// (comm/backends.h) and completes each entry through its callback.
+// (backends/backends.h) and completes each entry through its callback.
 #ifndef KERASDIST_CORE_RUNTIME_H_
 #define KERASDIST_CORE_RUNTIME_H_
 
@@ -16,8 +16,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "comm/backends.h"
-#include "comm/mpi_context.h"
+#include "backends/backends.h"
+#include "transport/mpi_context.h"
 #include "config.h"
 #include "controller.h"
 #include "entry.h"
@@ -56,11 +56,10 @@ class Runtime {
     int64_t allreduced_bytes = 0;  // tensor bytes allreduced
     int64_t batches = 0;           // collectives run (a fused batch counts once)
     double busy_seconds = 0;       // inside collectives and fusion copies
-    int64_t shm_allreduces = 0;    // allreduces (batches) through shared memory
-    int64_t cma_allreduces = 0;    // ... of which read the peers in place (CMA)
   };
   Stats stats() const;
-  // Batches each backend ran, by name (a fallback counts for the one that ran).
+  // Batches each backend of the list ran, by name (a batch one backend hands
+  // to another counts for the one that ran it): every backend is counted.
   int64_t BackendRuns(const char* name) const;
   // Applied by the coordinator (rank 0) from its next decision on; every rank
   // executes the coordinator's plan, so setting them on rank 0 is enough.

@@ -3,7 +3,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "comm/backend.h"
+#include "backends/backend.h"
 #include "types.h"
 
 namespace kerasdist::core {

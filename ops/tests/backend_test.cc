@@ -7,8 +7,8 @@
 #include <memory>
 #include <thread>
 
-#include "../core/comm/backend.h"
-#include "../core/comm/communicator_backend.h"
+#include "../core/backends/backend.h"
+#include "../core/backends/communicator_backend.h"
 #include "../core/scale.h"
 #include "harness.h"
 #include "values.h"

@@ -12,7 +12,7 @@
 #include <functional>
 #include <string>
 
-#include "../core/comm/local_communicator.h"
+#include "../core/transport/local_communicator.h"
 
 namespace kdtest {
 

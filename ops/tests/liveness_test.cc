@@ -1,4 +1,4 @@
-// The heartbeat (comm/liveness.h) over real loopback TCP, in one process: a
+// The heartbeat (core/control/liveness.h) over real loopback TCP, in one process: a
 // coordinator and workers on threads, with on_lost capturing the line that
 // would end the process.
 #include <arpa/inet.h>
@@ -11,7 +11,7 @@
 #include <mutex>
 #include <thread>
 
-#include "../core/comm/liveness.h"
+#include "../core/control/liveness.h"
 #include "harness.h"
 
 namespace kdtest {

@@ -3,7 +3,7 @@
 #include <chrono>
 #include <thread>
 
-#include "../core/comm/local_control.h"
+#include "../core/control/local_control.h"
 #include "../core/message.h"
 #include "harness.h"
 

@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "../core/comm/communicator_backend.h"
+#include "../core/backends/communicator_backend.h"
 #include "../core/controller.h"
 #include "../core/layout.h"
 #include "../core/scale.h"

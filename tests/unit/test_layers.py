@@ -1,7 +1,9 @@
 """The native code's layers point one way, and its functions stay short.
 
-- ops/core/comm/ (the backends and their transports) includes no runtime
-  header: a backend sees only its own batch type.
+- ops/core/backends/, ops/core/transport/ and ops/core/control/ (the
+  backends, their transports and the control plane) include no runtime
+  header: a backend sees only its own batch type and the settings (Config,
+  config.h) its factory reads.
 - The TF op library reaches the core through ops/core/frontend.h alone, and
   nothing that header pulls in includes MPI; the built op library does not
   link MPI.
@@ -19,12 +21,13 @@ from tests.support.helpers import REPO_ROOT
 
 OPS = os.path.join(REPO_ROOT, "ops")
 CORE = os.path.join(OPS, "core")
-COMM = os.path.join(CORE, "comm")
+# The layers below the runtime (subfolders included).
+LOWER = [os.path.join(CORE, d) for d in ("backends", "transport", "control")]
 _INCLUDE = re.compile(r'^\s*#\s*include\s+([<"])([^>"]+)[>"]', re.M)
 
 # The core's own headers that only the runtime may see.
 RUNTIME_HEADERS = {"runtime.h", "global.h", "controller.h", "message.h",
-                   "layout.h", "config.h", "timeline.h", "fusion.h",
+                   "layout.h", "timeline.h", "fusion.h",
                    "entry.h", "frontend.h", "validate.h"}
 
 
@@ -38,14 +41,23 @@ def _sources(directory):
                   if n.endswith((".h", ".cc")))
 
 
-def test_comm_includes_no_runtime_header():
-    for name in _sources(COMM):
-        for kind, inc in _includes(os.path.join(COMM, name)):
-            base = os.path.basename(inc)
-            assert not (kind == '"' and inc.startswith("../")
-                        and base in RUNTIME_HEADERS), (
-                f"ops/core/comm/{name} includes {inc}: backends must not "
-                "see the runtime's types")
+def _lower_sources():
+    for top in LOWER:
+        for root, _, _ in os.walk(top):
+            for name in _sources(root):
+                yield os.path.join(root, name)
+
+
+def test_lower_layers_include_no_runtime_header():
+    paths = list(_lower_sources())
+    assert paths, LOWER
+    for path in paths:
+        for kind, inc in _includes(path):
+            target = os.path.normpath(os.path.join(os.path.dirname(path), inc))
+            assert not (kind == '"' and os.path.dirname(target) == CORE
+                        and os.path.basename(target) in RUNTIME_HEADERS), (
+                f"{os.path.relpath(path, REPO_ROOT)} includes {inc}: "
+                "backends must not see the runtime's types")
 
 
 def _closure(start):

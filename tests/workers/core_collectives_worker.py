@@ -61,7 +61,7 @@ if MODE == "cma-choice":
     # (tensors, float32 elements each, read in place?): 64 x 1 KiB averages
     # below the 4 KiB default, 8 x 16 KiB above it; both fit one batch.
     for count, elems, in_place in ((64, 256, False), (8, 4096, True)):
-        before = (lib.kerasdist_shm_allreduces(), lib.kerasdist_cma_allreduces())
+        before = (_capi.backend_runs("shm"), _capi.backend_runs("cma"))
         started = [start_allreduce(np.arange(elems, dtype=np.float32) + r + i,
                                    f"choice.{count}.{i}", op=kd.Sum,
                                    group=f"choice.{count}", group_size=count)
@@ -72,8 +72,10 @@ if MODE == "cma-choice":
             if not np.array_equal(out, want):
                 print(f"FAIL choice {count} x {elems}: wrong sum", flush=True)
                 sys.exit(1)
-        shm = lib.kerasdist_shm_allreduces() - before[0]
-        cma = lib.kerasdist_cma_allreduces() - before[1]
+        # A batch runs on one backend: the single-node ones are shm and cma.
+        slots = _capi.backend_runs("shm") - before[0]
+        cma = _capi.backend_runs("cma") - before[1]
+        shm = slots + cma
         if shm != 1 or cma != (1 if in_place else 0):
             print(f"FAIL choice {count} x {elems * 4} B: {shm} single-node "
                   f"batches, {cma} in place (want 1, {int(in_place)})", flush=True)
@@ -304,9 +306,9 @@ print("OK barrier", flush=True)
 
 from kerasdist._core import capi as _capi  # noqa: E402
 
-shm_used = _capi.lib().kerasdist_shm_allreduces()
-cma_used = _capi.lib().kerasdist_cma_allreduces()
-slots_used = shm_used - cma_used
+slots_used = _capi.backend_runs("shm")
+cma_used = _capi.backend_runs("cma")
+shm_used = slots_used + cma_used
 # (single-node path used, in-place reads used, slots used); None: either.
 expected = {"default": (n > 1, None, None), "cma": (n > 1, n > 1, n > 1),
             "shm": (n > 1, False, n > 1), "mpi": (False, False, False),

@@ -110,8 +110,7 @@ GATHERS = ((1, 3), (1000, 50))  # rows per rank step, columns
 def run_allgathers():
     """Allgathers with rank k sending (k + 1) x rows rows, against numpy."""
     r, n = kd.rank(), kd.size()
-    lib = _capi.lib()
-    before = lib.kerasdist_backend_runs(b"hier")
+    before = _capi.backend_runs("hier")
     results = {}
     for dtype in (np.int32, np.float64):
         for rows, width in GATHERS:
@@ -124,7 +123,7 @@ def run_allgathers():
                 print(f"FAIL {case}: got shape {got.shape}", flush=True)
                 sys.exit(1)
             results[case] = got
-    print(f"GATHERS hier={lib.kerasdist_backend_runs(b'hier') - before}",
+    print(f"GATHERS hier={_capi.backend_runs('hier') - before}",
           flush=True)
     return results
 
@@ -136,8 +135,8 @@ def main():
     if mode == "check":
         print(f"BACKENDS {lib.kerasdist_backends().decode()}", flush=True)
         run_checks(sys.argv[2])
-        print(f"RUNS hier={lib.kerasdist_backend_runs(b'hier')} "
-              f"mpi={lib.kerasdist_backend_runs(b'mpi')}", flush=True)
+        print(f"RUNS hier={_capi.backend_runs('hier')} "
+              f"mpi={_capi.backend_runs('mpi')}", flush=True)
     elif mode == "bytes":
         n = kd.size()
         count = int(float(sys.argv[2]) * (1 << 20)) // 4
@@ -148,7 +147,7 @@ def main():
         if not np.all(got == n * (n + 1) / 2):
             print(f"FAIL bytes: {got[:4]}", flush=True)
             sys.exit(1)
-        print(f"RUNS hier={lib.kerasdist_backend_runs(b'hier')}", flush=True)
+        print(f"RUNS hier={_capi.backend_runs('hier')}", flush=True)
     else:
         raise SystemExit(f"mode must be check or bytes, got {mode!r}")
     print("OK", flush=True)

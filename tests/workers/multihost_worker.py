@@ -37,8 +37,8 @@ want = (np.arange(count, dtype=np.float32) % 1000) * n + n * (n - 1) / 2
 if not np.array_equal(got, want):
     print(f"FAIL sum of {MIB:g} MiB: {got[:4]} != {want[:4]}", flush=True)
     sys.exit(1)
-lib = _capi.lib()
-print(f"PATHS single_node={lib.kerasdist_shm_allreduces()} "
-      f"in_place={lib.kerasdist_cma_allreduces()}", flush=True)
+in_place = _capi.backend_runs("cma")
+print(f"PATHS single_node={_capi.backend_runs('shm') + in_place} "
+      f"in_place={in_place}", flush=True)
 print("OK", flush=True)
 kd.shutdown()

@@ -1,0 +1,21 @@
+// The factories of the backends over a Communicator (communicator_backend.h):
+// MPI, the last resort for every host collective, and the one-rank
+// allreduce.
+#include "backends.h"
+#include "communicator_backend.h"
+
+namespace kerasdist::core {
+
+Status MakeMpiBackend(const Config&, const NodeContext& ctx,
+                      std::unique_ptr<Backend>* out) {
+  *out = std::make_unique<CommunicatorBackend>("mpi", ctx.host, ctx.rank);
+  return Status::OK();
+}
+
+Status MakeSelfBackend(const Config&, const NodeContext& ctx,
+                       std::unique_ptr<Backend>* out) {
+  *out = std::make_unique<SelfBackend>(ctx.size);
+  return Status::OK();
+}
+
+}  // namespace kerasdist::core

@@ -1,0 +1,199 @@
+#include "shm_allreduce.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <string>
+
+#include "../scale.h"
+#include "../transport/mpi_context.h"
+
+namespace kerasdist::core {
+
+namespace {
+
+constexpr int64_t kRound = int64_t{2} << 20;
+
+std::string SegmentName(long job, int generation, int rank) {
+  char name[96];
+  std::snprintf(name, sizeof(name), "/kerasdist.%ld.%d.%d", job, generation, rank);
+  return name;
+}
+
+// Maps `name` (created, with `bytes` reserved, when `create`); null on failure.
+char* MapSegment(const std::string& name, int64_t bytes, bool create) {
+  int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                  : shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return nullptr;
+  // posix_fallocate, not ftruncate alone: a full /dev/shm must fail here,
+  // not with SIGBUS on first touch.
+  if (create && posix_fallocate(fd, 0, bytes) != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    if (create) shm_unlink(name.c_str());
+    return nullptr;
+  }
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+Status ShmAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_bytes,
+                            std::unique_ptr<ShmAllreduce>* out) {
+  out->reset();
+  MPI_Comm local;
+  KD_RETURN_IF_ERROR(SingleNodeComm(comm, enabled, &local));
+  if (local == MPI_COMM_NULL) return Status::OK();
+  std::unique_ptr<ShmAllreduce> s(new ShmAllreduce());
+  s->comm_ = local;  // freed by the destructor from here on
+  MPI_Comm_rank(local, &s->rank_);
+  MPI_Comm_size(local, &s->size_);
+  // The ranks agree on the largest minimum given.
+  KD_RETURN_IF_ERROR(AgreeLargest(local, min_bytes, &s->min_bytes_));
+  *out = std::move(s);
+  return Status::OK();
+}
+
+ShmAllreduce::~ShmAllreduce() {
+  Unmap();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+bool ShmAllreduce::Supports(DataType dt, ReduceOp op) {
+  if (op == ReduceOp::kAverage) return false;
+  return dt != DataType::kUInt8 && dt != DataType::kBool;
+}
+
+void ShmAllreduce::Unmap() {
+  for (char* p : slots_) {
+    if (p != nullptr) munmap(p, capacity_);
+  }
+  slots_.clear();
+  capacity_ = 0;
+}
+
+Status ShmAllreduce::Grow(int64_t bytes, bool* ok) {
+  *ok = false;
+  if (used_) {
+    // Nobody may still read the old slots.
+    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+    used_ = false;
+  }
+  Unmap();
+  const int64_t cap = (bytes + kRound - 1) / kRound * kRound;
+  long job = static_cast<long>(getpid());
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Bcast(&job, 1, MPI_LONG, 0, comm_), "MPI_Bcast"));
+  ++generation_;
+  const std::string mine = SegmentName(job, generation_, rank_);
+  shm_unlink(mine.c_str());  // a leftover of a killed job with a reused pid
+  char* own = MapSegment(mine, cap, true);
+  int good = own != nullptr ? 1 : 0, all = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
+  std::vector<char*> slots(size_, nullptr);
+  slots[rank_] = own;
+  if (all) {
+    for (int k = 0; k < size_; ++k) {
+      if (k != rank_) {
+        slots[k] = MapSegment(SegmentName(job, generation_, k), cap, false);
+        if (slots[k] == nullptr) good = 0;
+      }
+    }
+    KD_RETURN_IF_ERROR(MpiStatus(
+        MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
+  }
+  // Everyone has tried to map every segment: the names can go.
+  if (own != nullptr) shm_unlink(mine.c_str());
+  capacity_ = cap;
+  slots_ = std::move(slots);
+  if (!all) {
+    Unmap();
+    return Status::OK();
+  }
+  *ok = true;
+  return Status::OK();
+}
+
+Status ShmAllreduce::Begin(int64_t bytes, char** slot) {
+  *slot = nullptr;
+  if (bytes <= 0 || bytes >= refused_) return Status::OK();
+  if (bytes > capacity_) {
+    bool ok = false;
+    KD_RETURN_IF_ERROR(Grow(bytes, &ok));
+    if (!ok) {
+      refused_ = std::min(refused_, bytes);
+      return Status::OK();
+    }
+  } else if (used_) {
+    // Every rank has finished reading the previous result.
+    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  }
+  used_ = true;
+  *slot = slots_[rank_];
+  return Status::OK();
+}
+
+Status ShmAllreduce::Reduce(int64_t count, DataType dt, ReduceOp op) {
+  esize_ = DataTypeSize(dt);
+  op_ = op;
+  if (size_ == 2) {
+    // Two ranks: each sums both slots straight into its outputs in CopyOut
+    // (one pass less than reduce-in-place, then copy out, and one barrier).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return Status::OK();
+  }
+  // Pieces start on 64-byte boundaries (no two ranks write one cache line).
+  const int64_t grain = std::max<int64_t>(1, 64 / esize_);
+  bounds_.assign(size_ + 1, count);
+  for (int k = 0; k < size_; ++k) {
+    int64_t b = count * k / size_;
+    bounds_[k] = b - b % grain;
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const int64_t first = bounds_[rank_], n = bounds_[rank_ + 1] - first;
+  char* mine = slots_[rank_] + first * esize_;
+  for (int k = 0; k < size_; ++k) {
+    if (k != rank_ && n > 0) Combine(mine, mine, slots_[k] + first * esize_, n, dt, op);
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return Status::OK();
+}
+
+void ShmAllreduce::CopyOut(int64_t first, int64_t n, DataType dt, void* dst,
+                           double factor, int64_t divisor) const {
+  char* out = static_cast<char*>(dst);
+  if (size_ == 2) {
+    // Slot 0 (op) slot 1 on both ranks, so both get the same bits; scaled
+    // in the same pass.
+    CombineScaled(out, slots_[0] + first * esize_, slots_[1] + first * esize_, n, dt, op_,
+                  factor, divisor);
+    return;
+  }
+  for (int k = 0; k < size_; ++k) {
+    const int64_t lo = std::max(first, bounds_[k]);
+    const int64_t hi = std::min(first + n, bounds_[k + 1]);
+    if (lo < hi) {
+      ScaleCopy(out + (lo - first) * esize_, slots_[k] + lo * esize_, hi - lo, dt,
+                factor, divisor);
+    }
+  }
+}
+
+}  // namespace kerasdist::core

@@ -1,0 +1,100 @@
+// Liveness: every rank's own heartbeat, apart from MPI.
+//
+// MPI cannot tell a slow peer from a lost one: a rank whose host lost its
+// link, or that was frozen (SIGSTOP), leaves the others inside a collective
+// forever, and TCP under a silent drop waits for hours. So each worker keeps
+// one TCP connection to rank 0 and both ends send a small frame every
+// interval from a thread of their own (no GIL, no MPI). A peer is lost when
+// its connection closes without a goodbye (the process died, or its host
+// rebooted) or when nothing came from it for the timeout (frozen, link
+// down, packets dropped). Rank 0 then tells the other workers which ranks it
+// lost; every rank that learns of a loss prints one line naming the lost
+// ranks and their host and ends its process, so the launcher can stop or
+// restart the job. A clean shutdown says goodbye first.
+#ifndef KERASDIST_CORE_CONTROL_LIVENESS_H_
+#define KERASDIST_CORE_CONTROL_LIVENESS_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../status.h"
+
+namespace kerasdist::core {
+
+// Why a peer counts as lost.
+enum class LostReason : int { kClosed = 1, kSilent = 2 };
+
+struct LostRank {
+  int rank;
+  LostReason reason;
+};
+
+// "host kdt1 (ranks 2, 3): no heartbeat for 30 s (...)": a host whose every
+// rank was lost is named as the host; otherwise each rank with its host.
+std::string DescribeLost(const std::vector<std::string>& hosts,
+                         std::vector<LostRank> lost, double timeout_s);
+
+struct LivenessOptions {
+  int rank = 0;
+  int size = 1;
+  std::vector<std::string> hosts;  // each rank's host, by rank
+  double interval_s = 1.0;
+  double timeout_s = 30.0;
+  // Called once, from the liveness thread, with the line to print when a
+  // peer is lost; the default prints it and ends the process (_exit).
+  std::function<void(const std::string&)> on_lost;
+};
+
+class Liveness {
+ public:
+  // Rank 0's listening socket, on every interface, port chosen by the OS.
+  static Status Listen(int* fd, int* port);
+  // This machine's IPv4 addresses that are up, `prefer`'s interface first,
+  // loopback last, as "a.b.c.d" strings.
+  static std::vector<std::string> Addresses(const std::string& prefer);
+  // A worker: connects to the first of `addresses` that answers and says
+  // hello. Rank 0: accepts one hello from every worker (within
+  // `timeout_s`). Either way the thread starts; *out owns it.
+  static Status StartWorker(const LivenessOptions& opt,
+                            const std::vector<std::string>& addresses, int port,
+                            std::unique_ptr<Liveness>* out);
+  static Status StartCoordinator(const LivenessOptions& opt, int listen_fd,
+                                 std::unique_ptr<Liveness>* out);
+  ~Liveness();
+  // Says goodbye to the peers and joins the thread.
+  void Stop();
+
+ private:
+  struct Peer {
+    int rank = -1;
+    int fd = -1;
+    double last_heard = 0;  // seconds, steady clock
+    bool gone = false;      // said goodbye, or lost
+    std::string inbox;      // bytes of a frame not complete yet
+  };
+  Liveness() = default;
+  void Loop();
+  void Beat();
+  void Read(Peer& p, double now);
+  bool HandleFrame(Peer& p, const char* frame, double now);
+  void CheckSilent(double now);
+  void Settle(double now);
+  void Report(const std::vector<LostRank>& lost);
+
+  LivenessOptions opt_;
+  std::vector<Peer> peers_;  // rank 0: the workers; a worker: rank 0
+  int wake_[2] = {-1, -1};   // a pipe that wakes the thread to stop
+  std::atomic<bool> stop_{false};
+  std::vector<LostRank> lost_;   // found, not reported yet
+  double first_lost_at_ = 0;
+  std::vector<LostRank> told_;   // a worker: what rank 0 said was lost
+  std::thread thread_;
+};
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_CONTROL_LIVENESS_H_

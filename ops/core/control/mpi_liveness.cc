@@ -1,0 +1,96 @@
+// Starting the heartbeat (liveness.h) over MPI: the ranks agree on rank 0's
+// settings, learn every rank's host and rank 0's addresses, and connect.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "../transport/mpi_context.h"
+
+namespace kerasdist::core {
+namespace {
+
+constexpr int kHostBytes = 256;
+constexpr int kAddressBytes = 4096;
+
+Status GatherHosts(MPI_Comm comm, int size, std::vector<std::string>* hosts) {
+  char mine[kHostBytes] = {0};
+  gethostname(mine, sizeof(mine) - 1);
+  std::vector<char> all(static_cast<size_t>(size) * kHostBytes);
+  int rc = MPI_Allgather(mine, kHostBytes, MPI_CHAR, all.data(), kHostBytes,
+                         MPI_CHAR, comm);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Allgather");
+  for (int r = 0; r < size; ++r) {
+    hosts->push_back(std::string(&all[static_cast<size_t>(r) * kHostBytes]));
+  }
+  return Status::OK();
+}
+
+// Rank 0 listens and sends "port address address ..." to every rank (port
+// -1 when it could not listen); the others read it.
+Status ShareEndpoint(MPI_Comm comm, int rank, const std::string& interface,
+                     int* listen_fd, int* port,
+                     std::vector<std::string>* addresses) {
+  char text[kAddressBytes] = {0};
+  Status listened = Status::OK();
+  if (rank == 0) {
+    listened = Liveness::Listen(listen_fd, port);
+    std::ostringstream s;
+    s << (listened.ok() ? *port : -1);
+    for (const std::string& a : Liveness::Addresses(interface)) {
+      if (s.str().size() + a.size() + 2 < sizeof(text)) s << ' ' << a;
+    }
+    std::strncpy(text, s.str().c_str(), sizeof(text) - 1);
+  }
+  int rc = MPI_Bcast(text, sizeof(text), MPI_CHAR, 0, comm);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Bcast");
+  std::istringstream in(text);
+  in >> *port;
+  for (std::string a; in >> a;) addresses->push_back(a);
+  if (!listened.ok()) return listened;
+  if (*port < 0) return Status::Internal("rank 0 could not open its heartbeat port");
+  return Status::OK();
+}
+
+Status Connect(const LivenessOptions& opt, std::vector<std::string> addresses,
+               int listen_fd, int port, std::unique_ptr<Liveness>* out) {
+  if (opt.rank == 0) return Liveness::StartCoordinator(opt, listen_fd, out);
+  // On rank 0's host, loopback first: it needs no route.
+  if (opt.hosts[opt.rank] == opt.hosts[0]) addresses.insert(addresses.begin(), "127.0.0.1");
+  return Liveness::StartWorker(opt, addresses, port, out);
+}
+
+}  // namespace
+
+Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
+                     const std::string& interface,
+                     std::unique_ptr<Liveness>* out) {
+  LivenessOptions opt;
+  MPI_Comm_rank(comm, &opt.rank);
+  MPI_Comm_size(comm, &opt.size);
+  double times[2] = {interval_s, timeout_s};
+  int rc = MPI_Bcast(times, 2, MPI_DOUBLE, 0, comm);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Bcast");
+  opt.interval_s = times[0] > 0 ? times[0] : 1.0;
+  opt.timeout_s = times[1];
+  if (opt.size == 1 || opt.timeout_s <= 0) return Status::OK();
+  opt.interval_s = std::min(opt.interval_s, opt.timeout_s / 3);
+  KD_RETURN_IF_ERROR(GatherHosts(comm, opt.size, &opt.hosts));
+  int listen_fd = -1, port = -1;
+  std::vector<std::string> addresses;
+  Status s = ShareEndpoint(comm, opt.rank, interface, &listen_fd,
+                           &port, &addresses);
+  if (s.ok()) s = Connect(opt, addresses, listen_fd, port, out);
+  int ok = s.ok() ? 1 : 0, all_ok = 0;
+  rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Allreduce");
+  if (all_ok) return Status::OK();
+  out->reset();
+  if (!s.ok()) return s;
+  return Status::Internal(
+      "the heartbeat between the ranks could not start on another rank (its "
+      "error says why)");
+}
+
+}  // namespace kerasdist::core

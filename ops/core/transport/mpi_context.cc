@@ -1,0 +1,398 @@
+#include "mpi_context.h"
+
+#include <sched.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <thread>
+
+#include "../half_kernels.h"
+
+namespace kerasdist::core {
+
+namespace {
+
+// Each init() gets its own control tag. MPI may hand a new communicator the
+// context id of one freed at shutdown(); a negotiation message still in
+// flight from the previous life (e.g. a shutdown notice that crossed the
+// coordinator's) must not be read by the new one. init() and shutdown() are
+// collective, so the generation is the same on every rank.
+constexpr int kControlTagBase = 17;
+int g_generation = 0;
+
+bool g_we_initialized_mpi = false;
+
+void FinalizeAtExit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+// ---- MPI has no float16 / bfloat16: reduction functions of our own -------
+
+template <DataType kType, ReduceOp kOp>
+void MpiReduce16(void* invec, void* inoutvec, int* len, MPI_Datatype*) {
+  auto* io = static_cast<uint16_t*>(inoutvec);
+  Reduce16(kType, kOp, static_cast<const uint16_t*>(invec), io, io, *len);
+}
+
+struct HalfOps {
+  MPI_Op ops[2][4];  // [half, bfloat16][sum, min, max, prod]
+  HalfOps() {
+    constexpr DataType kH = DataType::kFloat16, kB = DataType::kBFloat16;
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kSum>, 1, &ops[0][0]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kMin>, 1, &ops[0][1]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kMax>, 1, &ops[0][2]);
+    MPI_Op_create(&MpiReduce16<kH, ReduceOp::kProduct>, 1, &ops[0][3]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kSum>, 1, &ops[1][0]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kMin>, 1, &ops[1][1]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kMax>, 1, &ops[1][2]);
+    MPI_Op_create(&MpiReduce16<kB, ReduceOp::kProduct>, 1, &ops[1][3]);
+  }
+  ~HalfOps() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (auto& row : ops)
+      for (auto& op : row) MPI_Op_free(&op);
+  }
+};
+
+int OpIndex(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return 1;
+    case ReduceOp::kMax: return 2;
+    case ReduceOp::kProduct: return 3;
+    default: return 0;
+  }
+}
+
+MPI_Datatype MpiType(DataType dt) {
+  switch (dt) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return MPI_UINT16_T;
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kUInt8:
+    case DataType::kBool: return MPI_UINT8_T;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op MpiOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kProduct: return MPI_PROD;
+    default: return MPI_SUM;
+  }
+}
+
+Status CheckCount(int64_t n, const char* what) {
+  if (n > INT_MAX) {
+    return Status::InvalidArgument(std::string(what) + " of " +
+                                   std::to_string(n) +
+                                   " exceeds MPI's int count limit; split the tensor.");
+  }
+  return Status::OK();
+}
+
+class MpiCommunicator : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {}
+  std::string Name() const override { return "MPI"; }
+
+  Status Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) override {
+    if (count == 0) return Status::OK();
+    KD_RETURN_IF_ERROR(CheckCount(count, "allreduce element count"));
+    return MpiStatus(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(count),
+                                   MpiType(dt), Op(dt, op), comm_),
+                     "MPI_Allreduce");
+  }
+
+  Status AllreduceFrom(const void* in, void* out, int64_t count, DataType dt,
+                       ReduceOp op) override {
+    if (count == 0) return Status::OK();
+    KD_RETURN_IF_ERROR(CheckCount(count, "allreduce element count"));
+    return MpiStatus(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out,
+                                   static_cast<int>(count), MpiType(dt),
+                                   Op(dt, op), comm_),
+                     "MPI_Allreduce");
+  }
+
+  Status Allgatherv(const void* in, void* out,
+                    const std::vector<int64_t>& bytes) override {
+    std::vector<int> counts, displs;
+    KD_RETURN_IF_ERROR(Layout(bytes, &counts, &displs));
+    int me;
+    MPI_Comm_rank(comm_, &me);
+    return MpiStatus(MPI_Allgatherv(in, counts[me], MPI_BYTE, out, counts.data(),
+                                    displs.data(), MPI_BYTE, comm_),
+                     "MPI_Allgatherv");
+  }
+
+  Status Broadcast(void* buf, int64_t bytes, int root) override {
+    if (bytes == 0) return Status::OK();
+    KD_RETURN_IF_ERROR(CheckCount(bytes, "broadcast size"));
+    return MpiStatus(MPI_Bcast(buf, static_cast<int>(bytes), MPI_BYTE, root, comm_),
+                     "MPI_Bcast");
+  }
+
+  Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
+                   void* out, const std::vector<int64_t>& recv_bytes) override {
+    std::vector<int> sc, sd, rc, rd;
+    KD_RETURN_IF_ERROR(Layout(send_bytes, &sc, &sd));
+    KD_RETURN_IF_ERROR(Layout(recv_bytes, &rc, &rd));
+    return MpiStatus(MPI_Alltoallv(in, sc.data(), sd.data(), MPI_BYTE, out,
+                                   rc.data(), rd.data(), MPI_BYTE, comm_),
+                     "MPI_Alltoallv");
+  }
+
+  Status Reducescatter(const void* in, void* out,
+                       const std::vector<int64_t>& counts, DataType dt,
+                       ReduceOp op) override {
+    std::vector<int> c;
+    int64_t total = 0;
+    for (int64_t x : counts) {
+      c.push_back(static_cast<int>(x));
+      total += x;
+    }
+    KD_RETURN_IF_ERROR(CheckCount(total, "reducescatter element count"));
+    if (total == 0) return Status::OK();
+    return MpiStatus(MPI_Reduce_scatter(in, out, c.data(), MpiType(dt),
+                                        Op(dt, op), comm_),
+                     "MPI_Reduce_scatter");
+  }
+
+  Status Barrier() override {
+    return MpiStatus(MPI_Barrier(comm_), "MPI_Barrier");
+  }
+
+ private:
+  MPI_Op Op(DataType dt, ReduceOp op) {
+    if (dt == DataType::kFloat16) return half_ops_.ops[0][OpIndex(op)];
+    if (dt == DataType::kBFloat16) return half_ops_.ops[1][OpIndex(op)];
+    return MpiOp(op);
+  }
+  static Status Layout(const std::vector<int64_t>& bytes, std::vector<int>* counts,
+                       std::vector<int>* displs) {
+    int64_t off = 0;
+    for (int64_t b : bytes) {
+      KD_RETURN_IF_ERROR(CheckCount(off + b, "message size"));
+      counts->push_back(static_cast<int>(b));
+      displs->push_back(static_cast<int>(off));
+      off += b;
+    }
+    return Status::OK();
+  }
+  MPI_Comm comm_;
+  HalfOps half_ops_;
+};
+
+}  // namespace
+
+Status MpiStatus(int code, const char* call) {
+  if (code == MPI_SUCCESS) return Status::OK();
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return Status::Internal(std::string(call) + " failed: " + std::string(text, len));
+}
+
+namespace {
+
+// Collective over `comm`: *node holds the ranks that share this rank's node.
+Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  return MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, node),
+                   "MPI_Comm_split_type");
+}
+
+}  // namespace
+
+Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest) {
+  long long want = mine, agreed = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm), "MPI_Allreduce"));
+  *largest = agreed;
+  return Status::OK();
+}
+
+Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
+  *local = MPI_COMM_NULL;
+  int size = 1;
+  MPI_Comm_size(comm, &size);
+  // Settings may differ between ranks; the path must not.
+  int mine = enabled ? 1 : 0, all = 0;
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm),
+                               "MPI_Allreduce"));
+  if (!all || size < 2) return Status::OK();
+  MPI_Comm shared;
+  KD_RETURN_IF_ERROR(NodeComm(comm, &shared));
+  int shared_size = 0;
+  MPI_Comm_size(shared, &shared_size);
+  if (shared_size != size) {  // then no rank's node holds them all
+    MPI_Comm_free(&shared);
+    return Status::OK();
+  }
+  MPI_Comm_set_errhandler(shared, MPI_ERRORS_RETURN);
+  *local = shared;
+  return Status::OK();
+}
+
+Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
+  *oversubscribed = false;
+  MPI_Comm node;
+  KD_RETURN_IF_ERROR(NodeComm(comm, &node));
+  int local_ranks = 1;
+  MPI_Comm_size(node, &local_ranks);
+  cpu_set_t mine, all;
+  CPU_ZERO(&mine);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) {
+    MPI_Comm_free(&node);
+    return Status::OK();  // unknown: assume not
+  }
+  const int rc = MPI_Allreduce(&mine, &all, sizeof(cpu_set_t), MPI_BYTE, MPI_BOR, node);
+  MPI_Comm_free(&node);
+  KD_RETURN_IF_ERROR(MpiStatus(rc, "MPI_Allreduce"));
+  *oversubscribed = local_ranks > CPU_COUNT(&all);
+  return Status::OK();
+}
+
+Status MpiContext::Create(bool has_parent, int parent_f,
+                          std::unique_ptr<MpiContext>* out) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    return Status::Precondition(
+        "MPI has already been finalized in this process; kerasdist.init() "
+        "must run before MPI_Finalize.");
+  }
+  if (!initialized) {
+    int provided = 0;
+    KD_RETURN_IF_ERROR(MpiStatus(
+        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
+        "MPI_Init_thread"));
+    g_we_initialized_mpi = true;
+    std::atexit(FinalizeAtExit);
+  }
+  int level = 0;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_SERIALIZED) {
+    return Status::Precondition(
+        "MPI was initialized with a thread level below MPI_THREAD_SERIALIZED; "
+        "kerasdist's background thread needs MPI_THREAD_SERIALIZED or "
+        "MPI_THREAD_MULTIPLE (mpi4py asks for MULTIPLE by default).");
+  }
+  MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
+  std::unique_ptr<MpiContext> ctx(new MpiContext());
+  ctx->control_tag_ = kControlTagBase + (g_generation++ % 16384);
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(ctx->comm_, MPI_ERRORS_RETURN);
+  Topology& t = ctx->topo_;
+  MPI_Comm_rank(ctx->comm_, &t.rank);
+  MPI_Comm_size(ctx->comm_, &t.size);
+  MPI_Comm local, cross;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split_type(ctx->comm_, MPI_COMM_TYPE_SHARED, t.rank,
+                          MPI_INFO_NULL, &local),
+      "MPI_Comm_split_type"));
+  MPI_Comm_rank(local, &t.local_rank);
+  MPI_Comm_size(local, &t.local_size);
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split(ctx->comm_, t.local_rank, t.rank, &cross), "MPI_Comm_split"));
+  MPI_Comm_rank(cross, &t.cross_rank);
+  MPI_Comm_size(cross, &t.cross_size);
+  MPI_Comm_free(&local);
+  MPI_Comm_free(&cross);
+  *out = std::move(ctx);
+  return Status::OK();
+}
+
+MpiContext::~MpiContext() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+Status MpiContext::SendControl(int dest, std::string bytes) {
+  sends_.push_back(Pending{std::move(bytes), MPI_REQUEST_NULL});
+  Pending& p = sends_.back();
+  KD_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(p.bytes.size()), "control message"));
+  return MpiStatus(MPI_Isend(p.bytes.data(), static_cast<int>(p.bytes.size()),
+                             MPI_BYTE, dest, control_tag_, comm_, &p.request),
+                   "MPI_Isend");
+}
+
+Status MpiContext::PollControl(bool* got, int* src, std::string* bytes) {
+  int flag = 0;
+  MPI_Message msg;
+  MPI_Status st;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Improbe(MPI_ANY_SOURCE, control_tag_, comm_, &flag, &msg, &st),
+      "MPI_Improbe"));
+  *got = flag != 0;
+  if (!flag) return Status::OK();
+  int n = 0;
+  MPI_Get_count(&st, MPI_BYTE, &n);
+  bytes->resize(n);
+  *src = st.MPI_SOURCE;
+  return MpiStatus(MPI_Mrecv(bytes->data(), n, MPI_BYTE, &msg, MPI_STATUS_IGNORE),
+                   "MPI_Mrecv");
+}
+
+Status MpiContext::ProgressSends() {
+  while (!sends_.empty()) {
+    int done = 0;
+    KD_RETURN_IF_ERROR(MpiStatus(MPI_Test(&sends_.front().request, &done,
+                                          MPI_STATUS_IGNORE),
+                                 "MPI_Test"));
+    if (!done) break;
+    sends_.pop_front();
+  }
+  return Status::OK();
+}
+
+void MpiContext::FlushSends(double timeout_s) {
+  auto until = std::chrono::steady_clock::now() +
+               std::chrono::duration<double>(timeout_s);
+  while (!sends_.empty() && std::chrono::steady_clock::now() < until) {
+    if (!ProgressSends().ok()) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+std::unique_ptr<Communicator> MpiContext::MakeHostCommunicator() {
+  return std::make_unique<MpiCommunicator>(comm_);
+}
+
+std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm) {
+  return std::make_unique<MpiCommunicator>(comm);
+}
+
+Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
+                          int* hosts, int* largest_node) {
+  *node = *leaders = MPI_COMM_NULL;
+  KD_RETURN_IF_ERROR(NodeComm(comm, node));
+  MPI_Comm_set_errhandler(*node, MPI_ERRORS_RETURN);
+  int node_rank = 0, node_size = 1, rank = 0;
+  MPI_Comm_rank(*node, &node_rank);
+  MPI_Comm_size(*node, &node_size);
+  MPI_Comm_rank(comm, &rank);
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split(comm, node_rank == 0 ? 0 : MPI_UNDEFINED, rank, leaders),
+      "MPI_Comm_split"));
+  if (*leaders != MPI_COMM_NULL) MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
+  const int leads = node_rank == 0 ? 1 : 0;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&leads, hosts, 1, MPI_INT, MPI_SUM, comm), "MPI_Allreduce"));
+  return MpiStatus(MPI_Allreduce(&node_size, largest_node, 1, MPI_INT, MPI_MAX, comm),
+                   "MPI_Allreduce");
+}
+
+}  // namespace kerasdist::core

@@ -1,0 +1,94 @@
+// MPI ownership: the communicator kerasdist duplicates for itself, the
+// topology (local/cross ranks), the control channel used for negotiation and
+// the MPI data-plane communicator.
+#ifndef KERASDIST_CORE_TRANSPORT_MPI_CONTEXT_H_
+#define KERASDIST_CORE_TRANSPORT_MPI_CONTEXT_H_
+
+#include <mpi.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "communicator.h"
+#include "../control/control_channel.h"
+#include "../control/liveness.h"
+
+namespace kerasdist::core {
+
+struct Topology {
+  int rank = 0, size = 1;
+  int local_rank = 0, local_size = 1;
+  int cross_rank = 0, cross_size = 1;
+};
+
+class MpiContext : public ControlChannel {
+ public:
+  // `parent_f` is a Fortran handle of the communicator to use (mpi4py's
+  // comm.py2f()) when `has_parent`, else MPI_COMM_WORLD. (Handles can be
+  // negative ints, so no value of `parent_f` can mean "none".) Initialises
+  // MPI if nobody has.
+  static Status Create(bool has_parent, int parent_f,
+                       std::unique_ptr<MpiContext>* out);
+  ~MpiContext() override;
+
+  const Topology& topology() const { return topo_; }
+  MPI_Comm comm() const { return comm_; }
+
+  // Control plane: small negotiation messages, never blocking the caller.
+  Status SendControl(int dest, std::string bytes) override;
+  Status PollControl(bool* got, int* src, std::string* bytes) override;
+  Status ProgressSends() override;
+  // Waits (bounded) for this rank's control sends to leave, at shutdown.
+  void FlushSends(double timeout_s) override;
+
+  std::unique_ptr<Communicator> MakeHostCommunicator();
+
+ private:
+  MpiContext() = default;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int control_tag_ = 0;
+  Topology topo_;
+  struct Pending {
+    std::string bytes;
+    MPI_Request request;
+  };
+  std::deque<Pending> sends_;
+};
+
+// Collective over `comm`: starts this rank's heartbeat (liveness.h) with
+// rank 0's interval and timeout (seconds); *out stays empty for one rank or
+// a timeout of 0. `interface` is where rank 0's address is taken first.
+// Fails on every rank if any rank cannot connect.
+Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
+                     const std::string& interface,
+                     std::unique_ptr<Liveness>* out);
+
+// Turns an MPI error code into a Status naming the call.
+Status MpiStatus(int code, const char* call);
+
+// For the single-node allreduce paths. Collective over `comm`: *local is a
+// new communicator of the same ranks (errors returned, not fatal) when every
+// rank has `enabled`, there are at least two, and all share this node's
+// memory; else MPI_COMM_NULL. The answer is the same on every rank.
+Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local);
+
+// MPI's collectives over `comm` (which the caller keeps alive).
+std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm);
+
+// Collective over `comm`: *node holds the ranks of this rank's node (the
+// node's rank 0 leads it), *leaders one rank per node (MPI_COMM_NULL on the
+// others); *hosts is the number of nodes, *largest_node the most ranks on one.
+Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
+                          int* hosts, int* largest_node);
+
+// Collective over `comm`: *largest is the largest `mine` of all ranks.
+Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest);
+
+// Collective over `comm`: whether the ranks on this rank's node outnumber
+// the CPUs they may run on together (the union of their affinity masks).
+Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed);
+
+}  // namespace kerasdist::core
+
+#endif  // KERASDIST_CORE_TRANSPORT_MPI_CONTEXT_H_
