@@ -1,7 +1,7 @@
 """Two builds of kerasdist against each other, alternating, in one run.
 
     python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5] [--w3-rounds 3]
-        [--skip w1,w2,w3] [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
+        [--skip w1,w2,w3,fe] [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
 
 The two sides may be one tree with different settings: e.g. the
 heartbeat's cost is `ab_builds.py . . --old-env
@@ -10,8 +10,10 @@ KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0` (old: off, new: on).
 Each tree is a checkout with its native libraries built in place (`make -C
 ops OUT=$PWD/kerasdist`). Round by round, in alternating order, each tree
 runs its own benchmark scripts with `--rounds 1`: W1 (allreduce.py, without
-its W2 part), W2 (fusion.py) and W3 (keras_scaling.py, CNN and MLP-20, np=1
-and 2). Every table row (size and system for W1/W2; model, system and np for
+its W2 part), W2 (fusion.py), W3 (keras_scaling.py, CNN and MLP-20, np=1
+and 2) and "fe" (frontends.py: the JAX and PyTorch front ends' allreduce;
+a tree older than that script needs a copy of it in its benchmarks/, or
+`--skip fe`). Every table row (size and system for W1/W2; model, system and np for
 W3) is collected per tree; the summary gives each tree's median with its
 range over the rounds, and new / old. A ratio within the rounds' spread is
 noise: this machine drifts by 5-20% over minutes, which is why the trees
@@ -90,6 +92,13 @@ def one_round(tree, skip, into, env=None):
     if "w2" not in skip:
         out = _run(tree, _launch(os.path.join(bench, "fusion.py")), 1200, env)
         collect_tables(out, "w2", into)
+    if "fe" not in skip:
+        script = os.path.join(bench, "frontends.py")
+        if not os.path.exists(script):
+            sys.exit(f"{script} is missing: copy benchmarks/frontends.py "
+                     "into that tree, or pass --skip fe.")
+        out = _run(tree, _launch(script), 1200, env)
+        collect_tables(out, "fe", into)
     if "w3" not in skip:
         out = _run(tree, [sys.executable, os.path.join(bench, "keras_scaling.py"),
                           "--rounds", "1"], 2400, env)
@@ -123,7 +132,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--w3-rounds", type=int, default=3,
                    help="rounds that include W3 (the slowest), from the first")
-    p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3")
+    p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3,fe")
     p.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable set for the old side's runs (repeatable)")
     p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",

@@ -51,6 +51,23 @@ class _Request(ctypes.Structure):
     ]
 
 
+class Result(ctypes.Structure):
+    """What kerasdist_enqueue_cb's callback receives (valid during the call)."""
+    _fields_ = [
+        ("status", ctypes.c_int32),
+        ("message", ctypes.c_char_p),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("data", ctypes.c_void_p),
+        ("nsplits", ctypes.c_int32),
+        ("recv_splits", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
+# kerasdist_done_fn: done(arg, result), on the core's background thread.
+DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(Result))
+
+
 # The native libraries (the core, the TF and JAX op libraries and the build
 # record) sit in the package's root directory.
 NATIVE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +119,10 @@ def lib():
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64
+        l.kerasdist_enqueue_cb.argtypes = [
+            ctypes.POINTER(_Request), ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, DONE_FN, ctypes.c_void_p]
+        l.kerasdist_enqueue_cb.restype = i
         l.kerasdist_wait.argtypes = [i64, d]
         l.kerasdist_wait.restype = i
         l.kerasdist_handle_status.argtypes = [i64]

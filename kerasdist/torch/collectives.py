@@ -3,7 +3,11 @@ as the TF ops have.
 
 The ops call the core through its C API (ctypes): each enqueues its tensor,
 which the core negotiates by name with the other ranks and fuses with what
-else is in flight, and waits for it. No C++ extension is compiled. CPU
+else is in flight, and waits for it. The wait is the handle API's: one
+blocking C call with the GIL released, since a torch op returns its
+finished tensor; the C API's completion callback would remove no thread or
+polling here, only run Python (taking the GIL) on the core's background
+thread. No C++ extension is compiled. CPU
 tensors take every collective; CUDA tensors (a core built with
 KERASDIST_WITH_NCCL) take allreduce, grouped_allreduce and broadcast, whose
 results have the input's shape and so can be allocated on the GPU first.

@@ -28,7 +28,12 @@ std::shared_ptr<Runtime> g_runtime;
 thread_local std::string t_last_error;
 thread_local std::string t_text;
 
+// One tensor enqueued through the C API. It ends either through the
+// caller's callback (kerasdist_enqueue_cb) or, for a handle, by recording
+// the result for kerasdist_wait and friends (mu guards what follows it).
 struct HandleState {
+  kerasdist_done_fn callback = nullptr;
+  void* callback_arg = nullptr;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -296,39 +301,78 @@ std::function<Status(const std::vector<int64_t>&, void**)> AllocateFor(
 
 }  // namespace
 
-int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
-                          void* output) {
+namespace {
+
+// The entry's done: hands the result to the caller's callback, or keeps it
+// for the handle's waiters.
+void Finish(HandleState& state, const Result& res) {
+  if (state.callback != nullptr) {
+    kerasdist_result out{};
+    out.status = static_cast<int32_t>(res.status.code());
+    out.message = res.status.message().c_str();
+    out.ndim = static_cast<int32_t>(state.shape.size());
+    out.shape = state.shape.data();
+    out.data = state.owned.empty() ? nullptr : state.owned.data();
+    out.nsplits = static_cast<int32_t>(res.recv_splits.size());
+    out.recv_splits = res.recv_splits.data();
+    state.callback(state.callback_arg, &out);
+    return;
+  }
+  std::lock_guard<std::mutex> l(state.mu);
+  state.result = res;
+  state.done = true;
+  state.cv.notify_all();
+}
+
+// What kerasdist_enqueue and kerasdist_enqueue_cb share: checks the request
+// and queues it; on an error `state` is never finished.
+Status Submit(const kerasdist_request* r, const void* input, void* output,
+              void* ready_event, std::shared_ptr<HandleState> state) {
   auto rt = CurrentRuntime();
   if (!rt) {
-    Fail("kerasdist is not initialized; call kerasdist.init() first.");
-    return 0;
+    return Status::Precondition(
+        "kerasdist is not initialized; call kerasdist.init() first.");
   }
-  if (!IsValidOpType(r->op) || !IsValidDataType(r->dtype) ||
+  if (r == nullptr || !IsValidOpType(r->op) || !IsValidDataType(r->dtype) ||
       !IsValidReduceOp(r->reduce_op) || r->ndim < 0 || r->ndim > 32) {
-    Fail("invalid request: unknown op, dtype or reduce op, or more than 32 "
-         "dimensions.");
-    return 0;
+    return Status::InvalidArgument(
+        "invalid request: unknown op, dtype or reduce op, or more than 32 "
+        "dimensions.");
   }
-  auto state = std::make_shared<HandleState>();
   Entry e;
   e.req = RequestFromC(r);
   e.input = input;
   e.output = output;
+  e.ready_event = e.req.device >= 0 ? ready_event : nullptr;
   e.allocate = AllocateFor(state, output, e.req);
   state->shape = e.req.shape;
-  e.done = [state](const Result& res) {
-    std::lock_guard<std::mutex> l(state->mu);
-    state->result = res;
-    state->done = true;
-    state->cv.notify_all();
-  };
+  e.done = [state = std::move(state)](const Result& res) { Finish(*state, res); };
+  return rt->Enqueue(std::move(e));
+}
+
+}  // namespace
+
+int kerasdist_enqueue_cb(const kerasdist_request* r, const void* input,
+                         void* output, void* ready_event,
+                         kerasdist_done_fn done, void* arg) {
+  if (done == nullptr) return Fail("kerasdist_enqueue_cb needs a done callback.");
+  auto state = std::make_shared<HandleState>();
+  state->callback = done;
+  state->callback_arg = arg;
+  Status s = Submit(r, input, output, ready_event, std::move(state));
+  return s.ok() ? 0 : Fail(s.message());
+}
+
+int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
+                          void* output) {
+  auto state = std::make_shared<HandleState>();
   int64_t handle;
   {
     std::lock_guard<std::mutex> l(g_mu);
     handle = g_next_handle++;
     g_handles[handle] = state;
   }
-  Status s = rt->Enqueue(std::move(e));
+  Status s = Submit(r, input, output, nullptr, std::move(state));
   if (!s.ok()) {
     std::lock_guard<std::mutex> l(g_mu);
     g_handles.erase(handle);

@@ -86,9 +86,47 @@ int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
 int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_ms,
                            int* cache_enabled);
 
-/* Handle API (host memory): enqueue, then wait. `output` may be NULL for
- * allgather, alltoall and reducescatter (the handle then owns the result).
- * Returns a handle > 0, or 0 with kerasdist_last_error(). */
+/* Completion callbacks: the seam for every front end outside the TF op
+ * library (JAX's FFI handlers, and the handle API below, which is built on
+ * it). A C function pointer, not frontend.h's C++ Entry, because it crosses
+ * library and language boundaries unchanged (ctypes, an XLA plugin built
+ * without TensorFlow's flags) and needs none of the core's headers; a
+ * callback, not a wait, so that a front end completes its own future when
+ * the core is done instead of parking a thread per call. The TF kernels
+ * stay on frontend.h: they are compiled with the core's ABI and let the core
+ * allocate TF outputs once negotiation knows their shape. Both end in the
+ * same Entry and its `done`.
+ *
+ * What `done` receives, valid only during the call: the StatusCode (0 = OK)
+ * and its message ("" when OK), the result's shape, the result itself when
+ * the core allocated it (`output` was NULL; else NULL), and for alltoall the
+ * rows received from each rank. */
+typedef struct {
+  int32_t status;
+  const char* message;
+  int32_t ndim;
+  const int64_t* shape;
+  const void* data;
+  int32_t nsplits;
+  const int64_t* recv_splits;
+} kerasdist_result;
+typedef void (*kerasdist_done_fn)(void* arg, const kerasdist_result* result);
+
+/* Enqueues one tensor as kerasdist_enqueue does; `done(arg, result)` is then
+ * called exactly once, on the core's background thread, when it finishes or
+ * fails: it must not block (it may enqueue more). `ready_event`, for device
+ * tensors only, optional: a cudaEvent_t recorded on the stream that
+ * produces `input`, valid until `done`; the core's communication stream
+ * waits on it (NULL: the input is complete already). Returns 0, or -1 with
+ * kerasdist_last_error() and `done` is not called. */
+int kerasdist_enqueue_cb(const kerasdist_request* request, const void* input,
+                         void* output, void* ready_event,
+                         kerasdist_done_fn done, void* arg);
+
+/* Handle API (host memory): enqueue, then wait; for callers with no thread
+ * of their own to call back (Python through ctypes). `output` may be NULL
+ * for allgather, alltoall and reducescatter (the handle then owns the
+ * result). Returns a handle > 0, or 0 with kerasdist_last_error(). */
 int64_t kerasdist_enqueue(const kerasdist_request* request, const void* input,
                           void* output);
 /* 1 when complete, 0 on timeout (timeout_s < 0 waits forever). */

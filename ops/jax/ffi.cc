@@ -9,10 +9,11 @@
 // buffer after their shape is checked: XLA sized that buffer at trace time,
 // and a rank that disagrees must get an error, never a write past its end.
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -45,64 +46,72 @@ std::string DimsText(const std::vector<int64_t>& d) {
   return s + "]";
 }
 
+// One handler call: the promise XLA waits on and how its tensors ended.
+// The last tensor to finish (or the handler itself, once it has enqueued
+// them all) completes the promise, from the core's callback: no thread
+// waits. XLA resumes the program on its own threads when a future is
+// completed on a thread that is not XLA's (the core's, here), so the
+// callback stays short.
+class Call {
+ public:
+  explicit Call(size_t members) : failures_(members) {}
+
+  ffi::Future future() { return ffi::Future(promise_); }
+
+  // A tensor is about to be enqueued / has ended (`failure` empty if OK).
+  void Add() { left_.fetch_add(1, std::memory_order_relaxed); }
+  void Ended(size_t member, std::string failure) {
+    if (!failure.empty()) failures_[member] = "kerasdist: " + failure;
+    Release();
+  }
+  // The handler is done enqueueing; `error` is its own failure, if any,
+  // which comes first, as the tensors enqueued before it still end.
+  void Enqueued(ffi::Error error) {
+    if (!error.success()) enqueue_error_ = error.message();
+    Release();
+  }
+
+ private:
+  void Release() {
+    if (left_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    std::string failure = enqueue_error_;
+    for (const std::string& f : failures_) {
+      if (failure.empty()) failure = f;  // the first member's, as TF reports
+    }
+    ffi::Promise promise = std::move(promise_);
+    delete this;
+    if (failure.empty()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, failure));
+    }
+  }
+
+  ffi::Promise promise_;
+  std::atomic<int> left_{1};  // tensors in flight, plus the handler's hold
+  std::string enqueue_error_;
+  // One per member, each written by its own callback only.
+  std::vector<std::string> failures_;
+};
+
 // One enqueued tensor: where its result goes and, for results the core
 // owns, the shape XLA allocated for it.
 struct Pending {
+  Call* call = nullptr;
+  size_t member = 0;
   std::string name;
-  int64_t handle = 0;
   void* out = nullptr;
   size_t out_bytes = 0;
   bool copy_out = false;
   std::vector<int64_t> out_dims;
 };
 
-// Enqueues one tensor (`in` may be null: a barrier) and records it.
-ffi::Error Submit(Pending p, const Spec& s, int32_t dtype,
-                  std::vector<int64_t> shape, const void* in,
-                  std::vector<Pending>* pending) {
-  kerasdist_request r = Request(p.name, s, dtype, shape, -1);
-  p.handle = kerasdist_enqueue(&r, in, p.copy_out ? nullptr : p.out);
-  if (p.handle == 0) {
-    return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
-                                       kerasdist_last_error());
-  }
-  pending->push_back(std::move(p));
-  return ffi::Error::Success();
-}
-
-// Enqueues `in`; the result goes straight into `out`, or, with `copy_out`,
-// into core-owned memory that Finish copies after checking its shape.
-ffi::Error Enqueue(const std::string& name, const Spec& s,
-                   const ffi::AnyBuffer& in, ffi::AnyBuffer* out, bool copy_out,
-                   std::vector<Pending>* pending) {
-  int32_t dtype;
-  if (!ToCore(in.element_type(), &dtype)) {
-    return ffi::Error::InvalidArgument(
-        "kerasdist: collective '" + name + "' got an unsupported dtype; "
-        "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
-        "or bool.");
-  }
-  Pending p;
-  p.name = name;
-  p.out = out->untyped_data();
-  p.out_bytes = out->size_bytes();
-  p.copy_out = copy_out;
-  p.out_dims = Dims(*out);
-  return Submit(std::move(p), s, dtype, Dims(in), in.untyped_data(), pending);
-}
-
-// Waits for one finished handle and moves a core-owned result into XLA's
-// buffer; returns the first failure's message, empty when all went well.
-std::string Finish(const Pending& p) {
-  kerasdist_wait(p.handle, -1.0);
-  if (kerasdist_handle_status(p.handle) != 0) {
-    return kerasdist_handle_message(p.handle);
-  }
+// Moves a core-owned result into XLA's buffer after checking its shape;
+// the failure's message, empty when all went well.
+std::string Check(const Pending& p, const kerasdist_result& r) {
+  if (r.status != 0) return r.message;
   if (!p.copy_out) return "";
-  int32_t ndim = 0;
-  int64_t shape[32];
-  const void* data = kerasdist_handle_output(p.handle, &ndim, shape);
-  std::vector<int64_t> got(shape, shape + ndim);
+  std::vector<int64_t> got(r.shape, r.shape + r.ndim);
   if (got != p.out_dims) {
     return "collective '" + p.name + "' produced shape " + DimsText(got) +
            " but this rank's jax.jit trace expected " + DimsText(p.out_dims) +
@@ -110,37 +119,70 @@ std::string Finish(const Pending& p) {
            "every rank and alltoall an even split (splits=None); call it "
            "outside jax.jit for uneven sizes.";
   }
-  if (p.out_bytes > 0) std::memcpy(p.out, data, p.out_bytes);
+  if (p.out_bytes > 0) std::memcpy(p.out, r.data, p.out_bytes);
   return "";
 }
 
-// Completes `promise` once every pending tensor is done. The C API offers
-// waits, not completion callbacks, so a short-lived thread does the waiting.
-ffi::Future Complete(std::vector<Pending> pending, ffi::Error enqueue_error) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  std::thread([promise, pending = std::move(pending),
-               err = std::move(enqueue_error)]() mutable {
-    std::string failure = err.success() ? "" : err.message();
-    for (const Pending& p : pending) {
-      std::string m = Finish(p);  // every handle is waited for and released
-      if (failure.empty() && !m.empty()) failure = "kerasdist: " + m;
-      kerasdist_release(p.handle);
-    }
-    if (failure.empty()) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, failure));
-    }
-  }).detach();
+// The core's completion callback of one tensor.
+void Done(void* arg, const kerasdist_result* r) {
+  std::unique_ptr<Pending> p(static_cast<Pending*>(arg));
+  p->call->Ended(p->member, Check(*p, *r));
+}
+
+// Enqueues one tensor (`in` may be null: a barrier) of `call`.
+ffi::Error Submit(std::unique_ptr<Pending> p, const Spec& s, int32_t dtype,
+                  std::vector<int64_t> shape, const void* in) {
+  kerasdist_request r = Request(p->name, s, dtype, shape, -1);
+  Call* call = p->call;
+  void* out = p->copy_out ? nullptr : p->out;
+  call->Add();  // before the enqueue: the callback may come at once
+  if (kerasdist_enqueue_cb(&r, in, out, nullptr, &Done, p.get()) != 0) {
+    call->Ended(p->member, "");  // drops the hold taken for it
+    return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
+                                       kerasdist_last_error());
+  }
+  p.release();  // Done owns it now
+  return ffi::Error::Success();
+}
+
+// Enqueues `in` as member `member` of `call`; the result goes straight into
+// `out`, or, with `copy_out`, into core-owned memory that Check copies after
+// checking its shape.
+ffi::Error Enqueue(Call* call, size_t member, const std::string& name,
+                   const Spec& s, const ffi::AnyBuffer& in,
+                   ffi::AnyBuffer* out, bool copy_out) {
+  int32_t dtype;
+  if (!ToCore(in.element_type(), &dtype)) {
+    return ffi::Error::InvalidArgument(
+        "kerasdist: collective '" + name + "' got an unsupported dtype; "
+        "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
+        "or bool.");
+  }
+  auto p = std::make_unique<Pending>();
+  p->call = call;
+  p->member = member;
+  p->name = name;
+  p->out = out->untyped_data();
+  p->out_bytes = out->size_bytes();
+  p->copy_out = copy_out;
+  p->out_dims = Dims(*out);
+  return Submit(std::move(p), s, dtype, Dims(in), in.untyped_data());
+}
+
+// A call that failed before it enqueued anything.
+ffi::Future Failed(ffi::Error error) {
+  Call* call = new Call(0);
+  ffi::Future future = call->future();
+  call->Enqueued(std::move(error));
   return future;
 }
 
 ffi::Future One(std::string_view name, const Spec& s, const ffi::AnyBuffer& in,
                 ffi::AnyBuffer* out, bool copy_out) {
-  std::vector<Pending> pending;
-  ffi::Error e = Enqueue(std::string(name), s, in, out, copy_out, &pending);
-  return Complete(std::move(pending), std::move(e));
+  Call* call = new Call(1);
+  ffi::Future future = call->future();
+  call->Enqueued(Enqueue(call, 0, std::string(name), s, in, out, copy_out));
+  return future;
 }
 
 ffi::Future AllreduceImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -167,21 +209,22 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
     int32_t dtype;
     if (!x.has_value() || !y.has_value() ||
         !ToCore(x->element_type(), &dtype)) {
-      return Complete({}, ffi::Error::InvalidArgument(
-                              "kerasdist: grouped allreduce '" + s.group +
-                              "': member " + std::to_string(i) +
-                              " is not a buffer of a supported dtype."));
+      return Failed(ffi::Error::InvalidArgument(
+          "kerasdist: grouped allreduce '" + s.group + "': member " +
+          std::to_string(i) + " is not a buffer of a supported dtype."));
     }
     ins.push_back(*x);
     outs.push_back(**y);
   }
-  std::vector<Pending> pending;
+  Call* call = new Call(ins.size());
+  ffi::Future future = call->future();
   ffi::Error err = ffi::Error::Success();
   for (size_t i = 0; i < ins.size() && err.success(); ++i) {
-    err = Enqueue(s.group + "." + std::to_string(i), s, ins[i], &outs[i],
-                  false, &pending);
+    err = Enqueue(call, i, s.group + "." + std::to_string(i), s, ins[i],
+                  &outs[i], false);
   }
-  return Complete(std::move(pending), std::move(err));
+  call->Enqueued(std::move(err));
+  return future;
 }
 
 ffi::Future AllgatherImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -222,13 +265,14 @@ ffi::Future BarrierImpl(ffi::Result<ffi::AnyBuffer> token,
   std::memset(token->untyped_data(), 0, token->size_bytes());
   Spec s;
   s.op = OpType::kBarrier;
-  Pending p;
-  p.name = std::string(name);
-  std::vector<Pending> pending;
-  ffi::Error e = Submit(std::move(p), s,
-                        static_cast<int32_t>(DataType::kUInt8), {}, nullptr,
-                        &pending);
-  return Complete(std::move(pending), std::move(e));
+  Call* call = new Call(1);
+  ffi::Future future = call->future();
+  auto p = std::make_unique<Pending>();
+  p->call = call;
+  p->name = std::string(name);
+  call->Enqueued(Submit(std::move(p), s,
+                        static_cast<int32_t>(DataType::kUInt8), {}, nullptr));
+  return future;
 }
 
 }  // namespace

@@ -5,14 +5,17 @@
 // backend (KERASDIST_WITH_NCCL); the core's NCCL backend (or the host-staged
 // one, KERASDIST_GPU_OPERATIONS=MPI) moves the data.
 //
-// The C API takes no ready event, so a handler first waits for XLA's stream
-// (its inputs are then complete), enqueues device pointers, waits for the
-// core to finish and returns: the outputs are written before XLA queues
-// anything after the call. A blocking call, the price of the C API; the
-// collectives of one group still travel in one fused NCCL call.
+// A handler records an event on XLA's stream after the work that produces
+// its inputs and enqueues the device pointers with it (the core's
+// communication stream waits on that event, not the host on the whole
+// stream), then blocks until the core's callback says the collectives are
+// done: the outputs are written before XLA queues anything after the call.
+// The collectives of one group still travel in one fused NCCL call.
 
 #include <cuda_runtime_api.h>
 
+#include <condition_variable>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,16 +55,93 @@ int DeviceOf(const void* ptr) {
   return device;
 }
 
+// Makes `device` current on this thread for its lifetime, then restores
+// the thread's previous one (XLA's thread may expect its own).
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    status_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
+  }
+  ~OnDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// The collectives one handler call enqueued: the core's callback counts
+// them down, the handler's thread waits for the last.
+class Waiter {
+ public:
+  void Add() {
+    std::lock_guard<std::mutex> l(mu_);
+    ++left_;
+  }
+  static void Done(void* arg, const kerasdist_result* r) {
+    auto* w = static_cast<Waiter*>(arg);
+    std::lock_guard<std::mutex> l(w->mu_);
+    if (r->status != 0 && w->failure_.empty()) w->failure_ = r->message;
+    if (--w->left_ == 0) w->cv_.notify_all();
+  }
+  // Waits for every collective added; the first failure's message, or "".
+  std::string Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [this] { return left_ == 0; });
+    return failure_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int left_ = 0;
+  std::string failure_;
+};
+
+// Enqueues one request and adds it to `w`; the enqueue's error, or "".
+std::string Enqueue(const kerasdist_request& r, const void* in, void* out,
+                    void* ready, Waiter* w) {
+  w->Add();
+  if (kerasdist_enqueue_cb(&r, in, out, ready, &Waiter::Done, w) != 0) {
+    std::string failure = kerasdist_last_error();
+    kerasdist_result gone{};  // it will not be called back: count it out
+    Waiter::Done(w, &gone);
+    return failure;
+  }
+  return "";
+}
+
 struct Member {
   std::string name;
   ffi::AnyBuffer in;
   ffi::AnyBuffer out;
 };
 
-// Enqueues every member (all before any wait: the core sees a group whole),
-// waits for all, releases them; the first failure's message, or empty.
-std::string RunMembers(const Spec& s, std::vector<Member>& members) {
-  std::vector<int64_t> handles;
+// Enqueues every member (all before any wait: the core sees a group whole)
+// behind one event on XLA's stream, and waits for all; the first failure's
+// message, or empty.
+std::string RunMembers(cudaStream_t stream, const Spec& s,
+                       std::vector<Member>& members) {
+  if (members.empty()) return "";
+  const int device = DeviceOf(members[0].in.untyped_data());
+  cudaEvent_t ready = nullptr;
+  {
+    OnDevice on(device);
+    cudaError_t e = on.status();
+    if (e == cudaSuccess) {
+      e = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(ready, stream);
+    if (e != cudaSuccess) {
+      if (ready != nullptr) cudaEventDestroy(ready);
+      return std::string("recording an event on XLA's stream: ") +
+             cudaGetErrorString(e);
+    }
+  }
+  Waiter w;
   std::string failure;
   for (Member& m : members) {
     int32_t dtype;
@@ -73,30 +153,19 @@ std::string RunMembers(const Spec& s, std::vector<Member>& members) {
     std::vector<int64_t> shape(d.begin(), d.end());
     kerasdist_request r = Request(m.name, s, dtype, shape,
                                   DeviceOf(m.in.untyped_data()));
-    int64_t h = kerasdist_enqueue(&r, m.in.untyped_data(),
-                                  m.out.untyped_data());
-    if (h == 0) {
-      failure = kerasdist_last_error();
-      break;
-    }
-    handles.push_back(h);
+    failure = Enqueue(r, m.in.untyped_data(), m.out.untyped_data(), ready, &w);
+    if (!failure.empty()) break;
   }
-  for (int64_t h : handles) {
-    kerasdist_wait(h, -1.0);
-    if (failure.empty() && kerasdist_handle_status(h) != 0) {
-      failure = kerasdist_handle_message(h);
-    }
-    kerasdist_release(h);
-  }
-  return failure;
+  std::string ended = w.Wait();
+  // The core is done with the event once every collective it was handed
+  // with has ended (a pending record or wait keeps it alive in CUDA).
+  cudaEventDestroy(ready);
+  return failure.empty() ? ended : failure;
 }
 
 ffi::Error Run(cudaStream_t stream, const Spec& s,
                std::vector<Member> members) {
-  // XLA queued what produces the inputs on `stream`: let it finish.
-  cudaError_t e = cudaStreamSynchronize(stream);
-  if (e != cudaSuccess) return CudaError("waiting for XLA's stream", e);
-  std::string failure = RunMembers(s, members);
+  std::string failure = RunMembers(stream, s, members);
   if (!failure.empty()) {
     return ffi::Error(ffi::ErrorCode::kInternal, "kerasdist: " + failure);
   }
@@ -147,6 +216,8 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
   cudaError_t e = cudaMemsetAsync(token->untyped_data(), 0,
                                   token->size_bytes(), stream);
   if (e != cudaSuccess) return CudaError("clearing the barrier's token", e);
+  // A barrier has no input to wait for with an event: it stands for this
+  // rank's work so far, so the stream is finished first, as before.
   e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return CudaError("waiting for XLA's stream", e);
   kerasdist_request r{};
@@ -155,15 +226,10 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
   r.op = static_cast<int32_t>(OpType::kBarrier);
   r.dtype = static_cast<int32_t>(DataType::kUInt8);
   r.device = -1;
-  int64_t h = kerasdist_enqueue(&r, nullptr, nullptr);
-  if (h == 0) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("kerasdist: ") + kerasdist_last_error());
-  }
-  kerasdist_wait(h, -1.0);
-  std::string failure = kerasdist_handle_status(h) != 0
-                            ? kerasdist_handle_message(h) : "";
-  kerasdist_release(h);
+  Waiter w;
+  std::string failure = Enqueue(r, nullptr, nullptr, nullptr, &w);
+  std::string ended = w.Wait();
+  if (failure.empty()) failure = ended;
   if (!failure.empty()) {
     return ffi::Error(ffi::ErrorCode::kInternal, "kerasdist: " + failure);
   }

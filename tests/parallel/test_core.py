@@ -100,6 +100,13 @@ def test_mismatch_fails_every_rank_with_names(np_):
     assert "Mismatched shape for allreduce 'shape.x'" in out.stdout
 
 
+@pytest.mark.parametrize("np_", [1, 2])
+def test_enqueue_callback_reports_results_and_failures(np_):
+    out = launch(np_, worker_cmd("core_errors_worker.py", "callback"),
+                 timeout=60, env=worker_env())
+    _assert_all_ranks(out, np_, "OK callback")
+
+
 def test_stall_warns_then_fails_every_rank():
     out = launch(2, worker_cmd("core_errors_worker.py", "stall"), timeout=60,
                  env=worker_env(KERASDIST_STALL_CHECK_TIME_SECONDS=1,

@@ -31,6 +31,9 @@ def test_collectives_match_numpy(front, mode, np_):
                    for l in lines), f"rank {r}:\n{out.stdout[-4000:]}"
         if front == "jax" and mode == "jit":
             assert "OK jit program x3" in lines, out.stdout[-4000:]
+            if np_ > 1:
+                assert "OK shape mismatch in jit reaches every rank" in lines, (
+                    out.stdout[-4000:])
 
 
 @pytest.mark.parametrize("front", ["jax", "torch"])

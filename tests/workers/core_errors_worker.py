@@ -130,6 +130,84 @@ elif mode == "mismatch":
     print("OK mismatch", flush=True)
     kd.shutdown()
 
+elif mode == "callback":
+    # kerasdist_enqueue_cb, the seam the JAX handlers use, driven through
+    # ctypes: results, core-owned outputs, received splits and failures
+    # reach the callback, which runs on the core's thread, once.
+    import ctypes
+    import threading
+
+    from kerasdist._core import capi as c
+    kd.init()
+    r, n = kd.rank(), kd.size()
+    lib = c.lib()
+
+    def enqueue_cb(op, name, x, out=None, splits=(), dtype=None):
+        shape = (ctypes.c_int64 * max(x.ndim, 1))(*x.shape)
+        sp = (ctypes.c_int64 * max(len(splits), 1))(*splits)
+        req = c._Request(name=name.encode(), op=op, reduce_op=kd.Sum,
+                         dtype=c.DTYPES[x.dtype] if dtype is None else dtype,
+                         ndim=x.ndim, shape=shape, prescale=1.0,
+                         postscale=1.0, nsplits=len(splits), splits=sp,
+                         group=b"", device=-1)
+        got, done = {"calls": 0}, threading.Event()
+
+        def on_done(arg, res):
+            res = res.contents
+            got["calls"] += 1
+            got["thread"] = threading.get_ident()
+            got["status"], got["message"] = res.status, res.message.decode()
+            got["shape"] = [res.shape[i] for i in range(res.ndim)]
+            got["splits"] = [res.recv_splits[i] for i in range(res.nsplits)]
+            nbytes = int(np.prod(got["shape"])) * x.itemsize
+            got["data"] = (np.frombuffer(ctypes.string_at(res.data, nbytes),
+                                         x.dtype).reshape(got["shape"])
+                           if res.data else None)
+            done.set()
+
+        fn = c.DONE_FN(on_done)
+        rc = lib.kerasdist_enqueue_cb(
+            ctypes.byref(req), x.ctypes.data if x.size else None,
+            None if out is None else out.ctypes.data, None, fn, None)
+        if rc != 0:
+            return c.last_error()
+        assert done.wait(60), f"{name}: no callback"
+        time.sleep(0.05)  # a second call would come now
+        assert got["calls"] == 1, got
+        assert got["thread"] != threading.get_ident(), got
+        return got
+
+    x = np.full(3, r + 1.0)
+    out = np.empty_like(x)
+    got = enqueue_cb(c.OP_ALLREDUCE, "cb.sum", x, out)
+    assert got["status"] == 0 and got["message"] == "", got
+    assert got["shape"] == [3] and got["data"] is None, got
+    assert out.tolist() == [n * (n + 1) / 2] * 3, out
+    # allgather into memory the core owns: rank k sends k + 1 rows
+    got = enqueue_cb(c.OP_ALLGATHER, "cb.gather", np.full((r + 1, 2), r, np.int64))
+    want = np.concatenate([np.full((k + 1, 2), k, np.int64) for k in range(n)])
+    assert got["status"] == 0 and got["shape"] == list(want.shape), got
+    assert (got["data"] == want).all(), got
+    got = enqueue_cb(c.OP_ALLTOALL, "cb.a2a", np.arange(2.0 * n),
+                     splits=[2] * n)
+    assert got["splits"] == [2] * n and got["shape"] == [2 * n], got
+    if n > 1:
+        got = enqueue_cb(c.OP_ALLREDUCE, "cb.shape",
+                         np.zeros(2 + (r == n - 1)), np.zeros(2 + (r == n - 1)))
+        assert got["status"] != 0, got
+        for needle in ("Mismatched shape", "'cb.shape'", "[2]", "[3]"):
+            assert needle in got["message"], got
+    # refused at once, and then never called back
+    err = enqueue_cb(c.OP_ALLREDUCE, "cb.bad", x, out, dtype=99)
+    assert "invalid request" in err, err
+    err = lib.kerasdist_enqueue_cb(None, None, None, None, c.DONE_FN(), None)
+    assert err == -1 and "needs a done callback" in c.last_error()
+    assert allreduce(np.ones(2), "cb.after", op=kd.Sum).tolist() == [n, n]
+    print("OK callback", flush=True)
+    kd.shutdown()
+    err = enqueue_cb(c.OP_ALLREDUCE, "cb.late", x, out)
+    assert "not initialized" in err, err
+
 elif mode == "stall":
     # rank 0 submits a tensor the last rank never submits.
     kd.init()

@@ -366,6 +366,24 @@ def jax_program():
         else:
             fail("uneven allgather in jit", "no error", "an error")
         print("OK uneven allgather in jit fails clearly", flush=True)
+        # Another rank's shape reaches the caller as the core's mismatch
+        # message, alone and for a group's member; the runtime goes on.
+        last = r == n - 1
+        for what, fn in (
+                ("allreduce", lambda t: kd.allreduce(t, name="jit.shape")),
+                ("grouped", lambda t: kd.grouped_allreduce(
+                    [t, t], name="jit.group"))):
+            try:
+                out = jax.jit(fn)(jnp.ones(2 + last))
+                np.asarray(out if what == "allreduce" else out[1])
+            except Exception as e:
+                if "Mismatched shape" not in str(e) or "[2]" not in str(e):
+                    fail(f"{what} shape mismatch in jit", str(e)[:300])
+            else:
+                fail(f"{what} shape mismatch in jit", "no error", "an error")
+        expect(jax.jit(lambda t: kd.allreduce(t, op=kd.Sum))(jnp.ones(3)),
+               np.full(3, float(n)), "allreduce after a mismatch in jit")
+        print("OK shape mismatch in jit reaches every rank", flush=True)
 
 
 if FRONT == "jax" and JIT:
