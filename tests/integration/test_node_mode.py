@@ -267,3 +267,48 @@ def test_bad_flags_are_one_line_and_exit_2(flags, message):
     lines = out.stdout.splitlines()
     assert len(lines) == 1, out.stdout
     assert lines[0].startswith(f"kerasdist run: error: {message}"), lines
+
+
+_SLEEPER = (
+    "import os, sys, time\n"
+    "D = sys.argv[1]\n"
+    "open(os.path.join(D, 'pid.' + os.environ['RANK']), 'w')"
+    ".write(str(os.getpid()))\n"
+    "print('up', os.environ['RANK'], flush=True)\n"
+    "time.sleep(600)\n")
+
+
+@pytest.mark.timeout(120)
+def test_timeout_stops_this_nodes_ranks(tmp_path):
+    start = time.monotonic()
+    out = launch(None, [sys.executable, "-c", _SLEEPER, str(tmp_path)],
+                 timeout=90, env=_node_env(), launcher_args=(
+                     "--nproc-per-node", "2", "--timeout", "4"))
+    assert out.returncode == 124, out.stdout
+    assert "kerasdist: timeout: the job ran longer than 4 s; stopping all " \
+           "ranks." in out.stdout
+    assert time.monotonic() - start < 4 + 15, out.stdout
+    assert_all_gone(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_node_agent_stops_its_ranks(tmp_path):
+    argv = [sys.executable, "-m", "kerasdist.run", "--nproc-per-node", "2",
+            sys.executable, "-c", _SLEEPER, str(tmp_path)]
+    with _Agents([argv], _node_env()) as agents:
+        _wait_for_count(agents, "up ", 2, 60)
+        os.kill(agents.procs[0].pid, signal.SIGTERM)
+        sent = time.monotonic()
+        [code] = agents.wait(30)
+        assert code == 128 + signal.SIGTERM, agents.outputs()
+        assert agents.ended_at[0] - sent < 10, agents.outputs()
+        assert "received SIGTERM; stopping all ranks." in agents.output(0)
+    assert_all_gone(tmp_path)
+
+
+def _wait_for_count(agents, text, count, timeout):
+    deadline = time.monotonic() + timeout
+    while agents.output(0).count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(agents.outputs())
+        time.sleep(0.1)
