@@ -63,18 +63,21 @@ _PR_SET_PDEATHSIG = 1
 
 
 def rank_from_env(environ):
-    """Returns this process's rank as a string, from the MPI launcher's env."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+    """Returns this process's rank as a string, from the MPI launcher's env
+    (or torchrun's RANK, which node mode sets)."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
         if environ.get(name, "") != "":
             return environ[name]
     return "?"
 
 
 def local_rank_from_env(environ):
-    """Returns (local rank, ranks on this host) from MPI's env, or None."""
+    """Returns (local rank, ranks on this host) from MPI's env (or
+    torchrun's, which node mode sets), or None."""
     for rank_name, size_name in (
             ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH hydra
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")):
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):  # node mode, torchrun
         try:
             local_rank = int(environ[rank_name])
             local_size = int(environ[size_name])

@@ -399,7 +399,7 @@ def _kill_job(proc, known):
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
-                banner=False):
+                banner=False, manager="mpiexec"):
     """Runs mpiexec once and returns its Outcome.
 
     Args:
@@ -411,6 +411,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         timeout: the --timeout value, for the message only.
         log: a Log.
         banner: pass hydra's "BAD TERMINATION" banner through (--verbose).
+        manager: what `argv` starts, for the messages (node mode runs its
+            own process manager in mpiexec's place, see node.py).
 
     Returns:
         An Outcome.
@@ -423,13 +425,14 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         )
     except OSError as e:
         log.line(f"cannot run {argv[0]!r}: {e.strerror or e}")
-        return Outcome(127, reason="mpiexec could not be started")
+        return Outcome(127, reason=f"{manager} could not be started")
     findings = Findings()
     relays = [_Relay(proc.stderr, log, log.err, findings, banner),
               _Relay(proc.stdout, log, log.out, findings, banner)]
     for relay in relays:
         relay.start()
-    stopper = _Stopper(proc, findings, interrupts, deadline, timeout, log)
+    stopper = _Stopper(proc, findings, interrupts, deadline, timeout, log,
+                       manager)
     while not _has_exited(proc):
         time.sleep(_POLL_S)
         stopper.step(time.monotonic())
@@ -438,14 +441,17 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
     for relay in relays:
         relay.join(timeout=5.0)
     log.end_line()
-    return _outcome(rc, stopper.reason, findings, interrupts, timeout, log)
+    return _outcome(rc, stopper.reason, findings, interrupts, timeout, log,
+                    manager)
 
 
 class _Stopper:
     """Decides when to stop a running job, and stops it step by step."""
 
-    def __init__(self, proc, findings, interrupts, deadline, timeout, log):
+    def __init__(self, proc, findings, interrupts, deadline, timeout, log,
+                 manager="mpiexec"):
         self.proc = proc
+        self.manager = manager
         self.findings = findings
         self.interrupts = interrupts
         self.deadline = deadline
@@ -505,10 +511,11 @@ class _Stopper:
         left = _kill_job(self.proc, self.known)
         if left:
             self.log.line(f"killed {len(left)} process(es) of the job that "
-                          "outlived mpiexec.")
+                          f"outlived {self.manager}.")
 
 
-def _outcome(rc, stop_reason, findings, interrupts, timeout, log):
+def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
+             manager="mpiexec"):
     failure = findings.first_failure()
     unreachable = findings.unreachable
     if unreachable is not None and stop_reason in (None, "unreachable"):
@@ -529,7 +536,7 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log):
         return Outcome(failure.exit_code, failure,
                        reason=findings.describe())
     if rc != 0:
-        log.line(f"mpiexec exited with {describe_status(rc)}.")
+        log.line(f"{manager} exited with {describe_status(rc)}.")
         return Outcome(status_exit_code(rc),
-                       reason=f"mpiexec exited with {describe_status(rc)}")
+                       reason=f"{manager} exited with {describe_status(rc)}")
     return Outcome(0)

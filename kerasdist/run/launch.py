@@ -2,6 +2,10 @@
 
     kerasdist run -np 4 python train.py
     kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py
+    kerasdist run --nnodes 2 --node-rank 1 --master-addr node1 --nproc-per-node 4 python train.py
+
+The last is node mode (node.py): run on every host, it starts that host's
+ranks itself, without mpiexec or ssh.
 
 Standard library only: never imports TensorFlow; from the rest of kerasdist
 only the ctypes binding of the core library, for the settings' names (see
@@ -20,6 +24,7 @@ from kerasdist.run import _rank
 from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
+from kerasdist.run import node
 from kerasdist.run import remote
 from kerasdist.run import settings
 from kerasdist.run import slurm
@@ -102,6 +107,25 @@ def make_parser():
                    help="the interface whose address the other hosts reach "
                    "this machine at (hydra's -iface; default: the address "
                    "of this machine's host name)")
+    mode = p.add_argument_group(
+        "node mode", "run on every host (the platform starts one launcher "
+        "per host): each starts its host's ranks, no mpiexec, no ssh; "
+        "torchrun's flags and spellings")
+    mode.add_argument("--nnodes", metavar="N", help="number of hosts "
+                      "(default 1)")
+    mode.add_argument("--node-rank", "--node_rank", dest="node_rank",
+                      metavar="I", help="this host's number, 0 to N-1 "
+                      "(default 0); node 0 runs rank 0")
+    mode.add_argument("--nproc-per-node", "--nproc_per_node",
+                      dest="nproc_per_node", metavar="K",
+                      help="ranks to start on this host (default 1)")
+    mode.add_argument("--master-addr", "--master_addr", dest="master_addr",
+                      metavar="HOST", help="node 0's host name or address, "
+                      "where the ranks meet (required with --nnodes > 1)")
+    mode.add_argument("--master-port", "--master_port", dest="master_port",
+                      metavar="PORT", help="a free port on node 0's host "
+                      f"(default {node.DEFAULT_PORT}; one node: any free "
+                      "port)")
     p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
                    metavar="MB", help="tensor fusion buffer size in MiB")
     p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
@@ -163,6 +187,10 @@ def parse_args(argv, environ=None):
     if not args.command:
         raise UsageError("no command given (usage: kerasdist run -np N "
                          "command [args...])")
+    args.node = None
+    if any(getattr(args, f) is not None for f in _NODE_FLAGS):
+        _check_node_mode(args)
+        return args
     try:
         if args.hosts is not None:
             args.hosts = hosts_lib.parse_host_list(args.hosts)
@@ -190,6 +218,36 @@ def parse_args(argv, environ=None):
                 f"{source} ({hosts_lib.hydra_hosts_arg(args.hosts)})")
     _check_elastic(args)
     return args
+
+
+_NODE_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr",
+               "master_port")
+
+
+def _check_node_mode(args):
+    """Node mode: the node's Plan in args.node, -np its world size."""
+    for given, flag in ((args.hosts is not None, "-H"),
+                        (args.hostfile is not None, "--hostfile"),
+                        (args.max_restarts > 0, "--max-restarts"),
+                        (args.min_np is not None, "--min-np"),
+                        (args.host_discovery_script is not None,
+                         "--host-discovery-script")):
+        if given:
+            raise UsageError(
+                f"{flag} does not go with node mode (--nnodes, --node-rank, "
+                f"--nproc-per-node, --master-addr, --master-port): there "
+                f"each host starts its own ranks; leave out {flag}, or the "
+                f"node-mode flags to start the job from one host.")
+    try:
+        args.node = node.plan(args.nnodes, args.node_rank,
+                              args.nproc_per_node, args.master_addr,
+                              args.master_port, args.np)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.np = args.node.world_size
+    args.min_np = args.np
+    args.ssh_argv = None
+    args.slurm = None
 
 
 def _check_elastic(args):
@@ -347,6 +405,8 @@ def main(argv=None):
     if problem is not None:
         log.raw(f"{PROG}: error: {problem}.\n".encode())
         return 2
+    if args.node is not None:
+        return _run_node(args, log)
     try:
         mpiexec = find_mpiexec()
         _rank_env(args, 0)  # the core library names the variables
@@ -360,6 +420,24 @@ def main(argv=None):
         return _run(args, mpiexec, log)
     with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
         return _run(args, mpiexec, log, workdir)
+
+
+def _run_node(args, log):
+    """Node mode: this host's ranks under node.py's process manager."""
+    try:
+        rank_env = _rank_env(args, 0)
+    except ImportError as e:
+        log.raw(f"{PROG}: error: {e}\n".encode())
+        return 1
+    wrapper = rank_wrapper_argv(args.no_prefix, bind=args.bind_to == "core",
+                                report_bind=args.verbose,
+                                huge_pages=not args.no_huge_pages)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    with job.Interrupts() as interrupts:
+        outcome = node.run(args.node, args.command, rank_env, wrapper,
+                           interrupts, deadline, args.timeout, log,
+                           verbose=args.verbose)
+    return outcome.exit_code
 
 
 def _check_remote_hosts(args, log):
