@@ -41,7 +41,7 @@ constexpr double kGoodbyeTimeoutS = 2.0;
 std::string BatchArgs(const CollectiveBatch& b) {
   return "\"bytes\":" + std::to_string(b.bytes()) + ",\"fused\":" +
          std::to_string(b.tensors.size()) + ",\"dtype\":\"" + DataTypeName(b.dtype) +
-         "\",\"transport\":\"" + b.transport + "\"";
+         "\",\"backend\":\"" + b.transport + "\"";
 }
 
 }  // namespace
@@ -686,7 +686,7 @@ void Runtime::RecordAsync(const AsyncBatch& a) {
   for (const Entry& e : a.entries) {
     loop_timeline_->Phase(
         e.req.name, OpPhaseName(e.req.op), a.issued, now,
-        "\"device\":" + std::to_string(a.device) + ",\"transport\":\"" + a.transport +
+        "\"device\":" + std::to_string(a.device) + ",\"backend\":\"" + a.backend +
             "\",\"bytes\":" +
             std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
   }
