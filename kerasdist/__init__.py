@@ -30,6 +30,7 @@ _EXPORTS = {
     "current_settings": "basics",
     "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
     "Product": "basics",
+    # The collectives of the framework the Keras backend runs on.
     "allreduce": "collectives", "grouped_allreduce": "collectives",
     "allgather": "collectives", "broadcast": "collectives",
     "broadcast_variables": "collectives", "alltoall": "collectives",
@@ -48,12 +49,6 @@ __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name):
-    if name in _EXPORTS and _EXPORTS[name] == "collectives":
-        # Chosen by the Keras backend (kerasdist/_framework.py).
-        framework = importlib.import_module("kerasdist._framework")
-        value = framework.collective(name)
-        globals()[name] = value
-        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"kerasdist.{name}")
     module = _EXPORTS.get(name)

@@ -1,14 +1,15 @@
 """What the Keras layer (DistributedOptimizer, the callbacks, data, the
-Trainer) does differently on each Keras backend, in one place.
+Trainer) does differently on each framework Keras runs on, in one place.
 
-- Gradients: on TensorFlow the TF ops reduce them (`kerasdist.tensorflow.gradients`); on JAX
-  and PyTorch the front ends `kerasdist.jax` / `kerasdist.torch` do, on the
-  backend's own arrays: inside JAX's jitted, stateless train step as XLA
-  custom calls on tracers, in PyTorch's eager step as custom ops.
-- Variables (broadcast, model averaging) go through the backend's front end
-  too, so a GPU tensor stays where it is.
+- Gradients: on TensorFlow the TF ops reduce them
+  (`kerasdist.tensorflow.gradients`); on JAX and PyTorch the collectives of
+  `kerasdist.jax` / `kerasdist.torch` do, on the framework's own arrays:
+  inside JAX's jitted, stateless train step as XLA custom calls on tracers,
+  in PyTorch's eager step as custom ops.
+- Variables (broadcast, model averaging) go through the framework's
+  collectives too, so a GPU tensor stays where it is.
 - Small control values (metrics, step counts, flags, fingerprints) go
-  through the core as numpy arrays on every backend (`_host.host_*`).
+  through the core as numpy arrays on every framework (`_host.host_*`).
 
 Nothing here imports TensorFlow unless the Keras backend is TensorFlow.
 """
@@ -17,79 +18,38 @@ import keras
 import numpy as np
 
 from kerasdist import basics
+from kerasdist import collectives as _collectives
 
-BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def backend():
-    """The running Keras backend; ValueError if kerasdist does not support
-    it."""
-    name = keras.backend.backend()
-    if name not in BACKENDS:
-        raise ValueError(
-            f"kerasdist supports the Keras backends {', '.join(BACKENDS)}; "
-            f"this process runs Keras on {name!r}. Set KERAS_BACKEND to "
-            "one of them before importing keras.")
-    return name
+def current():
+    """The framework the Keras backend runs on ("tensorflow", "jax" or
+    "torch"); ValueError if kerasdist does not support it."""
+    return _collectives.keras_framework()
 
 
 def jit_compile():
     """The `jit_compile` that fits a train step with kerasdist inside:
     True on JAX (its collectives are XLA custom calls), False elsewhere
     (TensorFlow's ops have no XLA kernel; PyTorch runs eagerly)."""
-    return backend() == "jax"
+    return current() == "jax"
 
 
 def collectives():
-    """The collectives module for the running backend's tensors."""
-    name = backend()
-    if name == "jax":
-        from kerasdist.jax import collectives as front
-    elif name == "torch":
-        from kerasdist.torch import collectives as front
-    else:
-        from kerasdist.tensorflow import collectives as front
-    return front
-
-
-def collective(public_name):
-    """`kerasdist.<public_name>` for the running backend's tensors: the
-    TF ops' wrapper on TensorFlow, `kerasdist.jax`'s or `kerasdist.torch`'s
-    otherwise (`broadcast_variables` of Keras variables is here)."""
-    if public_name == "broadcast_variables" and backend() != "tensorflow":
-        return broadcast_variables
-    return getattr(collectives(), public_name)
-
-
-def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
-    """Assigns `root_rank`'s values to Keras `variables` on every rank
-    (JAX and PyTorch backends; TensorFlow's is
-    `kerasdist.tensorflow.collectives.broadcast_variables`).
-
-    Names derive from the variables' paths, so every rank must pass the
-    same variables (in any order).
-    """
-    basics_size = basics.size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < basics_size:
-        raise ValueError(f"root_rank must be an int in [0, {basics_size}), "
-                         f"got {root_rank!r}.")
-    variables = list(variables)
-    names = [f"{name_prefix}.{getattr(v, 'path', None) or v.name}"
-             for v in variables]
-    if len(set(names)) != len(names):
-        names = [f"{n}.{i}" for i, n in enumerate(names)]
-    assign_broadcast(variables, root_rank, names)
+    """The public collectives on the running framework's tensors (the
+    functions `kerasdist.allreduce`... are)."""
+    return _collectives.bound(current())
 
 
 def value(variable):
     """A Keras variable's current value as the front end takes it."""
-    if backend() == "torch":
+    if current() == "torch":
         return variable.value.detach()
     return variable.value
 
 
 def _no_grad():
-    if backend() == "torch":
+    if current() == "torch":
         import torch
         return torch.no_grad()
     import contextlib
@@ -110,7 +70,7 @@ def assign_average(variables, name):
     allreduce, then the assignments. Returns a function that does it (on
     TensorFlow a `tf.function`, traced once)."""
     front = collectives()
-    if backend() == "tensorflow":
+    if current() == "tensorflow":
         import tensorflow as tf
 
         @tf.function
@@ -150,7 +110,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
     compression around it, predivide as prescale/postscale, nothing
     communicated at size 1. JAX and PyTorch gradients are dense, so
     `sparse_as_dense` changes nothing there."""
-    if backend() == "tensorflow":
+    if current() == "tensorflow":
         from kerasdist.tensorflow import gradients as _tf_gradients
         return _tf_gradients.reduce_gradients(
             grads, variables, prefix, compression=compression, op=op,
@@ -196,7 +156,7 @@ def unique_name(base):
     collectives of one jitted step may run at once, so two must never
     share a name); unchanged eagerly and on the other backends, where
     collectives of one name run one after the other."""
-    if backend() != "jax":
+    if current() != "jax":
         return base
     from kerasdist.jax._dispatch import program_trace, auto_name
     if program_trace() is None:
@@ -207,7 +167,7 @@ def unique_name(base):
 def agree_finite(finite, prefix):
     """A LossScaleOptimizer's finiteness flag, True only if it is True on
     every rank (one allreduce Min), as a tensor of the running backend."""
-    if backend() == "tensorflow":
+    if current() == "tensorflow":
         from kerasdist.tensorflow import optimizer as _optimizer_tf
         return _optimizer_tf.agree_finite(finite, prefix)
     front = collectives()

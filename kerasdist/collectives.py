@@ -1,22 +1,361 @@
-"""The public collectives, on the running Keras backend's tensors.
+"""The public collectives, written once for every framework.
 
-`kerasdist.allreduce` and `kerasdist.collectives.allreduce` are the same
-function: the TF ops' wrapper when the Keras backend is TensorFlow,
-`kerasdist.jax`'s on JAX, `kerasdist.torch`'s on PyTorch.
+Each collective here checks its arguments, names itself and hands the
+framework's tensors to an implementation module that only moves them
+through the core and registers their gradients:
+`kerasdist/tensorflow/collectives.py` (TF ops), `kerasdist/jax/collectives.py`
+(XLA custom calls) and `kerasdist/torch/collectives.py` (torch custom ops).
+`bound(framework)` gives the collectives on one framework's tensors:
+`kerasdist.tensorflow`, `kerasdist.jax` and `kerasdist.torch` export those,
+whatever the Keras backend. `kerasdist.allreduce` and
+`kerasdist.collectives.allreduce` are the collectives of the framework the
+Keras backend runs on, so `help(kerasdist.allreduce)` reads the same on
+every one.
+
+An implementation module provides `require_init()`, `check_op(op, what)`,
+`auto_name(kind, name)` (the name ranks match an unnamed collective by),
+`tensor(x, what)` (its framework's tensor), one function per collective
+taking converted tensors and a resolved name, and `variable_value(v)` and
+`no_grad()` for `broadcast_variables`.
+
+Importing this module imports no framework.
 """
 
-from kerasdist import _framework
+import numpy as np
+
+from kerasdist import basics
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_variables", "grouped_allreduce", "reducescatter"]
 
+# The frameworks kerasdist runs on, as Keras names its backends.
+FRAMEWORKS = ("tensorflow", "jax", "torch")
+
+_bound = {}
+
+
+def keras_framework():
+    """The framework the Keras backend runs on (one of `FRAMEWORKS`);
+    ValueError if kerasdist does not support it. Imports Keras."""
+    import keras
+    name = keras.backend.backend()
+    if name not in FRAMEWORKS:
+        raise ValueError(
+            f"kerasdist supports the Keras backends {', '.join(FRAMEWORKS)}; "
+            f"this process runs Keras on {name!r}. Set KERAS_BACKEND to "
+            "one of them before importing keras.")
+    return name
+
+
+def bound(framework):
+    """The public collectives on `framework`'s tensors ("tensorflow", "jax"
+    or "torch"), as a namespace of functions; built once per framework."""
+    api = _bound.get(framework)
+    if api is None:
+        if framework == "jax":
+            from kerasdist.jax import collectives as impl
+        elif framework == "torch":
+            from kerasdist.torch import collectives as impl
+        elif framework == "tensorflow":
+            from kerasdist.tensorflow import collectives as impl
+        else:
+            raise ValueError(f"kerasdist runs on {', '.join(FRAMEWORKS)}; "
+                             f"got the framework {framework!r}.")
+        api = _bound.setdefault(framework, bind(impl))
+    return api
+
 
 def __getattr__(name):
     if name in __all__:
-        return _framework.collective(name)
+        return getattr(bound(keras_framework()), name)
     raise AttributeError(
         f"module 'kerasdist.collectives' has no attribute {name!r}")
 
 
 def __dir__():
     return __all__
+
+
+def _check_root(root_rank):
+    size = basics.size()
+    if (not isinstance(root_rank, (int, np.integer))
+            or not 0 <= root_rank < size):
+        raise ValueError(f"root_rank must be an int in [0, {size}), got "
+                         f"{root_rank!r}.")
+    return int(root_rank)
+
+
+class _Collectives:
+    """A namespace of the public collectives on one framework's tensors."""
+
+    def __init__(self, functions):
+        self.__dict__.update(functions)
+
+    def __repr__(self):
+        return f"<kerasdist collectives on {self.framework}>"
+
+
+def bind(impl):
+    """The public collectives on the tensors of implementation module
+    `impl` (see the module docstring for what it provides)."""
+
+    def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
+                  postscale_factor=1.0):
+        """Reduces a tensor over all ranks; every rank gets the result.
+
+        Args:
+            tensor: a tensor of the framework (`tf.Tensor`, JAX array or
+                `torch.Tensor`) or an array-like: float16, bfloat16,
+                float32, float64, int32, int64 or uint8 (on JAX, 64-bit
+                types need `jax_enable_x64`). On TensorFlow also a
+                `tf.IndexedSlices`: its values and indices are allgathered
+                (Sum and Average only; Average divides by `size()`).
+            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
+                `Product`. Average of integers divides with truncation
+                toward zero.
+            name: the name ranks match this collective by. Unnamed calls
+                are named the same on every rank: eagerly numbered in call
+                order (which must then be the same on every rank), inside
+                a `tf.function` or `jax.jit` from the traced program. Give
+                one when ranks may issue collectives in different orders
+                eagerly.
+            prescale_factor: multiplies the input before the reduction.
+            postscale_factor: multiplies the result after it.
+
+        Returns:
+            A new tensor of the same shape and dtype. Differentiable for
+            Sum and Average: the gradient is the same allreduce of the
+            incoming gradient.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: for an unknown `op`.
+            kerasdist._core.capi.KerasdistError (a RuntimeError; on
+                TensorFlow `tf.errors.InvalidArgumentError`): if the ranks
+                disagree about the tensor (shape, dtype, op); the message
+                names the ranks.
+
+        Example:
+        >>> import kerasdist as kd
+        >>> kd.init()
+        >>> total = kd.allreduce(keras.ops.ones([2]), op=kd.Sum)
+        """
+        impl.require_init()
+        impl.check_op(op, "allreduce")
+        tensor = impl.tensor(tensor, "allreduce")
+        return impl.allreduce(tensor, op, impl.auto_name("allreduce", name),
+                              prescale_factor, postscale_factor)
+
+    def grouped_allreduce(tensors, op=basics.Average, name=None,
+                          prescale_factor=1.0, postscale_factor=1.0):
+        """Reduces a list of tensors together, as one collective.
+
+        The members (named `<name>.<i>`) are negotiated together and fused
+        into as few collectives as the fusion threshold allows (tensors of
+        one dtype share a batch).
+
+        Args:
+            tensors: a list of tensors, each as `allreduce` takes.
+            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
+                `Product`.
+            name: the group's name (see `allreduce`).
+            prescale_factor: multiplies every input before the reduction.
+            postscale_factor: multiplies every result after it.
+
+        Returns:
+            A list of reduced tensors, in the input order (empty for an
+            empty list). Differentiable for Sum and Average.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: for an unknown `op`.
+
+        Example:
+        >>> grads = kd.grouped_allreduce(grads)
+        """
+        impl.require_init()
+        impl.check_op(op, "grouped_allreduce")
+        tensors = [impl.tensor(t, "grouped_allreduce") for t in tensors]
+        if not tensors:
+            return []
+        return impl.grouped_allreduce(
+            tensors, op, impl.auto_name("grouped_allreduce", name),
+            prescale_factor, postscale_factor)
+
+    def allgather(tensor, name=None):
+        """Concatenates every rank's tensor along the first dimension.
+
+        The first dimension may differ between ranks (not inside
+        `jax.jit`, where the result's shape is fixed when the function is
+        traced: there a mismatch fails with an error naming both shapes);
+        the other dimensions must agree.
+
+        Args:
+            tensor: a tensor with at least one dimension, of any dtype
+                `allreduce` takes, or bool.
+            name: the name ranks match this collective by (see
+                `allreduce`).
+
+        Returns:
+            A tensor with the rows of rank 0, then rank 1, ...
+            Differentiable: each rank gets the sum of every rank's
+            gradient for its own rows.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: for a scalar (JAX, PyTorch).
+
+        Example:
+        >>> everyone = kd.allgather(keras.ops.ones([kd.rank() + 1, 3]))
+        """
+        impl.require_init()
+        tensor = impl.tensor(tensor, "allgather")
+        return impl.allgather(tensor, impl.auto_name("allgather", name))
+
+    def broadcast(tensor, root_rank, name=None):
+        """Every rank receives `root_rank`'s tensor.
+
+        Args:
+            tensor: a tensor of the same shape and dtype on every rank (any
+                dtype `allreduce` takes, or bool).
+            root_rank: the rank whose tensor everyone gets.
+            name: the name ranks match this collective by (see
+                `allreduce`).
+
+        Returns:
+            `root_rank`'s tensor. Differentiable: the gradient flows to the
+            root only, which gets the sum of every rank's gradient; the
+            others get zeros.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: if `root_rank` is not an int in `[0, size())`.
+
+        Example:
+        >>> weights = kd.broadcast(weights, root_rank=0)
+        """
+        impl.require_init()
+        root_rank = _check_root(root_rank)
+        tensor = impl.tensor(tensor, "broadcast")
+        return impl.broadcast(tensor, root_rank,
+                              impl.auto_name("broadcast", name))
+
+    def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
+        """Assigns `root_rank`'s values to `variables` on every rank.
+
+        Names derive from the variables' paths, so every rank must pass the
+        same variables (in any order).
+
+        Args:
+            variables: Keras variables (on TensorFlow also `tf.Variable`s).
+            root_rank: the rank whose values everyone gets.
+            name_prefix: the start of every broadcast's name.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: if `root_rank` is not an int in `[0, size())`.
+
+        Example:
+        >>> kd.broadcast_variables(model.variables, root_rank=0)
+        """
+        impl.require_init()
+        root_rank = _check_root(root_rank)
+        variables = list(variables)
+        names = [f"{name_prefix}.{getattr(v, 'path', None) or v.name}"
+                 for v in variables]
+        if len(set(names)) != len(names):
+            names = [f"{n}.{i}" for i, n in enumerate(names)]
+        with impl.no_grad():
+            values = [broadcast(impl.variable_value(v), root_rank, name=n)
+                      for v, n in zip(variables, names)]
+            for v, value in zip(variables, values):
+                v.assign(value)
+
+    def alltoall(tensor, splits=None, name=None):
+        """Sends `splits[r]` rows of `tensor` to rank r and returns what
+        arrived.
+
+        Args:
+            tensor: a tensor with at least one dimension.
+            splits: how many rows go to each rank (`size()` non-negative
+                counts summing to the first dimension). None (default)
+                divides the first dimension evenly; inside `jax.jit` only
+                that is supported, since the received sizes fix the
+                result's shape.
+            name: the name ranks match this collective by (see
+                `allreduce`).
+
+        Returns:
+            (received, received_splits): the rows from every rank in rank
+            order, and how many rows came from each rank. Differentiable:
+            the gradient's rows go back where they came from.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: for malformed `splits` or a scalar (JAX, PyTorch).
+
+        Example:
+        >>> received, counts = kd.alltoall(rows, splits=[2, 1])
+        """
+        impl.require_init()
+        tensor = impl.tensor(tensor, "alltoall")
+        return impl.alltoall(tensor, splits, impl.auto_name("alltoall", name))
+
+    def reducescatter(tensor, op=basics.Average, name=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+        """Reduces over all ranks; rank r keeps its slice of the first
+        dimension.
+
+        Earlier ranks get one extra row when the first dimension does not
+        divide by `size()`.
+
+        Args:
+            tensor: a tensor with at least one dimension, the same shape on
+                every rank.
+            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
+                `Product`.
+            name: the name ranks match this collective by (see
+                `allreduce`).
+            prescale_factor: multiplies the input before the reduction.
+            postscale_factor: multiplies the result after it.
+
+        Returns:
+            This rank's rows of the reduction. Differentiable for Sum and
+            Average (the gradient is an allgather).
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            ValueError: for an unknown `op` or a scalar (JAX, PyTorch).
+
+        Example:
+        >>> mine = kd.reducescatter(keras.ops.ones([4, 2]), op=kd.Sum)
+        """
+        impl.require_init()
+        impl.check_op(op, "reducescatter")
+        tensor = impl.tensor(tensor, "reducescatter")
+        return impl.reducescatter(tensor, op,
+                                  impl.auto_name("reducescatter", name),
+                                  prescale_factor, postscale_factor)
+
+    def barrier(name=None):
+        """Returns once every rank has called it (inside `jax.jit`: the
+        program completes it once every rank's program reached it).
+
+        Args:
+            name: the name ranks match this barrier by (see `allreduce`).
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+
+        Example:
+        >>> kd.barrier()
+        """
+        impl.require_init()
+        impl.barrier(impl.auto_name("barrier", name))
+
+    functions = {f.__name__: f for f in (
+        allreduce, grouped_allreduce, allgather, broadcast,
+        broadcast_variables, alltoall, reducescatter, barrier)}
+    for f in functions.values():
+        f.__qualname__ = f.__name__
+    return _Collectives(dict(functions, framework=impl.FRAMEWORK))

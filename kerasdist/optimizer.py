@@ -169,7 +169,7 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups)
-    if _framework.backend() == "tensorflow":
+    if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
@@ -208,7 +208,7 @@ def _distributed_class(base, settings):
                     self._trainable_variables)
 
         def apply(self, grads, trainable_variables=None):
-            if _framework.backend() == "tensorflow":
+            if _framework.current() == "tensorflow":
                 _tf().check_not_xla()
             grads = list(grads)
             if trainable_variables is not None:
@@ -283,11 +283,11 @@ def _check_passes(backward_passes_per_step):
             backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be an int >= 1; got "
                          f"{backward_passes_per_step!r}.")
-    backend = _framework.backend()
-    if backward_passes_per_step > 1 and backend != "tensorflow":
+    framework = _framework.current()
+    if backward_passes_per_step > 1 and framework != "tensorflow":
         raise ValueError(
             "DistributedOptimizer(backward_passes_per_step > 1) needs the "
-            f"TensorFlow backend; on {backend} pass gradient_accumulation_"
+            f"TensorFlow backend; on {framework} pass gradient_accumulation_"
             "steps to the Keras optimizer instead (the gradients are then "
             "averaged over the ranks at every backward pass).")
 

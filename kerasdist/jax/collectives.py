@@ -1,5 +1,7 @@
-"""Collectives on JAX arrays: eagerly and inside `jax.jit`, differentiable
-(`jax.custom_vjp`) as the TF ops are.
+"""The JAX side of the public collectives (`kerasdist/collectives.py`):
+arrays in, results out, eagerly and inside `jax.jit`, differentiable
+(`jax.custom_vjp`) as the TF ops are. The public functions check the
+arguments and resolve the names first.
 
 Inside `jax.jit` each collective is an XLA FFI custom call (ops/jax/ffi.cc)
 that enqueues through the core, so it is negotiated by name and fused like
@@ -11,6 +13,7 @@ time, so there `allgather` needs the same first dimension on every rank and
 `alltoall` an even split; eagerly both may differ per rank (the sizes are
 exchanged first)."""
 
+import contextlib
 import functools
 
 import jax
@@ -23,8 +26,11 @@ from kerasdist._core import host as _host
 from kerasdist.jax._dispatch import auto_name, call, program_trace
 
 
-_require_init = _host.require_init
-_check_op = _host.check_op
+FRAMEWORK = "jax"
+
+require_init = _host.require_init
+check_op = _host.check_op
+no_grad = contextlib.nullcontext
 
 
 _DTYPES = frozenset(np.dtype(t) for t in (
@@ -32,7 +38,7 @@ _DTYPES = frozenset(np.dtype(t) for t in (
     jnp.int64, jnp.uint8, jnp.bool_))
 
 
-def _array(x, what):
+def tensor(x, what):
     """`x` as a JAX array of a dtype the core reduces, else a TypeError."""
     x = jnp.asarray(x)
     if np.dtype(x.dtype) not in _DTYPES:
@@ -40,6 +46,10 @@ def _array(x, what):
                         "expected float16, bfloat16, float32, float64, int32, "
                         "int64, uint8 or bool.")
     return x
+
+
+def variable_value(variable):
+    return variable.value
 
 
 def _like(x, rows=None):
@@ -79,40 +89,9 @@ def _allreduce_bwd(name, op, prescale, postscale, _, grad):
 _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
 
 
-def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-              postscale_factor=1.0):
-    """Reduces an array over all ranks; every rank gets the result.
-
-    Args:
-        tensor: a JAX array or array-like (float16, bfloat16, float32,
-            float64, int32, int64, uint8; 64-bit types need
-            `jax_enable_x64`).
-        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
-            Average of integers divides with truncation toward zero.
-        name: the name ranks match this collective by. Inside `jax.jit` one
-            is derived at trace time; eagerly, unnamed calls are numbered in
-            call order.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-
-    Returns:
-        An array of the same shape and dtype. Differentiable for Sum and
-        Average (the gradient is the same allreduce of the cotangent).
-
-    Raises:
-        ValueError: for an unknown `op`.
-        RuntimeError: if kerasdist is not initialized.
-
-    Example:
-    >>> import kerasdist.jax as kd
-    >>> kd.init()
-    >>> total = kd.allreduce(jnp.array([1.0, 2.0]), op=kd.Sum)
-    """
-    _require_init()
-    _check_op(op, "allreduce")
-    tensor = _array(tensor, "allreduce")
-    return _allreduce(tensor, auto_name("allreduce", name), int(op),
-                      float(prescale_factor), float(postscale_factor))
+def allreduce(tensor, op, name, prescale_factor, postscale_factor):
+    return _allreduce(tensor, name, int(op), float(prescale_factor),
+                      float(postscale_factor))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -133,23 +112,9 @@ def _grouped_bwd(name, op, prescale, postscale, _, grads):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def grouped_allreduce(tensors, op=basics.Average, name=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces a list of arrays together: one custom call whose members
-    (named `<name>.<i>`) the core fuses into as few collectives as the
-    fusion threshold allows.
-
-    Returns:
-        A list of reduced arrays, in the input order.
-    """
-    _require_init()
-    _check_op(op, "grouped_allreduce")
-    tensors = tuple(_array(t, "grouped_allreduce") for t in tensors)
-    if not tensors:
-        return []
-    return list(_grouped(tensors, auto_name("grouped_allreduce", name),
-                         int(op), float(prescale_factor),
-                         float(postscale_factor)))
+def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
+    return list(_grouped(tuple(tensors), name, int(op),
+                         float(prescale_factor), float(postscale_factor)))
 
 
 # ---- allgather ---------------------------------------------------------------
@@ -176,26 +141,13 @@ def _allgather_bwd(name, rows, _, grad):
 _allgather.defvjp(_allgather_fwd, _allgather_bwd)
 
 
-def allgather(tensor, name=None):
-    """Concatenates every rank's array along the first dimension.
-
-    Eagerly the first dimension may differ between ranks; inside `jax.jit`
-    it must be the same on every rank (the result's shape is fixed when the
-    function is traced), else the call fails with an error naming both
-    shapes. The other dimensions must agree.
-
-    Returns:
-        An array with the rows of rank 0, then rank 1, ...
-    """
-    _require_init()
-    tensor = _array(tensor, "allgather")
+def allgather(tensor, name):
     if tensor.ndim == 0:
         raise ValueError("allgather needs an array with a first dimension, "
                          "got a scalar; reshape it to [1].")
-    name = auto_name("allgather", name)
     if program_trace() is None:
         rows = _host.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
-                           name + ".rows")
+                                name + ".rows")
     else:
         rows = (tensor.shape[0],) * basics.size()
     return _allgather(tensor, name, rows)
@@ -221,20 +173,8 @@ def _broadcast_bwd(name, root, _, grad):
 _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 
-def broadcast(tensor, root_rank, name=None):
-    """Every rank receives `root_rank`'s array (any dtype, also bool/uint8).
-
-    The gradient flows to the root only: it gets the sum of every rank's
-    cotangent, the others zeros.
-    """
-    _require_init()
-    size = basics.size()
-    if (not isinstance(root_rank, (int, np.integer))
-            or not 0 <= root_rank < size):
-        raise ValueError(f"root_rank must be an int in [0, {size}), got "
-                         f"{root_rank!r}.")
-    return _broadcast(_array(tensor, "broadcast"), auto_name("broadcast", name),
-                      int(root_rank))
+def broadcast(tensor, root_rank, name):
+    return _broadcast(tensor, name, root_rank)
 
 
 # ---- alltoall ----------------------------------------------------------------
@@ -270,25 +210,12 @@ def _concrete_splits(splits, rows, size):
     return splits
 
 
-def alltoall(tensor, splits=None, name=None):
-    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
-
-    Without `splits` the first dimension is divided evenly (it must divide
-    by `size()`). Inside `jax.jit` only the even split is supported, since
-    the received sizes fix the result's shape.
-
-    Returns:
-        (received, received_splits): rows from every rank in rank order, and
-        how many rows came from each rank (int32).
-    """
-    _require_init()
-    tensor = _array(tensor, "alltoall")
+def alltoall(tensor, splits, name):
     n = basics.size()
     if tensor.ndim == 0:
         raise ValueError("alltoall needs an array with a first dimension, got "
                          "a scalar.")
     rows = tensor.shape[0]
-    name = auto_name("alltoall", name)
     if splits is None:
         if rows % n:
             raise ValueError(f"alltoall without splits needs a first dimension "
@@ -329,27 +256,16 @@ def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
 _reducescatter.defvjp(_reducescatter_fwd, _reducescatter_bwd)
 
 
-def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-                  postscale_factor=1.0):
-    """Reduces over all ranks; rank r keeps its slice of the first dimension
-    (earlier ranks get one extra row when it does not divide evenly)."""
-    _require_init()
-    _check_op(op, "reducescatter")
-    tensor = _array(tensor, "reducescatter")
+def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs an array with a first "
                          "dimension, got a scalar.")
     counts = _host.scatter_rows(tensor.shape[0], basics.size())
-    return _reducescatter(tensor, auto_name("reducescatter", name), int(op),
-                          float(prescale_factor), float(postscale_factor),
-                          counts)
+    return _reducescatter(tensor, name, int(op), float(prescale_factor),
+                          float(postscale_factor), counts)
 
 
-def barrier(name=None):
-    """Returns once every rank has called it (inside `jax.jit`: completes
-    when every rank's program reached it)."""
-    _require_init()
-    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
-                  name=auto_name("barrier", name))
+def barrier(name):
+    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32), name=name)
     if program_trace() is None:
         token.block_until_ready()

@@ -14,11 +14,17 @@ Keras' backend choice.
 from kerasdist.basics import (Average, Max, Min, Product, Sum, cross_rank,
                               cross_size, init, is_initialized, local_rank,
                               local_size, rank, shutdown, size)
-from kerasdist.tensorflow.collectives import (allgather, allreduce,
-                                              alltoall, barrier, broadcast,
-                                              broadcast_variables,
-                                              grouped_allreduce,
-                                              reducescatter)
+from kerasdist.collectives import bound
+
+_api = bound("tensorflow")
+allgather = _api.allgather
+allreduce = _api.allreduce
+alltoall = _api.alltoall
+barrier = _api.barrier
+broadcast = _api.broadcast
+broadcast_variables = _api.broadcast_variables
+grouped_allreduce = _api.grouped_allreduce
+reducescatter = _api.reducescatter
 from kerasdist.tensorflow.tape import DistributedGradientTape
 
 __all__ = ["Average", "DistributedGradientTape", "Max", "Min", "Product",

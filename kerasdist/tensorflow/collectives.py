@@ -1,8 +1,9 @@
-"""Collectives on TensorFlow tensors: usable eagerly, inside `tf.function` and
-under `tf.GradientTape` (gradients are registered for each op)."""
+"""The TF ops behind the public collectives (`kerasdist/collectives.py`):
+tensors in, the ops' results out, usable eagerly, inside `tf.function` and
+under `tf.GradientTape` (gradients are registered for each op). The public
+functions check the arguments and resolve the names first."""
 
-import itertools
-import threading
+import contextlib
 
 import tensorflow as tf
 
@@ -10,14 +11,13 @@ from kerasdist._core import host as _host
 from kerasdist import basics
 from kerasdist.tensorflow._native import ops as _ops
 
-_counters = {}
-_counter_lock = threading.Lock()
+FRAMEWORK = "tensorflow"
+
+require_init = _host.require_init
+check_op = _host.check_op
 
 
-_check_op = _host.check_op
-
-
-def _auto_name(kind, name):
+def auto_name(kind, name):
     """The name the ranks negotiate by; identical on every rank.
 
     Explicit names win. Eagerly, unnamed calls are numbered in call order (the
@@ -28,163 +28,76 @@ def _auto_name(kind, name):
     if name is not None:
         return str(name)
     if tf.executing_eagerly():
-        with _counter_lock:
-            counter = _counters.setdefault(kind, itertools.count())
-            return f"{kind}.noname.{next(counter)}"
+        return _host.eager_name(kind, None)
     graph = tf.compat.v1.get_default_graph()
     return f"{kind}.{graph.unique_name('noname', mark_as_used=True)}"
 
 
-def _require_init():
-    if not basics.is_initialized():
-        raise RuntimeError("kerasdist is not initialized; call kerasdist.init() "
-                           "first.")
+def tensor(x, what):
+    """`x` as the ops take it (an allreduce keeps a `tf.IndexedSlices`)."""
+    if what == "allreduce" and isinstance(x, tf.IndexedSlices):
+        return x
+    return tf.convert_to_tensor(x)
 
 
-def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-              postscale_factor=1.0):
-    """Reduces a tensor over all ranks; every rank gets the result.
+def variable_value(variable):
+    return tf.convert_to_tensor(variable)
 
-    Args:
-        tensor: a tf.Tensor, variable or array-like (float16, bfloat16,
-            float32, float64, int32, int64, uint8), or a `tf.IndexedSlices`
-            (its values and indices are allgathered; Average divides by
-            `size()`).
-        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
-            Average of integers divides with truncation toward zero.
-        name: the name ranks match this collective by. Give one when ranks
-            may issue collectives in different orders outside a tf.function.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
 
-    Returns:
-        A tensor of the same shape and dtype.
+no_grad = contextlib.nullcontext
 
-    Raises:
-        tf.errors.InvalidArgumentError: if ranks disagree about the tensor
-            (shape, dtype, op); the message names the ranks.
 
-    Example:
-    >>> total = kerasdist.allreduce(tf.constant([1.0, 2.0]), op=kerasdist.Sum)
-    """
-    _require_init()
-    _check_op(op, "allreduce")
+def allreduce(tensor, op, name, prescale_factor, postscale_factor):
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, name)
-    tensor = tf.convert_to_tensor(tensor)
     return _ops().kerasdist_allreduce(
-        tensor, tensor_name=_auto_name("allreduce", name), reduce_op=op,
+        tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def _allreduce_sparse(slices, op, name):
+def _allreduce_sparse(slices, op, base):
     if op not in (basics.Average, basics.Sum):
         raise ValueError("allreduce of tf.IndexedSlices supports only Sum and "
                          "Average.")
-    base = _auto_name("allreduce", name)
-    values = allgather(slices.values, name=base + ".values")
-    indices = allgather(slices.indices, name=base + ".indices")
+    values = allgather(tf.convert_to_tensor(slices.values), base + ".values")
+    indices = allgather(tf.convert_to_tensor(slices.indices),
+                        base + ".indices")
     if op == basics.Average:
         values = values / tf.cast(basics.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def grouped_allreduce(tensors, op=basics.Average, name=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces a list of tensors together (they run in one fused collective
-    when they fit the fusion threshold and share a dtype).
-
-    Returns:
-        A list of reduced tensors, in the input order.
-    """
-    _require_init()
-    _check_op(op, "grouped_allreduce")
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not tensors:
-        return []
+def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
     # One op for the whole list: members are named `<name>.<i>`.
     return list(_ops().kerasdist_grouped_allreduce(
-        tensors, tensor_name=_auto_name("grouped_allreduce", name),
-        reduce_op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor))
+        tensors, tensor_name=name, reduce_op=op,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 
-def allgather(tensor, name=None):
-    """Concatenates every rank's tensor along the first dimension (which may
-    differ between ranks; the other dimensions must agree)."""
-    _require_init()
-    tensor = tf.convert_to_tensor(tensor)
-    return _ops().kerasdist_allgather(tensor,
-                                      tensor_name=_auto_name("allgather", name))
+def allgather(tensor, name):
+    return _ops().kerasdist_allgather(tensor, tensor_name=name)
 
 
-def broadcast(tensor, root_rank, name=None):
-    """Every rank receives `root_rank`'s tensor (any dtype, also bool/uint8)."""
-    _require_init()
-    size = basics.size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank must be an int in [0, {size}), got "
-                         f"{root_rank!r}.")
-    tensor = tf.convert_to_tensor(tensor)
-    return _ops().kerasdist_broadcast(
-        tensor, tensor_name=_auto_name("broadcast", name), root_rank=root_rank)
+def broadcast(tensor, root_rank, name):
+    return _ops().kerasdist_broadcast(tensor, tensor_name=name,
+                                      root_rank=root_rank)
 
 
-def _variable_name(v):
-    return getattr(v, "path", None) or v.name
-
-
-def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
-    """Assigns `root_rank`'s values to `variables` on every rank.
-
-    Names derive from the variables' paths, so every rank must pass the same
-    variables (in any order).
-    """
-    _require_init()
-    variables = list(variables)
-    names = [f"{name_prefix}.{_variable_name(v)}" for v in variables]
-    if len(set(names)) != len(names):
-        names = [f"{n}.{i}" for i, n in enumerate(names)]
-    values = [broadcast(tf.convert_to_tensor(v), root_rank, name=n)
-              for v, n in zip(variables, names)]
-    for v, value in zip(variables, values):
-        v.assign(value)
-
-
-def alltoall(tensor, splits=None, name=None):
-    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
-
-    Without `splits` the first dimension is divided evenly.
-
-    Returns:
-        (received, received_splits): rows from every rank in rank order, and
-        how many rows came from each rank.
-    """
-    _require_init()
-    tensor = tf.convert_to_tensor(tensor)
+def alltoall(tensor, splits, name):
     if splits is None:
         splits = tf.zeros([0], tf.int64)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
-    return _ops().kerasdist_alltoall(tensor, splits,
-                                     tensor_name=_auto_name("alltoall", name))
+    return _ops().kerasdist_alltoall(tensor, splits, tensor_name=name)
 
 
-def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-                  postscale_factor=1.0):
-    """Reduces over all ranks; rank r keeps its slice of the first dimension
-    (earlier ranks get one extra row when it does not divide evenly)."""
-    _require_init()
-    _check_op(op, "reducescatter")
-    tensor = tf.convert_to_tensor(tensor)
+def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
     return _ops().kerasdist_reducescatter(
-        tensor, tensor_name=_auto_name("reducescatter", name), reduce_op=op,
+        tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def barrier(name=None):
-    """Returns once every rank has called it."""
-    _require_init()
-    _ops().kerasdist_barrier(tensor_name=_auto_name("barrier", name))
+def barrier(name):
+    _ops().kerasdist_barrier(tensor_name=name)
 
 
 # ---- gradients -------------------------------------------------------------

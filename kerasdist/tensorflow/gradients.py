@@ -5,7 +5,7 @@ reducing a gradient list of TF tensors."""
 import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist.tensorflow import collectives
+from kerasdist.collectives import bound
 from kerasdist._core.gradients import split_groups
 
 
@@ -93,7 +93,7 @@ def reduce_gradients(grads, sources, prefix, compression=None,
                 grad = tf.convert_to_tensor(grad)
             else:
                 values, ctx = compression.compress(grad.values)
-                gathered = collectives.allreduce(
+                gathered = bound("tensorflow").allreduce(
                     tf.IndexedSlices(values, grad.indices, grad.dense_shape),
                     op=op, name=name)
                 out[i] = tf.IndexedSlices(
@@ -113,7 +113,7 @@ def reduce_gradients(grads, sources, prefix, compression=None,
     reduced = []
     if dense:
         for g, members in enumerate(split_groups(len(dense), groups)):
-            reduced += collectives.grouped_allreduce(
+            reduced += bound("tensorflow").grouped_allreduce(
                 [wires[j] for j in members], op=dense_op,
                 name=_group_name(prefix, g, groups),
                 prescale_factor=prescale, postscale_factor=postscale)

@@ -7,7 +7,7 @@ import warnings
 import tensorflow as tf
 
 from kerasdist import basics
-from kerasdist.tensorflow import collectives
+from kerasdist.collectives import bound
 from kerasdist.tensorflow import gradients as _tf_gradients
 
 XLA_MESSAGE = (
@@ -84,8 +84,8 @@ def agree_finite(finite, prefix):
     if not tf.executing_eagerly():
         graph = tf.compat.v1.get_default_graph()
         name = graph.unique_name(name, mark_as_used=True)
-    agreed = collectives.allreduce(tf.cast(finite, tf.int32), op=basics.Min,
-                                   name=name)
+    agreed = bound("tensorflow").allreduce(tf.cast(finite, tf.int32),
+                                           op=basics.Min, name=name)
     return tf.greater(agreed, 0)
 
 

@@ -1,5 +1,6 @@
-"""Collectives on PyTorch tensors: `torch.library` custom ops with autograd,
-as the TF ops have.
+"""The PyTorch side of the public collectives (`kerasdist/collectives.py`):
+`torch.library` custom ops with autograd, as the TF ops have. The public
+functions check the arguments and resolve the names first.
 
 The ops call the core through its C API (ctypes): each enqueues its tensor,
 which the core negotiates by name with the other ranks and fuses with what
@@ -267,17 +268,24 @@ torch.library.register_autograd("kerasdist::reducescatter",
                                 setup_context=_reducescatter_context)
 
 
-# ---- public API --------------------------------------------------------------
+# ---- what the public collectives call ---------------------------------------
 
+FRAMEWORK = "torch"
 
 # Plain Python checks (ctypes calls into the core): torch.compile runs them
 # as they are instead of tracing them.
-_require_init = torch.compiler.disable(_host.require_init)
-_check_op = torch.compiler.disable(_host.check_op)
+require_init = torch.compiler.disable(_host.require_init)
+check_op = torch.compiler.disable(_host.check_op)
+auto_name = _host.eager_name
+no_grad = torch.no_grad
 
 
-def _tensor(x):
+def tensor(x, what):
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def variable_value(variable):
+    return variable.value.detach()
 
 
 def _rows(x, what):
@@ -287,95 +295,26 @@ def _rows(x, what):
     return x.shape[0]
 
 
-def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-              postscale_factor=1.0):
-    """Reduces a tensor over all ranks; every rank gets the result.
-
-    Args:
-        tensor: a `torch.Tensor` (float16, bfloat16, float32, float64,
-            int32, int64, uint8) or array-like.
-        op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or `Product`.
-            Average of integers divides with truncation toward zero.
-        name: the name ranks match this collective by. Unnamed calls are
-            numbered in call order, which must then be the same on every
-            rank.
-        prescale_factor: multiplies the input before the reduction.
-        postscale_factor: multiplies the result after it.
-
-    Returns:
-        A new tensor of the same shape and dtype. Differentiable for Sum and
-        Average (the gradient is the same allreduce of the incoming one).
-
-    Raises:
-        ValueError: for an unknown `op`.
-        RuntimeError: if kerasdist is not initialized, or a collective
-            failed (`kerasdist._core.capi.KerasdistError`, naming the ranks).
-
-    Example:
-    >>> import kerasdist.torch as kd
-    >>> kd.init()
-    >>> total = kd.allreduce(torch.tensor([1.0, 2.0]), op=kd.Sum)
-    """
-    _require_init()
-    _check_op(op, "allreduce")
-    return _allreduce(_tensor(tensor), _host.eager_name("allreduce", name),
-                      int(op), float(prescale_factor), float(postscale_factor))
+def allreduce(tensor, op, name, prescale_factor, postscale_factor):
+    return _allreduce(tensor, name, int(op), float(prescale_factor),
+                      float(postscale_factor))
 
 
-def grouped_allreduce(tensors, op=basics.Average, name=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces a list of tensors together (members named `<name>.<i>`, which
-    the core fuses into as few collectives as the threshold allows).
-
-    Returns:
-        A list of reduced tensors, in the input order.
-    """
-    _require_init()
-    _check_op(op, "grouped_allreduce")
-    tensors = [_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-    return list(_grouped(tensors,
-                         _host.eager_name("grouped_allreduce", name),
-                         int(op), float(prescale_factor),
+def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
+    return list(_grouped(tensors, name, int(op), float(prescale_factor),
                          float(postscale_factor)))
 
 
-def allgather(tensor, name=None):
-    """Concatenates every rank's tensor along the first dimension (which may
-    differ between ranks; the other dimensions must agree)."""
-    _require_init()
-    tensor = _tensor(tensor)
+def allgather(tensor, name):
     _rows(tensor, "allgather")
-    return _allgather(tensor, _host.eager_name("allgather", name))
+    return _allgather(tensor, name)
 
 
-def broadcast(tensor, root_rank, name=None):
-    """Every rank receives `root_rank`'s tensor (any dtype, also bool/uint8).
-
-    The gradient flows to the root only: it gets the sum of every rank's
-    incoming gradient, the others zeros.
-    """
-    _require_init()
-    size = basics.size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank must be an int in [0, {size}), got "
-                         f"{root_rank!r}.")
-    return _broadcast(_tensor(tensor), _host.eager_name("broadcast", name),
-                      root_rank)
+def broadcast(tensor, root_rank, name):
+    return _broadcast(tensor, name, root_rank)
 
 
-def alltoall(tensor, splits=None, name=None):
-    """Sends `splits[r]` rows of `tensor` to rank r and returns what arrived.
-
-    Without `splits` the first dimension is divided evenly.
-
-    Returns:
-        (received, received_splits): rows from every rank in rank order, and
-        how many rows came from each rank (int64).
-    """
-    _require_init()
-    tensor = _tensor(tensor)
+def alltoall(tensor, splits, name):
     rows = _rows(tensor, "alltoall")
     n = basics.size()
     if splits is None:
@@ -386,25 +325,15 @@ def alltoall(tensor, splits=None, name=None):
             raise ValueError(f"alltoall: splits must be {n} non-negative row "
                              f"counts summing to the first dimension ({rows});"
                              f" got {splits}.")
-    return _alltoall(tensor, _host.eager_name("alltoall", name), splits)
+    return _alltoall(tensor, name, splits)
 
 
-def reducescatter(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-                  postscale_factor=1.0):
-    """Reduces over all ranks; rank r keeps its slice of the first dimension
-    (earlier ranks get one extra row when it does not divide evenly)."""
-    _require_init()
-    _check_op(op, "reducescatter")
-    tensor = _tensor(tensor)
+def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
     _rows(tensor, "reducescatter")
-    return _reducescatter(tensor, _host.eager_name("reducescatter", name),
-                          int(op), float(prescale_factor),
+    return _reducescatter(tensor, name, int(op), float(prescale_factor),
                           float(postscale_factor))
 
 
-def barrier(name=None):
-    """Returns once every rank has called it."""
-    _require_init()
-    h = _capi.Handle(_capi.OP_BARRIER, _host.eager_name("barrier", name),
-                     _capi.DTYPES[np.dtype(np.uint8)], (), None, None)
-    h.wait()
+def barrier(name):
+    _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
+                 (), None, None).wait()

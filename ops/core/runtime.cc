@@ -41,7 +41,7 @@ constexpr double kGoodbyeTimeoutS = 2.0;
 std::string BatchArgs(const CollectiveBatch& b) {
   return "\"bytes\":" + std::to_string(b.bytes()) + ",\"fused\":" +
          std::to_string(b.tensors.size()) + ",\"dtype\":\"" + DataTypeName(b.dtype) +
-         "\",\"transport\":\"" + b.transport + "\"";
+         "\",\"backend\":\"" + b.backend + "\"";
 }
 
 }  // namespace
@@ -586,7 +586,7 @@ Status Runtime::RunBatch(const std::vector<const Response*>& resps,
   CountRun(b, start);
   if (backend->Asynchronous()) {
     async_.emplace(tag, AsyncBatch{std::move(entries), std::move(result), start,
-                                   b.transport, b.device});
+                                   b.backend, b.device});
     return Status::OK();
   }
   RecordRun(resps, b, start);
@@ -602,7 +602,7 @@ void Runtime::CountRun(const CollectiveBatch& b, Clock::time_point start) {
                          Clock::now() - start).count();
   }
   for (size_t i = 0; i < backends_.size(); ++i) {
-    if (std::strcmp(backends_[i]->Name(), b.transport) == 0) {
+    if (std::strcmp(backends_[i]->Name(), b.backend) == 0) {
       backend_runs_[i] += 1;
       return;
     }
@@ -678,7 +678,7 @@ void Runtime::RecordAsync(const AsyncBatch& a) {
   for (const Entry& e : a.entries) {
     loop_timeline_->Phase(
         e.req.name, OpPhaseName(e.req.op), a.issued, now,
-        "\"device\":" + std::to_string(a.device) + ",\"transport\":\"" + a.transport +
+        "\"device\":" + std::to_string(a.device) + ",\"backend\":\"" + a.backend +
             "\",\"bytes\":" +
             std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
   }

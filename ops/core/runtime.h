@@ -74,7 +74,7 @@ class Runtime {
     std::vector<Entry> entries;
     Result result;           // its status comes from the backend
     Clock::time_point issued;
-    const char* transport;
+    const char* backend;     // the backend that runs it (its Name())
     int device;
   };
 

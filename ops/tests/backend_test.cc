@@ -132,7 +132,7 @@ void RunAllreduceCase(Backend& backend, const ReduceCase& c, int rank, int n) {
   }
   std::vector<std::vector<char>> kept = inputs;
   CHECK_OK(backend.Run(b, 0));
-  CHECK(std::string(b.transport) == backend.Name());
+  CHECK(std::string(b.backend) == backend.Name());
   for (size_t t = 0; t < c.counts.size(); ++t) {
     const std::vector<char>& got = c.in_place ? inputs[t] : outputs[t];
     if (!c.in_place) CHECK_MSG(inputs[t] == kept[t], "input changed: " + c.Describe());

@@ -188,6 +188,24 @@ class OutputCache {
   std::vector<int> next_;
 };
 
+// The attributes every reducing op has (allreduce, grouped allreduce,
+// reducescatter), read once when the kernel is built.
+struct ReduceAttrs {
+  int reduce_op = 0;
+  float prescale = 1.0f, postscale = 1.0f;
+
+  ::tensorflow::Status Read(OpKernelConstruction* c) {
+    TF_RETURN_IF_ERROR(c->GetAttr("reduce_op", &reduce_op));
+    TF_RETURN_IF_ERROR(c->GetAttr("prescale_factor", &prescale));
+    return c->GetAttr("postscale_factor", &postscale);
+  }
+  void Apply(core::Request* req) const {
+    req->reduce_op = static_cast<core::ReduceOp>(reduce_op);
+    req->prescale = prescale;
+    req->postscale = postscale;
+  }
+};
+
 // Shared by every kernel: the tensor name (attr, else the node name) and the
 // enqueue with error handling.
 class CollectiveKernel : public AsyncOpKernel {
@@ -304,9 +322,7 @@ class CollectiveKernel : public AsyncOpKernel {
 class AllreduceOp : public CollectiveKernel {
  public:
   explicit AllreduceOp(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    OP_REQUIRES_OK(c, reduce_.Read(c));
     OP_REQUIRES_OK(c, c->GetAttr("group", &group_));
     OP_REQUIRES_OK(c, c->GetAttr("group_size", &group_size_));
   }
@@ -319,17 +335,14 @@ class AllreduceOp : public CollectiveKernel {
     OP_REQUIRES_OK_ASYNC(ctx, outputs_.Get(ctx, 0, &out), done);
     e.input = ctx->input(0).tensor_data().data();
     e.output = Data(*out);
-    e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
-    e.req.prescale = prescale_;
-    e.req.postscale = postscale_;
+    reduce_.Apply(&e.req);
     e.req.group = group_;
     e.req.group_size = group_size_;
     Submit(ctx, done, rt, std::move(e), where);
   }
 
  private:
-  int reduce_op_;
-  float prescale_, postscale_;
+  ReduceAttrs reduce_;
   std::string group_;
   int group_size_;
   OutputCache outputs_{on_gpu_};
@@ -343,9 +356,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         outputs_(on_gpu_) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &base_));
     if (base_.empty()) base_ = name();
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    OP_REQUIRES_OK(c, reduce_.Read(c));
     // "<base>.<i>" for every member, built once: a node's input count is fixed.
     for (int i = 0; i < c->num_inputs(); ++i) {
       names_.push_back(base_ + "." + std::to_string(i));
@@ -429,9 +440,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       e.req.name = names_[i];
       e.req.op = core::OpType::kAllreduce;
       e.req.shape = Dims(in.shape());
-      e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
-      e.req.prescale = prescale_;
-      e.req.postscale = postscale_;
+      reduce_.Apply(&e.req);
       e.req.group = base_;
       e.req.group_size = n;
       e.req.device = where.device;
@@ -443,8 +452,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
 
   const bool on_gpu_;
   std::string base_;
-  int reduce_op_;
-  float prescale_, postscale_;
+  ReduceAttrs reduce_;
   OutputCache outputs_;
   std::vector<std::string> names_;
 };
@@ -520,25 +528,20 @@ class AlltoallOp : public CollectiveKernel {
 class ReducescatterOp : public CollectiveKernel {
  public:
   explicit ReducescatterOp(OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
-    OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    OP_REQUIRES_OK(c, reduce_.Read(c));
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::Entry e;
     core::RuntimeRef rt;
     Placement where;
     if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where)) return;
-    e.req.reduce_op = static_cast<core::ReduceOp>(reduce_op_);
-    e.req.prescale = prescale_;
-    e.req.postscale = postscale_;
+    reduce_.Apply(&e.req);
     e.allocate = Allocator(ctx, 0, where);
     Submit(ctx, done, rt, std::move(e), where);
   }
 
  private:
-  int reduce_op_;
-  float prescale_, postscale_;
+  ReduceAttrs reduce_;
 };
 
 class BarrierOp : public CollectiveKernel {

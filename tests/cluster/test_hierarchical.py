@@ -98,13 +98,13 @@ def test_hierarchical_matches_numpy_and_the_flat_path(cluster, tmp_path,
         for case in a.files:
             assert a[case].tobytes() == first[case].tobytes(), (r, case)
     # Rank 0's trace: every allreduce shows the three phases on its row,
-    # the middle one (the batch's own event) with transport "hier"; the
+    # the middle one (the batch's own event) with backend "hier"; the
     # batches of six tensors went as one (fused).
     rows = _rows(trace)
     for case in ("single.sum.int32.1000", "batch.sum.float64.3"):
         assert PHASES <= set(rows[case]), (case, rows.get(case))
         cross = rows[case]["CROSS_ALLREDUCE"]
-        assert cross and all(a["transport"] == "hier" for a in cross), cross
+        assert cross and all(a["backend"] == "hier" for a in cross), cross
     fused = [a["fused"] for name, row in rows.items()
              if name.startswith("batch.") for a in row["CROSS_ALLREDUCE"]]
     assert max(fused) >= 2, fused

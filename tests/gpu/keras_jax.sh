@@ -4,7 +4,7 @@
 # then runs tests/gpu/keras_jax_check.py on it:
 #   np=1 through NCCL, with the bandwidth table and the step overhead;
 #   np=2 on the one GPU, host-staged (KERASDIST_GPU_OPERATIONS=MPI);
-# each with a timeline that must show device batches ("transport").
+# each with a timeline that must show device batches (args.backend).
 
 say "Keras on JAX: JAX and Keras"
 # A dry run (KD_GPU_DRY_RUN=1) checks the same on JAX's CPU devices.
@@ -27,7 +27,7 @@ echo "built $PKG/kerasdist in $(( $(date +%s) - start )) s"
 CHECK="$PWD/tests/gpu/keras_jax_check.py"
 
 keras_jax() {  # keras_jax NAME NP OPERATIONS TRANSPORT [args]
-  local name=$1 np=$2 ops=$3 transport=$4; shift 4
+  local name=$1 np=$2 ops=$3 backend=$4; shift 4
   local timeline="$OUT/keras_jax_np$np.json"
   say "Keras on JAX: $name"
   if ! (cd "$PKG" && env PYTHONPATH="$PKG" KERAS_BACKEND=jax \
@@ -39,17 +39,17 @@ keras_jax() {  # keras_jax NAME NP OPERATIONS TRANSPORT [args]
   local phase=ALLREDUCE
   # Without a GPU there are no device batches: the dry run checks that the
   # timeline was written and holds negotiated tensors.
-  [ "$DRY" = 1 ] && { transport=host; phase=NEGOTIATE; }
-  "$PY" - "$timeline" "$transport" "$phase" <<'PYEOF' || { echo "FAIL: Keras on JAX $name: no device batches in the timeline"; failed=1; }
+  [ "$DRY" = 1 ] && { backend=host; phase=NEGOTIATE; }
+  "$PY" - "$timeline" "$backend" "$phase" <<'PYEOF' || { echo "FAIL: Keras on JAX $name: no device batches in the timeline"; failed=1; }
 import collections, glob, json, sys
-path, transport, phase = sys.argv[1:4]
+path, backend, phase = sys.argv[1:4]
 events = []
 for p in glob.glob(path + "*"):  # one file, or one per rank
     events += json.load(open(p))
 seen = collections.Counter(
     e.get("name") for e in events
-    if e.get("args", {}).get("transport", "host") == transport)
-print(f"device phases ({transport}):", dict(seen))
+    if e.get("args", {}).get("backend", "host") == backend)
+print(f"device phases ({backend}):", dict(seen))
 sys.exit(0 if seen.get(phase) else 1)
 PYEOF
 }

@@ -89,7 +89,7 @@ say "timeline: device batches recorded"
 import collections, json, sys
 events = json.load(open(sys.argv[1]))
 on_gpu = collections.Counter(e["name"] for e in events
-                             if e.get("args", {}).get("transport") == "nccl")
+                             if e.get("args", {}).get("backend") == "nccl")
 print("device phases:", dict(on_gpu))
 sys.exit(0 if on_gpu.get("ALLREDUCE") and on_gpu.get("ALLGATHER") else 1)
 PYEOF

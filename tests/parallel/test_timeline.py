@@ -61,6 +61,8 @@ def test_env_timeline_rows_and_phases(tmp_path):
             assert a["wait_us"][a["first_rank"]] == 0
         if e.get("name") == "ALLREDUCE":
             assert e["args"]["fused"] >= 1 and e["args"]["bytes"] > 0
+            # The data-path backend that ran the batch (mpi, shm, cma...).
+            assert e["args"]["backend"] and "transport" not in e["args"]
     s = timeline_tools.summarize(str(path))
     assert not s["truncated"]
     n_neg = sum(1 for e in events if e.get("name") == "NEGOTIATE")

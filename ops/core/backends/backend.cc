@@ -9,7 +9,7 @@ int64_t CollectiveBatch::elements() const {
 }
 
 Status Backend::Run(CollectiveBatch& b, uint64_t tag) {
-  b.transport = Name();
+  b.backend = Name();
   switch (b.op) {
     case OpType::kAllreduce: return Allreduce(b, tag);
     case OpType::kAllgather: return Allgather(b, tag);

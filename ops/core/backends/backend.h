@@ -66,7 +66,7 @@ struct CollectiveBatch {
   // when it finished packing (copy in) and reducing, where it fused. A
   // backend that hands a batch to another (a fallback, a composition) leaves
   // the other's marks.
-  const char* transport = "";
+  const char* backend = "";
   std::chrono::steady_clock::time_point packed{}, reduced{};
   // The timeline's names for the three phases those marks divide the batch
   // into; null: the fusion buffer's (copy in, the collective, copy out).
@@ -90,7 +90,7 @@ struct Completion {
 class Backend {
  public:
   virtual ~Backend() = default;
-  // Short and stable: the timeline's `transport` field and `kerasdist
+  // Short and stable: the timeline's `backend` field and `kerasdist
   // doctor` show it ("mpi", "shm", "cma", "nccl", ...).
   virtual const char* Name() const = 0;
   // Whether this backend runs `b`; the same answer on every rank.

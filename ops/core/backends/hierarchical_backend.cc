@@ -127,7 +127,7 @@ Status HierarchicalBackend::Allreduce(CollectiveBatch& b, uint64_t tag) {
   }
   b.reduced = Clock::now();
   KD_RETURN_IF_ERROR(NodeBroadcast(b));
-  b.transport = Name();
+  b.backend = Name();
   b.phases = kHierarchicalPhases;
   return Status::OK();
 }
