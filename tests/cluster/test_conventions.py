@@ -27,6 +27,9 @@ pytestmark = pytest.mark.cluster
 WORKER = worker_cmd("convention_cluster_worker.py")
 JOBSET = ["train-workers-0-0.train", "train-workers-0-1.train"]
 SAGEMAKER = ["algo-1", "algo-2"]
+# On: the hierarchical backend is chosen only where MPI groups the ranks by
+# host as under kerasdist run (2 per host here).
+HIER = {"KERASDIST_HIERARCHICAL_ALLREDUCE": 1}
 DROP = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "KERAS_DISTRIBUTION_", "JAX_",
         "SLURM_", "SM_", "PET_", "TF_CONFIG", "CLUSTER_SPEC",
         "JOB_COMPLETION_INDEX", "KERASDIST_NUM_PROCESSES",
@@ -58,7 +61,7 @@ def cluster():
 
 
 def _base():
-    env = worker_env(KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=60)
+    env = worker_env(KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=60, **HIER)
     for k in list(env):
         if k.startswith(DROP) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                        "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -140,7 +143,8 @@ def _wait(procs, timeout):
 
 
 def _under_run(cluster, np_, hosts):
-    out = run_on(cluster, np_, hosts, WORKER, timeout=120, env=worker_env())
+    out = run_on(cluster, np_, hosts, WORKER, timeout=120,
+                 env=worker_env(**HIER))
     assert out.returncode == 0, out.stdout[-3000:]
     return [line.split()[1] for line in out.stdout.splitlines()
             if "BACKENDS" in line][0]
@@ -173,6 +177,8 @@ def test_every_convention_forms_one_job_across_hosts(cluster):
         two_by_one = _under_run(cluster, 2, "kdt0:1,kdt1:1")
     finally:
         results = _wait(procs, timeout=140)
+    assert "hier" in two_by_two.split(","), two_by_two
+    assert "hier" not in two_by_one.split(","), two_by_one
     for name, per_host in jobs.items():
         size = sum(len(envs) for envs in per_host)
         _check(name, results[name], size, 2,
