@@ -35,7 +35,7 @@ def _format(value):
     return str(value)
 
 
-def init(comm=None, **settings):
+def init(comm=None, verbose=False, **settings):
     """Starts kerasdist on this process.
 
     Every rank of the job calls it once, before any collective. Calling it
@@ -50,6 +50,11 @@ def init(comm=None, **settings):
     Args:
         comm: an mpi4py communicator whose ranks form the job (default: all
             processes, `MPI.COMM_WORLD`).
+        verbose: every rank prints one line to stderr once started: the
+            launch convention found, its rank, size, local rank and local
+            size, the coordinator, and the data paths (backends) chosen.
+            Without it rank 0 alone prints that line, and only for a job
+            that met at a coordinator (not under an MPI launcher).
         **settings: runtime settings that override the `KERASDIST_*`
             environment variables: `fusion_threshold` (bytes),
             `cycle_time_ms`, `cache_capacity`, `stall_check_time_seconds`,
@@ -89,9 +94,9 @@ def init(comm=None, **settings):
     _capi.resolve_settings(overrides)
     lib = _capi.lib()
     with _lock:
-        pmi_env = {}
+        pmi_env, launch = {}, None
         if comm is None and not is_initialized():
-            pmi_env = _join_launch(lib)
+            launch, pmi_env = _join_launch(lib)
         saved = {k: os.environ.get(k) for k in pmi_env}
         os.environ.update(pmi_env)
         try:
@@ -107,6 +112,10 @@ def init(comm=None, **settings):
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
+        if launch is not None and (verbose or (
+                launch.coordinator is not None and rank() == 0)):
+            sys.stderr.write(f"kerasdist: {started_line(launch)}\n")
+            sys.stderr.flush()
         if not _atexit_registered:
             atexit.register(_at_exit)
             sys.excepthook = _noting_uncaught(sys.excepthook)
@@ -118,10 +127,11 @@ def _join_launch(lib):
     """Reads the launch convention (kerasdist/run/conventions.py); where a
     platform rather than an MPI launcher started the job, meets the other
     processes at its coordinator (kerasdist/run/rendezvous.py) and returns
-    the PMI variables for MPI_Init. {} where there is nothing to join."""
+    the PMI variables for MPI_Init: (launch, {name: value}), {} where there
+    is nothing to join."""
     launch = conventions.detect(os.environ)
     if launch.coordinator is None:
-        return {}
+        return launch, {}
     mpi_started = ctypes.c_int(0)
     lib.MPI_Initialized(ctypes.byref(mpi_started))
     if mpi_started.value:
@@ -131,13 +141,23 @@ def _join_launch(lib):
             f"cannot join the {launch.convention} job of {launch.size}; "
             f"call kerasdist.init() before importing mpi4py.MPI.")
     timeout = rendezvous.timeout_from(os.environ)
-    if launch.rank == 0:
-        sys.stderr.write(f"kerasdist: {conventions.describe(launch)}\n")
-        sys.stderr.flush()
     try:
-        return rendezvous.join(launch, timeout)
+        return launch, rendezvous.join(launch, timeout)
     except rendezvous.RendezvousError as e:
         raise RuntimeError(f"kerasdist.init() failed: {e}") from None
+
+
+def started_line(launch):
+    """The started job's line: the launch convention, rank and size as the
+    runtime holds them, local rank and size (MPI's shared-memory split, not
+    the convention's), the coordinator, and the backends in the order the
+    runtime tries them."""
+    started = launch._replace(rank=rank(), size=size(),
+                              local_rank=local_rank(),
+                              local_size=local_size())
+    backends = _capi.lib().kerasdist_backends().decode()
+    return (f"{conventions.describe(started)}; backends, first enabled "
+            f"wins: {backends}")
 
 
 def _noting_uncaught(hook):

@@ -166,10 +166,16 @@ def selftest():
     """
     import numpy as np
 
+    from kerasdist import basics
+    from kerasdist.run import conventions
+
     lib = _capi.lib()
-    if lib.kerasdist_init(0, 0, b"") != 0:
-        raise RuntimeError(f"init failed: {_capi.last_error()}")
+    # kd.init(): under any launch convention (docs/launcher.md), not only
+    # under the launcher.
+    launch = conventions.detect(os.environ)
+    basics.init()
     rank, size = lib.kerasdist_rank(), lib.kerasdist_size()
+    started = basics.started_line(launch)
     f32 = _capi.dtype_codes()["float32"]
     sum_op, avg_op = _capi.reduce_ops()["Sum"], _capi.reduce_ops()["Average"]
 
@@ -242,7 +248,8 @@ def selftest():
     cma = _capi.backend_runs("cma") - before[1]
     path = "in place" if cma else "slots" if shm else "MPI"
     backends = lib.kerasdist_backends().decode()
-    lib.kerasdist_shutdown()
+    basics.shutdown()
+    print(f"rank {rank}/{size}: {started}", flush=True)
     print(f"rank {rank}/{size}: backends, first enabled wins: {backends}",
           flush=True)
     print(f"rank {rank}/{size}: large allreduce path: {path}", flush=True)
@@ -290,6 +297,7 @@ def install_checks(np_ranks):
         out.append((OK, f"mpiexec: {launch.find_mpiexec()}"))
     except Exception as e:  # noqa: BLE001 - its message says what to do
         out.append((FAIL, f"mpiexec: {e}"))
+    out.append(launch_check(os.environ))
     out += gpu_checks(info, _gpus(), np_ranks)
     if info is not None:
         settings, err = _settings()
@@ -301,6 +309,26 @@ def install_checks(np_ranks):
                                  settings[_shm_name()]))
     out.append(huge_pages_check(_thp_mode(), platform.libc_ver()))
     return out
+
+
+def launch_check(environ):
+    """The launch convention line: what kd.init() would find in `environ`
+    (docs/launcher.md, "Without `kerasdist run`")."""
+    from kerasdist.run import conventions
+    try:
+        launch = conventions.detect(environ)
+    except ValueError as e:
+        return FAIL, f"launch convention: {e}"
+    if launch.convention == "single":
+        return INFO, ("launch convention single: no launcher's or "
+                      "platform's variables here, kd.init() starts a job of "
+                      "one (the self-test runs under kerasdist run)")
+    if launch.coordinator is None:
+        how = ("MPI starts from its launcher" if launch.convention == "mpi"
+               else "a job of one, no coordinator")
+    else:
+        how = "kd.init() meets the other processes at the coordinator"
+    return OK, f"{conventions.describe(launch)} ({how})"
 
 
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"

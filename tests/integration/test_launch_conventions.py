@@ -147,3 +147,93 @@ def test_under_torchrun_itself():
     assert rc == 0, out
     assert "launch convention torchrun: rank 0 of 2" in out, out
     assert out.count("ok ") == 2, out
+
+
+# ---- the platforms' conventions after torchrun -------------------------------
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import worker_cmd  # noqa: E402
+from tests.support.helpers import worker_env  # noqa: E402
+
+
+def _platform_env(variables, **extra):
+    """A process's environment with exactly `variables` of a platform (no
+    launcher's, no torchrun's)."""
+    env = _env(0, 1, 1, **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    env.update({k: str(v) for k, v in variables.items()})
+    return env
+
+
+def _rank_one_of_two(port):
+    """{convention: rank 1's variables, its coordinator 127.0.0.1:port}."""
+    here = f"127.0.0.1:{port}"
+    spec = {"cluster": {"chief": [here], "worker": ["127.0.0.1:1"]},
+            "task": {"type": "worker", "index": 0}}
+    return {
+        "jax": {"JAX_COORDINATOR_ADDRESS": here, "JAX_NUM_PROCESSES": 2,
+                "JAX_PROCESS_ID": 1},
+        "kerasdist": {"KERASDIST_NUM_PROCESSES": 2, "JOB_COMPLETION_INDEX": 1,
+                      "KERASDIST_COORDINATOR": here},
+        "tf_config": {"TF_CONFIG": json.dumps(spec)},
+        "sagemaker": {"SM_HOSTS": '["127.0.0.1", "algo-2"]',
+                      "SM_CURRENT_HOST": "algo-2",
+                      "KERASDIST_COORDINATOR_PORT": port},
+        "slurm": {"SLURM_PROCID": 1, "SLURM_NTASKS": 2, "SLURM_LOCALID": 0,
+                  "SLURM_STEP_NODELIST": "127.0.0.1,kdt1",
+                  "SLURM_JOB_ID": 5, "SLURM_STEP_ID": 0,
+                  "KERASDIST_COORDINATOR_PORT": port},
+    }
+
+
+@pytest.mark.timeout(120)
+def test_each_convention_without_its_coordinator_fails_in_time():
+    ports = {name: free_port() for name in _rank_one_of_two(1)}
+    names = sorted(ports)
+    envs = [_platform_env(_rank_one_of_two(ports[n])[n],
+                          KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=3)
+            for n in names]
+    start = time.monotonic()
+    results = start_processes(WORKER, envs, timeout=90)
+    took = time.monotonic() - start
+    for name, (rc, out) in zip(names, results):
+        last = out.strip().splitlines()[-1]
+        assert rc != 0, (name, out)
+        assert last.startswith(
+            f"RuntimeError: kerasdist.init() failed: rank 1 of 2 found no "
+            f"coordinator at 127.0.0.1:{ports[name]} within 3 s"), (name,
+                                                                    last)
+    assert took < 60, took
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras_training_matches_kerasdist_run(tmp_path):
+    """The same script, started from TF_CONFIG (a chief and a worker) and
+    under `kerasdist run -np 2`, reaches the same weights."""
+    script = worker_cmd("convention_train_worker.py")
+    port = free_port()
+    spec = {"cluster": {"chief": [f"127.0.0.1:{port}"],
+                        "worker": ["127.0.0.1:1"]}}
+    envs = [_platform_env({"TF_CONFIG": json.dumps(
+        {**spec, "task": {"type": kind, "index": 0}})})
+        for kind in ("chief", "worker")]
+    results = start_processes(script + [str(tmp_path / "platform.npz")],
+                              envs, timeout=200)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0 and f"trained {r} 2" in out, out
+    assert "launch convention tf_config: rank 0 of 2" in results[0][1]
+    under_run = launch(2, script + [str(tmp_path / "run.npz")], timeout=200,
+                       env=worker_env())
+    assert under_run.returncode == 0, under_run.stdout[-3000:]
+    a = np.load(tmp_path / "platform.npz")
+    b = np.load(tmp_path / "run.npz")
+    assert len(a.files) == len(b.files) == 4
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5)

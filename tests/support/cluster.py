@@ -335,6 +335,13 @@ class Cluster:
 
     # -- using --------------------------------------------------------------
 
+    def add_aliases(self, host, *names):
+        """Makes `names` resolve to `host`'s address on every host (as a
+        platform's DNS names its pods): every host's /etc/hosts is one
+        file, appended to in place."""
+        with open(self._hosts_file, "a") as f:
+            f.write(f"{host.address} {' '.join(names)}\n")
+
     def host(self, name):
         for h in self.hosts:
             if h.name == name:

@@ -127,3 +127,224 @@ def test_rendezvous_timeout_setting():
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="is not a positive number"):
             rendezvous.timeout_from({rendezvous.TIMEOUT_ENV: bad})
+
+
+# ---- the platforms' conventions after torchrun -------------------------------
+
+import json  # noqa: E402
+
+PET = {**TORCHRUN, "PET_NNODES": "2", "PET_NODE_RANK": "1",
+       "PET_NPROC_PER_NODE": "2"}
+JAX = {"JAX_COORDINATOR_ADDRESS": "trainjob-node-0-0.trainjob:6666",
+       "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+INDEXED = {"JOB_COMPLETION_INDEX": "1", "KERASDIST_NUM_PROCESSES": "2",
+           "KERASDIST_COORDINATOR": "train-workers-0-0.train:29500"}
+SAGEMAKER = {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2",
+             "SM_NUM_GPUS": "8"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+         "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+         "SLURM_STEP_NODELIST": "kdt[0-1]", "SLURM_JOB_ID": "17",
+         "SLURM_STEP_ID": "0"}
+
+
+def tf_config(task_type, index, chief=True, workers=2, name="TF_CONFIG"):
+    roles = ("chief", "worker") if name == "TF_CONFIG" else (
+        "workerpool0", "workerpool1")
+    cluster = {roles[1]: [f"w{i}:2222" for i in range(workers)],
+               "ps": ["ps0:2222"]}
+    if chief:
+        cluster[roles[0]] = ["c0:2222"]
+    return {name: json.dumps({"cluster": cluster,
+                              "task": {"type": task_type, "index": index}})}
+
+
+def test_kubeflow_node_variables_agree_with_torchrun():
+    assert detect(PET) == Launch("torchrun", 3, 4, 1, 2, ("node0", 29500))
+    # A PyTorchJob pod of one process started without torchrun.
+    pod = with_(PET, LOCAL_RANK=None, LOCAL_WORLD_SIZE=None, RANK="1",
+                WORLD_SIZE="2", PET_NPROC_PER_NODE="1")
+    assert detect(pod) == Launch("torchrun", 1, 2, 0, 1, ("node0", 29500))
+    # Non-numeric node variables (elastic ranges, "auto") are not checked.
+    assert detect(with_(PET, PET_NNODES="1:4", PET_NPROC_PER_NODE="auto")
+                  ).rank == 3
+
+
+def test_jax():
+    assert detect(JAX) == Launch("jax", 1, 2, None, None,
+                                 ("trainjob-node-0-0.trainjob", 6666))
+
+
+def test_indexed_job_and_jobset():
+    assert detect(INDEXED) == Launch("kerasdist", 1, 2, 0, 1,
+                                     ("train-workers-0-0.train", 29500))
+    two_each = with_(INDEXED, KERASDIST_NUM_PROCESSES="4",
+                     KERASDIST_PROCESSES_PER_HOST="2", KERASDIST_LOCAL_RANK="1")
+    assert detect(two_each) == Launch("kerasdist", 3, 4, 1, 2,
+                                      ("train-workers-0-0.train", 29500))
+    # KERASDIST_RANK, where set, is the rank (no Indexed Job needed).
+    own = with_(INDEXED, JOB_COMPLETION_INDEX=None, KERASDIST_RANK="0")
+    assert detect(own).rank == 0
+
+
+def test_tf_config_chief_is_worker_zero():
+    assert detect(tf_config("chief", 0)) == Launch(
+        "tf_config", 0, 3, None, None, ("c0", 2222))
+    assert detect(tf_config("worker", 1)).rank == 2
+    assert detect(tf_config("worker", 1, chief=False)) == Launch(
+        "tf_config", 1, 2, None, None, ("w0", 2222))
+    vertex = tf_config("workerpool1", 0, name="CLUSTER_SPEC")
+    assert detect(vertex) == Launch("tf_config", 1, 3, None, None,
+                                    ("c0", 2222))
+    # Vertex sets both; they agree.
+    assert detect({**vertex, **tf_config("worker", 0)}).rank == 1
+
+
+def test_sagemaker_one_process_per_host_unless_told():
+    assert detect(SAGEMAKER) == Launch("sagemaker", 1, 2, 0, 1,
+                                       ("algo-1", 29500))
+    more = with_(SAGEMAKER, KERASDIST_PROCESSES_PER_HOST="8",
+                 KERASDIST_LOCAL_RANK="3")
+    assert detect(more) == Launch("sagemaker", 11, 16, 3, 8,
+                                  ("algo-1", 29500))
+    assert detect(with_(SAGEMAKER, KERASDIST_COORDINATOR_PORT="7000")
+                  ).coordinator == ("algo-1", 7000)
+
+
+def test_srun_without_an_mpi_plugin():
+    launch = detect(SLURM)
+    assert launch[:5] == ("slurm", 3, 4, 1, 2)
+    assert launch.coordinator[0] == "kdt0"
+    assert 10000 <= launch.coordinator[1] < 30000
+    # Another step of the job: another port.
+    assert detect(with_(SLURM, SLURM_STEP_ID="1")).coordinator != \
+        launch.coordinator
+    # An sbatch script (no step) is not a task of a step.
+    assert detect(with_(SLURM, SLURM_STEP_ID=None)).convention == "single"
+    # srun --mpi=pmi2 sets PMI_*: MPI's path, as before.
+    pmi2 = {**SLURM, "PMI_FD": "4", "PMI_RANK": "3", "PMI_SIZE": "4"}
+    assert detect(pmi2).convention == "mpi"
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("kdt[0-1]", "kdt0"), ("node[07-12,3]", "node07"), ("a,b[1-2]", "a"),
+    ("rack[2-3]-gpu[010-011]", "rack2-gpu010"), ("single", "single"),
+    ("kdt[0-1", None), ("", None),
+])
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert conventions._expand_first(nodelist) == first
+
+
+def test_host_wide_conventions_yield_to_per_process_ones():
+    # torchrun started under srun, in a Vertex or SageMaker container.
+    env = {**SLURM, **tf_config("worker", 0), **SAGEMAKER, **TORCHRUN}
+    assert detect(env).convention == "torchrun"
+    assert detect({**SLURM, **SAGEMAKER}).convention == "sagemaker"
+    assert detect({**SLURM, **tf_config("chief", 0)}).convention == \
+        "tf_config"
+
+
+@pytest.mark.parametrize("env, message", [
+    (with_(PET, PET_NODE_RANK="2"),
+     "PET_NODE_RANK=2 is not below PET_NNODES=2; set PET_NODE_RANK"),
+    (with_(PET, PET_NNODES="3"),
+     "WORLD_SIZE=4 is not PET_NNODES=3 x PET_NPROC_PER_NODE=2; set "
+     "WORLD_SIZE to 6"),
+    (with_(PET, LOCAL_RANK=None, LOCAL_WORLD_SIZE=None),
+     "PET_NPROC_PER_NODE=2 but LOCAL_RANK is not set: these are a node's "
+     "variables; start its 2 processes with torchrun"),
+    (with_(PET, PET_NPROC_PER_NODE="4", PET_NNODES=None),
+     "LOCAL_WORLD_SIZE=2 differs from PET_NPROC_PER_NODE=4"),
+    (with_(PET, PET_NODE_RANK="0"),
+     "RANK=3 is not PET_NODE_RANK=0 x PET_NPROC_PER_NODE=2 + LOCAL_RANK=1; "
+     "set RANK to 1"),
+    (with_(JAX, JAX_COORDINATOR_ADDRESS=None),
+     "JAX_PROCESS_ID and JAX_NUM_PROCESSES are set but "
+     "JAX_COORDINATOR_ADDRESS is not; set JAX_COORDINATOR_ADDRESS"),
+    (with_(JAX, JAX_COORDINATOR_ADDRESS="node0"),
+     "JAX_COORDINATOR_ADDRESS='node0' is not host:port"),
+    (with_(JAX, JAX_PROCESS_ID="2"),
+     "JAX_PROCESS_ID=2 is not below JAX_NUM_PROCESSES=2"),
+    (with_(JAX, JAX_NUM_PROCESSES=None),
+     "JAX_PROCESS_ID is set but JAX_NUM_PROCESSES is not"),
+    ({**JAX, **TORCHRUN},
+     "torchrun says rank 3 of 4 (RANK, WORLD_SIZE) but jax says rank 1 of 2"),
+    (with_(INDEXED, JOB_COMPLETION_INDEX=None),
+     "KERASDIST_NUM_PROCESSES is set but neither KERASDIST_RANK nor "
+     "JOB_COMPLETION_INDEX is; run the pods as an Indexed Job"),
+    (with_(INDEXED, KERASDIST_NUM_PROCESSES=None, KERASDIST_RANK="0"),
+     "KERASDIST_RANK is set but KERASDIST_NUM_PROCESSES is not"),
+    (with_(INDEXED, KERASDIST_COORDINATOR=None),
+     "KERASDIST_NUM_PROCESSES is set but KERASDIST_COORDINATOR is not; set "
+     "KERASDIST_COORDINATOR to rank 0's host:port, e.g. "
+     "<jobset>-<job>-0-0.<subdomain>:29500"),
+    (with_(INDEXED, KERASDIST_COORDINATOR="train:port"),
+     "KERASDIST_COORDINATOR gives port 'port'"),
+    (with_(INDEXED, JOB_COMPLETION_INDEX="2"),
+     "JOB_COMPLETION_INDEX=2 is not below KERASDIST_NUM_PROCESSES=2; set "
+     "KERASDIST_NUM_PROCESSES to the Job's completions"),
+    (with_(INDEXED, KERASDIST_NUM_PROCESSES="3",
+           KERASDIST_PROCESSES_PER_HOST="2"),
+     "KERASDIST_NUM_PROCESSES=3 is not a multiple of "
+     "KERASDIST_PROCESSES_PER_HOST=2"),
+    (with_(INDEXED, KERASDIST_NUM_PROCESSES="4",
+           KERASDIST_PROCESSES_PER_HOST="2"),
+     "KERASDIST_PROCESSES_PER_HOST=2 but KERASDIST_LOCAL_RANK is not set"),
+    (with_(INDEXED, KERASDIST_NUM_PROCESSES="4",
+           KERASDIST_PROCESSES_PER_HOST="2", KERASDIST_LOCAL_RANK="2"),
+     "KERASDIST_LOCAL_RANK=2 is not below KERASDIST_PROCESSES_PER_HOST=2"),
+    (with_(INDEXED, KERASDIST_COORDINATOR_PORT="0"),
+     "KERASDIST_COORDINATOR_PORT gives port '0'"),
+    ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not a cluster spec"),
+    ({"TF_CONFIG": '{"cluster": {}}'},
+     "TF_CONFIG is not a cluster spec (KeyError: 'task')"),
+    (tf_config("ps", 0),
+     "TF_CONFIG makes this process a 'ps' task; kerasdist runs only 'chief' "
+     "and 'worker' tasks"),
+    (tf_config("worker", 2),
+     "TF_CONFIG has task 'worker' index 2 but cluster.worker lists 2; set "
+     "task.index to 0..1"),
+    (tf_config("evaluator", 0, name="CLUSTER_SPEC"),
+     "CLUSTER_SPEC has task.type 'evaluator'; set it to 'workerpool0' or "
+     "'workerpool1'"),
+    ({**tf_config("worker", 0), **tf_config("workerpool1", 1,
+                                            name="CLUSTER_SPEC")},
+     "TF_CONFIG says rank 1 of 3 but CLUSTER_SPEC says rank 2 of 3"),
+    (with_(SAGEMAKER, SM_HOSTS="algo-1,algo-2"),
+     "SM_HOSTS='algo-1,algo-2' is not a JSON list of host names"),
+    (with_(SAGEMAKER, SM_CURRENT_HOST="algo-3"),
+     "SM_CURRENT_HOST='algo-3' is not in SM_HOSTS=['algo-1', 'algo-2']"),
+    (with_(SAGEMAKER, KERASDIST_PROCESSES_PER_HOST="0"),
+     "KERASDIST_PROCESSES_PER_HOST='0' is below 1"),
+    (with_(SLURM, SLURM_NTASKS=None, SLURM_STEP_NUM_TASKS=None),
+     "SLURM_PROCID is set but SLURM_NTASKS is not"),
+    (with_(SLURM, SLURM_PROCID="4"),
+     "SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"),
+    (with_(SLURM, SLURM_LOCALID="2"),
+     "SLURM_LOCALID=2 is not below the 2 tasks SLURM_STEP_TASKS_PER_NODE "
+     "gives node 1"),
+    (with_(SLURM, SLURM_STEP_NODELIST=None),
+     "SLURM_PROCID is set but SLURM_STEP_NODELIST is not"),
+    (with_(SLURM, SLURM_STEP_NODELIST="kdt[0-1"),
+     "SLURM_STEP_NODELIST='kdt[0-1' is not a node list"),
+    (with_(SLURM, SLURM_STEP_ID="x"), "SLURM_STEP_ID='x' is not an integer"),
+])
+def test_platform_variables_bad_are_one_line_value_errors(env, message):
+    with pytest.raises(ValueError) as info:
+        detect(env)
+    text = str(info.value)
+    assert text.startswith(message), text
+    assert "\n" not in text
+
+
+def test_doctor_names_the_convention():
+    from kerasdist.tools import doctor
+    status, line = doctor.launch_check(INDEXED)
+    assert status == doctor.OK
+    assert line.startswith("launch convention kerasdist: rank 1 of 2, local "
+                           "rank 0 of 1, coordinator train-workers-0-0.train:"
+                           "29500"), line
+    status, line = doctor.launch_check(with_(JAX, JAX_PROCESS_ID="2"))
+    assert status == doctor.FAIL and "JAX_PROCESS_ID=2" in line
+    assert doctor.launch_check({})[0] == doctor.INFO
+    assert "MPI starts from its launcher" in doctor.launch_check(HYDRA)[1]
