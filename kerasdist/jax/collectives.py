@@ -23,7 +23,7 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
-from kerasdist.jax._dispatch import auto_name, call, program_trace
+from kerasdist.jax._dispatch import call, program_trace
 
 
 FRAMEWORK = "jax"

@@ -15,6 +15,7 @@ from kerasdist.basics import (Average, Max, Min, Product, Sum, cross_rank,
                               cross_size, init, is_initialized, local_rank,
                               local_size, rank, shutdown, size)
 from kerasdist.collectives import bound
+from kerasdist.tensorflow.tape import DistributedGradientTape
 
 _api = bound("tensorflow")
 allgather = _api.allgather
@@ -25,7 +26,6 @@ broadcast = _api.broadcast
 broadcast_variables = _api.broadcast_variables
 grouped_allreduce = _api.grouped_allreduce
 reducescatter = _api.reducescatter
-from kerasdist.tensorflow.tape import DistributedGradientTape
 
 __all__ = ["Average", "DistributedGradientTape", "Max", "Min", "Product",
            "Sum", "allgather", "allreduce", "alltoall", "barrier",

@@ -15,7 +15,6 @@ Exit status 0 means every check passed on this rank.
 """
 
 import argparse
-import ctypes
 import os
 import sys
 import time

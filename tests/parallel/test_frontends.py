@@ -27,7 +27,7 @@ def test_collectives_match_numpy(front, mode, np_):
         lines = rank_lines(out.stdout, r)
         assert any(l.startswith("OK gradients") for l in lines), (
             f"rank {r}:\n{out.stdout[-4000:]}")
-        assert any(l.startswith(f"OK all ") and l.endswith(f"({front} {mode})")
+        assert any(l.startswith("OK all ") and l.endswith(f"({front} {mode})")
                    for l in lines), f"rank {r}:\n{out.stdout[-4000:]}"
         if front == "jax" and mode == "jit":
             assert "OK jit program x3" in lines, out.stdout[-4000:]

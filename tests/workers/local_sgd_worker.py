@@ -90,7 +90,7 @@ def train(opt, x, y, epochs=1, callbacks=(), model=None, **kw):
     return model
 
 
-@check("k1_equals_sync", 
+@check("k1_equals_sync",
        groups=("all", "schedule_and_uneven"))
 def check_k1_equals_sync():
     """SGD without momentum, K=1: the average of the ranks' updated weights
@@ -231,7 +231,7 @@ def check_resume():
         shutil.rmtree(tmp)
 
 
-@check("uneven_shards", 
+@check("uneven_shards",
        groups=("all", "schedule_and_uneven"))
 def check_uneven_shards():
     """One more example than ranks * batches: rank 0 holds an extra (partial)

@@ -3,7 +3,6 @@ tf.GradientTape, checked against numpy; and the case that breaks plain MPI —
 many independent collectives in one tf.function whose ranks enqueue them in
 different orders (random per-rank delays)."""
 
-import os
 import sys
 
 import numpy as np
