@@ -107,8 +107,8 @@ int kerasdist_is_initialized(void) { return CurrentRuntime() ? 1 : 0; }
 
 const char* kerasdist_last_error(void) { return t_last_error.c_str(); }
 
-#define KD_TOPO(field)                        \
-  auto rt = CurrentRuntime();                 \
+#define KD_TOPO(field)        \
+  auto rt = CurrentRuntime(); \
   return rt ? rt->topology().field : -1;
 
 int kerasdist_rank(void) { KD_TOPO(rank) }
@@ -209,13 +209,15 @@ const char* kerasdist_timeline_phases(void) {
   return t_text.c_str();
 }
 
-#define KD_REQUIRE_RUNTIME(rt)                                          \
-  auto rt = CurrentRuntime();                                           \
-  if (!rt) return Fail("kerasdist is not initialized; call kerasdist.init() first.");
+#define KD_REQUIRE_RUNTIME(rt) \
+  auto rt = CurrentRuntime();  \
+  if (!rt)                     \
+    return Fail("kerasdist is not initialized; call kerasdist.init() first.");
 
 int kerasdist_start_timeline(const char* path, int mark_cycles) {
   KD_REQUIRE_RUNTIME(rt)
-  if (path == nullptr || *path == '\0') return Fail("start_timeline needs a file path.");
+  if (path == nullptr || *path == '\0')
+    return Fail("start_timeline needs a file path.");
   Status s = rt->StartTimeline(path, mark_cycles != 0);
   return s.ok() ? 0 : Fail(s.message());
 }
@@ -240,14 +242,15 @@ int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
                            int cache_enabled) {
   KD_REQUIRE_RUNTIME(rt)
   if (fusion_threshold_bytes < 0 || !(cycle_time_ms >= 0)) {
-    return Fail("tunables must be >= 0 (fusion threshold in bytes, cycle time in ms).");
+    return Fail(
+        "tunables must be >= 0 (fusion threshold in bytes, cycle time in ms).");
   }
   rt->SetTunables(fusion_threshold_bytes, cycle_time_ms, cache_enabled != 0);
   return 0;
 }
 
-int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_ms,
-                           int* cache_enabled) {
+int kerasdist_get_tunables(int64_t* fusion_threshold_bytes,
+                           double* cycle_time_ms, int* cache_enabled) {
   KD_REQUIRE_RUNTIME(rt)
   bool cache = true;
   rt->GetTunables(fusion_threshold_bytes, cycle_time_ms, &cache);
@@ -346,7 +349,9 @@ Status Submit(const kerasdist_request* r, const void* input, void* output,
   e.ready_event = e.req.device >= 0 ? ready_event : nullptr;
   e.allocate = AllocateFor(state, output, e.req);
   state->shape = e.req.shape;
-  e.done = [state = std::move(state)](const Result& res) { Finish(*state, res); };
+  e.done = [state = std::move(state)](const Result& res) {
+    Finish(*state, res);
+  };
   return rt->Enqueue(std::move(e));
 }
 
@@ -355,7 +360,8 @@ Status Submit(const kerasdist_request* r, const void* input, void* output,
 int kerasdist_enqueue_cb(const kerasdist_request* r, const void* input,
                          void* output, void* ready_event,
                          kerasdist_done_fn done, void* arg) {
-  if (done == nullptr) return Fail("kerasdist_enqueue_cb needs a done callback.");
+  if (done == nullptr)
+    return Fail("kerasdist_enqueue_cb needs a done callback.");
   auto state = std::make_shared<HandleState>();
   state->callback = done;
   state->callback_arg = arg;
@@ -415,7 +421,8 @@ const void* kerasdist_handle_output(int64_t handle, int32_t* ndim,
   if (!st) return nullptr;
   std::lock_guard<std::mutex> l(st->mu);
   *ndim = static_cast<int32_t>(st->shape.size());
-  for (size_t i = 0; i < st->shape.size() && i < 32; ++i) shape[i] = st->shape[i];
+  for (size_t i = 0; i < st->shape.size() && i < 32; ++i)
+    shape[i] = st->shape[i];
   return st->owned.empty() ? nullptr : st->owned.data();
 }
 
@@ -438,16 +445,19 @@ int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
                         void* out, int64_t n) {
   if (dtype != static_cast<int32_t>(DataType::kFloat16) &&
       dtype != static_cast<int32_t>(DataType::kBFloat16)) {
-    return Fail("kerasdist_convert16: dtype must be float16 (0) or bfloat16 (1), got " +
-                std::to_string(dtype) + ".");
+    return Fail(
+        "kerasdist_convert16: dtype must be float16 (0) or bfloat16 (1), got " +
+        std::to_string(dtype) + ".");
   }
   if (n < 0) return Fail("kerasdist_convert16: negative count.");
   const DataType dt = static_cast<DataType>(dtype);
   const Simd mode = simd ? Simd::kAuto : Simd::kScalar;
   if (to_float) {
-    Widen16(dt, static_cast<const uint16_t*>(in), static_cast<float*>(out), n, mode);
+    Widen16(dt, static_cast<const uint16_t*>(in), static_cast<float*>(out), n,
+            mode);
   } else {
-    Narrow16(dt, static_cast<const float*>(in), static_cast<uint16_t*>(out), n, mode);
+    Narrow16(dt, static_cast<const float*>(in), static_cast<uint16_t*>(out), n,
+             mode);
   }
   return 0;
 }

@@ -27,8 +27,9 @@ typedef struct {
 } kerasdist_request;
 
 /* comm_f: Fortran handle of the MPI communicator (mpi4py: comm.py2f()), used
- * when has_comm is nonzero; else MPI_COMM_WORLD. settings: "KERASDIST_X=value" lines that override the
- * environment. Returns 0, or -1 with kerasdist_last_error(). */
+ * when has_comm is nonzero; else MPI_COMM_WORLD. settings: "KERASDIST_X=value"
+ * lines that override the environment. Returns 0, or -1 with
+ * kerasdist_last_error(). */
 int kerasdist_init(int has_comm, int comm_f, const char* settings);
 int kerasdist_shutdown(void);
 int kerasdist_is_initialized(void);
@@ -83,8 +84,8 @@ int kerasdist_stats(int64_t* allreduced_bytes, int64_t* collectives,
  * coordinator (rank 0) from its next decision on. */
 int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
                            int cache_enabled);
-int kerasdist_get_tunables(int64_t* fusion_threshold_bytes, double* cycle_time_ms,
-                           int* cache_enabled);
+int kerasdist_get_tunables(int64_t* fusion_threshold_bytes,
+                           double* cycle_time_ms, int* cache_enabled);
 
 /* Completion callbacks: the seam for every front end outside the TF op
  * library (JAX's FFI handlers, and the handle API below, which is built on
@@ -135,14 +136,16 @@ int kerasdist_wait(int64_t handle, double timeout_s);
 int kerasdist_handle_status(int64_t handle);
 const char* kerasdist_handle_message(int64_t handle);
 /* Result shape (up to 32 dims) and data of a handle-owned output. */
-const void* kerasdist_handle_output(int64_t handle, int32_t* ndim, int64_t* shape);
+const void* kerasdist_handle_output(int64_t handle, int32_t* ndim,
+                                    int64_t* shape);
 int kerasdist_handle_recv_splits(int64_t handle, int64_t* splits);
 void kerasdist_release(int64_t handle);
 
 /* Converts n float16 (dtype 0) or bfloat16 (dtype 1) values to float32
  * (to_float != 0) or back, rounding to nearest even, as the data path does;
  * simd = 0 forces the portable scalar code (for tests). kerasdist_simd16()
- * says whether the vector code (F16C/AVX2) is used on this CPU. Needs no init. */
+ * says whether the vector code (F16C/AVX2) is used on this CPU. Needs no init.
+ */
 int kerasdist_convert16(int32_t dtype, int to_float, int simd, const void* in,
                         void* out, int64_t n);
 int kerasdist_simd16(void);

@@ -13,6 +13,7 @@ using C = Config;
 
 // The coordinator, the timeline, autotune and logging.
 std::vector<Setting> RuntimeSettings() {
+  // clang-format off: one row per setting, its fields packed
   return {
       {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold", true,
        &C::fusion_threshold_bytes, 0, {},
@@ -66,10 +67,12 @@ std::vector<Setting> RuntimeSettings() {
       {"KERASDIST_LOG_LEVEL", "log_level", true, &C::log_level, 0, {},
        "0 quiet, 1 warnings, 2 debug"},
   };
+  // clang-format on
 }
 
 // The data path's backends, and what the launcher sets.
 std::vector<Setting> DataPathSettings() {
+  // clang-format off: one row per setting, its fields packed
   return {
       {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
        &C::shm_allreduce, 0, {},
@@ -121,6 +124,7 @@ std::vector<Setting> DataPathSettings() {
        "0-based attempt number, set by `kerasdist run` under "
        "`--max-restarts`"},
   };
+  // clang-format on
 }
 
 }  // namespace
@@ -181,8 +185,7 @@ Status ParseBool(const std::string& name, const std::string& v, bool* out) {
              v.empty()) {
     *out = false;
   } else {
-    return Status::InvalidArgument(name + "=\"" + v +
-                                   "\": expected 0 or 1.");
+    return Status::InvalidArgument(name + "=\"" + v + "\": expected 0 or 1.");
   }
   return Status::OK();
 }
@@ -198,7 +201,9 @@ Status ParseString(const Setting& s, const std::string& v, std::string* out) {
       *out = v;
       return Status::OK();
     }
-    expected += (i == 0 ? "" : i + 1 == s.choices.size() ? " or " : ", ") +
+    expected += (i == 0                      ? ""
+                 : i + 1 == s.choices.size() ? " or "
+                                             : ", ") +
                 s.choices[i];
   }
   return Status::InvalidArgument(std::string(s.name) + "=\"" + v +
@@ -214,7 +219,7 @@ Status Parse(const Setting& s, const std::string& v, Config* c) {
   if (auto f = std::get_if<int Config::*>(&s.field)) {
     int64_t i = 0;
     KD_RETURN_IF_ERROR(ParseInt(name, v, s.min, &i));
-    c->**f = static_cast<int>(i);
+    c->** f = static_cast<int>(i);
     return Status::OK();
   }
   if (auto f = std::get_if<double Config::*>(&s.field)) {

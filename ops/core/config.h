@@ -20,27 +20,31 @@ namespace kerasdist::core {
 
 struct Config {
   int64_t fusion_threshold_bytes = 64 * 1024 * 1024;
-  double cycle_time_ms = 0.0;          // batching window after the first ready tensor
-  int64_t cache_capacity = 1024;       // response cache entries; 0 disables the cache
-  double stall_check_time_s = 60.0;    // warn about tensors missing on some ranks
+  double cycle_time_ms = 0.0;  // batching window after the first ready tensor
+  int64_t cache_capacity =
+      1024;  // response cache entries; 0 disables the cache
+  double stall_check_time_s = 60.0;  // warn about tensors missing on some ranks
   double stall_shutdown_time_s = 0.0;  // 0 = never fail a stalled job
-  double heartbeat_timeout_s = 30.0;   // a peer silent this long is lost; 0 = off
-  double heartbeat_interval_s = 1.0;   // how often the ranks say they are alive
-  std::string network_interface;       // rank 0's heartbeat address comes from it first
-  std::string timeline_path;           // empty = no timeline
+  double heartbeat_timeout_s =
+      30.0;  // a peer silent this long is lost; 0 = off
+  double heartbeat_interval_s = 1.0;  // how often the ranks say they are alive
+  std::string
+      network_interface;      // rank 0's heartbeat address comes from it first
+  std::string timeline_path;  // empty = no timeline
   bool timeline_mark_cycles = false;
   bool autotune = false;
   std::string autotune_log;
   std::string gpu_operations = "NCCL";  // NCCL | MPI
   bool shm_allreduce = true;            // shared-memory allreduce on one node
   int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
-  bool cma_allreduce = true;            // ... reading peers in place (CMA)
-  int64_t cma_min_tensor_bytes = 4096;  // ... for batches with tensors this big on average
-  bool hierarchical_allreduce = true;   // several hosts: within, across, within
-  bool hierarchical_allgather = true;   // ... the same for allgather
-  int64_t hierarchical_min_bytes = 0;   // smaller batches go flat
-  int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
-  int64_t restart_attempt = 0;          // set by the launcher; read by the Trainer
+  bool cma_allreduce = true;  // ... reading peers in place (CMA)
+  int64_t cma_min_tensor_bytes =
+      4096;  // ... for batches with tensors this big on average
+  bool hierarchical_allreduce = true;  // several hosts: within, across, within
+  bool hierarchical_allgather = true;  // ... the same for allgather
+  int64_t hierarchical_min_bytes = 0;  // smaller batches go flat
+  int log_level = 1;                   // 0 quiet, 1 warnings, 2 debug
+  int64_t restart_attempt = 0;  // set by the launcher; read by the Trainer
 };
 
 // One row of the settings table. `field` says which Config member the setting

@@ -9,7 +9,8 @@ namespace kerasdist::core {
 int ResponseCache::Lookup(const Request& local, int rank, int size) const {
   auto it = index_.find(local.name);
   if (it == index_.end()) return -1;
-  return MatchesForRank(entries_[it->second], rank, size, local) ? it->second : -1;
+  return MatchesForRank(entries_[it->second], rank, size, local) ? it->second
+                                                                 : -1;
 }
 
 int ResponseCache::IndexOf(const std::string& name) const {
@@ -28,7 +29,8 @@ void ResponseCache::Put(const Response& r) {
   }
 }
 
-void Coordinator::Add(int rank, const RankMessage& m, const ResponseCache& cache) {
+void Coordinator::Add(int rank, const RankMessage& m,
+                      const ResponseCache& cache) {
   for (int32_t idx : m.cached) {
     if (idx >= 0 && idx < cache.Count()) {
       MarkReported(rank, cache.Get(idx).req.name, nullptr, idx, cache);
@@ -38,8 +40,9 @@ void Coordinator::Add(int rank, const RankMessage& m, const ResponseCache& cache
   if (m.shutdown) RequestShutdown(rank);
 }
 
-void Coordinator::MarkReported(int rank, const std::string& name, const Request* q,
-                               int32_t cached, const ResponseCache& cache) {
+void Coordinator::MarkReported(int rank, const std::string& name,
+                               const Request* q, int32_t cached,
+                               const ResponseCache& cache) {
   auto it = FindOrStart(name, q, cached, cache);
   Pending& p = it->second;
   if (p.have[rank]) return;
@@ -57,9 +60,9 @@ void Coordinator::MarkReported(int rank, const std::string& name, const Request*
   Release(std::move(ready), cache);
 }
 
-Coordinator::Table::iterator Coordinator::FindOrStart(const std::string& name,
-                                                      const Request* q, int32_t cached,
-                                                      const ResponseCache& cache) {
+Coordinator::Table::iterator Coordinator::FindOrStart(
+    const std::string& name, const Request* q, int32_t cached,
+    const ResponseCache& cache) {
   auto it = table_.find(name);
   if (it != table_.end()) return it;
   Table::node_type node;
@@ -97,8 +100,10 @@ void Coordinator::RecordReadyInfo(const std::string& name, const Pending& p) {
   info.first = p.seen[info.first_rank];
   info.last = p.seen[info.last_rank];
   for (int r = 0; r < size_; ++r) {
-    info.wait_us.push_back(std::chrono::duration_cast<std::chrono::microseconds>(
-                               p.seen[r] - info.first).count());
+    info.wait_us.push_back(
+        std::chrono::duration_cast<std::chrono::microseconds>(p.seen[r] -
+                                                              info.first)
+            .count());
   }
   ready_info_.push_back(std::move(info));
 }
@@ -108,7 +113,8 @@ Coordinator::Ready Coordinator::MakeReady(const std::string& name, Pending& p,
   Ready ready;
   ready.name = name;
   bool same_entry = p.cached[0] >= 0;
-  for (int r = 1; r < size_ && same_entry; ++r) same_entry = p.cached[r] == p.cached[0];
+  for (int r = 1; r < size_ && same_entry; ++r)
+    same_entry = p.cached[r] == p.cached[0];
   if (same_entry) {
     ready.cache_index = p.cached[0];
     return ready;
@@ -116,15 +122,17 @@ Coordinator::Ready Coordinator::MakeReady(const std::string& name, Pending& p,
   // Mixed or full reports: every rank's request, spelled out.
   ready.per_rank.resize(size_);
   for (int r = 0; r < size_; ++r) {
-    ready.per_rank[r] = p.cached[r] >= 0 ? RequestForRank(cache.Get(p.cached[r]), r, size_)
-                                         : std::move(p.per_rank[r]);
+    ready.per_rank[r] = p.cached[r] >= 0
+                            ? RequestForRank(cache.Get(p.cached[r]), r, size_)
+                            : std::move(p.per_rank[r]);
   }
   return ready;
 }
 
 void Coordinator::Release(Ready ready, const ResponseCache& cache) {
-  const Request& head = ready.cache_index >= 0 ? cache.Get(ready.cache_index).req
-                                               : ready.per_rank[0];
+  const Request& head = ready.cache_index >= 0
+                            ? cache.Get(ready.cache_index).req
+                            : ready.per_rank[0];
   if (head.group.empty() || head.group_size <= 1) {
     ready_.push_back(std::move(ready));
     return;
@@ -132,7 +140,8 @@ void Coordinator::Release(Ready ready, const ResponseCache& cache) {
   // A group runs only when all of its members are ready on every rank.
   const int group_size = head.group_size;
   auto g = group_ready_.find(head.group);
-  if (g == group_ready_.end()) g = group_ready_.emplace(head.group, std::vector<Ready>()).first;
+  if (g == group_ready_.end())
+    g = group_ready_.emplace(head.group, std::vector<Ready>()).first;
   std::vector<Ready>& members = g->second;
   members.push_back(std::move(ready));
   if (static_cast<int>(members.size()) >= group_size) {
@@ -162,7 +171,8 @@ CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
     if (item.cache_index >= 0) {
       const Response& entry = cache.Get(item.cache_index);
       item.per_rank.resize(size_);
-      for (int r = 0; r < size_; ++r) item.per_rank[r] = RequestForRank(entry, r, size_);
+      for (int r = 0; r < size_; ++r)
+        item.per_rank[r] = RequestForRank(entry, r, size_);
     }
     int ci = cache_enabled_ ? cache.IndexOf(item.name) : -1;
     for (int r = 0; ci >= 0 && r < size_; ++r) {
@@ -211,10 +221,10 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
       std::string& s = p.have[r] ? ready : missing;
       s += (s.empty() ? "" : ", ") + std::to_string(r);
     }
-    std::string line = std::string(OpTypeName(p.op)) + " '" + name +
-                       "' has waited " + std::to_string(static_cast<int>(waited)) +
-                       " s: submitted by rank(s) " + ready +
-                       ", still missing on rank(s) " + missing + ".";
+    std::string line =
+        std::string(OpTypeName(p.op)) + " '" + name + "' has waited " +
+        std::to_string(static_cast<int>(waited)) + " s: submitted by rank(s) " +
+        ready + ", still missing on rank(s) " + missing + ".";
     if (warn) {
       p.warned = true;
       report.warnings.push_back(
@@ -224,7 +234,8 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
     }
     if (fail && report.shutdown_reason.empty()) {
       report.shutdown_reason =
-          "stalled for more than KERASDIST_STALL_SHUTDOWN_TIME_SECONDS: " + line;
+          "stalled for more than KERASDIST_STALL_SHUTDOWN_TIME_SECONDS: " +
+          line;
     }
   }
   return report;

@@ -64,7 +64,9 @@ class Coordinator {
   void RequestShutdown(int rank) {
     if (shutdown_rank_ < 0) shutdown_rank_ = rank;
   }
-  void set_fusion_threshold(int64_t bytes) { config_.fusion_threshold_bytes = bytes; }
+  void set_fusion_threshold(int64_t bytes) {
+    config_.fusion_threshold_bytes = bytes;
+  }
   void set_cache_enabled(bool on) { cache_enabled_ = on; }
   void set_record(bool on) { record_ = on; }
   std::vector<ReadyInfo> TakeReadyInfo() { return std::move(ready_info_); }
@@ -85,7 +87,8 @@ class Coordinator {
   void RecordReadyInfo(const std::string& name, const Pending& p);
   // `p` reported by every rank, as a Ready (the cache entry when all named
   // the same one, else every rank's request).
-  Ready MakeReady(const std::string& name, Pending& p, const ResponseCache& cache);
+  Ready MakeReady(const std::string& name, Pending& p,
+                  const ResponseCache& cache);
   // Queues `ready` for the next decision, or holds it until its whole group
   // is ready on every rank.
   void Release(Ready ready, const ResponseCache& cache);
@@ -118,7 +121,8 @@ class Coordinator {
   // (every step reports the same tensors again).
   std::vector<Table::node_type> spare_;
   std::vector<Ready> ready_;  // fully reported, in order
-  std::unordered_map<std::string, std::vector<Ready>> group_ready_;  // waiting for the group
+  std::unordered_map<std::string, std::vector<Ready>>
+      group_ready_;  // waiting for the group
   int shutdown_rank_ = -1;
   bool cache_enabled_ = true;
   bool record_ = false;

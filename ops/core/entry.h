@@ -25,7 +25,8 @@ struct Entry {
   Request req;
   const void* input = nullptr;
   void* output = nullptr;
-  std::function<Status(const std::vector<int64_t>& shape, void** data)> allocate;
+  std::function<Status(const std::vector<int64_t>& shape, void** data)>
+      allocate;
   std::function<void(const Result&)> done;
   // Device tensors (req.device >= 0) only, optional: a cudaEvent_t recorded
   // on the stream that produces `input` (TF's compute stream), owned by the

@@ -10,7 +10,9 @@ RuntimeRef RuntimeRef::Current() {
   return r;
 }
 
-Status RuntimeRef::Enqueue(Entry entry) { return rt_->Enqueue(std::move(entry)); }
+Status RuntimeRef::Enqueue(Entry entry) {
+  return rt_->Enqueue(std::move(entry));
+}
 
 Status RuntimeRef::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
   return rt_->EnqueueMany(entries, queued);

@@ -28,8 +28,8 @@ std::vector<std::vector<int>> PlanFusion(const std::vector<Response>& ready,
   return PlanFusion(ptrs, threshold_bytes);
 }
 
-std::vector<std::vector<int>> PlanFusion(const std::vector<const Response*>& ready,
-                                         int64_t threshold_bytes) {
+std::vector<std::vector<int>> PlanFusion(
+    const std::vector<const Response*>& ready, int64_t threshold_bytes) {
   std::vector<std::vector<int>> batches;
   std::vector<int64_t> bytes;  // fill of each batch; -1 = closed to fusion
   for (int i = 0; i < static_cast<int>(ready.size()); ++i) {

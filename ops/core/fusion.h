@@ -15,8 +15,8 @@ namespace kerasdist::core {
 // in order, into batches of at most `threshold_bytes` (a tensor larger than
 // the threshold travels alone); everything else is a batch of one. Batches are
 // ordered by their first member. Every rank executes this plan as is.
-std::vector<std::vector<int>> PlanFusion(const std::vector<const Response*>& ready,
-                                         int64_t threshold_bytes);
+std::vector<std::vector<int>> PlanFusion(
+    const std::vector<const Response*>& ready, int64_t threshold_bytes);
 std::vector<std::vector<int>> PlanFusion(const std::vector<Response>& ready,
                                          int64_t threshold_bytes);
 

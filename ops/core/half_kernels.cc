@@ -46,7 +46,8 @@ void NarrowScalar(DataType dt, const float* in, uint16_t* out, int64_t n) {
 #ifdef KD_X86_SIMD
 
 // Eight elements at a time; the scalar code does the tail.
-__attribute__((target("avx2,f16c"))) int64_t WidenSimd(DataType dt, const uint16_t* in,
+__attribute__((target("avx2,f16c"))) int64_t WidenSimd(DataType dt,
+                                                       const uint16_t* in,
                                                        float* out, int64_t n) {
   int64_t i = 0;
   if (dt == DataType::kFloat16) {
@@ -64,14 +65,17 @@ __attribute__((target("avx2,f16c"))) int64_t WidenSimd(DataType dt, const uint16
   return i;
 }
 
-__attribute__((target("avx2,f16c"))) int64_t NarrowSimd(DataType dt, const float* in,
-                                                        uint16_t* out, int64_t n) {
+__attribute__((target("avx2,f16c"))) int64_t NarrowSimd(DataType dt,
+                                                        const float* in,
+                                                        uint16_t* out,
+                                                        int64_t n) {
   int64_t i = 0;
   if (dt == DataType::kFloat16) {
     // Round to nearest even, like FloatToHalf; overflow gives infinity.
     for (; i + 8 <= n; i += 8) {
-      __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m128i h =
+          _mm256_cvtps_ph(_mm256_loadu_ps(in + i),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
     }
   } else {
@@ -86,11 +90,13 @@ __attribute__((target("avx2,f16c"))) int64_t NarrowSimd(DataType dt, const float
       __m256i x = _mm256_castps_si256(_mm256_loadu_ps(in + i));
       __m256i top = _mm256_srli_epi32(x, 16);
       __m256i lsb = _mm256_and_si256(top, one);
-      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias), lsb), 16);
+      __m256i r = _mm256_srli_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(x, bias), lsb), 16);
       __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), inf);
       r = _mm256_blendv_epi8(r, _mm256_or_si256(top, quiet), nan);
       // Eight 32-bit lanes (each < 2^16) to eight 16-bit values.
-      __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+      __m256i packed =
+          _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                        _mm256_castsi256_si128(packed));
     }
@@ -104,7 +110,8 @@ __attribute__((target("avx2,f16c"))) int64_t NarrowSimd(DataType dt, const float
 
 bool Simd16Available() { return kHaveSimd; }
 
-void Widen16(DataType dt, const uint16_t* in, float* out, int64_t n, Simd simd) {
+void Widen16(DataType dt, const uint16_t* in, float* out, int64_t n,
+             Simd simd) {
   int64_t done = 0;
 #ifdef KD_X86_SIMD
   if (simd == Simd::kAuto && kHaveSimd) done = WidenSimd(dt, in, out, n);
@@ -112,7 +119,8 @@ void Widen16(DataType dt, const uint16_t* in, float* out, int64_t n, Simd simd) 
   WidenScalar(dt, in + done, out + done, n - done);
 }
 
-void Narrow16(DataType dt, const float* in, uint16_t* out, int64_t n, Simd simd) {
+void Narrow16(DataType dt, const float* in, uint16_t* out, int64_t n,
+              Simd simd) {
   int64_t done = 0;
 #ifdef KD_X86_SIMD
   if (simd == Simd::kAuto && kHaveSimd) done = NarrowSimd(dt, in, out, n);

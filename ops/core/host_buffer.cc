@@ -13,9 +13,11 @@ constexpr size_t kHugePage = size_t{2} << 20;
 
 void AdviseHugePages(void* p, size_t bytes) {
 #ifdef MADV_HUGEPAGE
-  uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
+  uintptr_t begin =
+      (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
   uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  if (end > begin)
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #else
   (void)p;
   (void)bytes;
@@ -29,7 +31,8 @@ char* HostBuffer::Reserve(int64_t bytes) {
   std::free(data_);
   data_ = nullptr;
   size_ = 0;
-  size_t rounded = (static_cast<size_t>(bytes) + kHugePage - 1) & ~(kHugePage - 1);
+  size_t rounded =
+      (static_cast<size_t>(bytes) + kHugePage - 1) & ~(kHugePage - 1);
   void* p = nullptr;
   if (posix_memalign(&p, kHugePage, rounded) != 0) throw std::bad_alloc();
   AdviseHugePages(p, rounded);  // before the first touch

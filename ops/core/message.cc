@@ -8,8 +8,8 @@ bool Request::operator==(const Request& o) const {
   return name == o.name && op == o.op && reduce_op == o.reduce_op &&
          dtype == o.dtype && shape == o.shape && root_rank == o.root_rank &&
          prescale == o.prescale && postscale == o.postscale &&
-         splits == o.splits && group == o.group &&
-         group_size == o.group_size && device == o.device;
+         splits == o.splits && group == o.group && group_size == o.group_size &&
+         device == o.device;
 }
 
 Request RequestForRank(const Response& r, int rank, int size) {
@@ -84,10 +84,11 @@ namespace {
 // "Mismatched <what> for <op> '<name>': <who sent what>.", or "" when every
 // rank agrees on key(request).
 template <typename Key>
-std::string Mismatch(const std::vector<Request>& rs, const std::string& what, Key key) {
+std::string Mismatch(const std::vector<Request>& rs, const std::string& what,
+                     Key key) {
   if (AllSame(rs, key)) return "";
-  return "Mismatched " + what + " for " + std::string(OpTypeName(rs[0].op)) + " '" +
-         rs[0].name + "': " + Disagreement(rs, key) + ".";
+  return "Mismatched " + what + " for " + std::string(OpTypeName(rs[0].op)) +
+         " '" + rs[0].name + "': " + Disagreement(rs, key) + ".";
 }
 
 // What every collective must agree on: the operation, the dtype, and host
@@ -96,9 +97,12 @@ std::string Mismatch(const std::vector<Request>& rs, const std::string& what, Ke
 std::string CheckKind(const std::vector<Request>& rs) {
   auto op = [](const Request& q) { return std::string(OpTypeName(q.op)); };
   if (!AllSame(rs, op)) {
-    return "Mismatched operation for '" + rs[0].name + "': " + Disagreement(rs, op) + ".";
+    return "Mismatched operation for '" + rs[0].name +
+           "': " + Disagreement(rs, op) + ".";
   }
-  auto dtype = [](const Request& q) { return std::string(DataTypeName(q.dtype)); };
+  auto dtype = [](const Request& q) {
+    return std::string(DataTypeName(q.dtype));
+  };
   std::string e = Mismatch(rs, "dtype", dtype);
   if (!e.empty()) return e;
   auto device = [](const Request& q) {
@@ -112,16 +116,21 @@ std::string CheckKind(const std::vector<Request>& rs) {
 std::string CheckArguments(const std::vector<Request>& rs) {
   const OpType t = rs[0].op;
   if (t == OpType::kBroadcast) {
-    auto root = [](const Request& q) { return "root_rank " + std::to_string(q.root_rank); };
+    auto root = [](const Request& q) {
+      return "root_rank " + std::to_string(q.root_rank);
+    };
     return Mismatch(rs, "root rank", root);
   }
   if (t != OpType::kAllreduce && t != OpType::kReducescatter) return "";
-  auto rop = [](const Request& q) { return std::string(ReduceOpName(q.reduce_op)); };
+  auto rop = [](const Request& q) {
+    return std::string(ReduceOpName(q.reduce_op));
+  };
   auto pre = [](const Request& q) { return std::to_string(q.prescale); };
   auto post = [](const Request& q) { return std::to_string(q.postscale); };
   auto grp = [](const Request& q) {
-    return q.group.empty() ? std::string("no group")
-                           : "group '" + q.group + "' of " + std::to_string(q.group_size);
+    return q.group.empty()
+               ? std::string("no group")
+               : "group '" + q.group + "' of " + std::to_string(q.group_size);
   };
   std::string e = Mismatch(rs, "reduction op", rop);
   if (e.empty()) e = Mismatch(rs, "prescale_factor", pre);
@@ -131,7 +140,8 @@ std::string CheckArguments(const std::vector<Request>& rs) {
 }
 
 std::vector<int64_t> Trailing(const Request& q) {
-  return std::vector<int64_t>(q.shape.begin() + (q.shape.empty() ? 0 : 1), q.shape.end());
+  return std::vector<int64_t>(q.shape.begin() + (q.shape.empty() ? 0 : 1),
+                              q.shape.end());
 }
 
 // Shapes: equal, except the first dimension of allgather and alltoall,
@@ -140,19 +150,23 @@ std::string CheckShapes(const std::vector<Request>& rs, Response* resp) {
   const OpType t = rs[0].op;
   if (t == OpType::kBarrier) return "";
   if (t != OpType::kAllgather && t != OpType::kAlltoall) {
-    auto shape = [](const Request& q) { return "shape " + ShapeString(q.shape); };
+    auto shape = [](const Request& q) {
+      return "shape " + ShapeString(q.shape);
+    };
     return Mismatch(rs, "shape", shape);
   }
   auto tail = [](const Request& q) {
-    return "shape " + ShapeString(q.shape) + " (rank " + std::to_string(q.shape.size()) +
-           ", trailing " + ShapeString(Trailing(q)) + ")";
+    return "shape " + ShapeString(q.shape) + " (rank " +
+           std::to_string(q.shape.size()) + ", trailing " +
+           ShapeString(Trailing(q)) + ")";
   };
   auto tail_key = [](const Request& q) {
     return std::to_string(q.shape.size()) + ShapeString(Trailing(q));
   };
   if (!AllSame(rs, tail_key)) {
-    return "Mismatched shape for " + std::string(OpTypeName(t)) + " '" + rs[0].name +
-           "': all dimensions but the first must agree; " + Disagreement(rs, tail) + ".";
+    return "Mismatched shape for " + std::string(OpTypeName(t)) + " '" +
+           rs[0].name + "': all dimensions but the first must agree; " +
+           Disagreement(rs, tail) + ".";
   }
   for (const Request& q : rs) {
     if (t == OpType::kAllgather) {

@@ -24,7 +24,7 @@ struct Request {
   std::vector<int64_t> splits;  // alltoall: rows sent to each rank
   std::string group;            // grouped allreduce: reduced together
   int32_t group_size = 0;
-  int32_t device = -1;          // -1 = host memory, else a GPU ordinal
+  int32_t device = -1;  // -1 = host memory, else a GPU ordinal
 
   bool operator==(const Request& o) const;
   bool operator!=(const Request& o) const { return !(*this == o); }
@@ -47,7 +47,8 @@ Request RequestForRank(const Response& r, int rank, int size);
 bool MatchesForRank(const Response& r, int rank, int size, const Request& q);
 
 // Coordinator-side validation of the requests of every rank for one tensor.
-// Returns a response whose `error` names the tensor, what differed and the ranks.
+// Returns a response whose `error` names the tensor, what differed and the
+// ranks.
 Response BuildResponse(const std::vector<Request>& per_rank);
 
 // Rank -> coordinator: tensors newly pending here, as cache indices where the
@@ -63,7 +64,8 @@ struct RankMessage {
 // (>= 0) or -1 with a full response in `responses`.
 struct Batch {
   std::vector<int32_t> cache_index;
-  std::vector<Response> responses;  // parallel to cache_index (empty when cached)
+  std::vector<Response>
+      responses;  // parallel to cache_index (empty when cached)
 };
 struct CoordinatorMessage {
   bool shutdown = false;

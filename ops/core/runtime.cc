@@ -39,9 +39,9 @@ constexpr double kShutdownReplyTimeoutS = 30.0;
 constexpr double kGoodbyeTimeoutS = 2.0;
 // The args of a batch's timeline event.
 std::string BatchArgs(const CollectiveBatch& b) {
-  return "\"bytes\":" + std::to_string(b.bytes()) + ",\"fused\":" +
-         std::to_string(b.tensors.size()) + ",\"dtype\":\"" + DataTypeName(b.dtype) +
-         "\",\"backend\":\"" + b.backend + "\"";
+  return "\"bytes\":" + std::to_string(b.bytes()) +
+         ",\"fused\":" + std::to_string(b.tensors.size()) + ",\"dtype\":\"" +
+         DataTypeName(b.dtype) + "\",\"backend\":\"" + b.backend + "\"";
 }
 
 }  // namespace
@@ -51,9 +51,9 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
   KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
-  KD_RETURN_IF_ERROR(StartLiveness(rt->mpi_->comm(), config.heartbeat_interval_s,
-                                   config.heartbeat_timeout_s,
-                                   config.network_interface, &rt->liveness_));
+  KD_RETURN_IF_ERROR(StartLiveness(
+      rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
+      config.network_interface, &rt->liveness_));
   rt->host_ = rt->mpi_->MakeHostCommunicator();
   bool oversubscribed = false;
   KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
@@ -69,14 +69,15 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);
   if (rt->topology().rank == 0) {
-    rt->coordinator_ = std::make_unique<Coordinator>(rt->topology().size, config);
+    rt->coordinator_ =
+        std::make_unique<Coordinator>(rt->topology().size, config);
   }
   rt->tune_threshold_ = config.fusion_threshold_bytes;
   rt->tune_cycle_ms_ = config.cycle_time_ms;
   rt->tune_cache_ = config.cache_capacity > 0;
   if (!config.timeline_path.empty()) {
-    KD_RETURN_IF_ERROR(rt->StartTimeline(config.timeline_path,
-                                         config.timeline_mark_cycles));
+    KD_RETURN_IF_ERROR(
+        rt->StartTimeline(config.timeline_path, config.timeline_mark_cycles));
   }
   rt->last_stall_check_ = Clock::now();
   rt->last_work_ = Clock::now();
@@ -124,18 +125,21 @@ Runtime::Stats Runtime::stats() const {
 
 int64_t Runtime::BackendRuns(const char* name) const {
   for (size_t i = 0; i < backends_.size(); ++i) {
-    if (std::strcmp(backends_[i]->Name(), name) == 0) return backend_runs_[i].load();
+    if (std::strcmp(backends_[i]->Name(), name) == 0)
+      return backend_runs_[i].load();
   }
   return 0;
 }
 
 std::string Runtime::BackendNames() const {
   std::string names;
-  for (const auto& b : backends_) names += (names.empty() ? "" : ",") + std::string(b->Name());
+  for (const auto& b : backends_)
+    names += (names.empty() ? "" : ",") + std::string(b->Name());
   return names;
 }
 
-void Runtime::SetTunables(int64_t fusion_threshold, double cycle_time_ms, bool cache) {
+void Runtime::SetTunables(int64_t fusion_threshold, double cycle_time_ms,
+                          bool cache) {
   tune_threshold_ = fusion_threshold;
   tune_cycle_ms_ = cycle_time_ms;
   tune_cache_ = cache;
@@ -197,7 +201,8 @@ Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
     const std::string& name = entries[i].req.name;
     if (!in_flight_.insert(name).second) {
       failed = Status::InvalidArgument(
-          "a collective named '" + name + "' is already in flight on this rank; "
+          "a collective named '" + name +
+          "' is already in flight on this rank; "
           "names must be unique among concurrent collectives.");
       break;
     }
@@ -278,7 +283,8 @@ void Runtime::SayGoodbye() {
     if (!mpi_->PollControl(&got, &src, &bytes).ok()) return;
     if (!got) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
-    } else if (Deserialize(bytes, &m).ok() && m.shutdown && !said_goodbye_[src]) {
+    } else if (Deserialize(bytes, &m).ok() && m.shutdown &&
+               !said_goodbye_[src]) {
       said_goodbye_[src] = true;
       --missing;
     }
@@ -287,7 +293,8 @@ void Runtime::SayGoodbye() {
 
 void Runtime::IdleWait(int idle_rounds, bool have_pending) {
   const Clock::duration since = Clock::now() - last_work_;
-  if (since < kSpin || (have_pending && spin_while_pending_ && since < kPendingSpin)) {
+  if (since < kSpin ||
+      (have_pending && spin_while_pending_ && since < kPendingSpin)) {
     std::this_thread::yield();
     return;
   }
@@ -421,7 +428,8 @@ bool Runtime::HoldForFusion(Clock::time_point now) {
     ready_waiting_ = true;
     first_ready_ = now;
   }
-  if (now - first_ready_ < std::chrono::duration<double, std::milli>(cycle_ms)) {
+  if (now - first_ready_ <
+      std::chrono::duration<double, std::milli>(cycle_ms)) {
     return true;
   }
   ready_waiting_ = false;
@@ -436,11 +444,13 @@ Status Runtime::DecideAndRun(Clock::time_point now) {
     if (loop_timeline_->mark_cycles()) loop_timeline_->Cycle(now);
     for (ReadyInfo& info : coordinator_->TakeReadyInfo()) {
       std::string wait;
-      for (int64_t w : info.wait_us) wait += (wait.empty() ? "" : ",") + std::to_string(w);
-      loop_timeline_->Phase(info.name, kNegotiatePhase, info.first, info.last,
-                            "\"first_rank\":" + std::to_string(info.first_rank) +
-                                ",\"last_rank\":" + std::to_string(info.last_rank) +
-                                ",\"wait_us\":[" + wait + "]");
+      for (int64_t w : info.wait_us)
+        wait += (wait.empty() ? "" : ",") + std::to_string(w);
+      loop_timeline_->Phase(
+          info.name, kNegotiatePhase, info.first, info.last,
+          "\"first_rank\":" + std::to_string(info.first_rank) +
+              ",\"last_rank\":" + std::to_string(info.last_rank) +
+              ",\"wait_us\":[" + wait + "]");
       ready_at_[info.name] = info.last;
     }
   }
@@ -468,11 +478,13 @@ Status Runtime::WorkerRound(const RankMessage& mine, bool* worked) {
     std::lock_guard<std::mutex> l(mu_);
     if (stopped_) break;
   }
-  if (sent_shutdown_ && Clock::now() - shutdown_sent_at_ >
-                            std::chrono::duration<double>(kShutdownReplyTimeoutS)) {
-    return Status::Aborted("rank 0 did not answer this rank's shutdown within " +
-                           std::to_string(static_cast<int>(kShutdownReplyTimeoutS)) +
-                           " s; it may be stuck or gone.");
+  if (sent_shutdown_ &&
+      Clock::now() - shutdown_sent_at_ >
+          std::chrono::duration<double>(kShutdownReplyTimeoutS)) {
+    return Status::Aborted(
+        "rank 0 did not answer this rank's shutdown within " +
+        std::to_string(static_cast<int>(kShutdownReplyTimeoutS)) +
+        " s; it may be stuck or gone.");
   }
   return Status::OK();
 }
@@ -523,8 +535,9 @@ Status Runtime::TakeEntries(const std::vector<const Response*>& resps,
   for (const Response* r : resps) {
     auto it = pending_.find(r->req.name);
     if (it == pending_.end()) {
-      return Status::Internal("the coordinator scheduled '" + r->req.name +
-                              "', which this rank never submitted (kerasdist bug).");
+      return Status::Internal(
+          "the coordinator scheduled '" + r->req.name +
+          "', which this rank never submitted (kerasdist bug).");
     }
     entries->push_back(std::move(it->second));
     pending_.erase(it);
@@ -551,15 +564,22 @@ Status Runtime::PrepareBatch(const Response& head, std::vector<Entry>& entries,
   b->divisor = sc.divisor;
   b->tensors.reserve(entries.size());
   for (Entry& e : entries) {
-    b->tensors.push_back({&e.req.name, e.input, e.output, NumElements(e.req.shape),
-                          e.ready_event});
+    b->tensors.push_back({&e.req.name, e.input, e.output,
+                          NumElements(e.req.shape), e.ready_event});
   }
   Layout l;
   switch (q.op) {
-    case OpType::kAllgather: l = AllgatherLayout(head, q); break;
-    case OpType::kAlltoall: l = AlltoallLayout(head, q, topo.rank, topo.size); break;
-    case OpType::kReducescatter: l = ReducescatterLayout(q, topo.rank, topo.size); break;
-    default: return Status::OK();  // outputs preallocated
+    case OpType::kAllgather:
+      l = AllgatherLayout(head, q);
+      break;
+    case OpType::kAlltoall:
+      l = AlltoallLayout(head, q, topo.rank, topo.size);
+      break;
+    case OpType::kReducescatter:
+      l = ReducescatterLayout(q, topo.rank, topo.size);
+      break;
+    default:
+      return Status::OK();  // outputs preallocated
   }
   KD_RETURN_IF_ERROR(entries[0].allocate(l.out_shape, &b->tensors[0].output));
   b->send_bytes = std::move(l.send_bytes);
@@ -599,7 +619,8 @@ void Runtime::CountRun(const CollectiveBatch& b, Clock::time_point start) {
   stat_batches_ += 1;
   if (b.device < 0) {
     stat_busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         Clock::now() - start).count();
+                         Clock::now() - start)
+                         .count();
   }
   for (size_t i = 0; i < backends_.size(); ++i) {
     if (std::strcmp(backends_[i]->Name(), b.backend) == 0) {
@@ -626,7 +647,8 @@ bool Runtime::PollBackends() {
     async_.erase(it);
     // A device failure (CUDA, NCCL) may have hit some ranks only: stop.
     if (c.status.code() == StatusCode::kInternal) {
-      FailAll(Status(c.status.code(), "rank " + std::to_string(topology().rank) +
+      FailAll(Status(c.status.code(), "rank " +
+                                          std::to_string(topology().rank) +
                                           ": " + c.status.message()));
       break;
     }
@@ -676,11 +698,11 @@ void Runtime::RecordAsync(const AsyncBatch& a) {
   if (!loop_timeline_) return;
   const Clock::time_point now = Clock::now();
   for (const Entry& e : a.entries) {
-    loop_timeline_->Phase(
-        e.req.name, OpPhaseName(e.req.op), a.issued, now,
-        "\"device\":" + std::to_string(a.device) + ",\"backend\":\"" + a.backend +
-            "\",\"bytes\":" +
-            std::to_string(NumElements(e.req.shape) * DataTypeSize(e.req.dtype)));
+    loop_timeline_->Phase(e.req.name, OpPhaseName(e.req.op), a.issued, now,
+                          "\"device\":" + std::to_string(a.device) +
+                              ",\"backend\":\"" + a.backend + "\",\"bytes\":" +
+                              std::to_string(NumElements(e.req.shape) *
+                                             DataTypeSize(e.req.dtype)));
   }
 }
 

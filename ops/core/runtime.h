@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "backends/backends.h"
-#include "transport/mpi_context.h"
 #include "config.h"
 #include "controller.h"
 #include "entry.h"
 #include "message.h"
 #include "timeline.h"
+#include "transport/mpi_context.h"
 
 namespace kerasdist::core {
 
@@ -54,8 +54,8 @@ class Runtime {
 
   struct Stats {
     int64_t allreduced_bytes = 0;  // tensor bytes allreduced
-    int64_t batches = 0;           // collectives run (a fused batch counts once)
-    double busy_seconds = 0;       // inside collectives and fusion copies
+    int64_t batches = 0;      // collectives run (a fused batch counts once)
+    double busy_seconds = 0;  // inside collectives and fusion copies
   };
   Stats stats() const;
   // Batches each backend of the list ran, by name (a batch one backend hands
@@ -64,7 +64,8 @@ class Runtime {
   // Applied by the coordinator (rank 0) from its next decision on; every rank
   // executes the coordinator's plan, so setting them on rank 0 is enough.
   void SetTunables(int64_t fusion_threshold, double cycle_time_ms, bool cache);
-  void GetTunables(int64_t* fusion_threshold, double* cycle_time_ms, bool* cache) const;
+  void GetTunables(int64_t* fusion_threshold, double* cycle_time_ms,
+                   bool* cache) const;
   // Why the runtime stopped, or OK while it runs.
   Status stopped_status();
 
@@ -72,9 +73,9 @@ class Runtime {
   // A batch an asynchronous backend (a GPU stream) is still running.
   struct AsyncBatch {
     std::vector<Entry> entries;
-    Result result;           // its status comes from the backend
+    Result result;  // its status comes from the backend
     Clock::time_point issued;
-    const char* backend;     // the backend that runs it (its Name())
+    const char* backend;  // the backend that runs it (its Name())
     int device;
   };
 
@@ -103,7 +104,8 @@ class Runtime {
   Status PrepareBatch(const Response& head, std::vector<Entry>& entries,
                       CollectiveBatch* b, Result* result);
   Status RunBatch(const std::vector<const Response*>& resps,
-                  std::vector<Entry>& entries, CollectiveBatch& b, Result& result);
+                  std::vector<Entry>& entries, CollectiveBatch& b,
+                  Result& result);
   void CountRun(const CollectiveBatch& b, Clock::time_point start);
 
   void Complete(Entry& e, const Result& r);
@@ -113,12 +115,13 @@ class Runtime {
 
   // Timeline.
   std::shared_ptr<Timeline> CurrentTimeline();
-  void RecordQueued(const std::vector<const Response*>& resps, Clock::time_point start);
+  void RecordQueued(const std::vector<const Response*>& resps,
+                    Clock::time_point start);
   void RecordBatch(const std::vector<const Response*>& resps, const char* phase,
                    Clock::time_point start, Clock::time_point end,
                    const std::string& args);
-  void RecordRun(const std::vector<const Response*>& resps, const CollectiveBatch& b,
-                 Clock::time_point start);
+  void RecordRun(const std::vector<const Response*>& resps,
+                 const CollectiveBatch& b, Clock::time_point start);
   void RecordAsync(const AsyncBatch& a);
 
   Config config_;

@@ -22,7 +22,8 @@ void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t div) {
   for (int64_t i = 0; i < n; ++i) {
     T v = src[i];
     if (div > 1) v = static_cast<T>(v / static_cast<T>(div));
-    if (factor != 1.0) v = static_cast<T>(std::llround(static_cast<double>(v) * factor));
+    if (factor != 1.0)
+      v = static_cast<T>(std::llround(static_cast<double>(v) * factor));
     dst[i] = v;
   }
 }
@@ -40,7 +41,8 @@ auto Wide(T v) {
 
 // Blocks of 16 with a constant trip count, so that -O2 vectorises them.
 template <typename T, typename F>
-void Elementwise(void* out_v, const void* a_v, const void* b_v, int64_t n, F f) {
+void Elementwise(void* out_v, const void* a_v, const void* b_v, int64_t n,
+                 F f) {
   T* out = static_cast<T*>(out_v);
   const T* a = static_cast<const T*>(a_v);
   const T* b = static_cast<const T*>(b_v);
@@ -52,7 +54,8 @@ void Elementwise(void* out_v, const void* a_v, const void* b_v, int64_t n, F f) 
 }
 
 template <typename T>
-void CombineTyped(void* out, const void* a, const void* b, int64_t n, ReduceOp op) {
+void CombineTyped(void* out, const void* a, const void* b, int64_t n,
+                  ReduceOp op) {
   switch (op) {
     case ReduceOp::kMin:
       Elementwise<T>(out, a, b, n, [](T x, T y) { return y < x ? y : x; });
@@ -61,46 +64,62 @@ void CombineTyped(void* out, const void* a, const void* b, int64_t n, ReduceOp o
       Elementwise<T>(out, a, b, n, [](T x, T y) { return y > x ? y : x; });
       break;
     case ReduceOp::kProduct:
-      Elementwise<T>(out, a, b, n,
-                     [](T x, T y) { return static_cast<T>(Wide<T>(x) * Wide<T>(y)); });
+      Elementwise<T>(out, a, b, n, [](T x, T y) {
+        return static_cast<T>(Wide<T>(x) * Wide<T>(y));
+      });
       break;
     default:
-      Elementwise<T>(out, a, b, n,
-                     [](T x, T y) { return static_cast<T>(Wide<T>(x) + Wide<T>(y)); });
+      Elementwise<T>(out, a, b, n, [](T x, T y) {
+        return static_cast<T>(Wide<T>(x) + Wide<T>(y));
+      });
       break;
   }
 }
 
 }  // namespace
 
-void Combine(void* out, const void* a, const void* b, int64_t count, DataType dt,
-             ReduceOp op) {
+void Combine(void* out, const void* a, const void* b, int64_t count,
+             DataType dt, ReduceOp op) {
   switch (dt) {
-    case DataType::kFloat32: CombineTyped<float>(out, a, b, count, op); break;
-    case DataType::kFloat64: CombineTyped<double>(out, a, b, count, op); break;
-    case DataType::kInt32: CombineTyped<int32_t>(out, a, b, count, op); break;
-    case DataType::kInt64: CombineTyped<int64_t>(out, a, b, count, op); break;
+    case DataType::kFloat32:
+      CombineTyped<float>(out, a, b, count, op);
+      break;
+    case DataType::kFloat64:
+      CombineTyped<double>(out, a, b, count, op);
+      break;
+    case DataType::kInt32:
+      CombineTyped<int32_t>(out, a, b, count, op);
+      break;
+    case DataType::kInt64:
+      CombineTyped<int64_t>(out, a, b, count, op);
+      break;
     case DataType::kUInt8:
-    case DataType::kBool: CombineTyped<uint8_t>(out, a, b, count, op); break;
+    case DataType::kBool:
+      CombineTyped<uint8_t>(out, a, b, count, op);
+      break;
     case DataType::kFloat16:
     case DataType::kBFloat16:
-      Reduce16(dt, op, static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b),
-               static_cast<uint16_t*>(out), count);
+      Reduce16(dt, op, static_cast<const uint16_t*>(a),
+               static_cast<const uint16_t*>(b), static_cast<uint16_t*>(out),
+               count);
       break;
   }
 }
 
-void CombineScaled(void* out, const void* a, const void* b, int64_t count, DataType dt,
-                   ReduceOp op, double factor, int64_t int_divisor) {
+void CombineScaled(void* out, const void* a, const void* b, int64_t count,
+                   DataType dt, ReduceOp op, double factor,
+                   int64_t int_divisor) {
   // The sum is rounded to T before the product, as in the two passes.
   if (op == ReduceOp::kSum && factor != 1.0 && dt == DataType::kFloat32) {
     const float f = static_cast<float>(factor);
-    Elementwise<float>(out, a, b, count, [f](float x, float y) { return (x + y) * f; });
+    Elementwise<float>(out, a, b, count,
+                       [f](float x, float y) { return (x + y) * f; });
     return;
   }
   if (op == ReduceOp::kSum && factor != 1.0 && dt == DataType::kFloat64) {
-    Elementwise<double>(out, a, b, count,
-                        [factor](double x, double y) { return (x + y) * factor; });
+    Elementwise<double>(out, a, b, count, [factor](double x, double y) {
+      return (x + y) * factor;
+    });
     return;
   }
   // Otherwise two passes, piece by piece while the piece is in cache.
@@ -109,8 +128,8 @@ void CombineScaled(void* out, const void* a, const void* b, int64_t count, DataT
   for (int64_t i = 0; i < count; i += kPiece) {
     const int64_t m = std::min(kPiece, count - i);
     char* o = static_cast<char*>(out) + i * es;
-    Combine(o, static_cast<const char*>(a) + i * es, static_cast<const char*>(b) + i * es,
-            m, dt, op);
+    Combine(o, static_cast<const char*>(a) + i * es,
+            static_cast<const char*>(b) + i * es, m, dt, op);
     ScaleCopy(o, o, m, dt, factor, int_divisor);  // nothing to do for 1
   }
 }
@@ -132,30 +151,37 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
                double factor, int64_t int_divisor) {
   bool is_int = !IsFloating(dt);
   if (factor == 1.0 && (!is_int || int_divisor <= 1)) {
-    if (dst != src && count > 0) std::memmove(dst, src, count * DataTypeSize(dt));
+    if (dst != src && count > 0)
+      std::memmove(dst, src, count * DataTypeSize(dt));
     return;
   }
   switch (dt) {
     case DataType::kFloat32:
-      ScaleFloat(static_cast<float*>(dst), static_cast<const float*>(src), count, factor);
+      ScaleFloat(static_cast<float*>(dst), static_cast<const float*>(src),
+                 count, factor);
       break;
     case DataType::kFloat64:
-      ScaleFloat(static_cast<double*>(dst), static_cast<const double*>(src), count, factor);
+      ScaleFloat(static_cast<double*>(dst), static_cast<const double*>(src),
+                 count, factor);
       break;
     case DataType::kFloat16:
     case DataType::kBFloat16:
-      Scale16(dt, static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count,
+      Scale16(dt, static_cast<uint16_t*>(dst),
+              static_cast<const uint16_t*>(src), count,
               static_cast<float>(factor));
       break;
     case DataType::kInt32:
-      ScaleInt(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, factor, int_divisor);
+      ScaleInt(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src),
+               count, factor, int_divisor);
       break;
     case DataType::kInt64:
-      ScaleInt(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, factor, int_divisor);
+      ScaleInt(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src),
+               count, factor, int_divisor);
       break;
     case DataType::kUInt8:
     case DataType::kBool:
-      ScaleInt(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, factor, int_divisor);
+      ScaleInt(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src),
+               count, factor, int_divisor);
       break;
   }
 }

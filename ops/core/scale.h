@@ -27,13 +27,14 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
 // out[i] = a[i] (op) b[i] for Sum, Min, Max and Product (not Average);
 // `out` may be `a` or `b`. 16-bit floats are computed in float and rounded
 // once. Integers wrap, as in MPI.
-void Combine(void* out, const void* a, const void* b, int64_t count, DataType dt,
-             ReduceOp op);
+void Combine(void* out, const void* a, const void* b, int64_t count,
+             DataType dt, ReduceOp op);
 
 // Combine, then ScaleCopy(out, out, count, dt, factor, int_divisor), with the
 // same result bit for bit; for float32 and float64 in one pass over `out`.
-void CombineScaled(void* out, const void* a, const void* b, int64_t count, DataType dt,
-                   ReduceOp op, double factor, int64_t int_divisor = 1);
+void CombineScaled(void* out, const void* a, const void* b, int64_t count,
+                   DataType dt, ReduceOp op, double factor,
+                   int64_t int_divisor = 1);
 
 }  // namespace kerasdist::core
 

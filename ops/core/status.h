@@ -48,10 +48,10 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-#define KD_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    ::kerasdist::core::Status _s = (expr);  \
-    if (!_s.ok()) return _s;                \
+#define KD_RETURN_IF_ERROR(expr)           \
+  do {                                     \
+    ::kerasdist::core::Status _s = (expr); \
+    if (!_s.ok()) return _s;               \
   } while (0)
 
 }  // namespace kerasdist::core

@@ -77,7 +77,8 @@ Timeline::~Timeline() {
 }
 
 int64_t Timeline::Micros(Clock::time_point t) const {
-  return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_).count();
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_)
+      .count();
 }
 
 int Timeline::Row(const std::string& tensor) {
@@ -150,9 +151,9 @@ void Timeline::Flush() {
           "\",\"pid\":0,\"tid\":0,\"ts\":" + std::to_string(e.ts) + "}");
     } else {
       add("{\"ph\":\"X\",\"name\":\"" + std::string(e.phase) +
-          "\",\"pid\":0,\"tid\":" + std::to_string(e.row) +
-          ",\"ts\":" + std::to_string(e.ts) + ",\"dur\":" +
-          std::to_string(e.dur) + ",\"args\":{" + (e.args ? *e.args : "") + "}}");
+          "\",\"pid\":0,\"tid\":" + std::to_string(e.row) + ",\"ts\":" +
+          std::to_string(e.ts) + ",\"dur\":" + std::to_string(e.dur) +
+          ",\"args\":{" + (e.args ? *e.args : "") + "}}");
     }
   }
   text += "\n]";

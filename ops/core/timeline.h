@@ -4,9 +4,9 @@
 //
 // The background loop only appends compact records (row, phase, times, a
 // shared args string) under a mutex; a writer thread formats them as JSON and
-// appends them to the file every 200 ms, so the loop does no formatting. After every flush the
-// file ends with "]", so it is valid JSON even if the job is killed (the next
-// flush overwrites the bracket).
+// appends them to the file every 200 ms, so the loop does no formatting. After
+// every flush the file ends with "]", so it is valid JSON even if the job is
+// killed (the next flush overwrites the bracket).
 #ifndef KERASDIST_CORE_TIMELINE_H_
 #define KERASDIST_CORE_TIMELINE_H_
 
@@ -54,11 +54,13 @@ class Timeline {
   // A complete event on the tensor's row. `phase` must be a string with
   // static storage (a literal). `args` is a JSON object body (without
   // braces), e.g. "\"bytes\":4096".
-  void Phase(const std::string& tensor, const char* phase, Clock::time_point start,
-             Clock::time_point end, const std::string& args = "");
+  void Phase(const std::string& tensor, const char* phase,
+             Clock::time_point start, Clock::time_point end,
+             const std::string& args = "");
   // The same event on several rows (a fused batch): one lock, one args copy.
   void Phases(const std::vector<const std::string*>& tensors, const char* phase,
-              Clock::time_point start, Clock::time_point end, const std::string& args);
+              Clock::time_point start, Clock::time_point end,
+              const std::string& args);
   void Cycle(Clock::time_point t);
   bool mark_cycles() const { return mark_cycles_; }
 
@@ -70,7 +72,7 @@ class Timeline {
   int Row(const std::string& tensor);  // requires mu_
 
   struct Event {
-    int row;                  // -1: a cycle marker
+    int row;  // -1: a cycle marker
     const char* phase;
     int64_t ts, dur;
     std::shared_ptr<const std::string> args;  // null: none

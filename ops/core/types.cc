@@ -35,49 +35,74 @@ bool IsFloating(DataType dt) {
 
 const char* DataTypeName(DataType dt) {
   switch (dt) {
-    case DataType::kFloat16: return "float16";
-    case DataType::kBFloat16: return "bfloat16";
-    case DataType::kFloat32: return "float32";
-    case DataType::kFloat64: return "float64";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
-    case DataType::kUInt8: return "uint8";
-    case DataType::kBool: return "bool";
+    case DataType::kFloat16:
+      return "float16";
+    case DataType::kBFloat16:
+      return "bfloat16";
+    case DataType::kFloat32:
+      return "float32";
+    case DataType::kFloat64:
+      return "float64";
+    case DataType::kInt32:
+      return "int32";
+    case DataType::kInt64:
+      return "int64";
+    case DataType::kUInt8:
+      return "uint8";
+    case DataType::kBool:
+      return "bool";
   }
   return "unknown";
 }
 
 const char* ReduceOpName(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kAverage: return "Average";
-    case ReduceOp::kSum: return "Sum";
-    case ReduceOp::kMin: return "Min";
-    case ReduceOp::kMax: return "Max";
-    case ReduceOp::kProduct: return "Product";
+    case ReduceOp::kAverage:
+      return "Average";
+    case ReduceOp::kSum:
+      return "Sum";
+    case ReduceOp::kMin:
+      return "Min";
+    case ReduceOp::kMax:
+      return "Max";
+    case ReduceOp::kProduct:
+      return "Product";
   }
   return "unknown";
 }
 
 const char* OpPhaseName(OpType op) {
   switch (op) {
-    case OpType::kAllreduce: return "ALLREDUCE";
-    case OpType::kAllgather: return "ALLGATHER";
-    case OpType::kBroadcast: return "BROADCAST";
-    case OpType::kAlltoall: return "ALLTOALL";
-    case OpType::kReducescatter: return "REDUCESCATTER";
-    case OpType::kBarrier: return "BARRIER";
+    case OpType::kAllreduce:
+      return "ALLREDUCE";
+    case OpType::kAllgather:
+      return "ALLGATHER";
+    case OpType::kBroadcast:
+      return "BROADCAST";
+    case OpType::kAlltoall:
+      return "ALLTOALL";
+    case OpType::kReducescatter:
+      return "REDUCESCATTER";
+    case OpType::kBarrier:
+      return "BARRIER";
   }
   return "UNKNOWN";
 }
 
 const char* OpTypeName(OpType op) {
   switch (op) {
-    case OpType::kAllreduce: return "allreduce";
-    case OpType::kAllgather: return "allgather";
-    case OpType::kBroadcast: return "broadcast";
-    case OpType::kAlltoall: return "alltoall";
-    case OpType::kReducescatter: return "reducescatter";
-    case OpType::kBarrier: return "barrier";
+    case OpType::kAllreduce:
+      return "allreduce";
+    case OpType::kAllgather:
+      return "allgather";
+    case OpType::kBroadcast:
+      return "broadcast";
+    case OpType::kAlltoall:
+      return "alltoall";
+    case OpType::kReducescatter:
+      return "reducescatter";
+    case OpType::kBarrier:
+      return "barrier";
   }
   return "unknown";
 }

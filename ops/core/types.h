@@ -22,7 +22,8 @@ enum class DataType : int32_t {
 };
 constexpr int kNumDataTypes = 8;
 
-// Horovod's values (Adasum = 2 is not offered), so scripts passing ints move over.
+// Horovod's values (Adasum = 2 is not offered), so scripts passing ints move
+// over.
 enum class ReduceOp : int32_t {
   kAverage = 0,
   kSum = 1,

@@ -10,7 +10,8 @@ Status PrepareRequest(Request& q, int size, bool have_device_backend) {
     if (q.shape[0] % size != 0) {
       return Status::InvalidArgument(
           "alltoall '" + q.name + "': without splits the first dimension (" +
-          std::to_string(q.shape[0]) + ") must be divisible by the number of ranks (" +
+          std::to_string(q.shape[0]) +
+          ") must be divisible by the number of ranks (" +
           std::to_string(size) + "); pass splits.");
     }
     q.splits.assign(size, q.shape[0] / size);
@@ -20,14 +21,18 @@ Status PrepareRequest(Request& q, int size, bool have_device_backend) {
 
 Status ValidateRequest(const Request& q, int size, bool have_device_backend) {
   // Spelled out only for an error: this runs for every tensor of every step.
-  auto what = [&q] { return std::string(OpTypeName(q.op)) + " '" + q.name + "'"; };
+  auto what = [&q] {
+    return std::string(OpTypeName(q.op)) + " '" + q.name + "'";
+  };
   if (q.name.empty()) {
-    return Status::InvalidArgument("every collective needs a name that is the "
-                                   "same on all ranks; got an empty name.");
+    return Status::InvalidArgument(
+        "every collective needs a name that is the "
+        "same on all ranks; got an empty name.");
   }
   if ((q.op == OpType::kAllreduce || q.op == OpType::kReducescatter) &&
       q.dtype == DataType::kBool) {
-    return Status::InvalidArgument(what() + ": bool tensors cannot be reduced; "
+    return Status::InvalidArgument(what() +
+                                   ": bool tensors cannot be reduced; "
                                    "cast to int32 first.");
   }
   if (q.op == OpType::kBroadcast && (q.root_rank < 0 || q.root_rank >= size)) {
@@ -36,38 +41,47 @@ Status ValidateRequest(const Request& q, int size, bool have_device_backend) {
                                    std::to_string(q.root_rank) + ".");
   }
   if ((q.op == OpType::kAllgather || q.op == OpType::kAlltoall ||
-       q.op == OpType::kReducescatter) && q.shape.empty()) {
-    return Status::InvalidArgument(what() + " needs a tensor of at least one "
+       q.op == OpType::kReducescatter) &&
+      q.shape.empty()) {
+    return Status::InvalidArgument(what() +
+                                   " needs a tensor of at least one "
                                    "dimension; got a scalar.");
   }
   for (int64_t d : q.shape) {
-    if (d < 0) return Status::InvalidArgument(what() + ": negative dimension in " + ShapeString(q.shape) + ".");
+    if (d < 0)
+      return Status::InvalidArgument(what() + ": negative dimension in " +
+                                     ShapeString(q.shape) + ".");
   }
   if (!std::isfinite(q.prescale) || !std::isfinite(q.postscale)) {
     return Status::InvalidArgument(what() + ": scale factors must be finite.");
   }
   if (q.op == OpType::kAlltoall) {
     if (static_cast<int>(q.splits.size()) != size) {
-      return Status::InvalidArgument(what() + ": splits must have one entry per rank (" +
+      return Status::InvalidArgument(what() +
+                                     ": splits must have one entry per rank (" +
                                      std::to_string(size) + "), got " +
                                      std::to_string(q.splits.size()) + ".");
     }
     int64_t sum = 0;
     for (int64_t s : q.splits) {
-      if (s < 0) return Status::InvalidArgument(what() + ": splits must be >= 0, got " + ShapeString(q.splits) + ".");
+      if (s < 0)
+        return Status::InvalidArgument(what() + ": splits must be >= 0, got " +
+                                       ShapeString(q.splits) + ".");
       sum += s;
     }
     if (sum != q.shape[0]) {
-      return Status::InvalidArgument(what() + ": splits " + ShapeString(q.splits) +
-                                     " add up to " + std::to_string(sum) +
-                                     " but the first dimension is " +
-                                     std::to_string(q.shape[0]) + ".");
+      return Status::InvalidArgument(
+          what() + ": splits " + ShapeString(q.splits) + " add up to " +
+          std::to_string(sum) + " but the first dimension is " +
+          std::to_string(q.shape[0]) + ".");
     }
   }
   if (q.device >= 0 && !have_device_backend) {
-    return Status::InvalidArgument(what() + ": the tensor is in GPU memory, but this "
-                                   "kerasdist build has no GPU backend (rebuild "
-                                   "with KERASDIST_WITH_NCCL=1).");
+    return Status::InvalidArgument(
+        what() +
+        ": the tensor is in GPU memory, but this "
+        "kerasdist build has no GPU backend (rebuild "
+        "with KERASDIST_WITH_NCCL=1).");
   }
   return Status::OK();
 }

@@ -19,8 +19,8 @@
 
 #include "core/c_api.h"
 #include "core/types.h"
-#include "xla/ffi/api/ffi.h"
 #include "jax/ffi_common.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
@@ -28,8 +28,8 @@ using kerasdist::core::OpType;
 
 namespace {
 
-using kerasdist::jax_ffi::Request;
 using kerasdist::jax_ffi::ReduceSpec;
+using kerasdist::jax_ffi::Request;
 using kerasdist::jax_ffi::Spec;
 using kerasdist::jax_ffi::ToCore;
 
@@ -149,12 +149,13 @@ ffi::Error Submit(std::unique_ptr<Pending> p, const Spec& s, int32_t dtype,
 // `out`, or, with `copy_out`, into core-owned memory that Check copies after
 // checking its shape.
 ffi::Error Enqueue(Call* call, size_t member, const std::string& name,
-                   const Spec& s, const ffi::AnyBuffer& in,
-                   ffi::AnyBuffer* out, bool copy_out) {
+                   const Spec& s, const ffi::AnyBuffer& in, ffi::AnyBuffer* out,
+                   bool copy_out) {
   int32_t dtype;
   if (!ToCore(in.element_type(), &dtype)) {
     return ffi::Error::InvalidArgument(
-        "kerasdist: collective '" + name + "' got an unsupported dtype; "
+        "kerasdist: collective '" + name +
+        "' got an unsupported dtype; "
         "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
         "or bool.");
   }
@@ -270,8 +271,8 @@ ffi::Future BarrierImpl(ffi::Result<ffi::AnyBuffer> token,
   auto p = std::make_unique<Pending>();
   p->call = call;
   p->name = std::string(name);
-  call->Enqueued(Submit(std::move(p), s,
-                        static_cast<int32_t>(DataType::kUInt8), {}, nullptr));
+  call->Enqueued(Submit(std::move(p), s, static_cast<int32_t>(DataType::kUInt8),
+                        {}, nullptr));
   return future;
 }
 
@@ -324,7 +325,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistReducescatter, ReducescatterImpl,
                                   .Attr<double>("prescale")
                                   .Attr<double>("postscale"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBarrier, BarrierImpl,
-                              ffi::Ffi::Bind()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KerasdistBarrier, BarrierImpl,
+    ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<std::string_view>("name"));

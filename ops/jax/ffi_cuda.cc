@@ -22,8 +22,8 @@
 
 #include "core/c_api.h"
 #include "core/types.h"
-#include "xla/ffi/api/ffi.h"
 #include "jax/ffi_common.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
@@ -31,15 +31,15 @@ using kerasdist::core::OpType;
 
 namespace {
 
-using kerasdist::jax_ffi::Request;
 using kerasdist::jax_ffi::ReduceSpec;
+using kerasdist::jax_ffi::Request;
 using kerasdist::jax_ffi::Spec;
 using kerasdist::jax_ffi::ToCore;
 
 ffi::Error CudaError(const char* what, cudaError_t e) {
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("kerasdist: ") + what + ": " +
-                        cudaGetErrorString(e));
+  return ffi::Error(
+      ffi::ErrorCode::kInternal,
+      std::string("kerasdist: ") + what + ": " + cudaGetErrorString(e));
 }
 
 // The CUDA ordinal of the GPU holding `ptr` (the current one for an empty
@@ -151,8 +151,8 @@ std::string RunMembers(cudaStream_t stream, const Spec& s,
     }
     auto d = m.in.dimensions();
     std::vector<int64_t> shape(d.begin(), d.end());
-    kerasdist_request r = Request(m.name, s, dtype, shape,
-                                  DeviceOf(m.in.untyped_data()));
+    kerasdist_request r =
+        Request(m.name, s, dtype, shape, DeviceOf(m.in.untyped_data()));
     failure = Enqueue(r, m.in.untyped_data(), m.out.untyped_data(), ready, &w);
     if (!failure.empty()) break;
   }
@@ -174,8 +174,7 @@ ffi::Error Run(cudaStream_t stream, const Spec& s,
 
 ffi::Error AllreduceImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, std::string_view name,
-                         int32_t reduce_op, double prescale,
-                         double postscale) {
+                         int32_t reduce_op, double prescale, double postscale) {
   Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
   return Run(stream, s, {{std::string(name), x, *y}});
 }
@@ -213,8 +212,8 @@ ffi::Error BroadcastImpl(cudaStream_t stream, ffi::AnyBuffer x,
 
 ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
                        std::string_view name) {
-  cudaError_t e = cudaMemsetAsync(token->untyped_data(), 0,
-                                  token->size_bytes(), stream);
+  cudaError_t e =
+      cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
   if (e != cudaSuccess) return CudaError("clearing the barrier's token", e);
   // A barrier has no input to wait for with an event: it stands for this
   // rank's work so far, so the stream is finished first, as before.

@@ -18,8 +18,9 @@ namespace {
 
 using namespace kerasdist::core;
 
-const DataType kAllTypes[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
-                              DataType::kFloat64, DataType::kInt32,    DataType::kInt64,
+const DataType kAllTypes[] = {DataType::kFloat16, DataType::kBFloat16,
+                              DataType::kFloat32, DataType::kFloat64,
+                              DataType::kInt32,   DataType::kInt64,
                               DataType::kUInt8,   DataType::kBool};
 
 struct ReduceCase {
@@ -31,18 +32,24 @@ struct ReduceCase {
   std::vector<int64_t> counts;
 
   std::string Describe() const {
-    return std::string(DataTypeName(dt)) + " " + ReduceOpName(op) + " pre=" + std::to_string(pre) +
-           " post=" + std::to_string(post) + " divisor=" + std::to_string(divisor) +
-           (in_place ? " in place" : " out of place") + " counts " + ShapeString(counts);
+    return std::string(DataTypeName(dt)) + " " + ReduceOpName(op) +
+           " pre=" + std::to_string(pre) + " post=" + std::to_string(post) +
+           " divisor=" + std::to_string(divisor) +
+           (in_place ? " in place" : " out of place") + " counts " +
+           ShapeString(counts);
   }
 };
 
 double Fold(double a, double b, ReduceOp op) {
   switch (op) {
-    case ReduceOp::kMin: return std::min(a, b);
-    case ReduceOp::kMax: return std::max(a, b);
-    case ReduceOp::kProduct: return a * b;
-    default: return a + b;
+    case ReduceOp::kMin:
+      return std::min(a, b);
+    case ReduceOp::kMax:
+      return std::max(a, b);
+    case ReduceOp::kProduct:
+      return a * b;
+    default:
+      return a + b;
   }
 }
 
@@ -58,7 +65,7 @@ double Expected(const ReduceCase& c, int n, int t, int64_t i) {
   if (fl) return acc * c.post;
   int64_t v = static_cast<int64_t>(acc);
   const bool byte = c.dt == DataType::kUInt8 || c.dt == DataType::kBool;
-  if (byte) v &= 0xff;  // unsigned 8-bit arithmetic wraps
+  if (byte) v &= 0xff;                // unsigned 8-bit arithmetic wraps
   if (c.divisor > 1) v /= c.divisor;  // truncates toward zero, as C does
   if (c.post != 1.0) v = std::llround(static_cast<double>(v) * c.post);
   if (byte) v &= 0xff;
@@ -67,22 +74,31 @@ double Expected(const ReduceCase& c, int n, int t, int64_t i) {
 
 double Tolerance(DataType dt) {
   switch (dt) {
-    case DataType::kFloat16: return 1e-3;
-    case DataType::kBFloat16: return 8e-3;
-    case DataType::kFloat32: return 1e-6;
-    case DataType::kFloat64: return 1e-12;
-    default: return 0;
+    case DataType::kFloat16:
+      return 1e-3;
+    case DataType::kBFloat16:
+      return 8e-3;
+    case DataType::kFloat32:
+      return 1e-6;
+    case DataType::kFloat64:
+      return 1e-12;
+    default:
+      return 0;
   }
 }
 
 std::vector<ReduceCase> AllreduceCases(int n) {
-  const std::vector<std::vector<int64_t>> shapes = {{5, 0, 17, 1}, {9}, {0}, {3, 3}};
+  const std::vector<std::vector<int64_t>> shapes = {
+      {5, 0, 17, 1}, {9}, {0}, {3, 3}};
   std::vector<ReduceCase> out;
   for (DataType dt : kAllTypes) {
     const bool fl = IsFloat(dt);
     std::vector<ReduceCase> kinds;
-    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct}) {
-      if (dt == DataType::kBool && (op == ReduceOp::kSum || op == ReduceOp::kProduct)) continue;
+    for (ReduceOp op :
+         {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProduct}) {
+      if (dt == DataType::kBool &&
+          (op == ReduceOp::kSum || op == ReduceOp::kProduct))
+        continue;
       kinds.push_back({dt, op});
     }
     if (dt != DataType::kBool) {
@@ -114,7 +130,8 @@ void RunAllreduceCase(Backend& backend, const ReduceCase& c, int rank, int n) {
   std::vector<std::string> names;
   for (size_t t = 0; t < c.counts.size(); ++t) {
     std::vector<char> in(c.counts[t] * Size(c.dt));
-    for (int64_t i = 0; i < c.counts[t]; ++i) Put(in, i, c.dt, Value(rank, t, i, c.dt));
+    for (int64_t i = 0; i < c.counts[t]; ++i)
+      Put(in, i, c.dt, Value(rank, t, i, c.dt));
     inputs.push_back(std::move(in));
     outputs.emplace_back(c.counts[t] * Size(c.dt), '\x7f');
     names.push_back("t" + std::to_string(t));
@@ -135,13 +152,15 @@ void RunAllreduceCase(Backend& backend, const ReduceCase& c, int rank, int n) {
   CHECK(std::string(b.backend) == backend.Name());
   for (size_t t = 0; t < c.counts.size(); ++t) {
     const std::vector<char>& got = c.in_place ? inputs[t] : outputs[t];
-    if (!c.in_place) CHECK_MSG(inputs[t] == kept[t], "input changed: " + c.Describe());
+    if (!c.in_place)
+      CHECK_MSG(inputs[t] == kept[t], "input changed: " + c.Describe());
     for (int64_t i = 0; i < c.counts[t]; ++i) {
       const double want = Expected(c, n, t, i), have = Get(got, i, c.dt);
       const double tol = Tolerance(c.dt) * std::max(1.0, std::fabs(want));
       CHECK_MSG(std::fabs(have - want) <= tol,
-                c.Describe() + ": tensor " + std::to_string(t) + "[" + std::to_string(i) +
-                    "] is " + std::to_string(have) + ", expected " + std::to_string(want));
+                c.Describe() + ": tensor " + std::to_string(t) + "[" +
+                    std::to_string(i) + "] is " + std::to_string(have) +
+                    ", expected " + std::to_string(want));
     }
   }
 }
@@ -151,7 +170,8 @@ KD_TEST(AllreduceEveryDtypeOpAndScaling) {
     const std::vector<ReduceCase> cases = AllreduceCases(n);
     RunRanks(n, [&](LocalCommunicator& comm) {
       CommunicatorBackend backend("local", &comm, comm.rank());
-      for (const ReduceCase& c : cases) RunAllreduceCase(backend, c, comm.rank(), n);
+      for (const ReduceCase& c : cases)
+        RunAllreduceCase(backend, c, comm.rank(), n);
     });
   }
 }
@@ -167,7 +187,9 @@ KD_TEST(AllgatherUnevenSizes) {
     RunRanks(n, [&](LocalCommunicator& comm) {
       const int me = comm.rank();
       const int64_t row = 3;
-      auto rows = [](int r) { return static_cast<int64_t>((r + 2) % 3); };  // 2, 0, 1, 2
+      auto rows = [](int r) {
+        return static_cast<int64_t>((r + 2) % 3);
+      };  // 2, 0, 1, 2
       std::vector<int64_t> recv_bytes;
       int64_t total = 0;
       for (int r = 0; r < n; ++r) {
@@ -175,7 +197,8 @@ KD_TEST(AllgatherUnevenSizes) {
         total += rows(r) * row;
       }
       std::vector<char> in(rows(me) * row * 4), out(total * 4);
-      for (int64_t i = 0; i < rows(me) * row; ++i) Put(in, i, DataType::kInt32, me * 100 + i);
+      for (int64_t i = 0; i < rows(me) * row; ++i)
+        Put(in, i, DataType::kInt32, me * 100 + i);
       const std::string name = "gather";
       CollectiveBatch b;
       b.op = OpType::kAllgather;
@@ -187,7 +210,8 @@ KD_TEST(AllgatherUnevenSizes) {
       int64_t k = 0;
       for (int r = 0; r < n; ++r) {
         for (int64_t i = 0; i < rows(r) * row; ++i, ++k) {
-          CHECK_MSG(Get(out, k, DataType::kInt32) == r * 100 + i, "element " + std::to_string(k));
+          CHECK_MSG(Get(out, k, DataType::kInt32) == r * 100 + i,
+                    "element " + std::to_string(k));
         }
       }
     });
@@ -204,18 +228,21 @@ KD_TEST(BroadcastFromEveryRoot) {
         for (bool in_place : {false, true}) {
           const int64_t count = 7;
           std::vector<char> in(count * 8), out(count * 8, 0);
-          for (int64_t i = 0; i < count; ++i) Put(in, i, DataType::kFloat64, me * 10 + i + 0.5);
+          for (int64_t i = 0; i < count; ++i)
+            Put(in, i, DataType::kFloat64, me * 10 + i + 0.5);
           const std::vector<char> kept = in;
           CollectiveBatch b;
           b.op = OpType::kBroadcast;
           b.dtype = DataType::kFloat64;
           b.root_rank = root;
-          b.tensors.push_back({&name, in.data(), in_place ? in.data() : out.data(), count});
+          b.tensors.push_back(
+              {&name, in.data(), in_place ? in.data() : out.data(), count});
           CHECK_OK(backend.Run(b, 0));
           const std::vector<char>& got = in_place ? in : out;
           for (int64_t i = 0; i < count; ++i) {
             CHECK_MSG(Get(got, i, DataType::kFloat64) == root * 10 + i + 0.5,
-                      "root " + std::to_string(root) + " element " + std::to_string(i));
+                      "root " + std::to_string(root) + " element " +
+                          std::to_string(i));
           }
           if (!in_place) CHECK_MSG(in == kept, "the input changed");
         }
@@ -229,7 +256,9 @@ KD_TEST(AlltoallUnevenSplits) {
     RunRanks(n, [&](LocalCommunicator& comm) {
       const int me = comm.rank();
       const int64_t row = 2;  // int32 elements per row
-      auto split = [](int from, int to) { return static_cast<int64_t>((from + 2 * to) % 3); };
+      auto split = [](int from, int to) {
+        return static_cast<int64_t>((from + 2 * to) % 3);
+      };
       // Row k sent from `from` to `to` holds from*1000 + to*100 + k*2 + j.
       auto cell = [](int from, int to, int64_t k, int64_t j) {
         return static_cast<double>(from * 1000 + to * 100 + k * 2 + j);
@@ -246,7 +275,8 @@ KD_TEST(AlltoallUnevenSplits) {
       int64_t e = 0;
       for (int to = 0; to < n; ++to) {
         for (int64_t k = 0; k < split(me, to); ++k) {
-          for (int64_t j = 0; j < row; ++j) Put(in, e++, DataType::kInt32, cell(me, to, k, j));
+          for (int64_t j = 0; j < row; ++j)
+            Put(in, e++, DataType::kInt32, cell(me, to, k, j));
         }
       }
       const std::string name = "a2a";
@@ -263,7 +293,8 @@ KD_TEST(AlltoallUnevenSplits) {
         for (int64_t k = 0; k < split(from, me); ++k) {
           for (int64_t j = 0; j < row; ++j, ++e) {
             CHECK_MSG(Get(out, e, DataType::kInt32) == cell(from, me, k, j),
-                      "element " + std::to_string(e) + " from rank " + std::to_string(from));
+                      "element " + std::to_string(e) + " from rank " +
+                          std::to_string(from));
           }
         }
       }
@@ -273,19 +304,24 @@ KD_TEST(AlltoallUnevenSplits) {
 
 KD_TEST(ReducescatterUnevenCounts) {
   for (int n = 1; n <= 4; ++n) {
-    for (DataType dt : {DataType::kFloat32, DataType::kInt32, DataType::kFloat16}) {
+    for (DataType dt :
+         {DataType::kFloat32, DataType::kInt32, DataType::kFloat16}) {
       RunRanks(n, [&](LocalCommunicator& comm) {
         const int me = comm.rank();
         const bool fl = IsFloat(dt);
         const int64_t rows = 2 * n + 1, per_row = 2;  // uneven for n > 1
         std::vector<int64_t> counts;
-        for (int r = 0; r < n; ++r) counts.push_back((rows / n + (r < rows % n ? 1 : 0)) * per_row);
+        for (int r = 0; r < n; ++r)
+          counts.push_back((rows / n + (r < rows % n ? 1 : 0)) * per_row);
         int64_t offset = 0;
         for (int r = 0; r < me; ++r) offset += counts[r];
         // Floats: prescale 0.5 and postscale 2; integers: Average (divisor n).
-        ReduceCase c{dt, ReduceOp::kSum, fl ? 0.5 : 1.0, fl ? 2.0 : 1.0, fl ? 1 : n};
-        std::vector<char> in(rows * per_row * Size(dt)), out(counts[me] * Size(dt));
-        for (int64_t i = 0; i < rows * per_row; ++i) Put(in, i, dt, Value(me, 0, i, dt));
+        ReduceCase c{dt, ReduceOp::kSum, fl ? 0.5 : 1.0, fl ? 2.0 : 1.0,
+                     fl ? 1 : n};
+        std::vector<char> in(rows * per_row * Size(dt)),
+            out(counts[me] * Size(dt));
+        for (int64_t i = 0; i < rows * per_row; ++i)
+          Put(in, i, dt, Value(me, 0, i, dt));
         const std::string name = "rs";
         CollectiveBatch b;
         b.op = OpType::kReducescatter;
@@ -299,10 +335,13 @@ KD_TEST(ReducescatterUnevenCounts) {
         CommunicatorBackend backend("local", &comm, me);
         CHECK_OK(backend.Run(b, 0));
         for (int64_t i = 0; i < counts[me]; ++i) {
-          const double want = Expected(c, n, 0, offset + i), have = Get(out, i, dt);
-          CHECK_MSG(std::fabs(have - want) <= Tolerance(dt) * std::max(1.0, std::fabs(want)),
-                    std::string(DataTypeName(dt)) + " element " + std::to_string(i) + " is " +
-                        std::to_string(have) + ", expected " + std::to_string(want));
+          const double want = Expected(c, n, 0, offset + i),
+                       have = Get(out, i, dt);
+          CHECK_MSG(std::fabs(have - want) <=
+                        Tolerance(dt) * std::max(1.0, std::fabs(want)),
+                    std::string(DataTypeName(dt)) + " element " +
+                        std::to_string(i) + " is " + std::to_string(have) +
+                        ", expected " + std::to_string(want));
         }
       });
     }
@@ -314,15 +353,17 @@ KD_TEST(BarrierWaitsForEveryRank) {
     std::atomic<int> before{0};
     RunRanks(n, [&](LocalCommunicator& comm) {
       // The last rank comes late: nobody may pass before it arrives.
-      if (comm.rank() == n - 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (comm.rank() == n - 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
       before.fetch_add(1);
       const std::string name = "barrier";
       CollectiveBatch b;
       b.op = OpType::kBarrier;
       CommunicatorBackend backend("local", &comm, comm.rank());
       CHECK_OK(backend.Run(b, 0));
-      CHECK_MSG(before.load() == n, "passed the barrier with " + std::to_string(before.load()) +
-                                        " of " + std::to_string(n) + " ranks arrived");
+      CHECK_MSG(before.load() == n, "passed the barrier with " +
+                                        std::to_string(before.load()) + " of " +
+                                        std::to_string(n) + " ranks arrived");
     });
   }
 }
@@ -345,7 +386,9 @@ KD_TEST(ChooseBackendTakesTheFirstEnabled) {
   list.push_back(std::make_unique<CommunicatorBackend>("second", &comm, 0));
   // One rank: the self backend wins for allreduce only; the first host
   // backend takes the rest; nothing runs device tensors.
-  CHECK(std::string(ChooseBackend(list, HostBatch(OpType::kAllreduce))->Name()) == "self");
+  CHECK(
+      std::string(ChooseBackend(list, HostBatch(OpType::kAllreduce))->Name()) ==
+      "self");
   for (OpType op : {OpType::kAllgather, OpType::kBroadcast, OpType::kAlltoall,
                     OpType::kReducescatter, OpType::kBarrier}) {
     CHECK(std::string(ChooseBackend(list, HostBatch(op))->Name()) == "first");
@@ -355,7 +398,9 @@ KD_TEST(ChooseBackendTakesTheFirstEnabled) {
   BackendList two;
   two.push_back(std::make_unique<SelfBackend>(2));
   two.push_back(std::make_unique<CommunicatorBackend>("mpi", &comm, 0));
-  CHECK(std::string(ChooseBackend(two, HostBatch(OpType::kAllreduce))->Name()) == "mpi");
+  CHECK(
+      std::string(ChooseBackend(two, HostBatch(OpType::kAllreduce))->Name()) ==
+      "mpi");
   CHECK(ChooseBackend(BackendList(), HostBatch(OpType::kAllreduce)) == nullptr);
 }
 
@@ -367,7 +412,8 @@ KD_TEST(UnimplementedCollectiveNamesBackendAndCollective) {
     Status s = self.Run(b, 0);
     CHECK(s.code() == StatusCode::kInternal);
     CHECK_CONTAINS(s.message(), "'self' backend");
-    CHECK_CONTAINS(s.message(), std::string("does not implement ") + OpTypeName(op));
+    CHECK_CONTAINS(s.message(),
+                   std::string("does not implement ") + OpTypeName(op));
   }
 }
 

@@ -35,7 +35,8 @@ bool RunOne(const Test& t) {
     error = std::string("exception: ") + e.what();
   }
   const double ms = std::chrono::duration<double, std::milli>(
-                        std::chrono::steady_clock::now() - start).count();
+                        std::chrono::steady_clock::now() - start)
+                        .count();
   if (error.empty()) {
     std::printf("[ OK ] %s (%.1f ms)\n", t.name, ms);
   } else {
@@ -53,8 +54,9 @@ void Fail(const char* file, int line, const std::string& what) {
 
 void Register(const char* name, void (*fn)()) { Tests().push_back({name, fn}); }
 
-void RunRanks(int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
-              double timeout_s) {
+void RunRanks(
+    int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
+    double timeout_s) {
   auto group = std::make_shared<kerasdist::core::LocalGroup>(n, timeout_s);
   std::mutex mu;
   std::string first;
@@ -70,12 +72,14 @@ void RunRanks(int n, const std::function<void(kerasdist::core::LocalCommunicator
         if (first.empty()) first = "rank " + std::to_string(r) + ": " + f.what;
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> l(mu);
-        if (first.empty()) first = "rank " + std::to_string(r) + ": exception: " + e.what();
+        if (first.empty())
+          first = "rank " + std::to_string(r) + ": exception: " + e.what();
       }
     });
   }
   for (auto& t : threads) t.join();
-  if (!first.empty()) throw Failure{"with " + std::to_string(n) + " ranks, " + first};
+  if (!first.empty())
+    throw Failure{"with " + std::to_string(n) + " ranks, " + first};
 }
 
 }  // namespace kdtest

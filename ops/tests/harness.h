@@ -30,31 +30,35 @@ struct Registrar {
 // Runs fn(comm) on `n` threads, rank r with a LocalCommunicator of rank r
 // over one group, and rethrows the first rank's failure after every thread
 // has ended. `timeout_s`: the group's barrier timeout.
-void RunRanks(int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
-              double timeout_s = 5.0);
+void RunRanks(
+    int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
+    double timeout_s = 5.0);
 
 }  // namespace kdtest
 
-#define KD_TEST(name)                                            \
-  static void name();                                            \
-  static ::kdtest::Registrar name##_registrar(#name, &name);     \
+#define KD_TEST(name)                                        \
+  static void name();                                        \
+  static ::kdtest::Registrar name##_registrar(#name, &name); \
   static void name()
 
-#define CHECK_MSG(cond, msg)                                                     \
-  do {                                                                           \
-    if (!(cond)) ::kdtest::Fail(__FILE__, __LINE__, std::string(#cond) + ": " + (msg)); \
+#define CHECK_MSG(cond, msg)                                                 \
+  do {                                                                       \
+    if (!(cond))                                                             \
+      ::kdtest::Fail(__FILE__, __LINE__, std::string(#cond) + ": " + (msg)); \
   } while (0)
 #define CHECK(cond) CHECK_MSG(cond, std::string())
-#define CHECK_OK(expr)                                                             \
-  do {                                                                             \
-    ::kerasdist::core::Status _st = (expr);                                        \
-    if (!_st.ok()) ::kdtest::Fail(__FILE__, __LINE__, #expr " failed: " + _st.message()); \
+#define CHECK_OK(expr)                                                       \
+  do {                                                                       \
+    ::kerasdist::core::Status _st = (expr);                                  \
+    if (!_st.ok())                                                           \
+      ::kdtest::Fail(__FILE__, __LINE__, #expr " failed: " + _st.message()); \
   } while (0)
-#define CHECK_CONTAINS(text, part)                                                  \
-  do {                                                                              \
-    const std::string _t = (text), _p = (part);                                     \
-    if (_t.find(_p) == std::string::npos)                                           \
-      ::kdtest::Fail(__FILE__, __LINE__, "expected \"" + _p + "\" in \"" + _t + "\""); \
+#define CHECK_CONTAINS(text, part)                                 \
+  do {                                                             \
+    const std::string _t = (text), _p = (part);                    \
+    if (_t.find(_p) == std::string::npos)                          \
+      ::kdtest::Fail(__FILE__, __LINE__,                           \
+                     "expected \"" + _p + "\" in \"" + _t + "\""); \
   } while (0)
 
 #endif  // KERASDIST_OPS_TESTS_HARNESS_H_

@@ -1,6 +1,6 @@
-// The heartbeat (core/control/liveness.h) over real loopback TCP, in one process: a
-// coordinator and workers on threads, with on_lost capturing the line that
-// would end the process.
+// The heartbeat (core/control/liveness.h) over real loopback TCP, in one
+// process: a coordinator and workers on threads, with on_lost capturing the
+// line that would end the process.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -31,7 +31,8 @@ struct Said {
   }
   std::string Wait(double seconds) {
     std::unique_lock<std::mutex> g(mu);
-    cv.wait_for(g, std::chrono::duration<double>(seconds), [&] { return !line.empty(); });
+    cv.wait_for(g, std::chrono::duration<double>(seconds),
+                [&] { return !line.empty(); });
     return line;
   }
 };
@@ -63,11 +64,14 @@ int SilentWorker(int port, int rank) {
 
 KD_TEST(DescribeLostNamesAWholeHostOrEachRank) {
   const std::vector<std::string> hosts = {"a", "b", "b", "c"};
-  CHECK_CONTAINS(DescribeLost(hosts, {{2, LostReason::kSilent}, {1, LostReason::kSilent}}, 30),
-                 "host b (ranks 1, 2): no heartbeat for 30 s");
+  CHECK_CONTAINS(
+      DescribeLost(hosts, {{2, LostReason::kSilent}, {1, LostReason::kSilent}},
+                   30),
+      "host b (ranks 1, 2): no heartbeat for 30 s");
   CHECK_CONTAINS(DescribeLost(hosts, {{2, LostReason::kClosed}}, 30),
                  "rank 2 on host b: its connection closed without a goodbye");
-  const std::string two = DescribeLost(hosts, {{3, LostReason::kClosed}, {1, LostReason::kSilent}}, 5);
+  const std::string two = DescribeLost(
+      hosts, {{3, LostReason::kClosed}, {1, LostReason::kSilent}}, 5);
   CHECK_CONTAINS(two, "rank 1 on host b: no heartbeat for 5 s");
   CHECK_CONTAINS(two, "; host c (rank 3): its connection closed");
 }
@@ -79,14 +83,19 @@ KD_TEST(LivenessFindsASilentWorkerAndTellsTheOthers) {
   std::unique_ptr<Liveness> worker;
   int silent = -1;
   std::thread t([&] {
-    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port, &worker));
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port,
+                                   &worker));
     silent = SilentWorker(port, 2);
   });
   std::unique_ptr<Liveness> coordinator;
-  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd, &coordinator));
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
+                                      &coordinator));
   t.join();
-  CHECK_CONTAINS(said0.Wait(5.0), "kerasdist: rank 0: lost rank 2 on host node2: no heartbeat for 0.5 s");
-  CHECK_CONTAINS(said1.Wait(5.0), "kerasdist: rank 1: lost rank 2 on host node2: no heartbeat");
+  CHECK_CONTAINS(
+      said0.Wait(5.0),
+      "kerasdist: rank 0: lost rank 2 on host node2: no heartbeat for 0.5 s");
+  CHECK_CONTAINS(said1.Wait(5.0),
+                 "kerasdist: rank 1: lost rank 2 on host node2: no heartbeat");
   close(silent);
 }
 
@@ -98,17 +107,20 @@ KD_TEST(LivenessTellsAGoodbyeFromADeath) {
   int dying = -1;
   std::thread t([&] {
     // An address that does not parse is skipped for the next.
-    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"not-an-address", "127.0.0.1"},
-                                   port, &worker));
+    CHECK_OK(Liveness::StartWorker(
+        Options(1, 3, &said1), {"not-an-address", "127.0.0.1"}, port, &worker));
     dying = SilentWorker(port, 2);
   });
-  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd, &coordinator));
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
+                                      &coordinator));
   t.join();
   worker->Stop();  // rank 1 says goodbye: it must not be named below
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   close(dying);  // rank 2 as a process that died: closed, no goodbye
   const std::string line = said0.Wait(5.0);
-  CHECK_CONTAINS(line, "lost rank 2 on host node2: its connection closed without a goodbye");
+  CHECK_CONTAINS(
+      line,
+      "lost rank 2 on host node2: its connection closed without a goodbye");
   CHECK(line.find("rank 1 ") == std::string::npos);
   CHECK(said1.line.empty());
 }

@@ -16,7 +16,8 @@ KD_TEST(RankThatLeavesFailsItsPeers) {
   for (int n = 2; n <= 4; ++n) {
     RunRanks(n, [&](LocalCommunicator& comm) {
       std::vector<float> buf(8, 1.0f);
-      CHECK_OK(comm.Allreduce(buf.data(), 8, DataType::kFloat32, ReduceOp::kSum));
+      CHECK_OK(
+          comm.Allreduce(buf.data(), 8, DataType::kFloat32, ReduceOp::kSum));
       CHECK(buf[0] == static_cast<float>(n));
       if (comm.rank() == n - 1) {
         std::this_thread::sleep_for(Ms(10));  // the others are waiting by now
@@ -28,10 +29,11 @@ KD_TEST(RankThatLeavesFailsItsPeers) {
       }
       // A pending call, and a later one, fail naming the rank that left.
       for (int i = 0; i < 2; ++i) {
-        Status s = comm.Allreduce(buf.data(), 8, DataType::kFloat32, ReduceOp::kSum);
+        Status s =
+            comm.Allreduce(buf.data(), 8, DataType::kFloat32, ReduceOp::kSum);
         CHECK(s.code() == StatusCode::kAborted);
-        CHECK_CONTAINS(s.message(),
-                       "rank " + std::to_string(n - 1) + " left the group (test: it gave up)");
+        CHECK_CONTAINS(s.message(), "rank " + std::to_string(n - 1) +
+                                        " left the group (test: it gave up)");
       }
     });
   }
@@ -44,24 +46,31 @@ KD_TEST(DestroyedCommunicatorCountsAsLeaving) {
     LocalCommunicator comm(group, 0);
     got = comm.Barrier();
   });
-  { LocalCommunicator gone(group, 1); }
+  {
+    LocalCommunicator gone(group, 1);
+  }
   peer.join();
   CHECK(got.code() == StatusCode::kAborted);
-  CHECK_CONTAINS(got.message(), "rank 1 left the group (its LocalCommunicator was destroyed)");
+  CHECK_CONTAINS(got.message(),
+                 "rank 1 left the group (its LocalCommunicator was destroyed)");
 }
 
 KD_TEST(StuckRankTimesOutNamingIt) {
   // Rank 2 never calls: the others give up after the group's timeout.
   const auto start = std::chrono::steady_clock::now();
-  RunRanks(3, [&](LocalCommunicator& comm) {
-    if (comm.rank() == 2) {
-      std::this_thread::sleep_for(Ms(150));
-      return;
-    }
-    Status s = comm.Barrier();
-    CHECK(s.code() == StatusCode::kAborted);
-    CHECK_CONTAINS(s.message(), "rank(s) 2 did not reach barrier within 0.1");
-  }, 0.1);
+  RunRanks(
+      3,
+      [&](LocalCommunicator& comm) {
+        if (comm.rank() == 2) {
+          std::this_thread::sleep_for(Ms(150));
+          return;
+        }
+        Status s = comm.Barrier();
+        CHECK(s.code() == StatusCode::kAborted);
+        CHECK_CONTAINS(s.message(),
+                       "rank(s) 2 did not reach barrier within 0.1");
+      },
+      0.1);
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
 }
 
@@ -69,14 +78,17 @@ KD_TEST(DisagreeingCallsFailOnEveryRank) {
   RunRanks(3, [&](LocalCommunicator& comm) {
     std::vector<int32_t> buf(4, 1);
     const int64_t count = comm.rank() == 2 ? 3 : 4;
-    Status s = comm.Allreduce(buf.data(), count, DataType::kInt32, ReduceOp::kSum);
+    Status s =
+        comm.Allreduce(buf.data(), count, DataType::kInt32, ReduceOp::kSum);
     CHECK(s.code() == StatusCode::kInvalidArgument);
     CHECK_CONTAINS(s.message(),
-                   "ranks disagree on the count of allreduce: rank 0 passed 4, rank 2 passed 3");
+                   "ranks disagree on the count of allreduce: rank 0 passed 4, "
+                   "rank 2 passed 3");
     CHECK(buf[0] == 1);  // untouched
     // Different collectives at the same point.
     s = comm.rank() == 1 ? comm.Barrier() : comm.Broadcast(buf.data(), 16, 0);
-    CHECK_CONTAINS(s.message(), "rank 0 passed broadcast, rank 1 passed barrier");
+    CHECK_CONTAINS(s.message(),
+                   "rank 0 passed broadcast, rank 1 passed barrier");
     // Average never reaches a communicator.
     s = comm.Allreduce(buf.data(), 4, DataType::kInt32, ReduceOp::kAverage);
     CHECK_CONTAINS(s.message(), "Average never reaches a communicator");
@@ -85,7 +97,8 @@ KD_TEST(DisagreeingCallsFailOnEveryRank) {
     if (comm.rank() == 0) recv[1] = 8;
     std::vector<char> in(12), out(16);
     s = comm.Alltoallv(in.data(), send, out.data(), recv);
-    CHECK_CONTAINS(s.message(), "rank 1 sends 4 bytes to rank 0, which expects 8");
+    CHECK_CONTAINS(s.message(),
+                   "rank 1 sends 4 bytes to rank 0, which expects 8");
     // The group still works after argument errors.
     CHECK_OK(comm.Barrier());
   });

@@ -18,7 +18,8 @@ void Receive(ControlChannel& c, int* src, std::string* bytes) {
   bool got = false;
   while (!got) {
     CHECK_OK(c.PollControl(&got, src, bytes));
-    CHECK_MSG(got || std::chrono::steady_clock::now() < until, "no control message within 5 s");
+    CHECK_MSG(got || std::chrono::steady_clock::now() < until,
+              "no control message within 5 s");
     if (!got) std::this_thread::yield();
   }
 }
@@ -34,7 +35,7 @@ KD_TEST(ControlMessagesArriveInOrderPerSender) {
       int src = -1;
       std::string bytes;
       CHECK_OK(control.PollControl(&got, &src, &bytes));
-      CHECK(!got);  // nothing yet, and no wait
+      CHECK(!got);               // nothing yet, and no wait
       CHECK_OK(comm.Barrier());  // every rank's mailbox exists before sends
       if (me != 0) {
         for (int i = 0; i < kPerRank; ++i) {
@@ -53,7 +54,8 @@ KD_TEST(ControlMessagesArriveInOrderPerSender) {
           CHECK_MSG(m.cached == std::vector<int32_t>{next[src]++},
                     "out of order from rank " + std::to_string(src));
         }
-        for (int r = 1; r < n; ++r) CHECK_OK(control.SendControl(r, "done " + std::to_string(r)));
+        for (int r = 1; r < n; ++r)
+          CHECK_OK(control.SendControl(r, "done " + std::to_string(r)));
       }
       CHECK_OK(comm.Barrier());  // nobody leaves before the answers are read
     });
@@ -63,10 +65,13 @@ KD_TEST(ControlMessagesArriveInOrderPerSender) {
 KD_TEST(ControlMessageToARankThatLeftFails) {
   auto boxes = std::make_shared<LocalMailboxes>(3);
   LocalControl zero(boxes, 0);
-  { LocalControl gone(boxes, 2); }
+  {
+    LocalControl gone(boxes, 2);
+  }
   Status s = zero.SendControl(2, "decision");
   CHECK(s.code() == StatusCode::kAborted);
-  CHECK_CONTAINS(s.message(), "control message from rank 0 to rank 2, which left.");
+  CHECK_CONTAINS(s.message(),
+                 "control message from rank 0 to rank 2, which left.");
   s = zero.SendControl(3, "x");
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK_CONTAINS(s.message(), "to rank 3, outside [0, 3)");

@@ -50,7 +50,8 @@ std::vector<Request> Requests(int rank, int n) {
       Make("e", ar, DataType::kFloat64, ReduceOp::kMax, {9}),
       Make("h", ar, DataType::kInt32, ReduceOp::kAverage, {6}),
       Make("f", ar, DataType::kFloat32, ReduceOp::kSum, {40}),
-      Make("gather", OpType::kAllgather, DataType::kFloat32, ReduceOp::kSum, {rank + 1, 2}),
+      Make("gather", OpType::kAllgather, DataType::kFloat32, ReduceOp::kSum,
+           {rank + 1, 2}),
       Make("bcast", OpType::kBroadcast, DataType::kInt64, ReduceOp::kSum, {4})};
   qs.back().root_rank = n - 1;
   return qs;
@@ -107,8 +108,9 @@ void CheckResults(const std::vector<Tensor>& ts, int rank, int n, int step) {
       }
       const double got = Get(out, i, q.dtype);
       CHECK_MSG(std::fabs(got - want) <= 1e-6 * std::max(1.0, std::fabs(want)),
-                q.name + "[" + std::to_string(i) + "] on rank " + std::to_string(rank) + " is " +
-                    std::to_string(got) + ", expected " + std::to_string(want));
+                q.name + "[" + std::to_string(i) + "] on rank " +
+                    std::to_string(rank) + " is " + std::to_string(got) +
+                    ", expected " + std::to_string(want));
     }
   }
 }
@@ -128,7 +130,8 @@ void RunBatch(Backend& backend, const std::vector<const Response*>& resps,
   b.op = head.req.op;
   b.dtype = head.req.dtype;
   b.root_rank = head.req.root_rank;
-  const Scaling s = AverageAsSum(head.req.reduce_op, b.dtype, head.req.postscale, n);
+  const Scaling s =
+      AverageAsSum(head.req.reduce_op, b.dtype, head.req.postscale, n);
   b.reduce_op = s.op;
   b.postscale = s.post;
   b.divisor = s.divisor;
@@ -140,13 +143,15 @@ void RunBatch(Backend& backend, const std::vector<const Response*>& resps,
       t.out.assign(NumElements(l.out_shape) * Size(b.dtype), 0);
       b.recv_bytes = l.recv_bytes;
     }
-    b.tensors.push_back({&t.req.name, t.in.data(), t.out.data(), NumElements(t.req.shape)});
+    b.tensors.push_back(
+        {&t.req.name, t.in.data(), t.out.data(), NumElements(t.req.shape)});
   }
   CHECK_OK(backend.Run(b, 0));
 }
 
 // Every rank's message to every rank (rank 0 needs them: an allgather).
-std::vector<RankMessage> Exchange(LocalCommunicator& comm, const RankMessage& m) {
+std::vector<RankMessage> Exchange(LocalCommunicator& comm,
+                                  const RankMessage& m) {
   const int n = comm.size();
   const std::string bytes = Serialize(m);
   int64_t len = static_cast<int64_t>(bytes.size());
@@ -165,7 +170,8 @@ std::vector<RankMessage> Exchange(LocalCommunicator& comm, const RankMessage& m)
   return out;
 }
 
-CoordinatorMessage BroadcastDecision(LocalCommunicator& comm, const std::string& bytes) {
+CoordinatorMessage BroadcastDecision(LocalCommunicator& comm,
+                                     const std::string& bytes) {
   int64_t len = static_cast<int64_t>(bytes.size());
   CHECK_OK(comm.Broadcast(&len, 8, 0));
   std::string got = bytes;
@@ -186,7 +192,10 @@ struct RankState {
   std::vector<std::string> log;  // the batches run, by names
 
   RankState(LocalCommunicator& c, const Config& config, unsigned seed)
-      : comm(c), backend("local", &c, c.rank()), coord(c.size(), config), rng(seed) {}
+      : comm(c),
+        backend("local", &c, c.rank()),
+        coord(c.size(), config),
+        rng(seed) {}
 };
 
 // This rank's next message: up to two of its tensors in its own order.
@@ -206,14 +215,16 @@ RankMessage NextMessage(RankState& st, const std::vector<Tensor>& ts,
 }
 
 // Executes rank 0's decision as every rank does; returns the tensors run.
-size_t Execute(RankState& st, const CoordinatorMessage& d, std::vector<Tensor>& ts) {
+size_t Execute(RankState& st, const CoordinatorMessage& d,
+               std::vector<Tensor>& ts) {
   size_t executed = 0;
   for (const Batch& batch : d.batches) {
     std::vector<const Response*> resps;
     std::string line;
     for (size_t i = 0; i < batch.cache_index.size(); ++i) {
-      resps.push_back(batch.cache_index[i] >= 0 ? &st.cache.Get(batch.cache_index[i])
-                                                : &batch.responses[i]);
+      resps.push_back(batch.cache_index[i] >= 0
+                          ? &st.cache.Get(batch.cache_index[i])
+                          : &batch.responses[i]);
       line += resps.back()->req.name + " ";
     }
     RunBatch(st.backend, resps, ts, st.comm.size());
@@ -238,7 +249,8 @@ size_t RunStep(RankState& st, int step) {
   while (executed < ts.size()) {
     const RankMessage m = NextMessage(st, ts, order, &next);
     cached += m.cached.size();
-    if (st.rng() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(st.rng() % 100));
+    if (st.rng() % 4 == 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(st.rng() % 100));
     const std::vector<RankMessage> all = Exchange(st.comm, m);
     std::string decision;
     if (me == 0) {
@@ -264,11 +276,13 @@ KD_TEST(NegotiatedStepsOverThreads) {
         RunStep(st, 0);
         // The second step's requests equal the first's: all from the cache.
         const size_t cached = RunStep(st, 1);
-        CHECK_MSG(cached == Requests(comm.rank(), n).size(), std::to_string(cached) + " cached");
+        CHECK_MSG(cached == Requests(comm.rank(), n).size(),
+                  std::to_string(cached) + " cached");
         logs[comm.rank()] = st.log;
       });
       for (int r = 1; r < n; ++r) {
-        CHECK_MSG(logs[r] == logs[0], "rank " + std::to_string(r) + " ran other batches");
+        CHECK_MSG(logs[r] == logs[0],
+                  "rank " + std::to_string(r) + " ran other batches");
       }
       for (const std::string& line : logs[0]) {
         fused += std::count(line.begin(), line.end(), ' ') > 1;

@@ -36,8 +36,12 @@ RankMessage One(const Request& q) {
 
 // The tensors of one step: mixed dtypes and sizes (bytes 40..400).
 std::vector<Request> Step() {
-  return {Req("w0", {10}), Req("w1", {100}), Req("b0", {10}, DataType::kInt32),
-          Req("w2", {30}), Req("b1", {20}, DataType::kInt32), Req("w3", {1})};
+  return {Req("w0", {10}),
+          Req("w1", {100}),
+          Req("b0", {10}, DataType::kInt32),
+          Req("w2", {30}),
+          Req("b1", {20}, DataType::kInt32),
+          Req("w3", {1})};
 }
 
 struct Event {
@@ -56,10 +60,12 @@ std::vector<std::string> Names(const CoordinatorMessage& m) {
 // Checks one decision against the tensors completed since the last one
 // (`fresh`, in completion order): each decided once; batches ordered by
 // their first member, members in completion order.
-void CheckDecision(const CoordinatorMessage& m, std::vector<std::string>& fresh) {
+void CheckDecision(const CoordinatorMessage& m,
+                   std::vector<std::string>& fresh) {
   auto pos = [&](const std::string& name) {
     const auto it = std::find(fresh.begin(), fresh.end(), name);
-    CHECK_MSG(it != fresh.end(), name + " decided before every rank reported it, or twice");
+    CHECK_MSG(it != fresh.end(),
+              name + " decided before every rank reported it, or twice");
     return it - fresh.begin();
   };
   size_t total = 0;
@@ -68,16 +74,18 @@ void CheckDecision(const CoordinatorMessage& m, std::vector<std::string>& fresh)
     long prev = -1;
     for (const Response& r : b.responses) {
       const long p = pos(r.req.name);
-      CHECK_MSG(p > prev, "batch members out of completion order: " + r.req.name);
+      CHECK_MSG(p > prev,
+                "batch members out of completion order: " + r.req.name);
       prev = p;
     }
     const long head = pos(b.responses[0].req.name);
-    CHECK_MSG(head > last_head, "batches out of order at " + b.responses[0].req.name);
+    CHECK_MSG(head > last_head,
+              "batches out of order at " + b.responses[0].req.name);
     last_head = head;
     total += b.responses.size();
   }
-  CHECK_MSG(total == fresh.size(),
-            std::to_string(fresh.size() - total) + " ready tensors not decided");
+  CHECK_MSG(total == fresh.size(), std::to_string(fresh.size() - total) +
+                                       " ready tensors not decided");
   fresh.clear();
 }
 
@@ -92,7 +100,8 @@ KD_TEST(NegotiationOrderAndTiming) {
       std::mt19937 rng(seed * 7 + n);
       std::vector<Event> events;
       for (int r = 0; r < n; ++r) {
-        for (int t = 0; t < static_cast<int>(step.size()); ++t) events.push_back({r, t});
+        for (int t = 0; t < static_cast<int>(step.size()); ++t)
+          events.push_back({r, t});
       }
       std::shuffle(events.begin(), events.end(), rng);
       ResponseCache cache(0);
@@ -105,7 +114,8 @@ KD_TEST(NegotiationOrderAndTiming) {
           completed.push_back(step[e.tensor].name);
           fresh.push_back(step[e.tensor].name);
         }
-        if (rng() % 3 == 0) CheckDecision(coord.Decide(cache), fresh);  // at random moments
+        if (rng() % 3 == 0)
+          CheckDecision(coord.Decide(cache), fresh);  // at random moments
       }
       CheckDecision(coord.Decide(cache), fresh);
       CHECK(!coord.HasPending() && !coord.HasReady());
@@ -116,8 +126,9 @@ KD_TEST(NegotiationOrderAndTiming) {
       Coordinator a(n, TestConfig(threshold)), b(n, TestConfig(threshold));
       for (const Event& e : events) a.Add(e.rank, One(step[e.tensor]), cache);
       for (const std::string& name : completed) {
-        const auto it = std::find_if(step.begin(), step.end(),
-                                     [&](const Request& q) { return q.name == name; });
+        const auto it =
+            std::find_if(step.begin(), step.end(),
+                         [&](const Request& q) { return q.name == name; });
         for (int r = 0; r < n; ++r) b.Add(r, One(*it), cache);
       }
       const CoordinatorMessage ma = a.Decide(cache), mb = b.Decide(cache);
@@ -140,7 +151,8 @@ KD_TEST(NegotiationOrderAndTiming) {
 std::string DecideError(const std::vector<Request>& per_rank) {
   ResponseCache cache(0);
   Coordinator coord(static_cast<int>(per_rank.size()), TestConfig(1 << 20));
-  for (int r = 0; r < static_cast<int>(per_rank.size()); ++r) coord.Add(r, One(per_rank[r]), cache);
+  for (int r = 0; r < static_cast<int>(per_rank.size()); ++r)
+    coord.Add(r, One(per_rank[r]), cache);
   CoordinatorMessage m = coord.Decide(cache);
   CHECK(m.batches.size() == 1 && m.batches[0].responses.size() == 1);
   return m.batches[0].responses[0].error;
@@ -154,12 +166,14 @@ KD_TEST(MismatchNamesTensorValuesAndRanks) {
     CHECK_CONTAINS(e, "Mismatched dtype for allreduce 'grad/w'");
     CHECK_CONTAINS(e, "float32");
     CHECK_CONTAINS(e, "rank " + std::to_string(n - 1) + " sent float16");
-    if (n == 3) CHECK_CONTAINS(e, "ranks 0 and 1 sent float32, rank 2 sent float16");
+    if (n == 3)
+      CHECK_CONTAINS(e, "ranks 0 and 1 sent float32, rank 2 sent float16");
 
     rs.assign(n, Req("grad/w", {4, 2}));
     rs[0].shape = {4, 3};
     e = DecideError(rs);
-    CHECK_CONTAINS(e, "Mismatched shape for allreduce 'grad/w': rank 0 sent shape [4, 3]");
+    CHECK_CONTAINS(
+        e, "Mismatched shape for allreduce 'grad/w': rank 0 sent shape [4, 3]");
     CHECK_CONTAINS(e, "sent shape [4, 2]");
 
     rs.assign(n, Req("loss", {1}));
@@ -169,9 +183,11 @@ KD_TEST(MismatchNamesTensorValuesAndRanks) {
     CHECK_CONTAINS(e, "rank 1 sent Max");
   }
   // A different collective under the same name.
-  std::vector<Request> rs = {Req("x", {2}), Req("x", {2}, DataType::kFloat32, OpType::kBroadcast)};
+  std::vector<Request> rs = {
+      Req("x", {2}), Req("x", {2}, DataType::kFloat32, OpType::kBroadcast)};
   CHECK_CONTAINS(DecideError(rs),
-                 "Mismatched operation for 'x': rank 0 sent allreduce, rank 1 sent broadcast");
+                 "Mismatched operation for 'x': rank 0 sent allreduce, rank 1 "
+                 "sent broadcast");
   // Allgather: first dimensions may differ, the rest may not.
   rs = {Req("g", {3, 2}, DataType::kFloat32, OpType::kAllgather),
         Req("g", {1, 5}, DataType::kFloat32, OpType::kAllgather)};
@@ -185,7 +201,8 @@ std::vector<Response> Execute(const CoordinatorMessage& m, ResponseCache& cache,
   for (const Batch& b : m.batches) {
     batch_sizes->push_back(b.cache_index.size());
     for (size_t i = 0; i < b.cache_index.size(); ++i) {
-      out.push_back(b.cache_index[i] >= 0 ? cache.Get(b.cache_index[i]) : b.responses[i]);
+      out.push_back(b.cache_index[i] >= 0 ? cache.Get(b.cache_index[i])
+                                          : b.responses[i]);
     }
     for (size_t i = 0; i < b.cache_index.size(); ++i) {
       if (b.cache_index[i] < 0) cache.Put(b.responses[i]);
@@ -197,7 +214,8 @@ std::vector<Response> Execute(const CoordinatorMessage& m, ResponseCache& cache,
 // Every rank's request of one step; allgather and alltoall differ by rank.
 std::vector<Request> RankStep(int rank, int n) {
   std::vector<Request> qs = Step();
-  qs.push_back(Req("gather", {rank + 1, 3}, DataType::kFloat32, OpType::kAllgather));
+  qs.push_back(
+      Req("gather", {rank + 1, 3}, DataType::kFloat32, OpType::kAllgather));
   Request a2a = Req("a2a", {0, 2}, DataType::kInt64, OpType::kAlltoall);
   for (int s = 0; s < n; ++s) a2a.splits.push_back((rank + s) % 2);
   for (int64_t s : a2a.splits) a2a.shape[0] += s;
@@ -239,7 +257,8 @@ KD_TEST(ResponseCacheGivesTheFullPathsDecisions) {
         std::vector<size_t> sizes;
         std::vector<Response> got = Execute(msg, caches[r], &sizes);
         CHECK(sizes == sizes0 && got.size() == got0.size());
-        for (size_t i = 0; i < got.size(); ++i) CHECK(SameResponse(got[i], got0[i]));
+        for (size_t i = 0; i < got.size(); ++i)
+          CHECK(SameResponse(got[i], got0[i]));
       }
       return std::make_pair(got0, sizes0);
     };
@@ -258,7 +277,8 @@ KD_TEST(ResponseCacheGivesTheFullPathsDecisions) {
     }
     // The steady state sends no request at all.
     RankMessage m;
-    for (const Request& q : RankStep(0, n)) m.cached.push_back(caches[0].Lookup(q, 0, n));
+    for (const Request& q : RankStep(0, n))
+      m.cached.push_back(caches[0].Lookup(q, 0, n));
     for (int32_t ci : m.cached) CHECK(ci >= 0);
   }
 }
@@ -283,17 +303,19 @@ KD_TEST(StallReportNamesTheMissingRanks) {
     std::string ready = "0";
     for (int r = 2; r < n; ++r) ready += ", " + std::to_string(r);
     CHECK_CONTAINS(rep.warnings[0], "allreduce 'late' has waited 6");
-    CHECK_CONTAINS(rep.warnings[0],
-                   "submitted by rank(s) " + ready + ", still missing on rank(s) 1.");
+    CHECK_CONTAINS(rep.warnings[0], "submitted by rank(s) " + ready +
+                                        ", still missing on rank(s) 1.");
     // Warned once; past the shutdown limit the job fails, naming rank 1.
     CHECK(coord.CheckStalls(start + std::chrono::seconds(90)).warnings.empty());
     rep = coord.CheckStalls(start + std::chrono::seconds(121));
-    CHECK_CONTAINS(rep.shutdown_reason, "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS");
+    CHECK_CONTAINS(rep.shutdown_reason,
+                   "KERASDIST_STALL_SHUTDOWN_TIME_SECONDS");
     CHECK_CONTAINS(rep.shutdown_reason, "still missing on rank(s) 1.");
     // Rank 1 catches up: decided, and no longer stalled.
     coord.Add(1, One(Req("late", {2})), cache);
     CHECK(Names(coord.Decide(cache)) == std::vector<std::string>{"late"});
-    CHECK(coord.CheckStalls(start + std::chrono::seconds(200)).shutdown_reason.empty());
+    CHECK(coord.CheckStalls(start + std::chrono::seconds(200))
+              .shutdown_reason.empty());
   }
 }
 
@@ -311,7 +333,8 @@ KD_TEST(GroupedTensorsWaitForTheWholeGroup) {
     for (int r = 0; r < n; ++r) coord.Add(r, One(member("g/z")), cache);
     CHECK(Names(coord.Decide(cache)).empty());
     for (int r = n - 1; r >= 0; --r) coord.Add(r, One(member("g/a")), cache);
-    CHECK((Names(coord.Decide(cache)) == std::vector<std::string>{"g/a", "g/z"}));
+    CHECK(
+        (Names(coord.Decide(cache)) == std::vector<std::string>{"g/a", "g/z"}));
   }
 }
 

@@ -12,8 +12,9 @@ namespace {
 
 using namespace kerasdist::core;
 
-Response Resp(const std::string& name, int64_t elements, DataType dt = DataType::kFloat32,
-              ReduceOp op = ReduceOp::kSum, OpType type = OpType::kAllreduce) {
+Response Resp(const std::string& name, int64_t elements,
+              DataType dt = DataType::kFloat32, ReduceOp op = ReduceOp::kSum,
+              OpType type = OpType::kAllreduce) {
   Response r;
   r.req.name = name;
   r.req.shape = {elements};
@@ -27,8 +28,8 @@ using Plan = std::vector<std::vector<int>>;
 
 KD_TEST(FusionRespectsTheThreshold) {
   // float32: 40, 40, 40, 400, 20 bytes under a 100-byte threshold.
-  std::vector<Response> rs = {Resp("a", 10), Resp("b", 10), Resp("c", 10), Resp("big", 100),
-                              Resp("d", 5)};
+  std::vector<Response> rs = {Resp("a", 10), Resp("b", 10), Resp("c", 10),
+                              Resp("big", 100), Resp("d", 5)};
   CHECK((PlanFusion(rs, 100) == Plan{{0, 1, 4}, {2}, {3}}));
   // A tensor exactly at the threshold travels alone; 0 turns fusion off.
   CHECK((PlanFusion(rs, 40) == Plan{{0}, {1}, {2}, {3}, {4}}));
@@ -44,19 +45,21 @@ KD_TEST(FusionKeepsKindsApartAndOrder) {
   device.req.device = 0;
   Response failed = Resp("err", 1);
   failed.error = "Mismatched dtype";
-  std::vector<Response> rs = {Resp("f0", 1),
-                              Resp("i0", 1, DataType::kInt32),
-                              Resp("max", 1, DataType::kFloat32, ReduceOp::kMax),
-                              scaled,
-                              device,
-                              failed,
-                              Resp("bc", 1, DataType::kFloat32, ReduceOp::kSum, OpType::kBroadcast),
-                              Resp("f1", 1),
-                              Resp("i1", 1, DataType::kInt32),
-                              Resp("max1", 1, DataType::kFloat32, ReduceOp::kMax)};
+  std::vector<Response> rs = {
+      Resp("f0", 1),
+      Resp("i0", 1, DataType::kInt32),
+      Resp("max", 1, DataType::kFloat32, ReduceOp::kMax),
+      scaled,
+      device,
+      failed,
+      Resp("bc", 1, DataType::kFloat32, ReduceOp::kSum, OpType::kBroadcast),
+      Resp("f1", 1),
+      Resp("i1", 1, DataType::kInt32),
+      Resp("max1", 1, DataType::kFloat32, ReduceOp::kMax)};
   // Each kind fuses with its own; errors and other collectives travel
   // alone; batches ordered by their first member.
-  CHECK((PlanFusion(rs, 1 << 20) == Plan{{0, 7}, {1, 8}, {2, 9}, {3}, {4}, {5}, {6}}));
+  CHECK((PlanFusion(rs, 1 << 20) ==
+         Plan{{0, 7}, {1, 8}, {2, 9}, {3}, {4}, {5}, {6}}));
 }
 
 Request Valid(OpType op) {
@@ -80,12 +83,15 @@ KD_TEST(ValidationRules) {
   }
   Request q = Valid(OpType::kAllreduce);
   q.name = "";
-  CHECK_CONTAINS(Problem(q), "needs a name that is the same on all ranks; got an empty name");
+  CHECK_CONTAINS(
+      Problem(q),
+      "needs a name that is the same on all ranks; got an empty name");
 
   for (OpType op : {OpType::kAllreduce, OpType::kReducescatter}) {
     q = Valid(op);
     q.dtype = DataType::kBool;
-    CHECK_CONTAINS(Problem(q), "'t': bool tensors cannot be reduced; cast to int32 first.");
+    CHECK_CONTAINS(Problem(q),
+                   "'t': bool tensors cannot be reduced; cast to int32 first.");
   }
   q = Valid(OpType::kAllgather);
   q.dtype = DataType::kBool;
@@ -95,12 +101,14 @@ KD_TEST(ValidationRules) {
   for (int root : {-1, 2}) {
     q.root_rank = root;
     CHECK_CONTAINS(Problem(q),
-                   "broadcast 't': root_rank must be in [0, 2), got " + std::to_string(root));
+                   "broadcast 't': root_rank must be in [0, 2), got " +
+                       std::to_string(root));
   }
   q = Valid(OpType::kAllgather);
   q.shape = {};
-  CHECK_CONTAINS(Problem(q),
-                 "allgather 't' needs a tensor of at least one dimension; got a scalar.");
+  CHECK_CONTAINS(
+      Problem(q),
+      "allgather 't' needs a tensor of at least one dimension; got a scalar.");
 
   q = Valid(OpType::kAllreduce);
   q.shape = {3, -1};
@@ -126,11 +134,14 @@ KD_TEST(AlltoallSplits) {
   q.splits = {1, 3};
   CHECK(Problem(q).empty());
   q.splits = {4};
-  CHECK_CONTAINS(Problem(q), "alltoall 't': splits must have one entry per rank (2), got 1.");
+  CHECK_CONTAINS(
+      Problem(q),
+      "alltoall 't': splits must have one entry per rank (2), got 1.");
   q.splits = {5, -1};
   CHECK_CONTAINS(Problem(q), "splits must be >= 0, got [5, -1].");
   q.splits = {1, 2};
-  CHECK_CONTAINS(Problem(q), "splits [1, 2] add up to 3 but the first dimension is 4.");
+  CHECK_CONTAINS(Problem(q),
+                 "splits [1, 2] add up to 3 but the first dimension is 4.");
 
   // Without splits: equal ones where the first dimension divides evenly.
   q = Valid(OpType::kAlltoall);
@@ -139,8 +150,9 @@ KD_TEST(AlltoallSplits) {
   q = Valid(OpType::kAlltoall);
   Status s = PrepareRequest(q, 3, false);
   CHECK(s.code() == StatusCode::kInvalidArgument);
-  CHECK_CONTAINS(s.message(), "the first dimension (4) must be divisible by the number of "
-                              "ranks (3); pass splits.");
+  CHECK_CONTAINS(s.message(),
+                 "the first dimension (4) must be divisible by the number of "
+                 "ranks (3); pass splits.");
 }
 
 KD_TEST(ReducescatterLayoutGivesEarlierRanksTheExtraRows) {

@@ -36,7 +36,8 @@ inline uint16_t EncodeHalf(float f) {
 
 inline double DecodeHalf(uint16_t h) {
   const int exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  double v = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
+  double v =
+      exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
   CHECK_MSG(exp != 31, "float16 inf or nan");
   return (h & 0x8000u) ? -v : v;
 }
@@ -57,12 +58,16 @@ inline double DecodeBFloat16(uint16_t b) {
 inline int64_t Size(DataType dt) {
   switch (dt) {
     case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
+    case DataType::kBFloat16:
+      return 2;
     case DataType::kFloat32:
-    case DataType::kInt32: return 4;
+    case DataType::kInt32:
+      return 4;
     case DataType::kFloat64:
-    case DataType::kInt64: return 8;
-    default: return 1;
+    case DataType::kInt64:
+      return 8;
+    default:
+      return 1;
   }
 }
 
@@ -79,10 +84,24 @@ inline void Put(std::vector<char>& buf, int64_t i, DataType dt, double v) {
       std::memcpy(p, &h, 2);
       break;
     }
-    case DataType::kFloat32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); break; }
-    case DataType::kFloat64: std::memcpy(p, &v, 8); break;
-    case DataType::kInt32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p, &x, 4); break; }
-    case DataType::kInt64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p, &x, 8); break; }
+    case DataType::kFloat32: {
+      float f = static_cast<float>(v);
+      std::memcpy(p, &f, 4);
+      break;
+    }
+    case DataType::kFloat64:
+      std::memcpy(p, &v, 8);
+      break;
+    case DataType::kInt32: {
+      int32_t x = static_cast<int32_t>(v);
+      std::memcpy(p, &x, 4);
+      break;
+    }
+    case DataType::kInt64: {
+      int64_t x = static_cast<int64_t>(v);
+      std::memcpy(p, &x, 8);
+      break;
+    }
     default: {
       const uint8_t x = static_cast<uint8_t>(static_cast<int64_t>(v) & 0xff);
       std::memcpy(p, &x, 1);
@@ -95,19 +114,40 @@ inline double Get(const std::vector<char>& buf, int64_t i, DataType dt) {
   const char* p = buf.data() + i * Size(dt);
   uint16_t h;
   switch (dt) {
-    case DataType::kFloat16: std::memcpy(&h, p, 2); return DecodeHalf(h);
-    case DataType::kBFloat16: std::memcpy(&h, p, 2); return DecodeBFloat16(h);
-    case DataType::kFloat32: { float f; std::memcpy(&f, p, 4); return f; }
-    case DataType::kFloat64: { double d; std::memcpy(&d, p, 8); return d; }
-    case DataType::kInt32: { int32_t x; std::memcpy(&x, p, 4); return x; }
-    case DataType::kInt64: { int64_t x; std::memcpy(&x, p, 8); return static_cast<double>(x); }
-    default: return static_cast<uint8_t>(*p);
+    case DataType::kFloat16:
+      std::memcpy(&h, p, 2);
+      return DecodeHalf(h);
+    case DataType::kBFloat16:
+      std::memcpy(&h, p, 2);
+      return DecodeBFloat16(h);
+    case DataType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DataType::kFloat64: {
+      double d;
+      std::memcpy(&d, p, 8);
+      return d;
+    }
+    case DataType::kInt32: {
+      int32_t x;
+      std::memcpy(&x, p, 4);
+      return x;
+    }
+    case DataType::kInt64: {
+      int64_t x;
+      std::memcpy(&x, p, 8);
+      return static_cast<double>(x);
+    }
+    default:
+      return static_cast<uint8_t>(*p);
   }
 }
 
 inline bool IsFloat(DataType dt) {
-  return dt == DataType::kFloat16 || dt == DataType::kBFloat16 || dt == DataType::kFloat32 ||
-         dt == DataType::kFloat64;
+  return dt == DataType::kFloat16 || dt == DataType::kBFloat16 ||
+         dt == DataType::kFloat32 || dt == DataType::kFloat64;
 }
 
 // A small value that differs by rank, tensor and element: in [-3, 3], or

@@ -58,15 +58,32 @@ namespace {
 
 bool ToCore(::tensorflow::DataType dt, core::DataType* out) {
   switch (dt) {
-    case ::tensorflow::DT_HALF: *out = core::DataType::kFloat16; return true;
-    case ::tensorflow::DT_BFLOAT16: *out = core::DataType::kBFloat16; return true;
-    case ::tensorflow::DT_FLOAT: *out = core::DataType::kFloat32; return true;
-    case ::tensorflow::DT_DOUBLE: *out = core::DataType::kFloat64; return true;
-    case ::tensorflow::DT_INT32: *out = core::DataType::kInt32; return true;
-    case ::tensorflow::DT_INT64: *out = core::DataType::kInt64; return true;
-    case ::tensorflow::DT_UINT8: *out = core::DataType::kUInt8; return true;
-    case ::tensorflow::DT_BOOL: *out = core::DataType::kBool; return true;
-    default: return false;
+    case ::tensorflow::DT_HALF:
+      *out = core::DataType::kFloat16;
+      return true;
+    case ::tensorflow::DT_BFLOAT16:
+      *out = core::DataType::kBFloat16;
+      return true;
+    case ::tensorflow::DT_FLOAT:
+      *out = core::DataType::kFloat32;
+      return true;
+    case ::tensorflow::DT_DOUBLE:
+      *out = core::DataType::kFloat64;
+      return true;
+    case ::tensorflow::DT_INT32:
+      *out = core::DataType::kInt32;
+      return true;
+    case ::tensorflow::DT_INT64:
+      *out = core::DataType::kInt64;
+      return true;
+    case ::tensorflow::DT_UINT8:
+      *out = core::DataType::kUInt8;
+      return true;
+    case ::tensorflow::DT_BOOL:
+      *out = core::DataType::kBool;
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -87,7 +104,8 @@ struct Placement {
   void* stream = nullptr;
 };
 
-::tensorflow::Status GetPlacement(OpKernelContext* ctx, bool on_gpu, Placement* p) {
+::tensorflow::Status GetPlacement(OpKernelContext* ctx, bool on_gpu,
+                                  Placement* p) {
   *p = Placement();
   if (!on_gpu) return ::tensorflow::Status();
 #ifdef KERASDIST_TF_GPU
@@ -98,7 +116,8 @@ struct Placement {
   }
   auto* dc = ctx->op_device_context();
   auto* stream = dc != nullptr ? dc->stream() : nullptr;
-  if (stream == nullptr || stream->platform_specific_handle().stream == nullptr) {
+  if (stream == nullptr ||
+      stream->platform_specific_handle().stream == nullptr) {
     return ::tensorflow::errors::Internal(
         "kerasdist: TensorFlow gave this GPU kernel no CUDA stream.");
   }
@@ -107,7 +126,8 @@ struct Placement {
   return ::tensorflow::Status();
 #else
   (void)ctx;
-  return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
+  return ::tensorflow::errors::Internal(
+      "kerasdist: GPU kernel in a CPU-only build.");
 #endif
 }
 
@@ -117,10 +137,10 @@ struct Placement {
   *event = nullptr;
   if (p.device < 0) return ::tensorflow::Status();
 #ifdef KERASDIST_TF_GPU
-  return ToTf(
-      core::DeviceHooks()->record_event(p.stream, p.device, event));
+  return ToTf(core::DeviceHooks()->record_event(p.stream, p.device, event));
 #else
-  return ::tensorflow::errors::Internal("kerasdist: GPU kernel in a CPU-only build.");
+  return ::tensorflow::errors::Internal(
+      "kerasdist: GPU kernel in a CPU-only build.");
 #endif
 }
 
@@ -211,7 +231,8 @@ struct ReduceAttrs {
 class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c)
-      : AsyncOpKernel(c), on_gpu_(c->device_type() == ::tensorflow::DEVICE_GPU) {
+      : AsyncOpKernel(c),
+        on_gpu_(c->device_type() == ::tensorflow::DEVICE_GPU) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
   }
@@ -240,8 +261,9 @@ class CollectiveKernel : public AsyncOpKernel {
       const Tensor& in = ctx->input(0);
       if (!ToCore(in.dtype(), &e->req.dtype)) {
         ctx->SetStatus(::tensorflow::errors::InvalidArgument(
-            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()),
-            " for '", tensor_name_, "'."));
+            "kerasdist: unsupported dtype ",
+            ::tensorflow::DataTypeString(in.dtype()), " for '", tensor_name_,
+            "'."));
         done();
         return false;
       }
@@ -283,10 +305,11 @@ class CollectiveKernel : public AsyncOpKernel {
     size_t queued = 0;
     core::Status s = rt.EnqueueMany(one, &queued);
     // Entries not queued stay in `one`, their callbacks untouched.
-    if (queued == 0) one[0].done(core::Result{s.ok() ? core::Status::Internal(
-                                                           "kerasdist: the op was not queued.")
-                                                     : s,
-                                                 {}});
+    if (queued == 0)
+      one[0].done(core::Result{
+          s.ok() ? core::Status::Internal("kerasdist: the op was not queued.")
+                 : s,
+          {}});
   }
 
   // For results whose shape only negotiation knows. On a GPU the memory TF
@@ -306,8 +329,7 @@ class CollectiveKernel : public AsyncOpKernel {
 #ifdef KERASDIST_TF_GPU
       if (where.device >= 0) {
         KD_RETURN_IF_ERROR(
-            core::DeviceHooks()->sync_stream(where.stream,
-                                                              where.device));
+            core::DeviceHooks()->sync_stream(where.stream, where.device));
       }
 #endif
       *data = Data(*out);
@@ -365,10 +387,11 @@ class GroupedAllreduceOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::RuntimeRef rt = core::RuntimeRef::Current();
-    OP_REQUIRES_ASYNC(ctx, static_cast<bool>(rt),
-                      ::tensorflow::errors::FailedPrecondition(
-                          "kerasdist is not initialized; call kerasdist.init() first."),
-                      done);
+    OP_REQUIRES_ASYNC(
+        ctx, static_cast<bool>(rt),
+        ::tensorflow::errors::FailedPrecondition(
+            "kerasdist is not initialized; call kerasdist.init() first."),
+        done);
     const int n = ctx->num_inputs();
     if (n == 0) {
       done();
@@ -400,8 +423,13 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   // On a GPU the members share one ready event, released with the last.
   class Countdown {
    public:
-    Countdown(OpKernelContext* ctx, DoneCallback done, int n, void* ready, int device)
-        : ctx_(ctx), done_(std::move(done)), left_(n), ready_(ready), device_(device) {}
+    Countdown(OpKernelContext* ctx, DoneCallback done, int n, void* ready,
+              int device)
+        : ctx_(ctx),
+          done_(std::move(done)),
+          left_(n),
+          ready_(ready),
+          device_(device) {}
 
     void Finish(const core::Status& s) {
       if (!s.ok()) {
@@ -435,7 +463,8 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       TF_RETURN_IF_ERROR(outputs_.Get(ctx, i, &out));
       if (!ToCore(in.dtype(), &e.req.dtype)) {
         return ::tensorflow::errors::InvalidArgument(
-            "kerasdist: unsupported dtype ", ::tensorflow::DataTypeString(in.dtype()));
+            "kerasdist: unsupported dtype ",
+            ::tensorflow::DataTypeString(in.dtype()));
       }
       e.req.name = names_[i];
       e.req.op = core::OpType::kAllreduce;
@@ -514,7 +543,8 @@ class AlltoallOp : public CollectiveKernel {
         ::tensorflow::Status s = ctx->allocate_output(1, shape, &out);
         if (s.ok()) {
           auto o = out->flat<int64_t>();
-          for (size_t i = 0; i < r.recv_splits.size(); ++i) o(i) = r.recv_splits[i];
+          for (size_t i = 0; i < r.recv_splits.size(); ++i)
+            o(i) = r.recv_splits[i];
         } else {
           ctx->SetStatus(s);
         }
@@ -534,7 +564,8 @@ class ReducescatterOp : public CollectiveKernel {
     core::Entry e;
     core::RuntimeRef rt;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where)) return;
+    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where))
+      return;
     reduce_.Apply(&e.req);
     e.allocate = Allocator(ctx, 0, where);
     Submit(ctx, done, rt, std::move(e), where);
@@ -560,8 +591,7 @@ class BarrierOp : public CollectiveKernel {
 }  // namespace
 
 #define KD_REGISTER(NAME, CLASS) \
-  REGISTER_KERNEL_BUILDER(       \
-      Name(NAME).Device(::tensorflow::DEVICE_CPU), CLASS)
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(::tensorflow::DEVICE_CPU), CLASS)
 
 KD_REGISTER("KerasdistAllreduce", AllreduceOp);
 KD_REGISTER("KerasdistGroupedAllreduce", GroupedAllreduceOp);
@@ -573,8 +603,7 @@ KD_REGISTER("KerasdistBarrier", BarrierOp);
 
 #ifdef KERASDIST_TF_GPU
 #define KD_REGISTER_GPU(NAME, CLASS) \
-  REGISTER_KERNEL_BUILDER(           \
-      Name(NAME).Device(::tensorflow::DEVICE_GPU), CLASS)
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(::tensorflow::DEVICE_GPU), CLASS)
 
 KD_REGISTER_GPU("KerasdistAllreduce", AllreduceOp);
 KD_REGISTER_GPU("KerasdistGroupedAllreduce", GroupedAllreduceOp);

@@ -56,8 +56,9 @@ REGISTER_OP("KerasdistGroupedAllreduce")
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
       return Status();
     })
-    .Doc("Reduces a list of tensors over all ranks, together (names "
-         "`tensor_name.0`, `tensor_name.1`, ...).");
+    .Doc(
+        "Reduces a list of tensors over all ranks, together (names "
+        "`tensor_name.0`, `tensor_name.1`, ...).");
 
 REGISTER_OP("KerasdistAllgather")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
@@ -91,8 +92,9 @@ REGISTER_OP("KerasdistAlltoall")
       c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
       return Status();
     })
-    .Doc("Sends splits[r] rows of `tensor` to rank r; an empty `splits` "
-         "divides the first dimension evenly.");
+    .Doc(
+        "Sends splits[r] rows of `tensor` to rank r; an empty `splits` "
+        "divides the first dimension evenly.");
 
 REGISTER_OP("KerasdistReducescatter")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8}")
@@ -104,9 +106,10 @@ REGISTER_OP("KerasdistReducescatter")
     .Output("scattered: T")
     .SetIsStateful()
     .SetShapeFn(UnknownFirstDim)
-    .Doc("Reduces `tensor` over all ranks; rank r keeps the r-th slice of the "
-         "first dimension (earlier ranks get one more row when it does not "
-         "divide evenly).");
+    .Doc(
+        "Reduces `tensor` over all ranks; rank r keeps the r-th slice of the "
+        "first dimension (earlier ranks get one more row when it does not "
+        "divide evenly).");
 
 REGISTER_OP("KerasdistBarrier")
     .Attr("tensor_name: string")

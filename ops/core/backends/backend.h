@@ -53,14 +53,14 @@ struct CollectiveBatch {
   double prescale = 1.0;
   double postscale = 1.0;
   int64_t divisor = 1;
-  int root_rank = 0;     // broadcast
-  int device = -1;       // -1: host memory; else the CUDA ordinal
+  int root_rank = 0;  // broadcast
+  int device = -1;    // -1: host memory; else the CUDA ordinal
   std::vector<BatchTensor> tensors;
   // Byte and element layouts for the collectives whose sizes differ by rank
   // (layout.h computes them from negotiation's answer).
   std::vector<int64_t> send_bytes;  // alltoall: to each rank
   std::vector<int64_t> recv_bytes;  // allgather, alltoall: from each rank
-  std::vector<int64_t> counts;      // reducescatter: elements landing on each rank
+  std::vector<int64_t> counts;  // reducescatter: elements landing on each rank
 
   // Set by the backend that ran the batch, for the timeline: its name, and
   // when it finished packing (copy in) and reducing, where it fused. A

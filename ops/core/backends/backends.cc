@@ -5,13 +5,13 @@ namespace kerasdist::core {
 // The list, one line a backend, in the order a batch tries them: the first
 // enabled one runs it. The last line is the last resort (every host
 // collective), which the others may hand a batch to.
-#define KERASDIST_BACKENDS(X)                                                \
-  X(MakeDeviceBackend)        /* GPU tensors: NCCL, or staged (gpu/) */      \
-  X(MakeSelfBackend)          /* one rank: only the scaling */               \
-  X(MakeCmaBackend)           /* one node: peers read each other in place */ \
-  X(MakeShmBackend)           /* one node: shared-memory slots */            \
-  X(MakeHierarchicalBackend)  /* several hosts: within, across, within */    \
-  X(MakeMpiBackend)           /* everything else */
+#define KERASDIST_BACKENDS(X)                                               \
+  X(MakeDeviceBackend)       /* GPU tensors: NCCL, or staged (gpu/) */      \
+  X(MakeSelfBackend)         /* one rank: only the scaling */               \
+  X(MakeCmaBackend)          /* one node: peers read each other in place */ \
+  X(MakeShmBackend)          /* one node: shared-memory slots */            \
+  X(MakeHierarchicalBackend) /* several hosts: within, across, within */    \
+  X(MakeMpiBackend)          /* everything else */
 
 #define KERASDIST_DECLARE_FACTORY(make) BackendFactory make;
 KERASDIST_BACKENDS(KERASDIST_DECLARE_FACTORY)
@@ -29,7 +29,9 @@ Status MakeBackends(const Config& config, const NodeContext& ctx,
   // The last resort first, so that the others can fall back to it.
   std::unique_ptr<Backend> last;
   KD_RETURN_IF_ERROR(kFactories[n - 1](config, ctx, &last));
-  if (!last) return Status::Internal("the last backend of the list made none (kerasdist bug)");
+  if (!last)
+    return Status::Internal(
+        "the last backend of the list made none (kerasdist bug)");
   NodeContext c = ctx;
   c.fallback = last.get();
   for (size_t i = 0; i + 1 < n; ++i) {

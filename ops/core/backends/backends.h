@@ -27,10 +27,10 @@ namespace kerasdist::core {
 
 // Where a list of backends runs.
 struct NodeContext {
-  MPI_Comm comm = MPI_COMM_NULL;  // the ranks the list serves
-  int rank = 0, size = 1;         // in `comm`
+  MPI_Comm comm = MPI_COMM_NULL;       // the ranks the list serves
+  int rank = 0, size = 1;              // in `comm`
   int local_rank = 0, local_size = 1;  // among the ranks of this node
-  Communicator* host = nullptr;   // MPI over `comm` (outlives the list)
+  Communicator* host = nullptr;        // MPI over `comm` (outlives the list)
   // The list's last entry, the last resort, made first: it runs whatever
   // another backend hands on (shm: a batch the ranks could not get slots for).
   Backend* fallback = nullptr;

@@ -36,19 +36,23 @@ Status Transfer(pid_t pid, const std::vector<iovec>& local,
     const size_t m = std::min<size_t>(kMaxIov, local.size() - first);
     ssize_t want = 0;
     for (size_t i = first; i < first + m; ++i) want += local[i].iov_len;
-    const ssize_t got =
-        write ? process_vm_writev(pid, local.data() + first, m, remote.data() + first, m, 0)
-              : process_vm_readv(pid, local.data() + first, m, remote.data() + first, m, 0);
+    const ssize_t got = write ? process_vm_writev(pid, local.data() + first, m,
+                                                  remote.data() + first, m, 0)
+                              : process_vm_readv(pid, local.data() + first, m,
+                                                 remote.data() + first, m, 0);
     if (got != want) {
       const int err = got < 0 ? errno : 0;
       return Status::Internal(
-          std::string(write ? "writing into another rank's tensors (process_vm_writev to"
-                            : "reading another rank's tensors (process_vm_readv from") +
+          std::string(
+              write
+                  ? "writing into another rank's tensors (process_vm_writev to"
+                  : "reading another rank's tensors (process_vm_readv from") +
           " pid " + std::to_string(pid) + ") failed: " +
           (got < 0 ? std::string(std::strerror(err))
                    : std::to_string(got) + " of " + std::to_string(want) +
                          " bytes") +
-          "; set KERASDIST_CMA_ALLREDUCE=0 to use shared-memory slots instead.");
+          "; set KERASDIST_CMA_ALLREDUCE=0 to use shared-memory slots "
+          "instead.");
     }
   }
   return Status::OK();
@@ -56,7 +60,8 @@ Status Transfer(pid_t pid, const std::vector<iovec>& local,
 
 }  // namespace
 
-Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_bytes,
+Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
+                            int64_t min_tensor_bytes,
                             std::unique_ptr<CmaAllreduce>* out) {
   out->reset();
   MPI_Comm local;
@@ -73,10 +78,10 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_byte
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   const pid_t pid = getpid();
   c->pids_.resize(size);
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allgather(&pid, sizeof(pid), MPI_BYTE, c->pids_.data(), sizeof(pid),
-                    MPI_BYTE, local),
-      "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allgather(&pid, sizeof(pid), MPI_BYTE, c->pids_.data(),
+                              sizeof(pid), MPI_BYTE, local),
+                "MPI_Allgather"));
   // Probe: read every other rank's word and write its mailbox (two ranks
   // write results into each other's outputs). Both stay alive until the
   // second MPI_Allreduce below, which no rank leaves before all have
@@ -87,9 +92,10 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_byte
   const uint64_t where[2] = {reinterpret_cast<uintptr_t>(&probe),
                              reinterpret_cast<uintptr_t>(&mailbox)};
   std::vector<uint64_t> wheres(2 * size);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(where, 2, MPI_UINT64_T, wheres.data(),
-                                             2, MPI_UINT64_T, local),
-                               "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allgather(where, 2, MPI_UINT64_T, wheres.data(), 2,
+                              MPI_UINT64_T, local),
+                "MPI_Allgather"));
   int good = 1;
   for (int k = 0; k < size && good; ++k) {
     if (k == c->rank_) continue;
@@ -107,13 +113,14 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_tensor_byte
                ? 1
                : 0;
   }
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
-                               "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local), "MPI_Allreduce"));
   good = all && (size == 1 || mailbox == kMagic) ? 1 : 0;
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local),
-                               "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local), "MPI_Allreduce"));
   if (!all) return Status::OK();  // c's destructor frees `local`
-  KD_RETURN_IF_ERROR(AgreeLargest(local, min_tensor_bytes, &c->min_tensor_bytes_));
+  KD_RETURN_IF_ERROR(
+      AgreeLargest(local, min_tensor_bytes, &c->min_tensor_bytes_));
   *out = std::move(c);
   return Status::OK();
 }
@@ -127,25 +134,30 @@ CmaAllreduce::~CmaAllreduce() {
 template <typename F>
 void CmaAllreduce::ForEachPiece(int64_t lo, int64_t hi, F&& f) const {
   const size_t nseg = starts_.size() - 1;
-  size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
+  size_t s = std::upper_bound(starts_.begin(), starts_.end(), lo) -
+             starts_.begin() - 1;
   for (; s < nseg && starts_[s] < hi; ++s) {
-    const int64_t a = std::max(lo, starts_[s]), b = std::min(hi, starts_[s + 1]);
+    const int64_t a = std::max(lo, starts_[s]),
+                  b = std::min(hi, starts_[s + 1]);
     if (b > a) f(s, a, b);
   }
 }
 
-Status CmaAllreduce::Copy(int k, bool outputs, int64_t lo, int64_t hi, char* dst,
-                          bool write) {
+Status CmaAllreduce::Copy(int k, bool outputs, int64_t lo, int64_t hi,
+                          char* dst, bool write) {
   const size_t nseg = starts_.size() - 1;
   local_iov_.clear();
   remote_iov_.clear();
   ForEachPiece(lo, hi, [&](size_t s, int64_t a, int64_t b) {
     const size_t bytes = (b - a) * esize_;
     const int64_t skip = (a - starts_[s]) * esize_;
-    char* peer = reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + (outputs ? 1 : 0)]);
-    char* here = dst != nullptr
-                     ? dst + (a - lo) * esize_
-                     : reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) + skip;
+    char* peer =
+        reinterpret_cast<char*>(addrs_[(k * nseg + s) * 2 + (outputs ? 1 : 0)]);
+    char* here =
+        dst != nullptr
+            ? dst + (a - lo) * esize_
+            : reinterpret_cast<char*>(addrs_[(rank_ * nseg + s) * 2 + 1]) +
+                  skip;
     if (k == rank_) {
       if (write) {
         std::memcpy(peer + skip, here, bytes);
@@ -176,10 +188,10 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   }
   const int64_t total = starts_[nseg];
   addrs_.resize(2 * nseg * size_);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(mine.data(), 2 * nseg, MPI_UINT64_T,
-                                             addrs_.data(), 2 * nseg, MPI_UINT64_T,
-                                             comm_),
-                               "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allgather(mine.data(), 2 * nseg, MPI_UINT64_T,
+                              addrs_.data(), 2 * nseg, MPI_UINT64_T, comm_),
+                "MPI_Allgather"));
   *mark1 = std::chrono::steady_clock::now();
 
   // Pieces start on 64-byte boundaries (no two ranks write one cache line).
@@ -216,8 +228,9 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
       const char* mine_in = static_cast<const char*>(segs[s].in) + skip;
       const char* theirs = tmp + (x - a) * esize_;
       char* out = static_cast<char*>(segs[s].out) + skip;
-      CombineScaled(out, rank_ == 0 ? mine_in : theirs, rank_ == 0 ? theirs : mine_in,
-                    y - x, dt, op, factor, divisor);
+      CombineScaled(out, rank_ == 0 ? mine_in : theirs,
+                    rank_ == 0 ? theirs : mine_in, y - x, dt, op, factor,
+                    divisor);
     });
     failed = Copy(1 - rank_, true, a, b, nullptr, /*write=*/true);
   }
@@ -246,8 +259,9 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   }
   // Nobody reads or writes this rank's memory after this.
   int ok = failed.ok() ? 1 : 0, all_ok = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_),
+                "MPI_Allreduce"));
   if (!failed.ok()) return failed;
   if (!all_ok) {
     return Status::Internal(

@@ -79,7 +79,8 @@ class CmaAllreduce {
   // Copies elements [lo, hi) of rank k's inputs (outputs when `outputs`)
   // into `dst`, or into this rank's outputs over the same range when dst is
   // null. With `write` the other way: from there into rank k's tensors.
-  Status Copy(int k, bool outputs, int64_t lo, int64_t hi, char* dst, bool write = false);
+  Status Copy(int k, bool outputs, int64_t lo, int64_t hi, char* dst,
+              bool write = false);
   // Calls f(s, a, b) for each segment s overlapping elements [lo, hi) of the
   // batch, with [a, b) the overlap (in batch elements, b > a).
   template <typename F>

@@ -28,14 +28,16 @@ class CmaBackend : public Backend {
     }
     const int64_t bytes = b.bytes();
     if (bytes == 0 || bytes < min_bytes_) return false;
-    return bytes >= cma_->min_tensor_bytes() * static_cast<int64_t>(b.tensors.size()) ||
+    return bytes >= cma_->min_tensor_bytes() *
+                        static_cast<int64_t>(b.tensors.size()) ||
            bytes > ShmAllreduce::kMaxSlotBytes;
   }
 
  protected:
   Status Allreduce(CollectiveBatch& b, uint64_t) override {
     segs_.clear();
-    for (const BatchTensor& t : b.tensors) segs_.push_back({t.input, t.output, t.count});
+    for (const BatchTensor& t : b.tensors)
+      segs_.push_back({t.input, t.output, t.count});
     return cma_->Allreduce(segs_, b.dtype, b.reduce_op, b.postscale, b.divisor,
                            &b.packed, &b.reduced);
   }

@@ -17,11 +17,12 @@ Status CommunicatorBackend::Allreduce(CollectiveBatch& b, uint64_t) {
     if (b.prescale == 1.0) {
       // The communicator reads the input and writes the output: no copy of
       // our own.
-      KD_RETURN_IF_ERROR(
-          comm_->AllreduceFrom(t.input, t.output, t.count, b.dtype, b.reduce_op));
+      KD_RETURN_IF_ERROR(comm_->AllreduceFrom(t.input, t.output, t.count,
+                                              b.dtype, b.reduce_op));
     } else {
       ScaleCopy(t.output, t.input, t.count, b.dtype, b.prescale);
-      KD_RETURN_IF_ERROR(comm_->Allreduce(t.output, t.count, b.dtype, b.reduce_op));
+      KD_RETURN_IF_ERROR(
+          comm_->Allreduce(t.output, t.count, b.dtype, b.reduce_op));
     }
     ScaleCopy(t.output, t.output, t.count, b.dtype, b.postscale, b.divisor);
     return Status::OK();
@@ -38,7 +39,8 @@ Status CommunicatorBackend::Allreduce(CollectiveBatch& b, uint64_t) {
   b.reduced = Clock::now();
   off = 0;
   for (BatchTensor& t : b.tensors) {
-    ScaleCopy(t.output, buf + off * esize, t.count, b.dtype, b.postscale, b.divisor);
+    ScaleCopy(t.output, buf + off * esize, t.count, b.dtype, b.postscale,
+              b.divisor);
     off += t.count;
   }
   return Status::OK();
@@ -71,8 +73,10 @@ Status CommunicatorBackend::Reducescatter(CollectiveBatch& b, uint64_t) {
     ScaleCopy(tmp, t.input, t.count, b.dtype, b.prescale);
     in = tmp;
   }
-  KD_RETURN_IF_ERROR(comm_->Reducescatter(in, t.output, b.counts, b.dtype, b.reduce_op));
-  ScaleCopy(t.output, t.output, b.counts[rank_], b.dtype, b.postscale, b.divisor);
+  KD_RETURN_IF_ERROR(
+      comm_->Reducescatter(in, t.output, b.counts, b.dtype, b.reduce_op));
+  ScaleCopy(t.output, t.output, b.counts[rank_], b.dtype, b.postscale,
+            b.divisor);
   return Status::OK();
 }
 

@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "../host_buffer.h"
-#include "backend.h"
 #include "../transport/communicator.h"
+#include "backend.h"
 
 namespace kerasdist::core {
 

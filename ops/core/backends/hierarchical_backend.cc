@@ -18,9 +18,9 @@
 
 #include "../host_buffer.h"
 #include "../scale.h"
+#include "../transport/mpi_context.h"
 #include "backends.h"
 #include "communicator_backend.h"
-#include "../transport/mpi_context.h"
 
 namespace kerasdist::core {
 
@@ -34,8 +34,11 @@ class HierarchicalBackend : public Backend {
   // ranks, as the minimum size is: Enabled must answer alike everywhere).
   HierarchicalBackend(MPI_Comm node, MPI_Comm leaders, bool allreduce,
                       bool allgather, int64_t min_bytes)
-      : node_comm_(node), leader_comm_(leaders), min_bytes_(min_bytes),
-        allreduce_(allreduce), allgather_(allgather) {
+      : node_comm_(node),
+        leader_comm_(leaders),
+        min_bytes_(min_bytes),
+        allreduce_(allreduce),
+        allgather_(allgather) {
     MPI_Comm_rank(node, &node_rank_);
     MPI_Comm_size(node, &node_size_);
     node_mpi_ = MakeMpiCommunicator(node);
@@ -75,7 +78,8 @@ class HierarchicalBackend : public Backend {
   const char* Name() const override { return "hier"; }
   bool Enabled(const CollectiveBatch& b) const override {
     if (b.device >= 0) return false;
-    if (b.op == OpType::kAllreduce) return allreduce_ && b.bytes() >= min_bytes_;
+    if (b.op == OpType::kAllreduce)
+      return allreduce_ && b.bytes() >= min_bytes_;
     if (b.op == OpType::kAllgather) {
       int64_t total = 0;
       for (int64_t n : b.recv_bytes) total += n;
@@ -97,8 +101,8 @@ class HierarchicalBackend : public Backend {
   int node_rank_ = 0, node_size_ = 1;
   int64_t min_bytes_;
   bool allreduce_, allgather_;
-  std::vector<int> node_ranks_;                // this host's global ranks
-  std::vector<std::vector<int>> host_ranks_;   // leaders: every host's
+  std::vector<int> node_ranks_;               // this host's global ranks
+  std::vector<std::vector<int>> host_ranks_;  // leaders: every host's
   HostBuffer block_, all_;
   std::unique_ptr<Communicator> node_mpi_, leader_mpi_;
   BackendList node_list_;
@@ -145,7 +149,8 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
   int64_t off = 0;
   if (node_rank_ == 0) {
     for (const BatchTensor& t : b.tensors) {
-      std::copy_n(static_cast<const char*>(t.output), t.count * esize, buf + off);
+      std::copy_n(static_cast<const char*>(t.output), t.count * esize,
+                  buf + off);
       off += t.count * esize;
     }
   }
@@ -159,30 +164,32 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
   return Status::OK();
 }
 
-
 Status HierarchicalBackend::LearnLayout(MPI_Comm comm) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
   node_ranks_.resize(node_size_);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(&rank, 1, MPI_INT, node_ranks_.data(), 1,
-                                             MPI_INT, node_comm_),
-                               "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allgather(&rank, 1, MPI_INT, node_ranks_.data(), 1, MPI_INT,
+                              node_comm_),
+                "MPI_Allgather"));
   if (leader_comm_ == MPI_COMM_NULL) return Status::OK();
   int hosts = 0;
   MPI_Comm_size(leader_comm_, &hosts);
   std::vector<int> sizes(hosts), displs(hosts, 0);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allgather(&node_size_, 1, MPI_INT, sizes.data(), 1,
-                                             MPI_INT, leader_comm_),
-                               "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allgather(&node_size_, 1, MPI_INT, sizes.data(), 1, MPI_INT,
+                              leader_comm_),
+                "MPI_Allgather"));
   for (int h = 1; h < hosts; ++h) displs[h] = displs[h - 1] + sizes[h - 1];
   std::vector<int> all(displs[hosts - 1] + sizes[hosts - 1]);
   KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allgatherv(node_ranks_.data(), node_size_, MPI_INT, all.data(), sizes.data(),
-                     displs.data(), MPI_INT, leader_comm_),
+      MPI_Allgatherv(node_ranks_.data(), node_size_, MPI_INT, all.data(),
+                     sizes.data(), displs.data(), MPI_INT, leader_comm_),
       "MPI_Allgatherv"));
   host_ranks_.assign(hosts, {});
   for (int h = 0; h < hosts; ++h) {
-    host_ranks_[h].assign(all.begin() + displs[h], all.begin() + displs[h] + sizes[h]);
+    host_ranks_[h].assign(all.begin() + displs[h],
+                          all.begin() + displs[h] + sizes[h]);
   }
   return Status::OK();
 }
@@ -203,21 +210,25 @@ Status HierarchicalBackend::Allgather(CollectiveBatch& b, uint64_t) {
 }
 
 // This host's ranks' parts, in node order, into the leader's `block`.
-Status HierarchicalBackend::GatherHostBlock(const CollectiveBatch& b, char* block) {
+Status HierarchicalBackend::GatherHostBlock(const CollectiveBatch& b,
+                                            char* block) {
   std::vector<int> counts(node_size_), displs(node_size_, 0);
   for (int i = 0; i < node_size_; ++i) {
     counts[i] = static_cast<int>(b.recv_bytes[node_ranks_[i]]);
     if (i > 0) displs[i] = displs[i - 1] + counts[i - 1];
   }
-  return MpiStatus(MPI_Gatherv(b.tensors[0].input, counts[node_rank_], MPI_BYTE, block,
-                               counts.data(), displs.data(), MPI_BYTE, 0, node_comm_),
-                   "MPI_Gatherv");
+  return MpiStatus(
+      MPI_Gatherv(b.tensors[0].input, counts[node_rank_], MPI_BYTE, block,
+                  counts.data(), displs.data(), MPI_BYTE, 0, node_comm_),
+      "MPI_Gatherv");
 }
 
-Status HierarchicalBackend::ExchangeHostBlocks(CollectiveBatch& b, const char* block) {
+Status HierarchicalBackend::ExchangeHostBlocks(CollectiveBatch& b,
+                                               const char* block) {
   const int hosts = static_cast<int>(host_ranks_.size());
   std::vector<int64_t> offset(b.recv_bytes.size() + 1, 0);
-  for (size_t g = 0; g < b.recv_bytes.size(); ++g) offset[g + 1] = offset[g] + b.recv_bytes[g];
+  for (size_t g = 0; g < b.recv_bytes.size(); ++g)
+    offset[g + 1] = offset[g] + b.recv_bytes[g];
   std::vector<int64_t> block_bytes(hosts, 0);
   for (int h = 0; h < hosts; ++h) {
     for (int g : host_ranks_[h]) block_bytes[h] += b.recv_bytes[g];
@@ -250,15 +261,17 @@ Status MakeHierarchicalBackend(const Config& config, const NodeContext& ctx,
   int mine[2] = {config.hierarchical_allreduce ? 1 : 0,
                  config.hierarchical_allgather ? 1 : 0};
   int agreed[2] = {0, 0};
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(mine, agreed, 2, MPI_INT, MPI_MIN, ctx.comm), "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allreduce(mine, agreed, 2, MPI_INT, MPI_MIN, ctx.comm),
+                "MPI_Allreduce"));
   if (!agreed[0] && !agreed[1]) return Status::OK();
   int64_t min_bytes = 0;
   KD_RETURN_IF_ERROR(
       AgreeLargest(ctx.comm, config.hierarchical_min_bytes, &min_bytes));
   MPI_Comm node, leaders;
   int hosts = 1, largest = 1;
-  KD_RETURN_IF_ERROR(NodeAndLeaderComms(ctx.comm, &node, &leaders, &hosts, &largest));
+  KD_RETURN_IF_ERROR(
+      NodeAndLeaderComms(ctx.comm, &node, &leaders, &hosts, &largest));
   auto h = std::make_unique<HierarchicalBackend>(node, leaders, agreed[0] != 0,
                                                  agreed[1] != 0, min_bytes);
   if (hosts < 2 || largest < 2) return Status::OK();  // h frees the comms

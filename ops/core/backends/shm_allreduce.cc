@@ -20,7 +20,8 @@ constexpr int64_t kRound = int64_t{2} << 20;
 
 std::string SegmentName(long job, int generation, int rank) {
   char name[96];
-  std::snprintf(name, sizeof(name), "/kerasdist.%ld.%d.%d", job, generation, rank);
+  std::snprintf(name, sizeof(name), "/kerasdist.%ld.%d.%d", job, generation,
+                rank);
   return name;
 }
 
@@ -93,7 +94,8 @@ Status ShmAllreduce::Grow(int64_t bytes, bool* ok) {
   Unmap();
   const int64_t cap = (bytes + kRound - 1) / kRound * kRound;
   long job = static_cast<long>(getpid());
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Bcast(&job, 1, MPI_LONG, 0, comm_), "MPI_Bcast"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Bcast(&job, 1, MPI_LONG, 0, comm_), "MPI_Bcast"));
   ++generation_;
   const std::string mine = SegmentName(job, generation_, rank_);
   shm_unlink(mine.c_str());  // a leftover of a killed job with a reused pid
@@ -110,8 +112,9 @@ Status ShmAllreduce::Grow(int64_t bytes, bool* ok) {
         if (slots[k] == nullptr) good = 0;
       }
     }
-    KD_RETURN_IF_ERROR(MpiStatus(
-        MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
+    KD_RETURN_IF_ERROR(
+        MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_),
+                  "MPI_Allreduce"));
   }
   // Everyone has tried to map every segment: the names can go.
   if (own != nullptr) shm_unlink(mine.c_str());
@@ -168,7 +171,8 @@ Status ShmAllreduce::Reduce(int64_t count, DataType dt, ReduceOp op) {
   const int64_t first = bounds_[rank_], n = bounds_[rank_ + 1] - first;
   char* mine = slots_[rank_] + first * esize_;
   for (int k = 0; k < size_; ++k) {
-    if (k != rank_ && n > 0) Combine(mine, mine, slots_[k] + first * esize_, n, dt, op);
+    if (k != rank_ && n > 0)
+      Combine(mine, mine, slots_[k] + first * esize_, n, dt, op);
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
   KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
@@ -182,16 +186,16 @@ void ShmAllreduce::CopyOut(int64_t first, int64_t n, DataType dt, void* dst,
   if (size_ == 2) {
     // Slot 0 (op) slot 1 on both ranks, so both get the same bits; scaled
     // in the same pass.
-    CombineScaled(out, slots_[0] + first * esize_, slots_[1] + first * esize_, n, dt, op_,
-                  factor, divisor);
+    CombineScaled(out, slots_[0] + first * esize_, slots_[1] + first * esize_,
+                  n, dt, op_, factor, divisor);
     return;
   }
   for (int k = 0; k < size_; ++k) {
     const int64_t lo = std::max(first, bounds_[k]);
     const int64_t hi = std::min(first + n, bounds_[k + 1]);
     if (lo < hi) {
-      ScaleCopy(out + (lo - first) * esize_, slots_[k] + lo * esize_, hi - lo, dt,
-                factor, divisor);
+      ScaleCopy(out + (lo - first) * esize_, slots_[k] + lo * esize_, hi - lo,
+                dt, factor, divisor);
     }
   }
 }

@@ -70,10 +70,11 @@ class ShmBackend : public Backend {
         // Only the first piece can be refused (later ones are no larger),
         // and every rank gets the same answer.
         if (first == 0) return fallback_->Run(b, tag);
-        return Status::Internal("shared-memory slot lost mid-tensor (kerasdist bug)");
+        return Status::Internal(
+            "shared-memory slot lost mid-tensor (kerasdist bug)");
       }
-      ScaleCopy(slot, static_cast<const char*>(t.input) + first * esize, m, b.dtype,
-                b.prescale);
+      ScaleCopy(slot, static_cast<const char*>(t.input) + first * esize, m,
+                b.dtype, b.prescale);
       KD_RETURN_IF_ERROR(shm_->Reduce(m, b.dtype, b.reduce_op));
       shm_->CopyOut(0, m, b.dtype, static_cast<char*>(t.output) + first * esize,
                     b.postscale, b.divisor);
@@ -94,8 +95,8 @@ Status MakeShmBackend(const Config& config, const NodeContext& ctx,
                       std::unique_ptr<Backend>* out) {
   out->reset();
   std::unique_ptr<ShmAllreduce> shm;
-  KD_RETURN_IF_ERROR(ShmAllreduce::Create(ctx.comm, config.shm_allreduce,
-                                          config.shm_allreduce_min_bytes, &shm));
+  KD_RETURN_IF_ERROR(ShmAllreduce::Create(
+      ctx.comm, config.shm_allreduce, config.shm_allreduce_min_bytes, &shm));
   if (shm) *out = std::make_unique<ShmBackend>(std::move(shm), ctx.fallback);
   return Status::OK();
 }

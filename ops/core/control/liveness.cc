@@ -27,7 +27,13 @@ namespace {
 constexpr int kExitPeerLost = 75;
 constexpr double kConnectTimeoutS = 2.0;
 
-enum FrameType : uint32_t { kHello = 1, kBeat = 2, kBye = 3, kLost = 4, kEnd = 5 };
+enum FrameType : uint32_t {
+  kHello = 1,
+  kBeat = 2,
+  kBye = 3,
+  kLost = 4,
+  kEnd = 5
+};
 
 struct Frame {
   uint32_t type;
@@ -131,10 +137,12 @@ void PrintAndExit(const std::string& line) {
 
 std::string DescribeLost(const std::vector<std::string>& hosts,
                          std::vector<LostRank> lost, double timeout_s) {
-  std::sort(lost.begin(), lost.end(),
-            [](const LostRank& a, const LostRank& b) { return a.rank < b.rank; });
+  std::sort(lost.begin(), lost.end(), [](const LostRank& a, const LostRank& b) {
+    return a.rank < b.rank;
+  });
   // (host, reason) -> ranks, in the order of the lowest rank.
-  std::vector<std::pair<std::pair<std::string, LostReason>, std::vector<int>>> groups;
+  std::vector<std::pair<std::pair<std::string, LostReason>, std::vector<int>>>
+      groups;
   for (const LostRank& l : lost) {
     const std::string& host = hosts.at(l.rank);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) {
@@ -199,16 +207,17 @@ std::vector<std::string> Liveness::Addresses(const std::string& prefer) {
     }
     freeifaddrs(list);
   }
-  std::stable_sort(ranked.begin(), ranked.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(
+      ranked.begin(), ranked.end(),
+      [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<std::string> out;
   for (const auto& r : ranked) out.push_back(r.second);
   return out;
 }
 
 Status Liveness::StartWorker(const LivenessOptions& opt,
-                             const std::vector<std::string>& addresses, int port,
-                             std::unique_ptr<Liveness>* out) {
+                             const std::vector<std::string>& addresses,
+                             int port, std::unique_ptr<Liveness>* out) {
   int fd = -1;
   for (const std::string& a : addresses) {
     fd = ConnectWithTimeout(a, port);
@@ -218,7 +227,8 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
     std::ostringstream s;
     s << "rank " << opt.rank << " could not reach rank 0's heartbeat port "
       << port << " at any of its addresses (";
-    for (size_t i = 0; i < addresses.size(); ++i) s << (i ? ", " : "") << addresses[i];
+    for (size_t i = 0; i < addresses.size(); ++i)
+      s << (i ? ", " : "") << addresses[i];
     s << "); allow TCP between the hosts, name the interface they reach "
          "each other on with --network-interface, or turn the heartbeat off "
          "with KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
@@ -251,7 +261,8 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
     int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     Frame f;
-    if (!ReadHello(fd, 5.0, &f) || f.rank <= 0 || f.rank >= opt.size || seen[f.rank]) {
+    if (!ReadHello(fd, 5.0, &f) || f.rank <= 0 || f.rank >= opt.size ||
+        seen[f.rank]) {
       close(fd);
       continue;
     }
@@ -312,7 +323,8 @@ void Liveness::Loop() {
       next_beat = now + opt_.interval_s;
     }
     fds.assign(1, pollfd{wake_[0], POLLIN, 0});
-    for (const Peer& p : peers_) fds.push_back(pollfd{p.gone ? -1 : p.fd, POLLIN, 0});
+    for (const Peer& p : peers_)
+      fds.push_back(pollfd{p.gone ? -1 : p.fd, POLLIN, 0});
     double wait_s = next_beat - now;
     if (!lost_.empty()) wait_s = std::min(wait_s, 0.05);
     poll(fds.data(), fds.size(), std::max(0, static_cast<int>(wait_s * 1000)));

@@ -89,9 +89,9 @@ class Liveness {
   std::vector<Peer> peers_;  // rank 0: the workers; a worker: rank 0
   int wake_[2] = {-1, -1};   // a pipe that wakes the thread to stop
   std::atomic<bool> stop_{false};
-  std::vector<LostRank> lost_;   // found, not reported yet
+  std::vector<LostRank> lost_;  // found, not reported yet
   double first_lost_at_ = 0;
-  std::vector<LostRank> told_;   // a worker: what rank 0 said was lost
+  std::vector<LostRank> told_;  // a worker: what rank 0 said was lost
   std::thread thread_;
 };
 

@@ -5,13 +5,15 @@ namespace kerasdist::core {
 Status LocalMailboxes::Post(int src, int dest, std::string bytes) {
   std::lock_guard<std::mutex> l(mu_);
   if (dest < 0 || dest >= size()) {
-    return Status::InvalidArgument("control message from rank " + std::to_string(src) +
-                                   " to rank " + std::to_string(dest) + ", outside [0, " +
+    return Status::InvalidArgument("control message from rank " +
+                                   std::to_string(src) + " to rank " +
+                                   std::to_string(dest) + ", outside [0, " +
                                    std::to_string(size()) + ").");
   }
   if (left_[dest]) {
-    return Status::Aborted("control message from rank " + std::to_string(src) + " to rank " +
-                           std::to_string(dest) + ", which left.");
+    return Status::Aborted("control message from rank " + std::to_string(src) +
+                           " to rank " + std::to_string(dest) +
+                           ", which left.");
   }
   boxes_[dest].emplace_back(src, std::move(bytes));
   return Status::OK();

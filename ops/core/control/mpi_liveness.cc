@@ -49,7 +49,8 @@ Status ShareEndpoint(MPI_Comm comm, int rank, const std::string& interface,
   in >> *port;
   for (std::string a; in >> a;) addresses->push_back(a);
   if (!listened.ok()) return listened;
-  if (*port < 0) return Status::Internal("rank 0 could not open its heartbeat port");
+  if (*port < 0)
+    return Status::Internal("rank 0 could not open its heartbeat port");
   return Status::OK();
 }
 
@@ -57,7 +58,8 @@ Status Connect(const LivenessOptions& opt, std::vector<std::string> addresses,
                int listen_fd, int port, std::unique_ptr<Liveness>* out) {
   if (opt.rank == 0) return Liveness::StartCoordinator(opt, listen_fd, out);
   // On rank 0's host, loopback first: it needs no route.
-  if (opt.hosts[opt.rank] == opt.hosts[0]) addresses.insert(addresses.begin(), "127.0.0.1");
+  if (opt.hosts[opt.rank] == opt.hosts[0])
+    addresses.insert(addresses.begin(), "127.0.0.1");
   return Liveness::StartWorker(opt, addresses, port, out);
 }
 
@@ -79,8 +81,8 @@ Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
   KD_RETURN_IF_ERROR(GatherHosts(comm, opt.size, &opt.hosts));
   int listen_fd = -1, port = -1;
   std::vector<std::string> addresses;
-  Status s = ShareEndpoint(comm, opt.rank, interface, &listen_fd,
-                           &port, &addresses);
+  Status s =
+      ShareEndpoint(comm, opt.rank, interface, &listen_fd, &port, &addresses);
   if (s.ok()) s = Connect(opt, addresses, listen_fd, port, out);
   int ok = s.ok() ? 1 : 0, all_ok = 0;
   rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);

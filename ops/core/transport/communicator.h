@@ -32,8 +32,9 @@ class Communicator {
   virtual Status Allgatherv(const void* in, void* out,
                             const std::vector<int64_t>& bytes) = 0;
   virtual Status Broadcast(void* buf, int64_t bytes, int root) = 0;
-  virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
-                           void* out, const std::vector<int64_t>& recv_bytes) = 0;
+  virtual Status Alltoallv(const void* in,
+                           const std::vector<int64_t>& send_bytes, void* out,
+                           const std::vector<int64_t>& recv_bytes) = 0;
   // `counts[r]` elements of the reduction land on rank r.
   virtual Status Reducescatter(const void* in, void* out,
                                const std::vector<int64_t>& counts, DataType dt,

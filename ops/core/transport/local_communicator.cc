@@ -27,7 +27,8 @@ LocalGroup::LocalGroup(int size, double timeout_s)
     : size_(size), timeout_s_(timeout_s), slots_(size), here_(size, false) {}
 
 Status LocalGroup::BrokenLocked() const {
-  return Status::Aborted("local group of " + std::to_string(size_) + " ranks: " + broken_);
+  return Status::Aborted("local group of " + std::to_string(size_) +
+                         " ranks: " + broken_);
 }
 
 Status LocalGroup::Arrive(int rank, const char* what) {
@@ -51,8 +52,9 @@ Status LocalGroup::Arrive(int rank, const char* what) {
     for (int r = 0; r < size_; ++r) {
       if (!here_[r]) missing.push_back(r);
     }
-    broken_ = "rank(s) " + RankList(missing) + " did not reach " + what + " within " +
-              std::to_string(timeout_s_) + " s (stuck, or they skipped the collective).";
+    broken_ = "rank(s) " + RankList(missing) + " did not reach " + what +
+              " within " + std::to_string(timeout_s_) +
+              " s (stuck, or they skipped the collective).";
     cv_.notify_all();
   }
   return BrokenLocked();
@@ -60,11 +62,13 @@ Status LocalGroup::Arrive(int rank, const char* what) {
 
 void LocalGroup::Leave(int rank, const std::string& why) {
   std::lock_guard<std::mutex> l(mu_);
-  if (broken_.empty()) broken_ = "rank " + std::to_string(rank) + " left the group (" + why + ").";
+  if (broken_.empty())
+    broken_ = "rank " + std::to_string(rank) + " left the group (" + why + ").";
   cv_.notify_all();
 }
 
-LocalCommunicator::LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank)
+LocalCommunicator::LocalCommunicator(std::shared_ptr<LocalGroup> group,
+                                     int rank)
     : group_(std::move(group)), rank_(rank) {}
 
 LocalCommunicator::~LocalCommunicator() {
@@ -77,9 +81,11 @@ void LocalCommunicator::Abort(const std::string& why) {
 }
 
 template <typename Compute, typename Finish>
-Status LocalCommunicator::Collective(const LocalSlot& mine, Compute compute, Finish finish) {
+Status LocalCommunicator::Collective(const LocalSlot& mine, Compute compute,
+                                     Finish finish) {
   if (left_) {
-    return Status::Aborted("rank " + std::to_string(rank_) + " left its local group; it cannot run " +
+    return Status::Aborted("rank " + std::to_string(rank_) +
+                           " left its local group; it cannot run " +
                            mine.collective + ".");
   }
   group_->Publish(rank_, mine);
@@ -97,18 +103,21 @@ namespace {
 // What each rank must get right on its own.
 Status CheckOwn(const LocalSlot& s, int r, int n) {
   if (s.op == ReduceOp::kAverage) {
-    return Status::InvalidArgument(std::string(s.collective) +
-                                   ": Average never reaches a communicator; send it as Sum "
-                                   "with a postscale (AverageAsSum in scale.h).");
+    return Status::InvalidArgument(
+        std::string(s.collective) +
+        ": Average never reaches a communicator; send it as Sum "
+        "with a postscale (AverageAsSum in scale.h).");
   }
   if (s.root < 0 || s.root >= n) {
-    return Status::InvalidArgument(std::string(s.collective) + ": root " + std::to_string(s.root) +
-                                   " is not in [0, " + std::to_string(n) + ").");
+    return Status::InvalidArgument(std::string(s.collective) + ": root " +
+                                   std::to_string(s.root) + " is not in [0, " +
+                                   std::to_string(n) + ").");
   }
   for (const auto* v : {s.sizes, s.recv_sizes}) {
     if (v != nullptr && static_cast<int>(v->size()) != n) {
-      return Status::InvalidArgument(std::string(s.collective) + ": rank " + std::to_string(r) +
-                                     " passed " + std::to_string(v->size()) + " sizes for " +
+      return Status::InvalidArgument(std::string(s.collective) + ": rank " +
+                                     std::to_string(r) + " passed " +
+                                     std::to_string(v->size()) + " sizes for " +
                                      std::to_string(n) + " ranks.");
     }
   }
@@ -117,18 +126,24 @@ Status CheckOwn(const LocalSlot& s, int r, int n) {
 
 // What rank r must pass as rank 0 did.
 Status CheckSame(const LocalSlot& s0, const LocalSlot& s, int r) {
-  auto fail = [&](const std::string& what, const std::string& v0, const std::string& vr) {
-    return Status::InvalidArgument("local communicator: ranks disagree on " + what + " of " +
-                                   s0.collective + ": rank 0 passed " + v0 + ", rank " +
+  auto fail = [&](const std::string& what, const std::string& v0,
+                  const std::string& vr) {
+    return Status::InvalidArgument("local communicator: ranks disagree on " +
+                                   what + " of " + s0.collective +
+                                   ": rank 0 passed " + v0 + ", rank " +
                                    std::to_string(r) + " passed " + vr + ".");
   };
   if (std::strcmp(s.collective, s0.collective) != 0) {
     return fail("the collective", s0.collective, s.collective);
   }
-  if (s.count != s0.count) return fail("the count", std::to_string(s0.count), std::to_string(s.count));
-  if (s.dtype != s0.dtype) return fail("the dtype", DataTypeName(s0.dtype), DataTypeName(s.dtype));
-  if (s.op != s0.op) return fail("the reduction", ReduceOpName(s0.op), ReduceOpName(s.op));
-  if (s.root != s0.root) return fail("the root", std::to_string(s0.root), std::to_string(s.root));
+  if (s.count != s0.count)
+    return fail("the count", std::to_string(s0.count), std::to_string(s.count));
+  if (s.dtype != s0.dtype)
+    return fail("the dtype", DataTypeName(s0.dtype), DataTypeName(s.dtype));
+  if (s.op != s0.op)
+    return fail("the reduction", ReduceOpName(s0.op), ReduceOpName(s.op));
+  if (s.root != s0.root)
+    return fail("the root", std::to_string(s0.root), std::to_string(s.root));
   // Allgather and reducescatter: every rank passes the same sizes.
   if (s.sizes != nullptr && s.recv_sizes == nullptr && *s.sizes != *s0.sizes) {
     return fail("the sizes", ShapeString(*s0.sizes), ShapeString(*s.sizes));
@@ -153,10 +168,11 @@ Status LocalCommunicator::Agree(const LocalSlot& mine) const {
       const int64_t sent = (*group_->slot(s).sizes)[r];
       const int64_t expected = (*group_->slot(r).recv_sizes)[s];
       if (sent != expected) {
-        return Status::InvalidArgument("local communicator: alltoall: rank " + std::to_string(s) +
-                                       " sends " + std::to_string(sent) + " bytes to rank " +
-                                       std::to_string(r) + ", which expects " +
-                                       std::to_string(expected) + ".");
+        return Status::InvalidArgument(
+            "local communicator: alltoall: rank " + std::to_string(s) +
+            " sends " + std::to_string(sent) + " bytes to rank " +
+            std::to_string(r) + ", which expects " + std::to_string(expected) +
+            ".");
       }
     }
   }
@@ -165,11 +181,13 @@ Status LocalCommunicator::Agree(const LocalSlot& mine) const {
 
 // Reductions combine the ranks' inputs in rank order, so every rank gets the
 // same bits.
-Status LocalCommunicator::Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) {
+Status LocalCommunicator::Allreduce(void* buf, int64_t count, DataType dt,
+                                    ReduceOp op) {
   return AllreduceFrom(buf, buf, count, dt, op);
 }
 
-Status LocalCommunicator::AllreduceFrom(const void* in, void* out, int64_t count, DataType dt,
+Status LocalCommunicator::AllreduceFrom(const void* in, void* out,
+                                        int64_t count, DataType dt,
                                         ReduceOp op) {
   LocalSlot mine{"allreduce", in, out, count, dt, op};
   const int64_t bytes = count * DataTypeSize(dt);
@@ -179,7 +197,8 @@ Status LocalCommunicator::AllreduceFrom(const void* in, void* out, int64_t count
         scratch_.resize(bytes);
         if (bytes > 0) std::memcpy(scratch_.data(), group_->slot(0).in, bytes);
         for (int r = 1; r < group_->size(); ++r) {
-          Combine(scratch_.data(), scratch_.data(), group_->slot(r).in, count, dt, op);
+          Combine(scratch_.data(), scratch_.data(), group_->slot(r).in, count,
+                  dt, op);
         }
         return Status::OK();
       },
@@ -211,14 +230,17 @@ Status LocalCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
   return Collective(
       mine,
       [&] {
-        if (rank_ != root && bytes > 0) std::memcpy(buf, group_->slot(root).in, bytes);
+        if (rank_ != root && bytes > 0)
+          std::memcpy(buf, group_->slot(root).in, bytes);
         return Status::OK();
       },
       [] {});
 }
 
-Status LocalCommunicator::Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
-                                    void* out, const std::vector<int64_t>& recv_bytes) {
+Status LocalCommunicator::Alltoallv(const void* in,
+                                    const std::vector<int64_t>& send_bytes,
+                                    void* out,
+                                    const std::vector<int64_t>& recv_bytes) {
   LocalSlot mine{"alltoall", in, out};
   mine.sizes = &send_bytes;
   mine.recv_sizes = &recv_bytes;
@@ -228,7 +250,8 @@ Status LocalCommunicator::Alltoallv(const void* in, const std::vector<int64_t>& 
         char* dst = static_cast<char*>(out);
         for (int s = 0; s < group_->size(); ++s) {
           const LocalSlot& peer = group_->slot(s);
-          const char* src = static_cast<const char*>(peer.in) + Sum(*peer.sizes, rank_);
+          const char* src =
+              static_cast<const char*>(peer.in) + Sum(*peer.sizes, rank_);
           if (recv_bytes[s] > 0) std::memcpy(dst, src, recv_bytes[s]);
           dst += recv_bytes[s];
         }
@@ -238,8 +261,8 @@ Status LocalCommunicator::Alltoallv(const void* in, const std::vector<int64_t>& 
 }
 
 Status LocalCommunicator::Reducescatter(const void* in, void* out,
-                                        const std::vector<int64_t>& counts, DataType dt,
-                                        ReduceOp op) {
+                                        const std::vector<int64_t>& counts,
+                                        DataType dt, ReduceOp op) {
   LocalSlot mine{"reducescatter", in, out, 0, dt, op};
   mine.sizes = &counts;
   const int64_t es = DataTypeSize(dt);
@@ -248,7 +271,9 @@ Status LocalCommunicator::Reducescatter(const void* in, void* out,
       [&] {
         const int64_t n = counts[rank_], offset = Sum(counts, rank_) * es;
         scratch_.resize(n * es);
-        auto part = [&](int r) { return static_cast<const char*>(group_->slot(r).in) + offset; };
+        auto part = [&](int r) {
+          return static_cast<const char*>(group_->slot(r).in) + offset;
+        };
         if (n > 0) std::memcpy(scratch_.data(), part(0), n * es);
         for (int r = 1; r < group_->size(); ++r) {
           Combine(scratch_.data(), scratch_.data(), part(r), n, dt, op);
@@ -256,7 +281,8 @@ Status LocalCommunicator::Reducescatter(const void* in, void* out,
         return Status::OK();
       },
       [&] {
-        if (!scratch_.empty()) std::memcpy(out, scratch_.data(), scratch_.size());
+        if (!scratch_.empty())
+          std::memcpy(out, scratch_.data(), scratch_.size());
       });
 }
 

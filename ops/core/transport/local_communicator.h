@@ -33,7 +33,8 @@ struct LocalSlot {
   DataType dtype = DataType::kUInt8;
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
-  const std::vector<int64_t>* sizes = nullptr;       // allgather, reducescatter, alltoall send
+  const std::vector<int64_t>* sizes =
+      nullptr;  // allgather, reducescatter, alltoall send
   const std::vector<int64_t>* recv_sizes = nullptr;  // alltoall
 };
 
@@ -65,7 +66,7 @@ class LocalGroup {
   uint64_t generation_ = 0;  // completed barriers
   std::vector<bool> here_;   // arrived at the barrier in progress
   int arrived_ = 0;
-  std::string broken_;       // non-empty: why every call fails
+  std::string broken_;  // non-empty: why every call fails
 };
 
 class LocalCommunicator : public Communicator {
@@ -91,8 +92,9 @@ class LocalCommunicator : public Communicator {
   Status Broadcast(void* buf, int64_t bytes, int root) override;
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
                    void* out, const std::vector<int64_t>& recv_bytes) override;
-  Status Reducescatter(const void* in, void* out, const std::vector<int64_t>& counts,
-                       DataType dt, ReduceOp op) override;
+  Status Reducescatter(const void* in, void* out,
+                       const std::vector<int64_t>& counts, DataType dt,
+                       ReduceOp op) override;
   Status Barrier() override;
 
  private:

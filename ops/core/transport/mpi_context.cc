@@ -61,41 +61,55 @@ struct HalfOps {
 
 int OpIndex(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kMin: return 1;
-    case ReduceOp::kMax: return 2;
-    case ReduceOp::kProduct: return 3;
-    default: return 0;
+    case ReduceOp::kMin:
+      return 1;
+    case ReduceOp::kMax:
+      return 2;
+    case ReduceOp::kProduct:
+      return 3;
+    default:
+      return 0;
   }
 }
 
 MPI_Datatype MpiType(DataType dt) {
   switch (dt) {
     case DataType::kFloat16:
-    case DataType::kBFloat16: return MPI_UINT16_T;
-    case DataType::kFloat32: return MPI_FLOAT;
-    case DataType::kFloat64: return MPI_DOUBLE;
-    case DataType::kInt32: return MPI_INT32_T;
-    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kBFloat16:
+      return MPI_UINT16_T;
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
     case DataType::kUInt8:
-    case DataType::kBool: return MPI_UINT8_T;
+    case DataType::kBool:
+      return MPI_UINT8_T;
   }
   return MPI_BYTE;
 }
 
 MPI_Op MpiOp(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kMin: return MPI_MIN;
-    case ReduceOp::kMax: return MPI_MAX;
-    case ReduceOp::kProduct: return MPI_PROD;
-    default: return MPI_SUM;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kProduct:
+      return MPI_PROD;
+    default:
+      return MPI_SUM;
   }
 }
 
 Status CheckCount(int64_t n, const char* what) {
   if (n > INT_MAX) {
-    return Status::InvalidArgument(std::string(what) + " of " +
-                                   std::to_string(n) +
-                                   " exceeds MPI's int count limit; split the tensor.");
+    return Status::InvalidArgument(
+        std::string(what) + " of " + std::to_string(n) +
+        " exceeds MPI's int count limit; split the tensor.");
   }
   return Status::OK();
 }
@@ -105,7 +119,8 @@ class MpiCommunicator : public Communicator {
   explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {}
   std::string Name() const override { return "MPI"; }
 
-  Status Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) override {
+  Status Allreduce(void* buf, int64_t count, DataType dt,
+                   ReduceOp op) override {
     if (count == 0) return Status::OK();
     KD_RETURN_IF_ERROR(CheckCount(count, "allreduce element count"));
     return MpiStatus(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(count),
@@ -117,10 +132,10 @@ class MpiCommunicator : public Communicator {
                        ReduceOp op) override {
     if (count == 0) return Status::OK();
     KD_RETURN_IF_ERROR(CheckCount(count, "allreduce element count"));
-    return MpiStatus(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out,
-                                   static_cast<int>(count), MpiType(dt),
-                                   Op(dt, op), comm_),
-                     "MPI_Allreduce");
+    return MpiStatus(
+        MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out,
+                      static_cast<int>(count), MpiType(dt), Op(dt, op), comm_),
+        "MPI_Allreduce");
   }
 
   Status Allgatherv(const void* in, void* out,
@@ -129,16 +144,18 @@ class MpiCommunicator : public Communicator {
     KD_RETURN_IF_ERROR(Layout(bytes, &counts, &displs));
     int me;
     MPI_Comm_rank(comm_, &me);
-    return MpiStatus(MPI_Allgatherv(in, counts[me], MPI_BYTE, out, counts.data(),
-                                    displs.data(), MPI_BYTE, comm_),
-                     "MPI_Allgatherv");
+    return MpiStatus(
+        MPI_Allgatherv(in, counts[me], MPI_BYTE, out, counts.data(),
+                       displs.data(), MPI_BYTE, comm_),
+        "MPI_Allgatherv");
   }
 
   Status Broadcast(void* buf, int64_t bytes, int root) override {
     if (bytes == 0) return Status::OK();
     KD_RETURN_IF_ERROR(CheckCount(bytes, "broadcast size"));
-    return MpiStatus(MPI_Bcast(buf, static_cast<int>(bytes), MPI_BYTE, root, comm_),
-                     "MPI_Bcast");
+    return MpiStatus(
+        MPI_Bcast(buf, static_cast<int>(bytes), MPI_BYTE, root, comm_),
+        "MPI_Bcast");
   }
 
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
@@ -162,9 +179,9 @@ class MpiCommunicator : public Communicator {
     }
     KD_RETURN_IF_ERROR(CheckCount(total, "reducescatter element count"));
     if (total == 0) return Status::OK();
-    return MpiStatus(MPI_Reduce_scatter(in, out, c.data(), MpiType(dt),
-                                        Op(dt, op), comm_),
-                     "MPI_Reduce_scatter");
+    return MpiStatus(
+        MPI_Reduce_scatter(in, out, c.data(), MpiType(dt), Op(dt, op), comm_),
+        "MPI_Reduce_scatter");
   }
 
   Status Barrier() override {
@@ -177,8 +194,8 @@ class MpiCommunicator : public Communicator {
     if (dt == DataType::kBFloat16) return half_ops_.ops[1][OpIndex(op)];
     return MpiOp(op);
   }
-  static Status Layout(const std::vector<int64_t>& bytes, std::vector<int>* counts,
-                       std::vector<int>* displs) {
+  static Status Layout(const std::vector<int64_t>& bytes,
+                       std::vector<int>* counts, std::vector<int>* displs) {
     int64_t off = 0;
     for (int64_t b : bytes) {
       KD_RETURN_IF_ERROR(CheckCount(off + b, "message size"));
@@ -199,7 +216,8 @@ Status MpiStatus(int code, const char* call) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(code, text, &len);
-  return Status::Internal(std::string(call) + " failed: " + std::string(text, len));
+  return Status::Internal(std::string(call) +
+                          " failed: " + std::string(text, len));
 }
 
 namespace {
@@ -208,7 +226,8 @@ namespace {
 Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
-  return MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, node),
+  return MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank,
+                                       MPI_INFO_NULL, node),
                    "MPI_Comm_split_type");
 }
 
@@ -216,8 +235,9 @@ Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
 
 Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest) {
   long long want = mine, agreed = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm), "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm),
+                "MPI_Allreduce"));
   *largest = agreed;
   return Status::OK();
 }
@@ -228,8 +248,8 @@ Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
   MPI_Comm_size(comm, &size);
   // Settings may differ between ranks; the path must not.
   int mine = enabled ? 1 : 0, all = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm),
-                               "MPI_Allreduce"));
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce"));
   if (!all || size < 2) return Status::OK();
   MPI_Comm shared;
   KD_RETURN_IF_ERROR(NodeComm(comm, &shared));
@@ -256,7 +276,8 @@ Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
     MPI_Comm_free(&node);
     return Status::OK();  // unknown: assume not
   }
-  const int rc = MPI_Allreduce(&mine, &all, sizeof(cpu_set_t), MPI_BYTE, MPI_BOR, node);
+  const int rc =
+      MPI_Allreduce(&mine, &all, sizeof(cpu_set_t), MPI_BYTE, MPI_BOR, node);
   MPI_Comm_free(&node);
   KD_RETURN_IF_ERROR(MpiStatus(rc, "MPI_Allreduce"));
   *oversubscribed = local_ranks > CPU_COUNT(&all);
@@ -292,20 +313,22 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
   std::unique_ptr<MpiContext> ctx(new MpiContext());
   ctx->control_tag_ = kControlTagBase + (g_generation++ % 16384);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(ctx->comm_, MPI_ERRORS_RETURN);
   Topology& t = ctx->topo_;
   MPI_Comm_rank(ctx->comm_, &t.rank);
   MPI_Comm_size(ctx->comm_, &t.size);
   MPI_Comm local, cross;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split_type(ctx->comm_, MPI_COMM_TYPE_SHARED, t.rank,
-                          MPI_INFO_NULL, &local),
-      "MPI_Comm_split_type"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Comm_split_type(ctx->comm_, MPI_COMM_TYPE_SHARED, t.rank,
+                                    MPI_INFO_NULL, &local),
+                "MPI_Comm_split_type"));
   MPI_Comm_rank(local, &t.local_rank);
   MPI_Comm_size(local, &t.local_size);
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split(ctx->comm_, t.local_rank, t.rank, &cross), "MPI_Comm_split"));
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Comm_split(ctx->comm_, t.local_rank, t.rank, &cross),
+                "MPI_Comm_split"));
   MPI_Comm_rank(cross, &t.cross_rank);
   MPI_Comm_size(cross, &t.cross_size);
   MPI_Comm_free(&local);
@@ -323,7 +346,8 @@ MpiContext::~MpiContext() {
 Status MpiContext::SendControl(int dest, std::string bytes) {
   sends_.push_back(Pending{std::move(bytes), MPI_REQUEST_NULL});
   Pending& p = sends_.back();
-  KD_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(p.bytes.size()), "control message"));
+  KD_RETURN_IF_ERROR(
+      CheckCount(static_cast<int64_t>(p.bytes.size()), "control message"));
   return MpiStatus(MPI_Isend(p.bytes.data(), static_cast<int>(p.bytes.size()),
                              MPI_BYTE, dest, control_tag_, comm_, &p.request),
                    "MPI_Isend");
@@ -342,16 +366,17 @@ Status MpiContext::PollControl(bool* got, int* src, std::string* bytes) {
   MPI_Get_count(&st, MPI_BYTE, &n);
   bytes->resize(n);
   *src = st.MPI_SOURCE;
-  return MpiStatus(MPI_Mrecv(bytes->data(), n, MPI_BYTE, &msg, MPI_STATUS_IGNORE),
-                   "MPI_Mrecv");
+  return MpiStatus(
+      MPI_Mrecv(bytes->data(), n, MPI_BYTE, &msg, MPI_STATUS_IGNORE),
+      "MPI_Mrecv");
 }
 
 Status MpiContext::ProgressSends() {
   while (!sends_.empty()) {
     int done = 0;
-    KD_RETURN_IF_ERROR(MpiStatus(MPI_Test(&sends_.front().request, &done,
-                                          MPI_STATUS_IGNORE),
-                                 "MPI_Test"));
+    KD_RETURN_IF_ERROR(
+        MpiStatus(MPI_Test(&sends_.front().request, &done, MPI_STATUS_IGNORE),
+                  "MPI_Test"));
     if (!done) break;
     sends_.pop_front();
   }
@@ -387,12 +412,15 @@ Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
   KD_RETURN_IF_ERROR(MpiStatus(
       MPI_Comm_split(comm, node_rank == 0 ? 0 : MPI_UNDEFINED, rank, leaders),
       "MPI_Comm_split"));
-  if (*leaders != MPI_COMM_NULL) MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
+  if (*leaders != MPI_COMM_NULL)
+    MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
   const int leads = node_rank == 0 ? 1 : 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&leads, hosts, 1, MPI_INT, MPI_SUM, comm), "MPI_Allreduce"));
-  return MpiStatus(MPI_Allreduce(&node_size, largest_node, 1, MPI_INT, MPI_MAX, comm),
-                   "MPI_Allreduce");
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allreduce(&leads, hosts, 1, MPI_INT, MPI_SUM, comm),
+                "MPI_Allreduce"));
+  return MpiStatus(
+      MPI_Allreduce(&node_size, largest_node, 1, MPI_INT, MPI_MAX, comm),
+      "MPI_Allreduce");
 }
 
 }  // namespace kerasdist::core

@@ -10,9 +10,9 @@
 #include <memory>
 #include <string>
 
-#include "communicator.h"
 #include "../control/control_channel.h"
 #include "../control/liveness.h"
+#include "communicator.h"
 
 namespace kerasdist::core {
 

@@ -3,8 +3,8 @@
 // the same point of the coordinator's order, so the collective set-up lines
 // up). Built without a GPU backend, the list has no device entry and the
 // runtime refuses GPU tensors when they are submitted.
-#include "../backends.h"
 #include "device_backend.h"
+#include "../backends.h"
 
 namespace kerasdist::core {
 
@@ -14,7 +14,9 @@ class LazyDeviceBackend : public Backend {
  public:
   explicit LazyDeviceBackend(const DeviceBackendOptions& o) : o_(o) {}
   const char* Name() const override { return impl_ ? impl_->Name() : "gpu"; }
-  bool Enabled(const CollectiveBatch& b) const override { return b.device >= 0; }
+  bool Enabled(const CollectiveBatch& b) const override {
+    return b.device >= 0;
+  }
   bool Asynchronous() const override { return true; }
   void Poll(std::vector<Completion>* done) override {
     if (impl_) impl_->Poll(done);
@@ -26,12 +28,24 @@ class LazyDeviceBackend : public Backend {
   bool Busy() const override { return impl_ && impl_->Busy(); }
 
  protected:
-  Status Allreduce(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
-  Status Allgather(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
-  Status Broadcast(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
-  Status Alltoall(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
-  Status Reducescatter(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
-  Status Barrier(CollectiveBatch& b, uint64_t tag) override { return Forward(b, tag); }
+  Status Allreduce(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
+  Status Allgather(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
+  Status Broadcast(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
+  Status Alltoall(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
+  Status Reducescatter(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
+  Status Barrier(CollectiveBatch& b, uint64_t tag) override {
+    return Forward(b, tag);
+  }
 
  private:
   // A failed set-up is agreed on by all ranks (the next device batch tries
@@ -60,7 +74,8 @@ class LazyDeviceBackend : public Backend {
 Status MakeDeviceBackend(const Config& config, const NodeContext& ctx,
                          std::unique_ptr<Backend>* out) {
   out->reset();
-  if (!RegisteredDeviceBackend().factory || ctx.within_node) return Status::OK();
+  if (!RegisteredDeviceBackend().factory || ctx.within_node)
+    return Status::OK();
   DeviceBackendOptions d;
   d.comm = ctx.comm;
   d.rank = ctx.rank;

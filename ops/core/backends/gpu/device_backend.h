@@ -14,17 +14,18 @@
 #include <memory>
 #include <string>
 
-#include "../backend.h"
 #include "../../transport/communicator.h"
+#include "../backend.h"
 
 namespace kerasdist::core {
 
 struct DeviceBackendOptions {
-  MPI_Comm comm = MPI_COMM_NULL;  // the runtime's communicator (NCCL id exchange)
+  MPI_Comm comm =
+      MPI_COMM_NULL;  // the runtime's communicator (NCCL id exchange)
   int rank = 0, size = 1;
-  int device = 0;                 // CUDA ordinal of this rank's tensors
-  bool host_staged = false;       // KERASDIST_GPU_OPERATIONS=MPI
-  Communicator* host = nullptr;   // the MPI data plane, for host staging
+  int device = 0;                // CUDA ordinal of this rank's tensors
+  bool host_staged = false;      // KERASDIST_GPU_OPERATIONS=MPI
+  Communicator* host = nullptr;  // the MPI data plane, for host staging
 };
 
 // Collective over o.comm: every rank makes its backend at the same batch.
@@ -32,8 +33,9 @@ using DeviceBackendFactory = Status (*)(const DeviceBackendOptions&,
                                         std::unique_ptr<Backend>*);
 
 struct DeviceBackendInfo {
-  DeviceBackendFactory factory = nullptr;  // nullptr: built without a GPU backend
-  std::string version;                     // "NCCL 2.x.y, CUDA 13.0"
+  DeviceBackendFactory factory =
+      nullptr;          // nullptr: built without a GPU backend
+  std::string version;  // "NCCL 2.x.y, CUDA 13.0"
 };
 
 // The process's registration slot (one per library: an inline function's

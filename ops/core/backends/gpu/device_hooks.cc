@@ -48,11 +48,13 @@ Status RecordFrontEvent(void* stream, int device, void** event) {
       pool.pop_back();
     }
   }
-  if (e == nullptr) KD_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  if (e == nullptr)
+    KD_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   cudaError_t r = cudaEventRecord(e, static_cast<cudaStream_t>(stream));
   if (r != cudaSuccess) {
     cudaEventDestroy(e);
-    return CudaError(r, "cudaEventRecord(event, framework stream)", __FILE__, __LINE__);
+    return CudaError(r, "cudaEventRecord(event, framework stream)", __FILE__,
+                     __LINE__);
   }
   *event = e;
   return Status::OK();
@@ -72,7 +74,8 @@ Status SyncFrontStream(void* stream, int device) {
 }
 
 [[maybe_unused]] const bool kHooksRegistered = [] {
-  RegisteredDeviceHooks() = {&RecordFrontEvent, &ReleaseFrontEvent, &SyncFrontStream};
+  RegisteredDeviceHooks() = {&RecordFrontEvent, &ReleaseFrontEvent,
+                             &SyncFrontStream};
   return true;
 }();
 

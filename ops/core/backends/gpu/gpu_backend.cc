@@ -7,9 +7,9 @@
 #include <deque>
 #include <thread>
 
+#include "../../transport/mpi_context.h"
 #include "device_backend.h"
 #include "gpu_util.h"
-#include "../../transport/mpi_context.h"
 #include "nccl_communicator.h"
 #include "staged_communicator.h"
 
@@ -19,7 +19,8 @@ namespace {
 
 class GpuBackend : public Backend {
  public:
-  static Status Create(const DeviceBackendOptions& o, std::unique_ptr<Backend>* out) {
+  static Status Create(const DeviceBackendOptions& o,
+                       std::unique_ptr<Backend>* out) {
     std::unique_ptr<GpuBackend> b(new GpuBackend(o));
     // Every rank sets up its device first and they agree on the outcome, so
     // that one rank's bad device fails all ranks instead of hanging them in
@@ -27,13 +28,16 @@ class GpuBackend : public Backend {
     Status local = b->SetUpDevice();
     int ok = local.ok() ? 1 : 0, all_ok = 0;
     int code = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, o.comm);
-    if (code != MPI_SUCCESS) return MpiStatus(code, "MPI_Allreduce (GPU setup)");
+    if (code != MPI_SUCCESS)
+      return MpiStatus(code, "MPI_Allreduce (GPU setup)");
     if (!local.ok()) return local;
     if (!all_ok) {
-      return Status::Internal("another rank could not set up its GPU; see its log.");
+      return Status::Internal(
+          "another rank could not set up its GPU; see its log.");
     }
     if (o.host_staged) {
-      b->staged_ = std::make_unique<HostStagedCommunicator>(o.host, b->stream_, o.rank);
+      b->staged_ =
+          std::make_unique<HostStagedCommunicator>(o.host, b->stream_, o.rank);
       b->comm_ = b->staged_.get();
     } else {
       KD_RETURN_IF_ERROR(NcclCommunicator::Create(o, b->stream_, &b->nccl_));
@@ -56,8 +60,12 @@ class GpuBackend : public Backend {
     if (stream_) cudaStreamDestroy(stream_);
   }
 
-  const char* Name() const override { return o_.host_staged ? "mpi-staged" : "nccl"; }
-  bool Enabled(const CollectiveBatch& b) const override { return b.device >= 0; }
+  const char* Name() const override {
+    return o_.host_staged ? "mpi-staged" : "nccl";
+  }
+  bool Enabled(const CollectiveBatch& b) const override {
+    return b.device >= 0;
+  }
   bool Asynchronous() const override { return true; }
   bool Busy() const override { return !in_flight_.empty(); }
   void Poll(std::vector<Completion>* out) override;
@@ -121,7 +129,8 @@ Status GpuBackend::SetUpDevice() {
     return Status::InvalidArgument(
         "rank " + std::to_string(o_.rank) + ": the tensor is on GPU " +
         std::to_string(o_.device) + " but this process sees " +
-        std::to_string(count) + " GPU(s); pin each rank to one GPU by its "
+        std::to_string(count) +
+        " GPU(s); pin each rank to one GPU by its "
         "local rank.");
   }
   KD_CHECK_CUDA(cudaSetDevice(o_.device));
@@ -143,7 +152,8 @@ Status GpuBackend::Queue(CollectiveBatch& b, uint64_t tag, RunFn run) {
   Status e = events_->Get(&f.done);
   if (e.ok()) {
     cudaError_t c = cudaEventRecord(f.done, stream_);
-    if (c != cudaSuccess) e = CudaError(c, "cudaEventRecord", __FILE__, __LINE__);
+    if (c != cudaSuccess)
+      e = CudaError(c, "cudaEventRecord", __FILE__, __LINE__);
   }
   if (!e.ok()) {
     // Without an event, wait for the stream (only on this failure path);
@@ -159,16 +169,20 @@ Status GpuBackend::Queue(CollectiveBatch& b, uint64_t tag, RunFn run) {
 Status GpuBackend::WaitForInputs(const CollectiveBatch& b) {
   for (const BatchTensor& t : b.tensors) {
     if (b.device != o_.device) {
-      return Status::InvalidArgument(
-          OpTypeName(b.op) + std::string(" '") + (t.name ? *t.name : "") +
-          "' is on GPU " + std::to_string(b.device) + ", but this rank "
-          "already uses GPU " + std::to_string(o_.device) + "; kerasdist "
-          "drives one GPU per process.");
+      return Status::InvalidArgument(OpTypeName(b.op) + std::string(" '") +
+                                     (t.name ? *t.name : "") + "' is on GPU " +
+                                     std::to_string(b.device) +
+                                     ", but this rank "
+                                     "already uses GPU " +
+                                     std::to_string(o_.device) +
+                                     "; kerasdist "
+                                     "drives one GPU per process.");
     }
     // The producer's stream (TF's compute stream) must have written the
     // input before the communication stream reads it.
     if (t.ready_event) {
-      KD_CHECK_CUDA(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(t.ready_event), 0));
+      KD_CHECK_CUDA(cudaStreamWaitEvent(
+          stream_, static_cast<cudaEvent_t>(t.ready_event), 0));
     }
   }
   return Status::OK();
@@ -180,23 +194,27 @@ Status GpuBackend::RunAllreduce(CollectiveBatch& b) {
   const int64_t esize = DataTypeSize(b.dtype);
   if (b.tensors.size() == 1) {
     BatchTensor& t = b.tensors[0];
-    KD_RETURN_IF_ERROR(ScaleCopyAsync(t.output, t.input, t.count, b.dtype, b.prescale, 1, stream_));
-    KD_RETURN_IF_ERROR(comm_->Allreduce(t.output, t.count, b.dtype, b.reduce_op));
-    return ScaleCopyAsync(t.output, t.output, t.count, b.dtype, b.postscale, b.divisor, stream_);
+    KD_RETURN_IF_ERROR(ScaleCopyAsync(t.output, t.input, t.count, b.dtype,
+                                      b.prescale, 1, stream_));
+    KD_RETURN_IF_ERROR(
+        comm_->Allreduce(t.output, t.count, b.dtype, b.reduce_op));
+    return ScaleCopyAsync(t.output, t.output, t.count, b.dtype, b.postscale,
+                          b.divisor, stream_);
   }
   KD_RETURN_IF_ERROR(fusion_->Reserve(b.bytes(), stream_));
   char* buf = static_cast<char*>(fusion_->data());
   int64_t off = 0;
   for (const BatchTensor& t : b.tensors) {
-    KD_RETURN_IF_ERROR(ScaleCopyAsync(buf + off * esize, t.input, t.count, b.dtype,
-                                      b.prescale, 1, stream_));
+    KD_RETURN_IF_ERROR(ScaleCopyAsync(buf + off * esize, t.input, t.count,
+                                      b.dtype, b.prescale, 1, stream_));
     off += t.count;
   }
   KD_RETURN_IF_ERROR(comm_->Allreduce(buf, b.elements(), b.dtype, b.reduce_op));
   off = 0;
   for (BatchTensor& t : b.tensors) {
-    KD_RETURN_IF_ERROR(ScaleCopyAsync(t.output, buf + off * esize, t.count, b.dtype,
-                                      b.postscale, b.divisor, stream_));
+    KD_RETURN_IF_ERROR(ScaleCopyAsync(t.output, buf + off * esize, t.count,
+                                      b.dtype, b.postscale, b.divisor,
+                                      stream_));
     off += t.count;
   }
   return Status::OK();
@@ -208,7 +226,8 @@ Status GpuBackend::RunBroadcast(CollectiveBatch& b) {
   BatchTensor& t = b.tensors[0];
   const int64_t bytes = t.count * DataTypeSize(b.dtype);
   if (o_.rank == b.root_rank && t.output != t.input && bytes > 0) {
-    KD_CHECK_CUDA(cudaMemcpyAsync(t.output, t.input, bytes, cudaMemcpyDeviceToDevice, stream_));
+    KD_CHECK_CUDA(cudaMemcpyAsync(t.output, t.input, bytes,
+                                  cudaMemcpyDeviceToDevice, stream_));
   }
   return comm_->Broadcast(t.output, bytes, b.root_rank);
 }
@@ -228,13 +247,14 @@ Status GpuBackend::RunReducescatter(CollectiveBatch& b) {
   const void* in = t.input;
   if (b.prescale != 1.0) {
     KD_RETURN_IF_ERROR(fusion_->Reserve(b.bytes(), stream_));
-    KD_RETURN_IF_ERROR(ScaleCopyAsync(fusion_->data(), t.input, t.count, b.dtype,
-                                      b.prescale, 1, stream_));
+    KD_RETURN_IF_ERROR(ScaleCopyAsync(fusion_->data(), t.input, t.count,
+                                      b.dtype, b.prescale, 1, stream_));
     in = fusion_->data();
   }
-  KD_RETURN_IF_ERROR(comm_->Reducescatter(in, t.output, b.counts, b.dtype, b.reduce_op));
-  return ScaleCopyAsync(t.output, t.output, b.counts[o_.rank], b.dtype, b.postscale,
-                        b.divisor, stream_);
+  KD_RETURN_IF_ERROR(
+      comm_->Reducescatter(in, t.output, b.counts, b.dtype, b.reduce_op));
+  return ScaleCopyAsync(t.output, t.output, b.counts[o_.rank], b.dtype,
+                        b.postscale, b.divisor, stream_);
 }
 
 void GpuBackend::Poll(std::vector<Completion>* out) {
@@ -242,7 +262,8 @@ void GpuBackend::Poll(std::vector<Completion>* out) {
     InFlight& f = in_flight_.front();
     cudaError_t c = cudaEventQuery(f.done);
     if (c == cudaErrorNotReady) break;
-    if (c != cudaSuccess) f.status = CudaError(c, "cudaEventQuery", __FILE__, __LINE__);
+    if (c != cudaSuccess)
+      f.status = CudaError(c, "cudaEventQuery", __FILE__, __LINE__);
     events_->Put(f.done);
     out->push_back({f.tag, f.status});
     in_flight_.pop_front();

@@ -21,7 +21,8 @@ __global__ void ScaleFloatKernel(T* dst, const T* src, int64_t n, T f) {
   }
 }
 
-// fp16 and bf16 scale in float, like the CPU path, so results match bit for bit.
+// fp16 and bf16 scale in float, like the CPU path, so results match bit for
+// bit.
 template <typename T>
 __global__ void Scale16Kernel(T* dst, const T* src, int64_t n, float f) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -43,7 +44,8 @@ __global__ void ScaleIntKernel(T* dst, const T* src, int64_t n, double f,
 }
 
 int Blocks(int64_t n) {
-  return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+  return static_cast<int>(
+      std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
 }
 
 }  // namespace
@@ -80,17 +82,19 @@ Status ScaleCopyAsync(void* dst, const void* src, int64_t n, DataType dt,
       break;
     case DataType::kFloat64:
       ScaleFloatKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<double*>(dst), static_cast<const double*>(src), n, factor);
+          static_cast<double*>(dst), static_cast<const double*>(src), n,
+          factor);
       break;
     case DataType::kFloat16:
-      Scale16Kernel<<<b, kThreads, 0, stream>>>(
-          static_cast<__half*>(dst), static_cast<const __half*>(src), n,
-          static_cast<float>(factor));
+      Scale16Kernel<<<b, kThreads, 0, stream>>>(static_cast<__half*>(dst),
+                                                static_cast<const __half*>(src),
+                                                n, static_cast<float>(factor));
       break;
     case DataType::kBFloat16:
       Scale16Kernel<<<b, kThreads, 0, stream>>>(
-          static_cast<__nv_bfloat16*>(dst), static_cast<const __nv_bfloat16*>(src),
-          n, static_cast<float>(factor));
+          static_cast<__nv_bfloat16*>(dst),
+          static_cast<const __nv_bfloat16*>(src), n,
+          static_cast<float>(factor));
       break;
     case DataType::kInt32:
       ScaleIntKernel<<<b, kThreads, 0, stream>>>(

@@ -1,7 +1,8 @@
 // CUDA helpers of the GPU data path: the check macro, stream-ordered device
 // buffers, pinned host buffers, an event pool and the scaling kernel.
 // Compiled only with KERASDIST_WITH_NCCL (gpu_util.cc goes through nvcc); only
-// backends/gpu/'s NCCL and CUDA files (Makefile: GPU_SRCS) include CUDA headers.
+// backends/gpu/'s NCCL and CUDA files (Makefile: GPU_SRCS) include CUDA
+// headers.
 #ifndef KERASDIST_CORE_BACKENDS_GPU_GPU_UTIL_H_
 #define KERASDIST_CORE_BACKENDS_GPU_GPU_UTIL_H_
 
@@ -16,14 +17,14 @@
 
 namespace kerasdist::core {
 
-// "CUDA error in core/backends/gpu/x.cc:42: cudaMemcpyAsync(...): invalid argument
-// (CUDA runtime 13.0)".
+// "CUDA error in core/backends/gpu/x.cc:42: cudaMemcpyAsync(...): invalid
+// argument (CUDA runtime 13.0)".
 Status CudaError(cudaError_t e, const char* call, const char* file, int line);
 
-#define KD_CHECK_CUDA(expr)                                                   \
-  do {                                                                        \
-    cudaError_t _kd_e = (expr);                                               \
-    if (_kd_e != cudaSuccess)                                                 \
+#define KD_CHECK_CUDA(expr)                                                  \
+  do {                                                                       \
+    cudaError_t _kd_e = (expr);                                              \
+    if (_kd_e != cudaSuccess)                                                \
       return ::kerasdist::core::CudaError(_kd_e, #expr, __FILE__, __LINE__); \
   } while (0)
 
@@ -31,9 +32,9 @@ Status CudaError(cudaError_t e, const char* call, const char* file, int line);
 std::string CudaRuntimeVersion();
 
 // dst[i] = src[i] * factor on `stream`, with the exact semantics of
-// ScaleCopy (scale.h): integers are first divided by `int_divisor` (truncating),
-// then scaled and rounded to nearest. Without scaling it is a plain D2D copy
-// (or nothing when dst == src). dst may equal src.
+// ScaleCopy (scale.h): integers are first divided by `int_divisor`
+// (truncating), then scaled and rounded to nearest. Without scaling it is a
+// plain D2D copy (or nothing when dst == src). dst may equal src.
 Status ScaleCopyAsync(void* dst, const void* src, int64_t count, DataType dt,
                       double factor, int64_t int_divisor, cudaStream_t stream);
 

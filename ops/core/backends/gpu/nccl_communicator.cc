@@ -26,53 +26,67 @@ Status NcclError(ncclResult_t r, ncclComm_t comm, const char* call,
 
 ncclDataType_t NcclType(DataType dt) {
   switch (dt) {
-    case DataType::kFloat16: return ncclFloat16;
-    case DataType::kBFloat16: return ncclBfloat16;
-    case DataType::kFloat32: return ncclFloat32;
-    case DataType::kFloat64: return ncclFloat64;
-    case DataType::kInt32: return ncclInt32;
-    case DataType::kInt64: return ncclInt64;
+    case DataType::kFloat16:
+      return ncclFloat16;
+    case DataType::kBFloat16:
+      return ncclBfloat16;
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat64:
+      return ncclFloat64;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kInt64:
+      return ncclInt64;
     case DataType::kUInt8:
-    case DataType::kBool: return ncclUint8;
+    case DataType::kBool:
+      return ncclUint8;
   }
   return ncclUint8;
 }
 
 ncclRedOp_t NcclOp(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kMin: return ncclMin;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kProduct: return ncclProd;
-    default: return ncclSum;  // Average arrives here as Sum (see communicator.h)
+    case ReduceOp::kMin:
+      return ncclMin;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kProduct:
+      return ncclProd;
+    default:
+      return ncclSum;  // Average arrives here as Sum (see communicator.h)
   }
 }
 
 // Collective over `o.comm`: rank 0 makes the unique id, MPI_Bcast shares it.
-Status NcclCommunicator::Create(const DeviceBackendOptions& o, cudaStream_t stream,
+Status NcclCommunicator::Create(const DeviceBackendOptions& o,
+                                cudaStream_t stream,
                                 std::unique_ptr<NcclCommunicator>* out) {
-    ncclComm_t comm_ = nullptr;
-    ncclUniqueId id;
-    std::memset(&id, 0, sizeof(id));
-    int ok = 1;
-    Status s;
-    if (o.rank == 0) {
-      ncclResult_t r = ncclGetUniqueId(&id);
-      if (r != ncclSuccess) {
-        s = NcclError(r, nullptr, "ncclGetUniqueId", __FILE__, __LINE__);
-        ok = 0;
-      }
+  ncclComm_t comm_ = nullptr;
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  int ok = 1;
+  Status s;
+  if (o.rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+      s = NcclError(r, nullptr, "ncclGetUniqueId", __FILE__, __LINE__);
+      ok = 0;
     }
-    int code = MPI_Bcast(&ok, 1, MPI_INT, 0, o.comm);
-    if (code == MPI_SUCCESS && ok) {
-      code = MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, o.comm);
-    }
-    if (code != MPI_SUCCESS) return MpiStatus(code, "MPI_Bcast (NCCL id)");
-    if (!ok) {
-      return o.rank == 0 ? s : Status::Internal("rank 0 could not create the NCCL id.");
-    }
-    KD_CHECK_NCCL(ncclCommInitRank(&comm_, o.size, id, o.rank));
-    out->reset(new NcclCommunicator(comm_, stream, o.rank, o.size));
-    return Status::OK();
   }
+  int code = MPI_Bcast(&ok, 1, MPI_INT, 0, o.comm);
+  if (code == MPI_SUCCESS && ok) {
+    code = MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, o.comm);
+  }
+  if (code != MPI_SUCCESS) return MpiStatus(code, "MPI_Bcast (NCCL id)");
+  if (!ok) {
+    return o.rank == 0
+               ? s
+               : Status::Internal("rank 0 could not create the NCCL id.");
+  }
+  KD_CHECK_NCCL(ncclCommInitRank(&comm_, o.size, id, o.rank));
+  out->reset(new NcclCommunicator(comm_, stream, o.rank, o.size));
+  return Status::OK();
+}
 
 }  // namespace kerasdist::core

@@ -18,18 +18,19 @@ namespace kerasdist::core {
 
 // "2.x.y": the NCCL this process runs with.
 std::string NcclVersion();
-// "NCCL error in core/backends/gpu/x.cc:42: ncclAllReduce(...): ... (NCCL 2.x.y)".
+// "NCCL error in core/backends/gpu/x.cc:42: ncclAllReduce(...): ...
+// (NCCL 2.x.y)".
 Status NcclError(ncclResult_t r, ncclComm_t comm, const char* call,
                  const char* file, int line);
 
 // Inside NcclCommunicator methods `comm_` names the communicator for
 // ncclGetLastError; elsewhere pass nullptr through a local named comm_.
-#define KD_CHECK_NCCL(expr)                                                 \
-  do {                                                                      \
-    ncclResult_t _kd_r = (expr);                                            \
-    if (_kd_r != ncclSuccess)                                               \
-      return ::kerasdist::core::NcclError(_kd_r, comm_, #expr, __FILE__,    \
-                                          __LINE__);                        \
+#define KD_CHECK_NCCL(expr)                                              \
+  do {                                                                   \
+    ncclResult_t _kd_r = (expr);                                         \
+    if (_kd_r != ncclSuccess)                                            \
+      return ::kerasdist::core::NcclError(_kd_r, comm_, #expr, __FILE__, \
+                                          __LINE__);                     \
   } while (0)
 
 ncclDataType_t NcclType(DataType dt);
@@ -59,10 +60,11 @@ class NcclCommunicator : public Communicator {
   }
   std::string Name() const override { return "NCCL " + NcclVersion(); }
 
-  Status Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) override {
+  Status Allreduce(void* buf, int64_t count, DataType dt,
+                   ReduceOp op) override {
     if (count == 0) return Status::OK();
-    KD_CHECK_NCCL(ncclAllReduce(buf, buf, count, NcclType(dt), NcclOp(op), comm_,
-                                stream_));
+    KD_CHECK_NCCL(ncclAllReduce(buf, buf, count, NcclType(dt), NcclOp(op),
+                                comm_, stream_));
     return Status::OK();
   }
 
@@ -72,16 +74,17 @@ class NcclCommunicator : public Communicator {
                     const std::vector<int64_t>& bytes) override {
     if (nccl_detail::AllEqual(bytes)) {
       if (bytes[0] == 0) return Status::OK();
-      KD_CHECK_NCCL(ncclAllGather(in, out, bytes[0], ncclUint8, comm_, stream_));
+      KD_CHECK_NCCL(
+          ncclAllGather(in, out, bytes[0], ncclUint8, comm_, stream_));
       return Status::OK();
     }
     KD_CHECK_NCCL(ncclGroupStart());
     int64_t off = 0;
     for (int r = 0; r < size_; ++r) {
       if (bytes[r] > 0) {
-        ncclResult_t res = ncclBroadcast(r == rank_ ? in : nccl_detail::At(out, off),
-                                         nccl_detail::At(out, off), bytes[r], ncclUint8, r,
-                                         comm_, stream_);
+        ncclResult_t res = ncclBroadcast(
+            r == rank_ ? in : nccl_detail::At(out, off),
+            nccl_detail::At(out, off), bytes[r], ncclUint8, r, comm_, stream_);
         if (res != ncclSuccess) {
           ncclGroupEnd();
           return NcclError(res, comm_, "ncclBroadcast", __FILE__, __LINE__);
@@ -95,7 +98,8 @@ class NcclCommunicator : public Communicator {
 
   Status Broadcast(void* buf, int64_t bytes, int root) override {
     if (bytes == 0) return Status::OK();
-    KD_CHECK_NCCL(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
+    KD_CHECK_NCCL(
+        ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
     return Status::OK();
   }
 
@@ -106,17 +110,21 @@ class NcclCommunicator : public Communicator {
     ncclResult_t res = ncclSuccess;
     for (int r = 0; r < size_ && res == ncclSuccess; ++r) {
       if (send_bytes[r] > 0) {
-        res = ncclSend(nccl_detail::At(in, soff), send_bytes[r], ncclUint8, r, comm_, stream_);
+        res = ncclSend(nccl_detail::At(in, soff), send_bytes[r], ncclUint8, r,
+                       comm_, stream_);
       }
       if (res == ncclSuccess && recv_bytes[r] > 0) {
-        res = ncclRecv(nccl_detail::At(out, roff), recv_bytes[r], ncclUint8, r, comm_, stream_);
+        res = ncclRecv(nccl_detail::At(out, roff), recv_bytes[r], ncclUint8, r,
+                       comm_, stream_);
       }
       soff += send_bytes[r];
       roff += recv_bytes[r];
     }
     ncclResult_t end = ncclGroupEnd();
-    if (res != ncclSuccess) return NcclError(res, comm_, "ncclSend/ncclRecv", __FILE__, __LINE__);
-    if (end != ncclSuccess) return NcclError(end, comm_, "ncclGroupEnd", __FILE__, __LINE__);
+    if (res != ncclSuccess)
+      return NcclError(res, comm_, "ncclSend/ncclRecv", __FILE__, __LINE__);
+    if (end != ncclSuccess)
+      return NcclError(end, comm_, "ncclGroupEnd", __FILE__, __LINE__);
     return Status::OK();
   }
 
@@ -136,19 +144,22 @@ class NcclCommunicator : public Communicator {
     ncclResult_t res = ncclSuccess;
     for (int r = 0; r < size_ && res == ncclSuccess; ++r) {
       if (counts[r] > 0) {
-        res = ncclReduce(nccl_detail::At(in, off * esize), out, counts[r], NcclType(dt),
-                         NcclOp(op), r, comm_, stream_);
+        res = ncclReduce(nccl_detail::At(in, off * esize), out, counts[r],
+                         NcclType(dt), NcclOp(op), r, comm_, stream_);
       }
       off += counts[r];
     }
     ncclResult_t end = ncclGroupEnd();
-    if (res != ncclSuccess) return NcclError(res, comm_, "ncclReduce", __FILE__, __LINE__);
-    if (end != ncclSuccess) return NcclError(end, comm_, "ncclGroupEnd", __FILE__, __LINE__);
+    if (res != ncclSuccess)
+      return NcclError(res, comm_, "ncclReduce", __FILE__, __LINE__);
+    if (end != ncclSuccess)
+      return NcclError(end, comm_, "ncclGroupEnd", __FILE__, __LINE__);
     return Status::OK();
   }
 
   Status Barrier() override {
-    return Status::Internal("a device barrier is not offered; barriers run on MPI.");
+    return Status::Internal(
+        "a device barrier is not offered; barriers run on MPI.");
   }
 
   // Makes NCCL kernels that wait for a dead peer return, so that the stream
@@ -163,7 +174,8 @@ class NcclCommunicator : public Communicator {
     ncclResult_t async = ncclSuccess;
     KD_CHECK_NCCL(ncclCommGetAsyncError(comm_, &async));
     if (async != ncclSuccess && async != ncclInProgress) {
-      return NcclError(async, comm_, "ncclCommGetAsyncError", __FILE__, __LINE__);
+      return NcclError(async, comm_, "ncclCommGetAsyncError", __FILE__,
+                       __LINE__);
     }
     return Status::OK();
   }

@@ -20,9 +20,12 @@ class HostStagedCommunicator : public Communicator {
  public:
   HostStagedCommunicator(Communicator* host, cudaStream_t stream, int rank)
       : host_(host), stream_(stream), rank_(rank) {}
-  std::string Name() const override { return "MPI (host-staged) over " + host_->Name(); }
+  std::string Name() const override {
+    return "MPI (host-staged) over " + host_->Name();
+  }
 
-  Status Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) override {
+  Status Allreduce(void* buf, int64_t count, DataType dt,
+                   ReduceOp op) override {
     const int64_t bytes = count * DataTypeSize(dt);
     KD_RETURN_IF_ERROR(Stage(&in_, bytes));
     KD_RETURN_IF_ERROR(ToHost(in_.data(), buf, bytes));
@@ -56,7 +59,8 @@ class HostStagedCommunicator : public Communicator {
     KD_RETURN_IF_ERROR(Stage(&in_, sent));
     KD_RETURN_IF_ERROR(Stage(&out_, received));
     KD_RETURN_IF_ERROR(ToHost(in_.data(), in, sent));
-    KD_RETURN_IF_ERROR(host_->Alltoallv(in_.data(), send_bytes, out_.data(), recv_bytes));
+    KD_RETURN_IF_ERROR(
+        host_->Alltoallv(in_.data(), send_bytes, out_.data(), recv_bytes));
     return ToDevice(out, out_.data(), received);
   }
 
@@ -69,7 +73,8 @@ class HostStagedCommunicator : public Communicator {
     KD_RETURN_IF_ERROR(Stage(&in_, total * esize));
     KD_RETURN_IF_ERROR(Stage(&out_, counts[rank_] * esize));
     KD_RETURN_IF_ERROR(ToHost(in_.data(), in, total * esize));
-    KD_RETURN_IF_ERROR(host_->Reducescatter(in_.data(), out_.data(), counts, dt, op));
+    KD_RETURN_IF_ERROR(
+        host_->Reducescatter(in_.data(), out_.data(), counts, dt, op));
     return ToDevice(out, out_.data(), counts[rank_] * esize);
   }
 
@@ -83,14 +88,16 @@ class HostStagedCommunicator : public Communicator {
   }
   Status ToHost(void* dst, const void* src, int64_t bytes) {
     if (bytes == 0) return Status::OK();
-    KD_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    KD_CHECK_CUDA(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     KD_CHECK_CUDA(cudaStreamSynchronize(stream_));
     return Status::OK();
   }
   // Asynchronous: the pinned buffer is reused only after Stage() has waited.
   Status ToDevice(void* dst, const void* src, int64_t bytes) {
     if (bytes == 0) return Status::OK();
-    KD_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    KD_CHECK_CUDA(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     return Status::OK();
   }
 
