@@ -23,6 +23,7 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
+from kerasdist.jax import _dispatch
 from kerasdist.jax._dispatch import call, program_trace
 
 
@@ -30,6 +31,7 @@ FRAMEWORK = "jax"
 
 require_init = _host.require_init
 check_op = _host.check_op
+auto_name = _dispatch.auto_name  # trace-time names inside jax.jit
 no_grad = contextlib.nullcontext
 
 
