@@ -7,6 +7,7 @@ import pytest
 
 from tests.support.helpers import (REPO_ROOT, launch, rank_lines,
                                    worker_cmd, worker_env)
+from tests.support.worker_checks import WorkerChecks, add_job_tests
 
 pytestmark = pytest.mark.parallel
 
@@ -18,20 +19,28 @@ def _assert_all_ranks(out, np_, line):
             f"rank {r} did not print {line!r}:\n{out.stdout[-4000:]}")
 
 
-@pytest.mark.parametrize("np_, path", [
-    (1, "default"), (2, "default"), (3, "default"), (4, "default"),
-    (2, "cma"), (3, "cma"), (2, "shm"), (3, "shm"), (2, "mpi"), (3, "mixed"),
-    (3, "cma-mixed"), (2, "cma-choice")])
-def test_collectives_match_numpy(np_, path):
-    # "cma" has every allreduce read the other ranks' tensors in place, "shm"
-    # sends every one through shared-memory slots (the two-rank direct sum
-    # and the reduce-scatter of three ranks), "mpi" none; "mixed" has shared
-    # memory off on one rank only, so all must agree on MPI, "cma-mixed" the
-    # in-place reads, so all must agree on the slots.
-    out = launch(np_, worker_cmd("core_collectives_worker.py", path),
-                 timeout=180, env=worker_env())
-    _assert_all_ranks(out, np_, "OK all")
-    _assert_all_ranks(out, np_, f"OK path {path}")
+def _core_groups(np_, path):
+    if path == "cma-choice":
+        return ("choice",)
+    return (("collectives",) + (("ranks",) if np_ > 1 else ())
+            + (("pieces",) if path in ("shm", "cma") and np_ > 1 else ()))
+
+
+# One test per check of core_collectives_worker.py and job, e.g.
+# test_collectives_np2_shm[allreduce_path]; one launch per job. "cma" has
+# every allreduce read the other ranks' tensors in place, "shm" sends every
+# one through shared-memory slots (the two-rank direct sum and the
+# reduce-scatter of three ranks), "mpi" none; "mixed" has shared memory off
+# on one rank only, so all must agree on MPI, "cma-mixed" the in-place
+# reads, so all must agree on the slots.
+add_job_tests(globals(), {
+    f"test_collectives_np{np_}_{path.replace('-', '_')}": WorkerChecks(
+        "core_collectives_worker.py", np=np_, args=(path,),
+        groups=_core_groups(np_, path), timeout=180)
+    for np_, path in [
+        (1, "default"), (2, "default"), (3, "default"), (4, "default"),
+        (2, "cma"), (3, "cma"), (2, "shm"), (3, "shm"), (2, "mpi"),
+        (3, "mixed"), (3, "cma-mixed"), (2, "cma-choice")]})
 
 
 def _small_dev_shm_prefix():
@@ -71,13 +80,14 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
     assert "OK 48 MiB (in place)" in out.stdout, out.stdout[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)  # its launch may take 300 s
-@pytest.mark.parametrize("np_", [2, 3])
-def test_tf_ops_eager_function_gradients_out_of_order(np_):
-    out = launch(np_, worker_cmd("tf_ops_worker.py"), timeout=300,
-                 env=worker_env())
-    _assert_all_ranks(out, np_, "OK all")
+# The TF ops eagerly, in tf.function, under GradientTape and out of order:
+# test_tf_ops_np2[allgather], ..., one launch per size.
+add_job_tests(globals(), {
+    f"test_tf_ops_np{np_}": WorkerChecks("tf_ops_worker.py", np=np_,
+                                         timeout=300)
+    for np_ in (2, 3)},
+    # its launch may take 300 s
+    marks=(pytest.mark.slow, pytest.mark.timeout(400)))
 
 
 def test_init_errors_shutdown_is_initialized_current_settings():

@@ -1,39 +1,39 @@
 """The JAX and PyTorch front ends on real ranks: every collective against
 numpy (eagerly and inside jax.jit), and gradients against their analytic
-values; and that neither front end imports TensorFlow."""
+values; and that neither front end imports TensorFlow.
 
-import os
+One test per check of tests/workers/frontend_collectives_worker.py and job
+(front end, mode, ranks), e.g. `test_jax_jit_np2[allgather]`; the checks of
+one job run in one launch (tests/support/worker_checks.py).
+"""
+
 import subprocess
 import sys
 
 import pytest
 
-from tests.support.helpers import (REPO_ROOT, WORKERS, launch, launcher_env,
-                                   rank_lines, worker_env)
+from tests.support.helpers import REPO_ROOT, launcher_env
+from tests.support.worker_checks import WorkerChecks, add_job_tests
 
-pytestmark = [pytest.mark.parallel, pytest.mark.slow]
+# 600 s a test: the first test of a job launches it (up to 400 s).
+pytestmark = [pytest.mark.parallel, pytest.mark.slow,
+              pytest.mark.timeout(600)]
+
+WORKER = "frontend_collectives_worker.py"
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3])
-@pytest.mark.parametrize("front, mode", [("jax", "eager"), ("jax", "jit"),
-                                         ("torch", "eager")])
-def test_collectives_match_numpy(front, mode, np_):
-    pytest.importorskip(front)
-    out = launch(np_, [sys.executable,
-                       os.path.join(WORKERS, "frontend_collectives_worker.py"),
-                       front, mode], timeout=400, env=worker_env())
-    assert out.returncode == 0, out.stdout[-4000:]
-    for r in range(np_):
-        lines = rank_lines(out.stdout, r)
-        assert any(l.startswith("OK gradients") for l in lines), (
-            f"rank {r}:\n{out.stdout[-4000:]}")
-        assert any(l.startswith("OK all ") and l.endswith(f"({front} {mode})")
-                   for l in lines), f"rank {r}:\n{out.stdout[-4000:]}"
-        if front == "jax" and mode == "jit":
-            assert "OK jit program x3" in lines, out.stdout[-4000:]
-            if np_ > 1:
-                assert "OK shape mismatch in jit reaches every rank" in lines, (
-                    out.stdout[-4000:])
+def _groups(front, mode, np_):
+    jit = front == "jax" and mode == "jit"
+    return (("collectives",) + (("jit",) if jit else ())
+            + (("jit_ranks",) if jit and np_ > 1 else ()))
+
+
+add_job_tests(globals(), {
+    f"test_{front}_{mode}_np{np_}": WorkerChecks(
+        WORKER, np=np_, args=(front, mode),
+        groups=_groups(front, mode, np_), timeout=400, requires=(front,))
+    for front, mode in (("jax", "eager"), ("jax", "jit"), ("torch", "eager"))
+    for np_ in (1, 2, 3)})
 
 
 @pytest.mark.parametrize("front", ["jax", "torch"])

@@ -15,6 +15,15 @@ read from the worker's source at collection (no TensorFlow import). The
 module-scoped fixture launches the worker once, with `--only` every check
 of its tests that the session selected, and each test asserts its own
 check's result on every rank.
+
+Many jobs of one worker (sizes, modes), one test function each::
+
+    add_job_tests(globals(), {
+        f"test_jax_{mode}_np{np_}": WorkerChecks(
+            "frontend_collectives_worker.py", np=np_, args=("jax", mode))
+        for mode in ("eager", "jit") for np_ in (1, 2)})
+
+gives tests `test_jax_eager_np2[allreduce]`, ..., one launch per job.
 """
 
 import json
@@ -135,3 +144,31 @@ class Job:
         """The lines rank `rank` printed, prefix stripped."""
         from tests.support.helpers import rank_lines
         return rank_lines(self.out.stdout, rank, stream)
+
+
+def add_job_tests(namespace, jobs, marks=()):
+    """For each `test_name: WorkerChecks` in `jobs`, adds to `namespace` (a
+    test module's globals()) a module-scoped fixture that launches that job
+    once and a test `test_name`, parametrised over the job's checks, that
+    asserts its check passed on every rank; `marks` (pytest marks) apply
+    to those tests."""
+    for test_name, job in jobs.items():
+        if not test_name.startswith("test_"):
+            raise ValueError(f"{test_name!r}: test names start with test_")
+        fixture = f"{test_name[len('test_'):]}_job"
+        namespace[fixture] = job.fixture(fixture)
+        test = _job_test(job, fixture, test_name)
+        for mark in marks:
+            test = mark(test)
+        namespace[test_name] = test
+
+
+def _job_test(job, fixture, test_name):
+    # usefixtures puts the fixture in the tests' fixturenames, which is how
+    # the fixture finds the checks the session selected.
+    @pytest.mark.usefixtures(fixture)
+    @job.parametrize
+    def test(check, request):
+        request.getfixturevalue(fixture).assert_passed(check)
+    test.__name__ = test.__qualname__ = test_name
+    return test

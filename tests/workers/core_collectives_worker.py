@@ -14,6 +14,16 @@ checks only how the in-place reads are chosen: a fused batch of small
 tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on average) goes through the
 slots, one of larger tensors is read in place.
 
+Named checks (tests/support/checks.py): group "collectives", one or more
+per collective (allreduce, allreduce_product, grouped_allreduce, allgather,
+broadcast, alltoall, reducescatter, barrier, ...) and last allreduce_path,
+the check of the path taken; group "ranks" (-np 2 or more: in-place
+allreduces); group "pieces" (shm and cma at -np 2 or more: tensors bigger
+than a shared slot); group "choice" (cma-choice only). Default: collectives
+and ranks. A failed check raises, which fails the rank and the job.
+
+    core_collectives_worker.py MODE [--only CHECK,...] [--group G]
+
 Inputs are small integers (rank * stride + i patterns), so results are exact in
 every dtype, float16 and bfloat16 included.
 """
@@ -26,12 +36,15 @@ import threading
 import numpy as np
 
 import kerasdist as kd
+from tests.support import checks
+from tests.support.checks import check
 from tests.support.collectives import (BF16, allgather, allreduce,
                                        alltoall, barrier, broadcast,
                                        reducescatter, start_allreduce)
 
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
-MODE = sys.argv[1] if len(sys.argv) > 1 else "default"
+MODE = (sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--")
+        else "default")
 _rank = int(os.environ.get("PMI_RANK", "0"))
 if MODE in ("cma", "hosts"):
     kd.init(fusion_threshold=THRESHOLD, shm_allreduce_min_bytes=1,
@@ -52,45 +65,12 @@ elif MODE == "mixed":
 else:
     kd.init(fusion_threshold=THRESHOLD)
 r, n = kd.rank(), kd.size()
-checks = 0
-
-if MODE == "cma-choice":
-    from kerasdist._core import capi as _capi
-
-    lib = _capi.lib()
-    # (tensors, float32 elements each, read in place?): 64 x 1 KiB averages
-    # below the 4 KiB default, 8 x 16 KiB above it; both fit one batch.
-    for count, elems, in_place in ((64, 256, False), (8, 4096, True)):
-        before = (_capi.backend_runs("shm"), _capi.backend_runs("cma"))
-        started = [start_allreduce(np.arange(elems, dtype=np.float32) + r + i,
-                                   f"choice.{count}.{i}", op=kd.Sum,
-                                   group=f"choice.{count}", group_size=count)
-                   for i in range(count)]
-        for i, (h, _, out) in enumerate(started):
-            h.wait(timeout=120)
-            want = np.arange(elems, dtype=np.float32) * n + n * i + n * (n - 1) / 2
-            if not np.array_equal(out, want):
-                print(f"FAIL choice {count} x {elems}: wrong sum", flush=True)
-                sys.exit(1)
-        # A batch runs on one backend: the single-node ones are shm and cma.
-        slots = _capi.backend_runs("shm") - before[0]
-        cma = _capi.backend_runs("cma") - before[1]
-        shm = slots + cma
-        if shm != 1 or cma != (1 if in_place else 0):
-            print(f"FAIL choice {count} x {elems * 4} B: {shm} single-node "
-                  f"batches, {cma} in place (want 1, {int(in_place)})", flush=True)
-            sys.exit(1)
-        print(f"OK choice {count} x {elems * 4} B "
-              f"({'in place' if in_place else 'slots'})", flush=True)
-    print(f"OK all choice checks on rank {r} of {n}", flush=True)
-    print("OK path cma-choice", flush=True)
-    kd.shutdown()
-    sys.exit(0)
 
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
 REDUCIBLE = FLOATS + [np.int32, np.int64]
 ALL = REDUCIBLE + [np.uint8, np.bool_]
 SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]  # the last is > threshold for every dtype
+_done = set()  # the allreduce checks that ran in this job (allreduce_path)
 
 
 def values(size, rank, dtype, stride=3):
@@ -98,69 +78,131 @@ def values(size, rank, dtype, stride=3):
     return base.astype(dtype)
 
 
-def ok(what):
-    global checks
-    checks += 1
-
-
 def expect(got, want, what):
     got = np.asarray(got)
     want = np.asarray(want)
     if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(
             got.astype(np.float64), want.astype(np.float64)):
-        print(f"FAIL {what}: got {got.dtype}{got.shape} {got.ravel()[:8]}, "
-              f"want {want.dtype}{want.shape} {want.ravel()[:8]}", flush=True)
-        sys.exit(1)
-    ok(what)
+        raise AssertionError(
+            f"{what}: got {got.dtype}{got.shape} {got.ravel()[:8]}, "
+            f"want {want.dtype}{want.shape} {want.ravel()[:8]}")
+
+
+# -- cma-choice only: how the in-place reads are chosen ------------------------
+checks.group("choice", default=False)
+
+
+# (tensors, float32 elements each, read in place?): 64 x 1 KiB averages
+# below the 4 KiB default, 8 x 16 KiB above it; both fit one batch.
+@check("cma_choice_slots", count=64, elems=256, in_place=False)
+@check("cma_choice_in_place", count=8, elems=4096, in_place=True)
+def cma_choice(count, elems, in_place):
+    from kerasdist._core import capi as _capi
+
+    before = (_capi.backend_runs("shm"), _capi.backend_runs("cma"))
+    started = [start_allreduce(np.arange(elems, dtype=np.float32) + r + i,
+                               f"choice.{count}.{i}", op=kd.Sum,
+                               group=f"choice.{count}", group_size=count)
+               for i in range(count)]
+    for i, (h, _, out) in enumerate(started):
+        h.wait(timeout=120)
+        want = np.arange(elems, dtype=np.float32) * n + n * i + n * (n - 1) / 2
+        if not np.array_equal(out, want):
+            raise AssertionError(f"choice {count} x {elems}: wrong sum")
+    # A batch runs on one backend: the single-node ones are shm and cma.
+    slots = _capi.backend_runs("shm") - before[0]
+    cma = _capi.backend_runs("cma") - before[1]
+    shm = slots + cma
+    if shm != 1 or cma != (1 if in_place else 0):
+        raise AssertionError(
+            f"choice {count} x {elems * 4} B: {shm} single-node batches, "
+            f"{cma} in place (want 1, {int(in_place)})")
 
 
 # -- allreduce: every op, dtype and size -----------------------------------
-for dt in REDUCIBLE:
-    dname = np.dtype(dt).name
-    for size in SIZES:
-        per_rank = [values(size, k, dt) for k in range(n)]
-        stack = np.stack([p.astype(np.float64) for p in per_rank])
-        x = per_rank[r]
-        expect(allreduce(x, f"sum.{dname}.{size}", op=kd.Sum),
-               stack.sum(0).astype(dt), f"sum {dname} {size}")
-        expect(allreduce(x, f"min.{dname}.{size}", op=kd.Min),
-               stack.min(0).astype(dt), f"min {dname} {size}")
-        expect(allreduce(x, f"max.{dname}.{size}", op=kd.Max),
-               stack.max(0).astype(dt), f"max {dname} {size}")
-        small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt) for k in range(n)]
-        expect(allreduce(small[r], f"prod.{dname}.{size}", op=kd.Product),
-               np.prod(np.stack([s.astype(np.float64) for s in small]), 0).astype(dt),
-               f"product {dname} {size}")
-        avg = allreduce(x, f"avg.{dname}.{size}", op=kd.Average)
-        if np.issubdtype(np.dtype(dt), np.integer):
-            want = np.trunc(stack.sum(0) / n).astype(dt)  # C division
-        else:
-            want = (stack.sum(0) * (1.0 / n)).astype(dt)
-            # float16/bfloat16 round 1/n: compare in float with a tolerance
-            if np.dtype(dt).itemsize == 2:
-                got = avg.astype(np.float64)
-                if not np.allclose(got, stack.sum(0) / n, rtol=1e-2, atol=1e-2):
-                    print(f"FAIL average {dname} {size}", flush=True)
-                    sys.exit(1)
-                ok("avg16")
-                continue
-        if np.dtype(dt) == np.float32 or np.dtype(dt) == np.float64:
-            if not np.allclose(avg, stack.sum(0) / n, rtol=1e-6):
-                print(f"FAIL average {dname} {size}: {avg[:5]}", flush=True)
-                sys.exit(1)
-            ok("avg")
-        else:
-            expect(avg, want, f"average {dname} {size}")
+checks.group("collectives")
+
+
+@check("allreduce")
+def check_allreduce():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            per_rank = [values(size, k, dt) for k in range(n)]
+            stack = np.stack([p.astype(np.float64) for p in per_rank])
+            x = per_rank[r]
+            expect(allreduce(x, f"sum.{dname}.{size}", op=kd.Sum),
+                   stack.sum(0).astype(dt), f"sum {dname} {size}")
+            expect(allreduce(x, f"min.{dname}.{size}", op=kd.Min),
+                   stack.min(0).astype(dt), f"min {dname} {size}")
+            expect(allreduce(x, f"max.{dname}.{size}", op=kd.Max),
+                   stack.max(0).astype(dt), f"max {dname} {size}")
+    _done.add("allreduce")
+
+
+@check("allreduce_product")
+def check_allreduce_product():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt)
+                     for k in range(n)]
+            expect(allreduce(small[r], f"prod.{dname}.{size}", op=kd.Product),
+                   np.prod(np.stack([s.astype(np.float64) for s in small]),
+                           0).astype(dt),
+                   f"product {dname} {size}")
+
+
+@check("allreduce_average")
+def check_allreduce_average():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            per_rank = [values(size, k, dt) for k in range(n)]
+            stack = np.stack([p.astype(np.float64) for p in per_rank])
+            x = per_rank[r]
+            avg = allreduce(x, f"avg.{dname}.{size}", op=kd.Average)
+            if np.issubdtype(np.dtype(dt), np.integer):
+                want = np.trunc(stack.sum(0) / n).astype(dt)  # C division
+            else:
+                want = (stack.sum(0) * (1.0 / n)).astype(dt)
+                # float16/bfloat16 round 1/n: compare in float with a
+                # tolerance
+                if np.dtype(dt).itemsize == 2:
+                    got = avg.astype(np.float64)
+                    if not np.allclose(got, stack.sum(0) / n, rtol=1e-2,
+                                       atol=1e-2):
+                        raise AssertionError(f"average {dname} {size}")
+                    continue
+            if np.dtype(dt) == np.float32 or np.dtype(dt) == np.float64:
+                if not np.allclose(avg, stack.sum(0) / n, rtol=1e-6):
+                    raise AssertionError(
+                        f"average {dname} {size}: {avg[:5]}")
+            else:
+                expect(avg, want, f"average {dname} {size}")
+
+
 # scalar and scale factors (exact in float64)
-expect(allreduce(np.float64(r + 1), "scalar", op=kd.Sum),
-       np.float64(n * (n + 1) / 2), "scalar sum")
-x = values(11, r, np.float64)
-stack = np.stack([values(11, k, np.float64) for k in range(n)])
-expect(allreduce(x, "scaled", op=kd.Sum, prescale=2.0, postscale=0.5),
-       stack.sum(0), "pre/post scale")
-expect(allreduce(x, "scaled.avg", op=kd.Average, prescale=4.0, postscale=0.25),
-       stack.sum(0) / n, "average with factors")
-if MODE in ("shm", "cma") and n > 1:
+@check("allreduce_scale_factors_and_scalar")
+def check_allreduce_scale_factors_and_scalar():
+    expect(allreduce(np.float64(r + 1), "scalar", op=kd.Sum),
+           np.float64(n * (n + 1) / 2), "scalar sum")
+    x = values(11, r, np.float64)
+    stack = np.stack([values(11, k, np.float64) for k in range(n)])
+    expect(allreduce(x, "scaled", op=kd.Sum, prescale=2.0, postscale=0.5),
+           stack.sum(0), "pre/post scale")
+    expect(allreduce(x, "scaled.avg", op=kd.Average, prescale=4.0,
+                     postscale=0.25),
+           stack.sum(0) / n, "average with factors")
+    _done.add("allreduce_scale_factors_and_scalar")
+
+
+# -- shm and cma at -np 2 or more: bigger than one shared slot ----------------
+checks.group("pieces", default=False)
+
+
+@check("allreduce_in_pieces")
+def check_allreduce_in_pieces():
     # Bigger than one 64 MiB shared slot: the slots reduce it in pieces (the
     # last one short), the in-place path whole. Sum and Average.
     big = np.arange((16 << 20) + 3, dtype=np.float32) % 1000 + r
@@ -168,11 +210,16 @@ if MODE in ("shm", "cma") and n > 1:
     expect(allreduce(big, "sum.pieces", op=kd.Sum), want, "sum in pieces")
     avg = allreduce(big, "avg.pieces", op=kd.Average)
     if not np.allclose(avg, want / n, rtol=1e-6):
-        print("FAIL average in pieces", flush=True)
-        sys.exit(1)
-    ok("avg pieces")
+        raise AssertionError("average in pieces")
     del big, want, avg
-if n > 1:
+
+
+# -- -np 2 or more: in place ---------------------------------------------------
+checks.group("ranks")
+
+
+@check("allreduce_in_place")
+def check_allreduce_in_place():
     # In place (output == input), fused and not: another rank may still be
     # reading this rank's input while this rank writes its result.
     from kerasdist._core import capi as _c
@@ -190,138 +237,177 @@ if n > 1:
         want = np.stack([values(b.size, k, np.float32)
                          for k in range(n)]).sum(0)
         expect(b, want, f"in-place sum {i}")
-print("OK allreduce", flush=True)
+
 
 # -- fused: many tensors in flight at once, enqueued in a random order -------
-rng = random.Random(1234 + r)  # a different order on every rank
-names = list(range(60))
-rng.shuffle(names)
-started = []
-for i in names:
-    size = [0, 1, 5, 300, 1100][i % 5]
-    dt = [np.float32, np.float64, np.int32][i % 3]
-    started.append((i, size, dt, start_allreduce(values(size, r, dt, stride=i + 1),
-                                                 f"fused.{i}", op=kd.Sum)))
-for i, size, dt, (h, _, out) in started:
-    h.wait(timeout=120)
-    want = np.stack([values(size, k, dt, stride=i + 1).astype(np.float64)
-                     for k in range(n)]).sum(0).astype(dt)
-    expect(out, want, f"fused {i}")
-# a group is reduced together
-group = [start_allreduce(values(9 + i, r, np.float32), f"grp.{i}", op=kd.Sum,
-                         group="grp", group_size=4) for i in range(4)]
-for i, (h, _, out) in enumerate(group):
-    h.wait(timeout=120)
-    expect(out, np.stack([values(9 + i, k, np.float32) for k in range(n)]).sum(0),
-           f"group {i}")
-# threads enqueueing concurrently
-results = {}
+checks.group("collectives")
 
 
-def worker(t):
-    results[t] = allreduce(values(33, r, np.float64, stride=t + 2), f"thread.{t}",
-                           op=kd.Sum)
+@check("allreduce_fused_in_random_order")
+def check_allreduce_fused_in_random_order():
+    rng = random.Random(1234 + r)  # a different order on every rank
+    names = list(range(60))
+    rng.shuffle(names)
+    started = []
+    for i in names:
+        size = [0, 1, 5, 300, 1100][i % 5]
+        dt = [np.float32, np.float64, np.int32][i % 3]
+        started.append((i, size, dt, start_allreduce(
+            values(size, r, dt, stride=i + 1), f"fused.{i}", op=kd.Sum)))
+    for i, size, dt, (h, _, out) in started:
+        h.wait(timeout=120)
+        want = np.stack([values(size, k, dt, stride=i + 1).astype(np.float64)
+                         for k in range(n)]).sum(0).astype(dt)
+        expect(out, want, f"fused {i}")
 
 
-threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-for t in threads:
-    t.start()
-for t in threads:
-    t.join()
-for t in range(8):
-    expect(results[t], np.stack([values(33, k, np.float64, stride=t + 2)
-                                 for k in range(n)]).sum(0), f"thread {t}")
-print("OK fusion", flush=True)
+@check("grouped_allreduce")
+def check_grouped_allreduce():
+    # a group is reduced together
+    group = [start_allreduce(values(9 + i, r, np.float32), f"grp.{i}",
+                             op=kd.Sum, group="grp", group_size=4)
+             for i in range(4)]
+    for i, (h, _, out) in enumerate(group):
+        h.wait(timeout=120)
+        expect(out, np.stack([values(9 + i, k, np.float32)
+                              for k in range(n)]).sum(0),
+               f"group {i}")
+
+
+@check("allreduce_from_threads")
+def check_allreduce_from_threads():
+    # threads enqueueing concurrently
+    results = {}
+
+    def worker(t):
+        results[t] = allreduce(values(33, r, np.float64, stride=t + 2),
+                               f"thread.{t}", op=kd.Sum)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t in range(8):
+        expect(results[t], np.stack([values(33, k, np.float64, stride=t + 2)
+                                     for k in range(n)]).sum(0),
+               f"thread {t}")
+
 
 # -- allgather: first dimension differs per rank -------------------------------
-for dt in ALL:
-    dname = np.dtype(dt).name
-    for rows in (0, 1, 3):
-        mine = values((rows + r) * 2, r, dt).reshape(rows + r, 2)
-        want = np.concatenate([values((rows + k) * 2, k, dt).reshape(rows + k, 2)
-                               for k in range(n)])
-        expect(allgather(mine, f"gather.{dname}.{rows}"), want,
-               f"allgather {dname} {rows}")
-big = values(THRESHOLD + 3, r, np.float32).reshape(-1, 1)
-expect(allgather(big, "gather.big"),
-       np.concatenate([values(THRESHOLD + 3, k, np.float32).reshape(-1, 1)
-                       for k in range(n)]), "allgather big")
-print("OK allgather", flush=True)
+@check("allgather")
+def check_allgather():
+    for dt in ALL:
+        dname = np.dtype(dt).name
+        for rows in (0, 1, 3):
+            mine = values((rows + r) * 2, r, dt).reshape(rows + r, 2)
+            want = np.concatenate([values((rows + k) * 2, k, dt).reshape(
+                rows + k, 2) for k in range(n)])
+            expect(allgather(mine, f"gather.{dname}.{rows}"), want,
+                   f"allgather {dname} {rows}")
+    big = values(THRESHOLD + 3, r, np.float32).reshape(-1, 1)
+    expect(allgather(big, "gather.big"),
+           np.concatenate([values(THRESHOLD + 3, k, np.float32).reshape(-1, 1)
+                           for k in range(n)]), "allgather big")
+
 
 # -- broadcast: every root, every dtype ---------------------------------------
-for dt in ALL:
-    dname = np.dtype(dt).name
-    for root in range(n):
-        for size in SIZES:
-            got = broadcast(values(size, r, dt), root, f"bcast.{dname}.{root}.{size}")
-            expect(got, values(size, root, dt), f"broadcast {dname} root {root}")
-expect(broadcast(np.int64(r), n - 1, "bcast.scalar"), np.int64(n - 1),
-       "broadcast scalar")
-print("OK broadcast", flush=True)
+@check("broadcast")
+def check_broadcast():
+    for dt in ALL:
+        dname = np.dtype(dt).name
+        for root in range(n):
+            for size in SIZES:
+                got = broadcast(values(size, r, dt), root,
+                                f"bcast.{dname}.{root}.{size}")
+                expect(got, values(size, root, dt),
+                       f"broadcast {dname} root {root}")
+    expect(broadcast(np.int64(r), n - 1, "bcast.scalar"), np.int64(n - 1),
+           "broadcast scalar")
+
 
 # -- alltoall: even and explicit splits -----------------------------------------
-for dt in (np.float32, np.int64, np.float16, np.bool_):
-    dname = np.dtype(dt).name
-    mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
-    got, splits = alltoall(mine, f"a2a.even.{dname}", size=n)
-    want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[2 * r:2 * r + 2]
-                           for k in range(n)])
-    expect(got, want, f"alltoall even {dname}")
-    assert splits == [2] * n, splits
+@check("alltoall")
+def check_alltoall():
+    for dt in (np.float32, np.int64, np.float16, np.bool_):
+        dname = np.dtype(dt).name
+        mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
+        got, splits = alltoall(mine, f"a2a.even.{dname}", size=n)
+        want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[
+            2 * r:2 * r + 2] for k in range(n)])
+        expect(got, want, f"alltoall even {dname}")
+        assert splits == [2] * n, splits
 
+    def splits_of(k):  # rank k sends (k + d) % 3 rows to rank d
+        return [(k + d) % 3 for d in range(n)]
 
-def splits_of(k):  # rank k sends (k + d) % 3 rows to rank d
-    return [(k + d) % 3 for d in range(n)]
+    def rows_of(k):
+        return values(sum(splits_of(k)) * 2, k, np.float64).reshape(-1, 2)
 
+    got, recv = alltoall(rows_of(r), "a2a.splits", splits=splits_of(r),
+                         size=n)
+    parts = []
+    for k in range(n):
+        off = sum(splits_of(k)[:r])
+        parts.append(rows_of(k)[off:off + splits_of(k)[r]])
+    expect(got, np.concatenate(parts), "alltoall splits")
+    assert recv == [splits_of(k)[r] for k in range(n)], recv
 
-def rows_of(k):
-    return values(sum(splits_of(k)) * 2, k, np.float64).reshape(-1, 2)
-
-
-got, recv = alltoall(rows_of(r), "a2a.splits", splits=splits_of(r), size=n)
-parts = []
-for k in range(n):
-    off = sum(splits_of(k)[:r])
-    parts.append(rows_of(k)[off:off + splits_of(k)[r]])
-expect(got, np.concatenate(parts), "alltoall splits")
-assert recv == [splits_of(k)[r] for k in range(n)], recv
-print("OK alltoall", flush=True)
 
 # -- reducescatter: rows not divisible by size ---------------------------------
-for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
-    dname = np.dtype(dt).name
-    for rows in (n, 2 * n + 1, 1):
-        per = [values(rows * 3, k, dt).reshape(rows, 3) for k in range(n)]
-        total = np.stack([p.astype(np.float64) for p in per]).sum(0)
-        counts = [rows // n + (k < rows % n) for k in range(n)]
-        start = sum(counts[:r])
-        got = reducescatter(per[r], f"rs.{dname}.{rows}", op=kd.Sum)
-        expect(got, total[start:start + counts[r]].astype(dt),
-               f"reducescatter {dname} {rows}")
-print("OK reducescatter", flush=True)
+@check("reducescatter")
+def check_reducescatter():
+    for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
+        dname = np.dtype(dt).name
+        for rows in (n, 2 * n + 1, 1):
+            per = [values(rows * 3, k, dt).reshape(rows, 3)
+                   for k in range(n)]
+            total = np.stack([p.astype(np.float64) for p in per]).sum(0)
+            counts = [rows // n + (k < rows % n) for k in range(n)]
+            start = sum(counts[:r])
+            got = reducescatter(per[r], f"rs.{dname}.{rows}", op=kd.Sum)
+            expect(got, total[start:start + counts[r]].astype(dt),
+                   f"reducescatter {dname} {rows}")
 
-for i in range(3):
-    barrier(f"barrier.{i}")
-print("OK barrier", flush=True)
 
-from kerasdist._core import capi as _capi  # noqa: E402
+@check("barrier")
+def check_barrier():
+    for i in range(3):
+        barrier(f"barrier.{i}")
 
-slots_used = _capi.backend_runs("shm")
-cma_used = _capi.backend_runs("cma")
-shm_used = slots_used + cma_used
-# (single-node path used, in-place reads used, slots used); None: either.
-expected = {"default": (n > 1, None, None), "cma": (n > 1, n > 1, n > 1),
-            "shm": (n > 1, False, n > 1), "mpi": (False, False, False),
-            "mixed": (False, False, False),
-            "cma-mixed": (n > 1, False, n > 1),
-            "hosts": (n > 1 and kd.local_size() == n, None, None)}[MODE]
-for what, used, want in zip(("single-node", "in-place", "slot"),
-                            (shm_used, cma_used, slots_used), expected):
-    if want is not None and (used > 0) != want:
-        print(f"FAIL mode {MODE} at np={n}: {used} {what} allreduces "
-              f"({shm_used} single-node, {cma_used} in place)", flush=True)
-        sys.exit(1)
-print(f"OK path {MODE}: {shm_used} single-node allreduces, {cma_used} of them "
-      "in place", flush=True)
-print(f"OK all {checks} checks on rank {r} of {n}", flush=True)
-kd.shutdown()
+
+# -- last: the path this job's allreduces took -----------------------------------
+@check("allreduce_path")
+def check_allreduce_path():
+    """The single-node paths the job's allreduces used against MODE's. Needs
+    the allreduces of allreduce and allreduce_scale_factors_and_scalar (the
+    slots in "cma" take those with a prescale factor): it runs those two
+    first when the job did not select them."""
+    from kerasdist._core import capi as _capi
+
+    if "allreduce" not in _done:
+        check_allreduce()
+    if "allreduce_scale_factors_and_scalar" not in _done:
+        check_allreduce_scale_factors_and_scalar()
+    slots_used = _capi.backend_runs("shm")
+    cma_used = _capi.backend_runs("cma")
+    shm_used = slots_used + cma_used
+    # (single-node path used, in-place reads used, slots used); None: either.
+    expected = {"default": (n > 1, None, None), "cma": (n > 1, n > 1, n > 1),
+                "shm": (n > 1, False, n > 1), "mpi": (False, False, False),
+                "mixed": (False, False, False),
+                "cma-mixed": (n > 1, False, n > 1),
+                "hosts": (n > 1 and kd.local_size() == n, None, None)}[MODE]
+    for what, used, want in zip(("single-node", "in-place", "slot"),
+                                (shm_used, cma_used, slots_used), expected):
+        if want is not None and (used > 0) != want:
+            raise AssertionError(
+                f"mode {MODE} at np={n}: {used} {what} allreduces "
+                f"({shm_used} single-node, {cma_used} in place)")
+    print(f"OK path {MODE}: {shm_used} single-node allreduces, {cma_used} of "
+          "them in place", flush=True)
+
+
+if __name__ == "__main__":
+    checks.main(rank=r)
+    kd.shutdown()

@@ -2,8 +2,16 @@
 root and scale factor, then gradients against their analytic values. Runs at
 any -np.
 
-    frontend_collectives_worker.py jax eager|jit
-    frontend_collectives_worker.py torch
+    frontend_collectives_worker.py jax eager|jit [--only CHECK,...] [--group G]
+    frontend_collectives_worker.py torch [--only CHECK,...]
+
+Named checks (tests/support/checks.py), one per collective (allreduce,
+allreduce_product, grouped_allreduce, allgather, ...), then gradients, in
+group "collectives"; group "jit" (jax jit only) adds the jitted program and
+the trace-time names, group "jit_ranks" (jax jit at -np 2 or more) the
+errors a mismatch between ranks must raise in jit. Default: collectives
+only (`--group collectives,jit,jit_ranks` for all of a jax jit job).
+A failed check raises, which fails the rank and the job.
 
 "jit" runs every collective inside `jax.jit` with trace-time names (there
 allgather gets the same rows on every rank and alltoall an even split, as
@@ -15,33 +23,32 @@ import sys
 
 import numpy as np
 
+from tests.support import checks
+from tests.support.checks import check
 from tests.support.collectives import BF16
 
-FRONT = sys.argv[1]
-MODE = sys.argv[2] if len(sys.argv) > 2 else "eager"
+_ARGS = [a for a in sys.argv[1:3] if not a.startswith("--")]
+FRONT = _ARGS[0] if _ARGS else None
+MODE = _ARGS[1] if len(_ARGS) > 1 else "eager"
 THRESHOLD = 4096  # bytes: small, so the last size below is fused in pieces
 SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]
 FLOATS = [np.float16, BF16, np.float32, np.float64]
 REDUCIBLE = FLOATS + [np.int32, np.int64]
 ALL = REDUCIBLE + [np.uint8, np.bool_]
-checks = 0
 
 
 def fail(what, got=None, want=None):
-    print(f"FAIL {FRONT} {MODE} {what}: got {got!r}, want {want!r}",
-          flush=True)
-    sys.exit(1)
+    raise AssertionError(f"{FRONT} {MODE} {what}: got {got!r}, "
+                         f"want {want!r}")
 
 
 def expect(got, want, what, tol=0.0):
-    global checks
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape or got.dtype != want.dtype:
         fail(what, f"{got.dtype}{got.shape}", f"{want.dtype}{want.shape}")
     if not np.allclose(got.astype(np.float64), want.astype(np.float64),
                        rtol=tol, atol=tol):
         fail(what, got.ravel()[:8], want.ravel()[:8])
-    checks += 1
 
 
 def values(size, rank, dtype, stride=3):
@@ -102,146 +109,193 @@ def named(base):
     return None if JIT else base
 
 
-# ---- allreduce: every op, dtype and size -------------------------------------
+checks.group("collectives")
 OPS = {"sum": (kd.Sum, np.sum), "min": (kd.Min, np.min),
        "max": (kd.Max, np.max)}
-for dt in REDUCIBLE:
-    dname = np.dtype(dt).name
-    for size in SIZES:
-        per_rank = [values(size, k, dt) for k in range(n)]
-        stack = np.stack([p.astype(np.float64) for p in per_rank])
-        x = to_fw(per_rank[r])
-        for key, (op, reduce) in OPS.items():
-            got = run(lambda t, op=op, key=key: kd.allreduce(
-                t, op=op, name=named(f"{key}.{dname}.{size}")), x)
-            expect(to_np(got), reduce(stack, 0).astype(dt),
-                   f"allreduce {key} {dname} {size}")
-        small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt)
-                 for k in range(n)]
-        got = run(lambda t: kd.allreduce(t, op=kd.Product,
-                                         name=named(f"prod.{dname}.{size}")),
-                  to_fw(small[r]))
-        expect(to_np(got), np.prod(np.stack(small).astype(np.float64),
-                                   0).astype(dt),
-               f"allreduce product {dname} {size}")
-        got = to_np(run(lambda t: kd.allreduce(
-            t, name=named(f"avg.{dname}.{size}")), x))
-        if np.issubdtype(np.dtype(dt), np.integer):
-            expect(got, np.trunc(stack.sum(0) / n).astype(dt),
-                   f"allreduce average {dname} {size}")
-        else:
-            # 1/n is rounded to the dtype; 16-bit floats keep ~3 digits.
-            tol = 1e-2 if np.dtype(dt).itemsize == 2 else 1e-6
-            expect(got, (stack.sum(0) / n).astype(dt),
-                   f"allreduce average {dname} {size}", tol)
-x = values(11, r, np.float64)
-stack = np.stack([values(11, k, np.float64) for k in range(n)])
-expect(to_np(run(lambda t: kd.allreduce(t, op=kd.Sum, name=named("scaled"),
-                                        prescale_factor=2.0,
-                                        postscale_factor=0.5), to_fw(x))),
-       stack.sum(0), "allreduce pre/post scale")
-expect(to_np(run(lambda t: kd.allreduce(t, name=named("scaled.avg"),
-                                        prescale_factor=4.0,
-                                        postscale_factor=0.25), to_fw(x))),
-       stack.sum(0) / n, "allreduce average with factors", 1e-12)
-expect(to_np(run(lambda t: kd.allreduce(t, op=kd.Sum, name=named("scalar")),
-                 to_fw(np.float64(r + 1)))),
-       np.float64(n * (n + 1) / 2), "allreduce scalar")
-# A group: one call, members fused (mixed dtypes go in separate batches).
-group = [values(9 + i, r, dt) for i, dt in
-         enumerate([np.float32, np.float32, np.int32, np.float64])]
-got = run(lambda *ts: kd.grouped_allreduce(list(ts), op=kd.Sum,
-                                           name=named("grp")),
-          *[to_fw(g) for g in group])
-for i, (g, dt) in enumerate(zip(got, [np.float32, np.float32, np.int32,
-                                       np.float64])):
-    expect(to_np(g), np.stack([values(9 + i, k, dt) for k in range(n)]).sum(
-        0).astype(dt), f"grouped allreduce {i}")
-print("OK allreduce", flush=True)
+
+
+# ---- allreduce: every op, dtype and size -------------------------------------
+@check("allreduce")
+def allreduce():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            per_rank = [values(size, k, dt) for k in range(n)]
+            stack = np.stack([p.astype(np.float64) for p in per_rank])
+            x = to_fw(per_rank[r])
+            for key, (op, reduce) in OPS.items():
+                got = run(lambda t, op=op, key=key: kd.allreduce(
+                    t, op=op, name=named(f"{key}.{dname}.{size}")), x)
+                expect(to_np(got), reduce(stack, 0).astype(dt),
+                       f"allreduce {key} {dname} {size}")
+
+
+@check("allreduce_product")
+def allreduce_product():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt)
+                     for k in range(n)]
+            got = run(lambda t: kd.allreduce(
+                t, op=kd.Product, name=named(f"prod.{dname}.{size}")),
+                to_fw(small[r]))
+            expect(to_np(got), np.prod(np.stack(small).astype(np.float64),
+                                       0).astype(dt),
+                   f"allreduce product {dname} {size}")
+
+
+@check("allreduce_average")
+def allreduce_average():
+    for dt in REDUCIBLE:
+        dname = np.dtype(dt).name
+        for size in SIZES:
+            per_rank = [values(size, k, dt) for k in range(n)]
+            stack = np.stack([p.astype(np.float64) for p in per_rank])
+            x = to_fw(per_rank[r])
+            got = to_np(run(lambda t: kd.allreduce(
+                t, name=named(f"avg.{dname}.{size}")), x))
+            if np.issubdtype(np.dtype(dt), np.integer):
+                expect(got, np.trunc(stack.sum(0) / n).astype(dt),
+                       f"allreduce average {dname} {size}")
+            else:
+                # 1/n is rounded to the dtype; 16-bit floats keep ~3 digits.
+                tol = 1e-2 if np.dtype(dt).itemsize == 2 else 1e-6
+                expect(got, (stack.sum(0) / n).astype(dt),
+                       f"allreduce average {dname} {size}", tol)
+
+
+@check("allreduce_scale_factors_and_scalar")
+def allreduce_scale_factors_and_scalar():
+    x = values(11, r, np.float64)
+    stack = np.stack([values(11, k, np.float64) for k in range(n)])
+    expect(to_np(run(lambda t: kd.allreduce(
+        t, op=kd.Sum, name=named("scaled"), prescale_factor=2.0,
+        postscale_factor=0.5), to_fw(x))),
+        stack.sum(0), "allreduce pre/post scale")
+    expect(to_np(run(lambda t: kd.allreduce(t, name=named("scaled.avg"),
+                                            prescale_factor=4.0,
+                                            postscale_factor=0.25),
+                     to_fw(x))),
+           stack.sum(0) / n, "allreduce average with factors", 1e-12)
+    expect(to_np(run(lambda t: kd.allreduce(t, op=kd.Sum,
+                                            name=named("scalar")),
+                     to_fw(np.float64(r + 1)))),
+           np.float64(n * (n + 1) / 2), "allreduce scalar")
+
+
+@check("grouped_allreduce")
+def grouped_allreduce():
+    # One call, members fused (mixed dtypes go in separate batches).
+    group = [values(9 + i, r, dt) for i, dt in
+             enumerate([np.float32, np.float32, np.int32, np.float64])]
+    got = run(lambda *ts: kd.grouped_allreduce(list(ts), op=kd.Sum,
+                                               name=named("grp")),
+              *[to_fw(g) for g in group])
+    for i, (g, dt) in enumerate(zip(got, [np.float32, np.float32, np.int32,
+                                           np.float64])):
+        expect(to_np(g), np.stack([values(9 + i, k, dt)
+                                   for k in range(n)]).sum(0).astype(dt),
+               f"grouped allreduce {i}")
+
 
 # ---- allgather: rows differ per rank eagerly, equal inside jit ---------------
-for dt in ALL:
-    dname = np.dtype(dt).name
-    for rows in (0, 1, 3):
-        mine_rows = rows if JIT else rows + r
-        def rows_of(k):
-            return rows if JIT else rows + k
-        mine = values(mine_rows * 2, r, dt).reshape(mine_rows, 2)
-        want = np.concatenate([values(rows_of(k) * 2, k, dt).reshape(
-            rows_of(k), 2) for k in range(n)])
-        got = run(lambda t: kd.allgather(t, name=named(f"g.{dname}.{rows}")),
-                  to_fw(mine))
-        expect(to_np(got), want, f"allgather {dname} {rows}")
-print("OK allgather", flush=True)
+@check("allgather")
+def allgather():
+    for dt in ALL:
+        dname = np.dtype(dt).name
+        for rows in (0, 1, 3):
+            mine_rows = rows if JIT else rows + r
+
+            def rows_of(k):
+                return rows if JIT else rows + k
+            mine = values(mine_rows * 2, r, dt).reshape(mine_rows, 2)
+            want = np.concatenate([values(rows_of(k) * 2, k, dt).reshape(
+                rows_of(k), 2) for k in range(n)])
+            got = run(lambda t: kd.allgather(
+                t, name=named(f"g.{dname}.{rows}")), to_fw(mine))
+            expect(to_np(got), want, f"allgather {dname} {rows}")
+
 
 # ---- broadcast: every root, every dtype --------------------------------------
-for dt in ALL:
-    dname = np.dtype(dt).name
-    for root in range(n):
-        for size in (0, 1, 7):
-            got = run(lambda t, root=root: kd.broadcast(
-                t, root, name=named(f"b.{dname}.{root}.{size}")),
-                to_fw(values(size, r, dt)))
-            expect(to_np(got), values(size, root, dt),
-                   f"broadcast {dname} root {root} size {size}")
-print("OK broadcast", flush=True)
+@check("broadcast")
+def broadcast():
+    for dt in ALL:
+        dname = np.dtype(dt).name
+        for root in range(n):
+            for size in (0, 1, 7):
+                got = run(lambda t, root=root: kd.broadcast(
+                    t, root, name=named(f"b.{dname}.{root}.{size}")),
+                    to_fw(values(size, r, dt)))
+                expect(to_np(got), values(size, root, dt),
+                       f"broadcast {dname} root {root} size {size}")
+
 
 # ---- alltoall: even split, and explicit splits eagerly -----------------------
-for dt in (np.float32, np.int64, np.float16, np.bool_, BF16):
-    dname = np.dtype(dt).name
-    mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
-    got, splits = run(lambda t: kd.alltoall(t, name=named(f"a.{dname}")),
-                      to_fw(mine))
-    want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[
-        2 * r:2 * r + 2] for k in range(n)])
-    expect(to_np(got), want, f"alltoall even {dname}")
-    expect(np.asarray(to_np(splits), np.int64), np.full(n, 2, np.int64),
-           f"alltoall even splits {dname}")
-if not JIT:
-    def splits_of(k):  # rank k sends (k + d) % 3 rows to rank d
-        return [(k + d) % 3 for d in range(n)]
+@check("alltoall")
+def alltoall():
+    for dt in (np.float32, np.int64, np.float16, np.bool_, BF16):
+        dname = np.dtype(dt).name
+        mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
+        got, splits = run(lambda t: kd.alltoall(t, name=named(f"a.{dname}")),
+                          to_fw(mine))
+        want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[
+            2 * r:2 * r + 2] for k in range(n)])
+        expect(to_np(got), want, f"alltoall even {dname}")
+        expect(np.asarray(to_np(splits), np.int64), np.full(n, 2, np.int64),
+               f"alltoall even splits {dname}")
+    if not JIT:
+        def splits_of(k):  # rank k sends (k + d) % 3 rows to rank d
+            return [(k + d) % 3 for d in range(n)]
 
-    def a2a_rows(k):
-        return values(sum(splits_of(k)) * 2, k, np.float64).reshape(-1, 2)
+        def a2a_rows(k):
+            return values(sum(splits_of(k)) * 2, k,
+                          np.float64).reshape(-1, 2)
 
-    got, recv = kd.alltoall(to_fw(a2a_rows(r)), splits=splits_of(r),
-                            name="a.splits")
-    parts = [a2a_rows(k)[sum(splits_of(k)[:r]):][:splits_of(k)[r]]
-             for k in range(n)]
-    expect(to_np(got), np.concatenate(parts), "alltoall splits")
-    expect(np.asarray(to_np(recv), np.int64),
-           np.array([splits_of(k)[r] for k in range(n)], np.int64),
-           "alltoall received splits")
-print("OK alltoall", flush=True)
+        got, recv = kd.alltoall(to_fw(a2a_rows(r)), splits=splits_of(r),
+                                name="a.splits")
+        parts = [a2a_rows(k)[sum(splits_of(k)[:r]):][:splits_of(k)[r]]
+                 for k in range(n)]
+        expect(to_np(got), np.concatenate(parts), "alltoall splits")
+        expect(np.asarray(to_np(recv), np.int64),
+               np.array([splits_of(k)[r] for k in range(n)], np.int64),
+               "alltoall received splits")
+
 
 # ---- reducescatter: rows not divisible by size, factors ----------------------
-for dt in (np.float32, np.float64, np.int32, np.int64, np.float16, BF16):
-    dname = np.dtype(dt).name
-    for rows in (n, 2 * n + 1, 1):
-        per = [values(rows * 3, k, dt).reshape(rows, 3) for k in range(n)]
-        total = np.stack([p.astype(np.float64) for p in per]).sum(0)
-        counts = [rows // n + (k < rows % n) for k in range(n)]
-        start = sum(counts[:r])
-        got = run(lambda t: kd.reducescatter(
-            t, op=kd.Sum, name=named(f"rs.{dname}.{rows}")), to_fw(per[r]))
-        expect(to_np(got), total[start:start + counts[r]].astype(dt),
-               f"reducescatter {dname} {rows}")
-per = [values(4 * n, k, np.float64).reshape(2 * n, 2) for k in range(n)]
-total = np.stack(per).sum(0)
-got = run(lambda t: kd.reducescatter(t, name=named("rs.avg"),
-                                     prescale_factor=3.0,
-                                     postscale_factor=0.5), to_fw(per[r]))
-expect(to_np(got), total[2 * r:2 * r + 2] * 1.5 / n,
-       "reducescatter average with factors", 1e-12)
-print("OK reducescatter", flush=True)
+@check("reducescatter")
+def reducescatter():
+    for dt in (np.float32, np.float64, np.int32, np.int64, np.float16, BF16):
+        dname = np.dtype(dt).name
+        for rows in (n, 2 * n + 1, 1):
+            per = [values(rows * 3, k, dt).reshape(rows, 3)
+                   for k in range(n)]
+            total = np.stack([p.astype(np.float64) for p in per]).sum(0)
+            counts = [rows // n + (k < rows % n) for k in range(n)]
+            start = sum(counts[:r])
+            got = run(lambda t: kd.reducescatter(
+                t, op=kd.Sum, name=named(f"rs.{dname}.{rows}")),
+                to_fw(per[r]))
+            expect(to_np(got), total[start:start + counts[r]].astype(dt),
+                   f"reducescatter {dname} {rows}")
+    per = [values(4 * n, k, np.float64).reshape(2 * n, 2) for k in range(n)]
+    total = np.stack(per).sum(0)
+    got = run(lambda t: kd.reducescatter(t, name=named("rs.avg"),
+                                         prescale_factor=3.0,
+                                         postscale_factor=0.5),
+              to_fw(per[r]))
+    expect(to_np(got), total[2 * r:2 * r + 2] * 1.5 / n,
+           "reducescatter average with factors", 1e-12)
 
-for i in range(3):
-    kd.barrier(name=named(f"barrier.{i}"))
-print("OK barrier", flush=True)
+
+@check("barrier")
+def barrier():
+    for i in range(3):
+        kd.barrier(name=named(f"barrier.{i}"))
 
 
 # ---- gradients against their analytic values ---------------------------------
-def grads_jax():
+def grads_jax(vals):
     """Each loss's gradient on rank r, from jax.grad (eager or jitted)."""
     def grad(loss, x):
         g = jax.grad(loss)
@@ -268,7 +322,7 @@ def grads_jax():
     }
 
 
-def grads_torch():
+def grads_torch(vals):
     def grad(loss, x):
         x = torch.tensor(x, requires_grad=True)
         loss(x).backward()
@@ -295,31 +349,37 @@ def grads_torch():
     }
 
 
-vals = np.arange(5, dtype=np.float64) + 10 * r
-g = grads_jax() if FRONT == "jax" else grads_torch()
-# allreduce: every rank's loss holds x_r^2 once, and the gradient allreduce
-# sums (Sum) or averages (Average, with the same factors) the ones.
-expect(g["sum"], n * 2 * vals, "grad allreduce sum")
-expect(g["avg"], 2 * 2 * vals, "grad allreduce average x2", 1e-12)
-expect(g["group"], n * (1 + 2 * 2 * vals), "grad grouped allreduce")
-# allgather: every rank's loss holds this rank's slice squared.
-expect(g["gather"], n * 2 * (r + 1) ** 2 * vals, "grad allgather")
-expect(g["bcast"], np.full(5, 3.0 * n if r == n - 1 else 0.0),
-       "grad broadcast")
-# reducescatter (Average): rank k's rows weigh (k + 1) / n in every input.
-expect(g["rs"], np.repeat(np.arange(1, n + 1) / n, 2).reshape(n, 2),
-       "grad reducescatter", 1e-12)
-# alltoall: the rows this rank sent to rank k weigh (k + 1).
-expect(g["a2a"], np.repeat(np.arange(1, n + 1.0), 2).reshape(n, 2),
-       "grad alltoall")
-print("OK gradients", flush=True)
+@check("gradients")
+def gradients():
+    vals = np.arange(5, dtype=np.float64) + 10 * r
+    g = grads_jax(vals) if FRONT == "jax" else grads_torch(vals)
+    # allreduce: every rank's loss holds x_r^2 once, and the gradient
+    # allreduce sums (Sum) or averages (Average, with the same factors) the
+    # ones.
+    expect(g["sum"], n * 2 * vals, "grad allreduce sum")
+    expect(g["avg"], 2 * 2 * vals, "grad allreduce average x2", 1e-12)
+    expect(g["group"], n * (1 + 2 * 2 * vals), "grad grouped allreduce")
+    # allgather: every rank's loss holds this rank's slice squared.
+    expect(g["gather"], n * 2 * (r + 1) ** 2 * vals, "grad allgather")
+    expect(g["bcast"], np.full(5, 3.0 * n if r == n - 1 else 0.0),
+           "grad broadcast")
+    # reducescatter (Average): rank k's rows weigh (k + 1) / n in every
+    # input.
+    expect(g["rs"], np.repeat(np.arange(1, n + 1) / n, 2).reshape(n, 2),
+           "grad reducescatter", 1e-12)
+    # alltoall: the rows this rank sent to rank k weigh (k + 1).
+    expect(g["a2a"], np.repeat(np.arange(1, n + 1.0), 2).reshape(n, 2),
+           "grad alltoall")
 
 
-def jax_program():
+# ---- jax.jit only: one program, trace-time names, errors between ranks -------
+checks.group("jit", default=False)
+
+
+@check("jit_program")
+def jit_program():
     """Many collectives in one jitted program, named at trace time: XLA may
-    run them in any order and the core matches them by name. Then a shape
-    only a trace-time guess could get wrong must fail on every rank, not
-    hang."""
+    run them in any order and the core matches them by name."""
     @jax.jit
     def step(x):
         outs = [kd.allreduce(x[:i + 1] * (i + 1), op=kd.Sum)
@@ -341,8 +401,10 @@ def jax_program():
                "program allgather")
         expect(outs[26], np.max(xs, 0), "program grouped max")
         expect(outs[27], np.max(xs, 0)[:3], "program grouped max 2")
-    print("OK jit program x3", flush=True)
 
+
+@check("jit_trace_time_names")
+def jit_trace_time_names():
     # Trace-time names: numbered per trace and prefixed with the function,
     # so every trace (and every rank) lowers the same names.
     def two(x):
@@ -354,40 +416,48 @@ def jax_program():
         names = re.findall(r'name = "([^"]+)"', text)
         if names != ["allreduce.two.0", "allreduce.two.1", "broadcast.two.0"]:
             fail("trace-time names", names)
-    if n > 1:
+
+
+# ---- jax.jit at -np 2 or more: a shape only a trace-time guess could get
+# wrong must fail on every rank, not hang ---------------------------------------
+checks.group("jit_ranks", default=False)
+
+
+@check("jit_uneven_allgather_fails_clearly")
+def jit_uneven_allgather_fails_clearly():
+    try:
+        # rank 0 sends 1 row, the others 2: no rank's guess (size()
+        # times its own rows) matches the 2n - 1 rows that arrive.
+        jax.jit(lambda t: kd.allgather(t))(jnp.ones([1 + (r > 0), 2]))
+        np.asarray(0)
+    except Exception as e:  # XLA re-raises the handler's error
+        if "same first dimension on every rank" not in str(e):
+            fail("uneven allgather in jit", str(e)[:300])
+    else:
+        fail("uneven allgather in jit", "no error", "an error")
+
+
+@check("jit_shape_mismatch_reaches_every_rank")
+def jit_shape_mismatch_reaches_every_rank():
+    # Another rank's shape reaches the caller as the core's mismatch
+    # message, alone and for a group's member; the runtime goes on.
+    last = r == n - 1
+    for what, fn in (
+            ("allreduce", lambda t: kd.allreduce(t, name="jit.shape")),
+            ("grouped", lambda t: kd.grouped_allreduce(
+                [t, t], name="jit.group"))):
         try:
-            # rank 0 sends 1 row, the others 2: no rank's guess (size()
-            # times its own rows) matches the 2n - 1 rows that arrive.
-            jax.jit(lambda t: kd.allgather(t))(jnp.ones([1 + (r > 0), 2]))
-            np.asarray(0)
-        except Exception as e:  # XLA re-raises the handler's error
-            if "same first dimension on every rank" not in str(e):
-                fail("uneven allgather in jit", str(e)[:300])
+            out = jax.jit(fn)(jnp.ones(2 + last))
+            np.asarray(out if what == "allreduce" else out[1])
+        except Exception as e:
+            if "Mismatched shape" not in str(e) or "[2]" not in str(e):
+                fail(f"{what} shape mismatch in jit", str(e)[:300])
         else:
-            fail("uneven allgather in jit", "no error", "an error")
-        print("OK uneven allgather in jit fails clearly", flush=True)
-        # Another rank's shape reaches the caller as the core's mismatch
-        # message, alone and for a group's member; the runtime goes on.
-        last = r == n - 1
-        for what, fn in (
-                ("allreduce", lambda t: kd.allreduce(t, name="jit.shape")),
-                ("grouped", lambda t: kd.grouped_allreduce(
-                    [t, t], name="jit.group"))):
-            try:
-                out = jax.jit(fn)(jnp.ones(2 + last))
-                np.asarray(out if what == "allreduce" else out[1])
-            except Exception as e:
-                if "Mismatched shape" not in str(e) or "[2]" not in str(e):
-                    fail(f"{what} shape mismatch in jit", str(e)[:300])
-            else:
-                fail(f"{what} shape mismatch in jit", "no error", "an error")
-        expect(jax.jit(lambda t: kd.allreduce(t, op=kd.Sum))(jnp.ones(3)),
-               np.full(3, float(n)), "allreduce after a mismatch in jit")
-        print("OK shape mismatch in jit reaches every rank", flush=True)
+            fail(f"{what} shape mismatch in jit", "no error", "an error")
+    expect(jax.jit(lambda t: kd.allreduce(t, op=kd.Sum))(jnp.ones(3)),
+           np.full(3, float(n)), "allreduce after a mismatch in jit")
 
 
-if FRONT == "jax" and JIT:
-    jax_program()
-print(f"OK all {checks} checks on rank {r} of {n} ({FRONT} {MODE})",
-      flush=True)
-kd.shutdown()
+if __name__ == "__main__":
+    checks.main(rank=r)
+    kd.shutdown()

@@ -1,14 +1,22 @@
 """The TF front end: every op eagerly, inside tf.function and under
 tf.GradientTape, checked against numpy; and the case that breaks plain MPI —
 many independent collectives in one tf.function whose ranks enqueue them in
-different orders (random per-rank delays)."""
+different orders (random per-rank delays).
 
-import sys
+    tf_ops_worker.py [--only CHECK,...]
+
+Named checks (tests/support/checks.py): one per collective eagerly
+(allreduce, grouped_allreduce, allgather, broadcast, alltoall,
+reducescatter, barrier, broadcast_variables, allreduce_indexed_slices),
+then tf_function, gradients and out_of_order. A failed check raises, which
+fails the rank and the job."""
 
 import numpy as np
 import tensorflow as tf
 
 import kerasdist as kd
+from tests.support import checks
+from tests.support.checks import check
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -16,12 +24,11 @@ kd.init()
 r, n = kd.rank(), kd.size()
 
 
-def check(got, want, what, tol=0.0):
+def expect(got, want, what, tol=0.0):
     got = np.asarray(got)
     want = np.asarray(want)
     if got.shape != want.shape or not np.allclose(got, want, rtol=tol, atol=tol):
-        print(f"FAIL {what}: got {got!r}, want {want!r}", flush=True)
-        sys.exit(1)
+        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
 
 
 def vals(k, size=5):
@@ -30,78 +37,120 @@ def vals(k, size=5):
 
 stack = np.stack([vals(k) for k in range(n)])
 
+
 # eager
-check(kd.allreduce(vals(r), op=kd.Sum, name="e.sum"), stack.sum(0), "eager sum")
-check(kd.allreduce(vals(r), name="e.avg"), stack.mean(0), "eager average", 1e-12)
-check(kd.allreduce(tf.constant(vals(r), tf.float16), op=kd.Max, name="e.max"),
-      stack.max(0), "eager max fp16")
-got = kd.grouped_allreduce([vals(r), vals(r)[:2], tf.constant([r], tf.int32)],
-                           op=kd.Sum, name="e.group")
-check(got[0], stack.sum(0), "grouped 0")
-check(got[2], [n * (n - 1) // 2], "grouped int")
-check(kd.allgather(np.full([r + 1, 2], r), name="e.gather"),
-      np.concatenate([np.full([k + 1, 2], k) for k in range(n)]), "allgather")
-check(kd.broadcast(tf.constant([r, r + 1]), n - 1, name="e.bcast"), [n - 1, n],
-      "broadcast")
-check(kd.broadcast(tf.constant([r == 0, True]), 0, name="e.bool"), [True, True],
-      "broadcast bool")
-recv, splits = kd.alltoall(np.full([n, 1], r, np.int64), name="e.a2a")
-check(recv, np.arange(n).reshape(n, 1), "alltoall")
-check(splits, np.ones(n), "alltoall splits")
-check(kd.reducescatter(np.ones([2 * n, 2]) * (r + 1), op=kd.Sum, name="e.rs"),
-      np.full([2, 2], n * (n + 1) / 2), "reducescatter")
-kd.barrier()
-v = tf.Variable(vals(r))
-kd.broadcast_variables([v], root_rank=0)
-check(v, vals(0), "broadcast_variables")
-sparse = tf.IndexedSlices(tf.constant([[1.0 * r, 2.0]]), tf.constant([r]),
-                          dense_shape=tf.constant([n, 2]))
-dense = tf.convert_to_tensor(kd.allreduce(sparse, op=kd.Sum, name="e.sparse"))
-check(dense, np.stack([[1.0 * k, 2.0] for k in range(n)]), "sparse allreduce")
-print("OK eager", flush=True)
+@check("allreduce")
+def allreduce():
+    expect(kd.allreduce(vals(r), op=kd.Sum, name="e.sum"), stack.sum(0),
+           "eager sum")
+    expect(kd.allreduce(vals(r), name="e.avg"), stack.mean(0),
+           "eager average", 1e-12)
+    expect(kd.allreduce(tf.constant(vals(r), tf.float16), op=kd.Max,
+                        name="e.max"),
+           stack.max(0), "eager max fp16")
+
+
+@check("grouped_allreduce")
+def grouped_allreduce():
+    got = kd.grouped_allreduce([vals(r), vals(r)[:2],
+                                tf.constant([r], tf.int32)],
+                               op=kd.Sum, name="e.group")
+    expect(got[0], stack.sum(0), "grouped 0")
+    expect(got[2], [n * (n - 1) // 2], "grouped int")
+
+
+@check("allgather")
+def allgather():
+    expect(kd.allgather(np.full([r + 1, 2], r), name="e.gather"),
+           np.concatenate([np.full([k + 1, 2], k) for k in range(n)]),
+           "allgather")
+
+
+@check("broadcast")
+def broadcast():
+    expect(kd.broadcast(tf.constant([r, r + 1]), n - 1, name="e.bcast"),
+           [n - 1, n], "broadcast")
+    expect(kd.broadcast(tf.constant([r == 0, True]), 0, name="e.bool"),
+           [True, True], "broadcast bool")
+
+
+@check("alltoall")
+def alltoall():
+    recv, splits = kd.alltoall(np.full([n, 1], r, np.int64), name="e.a2a")
+    expect(recv, np.arange(n).reshape(n, 1), "alltoall")
+    expect(splits, np.ones(n), "alltoall splits")
+
+
+@check("reducescatter")
+def reducescatter():
+    expect(kd.reducescatter(np.ones([2 * n, 2]) * (r + 1), op=kd.Sum,
+                            name="e.rs"),
+           np.full([2, 2], n * (n + 1) / 2), "reducescatter")
+
+
+@check("barrier")
+def barrier():
+    kd.barrier()
+
+
+@check("broadcast_variables")
+def broadcast_variables():
+    v = tf.Variable(vals(r))
+    kd.broadcast_variables([v], root_rank=0)
+    expect(v, vals(0), "broadcast_variables")
+
+
+@check("allreduce_indexed_slices")
+def allreduce_indexed_slices():
+    sparse = tf.IndexedSlices(tf.constant([[1.0 * r, 2.0]]), tf.constant([r]),
+                              dense_shape=tf.constant([n, 2]))
+    dense = tf.convert_to_tensor(kd.allreduce(sparse, op=kd.Sum,
+                                              name="e.sparse"))
+    expect(dense, np.stack([[1.0 * k, 2.0] for k in range(n)]),
+           "sparse allreduce")
 
 
 # tf.function and gradients
-@tf.function
-def fn(x):
-    return (kd.allreduce(x, op=kd.Sum, name="f.sum"),
-            kd.allgather(x[:1 + r % 2], name="f.gather"),
-            kd.broadcast(x, 0, name="f.bcast"))
+@check("tf_function")
+def tf_function():
+    @tf.function
+    def fn(x):
+        return (kd.allreduce(x, op=kd.Sum, name="f.sum"),
+                kd.allgather(x[:1 + r % 2], name="f.gather"),
+                kd.broadcast(x, 0, name="f.bcast"))
+
+    s, g, b = fn(tf.constant(vals(r)))
+    expect(s, stack.sum(0), "function sum")
+    expect(g, np.concatenate([vals(k)[:1 + k % 2] for k in range(n)]),
+           "function gather")
+    expect(b, vals(0), "function broadcast")
 
 
-s, g, b = fn(tf.constant(vals(r)))
-check(s, stack.sum(0), "function sum")
-check(g, np.concatenate([vals(k)[:1 + k % 2] for k in range(n)]), "function gather")
-check(b, vals(0), "function broadcast")
+@check("gradients")
+def gradients():
+    x = tf.Variable(vals(r))
+    with tf.GradientTape(persistent=True) as tape:
+        y_sum = tf.reduce_sum(kd.allreduce(x * x, op=kd.Sum, name="g.sum"))
+        y_avg = tf.reduce_sum(kd.allreduce(x * x, op=kd.Average,
+                                           name="g.avg"))
+        y_gather = tf.reduce_sum(kd.allgather(x * (r + 1),
+                                              name="g.gather") ** 2)
+        y_bcast = tf.reduce_sum(kd.broadcast(x, 0, name="g.bcast") * 3.0)
+    # d/dx sum_k allreduce(x_k^2) on rank r: the gradient allreduce sums the
+    # upstream ones (each rank's is 1) -> n * 2x
+    expect(tape.gradient(y_sum, x), n * 2 * vals(r), "grad allreduce sum")
+    expect(tape.gradient(y_avg, x), 2 * vals(r), "grad allreduce average",
+           1e-12)
+    # allgather: every rank's loss contains this rank's slice: n * 2 *
+    # (r+1)^2 x
+    expect(tape.gradient(y_gather, x), n * 2 * (r + 1) ** 2 * vals(r),
+           "grad allgather")
+    expect(tape.gradient(y_bcast, x),
+           (3.0 * n if r == 0 else 0.0) * np.ones(5), "grad broadcast")
 
-x = tf.Variable(vals(r))
-with tf.GradientTape(persistent=True) as tape:
-    y_sum = tf.reduce_sum(kd.allreduce(x * x, op=kd.Sum, name="g.sum"))
-    y_avg = tf.reduce_sum(kd.allreduce(x * x, op=kd.Average, name="g.avg"))
-    y_gather = tf.reduce_sum(kd.allgather(x * (r + 1), name="g.gather") ** 2)
-    y_bcast = tf.reduce_sum(kd.broadcast(x, 0, name="g.bcast") * 3.0)
-# d/dx sum_k allreduce(x_k^2) on rank r: the gradient allreduce sums the
-# upstream ones (each rank's is 1) -> n * 2x
-check(tape.gradient(y_sum, x), n * 2 * vals(r), "grad allreduce sum")
-check(tape.gradient(y_avg, x), 2 * vals(r), "grad allreduce average", 1e-12)
-# allgather: every rank's loss contains this rank's slice: n * 2 * (r+1)^2 x
-check(tape.gradient(y_gather, x), n * 2 * (r + 1) ** 2 * vals(r),
-      "grad allgather")
-check(tape.gradient(y_bcast, x), (3.0 * n if r == 0 else 0.0) * np.ones(5),
-      "grad broadcast")
-print("OK function+gradients", flush=True)
 
 # 64 independent collectives whose ranks enqueue them in different orders
 COUNT = 64
-rng = np.random.default_rng(100 + r)
-
-
-def delayed(i):
-    def sleep(t):
-        import time
-        time.sleep(float(t))
-        return t
-    return tf.py_function(sleep, [tf.constant(0.0)], tf.float32)
 
 
 @tf.function
@@ -116,9 +165,15 @@ def many(delays):
     return outs
 
 
-for rep in range(4):
-    outs = many(tf.constant(rng.uniform(0, 0.004, COUNT), tf.float32))
-    for i, o in enumerate(outs):
-        check(o, np.full([3 + i % 4], sum(k + i for k in range(n))), f"many {i}")
-print("OK out-of-order x4", flush=True)
-print("OK all", flush=True)
+@check("out_of_order")
+def out_of_order():
+    rng = np.random.default_rng(100 + r)
+    for rep in range(4):
+        outs = many(tf.constant(rng.uniform(0, 0.004, COUNT), tf.float32))
+        for i, o in enumerate(outs):
+            expect(o, np.full([3 + i % 4], sum(k + i for k in range(n))),
+                   f"many {i}")
+
+
+if __name__ == "__main__":
+    checks.main(rank=r)
