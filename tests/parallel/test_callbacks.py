@@ -32,9 +32,12 @@ TRAIN_CHECKS = [
     "metric_average_every_batch_False", "metric_average_every_batch_True",
     "warmup_lr_and_momentum_correction_True",
     "warmup_lr_and_momentum_correction_False",
-    "schedule_staircase_True", "schedule_staircase_False",
-    "schedule_constant_multiplier", "checkpoint_rank0_only",
+    "learning_rate_schedule_staircase_True",
+    "learning_rate_schedule_staircase_False",
+    "learning_rate_schedule_constant_multiplier", "checkpoint_rank0_only",
 ]
+SCHEDULE_CHECKS = [c for c in TRAIN_CHECKS
+                   if c.startswith("learning_rate_schedule_")]
 RESUME_CHECKS = ["checkpoint_loaded_state",
                  "checkpoint_resume_matches_uninterrupted"]
 
@@ -59,6 +62,18 @@ def trained(tmp_path_factory):
 def test_training_checks(trained):
     _, out = trained
     _assert_checks(out, TRAIN_CHECKS)
+
+
+def test_learning_rate_schedule_callback(trained):
+    # LearningRateScheduleCallback in the training job: staircase and
+    # fractional epochs in [start, end), a constant multiplier, against
+    # closed-form rates on every rank.
+    _, out = trained
+    for r in range(NP):
+        done = [line[3:] for line in rank_lines(out.stdout, r)
+                if line.startswith("OK ")]
+        missing = [c for c in SCHEDULE_CHECKS if c not in done]
+        assert not missing, (r, missing, out.stdout[-6000:])
 
 
 def test_checkpoint_files_and_no_temporaries(trained):

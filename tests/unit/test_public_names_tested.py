@@ -22,19 +22,7 @@ from tests.support.helpers import REPO_ROOT, WORKERS
 TESTS = os.path.join(REPO_ROOT, "tests")
 
 # name -> why it has no test named after it. Keep this empty or tiny.
-_ONE_CHECK = ("exercised against numpy on every front end by "
-              "frontend_collectives_worker.py, core_collectives_worker.py and "
-              "tf_ops_worker.py under one check per job (OK all); named once "
-              "those workers register their checks in tests/support/checks.py")
-EXCEPTIONS = {
-    "Product": _ONE_CHECK, "allgather": _ONE_CHECK, "alltoall": _ONE_CHECK,
-    "barrier": _ONE_CHECK, "broadcast_variables": _ONE_CHECK,
-    "grouped_allreduce": _ONE_CHECK, "reducescatter": _ONE_CHECK,
-    "LearningRateScheduleCallback": (
-        "keras_callbacks_worker.py's schedule_* checks, run by "
-        "test_callbacks.py::test_training_checks; named once that worker "
-        "registers its checks with tests/support/checks.py"),
-}
+EXCEPTIONS = {}
 
 
 def _snake(name):

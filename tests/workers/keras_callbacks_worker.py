@@ -281,7 +281,7 @@ def check_learning_rate():
                     lr = 0.8 * 0.5 ** (e + (0 if staircase else b / steps))
                 expected.append(lr)
         np.testing.assert_allclose(rec.lrs, expected, rtol=1e-6)
-        ok(f"schedule_staircase_{staircase}")
+        ok(f"learning_rate_schedule_staircase_{staircase}")
     model = linear_model()
     model.compile(keras.optimizers.SGD(0.1), loss="mse")
     rec = RecordLR()
@@ -291,7 +291,7 @@ def check_learning_rate():
                                rtol=1e-6)
     np.testing.assert_allclose(hist.history["learning_rate"], [0.1, 0.2],
                                rtol=1e-6)
-    ok("schedule_constant_multiplier")
+    ok("learning_rate_schedule_constant_multiplier")
 
 
 # ---- checkpoint -------------------------------------------------------------
