@@ -9,10 +9,10 @@ the slots), "shm" (every non-empty allreduce through shared-memory slots),
 agree on MPI) or "cma-mixed" (in-place reads off on odd ranks only: they must
 agree on the slots) or "hosts" (the single-node paths allowed for every
 size, as "cma", in a job that may span hosts: they must be used when all
-ranks share one host and never otherwise). The worker checks that the path was taken. "cma-choice"
-checks only how the in-place reads are chosen: a fused batch of small
-tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on average) goes through the
-slots, one of larger tensors is read in place.
+ranks share one host and never otherwise). The worker checks that the path
+was taken. "cma-choice" checks only how the in-place reads are chosen: a
+fused batch of small tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on
+average) goes through the slots, one of larger tensors is read in place.
 
 Inputs are small integers (rank * stride + i patterns), so results are exact in
 every dtype, float16 and bfloat16 included.
@@ -68,7 +68,8 @@ if MODE == "cma-choice":
                    for i in range(count)]
         for i, (h, _, out) in enumerate(started):
             h.wait(timeout=120)
-            want = np.arange(elems, dtype=np.float32) * n + n * i + n * (n - 1) / 2
+            want = (np.arange(elems, dtype=np.float32) * n + n * i
+                    + n * (n - 1) / 2)
             if not np.array_equal(out, want):
                 print(f"FAIL choice {count} x {elems}: wrong sum", flush=True)
                 sys.exit(1)
@@ -78,7 +79,8 @@ if MODE == "cma-choice":
         shm = slots + cma
         if shm != 1 or cma != (1 if in_place else 0):
             print(f"FAIL choice {count} x {elems * 4} B: {shm} single-node "
-                  f"batches, {cma} in place (want 1, {int(in_place)})", flush=True)
+                  f"batches, {cma} in place (want 1, {int(in_place)})",
+                  flush=True)
             sys.exit(1)
         print(f"OK choice {count} x {elems * 4} B "
               f"({'in place' if in_place else 'slots'})", flush=True)
@@ -90,7 +92,8 @@ if MODE == "cma-choice":
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
 REDUCIBLE = FLOATS + [np.int32, np.int64]
 ALL = REDUCIBLE + [np.uint8, np.bool_]
-SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]  # the last is > threshold for every dtype
+# the last is > threshold for every dtype
+SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]
 
 
 def values(size, rank, dtype, stride=3):
@@ -127,9 +130,11 @@ for dt in REDUCIBLE:
                stack.min(0).astype(dt), f"min {dname} {size}")
         expect(allreduce(x, f"max.{dname}.{size}", op=kd.Max),
                stack.max(0).astype(dt), f"max {dname} {size}")
-        small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt) for k in range(n)]
+        small = [(np.arange(size) % 2 + 1 + (k % 2)).astype(dt)
+                 for k in range(n)]
         expect(allreduce(small[r], f"prod.{dname}.{size}", op=kd.Product),
-               np.prod(np.stack([s.astype(np.float64) for s in small]), 0).astype(dt),
+               np.prod(np.stack([s.astype(np.float64) for s in small]),
+                       0).astype(dt),
                f"product {dname} {size}")
         avg = allreduce(x, f"avg.{dname}.{size}", op=kd.Average)
         if np.issubdtype(np.dtype(dt), np.integer):
@@ -200,8 +205,9 @@ started = []
 for i in names:
     size = [0, 1, 5, 300, 1100][i % 5]
     dt = [np.float32, np.float64, np.int32][i % 3]
-    started.append((i, size, dt, start_allreduce(values(size, r, dt, stride=i + 1),
-                                                 f"fused.{i}", op=kd.Sum)))
+    started.append((i, size, dt,
+                    start_allreduce(values(size, r, dt, stride=i + 1),
+                                    f"fused.{i}", op=kd.Sum)))
 for i, size, dt, (h, _, out) in started:
     h.wait(timeout=120)
     want = np.stack([values(size, k, dt, stride=i + 1).astype(np.float64)
@@ -212,15 +218,16 @@ group = [start_allreduce(values(9 + i, r, np.float32), f"grp.{i}", op=kd.Sum,
                          group="grp", group_size=4) for i in range(4)]
 for i, (h, _, out) in enumerate(group):
     h.wait(timeout=120)
-    expect(out, np.stack([values(9 + i, k, np.float32) for k in range(n)]).sum(0),
+    expect(out,
+           np.stack([values(9 + i, k, np.float32) for k in range(n)]).sum(0),
            f"group {i}")
 # threads enqueueing concurrently
 results = {}
 
 
 def worker(t):
-    results[t] = allreduce(values(33, r, np.float64, stride=t + 2), f"thread.{t}",
-                           op=kd.Sum)
+    results[t] = allreduce(values(33, r, np.float64, stride=t + 2),
+                           f"thread.{t}", op=kd.Sum)
 
 
 threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
@@ -238,8 +245,9 @@ for dt in ALL:
     dname = np.dtype(dt).name
     for rows in (0, 1, 3):
         mine = values((rows + r) * 2, r, dt).reshape(rows + r, 2)
-        want = np.concatenate([values((rows + k) * 2, k, dt).reshape(rows + k, 2)
-                               for k in range(n)])
+        want = np.concatenate(
+            [values((rows + k) * 2, k, dt).reshape(rows + k, 2)
+             for k in range(n)])
         expect(allgather(mine, f"gather.{dname}.{rows}"), want,
                f"allgather {dname} {rows}")
 big = values(THRESHOLD + 3, r, np.float32).reshape(-1, 1)
@@ -253,19 +261,22 @@ for dt in ALL:
     dname = np.dtype(dt).name
     for root in range(n):
         for size in SIZES:
-            got = broadcast(values(size, r, dt), root, f"bcast.{dname}.{root}.{size}")
-            expect(got, values(size, root, dt), f"broadcast {dname} root {root}")
+            got = broadcast(values(size, r, dt), root,
+                            f"bcast.{dname}.{root}.{size}")
+            expect(got, values(size, root, dt),
+                   f"broadcast {dname} root {root}")
 expect(broadcast(np.int64(r), n - 1, "bcast.scalar"), np.int64(n - 1),
        "broadcast scalar")
 print("OK broadcast", flush=True)
 
-# -- alltoall: even and explicit splits -----------------------------------------
+# -- alltoall: even and explicit splits ---------------------------------------
 for dt in (np.float32, np.int64, np.float16, np.bool_):
     dname = np.dtype(dt).name
     mine = values(2 * n * 3, r, dt).reshape(2 * n, 3)
     got, splits = alltoall(mine, f"a2a.even.{dname}", size=n)
-    want = np.concatenate([values(2 * n * 3, k, dt).reshape(2 * n, 3)[2 * r:2 * r + 2]
-                           for k in range(n)])
+    want = np.concatenate(
+        [values(2 * n * 3, k, dt).reshape(2 * n, 3)[2 * r:2 * r + 2]
+         for k in range(n)])
     expect(got, want, f"alltoall even {dname}")
     assert splits == [2] * n, splits
 

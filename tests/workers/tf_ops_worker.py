@@ -19,7 +19,8 @@ r, n = kd.rank(), kd.size()
 def check(got, want, what, tol=0.0):
     got = np.asarray(got)
     want = np.asarray(want)
-    if got.shape != want.shape or not np.allclose(got, want, rtol=tol, atol=tol):
+    if (got.shape != want.shape
+            or not np.allclose(got, want, rtol=tol, atol=tol)):
         print(f"FAIL {what}: got {got!r}, want {want!r}", flush=True)
         sys.exit(1)
 
@@ -32,7 +33,8 @@ stack = np.stack([vals(k) for k in range(n)])
 
 # eager
 check(kd.allreduce(vals(r), op=kd.Sum, name="e.sum"), stack.sum(0), "eager sum")
-check(kd.allreduce(vals(r), name="e.avg"), stack.mean(0), "eager average", 1e-12)
+check(kd.allreduce(vals(r), name="e.avg"), stack.mean(0), "eager average",
+      1e-12)
 check(kd.allreduce(tf.constant(vals(r), tf.float16), op=kd.Max, name="e.max"),
       stack.max(0), "eager max fp16")
 got = kd.grouped_allreduce([vals(r), vals(r)[:2], tf.constant([r], tf.int32)],
@@ -71,7 +73,8 @@ def fn(x):
 
 s, g, b = fn(tf.constant(vals(r)))
 check(s, stack.sum(0), "function sum")
-check(g, np.concatenate([vals(k)[:1 + k % 2] for k in range(n)]), "function gather")
+check(g, np.concatenate([vals(k)[:1 + k % 2] for k in range(n)]),
+      "function gather")
 check(b, vals(0), "function broadcast")
 
 x = tf.Variable(vals(r))
@@ -119,6 +122,7 @@ def many(delays):
 for rep in range(4):
     outs = many(tf.constant(rng.uniform(0, 0.004, COUNT), tf.float32))
     for i, o in enumerate(outs):
-        check(o, np.full([3 + i % 4], sum(k + i for k in range(n))), f"many {i}")
+        check(o, np.full([3 + i % 4], sum(k + i for k in range(n))),
+              f"many {i}")
 print("OK out-of-order x4", flush=True)
 print("OK all", flush=True)
