@@ -1,7 +1,7 @@
 """Two builds of kerasdist against each other, alternating, in one run.
 
     python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5]
-        [--w3-rounds 3] [--skip w1,w2,w3,fe]
+        [--w3-rounds 3] [--skip w1,w2,w3,fe] [--w3-backends tensorflow,jax]
         [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
 
 The two sides may be one tree with different settings: e.g. the
@@ -88,7 +88,7 @@ def collect_w3(out, into):
             into[key + ("eff",)].append(float(m.group(6)))
 
 
-def one_round(tree, skip, into, env=None):
+def one_round(tree, skip, into, env=None, w3_backends="tensorflow"):
     bench = os.path.join(tree, "benchmarks")
     if "w1" not in skip:
         out = _run(tree,
@@ -108,7 +108,7 @@ def one_round(tree, skip, into, env=None):
     if "w3" not in skip:
         out = _run(tree,
                    [sys.executable, os.path.join(bench, "keras_scaling.py"),
-                    "--rounds", "1"], 2400, env)
+                    "--rounds", "1", "--backends", w3_backends], 2400, env)
         collect_w3(out, into)
 
 
@@ -141,6 +141,8 @@ def main():
     p.add_argument("--w3-rounds", type=int, default=3,
                    help="rounds that include W3 (the slowest), from the first")
     p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3,fe")
+    p.add_argument("--w3-backends", default="tensorflow",
+                   help="Keras backends of W3 (keras_scaling.py --backends)")
     p.add_argument("--old-env", action="append", default=[],
                    metavar="NAME=VALUE",
                    help="a variable set for the old side's runs (repeatable)")
@@ -158,7 +160,8 @@ def main():
             s = skip | ({"w3"} if r >= args.w3_rounds else set())
             print(f"# round {r + 1}/{args.rounds}: {trees[side]} {envs[side]}",
                   flush=True)
-            one_round(trees[side], s, results[side], envs[side])
+            one_round(trees[side], s, results[side], envs[side],
+                      args.w3_backends)
     names = [f"{t} {e}" if e else t for t, e in zip(trees, envs)]
     summary(results, *names)
 
