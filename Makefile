@@ -15,7 +15,8 @@ test: lint test-unit test-rest
 
 lint:
 	ruff check .
-	clang-format --dry-run -Werror $(CXX_SOURCES)
+	@clang-format --dry-run -Werror $(CXX_SOURCES) && \
+	    echo "clang-format: $(words $(CXX_SOURCES)) C++ files formatted"
 
 fmt:
 	ruff check --fix .

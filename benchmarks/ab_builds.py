@@ -1,7 +1,8 @@
 """Two builds of kerasdist against each other, alternating, in one run.
 
-    python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5] [--w3-rounds 3]
-        [--skip w1,w2,w3,fe] [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
+    python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5]
+        [--w3-rounds 3] [--skip w1,w2,w3,fe] [--w3-backends tensorflow,jax]
+        [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
 
 The two sides may be one tree with different settings: e.g. the
 heartbeat's cost is `ab_builds.py . . --old-env
@@ -13,11 +14,12 @@ runs its own benchmark scripts with `--rounds 1`: W1 (allreduce.py, without
 its W2 part), W2 (fusion.py), W3 (keras_scaling.py, CNN and MLP-20, np=1
 and 2) and "fe" (frontends.py: the JAX and PyTorch front ends' allreduce;
 a tree older than that script needs a copy of it in its benchmarks/, or
-`--skip fe`). Every table row (size and system for W1/W2; model, system and np for
-W3) is collected per tree; the summary gives each tree's median with its
-range over the rounds, and new / old. A ratio within the rounds' spread is
-noise: this machine drifts by 5-20% over minutes, which is why the trees
-alternate and only the ratio of medians taken in one run means anything.
+`--skip fe`). Every table row (size and system for W1/W2; model, system
+and np for W3) is collected per tree; the summary gives each tree's median
+with its range over the rounds, and new / old. A ratio within the rounds'
+spread is noise: this machine drifts by 5-20% over minutes, which is why
+the trees alternate and only the ratio of medians taken in one run means
+anything.
 
 Run it alone, as root on the machine the benchmarks describe.
 """
@@ -32,10 +34,12 @@ import sys
 
 _NUM = r"[-+0-9.e]+|nan|inf"
 # W1/W2 rows: size count type system time algbw busbw #wrong [ratio]
-_TABLE = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(.+?)\s+({_NUM})\s+({_NUM})\s+"
+_TABLE = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(.+?)\s+"
+                    rf"({_NUM})\s+({_NUM})\s+"
                     rf"({_NUM})\s+(\d+)(?:\s+({_NUM}))?\s*$")
 # W3 rows: model system params tensors np img/s/rank total eff range same
-_W3 = re.compile(r"^\s*(\w+)\s+([\w-]+)\s+\d+\s+\d+\s+(\d)\s+([0-9.]+)\s+([0-9.]+)"
+_W3 = re.compile(r"^\s*(\w+)\s+([\w-]+)\s+\d+\s+\d+\s+(\d)\s+"
+                 r"([0-9.]+)\s+([0-9.]+)"
                  r"\s+([0-9.]+)\s+\S+\s+(True|False)\s*$")
 
 
@@ -74,7 +78,8 @@ def collect_tables(out, section, into):
 
 
 def collect_w3(out, into):
-    """Adds W3 rows (total img/s, and eff) to into[("w3", model, system, np)]."""
+    """Adds W3 rows (total img/s, and eff) to
+    into[("w3", model, system, np)]."""
     for line in out.splitlines():
         m = _W3.match(line)
         if m:
@@ -83,10 +88,11 @@ def collect_w3(out, into):
             into[key + ("eff",)].append(float(m.group(6)))
 
 
-def one_round(tree, skip, into, env=None):
+def one_round(tree, skip, into, env=None, w3_backends="tensorflow"):
     bench = os.path.join(tree, "benchmarks")
     if "w1" not in skip:
-        out = _run(tree, _launch(os.path.join(bench, "allreduce.py"), "--no-fusion"),
+        out = _run(tree,
+                   _launch(os.path.join(bench, "allreduce.py"), "--no-fusion"),
                    1200, env)
         collect_tables(out, "w1", into)
     if "w2" not in skip:
@@ -100,15 +106,17 @@ def one_round(tree, skip, into, env=None):
         out = _run(tree, _launch(script), 1200, env)
         collect_tables(out, "fe", into)
     if "w3" not in skip:
-        out = _run(tree, [sys.executable, os.path.join(bench, "keras_scaling.py"),
-                          "--rounds", "1"], 2400, env)
+        out = _run(tree,
+                   [sys.executable, os.path.join(bench, "keras_scaling.py"),
+                    "--rounds", "1", "--backends", w3_backends], 2400, env)
         collect_w3(out, into)
 
 
 def _fmt(values):
     if not values:
         return "-"
-    return f"{statistics.median(values):.4g} ({min(values):.4g}-{max(values):.4g})"
+    return (f"{statistics.median(values):.4g} "
+            f"({min(values):.4g}-{max(values):.4g})")
 
 
 def summary(results, old, new):
@@ -133,9 +141,13 @@ def main():
     p.add_argument("--w3-rounds", type=int, default=3,
                    help="rounds that include W3 (the slowest), from the first")
     p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3,fe")
-    p.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--w3-backends", default="tensorflow",
+                   help="Keras backends of W3 (keras_scaling.py --backends)")
+    p.add_argument("--old-env", action="append", default=[],
+                   metavar="NAME=VALUE",
                    help="a variable set for the old side's runs (repeatable)")
-    p.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--new-env", action="append", default=[],
+                   metavar="NAME=VALUE",
                    help="a variable set for the new side's runs (repeatable)")
     args = p.parse_args()
     trees = [os.path.abspath(args.old), os.path.abspath(args.new)]
@@ -148,7 +160,8 @@ def main():
             s = skip | ({"w3"} if r >= args.w3_rounds else set())
             print(f"# round {r + 1}/{args.rounds}: {trees[side]} {envs[side]}",
                   flush=True)
-            one_round(trees[side], s, results[side], envs[side])
+            one_round(trees[side], s, results[side], envs[side],
+                      args.w3_backends)
     names = [f"{t} {e}" if e else t for t, e in zip(trees, envs)]
     summary(results, *names)
 

@@ -230,8 +230,8 @@ def main():
                         if best["confirmed"] is None else
                         "the best sample (it won the confirmation)"
                         if best["confirmed"] else
-                        "the start (in the confirmation the best sample did not "
-                        "beat it by more than 2%)"))
+                        "the start (in the confirmation the best sample "
+                        "did not beat it by more than 2%)"))
     start = _summary_rows(rows)[0][1]
     if (int(best["threshold"]), float(best["cycle_ms"]), bool(best["cache"])) \
             == (int(start["threshold"]), float(start["cycle_ms"]),
@@ -252,8 +252,8 @@ def main():
         base = _run_mlp(start_env, args.steps, args.warmup)
         tuned = _run_mlp(pinned, args.steps, args.warmup)
         ratios.append(tuned / base)
-        print(f"  {i + 1:>5} {base:>12.1f} {tuned:>12.1f} {tuned / base:>12.3f}",
-              flush=True)
+        print(f"  {i + 1:>5} {base:>12.1f} {tuned:>12.1f} "
+              f"{tuned / base:>12.3f}", flush=True)
     print(f"# median tuned/start: {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f})")
     if args.plot:

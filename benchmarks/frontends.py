@@ -57,7 +57,8 @@ def make_systems(comm, nbytes, jkd, tkd):
             last["j"].block_until_ready()
 
         systems["kerasdist jax.jit"] = (
-            in_jit, lambda: int(np.count_nonzero(np.asarray(last["j"]) != want)))
+            in_jit,
+            lambda: int(np.count_nonzero(np.asarray(last["j"]) != want)))
     if tkd is not None:
         import torch
 

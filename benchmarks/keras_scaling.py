@@ -517,7 +517,8 @@ def _plot(path, model_names, summary):
     fig, axes = plt.subplots(1, len(model_names), squeeze=False,
                              figsize=(5 * len(model_names), 4))
     for ax, name in zip(axes[0], model_names):
-        nps = sorted(n for (m, s, n) in summary if m == name and s == "kerasdist")
+        nps = sorted(n for (m, s, n) in summary
+                     if m == name and s == "kerasdist")
         single = summary[(name, "kerasdist", 1)]
         ax.plot(nps, [single * n for n in nps], "k--", label="ideal linear")
         ax.plot(nps, [summary[(name, "kerasdist", n)] for n in nps], "o-",

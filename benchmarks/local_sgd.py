@@ -7,9 +7,9 @@ W3 setup from BENCHMARKS.md (CNN and MLP-20, batch 64 per rank, 1024
 in-memory 32x32x3 images per rank, SGD(0.01, momentum 0.9), sparse CE from
 logits, jit_compile=False, one intra- and one inter-op thread per rank),
 except that the labels are learnable: an image is 0.5 x its class's fixed
-random prototype image + 0.5 x uniform noise (then centred and scaled), so the final loss says
-something about convergence. Every rank starts from the same weights (same seed) and sees
-its own 1024 images.
+random prototype image + 0.5 x uniform noise (then centred and scaled), so
+the final loss says something about convergence. Every rank starts from the
+same weights (same seed) and sees its own 1024 images.
 
 One launch per model at np=1 runs plain Keras (the baseline for scaling
 efficiency); one launch at np=2 runs, in turn, synchronous

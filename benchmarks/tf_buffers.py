@@ -2,7 +2,8 @@
 
     python -m kerasdist.run -np 2 python benchmarks/tf_buffers.py [--size 16M]
         [--rounds 6] [--calls 10]
-    python -m kerasdist.run --no-huge-pages -np 2 python benchmarks/tf_buffers.py
+    python -m kerasdist.run --no-huge-pages -np 2 \\
+        python benchmarks/tf_buffers.py
 
 One allreduce (float32 Sum) of SIZE bytes through the C API, no TensorFlow
 op involved, on four pairings of input and output buffers: numpy's arrays
@@ -96,12 +97,13 @@ def main():
                 t0 = time.perf_counter()
                 call()
                 times[name].append(time.perf_counter() - t0)
-    wrong = int(np.count_nonzero(out != want) + np.count_nonzero(tf_out != want))
+    wrong = int(np.count_nonzero(out != want)
+                + np.count_nonzero(tf_out != want))
     wrong = comm.allreduce(wrong)
     if rank == 0:
         print(f"# allreduce float32 Sum of {_common.fmt_size(nbytes)}, np={n}, "
-              f"{args.rounds} rounds x {args.calls} calls, median us on rank 0; "
-              f"#wrong {wrong}")
+              f"{args.rounds} rounds x {args.calls} calls, "
+              f"median us on rank 0; #wrong {wrong}")
         for name, ts in times.items():
             print(f"{name:<26} {np.median(ts) * 1e6:>10.1f}")
         print("# huge pages in each buffer's mapping (kB)")

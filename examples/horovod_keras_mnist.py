@@ -103,8 +103,8 @@ model.fit(images, labels, batch_size=32, callbacks=callbacks,
 x_all, y_all = load_digits(return_X_y=True)
 x_all = (x_all / 16.0).astype("float32")
 _, accuracy = model.evaluate(x_all, y_all, verbose=0)
-print(f"rank {hvd.rank()}: accuracy {accuracy:.4f} on {keras.backend.backend()}",
-      flush=True)
+print(f"rank {hvd.rank()}: accuracy {accuracy:.4f} "
+      f"on {keras.backend.backend()}", flush=True)
 if hvd.rank() == 0:
     # The checkpoint is a plain Keras file: it loads without kerasdist (the
     # optimizer comes back as the plain Adam it wraps).

@@ -1,7 +1,8 @@
 """Images/s of a small CNN trained with model.fit on synthetic 32x32x3 data.
 
     python -m kerasdist.run -np 2 python examples/keras_synthetic_benchmark.py
-    python -m kerasdist.run -np 2 python examples/keras_synthetic_benchmark.py \\
+    python -m kerasdist.run -np 2 \\
+        python examples/keras_synthetic_benchmark.py \\
         --steps 50 --np1-img-sec 870
 
 Prints images/s per rank and in total; with --np1-img-sec (a figure from an

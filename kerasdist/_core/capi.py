@@ -2,8 +2,9 @@
 unless asked for `DTYPES`, not numpy either).
 
 Used by `basics` (init, rank, size...), `autotune`, `timeline`, the tools
-(`doctor`, `timeline`, `settings_doc`), the launcher (setting names), the framework-free core tests
-and the GPU checks that drive the core from cupy arrays.
+(`doctor`, `timeline`, `settings_doc`), the launcher (setting names), the
+framework-free core tests and the GPU checks that drive the core from cupy
+arrays.
 
 The core owns every name and number that crosses the boundary: the settings
 (their names, init() keywords, defaults, how values parse), the enum values of
@@ -78,7 +79,8 @@ def library_path():
 
 
 def lib():
-    """Loads the core library once; raises ImportError saying how to build it."""
+    """Loads the core library once; raises ImportError saying how to build
+    it."""
     global _lib
     with _lock:
         if _lib is not None:
@@ -308,7 +310,8 @@ def _i64_array(values):
 
 
 class Handle:
-    """An enqueued collective (host or device pointers); `wait()` finishes it."""
+    """An enqueued collective (host or device pointers); `wait()` finishes
+    it."""
 
     def __init__(self, op, name, dtype_code, shape, input_ptr, output_ptr,
                  reduce_op=None, root_rank=0, prescale=1.0, postscale=1.0,
@@ -337,14 +340,15 @@ class Handle:
             raise TimeoutError(f"collective not finished after {timeout} s")
         code = l.kerasdist_handle_status(self.handle)
         if code != 0:
-            raise KerasdistError(l.kerasdist_handle_message(self.handle).decode(),
-                                 code)
+            raise KerasdistError(
+                l.kerasdist_handle_message(self.handle).decode(), code)
 
     def output(self):
         """(pointer, shape) of a result the handle owns (allgather...)."""
         ndim = ctypes.c_int32(0)
         shape = (ctypes.c_int64 * 32)()
-        ptr = lib().kerasdist_handle_output(self.handle, ctypes.byref(ndim), shape)
+        ptr = lib().kerasdist_handle_output(self.handle, ctypes.byref(ndim),
+                                            shape)
         return ptr, tuple(shape[i] for i in range(ndim.value))
 
     def recv_splits(self, n):

@@ -86,7 +86,8 @@ def parse_hostfile_text(text, name="hostfile"):
             key, sep, value = word.replace(":", "=", 1).partition("=")
             if not sep or key not in ("slots", "max_slots"):
                 raise ValueError(
-                    f"{where}: expected 'host slots=N' or 'host:N', got {line!r}"
+                    f"{where}: expected 'host slots=N' or 'host:N', "
+                    f"got {line!r}"
                 )
             if key == "slots":
                 slots = _slots(value, where)

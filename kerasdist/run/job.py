@@ -63,7 +63,8 @@ class RankFailure:
 
     def describe(self, with_host=True):
         host = f" (host {self.host})" if with_host else ""
-        return f"rank {self.rank}{host} exited with {describe_status(self.status)}"
+        return (f"rank {self.rank}{host} exited with "
+                f"{describe_status(self.status)}")
 
 
 class Outcome:

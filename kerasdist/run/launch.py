@@ -1,8 +1,10 @@
 """`kerasdist run`: starts N ranks of a command under MPI's mpiexec (hydra).
 
     kerasdist run -np 4 python train.py
-    kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py
-    kerasdist run --nnodes 2 --node-rank 1 --master-addr node1 --nproc-per-node 4 python train.py
+    kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 \\
+        python train.py
+    kerasdist run --nnodes 2 --node-rank 1 --master-addr node1 \\
+        --nproc-per-node 4 python train.py
 
 The last is node mode (node.py): run on every host, it starts that host's
 ranks itself, without mpiexec or ssh.
@@ -33,7 +35,8 @@ PROG = "kerasdist run"
 
 
 class UsageError(Exception):
-    """Bad command-line input; reported as `kerasdist run: error: ...`, exit 2."""
+    """Bad command-line input; reported as `kerasdist run: error: ...`,
+    exit 2."""
 
 
 class _Parser(argparse.ArgumentParser):

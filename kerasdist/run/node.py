@@ -3,8 +3,8 @@
 Where a platform starts one process per host (a Kubernetes pod per node,
 a batch system's one task per node, torchrun's habit), each host runs
 
-    kerasdist run --nnodes 2 --node-rank 1 --master-addr h0 --master-port 29500 \
-        --nproc-per-node 2 python train.py
+    kerasdist run --nnodes 2 --node-rank 1 --master-addr h0 \\
+        --master-port 29500 --nproc-per-node 2 python train.py
 
 and starts that host's ranks itself, with torchrun's variables (RANK =
 node_rank * nproc_per_node + local rank, WORLD_SIZE, LOCAL_RANK,

@@ -32,7 +32,8 @@ def _name(key):
     Raises:
         ImportError: the core library is not built (the message says how).
     """
-    from kerasdist._core import capi as _capi  # loads the core library: see above
+    # loads the core library: see above
+    from kerasdist._core import capi as _capi
 
     return _capi.setting_name(key)
 

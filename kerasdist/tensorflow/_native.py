@@ -14,7 +14,8 @@ _ops = None
 
 def _rebuild_hint():
     return ("Rebuild kerasdist against it: from the kerasdist source tree run "
-            "`pip install --no-build-isolation -e .` (or `make -C ops clean all`).")
+            "`pip install --no-build-isolation -e .` "
+            "(or `make -C ops clean all`).")
 
 
 def ops():
@@ -51,8 +52,9 @@ def ops():
 # fold, merge or prune them. But tf.function chains every stateful op after the
 # previous one ("automatic control dependencies"): the collectives of a step
 # would then run one at a time, nothing could be fused, and a grouped allreduce
-# would wait for itself. Their order does not matter (the runtime negotiates it),
-# so they are declared order-insensitive-but-must-run, like TF's own infeeds.
+# would wait for itself. Their order does not matter (the runtime negotiates
+# it), so they are declared order-insensitive-but-must-run, like TF's own
+# infeeds.
 _CONCURRENT_OPS = frozenset((
     "KerasdistAllreduce", "KerasdistGroupedAllreduce", "KerasdistAllgather",
     "KerasdistBroadcast",
@@ -68,4 +70,5 @@ def _let_collectives_run_concurrently():
             "MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS, which kerasdist needs to "
             "run collectives concurrently inside tf.function; use TensorFlow "
             "2.21.")
-    acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = frozenset(current | _CONCURRENT_OPS)
+    acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = frozenset(
+        current | _CONCURRENT_OPS)

@@ -13,7 +13,8 @@ import sys
 _COMMANDS = {
     "run": ("kerasdist.run.launch:main",
             "run a command on N ranks under mpiexec"),
-    "timeline": ("kerasdist.tools.timeline:main", "summarize or plot a timeline file"),
+    "timeline": ("kerasdist.tools.timeline:main",
+                 "summarize or plot a timeline file"),
     "doctor": ("kerasdist.tools.doctor:doctor",
                "check this install and self-test every collective on 2 ranks"),
     "check-build": ("kerasdist.tools.doctor:check_build",

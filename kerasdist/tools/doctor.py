@@ -156,7 +156,7 @@ def check_build(argv=None):
     return 0 if _native_info()[0] else 1
 
 
-# ---- the self-test (runs on every rank under the launcher) --------------------
+# ---- the self-test (runs on every rank under the launcher) ------------------
 
 def selftest():
     """Every collective on numpy arrays through the C API, checked exactly.
@@ -274,8 +274,8 @@ def install_checks(np_ranks):
                           f"{built or '2.21.*'})."))
     elif built is None:
         out.append((FAIL, f"TensorFlow {running} runs but the op library was "
-                          "never built for it: pip install --no-build-isolation "
-                          "-e . (or make -C ops)."))
+                          "never built for it: pip install "
+                          "--no-build-isolation -e . (or make -C ops)."))
     elif built != running:
         out.append((FAIL, f"the op library was built for TensorFlow {built} "
                           f"but {running} is running: rebuild with pip install "

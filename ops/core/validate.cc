@@ -19,6 +19,36 @@ Status PrepareRequest(Request& q, int size, bool have_device_backend) {
   return ValidateRequest(q, size, have_device_backend);
 }
 
+namespace {
+
+// An alltoall's splits: one per rank, none negative, adding up to the first
+// dimension. `what` names the collective for the error.
+template <typename What>
+Status ValidateSplits(const Request& q, int size, const What& what) {
+  if (static_cast<int>(q.splits.size()) != size) {
+    return Status::InvalidArgument(what() +
+                                   ": splits must have one entry per rank (" +
+                                   std::to_string(size) + "), got " +
+                                   std::to_string(q.splits.size()) + ".");
+  }
+  int64_t sum = 0;
+  for (int64_t s : q.splits) {
+    if (s < 0)
+      return Status::InvalidArgument(what() + ": splits must be >= 0, got " +
+                                     ShapeString(q.splits) + ".");
+    sum += s;
+  }
+  if (sum != q.shape[0]) {
+    return Status::InvalidArgument(
+        what() + ": splits " + ShapeString(q.splits) + " add up to " +
+        std::to_string(sum) + " but the first dimension is " +
+        std::to_string(q.shape[0]) + ".");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status ValidateRequest(const Request& q, int size, bool have_device_backend) {
   // Spelled out only for an error: this runs for every tensor of every step.
   auto what = [&q] {
@@ -56,25 +86,7 @@ Status ValidateRequest(const Request& q, int size, bool have_device_backend) {
     return Status::InvalidArgument(what() + ": scale factors must be finite.");
   }
   if (q.op == OpType::kAlltoall) {
-    if (static_cast<int>(q.splits.size()) != size) {
-      return Status::InvalidArgument(what() +
-                                     ": splits must have one entry per rank (" +
-                                     std::to_string(size) + "), got " +
-                                     std::to_string(q.splits.size()) + ".");
-    }
-    int64_t sum = 0;
-    for (int64_t s : q.splits) {
-      if (s < 0)
-        return Status::InvalidArgument(what() + ": splits must be >= 0, got " +
-                                       ShapeString(q.splits) + ".");
-      sum += s;
-    }
-    if (sum != q.shape[0]) {
-      return Status::InvalidArgument(
-          what() + ": splits " + ShapeString(q.splits) + " add up to " +
-          std::to_string(sum) + " but the first dimension is " +
-          std::to_string(q.shape[0]) + ".");
-    }
+    KD_RETURN_IF_ERROR(ValidateSplits(q, size, what));
   }
   if (q.device >= 0 && !have_device_backend) {
     return Status::InvalidArgument(

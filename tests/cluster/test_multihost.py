@@ -244,7 +244,8 @@ def test_a_job_across_hosts_ends_without_mpi_warnings(cluster):
     # runs, since it was a race.
     for attempt in range(4):
         out = run_on(cluster, 3, "kdt0:2,kdt1:1",
-                     [sys.executable, "-m", "kerasdist.tools.doctor", "--selftest"])
+                     [sys.executable, "-m", "kerasdist.tools.doctor",
+                      "--selftest"])
         assert out.returncode == 0, out.stdout[-4000:]
         assert out.stdout.count("selftest OK") == 3, out.stdout[-4000:]
         bad = [l for l in out.stdout.splitlines() if _UNCLEAN.search(l)]

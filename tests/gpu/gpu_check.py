@@ -82,7 +82,8 @@ def check_collectives(c):
         x = cp.asarray(_mine(r, 1000, dtype))
         total = sum(_mine(k, 1000, dtype).astype(np.float64) for k in range(n))
         out = cp.empty_like(x)
-        _run(_capi.OP_ALLREDUCE, f"sum.{tag}", x, out, reduce_op=1).wait(TIMEOUT_S)
+        _run(_capi.OP_ALLREDUCE, f"sum.{tag}", x, out,
+             reduce_op=1).wait(TIMEOUT_S)
         c.expect(f"allreduce sum {tag}", out, total.astype(dtype))
         # Average with both scale factors, on the GPU kernel (floats only:
         # integer Average is a truncating division, checked below).
@@ -103,7 +104,8 @@ def check_collectives(c):
     xs = [cp.asarray(_mine(r, 257 + 31 * k, np.float32)) for k in range(8)]
     outs = [cp.empty_like(v) for v in xs]
     cp.cuda.get_current_stream().synchronize()
-    hs = [_capi.Handle(_capi.OP_ALLREDUCE, f"fused.{k}", _capi.DTYPES[np.dtype(np.float32)],
+    hs = [_capi.Handle(_capi.OP_ALLREDUCE, f"fused.{k}",
+                       _capi.DTYPES[np.dtype(np.float32)],
                        v.shape, _ptr(v), _ptr(o), reduce_op=1, device=0)
           for k, (v, o) in enumerate(zip(xs, outs))]
     for h in hs:
@@ -115,7 +117,8 @@ def check_collectives(c):
     # In place (output == input), as a TF kernel may forward its input.
     y = cp.asarray(_mine(r, 4096, np.float32))
     _run(_capi.OP_ALLREDUCE, "inplace", y, y, reduce_op=1).wait(TIMEOUT_S)
-    c.expect("allreduce in place", y, sum(_mine(q, 4096, np.float32) for q in range(n)))
+    c.expect("allreduce in place", y,
+             sum(_mine(q, 4096, np.float32) for q in range(n)))
 
     # Allgather with uneven first dimensions: rank q contributes q+1 rows.
     cols = 5
@@ -123,7 +126,8 @@ def check_collectives(c):
     g_out = cp.empty((sum(q + 1 for q in range(n)), cols), np.float32)
     _run(_capi.OP_ALLGATHER, "gather", g_in, g_out).wait(TIMEOUT_S)
     c.expect("allgather uneven", g_out, np.concatenate(
-        [_mine(q, (q + 1) * cols, np.float32).reshape(q + 1, cols) for q in range(n)]))
+        [_mine(q, (q + 1) * cols, np.float32).reshape(q + 1, cols)
+         for q in range(n)]))
 
     for root in range(n):
         b_in = cp.asarray(_mine(r, 3000, np.float32))
@@ -136,14 +140,16 @@ def check_collectives(c):
     a_out = cp.empty_like(a_in)
     _run(_capi.OP_ALLTOALL, "alltoall", a_in, a_out).wait(TIMEOUT_S)
     c.expect("alltoall", a_out,
-             np.repeat(np.array([100 * q + r for q in range(n)]), 3).astype(np.float32))
+             np.repeat(np.array([100 * q + r for q in range(n)]),
+                       3).astype(np.float32))
 
     rows = 2 * n + 1  # uneven: rank 0 gets one row more
     s_in = cp.asarray(_mine(r, rows * 4, np.float32).reshape(rows, 4))
     mine_rows = rows // n + (1 if r < rows % n else 0)
     s_out = cp.empty((mine_rows, 4), np.float32)
     _run(_capi.OP_REDUCESCATTER, "rs", s_in, s_out, reduce_op=1).wait(TIMEOUT_S)
-    total = sum(_mine(q, rows * 4, np.float32).reshape(rows, 4) for q in range(n))
+    total = sum(_mine(q, rows * 4, np.float32).reshape(rows, 4)
+                for q in range(n))
     start = sum(rows // n + (1 if q < rows % n else 0) for q in range(r))
     c.expect("reducescatter uneven", s_out, total[start:start + mine_rows])
 
@@ -164,10 +170,11 @@ def bench(rank, size, iters):
         print(f"# cupy.cuda.nccl unavailable: {e}")
     if rank == 0:
         print("#\n# float32 allreduce (sum), device memory, "
-              f"{size} rank(s), {os.environ.get('KERASDIST_GPU_OPERATIONS', 'NCCL')}")
+              f"{size} rank(s), "
+              f"{os.environ.get('KERASDIST_GPU_OPERATIONS', 'NCCL')}")
         print(f"# {'size(B)':>10} {'count':>10} {'type':>6} | kerasdist "
-              f"{'time(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | cupy.nccl "
-              f"{'time(us)':>9} {'algbw':>7}")
+              f"{'time(us)':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
+              f"| cupy.nccl {'time(us)':>9} {'algbw':>7}")
     stream = cp.cuda.Stream(non_blocking=True)
     for mib in (1, 4, 16, 64, 256):
         nbytes = mib << 20

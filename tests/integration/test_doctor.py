@@ -93,8 +93,8 @@ def test_doctor_says_which_path_large_allreduces_take():
                 in p.stdout), p.stdout
     # The backend list (first enabled wins) follows the same settings; the
     # GPU entry is there in builds with the GPU backend only.
-    assert re.search(r"backends, first enabled wins: (gpu,)?self,(cma,)?shm,mpi",
-                     p.stdout), p.stdout
+    assert re.search(r"backends, first enabled wins: "
+                     r"(gpu,)?self,(cma,)?shm,mpi", p.stdout), p.stdout
     p = _cli("doctor", "--np", "2", "--timeout", "120",
              env=dict(os.environ, KERASDIST_CMA_ALLREDUCE="0"))
     assert "go through shared-memory slots" in p.stdout, p.stdout
@@ -123,7 +123,8 @@ def test_gpu_lines():
     lines = doctor.gpu_checks(cpu, ["GPU 0: H200"], 1)
     assert lines[0][0] == doctor.WARN and "KERASDIST_WITH_NCCL=1" in lines[0][1]
     lines = doctor.gpu_checks(built, ["GPU 0: H200"], 2)
-    assert lines[-1][0] == doctor.WARN and "KERASDIST_GPU_OPERATIONS=MPI" in lines[-1][1]
+    assert (lines[-1][0] == doctor.WARN
+            and "KERASDIST_GPU_OPERATIONS=MPI" in lines[-1][1])
     lines = doctor.gpu_checks(built, ["GPU 0", "GPU 1", "GPU 2", "GPU 3"], 2)
     assert lines[-1][0] == doctor.OK and "2 per local rank" in lines[-1][1]
 

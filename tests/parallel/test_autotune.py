@@ -16,7 +16,8 @@ WORKER = os.path.join(REPO_ROOT, "tests", "workers", "autotune_worker.py")
 
 
 def _env(**extra):
-    return rank_env(drop=("KERASDIST_AUTOTUNE", "KERASDIST_AUTOTUNE_LOG"), **extra)
+    return rank_env(drop=("KERASDIST_AUTOTUNE", "KERASDIST_AUTOTUNE_LOG"),
+                    **extra)
 
 
 def _ok(out, np_):

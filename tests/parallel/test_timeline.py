@@ -16,7 +16,8 @@ WORKER = os.path.join(REPO_ROOT, "tests", "workers", "timeline_worker.py")
 
 
 def _env(**extra):
-    return rank_env(drop=("KERASDIST_TIMELINE", "KERASDIST_TIMELINE_MARK_CYCLES"), **extra)
+    return rank_env(drop=("KERASDIST_TIMELINE",
+                          "KERASDIST_TIMELINE_MARK_CYCLES"), **extra)
 
 
 def _ok(out, np_):

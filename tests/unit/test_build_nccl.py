@@ -137,11 +137,12 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
         "out = {'nccl': kd.nccl_built()}\n"
         "for op in " + repr(_GPU_OPS + ("KerasdistBarrier",)) + ":\n"
         "    out[op] = sorted([k.device_type, sorted(k.host_memory_arg)]\n"
-        "                     for k in kernels.get_registered_kernels_for_op(op)"
-        ".kernel)\n"
+        "                     for k in "
+        "kernels.get_registered_kernels_for_op(op).kernel)\n"
         "print('RESULT', json.dumps(out))\n")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=(REPO_ROOT + os.pathsep
+                           + os.environ.get("PYTHONPATH", "")))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -152,6 +153,7 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     for op in _GPU_OPS:
         want = [["CPU", []]]
         if got["nccl"]:
-            host = ["received_splits", "splits"] if op == "KerasdistAlltoall" else []
+            host = (["received_splits", "splits"]
+                    if op == "KerasdistAlltoall" else [])
             want.append(["GPU", host])
         assert got[op] == want, (op, got[op])

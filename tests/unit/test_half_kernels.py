@@ -42,8 +42,9 @@ def _awkward_floats(rng):
                          5.96e-8, 2.98e-8, 6.1e-5, 3.4e38, -3.4e38,
                          1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
                          1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8], np.float32)
-    every_exponent = (rng.random(20000, np.float32) + 0.5) * np.float32(2.0) ** \
-        rng.integers(-30, 20, 20000).astype(np.float32)
+    every_exponent = ((rng.random(20000, np.float32) + 0.5)
+                      * np.float32(2.0)
+                      ** rng.integers(-30, 20, 20000).astype(np.float32))
     bits = rng.integers(0, 2 ** 32, 50000, dtype=np.uint64).astype(np.uint32)
     return np.concatenate([specials, every_exponent.astype(np.float32),
                            -every_exponent.astype(np.float32),

@@ -92,10 +92,12 @@ def test_slots_and_hydra_arg():
 @pytest.mark.parametrize("value,expected", [
     (None, "glibc.malloc.hugetlb=1"),
     ("", "glibc.malloc.hugetlb=1"),
-    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.arena_max=2",
+     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
     ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),
     ("a=1:glibc.malloc.hugetlb=2", "a=1:glibc.malloc.hugetlb=2"),
-    ("glibc.malloc.hugetlbx=1", "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.hugetlbx=1",
+     "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1"),
 ])
 def test_with_huge_pages_keeps_the_users_tunables(value, expected):
     assert _rank.with_huge_pages(value) == expected
@@ -335,7 +337,8 @@ def test_describe_status():
     assert job.status_exit_code(-9) == 137
     assert job.status_exit_code(3) == 3
     failure = job.RankFailure("1", "x", -9)
-    assert failure.describe() == "rank 1 (host x) exited with signal 9 (SIGKILL)"
+    assert failure.describe() == \
+        "rank 1 (host x) exited with signal 9 (SIGKILL)"
     assert failure.describe(with_host=False) == \
         "rank 1 exited with signal 9 (SIGKILL)"
 

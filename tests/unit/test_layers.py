@@ -85,7 +85,8 @@ def test_tf_ops_see_only_the_frontend_header():
     reach = _closure(os.path.join(CORE, "frontend.h"))
     for path in reach:
         for kind, inc in _includes(path):
-            assert inc != "mpi.h", f"{path} (reached from frontend.h) includes mpi.h"
+            assert inc != "mpi.h", \
+                f"{path} (reached from frontend.h) includes mpi.h"
     names = {os.path.basename(p) for p in reach}
     assert "runtime.h" not in names and "global.h" not in names, names
 

@@ -9,10 +9,10 @@ the slots), "shm" (every non-empty allreduce through shared-memory slots),
 agree on MPI) or "cma-mixed" (in-place reads off on odd ranks only: they must
 agree on the slots) or "hosts" (the single-node paths allowed for every
 size, as "cma", in a job that may span hosts: they must be used when all
-ranks share one host and never otherwise). The worker checks that the path was taken. "cma-choice"
-checks only how the in-place reads are chosen: a fused batch of small
-tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on average) goes through the
-slots, one of larger tensors is read in place.
+ranks share one host and never otherwise). The worker checks that the path
+was taken. "cma-choice" checks only how the in-place reads are chosen: a
+fused batch of small tensors (below KERASDIST_CMA_MIN_TENSOR_BYTES on
+average) goes through the slots, one of larger tensors is read in place.
 
 Named checks (tests/support/checks.py): group "collectives", one or more
 per collective (allreduce, allreduce_product, grouped_allreduce, allgather,
@@ -69,7 +69,8 @@ r, n = kd.rank(), kd.size()
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
 REDUCIBLE = FLOATS + [np.int32, np.int64]
 ALL = REDUCIBLE + [np.uint8, np.bool_]
-SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]  # the last is > threshold for every dtype
+# the last is > threshold for every dtype
+SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]
 _done = set()  # the allreduce checks that ran in this job (allreduce_path)
 
 
@@ -326,7 +327,7 @@ def check_broadcast():
            "broadcast scalar")
 
 
-# -- alltoall: even and explicit splits -----------------------------------------
+# -- alltoall: even and explicit splits ---------------------------------------
 @check("alltoall")
 def check_alltoall():
     for dt in (np.float32, np.int64, np.float16, np.bool_):
@@ -376,7 +377,7 @@ def check_barrier():
         barrier(f"barrier.{i}")
 
 
-# -- last: the path this job's allreduces took -----------------------------------
+# -- last: the path this job's allreduces took -------------------------------
 @check("allreduce_path")
 def check_allreduce_path():
     """The single-node paths the job's allreduces used against MODE's. Needs

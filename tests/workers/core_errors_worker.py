@@ -59,7 +59,8 @@ if mode == "init":
     # not reach the next (MPI may reuse the freed communicator's context id)
     for life in range(6):
         kd.init()
-        assert allreduce(np.ones(2), f"life.{life % 2}", op=kd.Sum).tolist() == [n] * 2
+        assert allreduce(np.ones(2), f"life.{life % 2}",
+                         op=kd.Sum).tolist() == [n] * 2
         kd.shutdown()
     print("OK init", flush=True)
 
@@ -72,7 +73,8 @@ elif mode == "comm":
     sub = world.Split(color=1 if last else 0, key=world.rank)
     kd.init(comm=sub)
     want_size = 1 if last else world.size - 1
-    assert kd.size() == want_size and kd.rank() == sub.rank, (kd.size(), kd.rank())
+    assert kd.size() == want_size and kd.rank() == sub.rank, \
+        (kd.size(), kd.rank())
     got = allreduce(np.array([world.rank], np.int64), "who", op=kd.Sum)
     want = world.rank if last else sum(range(world.size - 1))
     assert got.tolist() == [want], (got, want)
@@ -100,7 +102,8 @@ elif mode == "mismatch":
     expect_error(lambda: allreduce(np.zeros(2), "op.x",
                                    op=kd.Sum if r == 0 else kd.Max),
                  "Mismatched reduction op", "Sum", "Max")
-    expect_error(lambda: broadcast(np.zeros(2), r % 2 if n > 1 else 0, "root.x"),
+    expect_error(lambda: broadcast(np.zeros(2), r % 2 if n > 1 else 0,
+                                   "root.x"),
                  "Mismatched root rank", "'root.x'")
     if kd.nccl_built() and n > 1:
         # Host memory on rank 0, "GPU memory" elsewhere (ordinals differ
@@ -184,7 +187,8 @@ elif mode == "callback":
     assert got["shape"] == [3] and got["data"] is None, got
     assert out.tolist() == [n * (n + 1) / 2] * 3, out
     # allgather into memory the core owns: rank k sends k + 1 rows
-    got = enqueue_cb(c.OP_ALLGATHER, "cb.gather", np.full((r + 1, 2), r, np.int64))
+    got = enqueue_cb(c.OP_ALLGATHER, "cb.gather",
+                     np.full((r + 1, 2), r, np.int64))
     want = np.concatenate([np.full((k + 1, 2), k, np.int64) for k in range(n)])
     assert got["status"] == 0 and got["shape"] == list(want.shape), got
     assert (got["data"] == want).all(), got

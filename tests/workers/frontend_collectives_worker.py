@@ -419,7 +419,7 @@ def jit_trace_time_names():
 
 
 # ---- jax.jit at -np 2 or more: a shape only a trace-time guess could get
-# wrong must fail on every rank, not hang ---------------------------------------
+# wrong must fail on every rank, not hang -------------------------------------
 checks.group("jit_ranks", default=False)
 
 

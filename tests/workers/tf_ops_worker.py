@@ -27,7 +27,8 @@ r, n = kd.rank(), kd.size()
 def expect(got, want, what, tol=0.0):
     got = np.asarray(got)
     want = np.asarray(want)
-    if got.shape != want.shape or not np.allclose(got, want, rtol=tol, atol=tol):
+    if (got.shape != want.shape
+            or not np.allclose(got, want, rtol=tol, atol=tol)):
         raise AssertionError(f"{what}: got {got!r}, want {want!r}")
 
 

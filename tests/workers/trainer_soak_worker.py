@@ -2,7 +2,8 @@
 test_faults.py's soak test), under `kerasdist run --max-restarts K
 --min-np 1` on two test hosts with one rank each.
 
-    python -m kerasdist.run ... python trainer_soak_worker.py CKPT_DIR STATE_DIR SEED
+    python -m kerasdist.run ... python trainer_soak_worker.py \\
+        CKPT_DIR STATE_DIR SEED
 
 The model and data are trainer_fault_worker's (every example carries its id
 and each rank logs the ids it trains). Each attempt picks a fault from
