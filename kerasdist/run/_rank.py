@@ -385,17 +385,22 @@ class Units:
         return [rest + b"\n"] if rest else []
 
 
-def _pump(pipe, fd, prefix):
-    """Copies `pipe` to `fd`, one write() per prefixed piece (see Units)."""
-    units = Units()
-    source = pipe.fileno()
+def chunks(fd):
+    """What `fd` gives until its end, each read as it arrives."""
     while True:
         try:
-            data = os.read(source, 1 << 16)
+            data = os.read(fd, 1 << 16)
         except InterruptedError:
             continue
         if not data:
-            break
+            return
+        yield data
+
+
+def _pump(pipe, fd, prefix):
+    """Copies `pipe` to `fd`, one write() per prefixed piece (see Units)."""
+    units = Units()
+    for data in chunks(pipe.fileno()):
         for piece in units.feed(data):
             _write_all(fd, piece if piece == b"\n" else prefix + piece)
     for piece in units.close():

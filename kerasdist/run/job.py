@@ -301,14 +301,7 @@ class _Relay(threading.Thread):
         """mpiexec's output cut after each "\n" and each "\r": the wrappers
         write every line and every redraw of a line in one piece."""
         buf = b""
-        source = self.pipe.fileno()
-        while True:
-            try:
-                data = os.read(source, 1 << 16)
-            except InterruptedError:
-                continue
-            if not data:
-                break
+        for data in _rank.chunks(self.pipe.fileno()):
             buf += data
             start = 0
             for m in _PIECE_END_RE.finditer(buf):
