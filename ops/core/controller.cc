@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 
 #include "fusion.h"
 
@@ -232,7 +233,9 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
       report.warnings.push_back(
           "kerasdist: stall: " + line +
           " One or more ranks skipped this collective or are stuck before it "
-          "(all ranks must run the same collectives).");
+          "(all ranks must run the same collectives; where the ranks' data "
+          "differ in length, use kd.data.shard and "
+          "kd.callbacks.EqualizeStepsCallback).");
     }
     if (fail && report.shutdown_reason.empty()) {
       report.shutdown_reason =
@@ -256,6 +259,13 @@ bool AtEpochEnd(const std::string& op_and_name) {
   for (char& c : name) c = static_cast<char>(std::tolower(c));
   return name.find("epoch") != std::string::npos ||
          name.find("min_steps") != std::string::npos;
+}
+
+// 60 -> "60", 2.5 -> "2.5".
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
 }
 
 }  // namespace
@@ -315,8 +325,7 @@ std::string Coordinator::DeadlockReason(Clock::time_point now) {
             "kd.callbacks.EqualizeStepsCallback()";
   return "deadlock: every rank is waiting for collectives no other rank has "
          "submitted, unchanged for " +
-         std::to_string(static_cast<int>(bound)) + " s, so none can run: " +
-         ranks + ". " + cause +
+         Seconds(bound) + " s, so none can run: " + ranks + ". " + cause +
          ". Ending the job (KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS; 0 turns "
          "this off)";
 }
