@@ -58,7 +58,8 @@ def init(comm=None, verbose=False, **settings):
         **settings: runtime settings that override the `KERASDIST_*`
             environment variables: `fusion_threshold` (bytes),
             `cycle_time_ms`, `cache_capacity`, `stall_check_time_seconds`,
-            `stall_shutdown_time_seconds`, `timeline`, `timeline_mark_cycles`,
+            `stall_shutdown_time_seconds`, `deadlock_shutdown_time_seconds`,
+            `timeline`, `timeline_mark_cycles`,
             `autotune`, `autotune_log`, `log_level`, `shm_allreduce`,
             `shm_allreduce_min_bytes`, `cma_allreduce`,
             `cma_min_tensor_bytes` (the "`init()` keyword" column of

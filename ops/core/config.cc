@@ -33,6 +33,15 @@ std::vector<Setting> RuntimeSettings() {
        true,
        &C::stall_shutdown_time_s, 0, {},
        "fail every rank when a tensor has waited this long (0 = never)"},
+      {"KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS",
+       "deadlock_shutdown_time_seconds", true,
+       &C::deadlock_shutdown_time_s, 0, {},
+       "a certain deadlock (every rank waits on collectives that no other "
+       "rank submitted, as after uneven data or a skipped collective) ends "
+       "the job after this long with nothing submitted meanwhile: every "
+       "rank's pending collectives fail with one line naming each rank's "
+       "collectives and the likely cause (rank 0's value holds; 0 = never). "
+       "See [launcher.md](launcher.md#when-things-fail)"},
       {"KERASDIST_HEARTBEAT_TIMEOUT_SECONDS", "heartbeat_timeout_seconds", true,
        &C::heartbeat_timeout_s, 0, {},
        "a rank not heard from for this long is lost: every rank that learns "

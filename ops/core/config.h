@@ -25,6 +25,9 @@ struct Config {
       1024;  // response cache entries; 0 disables the cache
   double stall_check_time_s = 60.0;  // warn about tensors missing on some ranks
   double stall_shutdown_time_s = 0.0;  // 0 = never fail a stalled job
+  // Every rank blocked on collectives no other rank submitted: end the job
+  // after this long. 0 = never.
+  double deadlock_shutdown_time_s = 60.0;
   double heartbeat_timeout_s =
       30.0;  // a peer silent this long is lost; 0 = off
   double heartbeat_interval_s = 1.0;  // how often the ranks say they are alive

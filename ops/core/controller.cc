@@ -1,6 +1,8 @@
 #include "controller.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 
 #include "fusion.h"
 
@@ -47,6 +49,7 @@ void Coordinator::MarkReported(int rank, const std::string& name,
   Pending& p = it->second;
   if (p.have[rank]) return;
   p.have[rank] = true;
+  ++reports_;
   if (q != nullptr) {
     p.per_rank[rank] = *q;
   } else {
@@ -230,7 +233,9 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
       report.warnings.push_back(
           "kerasdist: stall: " + line +
           " One or more ranks skipped this collective or are stuck before it "
-          "(all ranks must run the same collectives).");
+          "(all ranks must run the same collectives; where the ranks' data "
+          "differ in length, use kd.data.shard and "
+          "kd.callbacks.EqualizeStepsCallback).");
     }
     if (fail && report.shutdown_reason.empty()) {
       report.shutdown_reason =
@@ -238,7 +243,91 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
           line;
     }
   }
+  if (report.shutdown_reason.empty()) {
+    report.shutdown_reason = DeadlockReason(now);
+    report.deadlock = !report.shutdown_reason.empty();
+  }
   return report;
+}
+
+namespace {
+
+// kerasdist's collectives at the end of an epoch (MetricAverageCallback's
+// "kerasdist.metric_average.epoch", EqualizeStepsCallback's count, ...).
+bool AtEpochEnd(const std::string& op_and_name) {
+  std::string name = op_and_name;
+  for (char& c : name) c = static_cast<char>(std::tolower(c));
+  return name.find("epoch") != std::string::npos ||
+         name.find("min_steps") != std::string::npos;
+}
+
+// 60 -> "60", 2.5 -> "2.5".
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
+}
+
+}  // namespace
+
+std::string Coordinator::DeadlockReason(Clock::time_point now) {
+  if (reports_ != reports_at_check_) {
+    reports_at_check_ = reports_;
+    unchanged_since_ = now;
+    return "";
+  }
+  const double bound = config_.deadlock_shutdown_time_s;
+  if (bound <= 0 || table_.empty() || !ready_.empty() ||
+      !group_ready_.empty() || shutdown_rank_ >= 0 ||
+      now - unchanged_since_ < std::chrono::duration<double>(bound)) {
+    return "";
+  }
+  // Each rank's pending collectives; a rank with none may still submit the
+  // missing ones (it is computing, or slow): no deadlock yet.
+  std::vector<std::vector<std::string>> waits(size_);
+  for (const auto& [name, p] : table_) {
+    for (int r = 0; r < size_; ++r) {
+      if (p.have[r])
+        waits[r].push_back(std::string(OpTypeName(p.op)) + " '" + name + "'");
+    }
+  }
+  bool some_at_epoch_end = false, some_training = false;
+  std::string ranks;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<std::string>& w = waits[r];
+    if (w.empty()) return "";
+    std::sort(w.begin(), w.end());
+    if (std::any_of(w.begin(), w.end(), AtEpochEnd)) {
+      some_at_epoch_end = true;
+    } else {
+      some_training = true;
+    }
+    std::string names;
+    for (size_t i = 0; i < w.size() && i < 3; ++i)
+      names += (i ? ", " : "") + w[i];
+    if (w.size() > 3) names += ", ...";
+    ranks += (r ? "; rank " : "rank ") + std::to_string(r) + " waits on " +
+             std::to_string(w.size()) + " (" + names + ")";
+  }
+  const std::string cause =
+      some_at_epoch_end && some_training
+          ? "Likely cause: uneven data: the ranks ran different numbers of "
+            "steps, so one reached the end of its epoch while another still "
+            "trains. Give every rank the same number of batches: shard with "
+            "kd.data.shard(...) and add "
+            "kd.callbacks.EqualizeStepsCallback() to fit() (or pass "
+            "steps_per_epoch=kd.data.equalize_steps(...))"
+          : "Likely cause: a rank skipped a collective the others ran (for "
+            "example after an exception it caught: look for it in that "
+            "rank's output) or submitted them under other names; every rank "
+            "must run the same collectives. If the ranks' data differ in "
+            "length, shard with kd.data.shard(...) and add "
+            "kd.callbacks.EqualizeStepsCallback()";
+  return "deadlock: every rank is waiting for collectives no other rank has "
+         "submitted, unchanged for " +
+         Seconds(bound) + " s, so none can run: " + ranks + ". " + cause +
+         ". Ending the job (KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS; 0 turns "
+         "this off)";
 }
 
 }  // namespace kerasdist::core

@@ -48,6 +48,7 @@ struct ReadyInfo {
 struct StallReport {
   std::vector<std::string> warnings;  // one line per newly stalled tensor
   std::string shutdown_reason;        // non-empty: fail the job
+  bool deadlock = false;  // the reason is a certain deadlock (DeadlockReason)
 };
 
 class Coordinator {
@@ -79,6 +80,12 @@ class Coordinator {
 
   struct Pending;
   struct Ready;
+  // A certain deadlock: every rank waits on at least one collective, none of
+  // them has been submitted by every rank (so none can run), and no rank has
+  // submitted anything for deadlock_shutdown_time_s. Then: one line naming
+  // each rank's pending collectives and the likely cause; else "".
+  std::string DeadlockReason(Clock::time_point now);
+
   // The table's entry for `name`, started (from a recycled node) if new.
   std::unordered_map<std::string, Pending>::iterator FindOrStart(
       const std::string& name, const Request* q, int32_t cached,
@@ -124,6 +131,9 @@ class Coordinator {
   std::unordered_map<std::string, std::vector<Ready>>
       group_ready_;  // waiting for the group
   int shutdown_rank_ = -1;
+  // Reports so far, and their count when DeadlockReason last saw it change.
+  uint64_t reports_ = 0, reports_at_check_ = 0;
+  Clock::time_point unchanged_since_;
   bool cache_enabled_ = true;
   bool record_ = false;
   std::vector<ReadyInfo> ready_info_;

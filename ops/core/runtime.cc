@@ -396,7 +396,8 @@ Status Runtime::ReceiveFromWorkers(bool* worked) {
 }
 
 // Once a second: warn about tensors some ranks submitted and others did not,
-// and shut the job down past the stall limit (*stopped).
+// and shut the job down past the stall limit or in a certain deadlock
+// (*stopped).
 Status Runtime::CheckStalls(Clock::time_point now, bool* stopped) {
   if (now - last_stall_check_ <= std::chrono::seconds(1)) return Status::OK();
   last_stall_check_ = now;
@@ -405,6 +406,8 @@ Status Runtime::CheckStalls(Clock::time_point now, bool* stopped) {
     if (config_.log_level > 0) std::fprintf(stderr, "%s\n", w.c_str());
   }
   if (report.shutdown_reason.empty()) return Status::OK();
+  if (report.deadlock && config_.log_level > 0)
+    std::fprintf(stderr, "kerasdist: %s.\n", report.shutdown_reason.c_str());
   CoordinatorMessage out;
   out.shutdown = true;
   out.shutdown_reason = report.shutdown_reason;
