@@ -11,8 +11,8 @@ namespace {
 
 using C = Config;
 
-// The coordinator, the timeline, autotune and logging.
-std::vector<Setting> RuntimeSettings() {
+// The coordinator: fusion, the cache, stalls and deadlocks.
+std::vector<Setting> CoordinatorSettings() {
   // clang-format off: one row per setting, its fields packed
   return {
       {"KERASDIST_FUSION_THRESHOLD", "fusion_threshold", true,
@@ -42,6 +42,14 @@ std::vector<Setting> RuntimeSettings() {
        "rank's pending collectives fail with one line naming each rank's "
        "collectives and the likely cause (rank 0's value holds; 0 = never). "
        "See [launcher.md](launcher.md#when-things-fail)"},
+  };
+  // clang-format on
+}
+
+// The heartbeat, the timeline, autotune, the GPU path's choice and logging.
+std::vector<Setting> RuntimeSettings() {
+  // clang-format off: one row per setting, its fields packed
+  return {
       {"KERASDIST_HEARTBEAT_TIMEOUT_SECONDS", "heartbeat_timeout_seconds", true,
        &C::heartbeat_timeout_s, 0, {},
        "a rank not heard from for this long is lost: every rank that learns "
@@ -143,7 +151,8 @@ std::vector<Setting> DataPathSettings() {
 // unit test compares).
 const std::vector<Setting>& Settings() {
   static const std::vector<Setting> settings = [] {
-    std::vector<Setting> all = RuntimeSettings();
+    std::vector<Setting> all = CoordinatorSettings();
+    for (Setting& s : RuntimeSettings()) all.push_back(std::move(s));
     for (Setting& s : DataPathSettings()) all.push_back(std::move(s));
     return all;
   }();
