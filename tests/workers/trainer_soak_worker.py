@@ -85,7 +85,11 @@ class Fault(keras.callbacks.Callback):
 def main():
     kd.init()
     print(f"worker: attempt {ATTEMPT} size {kd.size()}", flush=True)
-    trainer = Toy(extra_callbacks=[Fault()], epochs=6, batch_size=8,
+    # 16 epochs are 240 steps at two ranks. An attempt keeps about 6
+    # steps (its fault strikes 1-4 steps in, once a step checkpoint newer
+    # than its start is seen; 15 faults used up 6 epochs), so 20 faults
+    # end well before the training does.
+    trainer = Toy(extra_callbacks=[Fault()], epochs=16, batch_size=8,
                   learning_rate=0.01, checkpoint_dir=CKPT,
                   checkpoint_every_steps=2, seed=0, verbose=0)
     _Log.file = open(os.path.join(STATE, f"ids.a{ATTEMPT}.r{kd.rank()}"), "w")
