@@ -28,6 +28,11 @@ _EXPORTS = {
     "local_size": "basics", "cross_rank": "basics", "cross_size": "basics",
     "mpi_built": "basics", "nccl_built": "basics", "build_info": "basics",
     "current_settings": "basics",
+    # Horovod's build and job probes.
+    "ccl_built": "basics", "cuda_built": "basics", "ddl_built": "basics",
+    "gloo_built": "basics", "gloo_enabled": "basics",
+    "is_homogeneous": "basics", "mpi_enabled": "basics",
+    "mpi_threads_supported": "basics", "rocm_built": "basics",
     "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
     "Product": "basics",
     # The collectives of the framework the Keras backend runs on.
@@ -35,8 +40,19 @@ _EXPORTS = {
     "allgather": "collectives", "broadcast": "collectives",
     "broadcast_variables": "collectives", "alltoall": "collectives",
     "reducescatter": "collectives", "barrier": "collectives",
+    "grouped_allgather": "collectives",
+    "grouped_reducescatter": "collectives", "broadcast_": "collectives",
+    "broadcast_global_variables": "collectives",
+    "rank_op": "collectives", "local_rank_op": "collectives",
+    "size_op": "collectives", "local_size_op": "collectives",
+    # Python objects, the same on every framework.
+    "broadcast_object": "objects", "broadcast_object_fn": "objects",
+    "allgather_object": "objects",
     "DistributedOptimizer": "optimizer", "Compression": "compression",
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
+    "PartialDistributedOptimizer": "optimizer",
+    "PartialDistributedGradientTape": "tensorflow.tape",
+    "load_model": "saving",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
 }

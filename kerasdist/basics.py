@@ -98,6 +98,7 @@ def init(comm=None, verbose=False, **settings):
         pmi_env, launch = {}, None
         if comm is None and not is_initialized():
             launch, pmi_env = _join_launch(lib)
+        starting = not is_initialized()
         saved = {k: os.environ.get(k) for k in pmi_env}
         os.environ.update(pmi_env)
         try:
@@ -113,6 +114,8 @@ def init(comm=None, verbose=False, **settings):
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
+        if starting:
+            _learn_homogeneity()
         if launch is not None and (verbose or (
                 launch.coordinator is not None and rank() == 0)):
             sys.stderr.write(f"kerasdist: {started_line(launch)}\n")
@@ -267,3 +270,100 @@ def current_settings():
     runtime holds it (booleans as "1" or "0"); {} before `init()`.
     """
     return _capi.current_settings()
+
+
+# ---- Horovod's build and job probes ------------------------------------------
+
+# MPI_THREAD_MULTIPLE in mpi.h: 3 in MPICH (which the core links) and Open MPI.
+_MPI_THREAD_MULTIPLE = 3
+_homogeneous = None  # learnt by init()
+
+
+def _learn_homogeneity():
+    """Learns, once per `init()`, whether every host runs as many ranks:
+    one small allgather of the local sizes, which every rank of the job
+    makes inside `init()` (so `is_homogeneous()` is a local query)."""
+    global _homogeneous
+    n = size()
+    if n == 1:
+        _homogeneous = True
+        return
+    import numpy as np
+    from kerasdist._core import host as _host
+    sizes = _host.host_allgather(np.array([local_size()], np.int64),
+                                 name="kerasdist.init.local_sizes")
+    _homogeneous = bool(np.all(sizes == sizes[0]))
+
+
+def _built(key):
+    return build_info().get(key, "0") not in ("", "0")
+
+
+def ccl_built():
+    """False: kerasdist has no oneCCL backend (Horovod's `ccl_built`)."""
+    return _built("ccl")
+
+
+def gloo_built():
+    """False: kerasdist has no Gloo backend; jobs without an MPI launcher
+    meet at a coordinator and then run on MPI (docs/launcher.md)."""
+    return _built("gloo")
+
+
+def ddl_built():
+    """False: kerasdist has no IBM DDL backend."""
+    return _built("ddl")
+
+
+def cuda_built():
+    """True if the library was built with the GPU backend on CUDA (its
+    build info then names the CUDA runtime: `build_info()["gpu_backend"]`,
+    for example "NCCL 2.27.3, CUDA 13.0")."""
+    return "CUDA" in build_info().get("gpu_backend", "")
+
+
+def rocm_built():
+    """False unless the GPU backend was built on ROCm, which kerasdist's
+    build does not offer (read from `build_info()["gpu_backend"]`)."""
+    return "ROCm" in build_info().get("gpu_backend", "")
+
+
+def mpi_enabled():
+    """True while the runtime runs, on MPI (every kerasdist job does);
+    False before `init()` and after `shutdown()`."""
+    return is_initialized()
+
+
+def gloo_enabled():
+    """False: no kerasdist job runs on Gloo."""
+    return False
+
+
+def mpi_threads_supported():
+    """True if MPI runs with MPI_THREAD_MULTIPLE, so that other MPI users
+    in the process (mpi4py) may call MPI next to kerasdist's thread.
+
+    Raises:
+        RuntimeError: if kerasdist is not initialized.
+    """
+    if not is_initialized():
+        raise RuntimeError(
+            "kerasdist is not initialized; call kerasdist.init() before "
+            "kerasdist.mpi_threads_supported().")
+    level = ctypes.c_int(-1)
+    _capi.lib().MPI_Query_thread(ctypes.byref(level))
+    return level.value >= _MPI_THREAD_MULTIPLE
+
+
+def is_homogeneous():
+    """True if every host of the job runs the same number of ranks (as
+    `local_size()` counts them), learnt from all hosts during `init()`.
+
+    Raises:
+        RuntimeError: if kerasdist is not initialized.
+    """
+    if not is_initialized():
+        raise RuntimeError(
+            "kerasdist is not initialized; call kerasdist.init() before "
+            "kerasdist.is_homogeneous().")
+    return _homogeneous

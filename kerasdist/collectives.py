@@ -16,7 +16,11 @@ An implementation module provides `require_init()`, `check_op(op, what)`,
 `auto_name(kind, name)` (the name ranks match an unnamed collective by),
 `tensor(x, what)` (its framework's tensor), one function per collective
 taking converted tensors and a resolved name, and `variable_value(v)` and
-`no_grad()` for `broadcast_variables`.
+`no_grad()` for `broadcast_variables`. Optionally (TensorFlow):
+`topology_op(query, name)` for `rank_op` & co (elsewhere an array of the
+value), `assign(variables, values)` for `broadcast_` (elsewhere each
+variable's `assign`), and `global_variables()` and `group(tensors)` for
+`broadcast_global_variables` (elsewhere it raises).
 
 Importing this module imports no framework.
 """
@@ -26,7 +30,10 @@ import numpy as np
 from kerasdist import basics
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
-           "broadcast_variables", "grouped_allreduce", "reducescatter"]
+           "broadcast_", "broadcast_global_variables", "broadcast_variables",
+           "grouped_allgather", "grouped_allreduce", "grouped_reducescatter",
+           "local_rank_op", "local_size_op", "rank_op", "reducescatter",
+           "size_op"]
 
 # The frameworks kerasdist runs on, as Keras names its backends.
 FRAMEWORKS = ("tensorflow", "jax", "torch")
@@ -83,6 +90,27 @@ def _check_root(root_rank):
         raise ValueError(f"root_rank must be an int in [0, {size}), got "
                          f"{root_rank!r}.")
     return int(root_rank)
+
+
+def _tensor_list(tensors, what):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} expects a list of tensors; got "
+                        f"{type(tensors).__name__} (for one tensor call "
+                        f"{what.replace('grouped_', '')}).")
+    return list(tensors)
+
+
+def _variable_list(variables, what):
+    if hasattr(variables, "assign"):
+        variables = [variables]
+    variables = list(variables)
+    for v in variables:
+        if not hasattr(v, "assign"):
+            raise TypeError(f"{what} assigns in place, so it takes variables "
+                            "(Keras variables, or tf.Variables on "
+                            f"TensorFlow); got {type(v).__name__}. Use "
+                            "broadcast for tensors.")
+    return variables
 
 
 class _Collectives:
@@ -353,9 +381,222 @@ def bind(impl):
         impl.require_init()
         impl.barrier(impl.auto_name("barrier", name))
 
+    def grouped_allgather(tensors, name=None):
+        """Allgathers each tensor of a list (see `allgather`).
+
+        The members are named `<name>.<i>` and negotiated one by one: the
+        allgather ops carry no group (only the allreduce's do), so a group
+        is the same as one `allgather` per tensor under those names, issued
+        together.
+
+        Args:
+            tensors: a list (or tuple) of tensors, each as `allgather`
+                takes; the first dimension of each may differ between
+                ranks.
+            name: the group's name (see `allreduce`).
+
+        Returns:
+            A list of gathered tensors, in the input order (empty for an
+            empty list). Differentiable as `allgather`.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            TypeError: if `tensors` is not a list or tuple.
+
+        Example:
+        >>> a, b = kd.grouped_allgather([x, y])
+        """
+        impl.require_init()
+        tensors = [impl.tensor(t, "allgather")
+                   for t in _tensor_list(tensors, "grouped_allgather")]
+        if not tensors:
+            return []
+        base = impl.auto_name("grouped_allgather", name)
+        return [impl.allgather(t, f"{base}.{i}")
+                for i, t in enumerate(tensors)]
+
+    def grouped_reducescatter(tensors, op=basics.Average, name=None,
+                              prescale_factor=1.0, postscale_factor=1.0):
+        """Reducescatters each tensor of a list (see `reducescatter`).
+
+        The members are named `<name>.<i>` and negotiated one by one: the
+        reducescatter ops carry no group (only the allreduce's do), so a
+        group is the same as one `reducescatter` per tensor under those
+        names, issued together.
+
+        Args:
+            tensors: a list (or tuple) of tensors, each as `reducescatter`
+                takes.
+            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
+                `Product`.
+            name: the group's name (see `allreduce`).
+            prescale_factor: multiplies every input before the reduction.
+            postscale_factor: multiplies every result after it.
+
+        Returns:
+            A list with this rank's rows of each reduction, in the input
+            order (empty for an empty list). Differentiable for Sum and
+            Average.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            TypeError: if `tensors` is not a list or tuple.
+            ValueError: for an unknown `op`.
+
+        Example:
+        >>> mine = kd.grouped_reducescatter([a, b], op=kd.Sum)
+        """
+        impl.require_init()
+        impl.check_op(op, "grouped_reducescatter")
+        tensors = [impl.tensor(t, "reducescatter")
+                   for t in _tensor_list(tensors, "grouped_reducescatter")]
+        if not tensors:
+            return []
+        base = impl.auto_name("grouped_reducescatter", name)
+        return [impl.reducescatter(t, op, f"{base}.{i}", prescale_factor,
+                                   postscale_factor)
+                for i, t in enumerate(tensors)]
+
+    def broadcast_(variables, root_rank, name=None):
+        """Assigns `root_rank`'s values to `variables` in place and returns
+        their new values.
+
+        Unlike `broadcast_variables` (names from the variables' paths), the
+        members are named `<name>.<i>` by position, so every rank must pass
+        the same variables in the same order.
+
+        Args:
+            variables: a list of variables: Keras variables, or on
+                TensorFlow also `tf.Variable`s.
+            root_rank: the rank whose values everyone gets.
+            name: the name ranks match this broadcast by (see `allreduce`).
+
+        Returns:
+            A list of the variables' values after the assignment (in a
+            TensorFlow graph, tensors that run the assignments first).
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized.
+            TypeError: if an element is not a variable.
+            ValueError: if `root_rank` is not an int in `[0, size())`.
+
+        Example:
+        >>> kd.broadcast_([model.kernel, model.bias], root_rank=0)
+        """
+        impl.require_init()
+        root_rank = _check_root(root_rank)
+        variables = _variable_list(variables, "broadcast_")
+        if not variables:
+            return []
+        base = impl.auto_name("broadcast_", name)
+        with impl.no_grad():
+            values = [broadcast(impl.variable_value(v), root_rank,
+                                name=f"{base}.{i}")
+                      for i, v in enumerate(variables)]
+            assign = getattr(impl, "assign", None)
+            if assign is not None:
+                return assign(variables, values)
+            for v, value in zip(variables, values):
+                v.assign(value)
+        return values
+
+    def broadcast_global_variables(root_rank):
+        """Broadcasts TensorFlow's global variables
+        (`tf.compat.v1.global_variables()`) from `root_rank`, in graph mode.
+
+        As in Horovod, only for TF1-style graphs: it returns the op that
+        assigns them (run it in a `tf.compat.v1.Session`). Eagerly (and on
+        JAX and PyTorch) there are no global variables: use
+        `broadcast_variables(model.variables, root_rank)`.
+
+        Args:
+            root_rank: the rank whose values everyone gets.
+
+        Returns:
+            A `tf.Operation` that assigns every global variable.
+
+        Raises:
+            RuntimeError: eagerly, on JAX or PyTorch, or if kerasdist is not
+                initialized.
+            ValueError: if `root_rank` is not an int in `[0, size())`.
+
+        Example:
+        >>> with tf.Graph().as_default():
+        ...     ...
+        ...     bcast = kd.broadcast_global_variables(0)
+        ...     session.run(bcast)
+        """
+        impl.require_init()
+        root_rank = _check_root(root_rank)
+        global_variables = getattr(impl, "global_variables", None)
+        variables = None if global_variables is None else global_variables()
+        if variables is None:
+            raise RuntimeError(
+                "kerasdist.broadcast_global_variables() does not support "
+                "eager execution. Please use "
+                "`kerasdist.broadcast_variables(<model/optimizer variables>)` "
+                "instead.")
+        return impl.group(broadcast_(variables, root_rank,
+                                     name="broadcast_global_variables"))
+
+    def _topology_op(query, what, name):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{what}(name=...) must be a str or None; got "
+                            f"{type(name).__name__}.")
+        op = getattr(impl, "topology_op", None)
+        if op is not None:
+            return op(query, name)
+        return impl.tensor(np.int32(query()), what)
+
+    def rank_op(name=None):
+        """`rank()` as a scalar int32 tensor. On TensorFlow it is an op
+        that reads the rank when it runs (also inside a `tf.function` or
+        a graph built before `init()`); on JAX and PyTorch an array of the
+        rank when called (inside `jax.jit`: when traced).
+
+        Args:
+            name: the op's name (TensorFlow).
+
+        Raises:
+            RuntimeError: when it runs before `init()`.
+
+        Example:
+        >>> r = kd.rank_op()
+        """
+        return _topology_op(basics.rank, "rank_op", name)
+
+    def local_rank_op(name=None):
+        """`local_rank()` as a scalar int32 tensor (see `rank_op`)."""
+        return _topology_op(basics.local_rank, "local_rank_op", name)
+
+    def size_op(process_set_id=0, name=None):
+        """`size()` as a scalar int32 tensor (see `rank_op`).
+
+        Args:
+            process_set_id: 0, the whole job (kerasdist has no process
+                sets yet).
+            name: the op's name (TensorFlow).
+
+        Raises:
+            ValueError: for another `process_set_id`.
+        """
+        if process_set_id != 0:
+            raise ValueError(
+                "size_op: process sets are not supported yet; "
+                f"process_set_id must be 0 (the whole job), got "
+                f"{process_set_id!r}.")
+        return _topology_op(basics.size, "size_op", name)
+
+    def local_size_op(name=None):
+        """`local_size()` as a scalar int32 tensor (see `rank_op`)."""
+        return _topology_op(basics.local_size, "local_size_op", name)
+
     functions = {f.__name__: f for f in (
         allreduce, grouped_allreduce, allgather, broadcast,
-        broadcast_variables, alltoall, reducescatter, barrier)}
+        broadcast_variables, alltoall, reducescatter, barrier,
+        grouped_allgather, grouped_reducescatter, broadcast_,
+        broadcast_global_variables, rank_op, local_rank_op, size_op,
+        local_size_op)}
     for f in functions.values():
         f.__qualname__ = f.__name__
     return _Collectives(dict(functions, framework=impl.FRAMEWORK))

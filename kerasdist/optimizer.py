@@ -31,7 +31,7 @@ from kerasdist._core import gradients as _gradients
 from kerasdist import _framework
 from kerasdist.compression import Compression
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 class _Settings:
@@ -52,7 +52,7 @@ def DistributedOptimizer(optimizer, name=None,
                          backward_passes_per_step=1,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
-                         num_groups=0):
+                         num_groups=0, scale_local_gradients=True):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks.
 
     The result is an instance of a subclass of `type(optimizer)` (so
@@ -98,6 +98,14 @@ def DistributedOptimizer(optimizer, name=None,
             finished first can start earlier. The result is the same
             either way. (Horovod's 0 meant one op per gradient; here that
             per-op cost is what grouping avoids.)
+        scale_local_gradients: divide the gradients of local variables
+            (`register_local_var`, `PartialDistributedOptimizer`'s
+            `local_layers`) by `size()`, as Horovod does (default True).
+
+    Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
+    on its rank (not reduced; divided by `size()` unless
+    `scale_local_gradients=False`), as Horovod's. Every rank must register
+    the same variables.
 
     With one rank (`size() == 1`) no collective is created: averaging over
     one rank is the identity, so only compression and
@@ -168,7 +176,8 @@ def DistributedOptimizer(optimizer, name=None,
         average_aggregated_gradients=average_aggregated_gradients,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups)
+        num_groups=num_groups,
+        scale_local_gradients=bool(scale_local_gradients))
     if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
@@ -188,6 +197,13 @@ def _distributed_class(base, settings):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
+            self._kerasdist_local = _LocalVariables()
+
+        def register_local_var(self, var):
+            """Keeps `var`'s gradient on this rank: it is not reduced
+            (divided by `size()` unless `scale_local_gradients=False`).
+            Every rank must register the same variables."""
+            self._kerasdist_local.add_variable(var, "register_local_var")
 
         def __setattr__(self, name, value):
             super().__setattr__(name, value)
@@ -254,12 +270,16 @@ def _distributed_class(base, settings):
                 self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
-            return _framework.reduce_gradients(
-                grads, variables, settings.prefix,
-                compression=settings.compression, op=settings.op,
-                sparse_as_dense=settings.sparse_as_dense,
-                gradient_predivide_factor=settings.gradient_predivide_factor,
-                num_groups=settings.num_groups)
+            def reduce(grads, variables):
+                return _framework.reduce_gradients(
+                    grads, variables, settings.prefix,
+                    compression=settings.compression, op=settings.op,
+                    sparse_as_dense=settings.sparse_as_dense,
+                    gradient_predivide_factor=(
+                        settings.gradient_predivide_factor),
+                    num_groups=settings.num_groups)
+            return self._kerasdist_local.reduce(
+                grads, variables, reduce, settings.scale_local_gradients)
 
     # Serialize as the user's class: the saved file then names it and loads
     # without kerasdist.
@@ -267,6 +287,118 @@ def _distributed_class(base, settings):
     _DistributedOptimizer.__qualname__ = base.__qualname__
     _DistributedOptimizer.__module__ = base.__module__
     return _DistributedOptimizer
+
+
+class _LocalVariables:
+    """The variables whose gradients stay on their rank (Horovod's
+    `register_local_var` and `local_layers`), matched by identity. Layers
+    are read when gradients are reduced, so a layer built after wrapping
+    counts with all its weights."""
+
+    def __init__(self):
+        self._variables = {}  # id -> variable (kept alive)
+        self._layers = []
+
+    def add_variable(self, var, what):
+        if not hasattr(var, "assign") or not hasattr(var, "shape"):
+            raise TypeError(f"{what} takes a variable (a Keras variable, or "
+                            "a tf.Variable on TensorFlow); got "
+                            f"{type(var).__name__}.")
+        self._variables[id(var)] = var
+
+    def add_layers(self, layers):
+        self._layers.extend(layers)
+
+    def ids(self):
+        ids = set(self._variables)
+        for layer in self._layers:
+            ids.update(id(v) for v in layer.trainable_weights)
+        return ids
+
+    def reduce(self, grads, variables, reduce, scale):
+        """`reduce(grads, variables)` on the global variables' gradients;
+        the local ones as they are, or divided by `size()` if `scale`."""
+        local = self.ids()
+        if not local:
+            return reduce(grads, variables)
+        keep = [i for i, v in enumerate(variables) if id(v) not in local]
+        reduced = reduce([grads[i] for i in keep],
+                         [variables[i] for i in keep])
+        out = [_scaled(g, basics.size()) if scale else g for g in grads]
+        for i, g in zip(keep, reduced):
+            out[i] = g
+        return out
+
+
+def _scaled(grad, n):
+    """`grad / n` (a `tf.IndexedSlices`' values); None stays None."""
+    if grad is None or n == 1:
+        return grad
+    if all(hasattr(grad, a) for a in ("values", "indices", "dense_shape")):
+        return type(grad)(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / n
+
+
+def _local_layers(local_layers, what):
+    """`local_layers` as a list of Keras layers; ValueError otherwise."""
+    import keras
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer)
+               for layer in local_layers):
+        raise ValueError(f"{what}: all local layers must be of "
+                         "keras.layers.Layer type.")
+    return local_layers
+
+
+def PartialDistributedOptimizer(optimizer, name=None,
+                                compression=Compression.none,
+                                sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=basics.Average,
+                                backward_passes_per_step=1,
+                                average_aggregated_gradients=False,
+                                num_groups=0, local_layers=None,
+                                scale_local_gradients=True):
+    """A `DistributedOptimizer` whose `local_layers` keep their gradients
+    on each rank, as Horovod's: their trainable weights are not reduced
+    (their gradients are divided by `size()` unless
+    `scale_local_gradients=False`); every other gradient is reduced as
+    `DistributedOptimizer` reduces it.
+
+    Args:
+        optimizer: as `DistributedOptimizer`'s.
+        local_layers: a `keras.layers.Layer` or a list of them (default
+            none: the same as `DistributedOptimizer`). Their trainable
+            weights are read when gradients are reduced, so a layer may be
+            built after wrapping. Every rank must pass the same layers.
+        scale_local_gradients: divide the local gradients by `size()`.
+        The other arguments are `DistributedOptimizer`'s.
+
+    Returns:
+        The distributed optimizer (`register_local_var` adds more local
+        variables).
+
+    Raises:
+        ValueError: if an element of `local_layers` is not a Keras layer,
+            or for arguments `DistributedOptimizer` refuses.
+
+    Example:
+    >>> opt = kerasdist.PartialDistributedOptimizer(
+    ...     keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]])
+    """
+    layers = _local_layers(local_layers, "PartialDistributedOptimizer")
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, compression=compression, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups, scale_local_gradients=scale_local_gradients)
+    wrapped._kerasdist_local.add_layers(layers)
+    return wrapped
 
 
 def _is_distributed(optimizer):

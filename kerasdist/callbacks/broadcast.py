@@ -30,9 +30,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             ranks after the broadcast, and of the trainable weights and
             optimizer variables at every epoch end; raise if one differs.
             It costs one small allgather per check.
+        local_variables: a variable or a list of variables (Keras
+            variables, or tf.Variables on TensorFlow) that keep each rank's
+            own value, as Horovod's: they are neither broadcast nor
+            verified (and `verify` then leaves the optimizer's variables
+            out at epoch ends, since the slots of local variables differ).
+            Every rank must pass the same ones.
 
     Raises:
-        ValueError: if `root_rank` is not a rank of the job.
+        ValueError: if `root_rank` is not a rank of the job, or an element
+            of `local_variables` is not a variable.
         RuntimeError: with `verify=True`, naming the first variable that
             differs between ranks.
 
@@ -45,11 +52,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, root_rank=0, verify=False):
+    def __init__(self, root_rank=0, verify=False, local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.verify = verify
         self._pending = False
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        if not all(_is_variable(v) for v in local_variables):
+            raise ValueError("BroadcastGlobalVariablesCallback: all local "
+                             "variables must be variables (Keras variables, "
+                             "or tf.Variables on TensorFlow).")
+        # id -> variable: matched by identity, and kept alive.
+        self._local = {id(v): v for v in local_variables}
+
+    def _global(self, variables):
+        return [v for v in variables if id(v) not in self._local]
 
     def on_train_begin(self, logs=None):
         size = basics.size()
@@ -68,14 +89,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self.verify and not self._pending:
-            variables = list(self.model.trainable_weights)
-            if self.model.optimizer is not None:
+            variables = self._global(self.model.trainable_weights)
+            # The optimizer's slots for local variables differ between
+            # ranks by design: with local variables only weights count.
+            if self.model.optimizer is not None and not self._local:
                 variables += list(self.model.optimizer.variables)
             _util.verify_identical(variables, f"end of epoch {epoch}")
 
     def _broadcast(self):
         _util.build_optimizer(self.model)
-        variables = _util.state_variables(self.model)
+        variables = self._global(_util.state_variables(self.model))
         # Names come from positions and shapes, not from variable paths:
         # auto-generated layer names ("dense_3") may differ between ranks
         # that built a different number of layers before this model.
@@ -84,3 +107,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         _framework.assign_broadcast(variables, self.root_rank, names)
         if self.verify:
             _util.verify_identical(variables, "after the broadcast")
+
+
+def _is_variable(v):
+    return hasattr(v, "assign") and hasattr(v, "shape")

@@ -11,11 +11,17 @@ is TensorFlow; this module is for TensorFlow code that does not go through
 Keras' backend choice.
 """
 
-from kerasdist.basics import (Average, Max, Min, Product, Sum, cross_rank,
-                              cross_size, init, is_initialized, local_rank,
-                              local_size, rank, shutdown, size)
+from kerasdist.basics import (Average, Max, Min, Product, Sum, ccl_built,
+                              cross_rank, cross_size, cuda_built, ddl_built,
+                              gloo_built, gloo_enabled, init, is_homogeneous,
+                              is_initialized, local_rank, local_size,
+                              mpi_built, mpi_enabled, mpi_threads_supported,
+                              nccl_built, rank, rocm_built, shutdown, size)
 from kerasdist.collectives import bound
-from kerasdist.tensorflow.tape import DistributedGradientTape
+from kerasdist.objects import (allgather_object, broadcast_object,
+                               broadcast_object_fn)
+from kerasdist.tensorflow.tape import (DistributedGradientTape,
+                                      PartialDistributedGradientTape)
 
 _api = bound("tensorflow")
 allgather = _api.allgather
@@ -23,12 +29,27 @@ allreduce = _api.allreduce
 alltoall = _api.alltoall
 barrier = _api.barrier
 broadcast = _api.broadcast
+broadcast_ = _api.broadcast_
+broadcast_global_variables = _api.broadcast_global_variables
 broadcast_variables = _api.broadcast_variables
+grouped_allgather = _api.grouped_allgather
 grouped_allreduce = _api.grouped_allreduce
+grouped_reducescatter = _api.grouped_reducescatter
+local_rank_op = _api.local_rank_op
+local_size_op = _api.local_size_op
+rank_op = _api.rank_op
 reducescatter = _api.reducescatter
+size_op = _api.size_op
 
-__all__ = ["Average", "DistributedGradientTape", "Max", "Min", "Product",
-           "Sum", "allgather", "allreduce", "alltoall", "barrier",
-           "broadcast", "broadcast_variables", "cross_rank", "cross_size",
-           "grouped_allreduce", "init", "is_initialized", "local_rank",
-           "local_size", "rank", "reducescatter", "shutdown", "size"]
+__all__ = ["Average", "DistributedGradientTape", "Max", "Min",
+           "PartialDistributedGradientTape", "Product", "Sum", "allgather",
+           "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+           "broadcast_", "broadcast_global_variables", "broadcast_object",
+           "broadcast_object_fn", "broadcast_variables", "ccl_built",
+           "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+           "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+           "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
+           "local_rank", "local_rank_op", "local_size", "local_size_op",
+           "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+           "rank", "rank_op", "reducescatter", "rocm_built", "shutdown",
+           "size", "size_op"]

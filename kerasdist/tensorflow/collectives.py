@@ -172,3 +172,48 @@ def _alltoall_grad(op, grad, _splits_grad):
     back, _ = _ops().kerasdist_alltoall(grad, op.outputs[1],
                                         tensor_name=_name(op))
     return back, None
+
+
+# ---- Horovod's process ops and in-place broadcasts (kerasdist/collectives.py)
+
+
+def topology_op(query, name):
+    """A scalar int32 tensor holding `query()` (rank, size...), read when
+    the op runs: eagerly at once, in a graph or `tf.function` at every
+    run, so a graph built before `init()` reads the job it runs in."""
+    import numpy as np
+
+    def value():
+        return np.int32(query())
+
+    out = tf.numpy_function(value, [], tf.int32, stateful=True, name=name)
+    out.set_shape([])
+    return out
+
+
+def global_variables():
+    """TF1's global variables in graph mode; None eagerly (there are
+    none)."""
+    if tf.executing_eagerly():
+        return None
+    return tf.compat.v1.global_variables()
+
+
+def assign(variables, values):
+    """Assigns `values` to `variables` and returns the new values: eagerly
+    read back; in a graph, tensors that depend on the assignments (so
+    running them runs the assignments)."""
+    if tf.executing_eagerly():
+        for v, x in zip(variables, values):
+            v.assign(x)
+        return [tf.convert_to_tensor(v) for v in variables]
+    updates = [v.assign(x, read_value=False) if isinstance(v, tf.Variable)
+               else v.assign(x) for v, x in zip(variables, values)]
+    with tf.control_dependencies([u for u in updates
+                                  if isinstance(u, (tf.Operation, tf.Tensor))]):
+        return [tf.identity(x) for x in values]
+
+
+def group(tensors):
+    """One op that runs all of `tensors`."""
+    return tf.group(*tensors)

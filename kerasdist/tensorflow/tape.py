@@ -8,7 +8,7 @@ from kerasdist._core import gradients as _gradients
 from kerasdist.tensorflow import gradients as _tf_gradients
 from kerasdist.compression import Compression
 
-__all__ = ["DistributedGradientTape"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 
 
 class DistributedGradientTape:
@@ -43,6 +43,13 @@ class DistributedGradientTape:
             `DistributedOptimizer`'s `num_groups`). Same result either way.
         name: prefix of the collective names (default
             "DistributedGradientTape").
+        scale_local_gradients: divide the gradients of local sources
+            (`register_local_source`) by `size()`, as Horovod does
+            (default True).
+
+    `tape.register_local_source(variable)` keeps that source's gradient on
+    its rank (not reduced), as Horovod's; every rank must register the
+    same sources.
 
     Raises:
         TypeError: if `tape` is not a `tf.GradientTape`.
@@ -59,7 +66,7 @@ class DistributedGradientTape:
 
     def __init__(self, tape, compression=Compression.none, op=basics.Average,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
-                 name=None, num_groups=0):
+                 name=None, num_groups=0, scale_local_gradients=True):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
@@ -75,6 +82,18 @@ class DistributedGradientTape:
         self._sparse_as_dense = sparse_as_dense
         self._predivide = gradient_predivide_factor
         self._prefix = name or "DistributedGradientTape"
+        self._scale_local = bool(scale_local_gradients)
+        from kerasdist.optimizer import _LocalVariables
+        self._local = _LocalVariables()
+
+    def register_local_source(self, source):
+        """Keeps `source`'s gradient on this rank: it is not reduced
+        (divided by `size()` unless `scale_local_gradients=False`).
+
+        Raises:
+            TypeError: if `source` is not a variable.
+        """
+        self._local.add_variable(source, "register_local_source")
 
     def __enter__(self):
         self._tape.__enter__()
@@ -105,10 +124,55 @@ class DistributedGradientTape:
                 "drop jit_compile=True from the enclosing tf.function.")
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        reduced = _tf_gradients.reduce_gradients(
-            flat_grads, flat_sources, self._prefix,
-            compression=self._compression, op=self._op,
-            sparse_as_dense=self._sparse_as_dense,
-            gradient_predivide_factor=self._predivide,
-            num_groups=self._num_groups)
+
+        def reduce(grads, sources):
+            return _tf_gradients.reduce_gradients(
+                grads, sources, self._prefix,
+                compression=self._compression, op=self._op,
+                sparse_as_dense=self._sparse_as_dense,
+                gradient_predivide_factor=self._predivide,
+                num_groups=self._num_groups)
+
+        reduced = self._local.reduce(flat_grads, flat_sources, reduce,
+                                     self._scale_local)
         return tf.nest.pack_sequence_as(sources, reduced)
+
+
+def PartialDistributedGradientTape(gradtape, compression=Compression.none,
+                                   sparse_as_dense=False, op=basics.Average,
+                                   gradient_predivide_factor=1.0,
+                                   num_groups=0, local_layers=None,
+                                   scale_local_gradients=True):
+    """A `DistributedGradientTape` whose `local_layers` keep their
+    gradients on each rank, as Horovod's: their trainable weights are not
+    reduced (their gradients are divided by `size()` unless
+    `scale_local_gradients=False`).
+
+    Args:
+        gradtape: the `tf.GradientTape` to wrap.
+        local_layers: a `keras.layers.Layer` or a list of them (default
+            none: the same as `DistributedGradientTape`), read when
+            `gradient()` runs. Every rank must pass the same layers.
+        scale_local_gradients: divide the local gradients by `size()`.
+        The other arguments are `DistributedGradientTape`'s.
+
+    Returns:
+        The distributed tape (`register_local_source` adds more).
+
+    Raises:
+        ValueError: if an element of `local_layers` is not a Keras layer.
+        TypeError: if `gradtape` is not a `tf.GradientTape`.
+
+    Example:
+    >>> tape = kerasdist.PartialDistributedGradientTape(
+    ...     tape, local_layers=[model.layers[-1]])
+    """
+    from kerasdist.optimizer import _local_layers
+    layers = _local_layers(local_layers, "PartialDistributedGradientTape")
+    tape = DistributedGradientTape(
+        gradtape, compression=compression, op=op,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        num_groups=num_groups, scale_local_gradients=scale_local_gradients)
+    tape._local.add_layers(layers)
+    return tape

@@ -1,0 +1,77 @@
+"""`load_model`: a saved Keras model whose optimizer is wrapped in
+`DistributedOptimizer` again, as Horovod's `hvd.load_model`."""
+
+from kerasdist.compression import Compression
+
+__all__ = ["load_model"]
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none):
+    """Loads a Keras model file and wraps its optimizer in
+    `kerasdist.DistributedOptimizer`, keeping the optimizer's state
+    (iterations, slots), so training continues where it was saved.
+
+    A model saved with a `DistributedOptimizer` names the plain optimizer
+    class (see `DistributedOptimizer`), so Keras loads it as that class;
+    this function then wraps it and compiles the model again with the same
+    loss, metrics and settings. A model saved without an optimizer (or not
+    compiled) is returned as Keras loads it.
+
+    Args:
+        filepath: the `.keras` file (or a legacy `.h5` file) to load.
+        custom_optimizers: optimizer classes that are not Keras' own, which
+            the file may name (registered as custom objects under their
+            class names).
+        custom_objects: more custom objects (layers, losses...), as
+            `keras.models.load_model` takes them.
+        compression: the wrapper's compression
+            (`kerasdist.Compression.none` or `.fp16`).
+
+    Returns:
+        The Keras model, compiled with the distributed optimizer.
+
+    Raises:
+        TypeError: if `custom_optimizers` holds something other than
+            optimizer classes, or `custom_objects` is not a dict.
+        ValueError: for a file Keras cannot read (Keras' own error).
+
+    Example:
+    >>> model = kerasdist.load_model("checkpoint-3.keras")
+    >>> model.fit(x, y, initial_epoch=3, epochs=10)
+    """
+    import keras
+
+    from kerasdist.optimizer import DistributedOptimizer, _is_distributed
+
+    objects = {}
+    for cls in custom_optimizers or ():
+        if not (isinstance(cls, type)
+                and issubclass(cls, keras.optimizers.Optimizer)):
+            raise TypeError("load_model(custom_optimizers=...) takes "
+                            "keras.optimizers.Optimizer subclasses; got "
+                            f"{cls!r}.")
+        objects[cls.__name__] = cls
+    if custom_objects is not None:
+        if not isinstance(custom_objects, dict):
+            raise TypeError("load_model(custom_objects=...) takes a dict of "
+                            "name: object; got "
+                            f"{type(custom_objects).__name__}.")
+        objects.update(custom_objects)
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or _is_distributed(optimizer):
+        return model
+    if not optimizer.built and getattr(model, "built", False):
+        optimizer.build(model.trainable_variables)
+    wrapped = DistributedOptimizer(optimizer, compression=compression)
+    compile_config = getattr(model, "_compile_config", None)
+    config = dict(getattr(compile_config, "config", None) or {})
+    if config:
+        # The same compile() Keras ran when loading, with the wrapper (and
+        # so its config, not the dropped optimizer's, when saving again).
+        config["optimizer"] = wrapped
+        model.compile(**config)
+    else:
+        model.optimizer = wrapped
+    return model
