@@ -7,7 +7,7 @@ __all__ = ["load_model"]
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
-               compression=Compression.none):
+               compression=Compression.none, legacy_opts=False):
     """Loads a Keras model file and wraps its optimizer in
     `kerasdist.DistributedOptimizer`, keeping the optimizer's state
     (iterations, slots), so training continues where it was saved.
@@ -27,6 +27,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
             `keras.models.load_model` takes them.
         compression: the wrapper's compression
             (`kerasdist.Compression.none` or `.fp16`).
+        legacy_opts: False; Keras 3 has no `keras.optimizers.legacy`
+            (Horovod's True loaded those).
 
     Returns:
         The Keras model, compiled with the distributed optimizer.
@@ -34,6 +36,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     Raises:
         TypeError: if `custom_optimizers` holds something other than
             optimizer classes, or `custom_objects` is not a dict.
+        ValueError: for `legacy_opts=True`.
         ValueError: for a file Keras cannot read (Keras' own error).
 
     Example:
@@ -44,6 +47,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
 
     from kerasdist.optimizer import DistributedOptimizer, _is_distributed
 
+    if legacy_opts:
+        raise ValueError("load_model(legacy_opts=True): Keras 3 has no "
+                         "keras.optimizers.legacy optimizers; save the model "
+                         "with a Keras 3 optimizer and load it with "
+                         "legacy_opts=False.")
     objects = {}
     for cls in custom_optimizers or ():
         if not (isinstance(cls, type)
