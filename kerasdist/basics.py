@@ -288,11 +288,22 @@ def _learn_homogeneity():
     if n == 1:
         _homogeneous = True
         return
+    mine = ctypes.c_int64(local_size())
+    h = _capi.Handle(_capi.OP_ALLGATHER, "kerasdist.init.local_sizes",
+                     _capi.DTYPES[_int64()], (1,),
+                     ctypes.c_void_p(ctypes.addressof(mine)), None)
+    h.wait()
+    ptr, shape = h.output()
+    if tuple(shape) != (n,) or not ptr:  # pragma: no cover
+        raise RuntimeError(f"kerasdist.init(): the local sizes came back "
+                           f"with shape {list(shape)}, expected [{n}].")
+    sizes = list((ctypes.c_int64 * n).from_address(ptr))  # h still holds it
+    _homogeneous = len(set(sizes)) == 1
+
+
+def _int64():
     import numpy as np
-    from kerasdist._core import host as _host
-    sizes = _host.host_allgather(np.array([local_size()], np.int64),
-                                 name="kerasdist.init.local_sizes")
-    _homogeneous = bool(np.all(sizes == sizes[0]))
+    return np.dtype(np.int64)
 
 
 def _built(key):

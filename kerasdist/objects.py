@@ -17,7 +17,6 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
-from kerasdist.collectives import _check_root
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_object_fn"]
 
@@ -25,6 +24,15 @@ try:
     import cloudpickle as _pickler  # functions, lambdas and local classes
 except ImportError:  # pragma: no cover
     _pickler = pickle
+
+
+def _check_root(root_rank):
+    n = basics.size()
+    if (not isinstance(root_rank, (int, np.integer))
+            or isinstance(root_rank, bool) or not 0 <= root_rank < n):
+        raise ValueError(f"root_rank must be an int in [0, {n}), got "
+                         f"{root_rank!r}.")
+    return int(root_rank)
 
 
 def _bytes(obj):

@@ -29,6 +29,7 @@ import sys
 from kerasdist import basics
 from kerasdist._core import gradients as _gradients
 from kerasdist import _framework
+from kerasdist import _local_gradients
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -197,7 +198,7 @@ def _distributed_class(base, settings):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
-            self._kerasdist_local = _LocalVariables()
+            self._kerasdist_local = _local_gradients.LocalVariables()
 
         def register_local_var(self, var):
             """Keeps `var`'s gradient on this rank: it is not reduced
@@ -289,71 +290,6 @@ def _distributed_class(base, settings):
     return _DistributedOptimizer
 
 
-class _LocalVariables:
-    """The variables whose gradients stay on their rank (Horovod's
-    `register_local_var` and `local_layers`), matched by identity. Layers
-    are read when gradients are reduced, so a layer built after wrapping
-    counts with all its weights."""
-
-    def __init__(self):
-        self._variables = {}  # id -> variable (kept alive)
-        self._layers = []
-
-    def add_variable(self, var, what):
-        if not hasattr(var, "assign") or not hasattr(var, "shape"):
-            raise TypeError(f"{what} takes a variable (a Keras variable, or "
-                            "a tf.Variable on TensorFlow); got "
-                            f"{type(var).__name__}.")
-        self._variables[id(var)] = var
-
-    def add_layers(self, layers):
-        self._layers.extend(layers)
-
-    def ids(self):
-        ids = set(self._variables)
-        for layer in self._layers:
-            ids.update(id(v) for v in layer.trainable_weights)
-        return ids
-
-    def reduce(self, grads, variables, reduce, scale):
-        """`reduce(grads, variables)` on the global variables' gradients;
-        the local ones as they are, or divided by `size()` if `scale`."""
-        local = self.ids()
-        if not local:
-            return reduce(grads, variables)
-        keep = [i for i, v in enumerate(variables) if id(v) not in local]
-        reduced = reduce([grads[i] for i in keep],
-                         [variables[i] for i in keep])
-        out = [_scaled(g, basics.size()) if scale else g for g in grads]
-        for i, g in zip(keep, reduced):
-            out[i] = g
-        return out
-
-
-def _scaled(grad, n):
-    """`grad / n` (a `tf.IndexedSlices`' values); None stays None."""
-    if grad is None or n == 1:
-        return grad
-    if all(hasattr(grad, a) for a in ("values", "indices", "dense_shape")):
-        return type(grad)(grad.values / n, grad.indices, grad.dense_shape)
-    return grad / n
-
-
-def _local_layers(local_layers, what):
-    """`local_layers` as a list of Keras layers; ValueError otherwise."""
-    import keras
-    if local_layers is None:
-        return []
-    if isinstance(local_layers, keras.layers.Layer):
-        return [local_layers]
-    local_layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer)
-               for layer in local_layers):
-        raise ValueError(f"{what}: all local layers must be of "
-                         "keras.layers.Layer type.")
-    return local_layers
-
-
 def PartialDistributedOptimizer(optimizer, name=None,
                                 compression=Compression.none,
                                 sparse_as_dense=False,
@@ -389,7 +325,8 @@ def PartialDistributedOptimizer(optimizer, name=None,
     >>> opt = kerasdist.PartialDistributedOptimizer(
     ...     keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]])
     """
-    layers = _local_layers(local_layers, "PartialDistributedOptimizer")
+    layers = _local_gradients.local_layers(local_layers,
+                                          "PartialDistributedOptimizer")
     wrapped = DistributedOptimizer(
         optimizer, name=name, compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,

@@ -45,7 +45,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """
     import keras
 
-    from kerasdist.optimizer import DistributedOptimizer, _is_distributed
+    from kerasdist.optimizer import DistributedOptimizer
 
     if legacy_opts:
         raise ValueError("load_model(legacy_opts=True): Keras 3 has no "
@@ -68,7 +68,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         objects.update(custom_objects)
     model = keras.models.load_model(filepath, custom_objects=objects or None)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or _is_distributed(optimizer):
+    if optimizer is None or _distributed(optimizer):
         return model
     if not optimizer.built and getattr(model, "built", False):
         optimizer.build(model.trainable_variables)
@@ -83,3 +83,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     else:
         model.optimizer = wrapped
     return model
+
+
+def _distributed(optimizer):
+    """True for a DistributedOptimizer or a wrapper around one."""
+    while optimizer is not None:
+        if getattr(optimizer, "_kerasdist_settings", None) is not None:
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False

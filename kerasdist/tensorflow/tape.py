@@ -4,6 +4,7 @@ over all ranks, for custom training loops."""
 import tensorflow as tf
 
 from kerasdist import basics
+from kerasdist import _local_gradients
 from kerasdist._core import gradients as _gradients
 from kerasdist.tensorflow import gradients as _tf_gradients
 from kerasdist.compression import Compression
@@ -83,8 +84,7 @@ class DistributedGradientTape:
         self._predivide = gradient_predivide_factor
         self._prefix = name or "DistributedGradientTape"
         self._scale_local = bool(scale_local_gradients)
-        from kerasdist.optimizer import _LocalVariables
-        self._local = _LocalVariables()
+        self._local = _local_gradients.LocalVariables()
 
     def register_local_source(self, source):
         """Keeps `source`'s gradient on this rank: it is not reduced
@@ -167,8 +167,8 @@ def PartialDistributedGradientTape(gradtape, compression=Compression.none,
     >>> tape = kerasdist.PartialDistributedGradientTape(
     ...     tape, local_layers=[model.layers[-1]])
     """
-    from kerasdist.optimizer import _local_layers
-    layers = _local_layers(local_layers, "PartialDistributedGradientTape")
+    layers = _local_gradients.local_layers(local_layers,
+                                          "PartialDistributedGradientTape")
     tape = DistributedGradientTape(
         gradtape, compression=compression, op=op,
         sparse_as_dense=sparse_as_dense,

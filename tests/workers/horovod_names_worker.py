@@ -257,12 +257,16 @@ def grouped_reducescatter():
     raises(ValueError, "op", lambda: kd.grouped_reducescatter(
         [member(R, 0)], op=99), "grouped_reducescatter(op=99)")
     x = member(R, 0)
-    weights = np.arange(1, 3, dtype=np.float32)
-    grouped = grad_of(lambda t: keras.ops.sum(
-        kd.grouped_reducescatter([t, t * 2.0], name="test.grs.g")[1]
-        * weights * (R + 1)), x)
-    alone = grad_of(lambda t: keras.ops.sum(
-        kd.reducescatter(t * 2.0, name="test.rs.g") * weights * (R + 1)), x)
+
+    def weighted(t):
+        weights = keras.ops.convert_to_tensor(np.arange(1, 3) * (R + 1.0),
+                                              "float32")
+        return keras.ops.sum(keras.ops.multiply(t, weights))
+
+    grouped = grad_of(lambda t: weighted(kd.grouped_reducescatter(
+        [t, t * 2.0], name="test.grs.g")[1]), x)
+    alone = grad_of(lambda t: weighted(kd.reducescatter(
+        t * 2.0, name="test.rs.g")), x)
     expect(grouped, alone, "grouped_reducescatter gradient", 1e-6)
 
 
