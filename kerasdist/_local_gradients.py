@@ -43,7 +43,8 @@ class LocalVariables:
         reduced = reduce([grads[i] for i in keep],
                          [variables[i] for i in keep])
         n = basics.size() if scale else 1
-        out = [scaled(g, n) for g in grads]  # the local ones' result
+        out = [scaled(g, n) if id(v) in local else None
+               for g, v in zip(grads, variables)]
         for i, g in zip(keep, reduced):
             out[i] = g
         return out
