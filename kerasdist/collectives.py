@@ -566,7 +566,14 @@ def bind(impl):
         return _topology_op(basics.rank, "rank_op", name)
 
     def local_rank_op(name=None):
-        """`local_rank()` as a scalar int32 tensor (see `rank_op`)."""
+        """`local_rank()` as a scalar int32 tensor (see `rank_op`).
+
+        Args:
+            name: the op's name (TensorFlow).
+
+        Example:
+        >>> gpu = kd.local_rank_op()
+        """
         return _topology_op(basics.local_rank, "local_rank_op", name)
 
     def size_op(process_set_id=0, name=None):
@@ -579,6 +586,9 @@ def bind(impl):
 
         Raises:
             ValueError: for another `process_set_id`.
+
+        Example:
+        >>> n = kd.size_op()
         """
         if process_set_id != 0:
             raise ValueError(
@@ -588,7 +598,14 @@ def bind(impl):
         return _topology_op(basics.size, "size_op", name)
 
     def local_size_op(name=None):
-        """`local_size()` as a scalar int32 tensor (see `rank_op`)."""
+        """`local_size()` as a scalar int32 tensor (see `rank_op`).
+
+        Args:
+            name: the op's name (TensorFlow).
+
+        Example:
+        >>> per_host = kd.local_size_op()
+        """
         return _topology_op(basics.local_size, "local_size_op", name)
 
     functions = {f.__name__: f for f in (

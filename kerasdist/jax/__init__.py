@@ -23,6 +23,7 @@ alltoall = _api.alltoall
 barrier = _api.barrier
 broadcast = _api.broadcast
 broadcast_ = _api.broadcast_
+broadcast_global_variables = _api.broadcast_global_variables
 broadcast_variables = _api.broadcast_variables
 grouped_allgather = _api.grouped_allgather
 grouped_allreduce = _api.grouped_allreduce
@@ -35,7 +36,7 @@ size_op = _api.size_op
 
 __all__ = ["Average", "Max", "Min", "Product", "Sum", "allgather",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
-           "broadcast_", "broadcast_object",
+           "broadcast_", "broadcast_global_variables", "broadcast_object",
            "broadcast_object_fn", "broadcast_variables", "ccl_built",
            "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
            "gloo_enabled", "grouped_allgather", "grouped_allreduce",

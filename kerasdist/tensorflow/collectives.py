@@ -209,8 +209,8 @@ def assign(variables, values):
         return [tf.convert_to_tensor(v) for v in variables]
     updates = [v.assign(x, read_value=False) if isinstance(v, tf.Variable)
                else v.assign(x) for v, x in zip(variables, values)]
-    with tf.control_dependencies([u for u in updates
-                                  if isinstance(u, (tf.Operation, tf.Tensor))]):
+    ops = [u for u in updates if isinstance(u, (tf.Operation, tf.Tensor))]
+    with tf.control_dependencies(ops):
         return [tf.identity(x) for x in values]
 
 
