@@ -126,15 +126,18 @@ def reduce_gradients(grads, variables, prefix, compression=None,
     if basics.size() == 1 or not index:
         reduced = [w for w, _ in wires]
     else:
+        from kerasdist._core.gradients import source_label
+        labels = [source_label(variables[i], i) if variables else None
+                  for i in index]
         reduced = _grouped([w for w, _ in wires], prefix, op,
-                           gradient_predivide_factor, num_groups)
+                           gradient_predivide_factor, num_groups, labels)
     for i, r, (_, ctx) in zip(index, reduced, wires):
         out[i] = compression.decompress(r, ctx)
     return out
 
 
-def _grouped(wires, prefix, op, predivide, num_groups):
-    from kerasdist._core.gradients import split_groups
+def _grouped(wires, prefix, op, predivide, num_groups, labels):
+    from kerasdist._core.gradients import label_members, split_groups
     front = collectives()
     if predivide != 1.0:
         op, prescale, postscale = (basics.Sum, 1.0 / predivide,
@@ -144,9 +147,10 @@ def _grouped(wires, prefix, op, predivide, num_groups):
     groups = num_groups if num_groups > 0 else 1
     reduced = []
     for g, members in enumerate(split_groups(len(wires), groups)):
+        group = unique_name(f"{prefix}.group{g}of{groups}")
+        label_members(group, [labels[j] for j in members])
         reduced += front.grouped_allreduce(
-            [wires[j] for j in members], op=op,
-            name=unique_name(f"{prefix}.group{g}of{groups}"),
+            [wires[j] for j in members], op=op, name=group,
             prescale_factor=prescale, postscale_factor=postscale)
     return reduced
 

@@ -142,6 +142,8 @@ def lib():
         l.kerasdist_start_timeline.restype = i
         l.kerasdist_stop_timeline.argtypes = []
         l.kerasdist_stop_timeline.restype = i
+        l.kerasdist_label_tensor.argtypes = [s, s]
+        l.kerasdist_label_tensor.restype = i
         l.kerasdist_stats.argtypes = [pi64, pi64, pd]
         l.kerasdist_stats.restype = i
         l.kerasdist_set_tunables.argtypes = [i64, d, i]
@@ -152,6 +154,20 @@ def lib():
         l.kerasdist_release.restype = None
         _lib = l
         return l
+
+
+_labelled = {}
+
+
+def label_tensors(pairs):
+    """Names timeline rows: each (tensor name, label) pair, e.g. a grouped
+    gradient member `DistributedOptimizer.group0of1.3` and its variable's
+    path. A pair already set is skipped, so calling this at every step
+    costs a dict lookup per tensor."""
+    for name, label in pairs:
+        if _labelled.get(name) != label:
+            lib().kerasdist_label_tensor(name.encode(), label.encode())
+            _labelled[name] = label
 
 
 def last_error():

@@ -28,6 +28,27 @@ def check_args(op, compression, gradient_predivide_factor, num_groups, what):
                          f"{num_groups!r}.")
 
 
+def source_label(source, index):
+    """A gradient source's name for people: a Keras variable's path, a
+    tf.Variable's name (without ":0"), else `source<index>`."""
+    for attr in ("path", "name"):
+        try:
+            value = getattr(source, attr, None)
+        except (AttributeError, ValueError):  # eager tensors have no name
+            value = None
+        if value:
+            return str(value).replace(":0", "")
+    return f"source{index}"
+
+
+def label_members(group_name, labels):
+    """Names the timeline rows of a grouped collective's members
+    (`<group_name>.<i>`) after `labels` (one per member; None: none)."""
+    from kerasdist._core import capi
+    capi.label_tensors((f"{group_name}.{k}", label)
+                       for k, label in enumerate(labels) if label)
+
+
 def split_groups(count, num_groups):
     """Splits range(count) into min(num_groups, count) contiguous lists
     whose lengths differ by at most one (longer ones first), like

@@ -6,7 +6,8 @@ import tensorflow as tf
 
 from kerasdist import basics
 from kerasdist.collectives import bound
-from kerasdist._core.gradients import split_groups
+from kerasdist._core.gradients import (label_members, source_label,
+                                       split_groups)
 
 
 def in_xla_context():
@@ -23,17 +24,6 @@ def in_xla_context():
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
-def _source_name(source, index):
-    for attr in ("path", "name"):
-        try:
-            value = getattr(source, attr, None)
-        except (AttributeError, ValueError):  # eager tensors have no name
-            value = None
-        if value:
-            return str(value).replace(":0", "")
-    return f"source{index}"
-
-
 def gradient_names(prefix, sources):
     """One collective name per source, identical on every rank.
 
@@ -41,7 +31,7 @@ def gradient_names(prefix, sources):
     they depend only on how the model was built, not on call order. Sources
     without a name fall back to their position.
     """
-    names = [f"{prefix}.{_source_name(s, i)}" for i, s in enumerate(sources)]
+    names = [f"{prefix}.{source_label(s, i)}" for i, s in enumerate(sources)]
     if len(set(names)) != len(names):
         names = [f"{n}.{i}" for i, n in enumerate(names)]
     if not tf.executing_eagerly():
@@ -113,9 +103,11 @@ def reduce_gradients(grads, sources, prefix, compression=None,
     reduced = []
     if dense:
         for g, members in enumerate(split_groups(len(dense), groups)):
+            group = _group_name(prefix, g, groups)
+            label_members(group, [source_label(sources[dense[j][0]],
+                                               dense[j][0]) for j in members])
             reduced += bound("tensorflow").grouped_allreduce(
-                [wires[j] for j in members], op=dense_op,
-                name=_group_name(prefix, g, groups),
+                [wires[j] for j in members], op=dense_op, name=group,
                 prescale_factor=prescale, postscale_factor=postscale)
     for (i, _, _, ctx), r in zip(dense, reduced):
         out[i] = compression.decompress(r, ctx)

@@ -222,6 +222,13 @@ int kerasdist_start_timeline(const char* path, int mark_cycles) {
   return s.ok() ? 0 : Fail(s.message());
 }
 
+int kerasdist_label_tensor(const char* name, const char* label) {
+  if (name == nullptr || label == nullptr)
+    return Fail("label_tensor needs a tensor name and a label.");
+  SetTensorLabel(name, label);
+  return 0;
+}
+
 int kerasdist_stop_timeline(void) {
   KD_REQUIRE_RUNTIME(rt)
   rt->StopTimeline();

@@ -77,6 +77,11 @@ const char* kerasdist_timeline_phases(void);
 /* Timeline (rank 0 writes; elsewhere these succeed and do nothing). */
 int kerasdist_start_timeline(const char* path, int mark_cycles);
 int kerasdist_stop_timeline(void);
+/* Names the timeline row of tensor `name` after `label` (a gradient's
+   variable); the tensor's name moves to the row's args.tensor. Needs no
+   runtime: a label set before init or before a timeline starts is kept.
+   0, or -1 with kerasdist_last_error() when an argument is NULL. */
+int kerasdist_label_tensor(const char* name, const char* label);
 /* Cumulative counters since init. */
 int kerasdist_stats(int64_t* allreduced_bytes, int64_t* collectives,
                     double* busy_seconds);

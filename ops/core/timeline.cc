@@ -45,6 +45,34 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
+namespace {
+
+std::mutex& LabelsMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::unordered_map<std::string, std::string>& Labels() {
+  static auto* labels = new std::unordered_map<std::string, std::string>();
+  return *labels;
+}
+
+// The row's display name and its args: the label, if any, with the tensor.
+std::string RowArgs(const std::string& tensor) {
+  std::lock_guard<std::mutex> lock(LabelsMutex());
+  auto it = Labels().find(tensor);
+  if (it == Labels().end()) return "\"name\":\"" + JsonEscape(tensor) + "\"";
+  return "\"name\":\"" + JsonEscape(it->second) + "\",\"tensor\":\"" +
+         JsonEscape(tensor) + "\"";
+}
+
+}  // namespace
+
+void SetTensorLabel(const std::string& tensor, const std::string& label) {
+  std::lock_guard<std::mutex> lock(LabelsMutex());
+  Labels()[tensor] = label;
+}
+
 Status Timeline::Open(const std::string& path, bool mark_cycles,
                       std::shared_ptr<Timeline>* out) {
   std::FILE* f = std::fopen(path.c_str(), "w");
@@ -87,8 +115,8 @@ int Timeline::Row(const std::string& tensor) {
   int row = static_cast<int>(rows_.size()) + 1;  // row 0 holds cycle markers
   rows_.emplace(tensor, row);
   meta_.push_back("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
-                  std::to_string(row) + ",\"args\":{\"name\":\"" +
-                  JsonEscape(tensor) + "\"}}");
+                  std::to_string(row) + ",\"args\":{" + RowArgs(tensor) +
+                  "}}");
   return row;
 }
 

@@ -93,6 +93,13 @@ class Timeline {
 
 std::string JsonEscape(const std::string& s);
 
+// A name users recognise for a tensor (a gradient's variable), shown as the
+// name of its timeline row; the tensor's own name moves to the row's
+// args.tensor. Any thread may set one, at any time: a row takes the label
+// its tensor has when the row is first written. Labels are per process;
+// rank 0's name the rows, since rank 0 writes the file.
+void SetTensorLabel(const std::string& tensor, const std::string& label);
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_TIMELINE_H_

@@ -75,6 +75,34 @@ def test_env_timeline_rows_and_phases(tmp_path):
                                                      + 8 * 4)
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_gradient_rows_named_after_variables(tmp_path, backend):
+    # DistributedOptimizer's grouped members are named by position
+    # (DistributedOptimizer.group0of1.<i>); their rows carry the variables'
+    # paths, the members' names in args.tensor. The JAX path is also
+    # PyTorch's (kerasdist/_framework.py).
+    out = launch(2, [sys.executable, WORKER, "fit", str(tmp_path)],
+                 timeout=240, env=_env(KERAS_BACKEND=backend))
+    _ok(out, 2)
+    with open(tmp_path / "fit.json") as f:
+        events = json.load(f)
+    meta = [e["args"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"]
+    labelled = {a["name"]: a["tensor"] for a in meta if "tensor" in a}
+    for layer in ("first", "second"):
+        for var in ("kernel", "bias"):
+            hits = [n for n in labelled if n.endswith(f"{layer}/{var}")]
+            assert len(hits) == 1, (layer, var, labelled)
+            assert labelled[hits[0]].startswith(
+                "DistributedOptimizer.group0of1"), labelled
+    # Rows with events are the labelled ones (the names in rows are the
+    # labels), and the summary reports them by label.
+    rows = _rows(events)
+    assert any(n.endswith("first/kernel") for n in rows), rows
+    s = timeline_tools.summarize(str(tmp_path / "fit.json"))
+    assert any(n.endswith("second/bias") for n in s["tensors"]), s
+
+
 def test_launcher_flag(tmp_path):
     path = tmp_path / "flag.json"
     out = launch(2, [sys.executable, WORKER, "env"], timeout=180,

@@ -2,12 +2,15 @@
 
     timeline_worker.py env             # KERASDIST_TIMELINE set by the test
     timeline_worker.py runtime DIR     # start/stop at run time
+    timeline_worker.py fit DIR         # model.fit, DistributedOptimizer
 
 `env`: a few steps of a tf.function with allreduces named tl.grad.0..3 (two
 fusable float32 and two of other dtypes), an allgather and a broadcast.
 `runtime`: steps before, inside and after `kerasdist.timeline.timeline(...)`
 (DIR/a.json) with distinct tensor names, then a second timeline with cycle
-markers (DIR/b.json) started and stopped by the functions. Prints "OK".
+markers (DIR/b.json) started and stopped by the functions. `fit`: three
+steps of model.fit with DistributedOptimizer on the Keras backend that
+KERAS_BACKEND names, under DIR/fit.json. Prints "OK".
 """
 
 import os
@@ -37,11 +40,27 @@ def _steps(prefix, count):
             assert np.all(got.numpy() == w), (prefix, got.numpy()[:3], w)
 
 
+def _fit(out):
+    import keras
+    model = keras.Sequential([keras.Input((5,)),
+                              keras.layers.Dense(7, name="first"),
+                              keras.layers.Dense(2, name="second")])
+    model.compile(optimizer=kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1)), loss="mse")
+    rng = np.random.default_rng(kd.rank())
+    x = rng.normal(size=(24, 5)).astype("float32")
+    y = rng.normal(size=(24, 2)).astype("float32")
+    with kd.timeline.timeline(os.path.join(out, "fit.json")):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 def main():
     mode = sys.argv[1]
     kd.init()
     rank = kd.rank()
-    if mode == "env":
+    if mode == "fit":
+        _fit(sys.argv[2])
+    elif mode == "env":
         _steps("tl.grad", 5)
         g = kd.allgather(tf.fill([2], float(rank)), name="tl.gather")
         assert g.shape[0] == 2 * kd.size()
