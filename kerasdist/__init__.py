@@ -39,6 +39,7 @@ _EXPORTS = {
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
+    "SyncBatchNormalization": "sync_batch_norm",
 }
 
 # Submodules reachable as attributes after `import kerasdist`.
