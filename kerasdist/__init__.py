@@ -55,6 +55,7 @@ _EXPORTS = {
     "load_model": "saving",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
+    "SyncBatchNormalization": "sync_batch_norm",
 }
 
 # Submodules reachable as attributes after `import kerasdist`.
