@@ -52,6 +52,8 @@ _RETRY_S = 0.25
 # The hello's reply code of a server whose job has formed (or failed) already:
 # the hello came too late for it, and may be meant for the next one.
 _FORMED = 2
+# What a hello that got no answer returns (the server closed, or ended).
+_NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE")
 
@@ -195,21 +197,23 @@ def join(launch, timeout, environ=None):
         ip = "127.0.0.1"
     while True:
         reply = _hello((ip, port), where, launch, timeout, deadline)
-        if not reply.startswith(f"cmd=kd_ready rc={_FORMED}"):
+        # A server whose job formed without this process, or one that
+        # closes without an answer: the previous run of a job that a
+        # platform restarted, still ending. Its successor listens once it
+        # has gone.
+        stale = reply.startswith(f"cmd=kd_ready rc={_FORMED} ")
+        if not (stale or reply.startswith(_NO_ANSWER)):
             break
-        # A server whose job formed without this process: the previous run
-        # of a job that a platform restarts, still ending. Its successor
-        # listens once it has gone.
         if time.monotonic() >= deadline:
+            what = ("still served a job that had formed without this "
+                    "process" if stale else "did not answer the hello")
             raise RendezvousError(
                 f"rank {launch.rank} of {launch.size}: the coordinator at "
-                f"{where} still served a job that had formed without this "
-                f"process after {timeout:g} s ({TIMEOUT_ENV}): "
+                f"{where} {what} after {timeout:g} s ({TIMEOUT_ENV}): "
                 f"{reply.partition(' msg=')[2]}")
         time.sleep(_RETRY_S)
     if reply != "cmd=kd_ready rc=0":
-        msg = reply.partition(" msg=")[2] or (
-            f"the coordinator at {where} closed the connection")
+        msg = reply.partition(" msg=")[2]
         raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
     return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": str(launch.rank),
             "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
@@ -229,9 +233,11 @@ def _hello(address, where, launch, timeout, deadline):
         sock.settimeout(max(1.0, deadline - time.monotonic()) + 10.0)
         sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size}\n"
                      .encode())
-        return sock.makefile("r").readline().strip()
+        reply = sock.makefile("r").readline().strip()
+        return reply or (f"{_NO_ANSWER} msg=the coordinator at {where} "
+                         f"closed the connection")
     except OSError as e:
-        return (f"cmd=kd_ready rc=1 msg=the coordinator at {where} stopped "
+        return (f"{_NO_ANSWER} msg=the coordinator at {where} stopped "
                 f"answering ({e})")
     finally:
         sock.close()
