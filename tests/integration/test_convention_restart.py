@@ -19,7 +19,6 @@ agent would start it.
 The uninterrupted reference job is started the same way (2 ranks).
 """
 
-import os
 import re
 import shutil
 import sys
