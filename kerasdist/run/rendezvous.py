@@ -24,10 +24,18 @@ differs between ranks is one clear error instead of a hang in `MPI_Init`.
 The others wait for the coordinator (retrying the connection) until that
 same deadline, so it may start late.
 
+A platform that restarts a failed job (a Kubernetes Job's pods, torchrun's
+`--max-restarts`) may start the next run while the previous run's server
+is still ending on the same port (it ends once that run's processes are
+gone, or 30 s after its rank 0 went): rank 0 then waits for the port, and
+a hello that reaches the old server (whose job formed already) is answered
+as such and retried, both within the same deadline.
+
 `join(launch, timeout)` does the client side and returns the variables to
 put in the environment before `MPI_Init`.
 """
 
+import errno
 import os
 import socket
 import subprocess
@@ -41,6 +49,11 @@ DEFAULT_TIMEOUT_S = 300.0
 # finalize (they are a barrier's reply away from it).
 _GRACE_S = 30.0
 _RETRY_S = 0.25
+# The hello's reply code of a server whose job has formed (or failed) already:
+# the hello came too late for it, and may be meant for the next one.
+_FORMED = 2
+# What a hello that got no answer returns (the server closed, or ended).
+_NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE")
 
@@ -99,7 +112,9 @@ def _connect(address, deadline):
 
 def _start_server(port, size, timeout):
     """Starts rank 0's server on `port` (0: any free one); returns the port
-    once it listens."""
+    once it listens. A port in use is waited for, up to `timeout`: after a
+    platform restarted the job, the server of its previous run may still
+    be ending there."""
     global _server
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
@@ -107,6 +122,14 @@ def _start_server(port, size, timeout):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         close_fds=True)
     line = proc.stdout.readline().strip()
+    if line.startswith("waiting "):
+        sys.stderr.write(
+            f"kerasdist: rank 0: the coordinator's port {port} is in use; "
+            f"waiting up to {timeout:g} s ({TIMEOUT_ENV}) for it to be free "
+            f"(the server of an earlier run of this job ends once that "
+            f"run's processes have)\n")
+        sys.stderr.flush()
+        line = proc.stdout.readline().strip()
     if not line.startswith("ready "):
         proc.wait()
         raise RendezvousError(
@@ -172,7 +195,34 @@ def join(launch, timeout, environ=None):
         _start_server(port, launch.size, timeout)
     if launch.rank == 0:
         ip = "127.0.0.1"
-    sock, error = _connect((ip, port), deadline)
+    while True:
+        reply = _hello((ip, port), where, launch, timeout, deadline)
+        # A server whose job formed without this process, or one that
+        # closes without an answer: the previous run of a job that a
+        # platform restarted, still ending. Its successor listens once it
+        # has gone.
+        stale = reply.startswith(f"cmd=kd_ready rc={_FORMED} ")
+        if not (stale or reply.startswith(_NO_ANSWER)):
+            break
+        if time.monotonic() >= deadline:
+            what = ("still served a job that had formed without this "
+                    "process" if stale else "did not answer the hello")
+            raise RendezvousError(
+                f"rank {launch.rank} of {launch.size}: the coordinator at "
+                f"{where} {what} after {timeout:g} s ({TIMEOUT_ENV}): "
+                f"{reply.partition(' msg=')[2]}")
+        time.sleep(_RETRY_S)
+    if reply != "cmd=kd_ready rc=0":
+        msg = reply.partition(" msg=")[2]
+        raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
+    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": str(launch.rank),
+            "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
+
+
+def _hello(address, where, launch, timeout, deadline):
+    """Connects (retrying until `deadline`) and says hello; returns the
+    server's reply line."""
+    sock, error = _connect(address, deadline)
     if sock is None:
         raise RendezvousError(
             f"rank {launch.rank} of {launch.size} found no coordinator at "
@@ -184,17 +234,13 @@ def join(launch, timeout, environ=None):
         sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size}\n"
                      .encode())
         reply = sock.makefile("r").readline().strip()
+        return reply or (f"{_NO_ANSWER} msg=the coordinator at {where} "
+                         f"closed the connection")
     except OSError as e:
-        reply = f"cmd=kd_ready rc=1 msg=the coordinator at {where} " \
-                f"stopped answering ({e})"
+        return (f"{_NO_ANSWER} msg=the coordinator at {where} stopped "
+                f"answering ({e})")
     finally:
         sock.close()
-    if reply != "cmd=kd_ready rc=0":
-        msg = reply.partition(" msg=")[2] or (
-            f"the coordinator at {where} closed the connection")
-        raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
-    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": str(launch.rank),
-            "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
 
 
 # --------------------------------------------------------------- server
@@ -250,17 +296,21 @@ class _Server:
         except (TypeError, ValueError):
             return self._send(conn, "cmd=kd_ready rc=1 msg=malformed hello")
         with self.cv:
+            if self.hello_done:
+                return self._send(
+                    conn, f"cmd=kd_ready rc={_FORMED} msg=its job of "
+                    f"{self.size} formed (or failed) without this rank "
+                    f"{rank}; if no earlier run of the job is still ending, "
+                    f"give each process its own rank in 0..{self.size - 1}")
             if size != self.size:
                 return self._send(
                     conn, f"cmd=kd_ready rc=1 msg=this process says the job "
                     f"has {size} processes but rank 0 says {self.size}; give "
                     f"every process the same size")
-            if not 0 <= rank < self.size or rank in self.hello or \
-                    self.hello_done:
+            if not 0 <= rank < self.size or rank in self.hello:
                 return self._send(
-                    conn, f"cmd=kd_ready rc=1 msg=rank {rank} came twice "
-                    f"(or after the job formed); give each process its own "
-                    f"rank in 0..{self.size - 1}")
+                    conn, f"cmd=kd_ready rc=1 msg=rank {rank} came twice; "
+                    f"give each process its own rank in 0..{self.size - 1}")
             self.hello[rank] = conn
             if len(self.hello) == self.size:
                 self.hello_done = True
@@ -398,12 +448,33 @@ def _watch_parent(server):
         server.cv.notify_all()
 
 
-def _serve(port, size, timeout):
-    try:
+def _listen(port, size, timeout):
+    """The listening socket on `port`; while the port is in use (the server
+    of an earlier run still ending), says "waiting" once and retries until
+    `timeout`."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("", port))
-        listener.listen(min(max(size, 16), 4096))
+        try:
+            listener.bind(("", port))
+            listener.listen(min(max(size, 16), 4096))
+            return listener
+        except OSError as e:
+            listener.close()
+            if (e.errno != errno.EADDRINUSE or port == 0 or
+                    time.monotonic() >= deadline):
+                raise
+        if not said:
+            print(f"waiting {port}", flush=True)
+            said = True
+        time.sleep(_RETRY_S)
+
+
+def _serve(port, size, timeout):
+    try:
+        listener = _listen(port, size, timeout)
     except OSError as e:
         print(f"{e.strerror or e} (the coordinator's port must be free on "
               f"rank 0's host)", flush=True)

@@ -3,6 +3,7 @@ continues from, and what its checkpoints record so that a rerun can
 continue them."""
 
 import collections
+import os
 
 import numpy as np
 
@@ -13,6 +14,8 @@ from kerasdist.trainer import checkpoints
 # The core's setting the launcher sets for every attempt under
 # --max-restarts; current_settings() reports it (a KeyError if it is renamed).
 _RESTART_ATTEMPT = "KERASDIST_RESTART_ATTEMPT"
+# torchrun's count of the restarts of its worker group (--max-restarts).
+_TORCHRUN_RESTARTS = "TORCHELASTIC_RESTART_COUNT"
 
 # Where a loaded checkpoint stands, as every rank learns it: `epoch` epochs
 # done plus `samples` examples of the next; `world_size` ranks wrote it;
@@ -117,8 +120,13 @@ def describe(point, end, size, scale_lr):
 
 def restart_attempt():
     """(name, attempt): the launcher's 0-based attempt number, from the
-    runtime's settings (0 outside `kerasdist run --max-restarts`)."""
-    return _RESTART_ATTEMPT, int(basics.current_settings()[_RESTART_ATTEMPT])
+    runtime's settings; where those say 0 and torchrun started the process,
+    torchrun's restart count (`--max-restarts`). 0 otherwise."""
+    attempt = int(basics.current_settings()[_RESTART_ATTEMPT])
+    torchrun = os.environ.get(_TORCHRUN_RESTARTS, "").strip()
+    if not attempt and torchrun.isdigit():
+        return _TORCHRUN_RESTARTS, int(torchrun)
+    return _RESTART_ATTEMPT, attempt
 
 
 def _position(manifest, rng_count):

@@ -224,13 +224,14 @@ def torchrun_env(rank, size, port, local_rank=None, local_size=None,
     return launcher_env({k: str(v) for k, v in env.items()})
 
 
-def start_processes(args, envs, delays=None, timeout=120):
+def start_processes(args, envs, delays=None, timeout=120, ended=None):
     """Starts one process of `args` per environment of `envs`, as a
     platform would (no mpiexec): each in a session of its own, process i
     `delays[i]` seconds after the first. Waits for all of them.
 
     Whatever ends the wait early (the timeout, or pytest-timeout's
-    exception), every process's whole tree is killed first.
+    exception), every process's whole tree is killed first. `ended`, a
+    list, receives each process's end (time.monotonic(), to 0.05 s).
 
     Returns:
         [(returncode, stdout and stderr together)] in the order of `envs`.
@@ -254,8 +255,17 @@ def start_processes(args, envs, delays=None, timeout=120):
                 stdin=subprocess.DEVNULL, env=envs[i], cwd=REPO_ROOT,
                 start_new_session=True)
         deadline = start + timeout
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        ends = [None] * len(procs)
+        while None in ends:
+            for i, p in enumerate(procs):
+                if ends[i] is None and p.poll() is not None:
+                    ends[i] = time.monotonic()
+            if None in ends:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(args, timeout)
+                time.sleep(0.05)
+        if ended is not None:
+            ended[:] = ends
     except BaseException as e:
         for p in procs:
             if p is not None:

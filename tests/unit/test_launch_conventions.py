@@ -348,3 +348,115 @@ def test_doctor_names_the_convention():
     assert status == doctor.FAIL and "JAX_PROCESS_ID=2" in line
     assert doctor.launch_check({})[0] == doctor.INFO
     assert "MPI starts from its launcher" in doctor.launch_check(HYDRA)[1]
+
+
+# ---- the rendezvous server when a platform restarts a job ----------------
+
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+
+def _serve(port, size, timeout):
+    """rank 0's rendezvous server, as kd.init() starts it; ends when its
+    stdin closes (rank 0 gone) and no rank's MPI is connected."""
+    return subprocess.Popen(
+        [sys.executable, "-I", rendezvous.__file__, "serve", str(port),
+         str(size), str(timeout)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+
+
+def _end(server):
+    server.stdin.close()
+    server.wait(timeout=20)
+
+
+def _hello(port, rank, size):
+    """Says hello as rank `rank` of `size`; returns the server's reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(f"cmd=kd_hello rank={rank} size={size}\n".encode())
+        return s.makefile("r").readline().strip()
+
+
+def _listening_socket():
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_waits_for_a_port_an_earlier_server_holds():
+    holder, port = _listening_socket()
+    server = _serve(port, 1, 30)
+    try:
+        assert server.stdout.readline().strip() == f"waiting {port}"
+        holder.close()  # the earlier run's server has ended
+        assert server.stdout.readline().strip() == f"ready {port}"
+        assert _hello(port, 0, 1) == "cmd=kd_ready rc=0"
+    finally:
+        holder.close()
+        _end(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_for_the_whole_timeout_is_one_error():
+    holder, port = _listening_socket()
+    start = time.monotonic()
+    try:
+        server = _serve(port, 1, 1)
+        assert server.stdout.readline().strip() == f"waiting {port}"
+        line = server.stdout.readline().strip()
+        assert server.wait(timeout=20) == 1
+    finally:
+        holder.close()
+    assert line.endswith("(the coordinator's port must be free on rank 0's "
+                         "host)"), line
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(60)
+def test_a_hello_to_an_earlier_runs_server_waits_for_the_next_one():
+    """The earlier run's server (its job formed) still listens when the
+    restarted run's rank 1 arrives: rank 1 is told so and retries, and
+    joins the next run's server once that one listens."""
+    holder, port = _listening_socket()
+    holder.close()
+    old = _serve(port, 2, 30)
+    new = None
+    try:
+        assert old.stdout.readline().strip() == f"ready {port}"
+        replies = []
+        hellos = [threading.Thread(
+            target=lambda r=r: replies.append(_hello(port, r, 2)))
+            for r in range(2)]  # the earlier run forms
+        for t in hellos:
+            t.start()
+        for t in hellos:
+            t.join(20)
+        assert replies == ["cmd=kd_ready rc=0"] * 2
+        assert _hello(port, 1, 2).startswith("cmd=kd_ready rc=2 msg=its job "
+                                             "of 2 formed")
+        joined = {}
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        rank1 = threading.Thread(target=lambda: joined.update(
+            rendezvous.join(launch, 30, environ={})))
+        rank1.start()
+        time.sleep(1.0)
+        assert rank1.is_alive() and not joined  # waiting, not failed
+        _end(old)
+        new = _serve(port, 2, 30)
+        line = new.stdout.readline().strip()
+        if line.startswith("waiting"):  # the old listener not yet gone
+            line = new.stdout.readline().strip()
+        assert line == f"ready {port}"
+        assert _hello(port, 0, 2) == "cmd=kd_ready rc=0"
+        rank1.join(20)
+        assert joined == {"PMI_PORT": f"127.0.0.1:{port}", "PMI_ID": "1",
+                          "PMI_RANK": "1", "PMI_SIZE": "2"}
+    finally:
+        for server in (old, new):
+            if server is not None and server.poll() is None:
+                _end(server)

@@ -60,7 +60,9 @@ N = 240  # divisible by batch * size at np 1 and 2: no example dropped
 BATCH = 8
 EPOCHS = 3
 EVERY = 4  # steps between step checkpoints
-ATTEMPT = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0"))
+# The launcher's attempt, or torchrun's restart count under torchrun.
+ATTEMPT = int(os.environ.get("KERASDIST_RESTART_ATTEMPT") or
+              os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
 
 # Attempt -> (where the write is killed, which file, the n-th such write of
 # the attempt). "written": the temporary file is complete but neither
