@@ -512,6 +512,7 @@ class Trainer:
             first_steps=plan.first_steps)
         val_local = None if val is None else self._val_pipeline(val)
         self._plan = plan
+        self._step_saved = None
         if rank == 0 and self.checkpoint_dir and self.step_checkpoints:
             self._steps = _tsnap.StepCheckpoints(
                 self.model, self.checkpoint_dir, self.keep_checkpoints,

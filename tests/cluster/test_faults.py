@@ -253,6 +253,7 @@ def _resumes(out):
     return found
 
 
+@pytest.mark.timeout(600)
 def test_trainer_grows_and_shrinks_with_the_discovery_script(
         cluster, reference, tmp_path):
     # A Trainer job starts on kdt0 alone (the discovery script lists
