@@ -7,6 +7,7 @@ import sys
 import threading
 
 from kerasdist._core import capi as _capi
+from kerasdist import _resize
 from kerasdist import autotune
 from kerasdist.run import conventions
 from kerasdist.run import rendezvous
@@ -45,7 +46,10 @@ def init(comm=None, verbose=False, **settings):
     Processes started by a platform (torchrun's `RANK`, `WORLD_SIZE`,
     `MASTER_ADDR`, `MASTER_PORT`, or Keras' `KERAS_DISTRIBUTION_*`) first
     meet at the coordinator and then start MPI as one job (see
-    docs/launcher.md, "Without `kerasdist run`").
+    docs/launcher.md, "Without `kerasdist run`"). In a job that grows and
+    shrinks (`kerasdist run --host-discovery-script`) it also installs a
+    SIGUSR1 handler that notes the launcher's resize request, for the
+    Trainer (docs/launcher.md, "Growing and shrinking").
 
     Args:
         comm: an mpi4py communicator whose ranks form the job (default: all
@@ -124,6 +128,9 @@ def init(comm=None, verbose=False, **settings):
             atexit.register(_at_exit)
             sys.excepthook = _noting_uncaught(sys.excepthook)
             _atexit_registered = True
+    # In a job that grows and shrinks (`kerasdist run
+    # --host-discovery-script`): note the launcher's resize requests.
+    _resize.install()
     autotune.maybe_start()
 
 

@@ -15,6 +15,13 @@ and:
 - kills the command if the wrapper itself dies (Linux parent-death signal);
 - reports a failed exit (nonzero code or a signal) to the launcher as one
   marker line on stderr, which the launcher removes from the output;
+- in an elastic job (KERASDIST_ELASTIC=1, set by `kerasdist run
+  --host-discovery-script`), starts the command with SIGUSR1 ignored, so
+  the launcher's resize request (SIGUSR1, see kerasdist/run/resize.py)
+  never kills a command that does not handle it (kd.init() installs the
+  handler), and reports the command's resize exit (RESIZE_EXIT_CODE) to
+  hydra as 0, so hydra does not stop the other ranks while they write
+  their checkpoint and exit too; the marker line still tells the launcher;
 - sets KERASDIST_HOSTNAME to the name of the host the rank runs on (as
   Horovod's launcher sets HOROVOD_HOSTNAME), so every rank can tell which
   host it is on without asking MPI;
@@ -51,6 +58,15 @@ MARKER = b"\x1ekerasdist-rank-exit "
 HOSTNAME_ENV = "KERASDIST_HOSTNAME"
 # Seconds between forwarding an ending signal and SIGKILL.
 KILL_GRACE_S = 5.0
+
+# Elastic jobs (kerasdist/run/resize.py). The rank side keeps its own copy
+# of these (kerasdist/_resize.py: it may not import the launcher); a unit
+# test holds the two equal.
+ELASTIC_ENV = "KERASDIST_ELASTIC"
+# The exit code of a rank that stopped at a checkpoint for a resize.
+RESIZE_EXIT_CODE = 76
+# The line a rank writes on stderr once it checks for resize requests.
+RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 
 # glibc's (2.35+) tunable: 1 = madvise(MADV_HUGEPAGE) on the memory malloc
 # gets from the kernel. Older glibc ignores names it does not know.
@@ -463,7 +479,7 @@ class _Wrapper:
         if self.proc.returncode is None:
             kill_job(roots=(self.proc.pid,))
 
-    def run(self, rank):
+    def run(self, rank, elastic=False):
         prctl = _libc_prctl()
         parent = os.getpid()
 
@@ -482,6 +498,10 @@ class _Wrapper:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self._on_signal)
 
+        if elastic:
+            # An ignored signal stays ignored across exec: the command
+            # starts with SIGUSR1 ignored until it installs a handler.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         pipe = subprocess.PIPE
         try:
             self.proc = subprocess.Popen(
@@ -495,6 +515,8 @@ class _Wrapper:
                 preexec_fn=child_setup,
             )
         except OSError as e:
+            if elastic:
+                signal.signal(signal.SIGUSR1, self._on_signal)
             problem = command_problem(self.command[0])
             sys.stderr.write(
                 f"kerasdist: rank {rank}: cannot run {self.command[0]!r}: "
@@ -503,6 +525,8 @@ class _Wrapper:
             )
             sys.stderr.flush()
             return 127 if isinstance(e, FileNotFoundError) else 126
+        if elastic:
+            signal.signal(signal.SIGUSR1, self._on_signal)
         for signum in self.pending:
             self._forward(signum)
 
@@ -564,11 +588,14 @@ def main(argv=None):
         os.environ[TUNABLES_ENV] = with_huge_pages(os.environ.get(TUNABLES_ENV))
     if bind:
         _bind(rank, report)
-    status = _Wrapper(argv, prefix).run(rank)
+    elastic = os.environ.get(ELASTIC_ENV) == "1"
+    status = _Wrapper(argv, prefix).run(rank, elastic)
     if status != 0:
         sys.stdout.flush()
         sys.stderr.flush()
         _write_all(2, format_marker(rank, socket.gethostname(), status))
+    if elastic and status == RESIZE_EXIT_CODE:
+        return 0  # the launcher has the marker; hydra must not clean up
     # A command killed by signal N is reported to mpiexec as exit 128+N;
     # the launcher, not hydra, decides what to do about a failed rank.
     return 128 - status if status < 0 else status

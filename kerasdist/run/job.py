@@ -13,6 +13,10 @@ _KILL_AFTER_S mpiexec and every process of the job get SIGKILL. Once mpiexec
 has exited, whatever of the job outlived it is killed too: the processes of
 mpiexec's session, and those the job had when it was being stopped (a rank's
 child may have left the session or its parent's tree).
+
+An elastic job (kerasdist/run/resize.py) may instead be asked to stop for a
+resize: once asked, ranks that exit with the resize code are not a failure;
+when every rank has, the attempt's Outcome is `resized`.
 """
 
 import os
@@ -31,6 +35,9 @@ _KILL_AFTER_S = 20.0
 # How long after a rank's failure the launcher waits for more before it
 # says what happened.
 _SETTLE_S = 0.5
+# How long, after the first rank exited for a resize, the others have to
+# follow before the launcher stops them as failed.
+_RESIZE_EXIT_WAIT_S = 60.0
 
 
 def describe_status(status):
@@ -78,21 +85,25 @@ class Outcome:
         reason: a short description for logs ("rank 1 exited with code 3").
         final: a relaunch would fail the same way (e.g. a host cannot
             reach this machine), so --max-restarts does not apply.
+        resized: every rank stopped at a checkpoint for the resize the
+            launcher asked for; the job goes on at the new size (this is
+            no failure and no restart).
     """
 
     def __init__(self, exit_code, failure=None, timed_out=False, signum=None,
-                 reason="", final=False):
+                 reason="", final=False, resized=False):
         self.exit_code = exit_code
         self.failure = failure
         self.timed_out = timed_out
         self.signum = signum
         self.reason = reason
         self.final = final
+        self.resized = resized
 
     @property
     def retryable(self):
         return (self.exit_code != 0 and not self.timed_out and not self.signum
-                and not self.final)
+                and not self.final and not self.resized)
 
 
 class Interrupts:
@@ -234,6 +245,7 @@ class Findings:
         self.unreachable = None
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
+        self.resizable = False  # a rank said it checks for resize requests
 
     def add_failure(self, failure):
         with self.lock:
@@ -261,6 +273,18 @@ class Findings:
     def first_failure(self):
         failures, _, culprits = self._split()
         return (culprits or failures or [None])[0]
+
+    def only_resize_exits(self):
+        """Whether every rank that ended badly so far exited with the
+        resize code (and some did)."""
+        with self.lock:
+            failures = list(self.failures)
+        return bool(failures) and all(
+            f.status == _rank.RESIZE_EXIT_CODE for f in failures)
+
+    def ranks_failed(self):
+        with self.lock:
+            return {f.rank for f in self.failures}
 
     def _split(self):
         """(failures, lost, the failures of ranks that lost nothing)."""
@@ -313,6 +337,9 @@ class _Relay(threading.Thread):
 
     def run(self):
         for line in self._pieces():
+            if _rank.RESIZABLE_MARKER in line:
+                self.findings.resizable = True
+                continue
             start = line.find(_rank.MARKER)
             if start < 0:
                 self._note(line)
@@ -393,7 +420,7 @@ def _kill_job(proc, known):
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
-                banner=False, manager="mpiexec"):
+                banner=False, manager="mpiexec", watcher=None):
     """Runs mpiexec once and returns its Outcome.
 
     Args:
@@ -407,6 +434,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         banner: pass hydra's "BAD TERMINATION" banner through (--verbose).
         manager: what `argv` starts, for the messages (node mode runs its
             own process manager in mpiexec's place, see node.py).
+        watcher: a resize.Watcher of an elastic job, or None; it is
+            started and stopped here.
 
     Returns:
         An Outcome.
@@ -426,15 +455,30 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
     for relay in relays:
         relay.start()
     stopper = _Stopper(proc, findings, interrupts, deadline, timeout, log,
-                       manager)
-    while not _has_exited(proc):
-        time.sleep(_POLL_S)
-        stopper.step(time.monotonic())
+                       manager, watcher)
+    if watcher is not None:
+        watcher.start()
+    try:
+        while not _has_exited(proc):
+            time.sleep(_POLL_S)
+            now = time.monotonic()
+            if watcher is not None and stopper.since is None:
+                watcher.step(now, findings.resizable, proc)
+            stopper.step(now)
+    finally:
+        if watcher is not None:
+            watcher.stop()
     stopper.finish()
     rc = proc.wait()
     for relay in relays:
         relay.join(timeout=5.0)
     log.end_line()
+    resize = None if watcher is None else watcher.requested
+    if resize is not None and stopper.reason is None and \
+            findings.only_resize_exits() and \
+            len(findings.ranks_failed()) == resize.old_np:
+        return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
+                       reason="the ranks stopped for a resize")
     return _outcome(rc, stopper.reason, findings, interrupts, timeout, log,
                     manager)
 
@@ -443,8 +487,10 @@ class _Stopper:
     """Decides when to stop a running job, and stops it step by step."""
 
     def __init__(self, proc, findings, interrupts, deadline, timeout, log,
-                 manager="mpiexec"):
+                 manager="mpiexec", watcher=None):
         self.proc = proc
+        self.watcher = watcher
+        self.resize_exit_at = None
         self.manager = manager
         self.findings = findings
         self.interrupts = interrupts
@@ -483,7 +529,8 @@ class _Stopper:
             name = signal.Signals(self.interrupts.signum).name
             self.log.line(f"received {name}; stopping all ranks.")
             return self.interrupts.signum
-        if self.findings.failed.is_set():
+        # Ranks leaving for the resize they were asked for have not failed.
+        if self.findings.failed.is_set() and not self._resizing(now):
             # Failures come in bursts (a host's ranks, then the ranks whose
             # heartbeat lost them): a moment more, and one line says it.
             self.failed_at = self.failed_at or now
@@ -498,6 +545,15 @@ class _Stopper:
             self.log.line(f"timeout: the job ran longer than "
                           f"{self.timeout:g} s; stopping all ranks.")
         return signal.SIGTERM
+
+    def _resizing(self, now):
+        """Whether only ranks asked to stop for a resize have exited, with
+        the resize code, and the rest still has time to follow."""
+        if self.watcher is None or self.watcher.requested is None or \
+                not self.findings.only_resize_exits():
+            return False
+        self.resize_exit_at = self.resize_exit_at or now
+        return now - self.resize_exit_at < _RESIZE_EXIT_WAIT_S
 
     def finish(self):
         if self.reason is None:

@@ -28,6 +28,7 @@ from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import job
 from kerasdist.run import node
 from kerasdist.run import remote
+from kerasdist.run import resize
 from kerasdist.run import settings
 from kerasdist.run import slurm
 
@@ -144,8 +145,18 @@ def make_parser():
                    "still answer with as few as M ranks (default: -np)")
     p.add_argument("--host-discovery-script", metavar="SCRIPT",
                    help="a program that prints the hosts available now "
-                   "(hostfile lines); run before every attempt, so hosts "
-                   "can leave and come back")
+                   "(hostfile lines); run before every attempt and every "
+                   "--discovery-interval seconds while the job runs: the "
+                   "job grows and shrinks with it (at the Trainer's next "
+                   "checkpoint)")
+    p.add_argument("--max-np", type=_positive_int, metavar="N",
+                   help="with --host-discovery-script: grow the job up to N "
+                   "ranks when hosts join (default: -np)")
+    p.add_argument("--discovery-interval", type=_positive_float,
+                   metavar="SECONDS",
+                   help="with --host-discovery-script: seconds between two "
+                   f"runs of it while the job runs (default "
+                   f"{resize.DEFAULT_INTERVAL_S:g})")
     p.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                    help="stop the job after SECONDS in all (exit code 124)")
     p.add_argument("--no-prefix", action="store_true",
@@ -234,7 +245,10 @@ def _check_node_mode(args):
                         (args.max_restarts > 0, "--max-restarts"),
                         (args.min_np is not None, "--min-np"),
                         (args.host_discovery_script is not None,
-                         "--host-discovery-script")):
+                         "--host-discovery-script"),
+                        (args.max_np is not None, "--max-np"),
+                        (args.discovery_interval is not None,
+                         "--discovery-interval")):
         if given:
             raise UsageError(
                 f"{flag} does not go with node mode (--nnodes, --node-rank, "
@@ -248,7 +262,7 @@ def _check_node_mode(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.np = args.node.world_size
-    args.min_np = args.np
+    args.min_np = args.max_np = args.np
     args.ssh_argv = None
     args.slurm = None
 
@@ -262,10 +276,27 @@ def _check_elastic(args):
             raise UsageError(f"--host-discovery-script "
                              f"{args.host_discovery_script}: not an "
                              "executable file")
+    else:
+        for value, flag in ((args.max_np, "--max-np"),
+                            (args.discovery_interval,
+                             "--discovery-interval")):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} needs --host-discovery-script: the job grows "
+                    f"and shrinks with the hosts that script lists; give "
+                    f"one, or leave out {flag}")
     if args.min_np is not None and args.min_np > args.np:
         raise UsageError(f"--min-np {args.min_np} is more than -np {args.np}")
+    if args.max_np is not None and args.max_np < args.np:
+        raise UsageError(f"--max-np {args.max_np} is less than -np {args.np} "
+                         "(the job starts with -np ranks and grows up to "
+                         "--max-np)")
     if args.min_np is None:
         args.min_np = args.np
+    if args.max_np is None:
+        args.max_np = args.np
+    if args.discovery_interval is None:
+        args.discovery_interval = resize.DEFAULT_INTERVAL_S
 
 
 def _check_against_slurm(args, environ):
@@ -385,7 +416,7 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
 
 
 def _rank_env(args, attempt):
-    return settings.build_env(
+    env = settings.build_env(
         attempt,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
@@ -393,6 +424,10 @@ def _rank_env(args, attempt):
         autotune=args.autotune,
         network_interface=args.network_interface,
     )
+    if getattr(args, "host_discovery_script", None) is not None and \
+            args.node is None:
+        env[_rank.ELASTIC_ENV] = "1"  # see kerasdist/run/resize.py
+    return env
 
 
 def main(argv=None):
@@ -461,25 +496,68 @@ def _check_remote_hosts(args, log):
     return not failed
 
 
+class Attempts:
+    """Counts a job's attempts: a failed one uses up one of --max-restarts,
+    a resize (the ranks stopped at a checkpoint because hosts joined or
+    left) does not.
+
+    Attributes:
+        started: attempts started so far (the next one's
+            KERASDIST_RESTART_ATTEMPT).
+        restarts: relaunches after a failure so far.
+        resizes: relaunches after a resize so far.
+    """
+
+    def __init__(self, max_restarts):
+        self.max_restarts = max_restarts
+        self.started = self.restarts = self.resizes = 0
+
+    def start(self):
+        """Notes an attempt's start; returns its number from 0."""
+        self.started += 1
+        return self.started - 1
+
+    def after(self, outcome):
+        """"resize" or "restart" to go on after `outcome`, None to stop."""
+        if outcome.resized:
+            self.resizes += 1
+            return "resize"
+        if not outcome.retryable or self.restarts >= self.max_restarts:
+            return None
+        self.restarts += 1
+        return "restart"
+
+    @property
+    def most(self):
+        """The most attempts the job may have, as far as known now."""
+        return self.max_restarts + self.resizes + 1
+
+
 def _run(args, mpiexec, log, workdir=None):
     launcher_exec = (None if args.ssh_argv is None else
                      remote.launcher_exec(args.ssh_argv, workdir))
-    attempts = args.max_restarts + 1
+    attempts = Attempts(args.max_restarts)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    outcome = None
+    outcome = then = announced = None
     with job.Interrupts() as interrupts:
-        for attempt in range(attempts):
-            placed = _place(args, log, attempt > 0)
+        while True:
+            placed = _place(args, log, attempts.started > 0)
             if placed is None:
-                return outcome.exit_code if outcome else 1
+                return 1 if outcome is None or outcome.resized else \
+                    outcome.exit_code
             np_, hosts = placed
-            if attempt > 0:
+            attempt = attempts.start()
+            if then == "restart":
                 where = ("" if np_ == args.np and hosts == args.hosts else
                          f" on {np_} rank(s)"
                          + (f" ({hosts_lib.hydra_hosts_arg(hosts)})"
                             if hosts else ""))
-                log.line(f"attempt {attempt + 1} of {attempts}{where} (the "
-                         f"last attempt ended because {outcome.reason})")
+                log.line(f"attempt {attempt + 1} of {attempts.most}{where} "
+                         f"(the last attempt ended because {outcome.reason})")
+            elif then == "resize" and np_ != announced:
+                log.line(f"starting {np_} rank(s) instead "
+                         f"({hosts_lib.hydra_hosts_arg(hosts)}): the hosts "
+                         f"changed again")
             rank_env = _rank_env(args, attempt)
             mpi_argv = build_mpiexec_argv(mpiexec, np_, args.command,
                                           rank_env, hosts, args.no_prefix,
@@ -491,13 +569,32 @@ def _run(args, mpiexec, log, workdir=None):
             if args.verbose:
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)
+            watcher = _watcher(args, log, np_, hosts)
             outcome = job.run_attempt(mpi_argv, env, interrupts, deadline,
-                                      args.timeout, log, banner=args.verbose)
-            if not outcome.retryable:
+                                      args.timeout, log, banner=args.verbose,
+                                      watcher=watcher)
+            if outcome.resized:
+                announced = watcher.requested.new_np
+            then = attempts.after(outcome)
+            if then is None:
                 break
-        if outcome.exit_code != 0 and attempts > 1 and outcome.retryable:
-            log.line(f"giving up after {attempts} attempts.")
+        if outcome.retryable and attempts.max_restarts > 0:
+            log.line(f"giving up after {attempts.started} attempts.")
     return outcome.exit_code
+
+
+def _watcher(args, log, np_, hosts):
+    """The attempt's resize.Watcher, or None outside an elastic job."""
+    if args.host_discovery_script is None or hosts is None:
+        return None
+    shell = remote.effective_command(args.ssh_argv, os.environ)
+
+    def answering(candidates):
+        return elastic.answering(candidates, shell, args.network_interface)
+
+    return resize.Watcher(
+        lambda: elastic.discover(args.host_discovery_script), answering,
+        np_, hosts, args.min_np, args.max_np, args.discovery_interval, log)
 
 
 def _candidate_hosts(args, log):
@@ -515,7 +612,8 @@ def _place(args, log, restarting):
 
     The first attempt runs where it was asked (hosts from the discovery
     script, if any); a restart, or a run with --host-discovery-script, only
-    on the hosts that answer now (elastic.answering), with up to -np ranks.
+    on the hosts that answer now (elastic.answering), with up to -np ranks
+    (the first attempt) or --max-np (the later ones).
     """
     hosts = _candidate_hosts(args, log)
     if hosts is None:
@@ -526,7 +624,10 @@ def _place(args, log, restarting):
         for host, reason in failed:
             log.line(f"host {host} does not answer ({reason}); leaving it "
                      "out.")
-    np_ = elastic.ranks_for(args.np, args.min_np, hosts)
+    # The first attempt starts -np ranks; later ones as many as fit, up to
+    # --max-np (which is -np unless the job may grow).
+    target = args.max_np if restarting else args.np
+    np_ = elastic.ranks_for(target, args.min_np, hosts)
     if np_ is None:
         slots = hosts_lib.total_slots(hosts) if hosts else 0
         log.line(f"giving up: the hosts that answer have {slots} slot(s) "

@@ -94,8 +94,11 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
             if low.strip() != high.strip():
                 raise ValueError(
                     f"--nnodes {text}: a range of nodes (growing or "
-                    f"shrinking jobs) is not supported; give the number "
-                    f"of nodes, e.g. --nnodes {high.strip() or low.strip()}.")
+                    f"shrinking jobs) is not supported in node mode; give "
+                    f"the number of nodes, e.g. --nnodes "
+                    f"{high.strip() or low.strip()}, or start the job from "
+                    f"one host with --host-discovery-script (and --min-np, "
+                    f"--max-np), which grows and shrinks it.")
             text = low
         nnodes = _count(text, "--nnodes", "the number of hosts, e.g. 2")
     nproc = (1 if nproc_per_node is None else

@@ -7,6 +7,7 @@ import numpy as np
 
 from kerasdist._core import host as _host
 from kerasdist import _framework
+from kerasdist import _resize
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 
@@ -169,6 +170,56 @@ class StepCheckpointCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._reset()  # the epoch checkpoint was just written
+
+
+def resize_agreed():
+    """Whether any rank was asked to stop for a resize; the same answer on
+    every rank (one 8-byte allreduce, max)."""
+    flag = np.array([1 if _resize.requested() else 0], np.int64)
+    return bool(_host.host_allreduce(flag, basics.Max,
+                                     "kerasdist.trainer.resize")[0])
+
+
+class ResizeCallback(keras.callbacks.Callback):
+    """Stops the job for a resize at a checkpoint boundary, once the
+    launcher asked any rank (kerasdist/_resize.py).
+
+    The ranks agree on it (`resize_agreed`) every `every_steps` steps of an
+    epoch (None: at epoch ends only), never at an epoch's last step (the
+    epoch end follows), and at every epoch end but the last. All ranks make
+    the same checks, so all stop at the same step even when the request
+    reached them at different steps. Then `stop(epoch, batch)` writes the
+    step checkpoint (batch None at an epoch end, whose checkpoint is
+    written already) and ends the process. Place it last: the callbacks
+    before it have seen the step.
+    """
+
+    def __init__(self, stop, is_last, last_epoch, every_steps=None):
+        super().__init__()
+        self._stop_job = stop
+        self._is_last = is_last  # is_last(epoch, batch)
+        self.last_epoch = last_epoch  # fit's `epochs`
+        self.every_steps = every_steps
+        self._epoch = 0
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_steps is None:
+            return
+        self._steps += 1
+        if self._steps % self.every_steps or \
+                self._is_last(self._epoch, batch):
+            return
+        if resize_agreed():
+            self._stop_job(self._epoch, batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 < self.last_epoch and resize_agreed():
+            self._stop_job(epoch, None)
 
 
 class CheckpointCallback(keras.callbacks.Callback):

@@ -19,7 +19,9 @@ from kerasdist.trainer import data as _tdata
 from kerasdist.trainer import resume as _tresume
 from kerasdist.trainer import snapshot as _tsnap
 from kerasdist.trainer import state as _tstate
+from kerasdist._core import host as _host
 from kerasdist import _framework
+from kerasdist import _resize
 from kerasdist import basics
 from kerasdist.trainer import checkpoints
 from kerasdist import callbacks as kd_callbacks
@@ -60,6 +62,14 @@ class Trainer:
     stopped: at the same size with the same weights as an uninterrupted
     run, at another size with the rest of the epoch's examples re-sharded
     over the new ranks and the learning rate rescaled.
+
+    Growing and shrinking: under `kerasdist run --host-discovery-script`,
+    when the launcher asks for a resize (hosts joined or left), every rank
+    stops at the same step checkpoint boundary, rank 0 writes that step's
+    checkpoint, and `fit()` ends the process with exit code 76 (a
+    `SystemExit`); the launcher starts the job again at the new size, and
+    it resumes there as above (docs/launcher.md, "Growing and shrinking").
+    This needs a `checkpoint_dir`.
 
     Args:
         epochs: total number of epochs (>= 1).
@@ -174,6 +184,7 @@ class Trainer:
         self._source_point = None  # where from_checkpoint's checkpoint is
         self._steps = None  # rank 0's StepCheckpoints, during _train
         self._plan = None  # the EpochPlan of the _train in progress
+        self._step_saved = None  # (epoch, batch) of the last step snapshot
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -501,17 +512,20 @@ class Trainer:
             first_steps=plan.first_steps)
         val_local = None if val is None else self._val_pipeline(val)
         self._plan = plan
+        self._step_saved = None
         if rank == 0 and self.checkpoint_dir and self.step_checkpoints:
             self._steps = _tsnap.StepCheckpoints(
                 self.model, self.checkpoint_dir, self.keep_checkpoints,
                 written=self._step_written)
+        if self._resizable:
+            _resize.announce(rank)
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
                 steps_per_epoch=plan.steps, validation_data=val_local,
                 shuffle=False,  # the pipeline does
                 callbacks=self._callbacks(
-                    warmup and self.warmup_epochs > 0, point),
+                    warmup and self.warmup_epochs > 0, point, end),
                 verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
         finally:
             steps, self._steps = self._steps, None
@@ -539,7 +553,7 @@ class Trainer:
                 offset=plan.first_position / plan.per_step, **kwargs)
         return kd_callbacks.LearningRateWarmupCallback(**kwargs)
 
-    def _callbacks(self, warmup, point):
+    def _callbacks(self, warmup, point, end):
         rank, plan = basics.rank(), self._plan
         cbs = [kd_callbacks.BroadcastGlobalVariablesCallback(0),
                kd_callbacks.MetricAverageCallback()]
@@ -564,7 +578,40 @@ class Trainer:
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
+        if self._resizable:
+            # With only checkpoint_every_seconds, rank 0 alone knows when a
+            # step checkpoint is due: the ranks agree at every step.
+            every = (self.checkpoint_every_steps or 1) \
+                if self.step_checkpoints else None
+            cbs.append(_tcb.ResizeCallback(self._stop_for_resize,
+                                           plan.is_last, end,
+                                           every_steps=every))
         return cbs
+
+    @property
+    def _resizable(self):
+        """Whether this job stops for the launcher's resize requests: an
+        elastic `kerasdist run` and checkpoints to resume from."""
+        return bool(self.checkpoint_dir) and _resize.checking()
+
+    def _stop_for_resize(self, epoch, batch):
+        """Every rank, at a step boundary (`batch`) or an epoch end (batch
+        None) where they agreed to stop for a resize: rank 0 writes the
+        step checkpoint the next attempt resumes from, then every rank
+        ends the process (exit code _resize.RESIZE_EXIT_CODE)."""
+        if batch is not None and basics.rank() == 0:
+            self._steps.wait()
+            if self._step_saved != (epoch, batch):
+                self._save_step(epoch, batch)
+            self._steps.wait()
+        _host.host_barrier("kerasdist.trainer.resize.saved")
+        where = (f"after epoch {epoch + 1}" if batch is None else
+                 f"in epoch {epoch + 1}, after its first "
+                 f"{self._plan.position(epoch, batch)} examples")
+        self._log(f"stopping {where} (optimizer step "
+                  f"{int(self.optimizer.iterations)}) to resize: the "
+                  f"launcher asked, the checkpoint is written")
+        raise _resize.Resize()
 
     def _save(self, epochs_done, logs):
         if self._steps is not None:
@@ -587,6 +634,7 @@ class Trainer:
                                      self._resume.manifest_fields())
         info["rng_counters"] = _tcb.seed_counters(self.model)
         self._steps.save(epoch, self._plan.position(epoch, batch), info)
+        self._step_saved = (epoch, batch)
 
     def _eval_data(self, dataset):
         n = _tdata.count(dataset)

@@ -241,6 +241,117 @@ def test_trainer_goes_on_without_a_silent_host(cluster, reference):
         tr.loss(out), spread)
 
 
+def _resumes(out):
+    """(epoch index, examples done in it, optimizer step) of every resume
+    rank 0 logged, in order."""
+    found = []
+    for line in rank_lines(out.stdout, 0):
+        m = tr.RESUMED.search(line)
+        if m:
+            found.append((int(m.group(1)) - 1, int(m.group(2) or 0),
+                          int(m.group(3))))
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_trainer_grows_and_shrinks_with_the_discovery_script(
+        cluster, reference, tmp_path):
+    # A Trainer job starts on kdt0 alone (the discovery script lists
+    # kdt0:1). At its first step the script's file lists kdt1 too: the job
+    # grows to 2 ranks at its next step checkpoint; at the first step on 2
+    # ranks the file lists kdt0 alone again: it shrinks back to 1, and
+    # finishes. No restart is counted, every attempt stops at the very step
+    # the next resumes from, every epoch trains every example exactly once,
+    # and the loss is within the run-to-run spread (as a resume at another
+    # size after a failure).
+    root, spread = reference
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("kdt0:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    changed, done = {}, threading.Event()
+
+    def change_at_first_step_of(attempt, hosts, what):
+        mark = root / f"first.grow.a{attempt}"
+
+        def wait():
+            while not done.is_set():
+                if mark.exists():
+                    changed[what] = time.time()
+                    listed.write_text(hosts)
+                    return
+                time.sleep(0.05)
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        return t
+
+    waiters = [change_at_first_step_of(0, "kdt0:1\nkdt1:1\n", "grow"),
+               change_at_first_step_of(1, "kdt0:1\n", "shrink")]
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
+    try:
+        out = launch(1, worker_cmd(
+            "trainer_fault_worker.py", "run", str(root / "grow"), str(root),
+            "--tag", "grow", "--step-sleep", "0.15", "--mark-first-step"),
+            timeout=400, env=env, prefix=cluster.launcher_prefix(),
+            launcher_args=(
+                "--ssh-command", cluster.remote_shell,
+                "--network-interface", cluster.bridge,
+                "--host-discovery-script", str(script), "--max-np", "2",
+                "--min-np", "1", "--discovery-interval", "1"))
+    finally:
+        done.set()
+        for waiter in waiters:
+            waiter.join(timeout=5)
+    assert out.returncode == 0, out.stdout[-5000:]
+    said = _launcher_lines(out.stdout)
+    assert "kerasdist: growing from 1 to 2 ranks: host kdt1 joined" in said, \
+        said
+    assert "kerasdist: shrinking from 2 to 1 ranks: host kdt1 left" in said, \
+        said
+    assert not [l for l in said if re.match(r"kerasdist: attempt \d", l)], \
+        said
+    assert "written at 1 ranks, now 2" in out.stdout, out.stdout[-4000:]
+    assert "written at 2 ranks, now 1" in out.stdout, out.stdout[-4000:]
+    # The request reached every rank, kdt1's too (through hydra's proxy
+    # there); a rank of the last attempt, which finished, got none.
+    seen = r"worker: SIGUSR1 seen: (\w+)"
+    assert [re.match(seen, l).group(1) for l in rank_lines(out.stdout, 0)
+            if re.match(seen, l)] == ["True", "True", "False"], out.stdout
+    assert [re.match(seen, l).group(1) for l in rank_lines(out.stdout, 1)
+            if re.match(seen, l)] == ["True"], out.stdout
+    resumes = _resumes(out)
+    assert len(resumes) == 2, (resumes, out.stdout[-4000:])
+    (_, _, grown_at), (_, _, shrunk_at) = resumes
+    attempts = [tr.steps(root, "grow", 0, 1), tr.steps(root, "grow", 1, 2),
+                tr.steps(root, "grow", 2, 1)]
+    # All ranks stopped at the step of the checkpoint the next attempt
+    # resumed from: nothing trained after it, nothing lost.
+    for records, stop in ((attempts[0], grown_at), (attempts[1], shrunk_at)):
+        assert {rows[-1][0] for rows in records.values()} == {stop}, (
+            stop, {r: rows[-1][0] for r, rows in records.items()})
+    epochs = tr.epochs(tr.job_steps(attempts[0], until=grown_at)
+                       + tr.job_steps(attempts[1], until=shrunk_at)
+                       + tr.job_steps(attempts[2]))
+    assert len(epochs) == 3
+    for ids in epochs:
+        assert sorted(ids) == list(range(tr.N))
+    lo, hi = min(spread), max(spread)
+    assert lo - (hi - lo) <= tr.loss(out) <= hi + (hi - lo), (
+        tr.loss(out), spread)
+    # The cost of a resize: from the script's change to the first step at
+    # the new size.
+    firsts = [(root / f"first.grow.a{a}").read_text().split()
+              for a in (1, 2)]
+    assert [int(f[1]) for f in firsts] == [2, 1], firsts
+    grow_s = float(firsts[0][0]) - changed["grow"]
+    shrink_s = float(firsts[1][0]) - changed["shrink"]
+    print(f"\nresize cost (the discovery script's change to the first step "
+          f"at the new size): growing 1 -> 2 ranks {grow_s:.1f} s, "
+          f"shrinking 2 -> 1 {shrink_s:.1f} s")
+    assert 0 < grow_s < 120 and 0 < shrink_s < 120, (grow_s, shrink_s)
+
+
 SOAK_FAULTS = 20
 
 

@@ -345,3 +345,92 @@ def test_kerasdist_cli_run():
         cwd=REPO_ROOT)
     assert out.returncode == 0, out
     assert rank_lines(out.stdout, 1) == ["hi"]
+
+
+# --- growing and shrinking: --host-discovery-script while the job runs -----
+
+def _listed(tmp_path, hosts):
+    """A hosts file and a discovery script that prints it."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text(hosts)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return listed, script
+
+
+def _elastic_args(script):
+    return ("--host-discovery-script", str(script), "--max-np", "2",
+            "--discovery-interval", "0.5")
+
+
+# Says it checks for resize requests (as the Trainer does, with the
+# launcher's marker line), then lists a second slot.
+_ANNOUNCE_AND_GROW = (
+    "    os.write(2, b'\\x1ekerasdist-resizable rank=0\\n')\n"
+    "    open(L, 'w').write('localhost:2\\n')\n")
+
+_GREW = ("kerasdist: growing from 1 to 2 ranks: host localhost has 2 slot(s) "
+         "now, not 1")
+
+
+def test_sigusr1_does_not_kill_a_command_that_does_not_handle_it(tmp_path):
+    # The launcher's resize request reaches the command's process group (a
+    # child with a handler of its own notes it), but the command, which has
+    # no handler, was started with SIGUSR1 ignored: it goes on and ends
+    # normally, and so does the job, at its size.
+    listed, script = _listed(tmp_path, "localhost:1\n")
+    got = tmp_path / "got"
+    code = (f"L, G = {str(listed)!r}, {str(got)!r}\n"
+            "import os, signal, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, "
+            "time, sys; signal.signal(signal.SIGUSR1, lambda *a: open(sys.argv"
+            "[1], \"w\").close()); print(1, flush=True); time.sleep(30)', G],"
+            " stdout=subprocess.PIPE)\n"
+            "child.stdout.readline()\n"
+            "if True:\n" + _ANNOUNCE_AND_GROW +
+            "deadline = time.monotonic() + 30\n"
+            "while not os.path.exists(G) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "child.kill()\n"
+            "mask = [l for l in open('/proc/self/status')\n"
+            "        if l.startswith('SigIgn:')][0].split()[1]\n"
+            "print('survived', os.path.exists(G),\n"
+            "      bool(int(mask, 16) >> (signal.SIGUSR1 - 1) & 1))\n")
+    out = launch(1, python_cmd(code), timeout=90,
+                 launcher_args=_elastic_args(script))
+    assert out.returncode == 0, out.stdout
+    assert _GREW in out.stdout, out.stdout
+    assert rank_lines(out.stdout, 0) == ["survived True True"], out.stdout
+
+
+def test_a_resize_relaunches_at_the_new_size_without_a_restart(tmp_path):
+    # A command that stops when asked (exit code 76, as the Trainer does
+    # after its checkpoint) is relaunched on 2 ranks, with no
+    # --max-restarts: a resize is no failure.
+    listed, script = _listed(tmp_path, "localhost:1\n")
+    code = (f"L = {str(listed)!r}\n"
+            "import os, signal, sys, time\n"
+            "a = os.environ['KERASDIST_RESTART_ATTEMPT']\n"
+            "if a == '0':\n"
+            "    signal.signal(signal.SIGUSR1, lambda *x: sys.exit(76))\n"
+            + _ANNOUNCE_AND_GROW +
+            "    time.sleep(30)\n"
+            "    sys.exit('never asked')\n"
+            "print('attempt', a, 'size', os.environ['PMI_SIZE'])\n")
+    out = launch(1, python_cmd(code), timeout=90,
+                 launcher_args=_elastic_args(script))
+    assert out.returncode == 0, out.stdout
+    assert _GREW in out.stdout, out.stdout
+    assert "attempt 2 of" not in out.stdout and "exited with" not in out.stdout
+    for r in (0, 1):
+        assert rank_lines(out.stdout, r) == ["attempt 1 size 2"], out.stdout
+
+
+def test_exit_code_76_unasked_is_a_failure(tmp_path):
+    _, script = _listed(tmp_path, "localhost:1\n")
+    out = launch(1, python_cmd("import sys; sys.exit(76)"), timeout=60,
+                 launcher_args=_elastic_args(script))
+    assert out.returncode == 76, out.stdout
+    assert "rank 0 (host " in out.stdout and "exited with code 76" in \
+        out.stdout, out.stdout

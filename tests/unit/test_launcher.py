@@ -15,6 +15,7 @@ from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
 from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import resize  # noqa: E402
 from kerasdist.run import settings  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 
@@ -405,3 +406,241 @@ def test_discover_reads_hostfile_lines_and_names_a_broken_script(tmp_path):
     empty.chmod(0o755)
     with pytest.raises(ValueError, match="no hosts listed"):
         elastic.discover(str(empty))
+
+
+# --- growing and shrinking (--host-discovery-script while the job runs) ----
+
+def _discovery(tmp_path, text="a:1\n"):
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nprintf '{text}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_max_np_and_discovery_interval_defaults(tmp_path):
+    script = _discovery(tmp_path)
+    args = launch.parse_args(["-np", "2", "--host-discovery-script", script,
+                              "cmd"])
+    assert args.max_np == 2 and args.min_np == 2
+    assert args.discovery_interval == resize.DEFAULT_INTERVAL_S == 5.0
+    args = launch.parse_args(["-np", "2", "--host-discovery-script", script,
+                              "--max-np", "4", "--min-np", "1",
+                              "--discovery-interval", "0.5", "cmd"])
+    assert (args.min_np, args.np, args.max_np) == (1, 2, 4)
+    assert args.discovery_interval == 0.5
+    assert launch.parse_args(["-np", "3", "cmd"]).max_np == 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-np", "1"], "--max-np 1 is less than -np 2"),
+    (["--max-np", "0"], "positive integer"),
+    (["--max-np", "x"], "positive integer"),
+    (["--discovery-interval", "0"], "positive number"),
+    (["--discovery-interval", "-1"], "non-negative number"),
+    (["--discovery-interval", "inf"], "non-negative number"),
+])
+def test_resize_flags_reject_bad_values(tmp_path, extra, message):
+    argv = ["-np", "2", "--host-discovery-script", _discovery(tmp_path),
+            *extra, "cmd"]
+    with pytest.raises(launch.UsageError, match=message):
+        launch.parse_args(argv)
+
+
+@pytest.mark.parametrize("flag, value", [("--max-np", "4"),
+                                         ("--discovery-interval", "2")])
+def test_resize_flags_need_a_discovery_script(flag, value):
+    with pytest.raises(launch.UsageError,
+                       match=f"{flag} needs --host-discovery-script"):
+        launch.parse_args(["-np", "2", flag, value, "cmd"])
+    with pytest.raises(launch.UsageError,
+                       match=f"{flag} does not go with node mode"):
+        launch.parse_args(["--nnodes", "1", flag, value, "cmd"])
+
+
+def test_elastic_jobs_tell_their_ranks(tmp_path):
+    args = launch.parse_args(["-np", "1", "--host-discovery-script",
+                              _discovery(tmp_path), "cmd"])
+    assert launch._rank_env(args, 0)[_rank.ELASTIC_ENV] == "1"
+    args = launch.parse_args(["-np", "1", "cmd"])
+    assert _rank.ELASTIC_ENV not in launch._rank_env(args, 0)
+
+
+def test_rank_side_names_are_the_launchers():
+    from kerasdist import _resize
+
+    assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
+    assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
+    assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
+    # Not the heartbeat's code (a lost peer), nor a signal's (128+N).
+    assert _rank.RESIZE_EXIT_CODE not in (0, 1, 2, 75, 124)
+    assert _rank.RESIZE_EXIT_CODE < 128
+
+
+def test_growth_is_bounded_by_max_np():
+    grow = resize.decide(1, [("a", 1)], [("a", 1), ("b", 1), ("c", 1)],
+                         min_np=1, max_np=2)
+    assert (grow.old_np, grow.new_np) == (1, 2)
+    assert grow.line == ("growing from 1 to 2 ranks: host b joined, "
+                         "host c joined")
+    more = resize.decide(1, [("a", 1)], [("a", 4)], min_np=1, max_np=3)
+    assert more.new_np == 3
+    assert more.line == ("growing from 1 to 3 ranks: host a has 4 slot(s) "
+                         "now, not 1")
+    # Already at --max-np: more hosts change nothing.
+    assert resize.decide(2, [("a", 1), ("b", 1)],
+                         [("a", 1), ("b", 1), ("c", 1)], 1, 2) is None
+    assert resize.decide(2, [("a", 1), ("b", 1)], [("a", 1), ("b", 1)],
+                         1, 2) is None
+
+
+def test_shrink_is_bounded_by_min_np():
+    hosts = [("a", 1), ("b", 1), ("c", 1)]
+    shrink = resize.decide(3, hosts, [("a", 1), ("c", 1)], 2, 3)
+    assert shrink.new_np == 2 and shrink.hosts == [("a", 1), ("c", 1)]
+    assert shrink.line == "shrinking from 3 to 2 ranks: host b left"
+    assert resize.decide(3, hosts, [("a", 1)], 2, 3) == "too few"
+    assert resize.decide(3, hosts, [], 2, 3) == "too few"
+    # A host that leaves while another of as many slots joins: same size.
+    assert resize.decide(3, hosts, [("a", 1), ("b", 1), ("d", 1)],
+                         2, 3) is None
+
+
+def _outcome(**kw):
+    return job.Outcome(kw.pop("exit_code", 1), **kw)
+
+
+def test_a_resize_is_not_counted_as_a_restart():
+    attempts = launch.Attempts(max_restarts=1)
+    assert attempts.start() == 0
+    resized = _outcome(exit_code=_rank.RESIZE_EXIT_CODE, resized=True)
+    assert not resized.retryable
+    for _ in range(3):
+        assert attempts.after(resized) == "resize"
+        attempts.start()
+    assert attempts.restarts == 0 and attempts.resizes == 3
+    assert attempts.most == 5  # the one restart allowed is still there
+    assert attempts.after(_outcome()) == "restart"
+    attempts.start()
+    assert attempts.after(_outcome()) is None  # --max-restarts 1 used up
+    assert attempts.after(_outcome(exit_code=0)) is None
+    assert attempts.started == 5
+    # A failure that a relaunch would repeat, a timeout, Ctrl-C: no retry.
+    for final in (_outcome(final=True), _outcome(timed_out=True),
+                  _outcome(signum=signal.SIGINT)):
+        assert launch.Attempts(3).after(final) is None
+
+
+class _Proc:
+    """Stands in for mpiexec: records the signals the watcher sends."""
+
+    def __init__(self):
+        self.signals = []
+
+    def send_signal(self, signum):
+        self.signals.append(signum)
+
+
+def _watcher(listed, np_=1, hosts=(("a", 1),), answer=lambda h: True,
+             announce_wait=10.0, **kw):
+    import io
+
+    out = io.BytesIO()
+    state = {"listed": listed, "probed": []}
+
+    def discover():
+        if isinstance(state["listed"], Exception):
+            raise state["listed"]
+        return state["listed"]
+
+    def answering(candidates):
+        state["probed"].append(list(candidates))
+        return ([c for c in candidates if answer(c[0])],
+                [(c[0], "timed out") for c in candidates
+                 if not answer(c[0])])
+
+    w = resize.Watcher(discover, answering, np_, list(hosts),
+                       kw.pop("min_np", 1), kw.pop("max_np", 2), 1.0,
+                       job.Log(out, out), started=0.0,
+                       announce_wait=announce_wait, clock=lambda: 0.0)
+    return w, state, out
+
+
+def test_watcher_asks_once_a_rank_checks_for_resizes():
+    w, state, out = _watcher([("a", 1), ("b", 1)])
+    proc = _Proc()
+    w.poll()
+    assert state["probed"] == [[("b", 1)]]  # only the host that joins
+    w.step(1.0, False, proc)  # no rank said it checks yet: wait
+    assert proc.signals == [] and out.getvalue() == b""
+    w.step(2.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1]
+    assert out.getvalue() == (b"kerasdist: growing from 1 to 2 ranks: host b "
+                              b"joined\n")
+    assert w.requested.new_np == 2 and w.requested.hosts == [("a", 1),
+                                                             ("b", 1)]
+    w.step(3.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1]  # asked once
+
+
+def test_watcher_says_once_that_the_command_does_not_check():
+    w, _, out = _watcher([("a", 1), ("b", 1)], announce_wait=10.0)
+    proc = _Proc()
+    w.poll()
+    w.step(9.0, False, proc)
+    assert out.getvalue() == b""
+    for now in (10.0, 11.0, 12.0):
+        w.step(now, False, proc)
+    assert proc.signals == []
+    assert out.getvalue() == (
+        b"kerasdist: the hosts listed now would give 2 rank(s) (host b "
+        b"joined), but the job's command does not check for resize requests "
+        b"(kerasdist.Trainer with a checkpoint_dir does): it goes on at 1 "
+        b"rank(s).\n")
+
+
+def test_watcher_grows_only_onto_hosts_that_answer():
+    w, _, out = _watcher([("a", 1), ("b", 1)], answer=lambda h: h != "b")
+    proc = _Proc()
+    w.poll()
+    w.poll()
+    w.step(1.0, True, proc)
+    assert proc.signals == [] and w.change is None
+    assert out.getvalue() == (b"kerasdist: host b is listed but does not "
+                              b"answer (timed out); not using it yet.\n")
+
+
+def test_watcher_keeps_the_size_below_min_np_and_when_the_script_fails():
+    w, state, out = _watcher([("a", 1)], np_=2, hosts=(("a", 1), ("b", 1)),
+                             min_np=2)
+    proc = _Proc()
+    w.poll()
+    w.poll()
+    w.step(100.0, True, proc)
+    assert proc.signals == []
+    assert out.getvalue() == (
+        b"kerasdist: the hosts listed now have 1 slot(s) (a:1), fewer than "
+        b"--min-np 2; the job goes on at 2 rank(s).\n")
+    out.truncate(0)
+    out.seek(0)
+    state["listed"] = ValueError("--host-discovery-script s exited with "
+                                 "code 3")
+    w.poll()
+    w.poll()
+    assert out.getvalue() == (b"kerasdist: --host-discovery-script s exited "
+                              b"with code 3; the job goes on at 2 "
+                              b"rank(s).\n")
+    # Back at two hosts: nothing to do.
+    state["listed"] = [("a", 1), ("b", 1)]
+    w.poll()
+    assert w.change is None
+
+
+def test_watcher_forgets_a_change_that_went_back():
+    w, state, _ = _watcher([("a", 1), ("b", 1)])
+    w.poll()
+    assert w.change is not None
+    state["listed"] = [("a", 1)]
+    w.poll()
+    proc = _Proc()
+    w.step(5.0, True, proc)
+    assert w.change is None and proc.signals == []

@@ -18,7 +18,11 @@ Modes:
     run        the same training; with --kill-step S the rank --kill-rank
                SIGKILLs itself after step S on the first attempt, once a
                step checkpoint of that epoch is on disk (so the job
-               resumes in the middle of an epoch).
+               resumes in the middle of an epoch). --step-sleep S sleeps S
+               seconds after every step (a job slow enough to change its
+               hosts while it runs); --mark-first-step has rank 0 write
+               LOG_DIR/first.<tag>.a<attempt>, "<time.time()> <size>", at
+               its attempt's first step.
     faults     the same training under --max-restarts, killed at a
                different point on each attempt (FAULTS below): in the
                background write of a step checkpoint, in an epoch
@@ -27,10 +31,14 @@ Modes:
                place, so the test knows which one each restart must use.
 
 Prints "LOSS <x>" (the trained model's loss on the whole training set) and
-"DONE"; a failed check raises (exit != 0).
+"DONE"; a failed check raises (exit != 0). In an elastic job (`kerasdist run
+--host-discovery-script`) every rank also prints, at exit, whether SIGUSR1
+(the launcher's resize request) reached it: "worker: SIGUSR1 seen: <bool>"
+(its own handler, which kd.init()'s handler calls after noting the request).
 """
 
 import argparse
+import atexit
 import glob
 import os
 import signal
@@ -120,6 +128,23 @@ class IdLog(keras.callbacks.Callback):
             self.model.optimizer.learning_rate))
         _Log.file.write(f"{step} {lr!r} " + " ".join(map(str, ids)) + "\n")
         _Log.file.flush()
+
+
+class Pace(keras.callbacks.Callback):
+    """Sleeps after every step; rank 0 marks the attempt's first step."""
+
+    def __init__(self, log_dir, tag, sleep=0.0, mark=False):
+        super().__init__()
+        self.path = os.path.join(log_dir, f"first.{tag}.a{ATTEMPT}")
+        self.sleep, self.mark = sleep, mark
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.mark and kd.rank() == 0 and not os.path.exists(self.path):
+            with open(self.path + ".tmp", "w") as f:
+                f.write(f"{time.time()!r} {kd.size()}\n")
+            os.rename(self.path + ".tmp", self.path)
+        if self.sleep:
+            time.sleep(self.sleep)
 
 
 def die(why):
@@ -244,6 +269,9 @@ def mode_run(args):
     if args.kill_step is not None:
         killer = [Killer(args.ckpt_dir, args.kill_rank, args.kill_step,
                          args.kill_how)]
+    if args.step_sleep or args.mark_first_step:
+        killer.append(Pace(args.log_dir, args.tag, args.step_sleep,
+                           args.mark_first_step))
     trainer, loss = train(args, callbacks=killer)
     finish(args, trainer, loss)
 
@@ -297,7 +325,19 @@ def mode_faults(args):
     finish(args, trainer, loss)
 
 
+def note_resize_requests():
+    """In an elastic job: a SIGUSR1 handler of the program's own, and a line
+    at exit saying whether it ran."""
+    if os.environ.get("KERASDIST_ELASTIC") != "1":
+        return
+    seen = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    atexit.register(lambda: print(f"worker: SIGUSR1 seen: {bool(seen)}",
+                                  flush=True))
+
+
 def main():
+    note_resize_requests()
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["reference", "run", "faults"])
     p.add_argument("ckpt_dir")
@@ -308,6 +348,8 @@ def main():
     p.add_argument("--kill-how", default="kill",
                    choices=["kill", "freeze", "drop", "link_down",
                             "exception"])
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--mark-first-step", action="store_true")
     args = p.parse_args()
     kd.init()
     {"reference": mode_reference, "run": mode_run,

@@ -1,0 +1,85 @@
+"""A rank's side of growing and shrinking jobs (private).
+
+`kerasdist run --host-discovery-script` sets KERASDIST_ELASTIC=1 for every
+rank and, when the hosts it lists change, sends SIGUSR1 to the ranks (see
+kerasdist/run/resize.py). kd.init() then installs `install()`'s handler,
+which only notes the request; the Trainer checks it at its checkpoint
+boundaries, where all ranks agree on it, write a checkpoint and exit with
+RESIZE_EXIT_CODE (raising `Resize`). A program that does not check never
+sees more of it than a flag set.
+
+The names below are the launcher's (kerasdist/run/_rank.py), copied: the
+rank side may not import the launcher. A unit test holds them equal.
+Standard library only.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+ELASTIC_ENV = "KERASDIST_ELASTIC"
+RESIZE_EXIT_CODE = 76
+RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+
+_state = {"installed": False, "requested": False, "announced": False}
+
+
+class Resize(SystemExit):
+    """Ends the process with RESIZE_EXIT_CODE after the Trainer wrote the
+    checkpoint the job resumes from at its new size. A SystemExit, so
+    `except Exception` does not catch it and no traceback is printed."""
+
+    def __init__(self):
+        super().__init__(RESIZE_EXIT_CODE)
+
+
+def elastic(environ=None):
+    """Whether the launcher runs this job as an elastic one."""
+    return (os.environ if environ is None else environ).get(
+        ELASTIC_ENV) == "1"
+
+
+def install():
+    """Installs the SIGUSR1 handler that notes a resize request, in an
+    elastic job and on the main thread (where Python runs handlers);
+    a handler of the program's own is called after it. Returns whether
+    the handler is installed."""
+    if _state["installed"]:
+        return True
+    if not elastic() or threading.current_thread() is not \
+            threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def note(signum, frame):
+        _state["requested"] = True
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGUSR1, note)
+    _state["installed"] = True
+    return True
+
+
+def checking():
+    """Whether resize requests reach this process (see install)."""
+    return _state["installed"]
+
+
+def requested():
+    """Whether the launcher asked this rank to stop for a resize."""
+    return _state["requested"]
+
+
+def announce(rank):
+    """Tells the launcher, once, that this rank checks for resize requests
+    (one marker line on stderr, which the launcher removes)."""
+    if _state["announced"]:
+        return
+    _state["announced"] = True
+    try:
+        sys.stderr.flush()
+        os.write(2, RESIZABLE_MARKER + f" rank={rank}\n".encode())
+    except OSError:
+        pass
