@@ -70,7 +70,6 @@ def _run_on_a_terminal(argv, timeout, **kw):
         [sys.executable, "-c", wrapper, os.ttyname(slave), *argv],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, errors="replace", **kw)
-    os.close(slave)
     chunks = []
 
     def read():
@@ -91,6 +90,8 @@ def _run_on_a_terminal(argv, timeout, **kw):
         kill_tree(proc)
         raise
     finally:
+        # Held open until now: the terminal reads EIO once none holds it.
+        os.close(slave)
         reader.join(timeout=10)
         os.close(master)
     tty = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
@@ -276,6 +277,7 @@ def test_wheel_installs_and_trains_without_a_compiler(tmp_path):
     figures["doctor"] = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-6000:]
     assert "# all checks passed" in out.stdout, out.stdout
+    print("\n".join(said))
     print("wheel: " + ", ".join(f"{k} {v:.1f} s" for k, v in figures.items()),
           f"({wheel.name}, {wheel.stat().st_size >> 10} KiB)")
 
