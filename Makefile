@@ -52,7 +52,7 @@ wheel:
 	    bad = [f"{d} {have[d]} is installed, the pin is {v}" for d, v in pins.items() if have[d] != v]; \
 	    sys.exit("make wheel: " + "; ".join(bad) + ": pip install -r requirements.txt -r requirements-test.txt") if bad else None'
 	rm -rf $(WHEEL_DIR)/.raw
-	KERASDIST_WITH_NCCL=0 JAX=1 $(PYTHON) -m pip wheel --no-build-isolation --no-deps --no-index -w $(WHEEL_DIR)/.raw .
+	KERASDIST_WITH_NCCL=0 JAX=1 $(PYTHON) -m pip wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w $(WHEEL_DIR)/.raw .
 	PATH="$$(dirname "$$($(PYTHON) -c 'import sys; print(sys.executable)')"):$$PATH" \
 	  $(PYTHON) -m auditwheel repair --exclude libtensorflow_framework.so.2 --exclude libmpi.so.12 \
 	  -w $(WHEEL_DIR) $(WHEEL_DIR)/.raw/kerasdist-*.whl

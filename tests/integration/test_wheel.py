@@ -276,6 +276,7 @@ def test_wheel_installs_and_trains_without_a_compiler(tmp_path):
                    "--timeout", "120"], env, elsewhere, timeout=300)
     figures["doctor"] = time.monotonic() - t0
     assert out.returncode == 0, out.stdout[-6000:]
+    assert "2-rank self-test" in out.stdout, out.stdout
     assert "# all checks passed" in out.stdout, out.stdout
     print("\n".join(said))
     print("wheel: " + ", ".join(f"{k} {v:.1f} s" for k, v in figures.items()),
