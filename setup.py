@@ -4,38 +4,138 @@ tf.sysconfig, MPI from the mpich wheel or KERASDIST_MPI_HOME).
 TensorFlow must already be installed in the environment that builds, because
 the op library is compiled against it: install with
 `pip install -r requirements.txt && pip install --no-build-isolation -e .`.
+Building needs make and a C++17 compiler (g++ 8 or later, or $CXX); a wheel
+(`make wheel`) installs without either.
+
+An editable install builds into the source package (kerasdist/); a wheel
+(`pip wheel`, `pip install .`, `make wheel`) into build/, with RELOCATABLE=1
+so that the core finds the mpich wheel's libmpi wherever it is installed.
+`make` rebuilds only what is out of date. pip hides the build's output, so
+short progress lines go to the terminal (/dev/tty) when there is one.
 """
 
+import collections
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SRC_PKG = os.path.join(HERE, "kerasdist")
 
 
 def _version():
     """kerasdist.__version__, read from the source (the one place it is
     written) without importing the package."""
-    with open(os.path.join(HERE, "kerasdist", "__init__.py")) as f:
+    with open(os.path.join(SRC_PKG, "__init__.py")) as f:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
 VERSION = _version()
 NATIVE = ["libkerasdist_core.so", "_kerasdist_ops.so", "_build_info.json"]
-# Built only when their framework is importable at build time (ops/Makefile).
-OPTIONAL_NATIVE = ["_kerasdist_jax.so"]
+# Built only when jax is importable at build time (ops/Makefile); then
+# _build_info.json names its version.
+JAX_NATIVE = "_kerasdist_jax.so"
+# A library's link line in make's output (`... -o DIR/NAME.so ...`).
+_LINKED = re.compile(r"\s-o\s+(\S+\.so)(?:\s|$)")
+
+
+class _Progress:
+    """Short lines on the terminal, past pip's capture of the build's
+    output; nothing extra where there is no terminal (CI, a pipe)."""
+
+    def __init__(self):
+        try:
+            self._tty = open("/dev/tty", "w")
+        except OSError:
+            self._tty = None
+
+    def say(self, line):
+        if self._tty is None:
+            return
+        try:
+            self._tty.write(line + "\n")
+            self._tty.flush()
+        except OSError:
+            self._tty = None
+
+    def close(self):
+        if self._tty is not None:
+            self._tty.close()
+
+
+def _check_tools():
+    """Exits with one line when make or a C++17 compiler is missing."""
+    cxx = shlex.split(os.environ.get("CXX") or "g++")
+    missing = [t for t in ("make", cxx[0]) if shutil.which(t) is None]
+    if missing:
+        sys.exit(f"kerasdist: building from source needs make and a C++17 "
+                 f"compiler, and {' and '.join(missing)} "
+                 f"{'is' if len(missing) == 1 else 'are'} not on PATH: "
+                 "install them (Debian/Ubuntu: apt-get install g++ make; or "
+                 "set CXX), or install a kerasdist wheel, which needs "
+                 "neither (`make wheel` builds one).")
+    probe = subprocess.run(
+        cxx + ["-std=c++17", "-x", "c++", "-fsyntax-only", "-"],
+        input="#include <optional>\nstd::optional<int> x;\n",
+        capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["no message"])[0]
+        sys.exit(f"kerasdist: {' '.join(cxx)} does not compile C++17 "
+                 f"({why}): install g++ 8 or later, or set CXX to a C++17 "
+                 "compiler.")
+
+
+def _make(out, relocatable, progress):
+    """Runs ops/Makefile into `out`; one progress line per library built."""
+    cmd = ["make", "--no-print-directory", "--output-sync=target",
+           "-C", os.path.join(HERE, "ops"), f"-j{os.cpu_count() or 1}",
+           f"OUT={out}", f"PYTHON={sys.executable}", f"VERSION={VERSION}"]
+    if relocatable:
+        cmd.append("RELOCATABLE=1")
+    progress.say("kerasdist: building the native libraries (about 2 minutes "
+                 "from scratch; C++17 compiler and make needed)...")
+    start = time.monotonic()
+    built = []
+    tail = collections.deque(maxlen=20)
+    # --output-sync: a library's link line comes when it is built.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line.rstrip())
+        m = _LINKED.search(line)
+        if m:
+            built.append(os.path.basename(m.group(1)))
+            progress.say(f"kerasdist:   built {built[-1]} "
+                         f"({time.monotonic() - start:.0f} s)")
+    if proc.wait() != 0:
+        errors = [l for l in tail if "***" in l or "error:" in l]
+        why = (errors or list(tail) or ["no output"])[0]
+        progress.say("kerasdist: the native build failed (pip shows "
+                     "make's output)")
+        sys.exit(f"kerasdist: building the native libraries failed (make "
+                 f"exited with {proc.returncode}): {why}")
+    progress.say(f"kerasdist: native libraries built in "
+                 f"{time.monotonic() - start:.0f} s" if built else
+                 "kerasdist: native libraries up to date")
 
 
 class MakeBuild(build_ext):
-    """Runs ops/Makefile into the source package, then copies the results
-    where setuptools expects them."""
+    """Runs ops/Makefile, into the source package for an editable install,
+    else into build/ and from there into the wheel."""
 
     def run(self):
+        editable = self.inplace or getattr(self, "editable_mode", False)
+        _check_tools()
         try:
             import tensorflow  # noqa: F401
         except ImportError:
@@ -44,25 +144,27 @@ class MakeBuild(build_ext):
                 "environment. Install the requirements first and build "
                 "without isolation:\n  pip install -r requirements.txt && "
                 "pip install --no-build-isolation -e .")
-        src_pkg = os.path.join(HERE, "kerasdist")
-        jobs = str(os.cpu_count() or 1)
-        subprocess.check_call(
-            ["make", "-B", "-C", os.path.join(HERE, "ops"), f"-j{jobs}",
-             f"OUT={src_pkg}", f"PYTHON={sys.executable}",
-             f"VERSION={VERSION}"])
-        if not self.inplace:
+        out = SRC_PKG if editable else os.path.abspath(
+            os.path.join(self.build_temp, "native"))
+        progress = _Progress()
+        try:
+            _make(out, not editable, progress)
+        finally:
+            progress.close()
+        if not editable:
             dest = os.path.join(self.build_lib, "kerasdist")
             os.makedirs(dest, exist_ok=True)
-            for name in NATIVE + _built(OPTIONAL_NATIVE):
-                shutil.copy2(os.path.join(src_pkg, name), dest)
+            with open(os.path.join(out, "_build_info.json")) as f:
+                names = NATIVE + ([JAX_NATIVE] if "jax" in json.load(f)
+                                  else [])
+            for name in NATIVE + [JAX_NATIVE]:
+                if os.path.exists(os.path.join(dest, name)):
+                    os.remove(os.path.join(dest, name))
+            for name in names:
+                shutil.copy2(os.path.join(out, name), dest)
 
     def get_outputs(self):
         return []
-
-
-def _built(names):
-    here = os.path.join(HERE, "kerasdist")
-    return [n for n in names if os.path.exists(os.path.join(here, n))]
 
 
 setup(
@@ -71,7 +173,6 @@ setup(
     description="Fast synchronous data-parallel training for Keras 3 on "
                 "TensorFlow, JAX and PyTorch (Horovod-style, MPI and NCCL)",
     packages=find_packages(include=["kerasdist", "kerasdist.*"]),
-    package_data={"kerasdist": NATIVE + OPTIONAL_NATIVE},
     ext_modules=[Extension("kerasdist._native_build_marker", sources=[])],
     cmdclass={"build_ext": MakeBuild},
     python_requires=">=3.10",
@@ -81,6 +182,7 @@ setup(
     # is built, and pip builds before it installs the extras: in a fresh
     # environment install jax first (pip install "jax[cpu]==0.10.2"), then
     # kerasdist with --no-build-isolation. torch needs nothing compiled.
+    # The wheel (`make wheel`) carries the JAX op library already.
     extras_require={"plot": ["matplotlib"], "test": ["pytest"],
                     "jax": ["jax[cpu]==0.10.2"], "torch": ["torch==2.13.0"]},
     entry_points={"console_scripts": ["kerasdist=kerasdist.tools.cli:main"]},

@@ -110,3 +110,4 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _MovedModuleFinder())
+importlib.import_module("kerasdist._build_check").warn()

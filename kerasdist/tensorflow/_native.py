@@ -2,11 +2,11 @@
 TensorFlow that is running (a mismatch would otherwise surface as an
 `undefined symbol` deep inside TensorFlow)."""
 
-import json
 import os
 
 import tensorflow as tf
 
+from kerasdist import _build_check
 from kerasdist._core import capi as _capi
 
 _ops = None
@@ -25,18 +25,15 @@ def ops():
         return _ops
     here = _capi.NATIVE_DIR
     path = os.path.join(here, "_kerasdist_ops.so")
-    info_path = os.path.join(here, "_build_info.json")
     if not os.path.exists(path):
         raise ImportError(f"kerasdist's TensorFlow op library is missing "
                           f"({path}). {_rebuild_hint()}")
-    built_for = None
-    if os.path.exists(info_path):
-        with open(info_path) as f:
-            built_for = json.load(f).get("tensorflow")
-    if built_for is not None and built_for != tf.__version__:
-        raise ImportError(
-            f"{path} was built for TensorFlow {built_for}, but TensorFlow "
-            f"{tf.__version__} is running. {_rebuild_hint()}")
+    mismatch = _build_check.mismatch(
+        "tensorflow", _build_check.build_info(
+            os.path.join(here, "_build_info.json")).get("tensorflow"),
+        tf.__version__, _build_check.installed("tensorflow")[0])
+    if mismatch:
+        raise ImportError(mismatch)
     _capi.lib()  # the core first, so the op library resolves against it
     try:
         _ops = tf.load_op_library(path)

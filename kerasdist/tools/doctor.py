@@ -13,7 +13,6 @@ launcher (`python -m kerasdist.run -np N python -m kerasdist.tools.doctor
 import argparse
 import ctypes
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -21,6 +20,7 @@ import subprocess
 import sys
 
 import kerasdist
+from kerasdist import _build_check
 from kerasdist._core import capi as _capi
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
@@ -39,12 +39,10 @@ def _native_info():
     return dict(l.split("=", 1) for l in lines if "=" in l), None
 
 
-def _tf_built_for():
-    try:
-        with open(os.path.join(_capi.NATIVE_DIR, "_build_info.json")) as f:
-            return json.load(f).get("tensorflow")
-    except (OSError, ValueError):
-        return None
+def _built_for(framework="tensorflow"):
+    """The version the op library of `framework` was built for, or None."""
+    return _build_check.build_info(
+        os.path.join(_capi.NATIVE_DIR, "_build_info.json")).get(framework)
 
 
 # Distributions that install each module, for its version without the
@@ -126,9 +124,10 @@ def check_build_rows():
     rows = [("kerasdist", kerasdist.__version__),
             ("native library", info.get("kerasdist", "?") if info
              else f"not loadable ({err})"),
-            ("TensorFlow built for", _tf_built_for() or "unknown"),
+            ("TensorFlow built for", _built_for() or "unknown"),
             ("TensorFlow running", tf_running or "not installed"),
             ("Keras", keras or "not installed"),
+            ("JAX built for", _built_for("jax") or "unknown"),
             ("JAX running", _version("jax")[0] or "not installed"),
             ("JAX op library", _jax_library()[1] or "built"),
             ("Python", sys.version.split()[0])]
@@ -267,7 +266,7 @@ def install_checks(np_ranks):
         out.append((FAIL, f"native library: {err}"))
     else:
         out.append((OK, f"native library {info.get('kerasdist')} loads"))
-    built, running = _tf_built_for(), _version("tensorflow")[0]
+    built, running = _built_for(), _version("tensorflow")[0]
     if running is None:
         out.append((FAIL, "TensorFlow is not importable: pip install -r "
                           "requirements.txt (tensorflow-cpu or tensorflow "
@@ -277,9 +276,9 @@ def install_checks(np_ranks):
                           "never built for it: pip install "
                           "--no-build-isolation -e . (or make -C ops)."))
     elif built != running:
-        out.append((FAIL, f"the op library was built for TensorFlow {built} "
-                          f"but {running} is running: rebuild with pip install "
-                          "--no-build-isolation -e ."))
+        out.append((FAIL, _build_check.mismatch(
+            "tensorflow", built, running,
+            _build_check.installed("tensorflow")[0])))
     else:
         out.append((OK, f"TensorFlow {running} (the op library's build)"))
     keras = _version("keras")[0]
@@ -289,6 +288,10 @@ def install_checks(np_ranks):
     else:
         out.append((OK, f"Keras {keras}"))
     out.append(jax_check(_version("jax")[0], _jax_library()))
+    jax_mismatch = _build_check.mismatch("jax", _built_for("jax"),
+                                         _version("jax")[0])
+    if jax_mismatch:
+        out.append((WARN, jax_mismatch))
     if info is not None:
         out.append((OK, f"MPI {info.get('mpi_standard')}: "
                         f"{info.get('mpi_library')}"))
