@@ -36,8 +36,8 @@ no_grad = contextlib.nullcontext
 
 
 _DTYPES = frozenset(np.dtype(t) for t in (
-    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int32,
-    jnp.int64, jnp.uint8, jnp.bool_))
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int8,
+    jnp.int16, jnp.int32, jnp.int64, jnp.uint8, jnp.uint16, jnp.bool_))
 
 
 def tensor(x, what):
@@ -45,8 +45,8 @@ def tensor(x, what):
     x = jnp.asarray(x)
     if np.dtype(x.dtype) not in _DTYPES:
         raise TypeError(f"kerasdist {what}: unsupported dtype {x.dtype}; "
-                        "expected float16, bfloat16, float32, float64, int32, "
-                        "int64, uint8 or bool.")
+                        "expected float16, bfloat16, float32, float64, int8, "
+                        "int16, int32, int64, uint8, uint16 or bool.")
     return x
 
 

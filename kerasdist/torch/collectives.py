@@ -24,8 +24,10 @@ from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
-          torch.float64: np.float64, torch.int32: np.int32,
-          torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_}
+          torch.float64: np.float64, torch.int8: np.int8,
+          torch.int16: np.int16, torch.int32: np.int32,
+          torch.int64: np.int64, torch.uint8: np.uint8,
+          torch.uint16: np.uint16, torch.bool: np.bool_}
 
 
 def _code(t):
@@ -33,8 +35,8 @@ def _code(t):
         return _capi.BFLOAT16
     if t.dtype not in _NUMPY:
         raise TypeError(f"kerasdist: unsupported dtype {t.dtype}; expected "
-                        "float16, bfloat16, float32, float64, int32, int64, "
-                        "uint8 or bool.")
+                        "float16, bfloat16, float32, float64, int8, int16, "
+                        "int32, int64, uint8, uint16 or bool.")
     return _capi.DTYPES[np.dtype(_NUMPY[t.dtype])]
 
 

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace kerasdist::core {
 
@@ -31,15 +32,28 @@ __global__ void Scale16Kernel(T* dst, const T* src, int64_t n, float f) {
   }
 }
 
+// As the CPU path (scale.cc): with f 1 C's division by div, else
+// src * f / div in double truncated toward zero (saturating beyond int64).
 template <typename T>
 __global__ void ScaleIntKernel(T* dst, const T* src, int64_t n, double f,
                                int64_t div) {
+  const double g = div > 1 ? f / static_cast<double>(div) : f;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{blockDim.x} * gridDim.x) {
-    T v = src[i];
-    if (div > 1) v = static_cast<T>(v / static_cast<T>(div));
-    if (f != 1.0) v = static_cast<T>(llround(static_cast<double>(v) * f));
-    dst[i] = v;
+    if (f == 1.0) {
+      dst[i] = static_cast<T>(static_cast<int64_t>(src[i]) / div);
+      continue;
+    }
+    const double x = static_cast<double>(src[i]) * g;
+    int64_t v;
+    if (x >= 9223372036854775807.0) {
+      v = INT64_MAX;
+    } else if (x <= -9223372036854775807.0) {
+      v = INT64_MIN;
+    } else {
+      v = static_cast<int64_t>(x);
+    }
+    dst[i] = static_cast<T>(v);
   }
 }
 
@@ -110,6 +124,21 @@ Status ScaleCopyAsync(void* dst, const void* src, int64_t n, DataType dt,
     case DataType::kBool:
       ScaleIntKernel<<<b, kThreads, 0, stream>>>(
           static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n,
+          factor, int_divisor);
+      break;
+    case DataType::kInt8:
+      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
+          static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), n,
+          factor, int_divisor);
+      break;
+    case DataType::kInt16:
+      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
+          static_cast<int16_t*>(dst), static_cast<const int16_t*>(src), n,
+          factor, int_divisor);
+      break;
+    case DataType::kUInt16:
+      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
+          static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), n,
           factor, int_divisor);
       break;
   }
