@@ -48,11 +48,11 @@ def _tf():
 
 
 def DistributedOptimizer(optimizer, name=None,
-                         compression=Compression.none, op=basics.Average,
+                         compression=Compression.none, op=None,
                          backward_passes_per_step=1,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
-                         num_groups=0):
+                         num_groups=0, average=None):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks.
 
     The result is an instance of a subclass of `type(optimizer)` (so
@@ -79,7 +79,7 @@ def DistributedOptimizer(optimizer, name=None,
             different names.
         compression: `kerasdist.Compression.none` (default) or
             `kerasdist.Compression.fp16`.
-        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
         backward_passes_per_step: communicate and update once every this
             many `apply` calls; in between, gradients are summed locally
             (sparse gradients densified) and weights do not change.
@@ -98,6 +98,8 @@ def DistributedOptimizer(optimizer, name=None,
             finished first can start earlier. The result is the same
             either way. (Horovod's 0 meant one op per gradient; here that
             per-op cost is what grouping avoids.)
+        average: Horovod's deprecated form of `op`: True is Average,
+            False Sum (a DeprecationWarning); ValueError with `op`.
 
     With one rank (`size() == 1`) no collective is created: averaging over
     one rank is the identity, so only compression and
@@ -159,6 +161,7 @@ def DistributedOptimizer(optimizer, name=None,
         raise TypeError("DistributedOptimizer expects a "
                         "keras.optimizers.Optimizer (Keras 3); got "
                         f"{type(optimizer).__name__}.")
+    op = _gradients.resolve_op(op, average)
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)

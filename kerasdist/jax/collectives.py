@@ -132,9 +132,9 @@ def _allgather_fwd(x, name, rows):
 
 
 def _allgather_bwd(name, rows, _, grad):
-    # Every rank's output holds this rank's rows: their gradient is the sum
-    # of every rank's cotangent for them.
-    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    # Every rank's output holds this rank's rows: their gradient is the
+    # average of every rank's cotangent for them (Horovod's convention).
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
     r = basics.rank()
     start = sum(rows[:r])
     return (summed[start:start + rows[r]],)
@@ -168,7 +168,7 @@ def _broadcast_fwd(x, name, root):
 
 
 def _broadcast_bwd(name, root, _, grad):
-    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
     return (summed if basics.rank() == root else summed * 0,)
 
 
@@ -251,7 +251,7 @@ def _reducescatter_fwd(x, name, op, prescale, postscale, counts):
 def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
     _differentiable(op)
     gathered = _allgather(grad, name + ".grad", counts)
-    scale = prescale * postscale / (len(counts) if op == basics.Average else 1)
+    scale = prescale * postscale * (len(counts) if op == basics.Sum else 1)
     return (gathered * jnp.asarray(scale, gathered.dtype),)
 
 

@@ -3,7 +3,6 @@ over all ranks, for custom training loops."""
 
 import tensorflow as tf
 
-from kerasdist import basics
 from kerasdist._core import gradients as _gradients
 from kerasdist.tensorflow import gradients as _tf_gradients
 from kerasdist.compression import Compression
@@ -33,7 +32,7 @@ class DistributedGradientTape:
     Args:
         tape: the `tf.GradientTape` to wrap.
         compression: `kerasdist.Compression.none` (default) or `.fp16`.
-        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
         sparse_as_dense: allreduce `tf.IndexedSlices` gradients as dense
             tensors instead of allgathering them.
         gradient_predivide_factor: scale by 1/f before the sum and f/size
@@ -43,6 +42,8 @@ class DistributedGradientTape:
             `DistributedOptimizer`'s `num_groups`). Same result either way.
         name: prefix of the collective names (default
             "DistributedGradientTape").
+        average: Horovod's deprecated form of `op`: True is Average,
+            False Sum (a DeprecationWarning); ValueError with `op`.
 
     Raises:
         TypeError: if `tape` is not a `tf.GradientTape`.
@@ -57,15 +58,16 @@ class DistributedGradientTape:
     >>> optimizer.apply(grads, model.trainable_variables)
     """
 
-    def __init__(self, tape, compression=Compression.none, op=basics.Average,
+    def __init__(self, tape, compression=Compression.none, op=None,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
-                 name=None, num_groups=0):
+                 name=None, num_groups=0, average=None):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
         if not isinstance(tape, tf.GradientTape):
             raise TypeError("DistributedGradientTape expects a "
                             f"tf.GradientTape; got {type(tape).__name__}.")
+        op = _gradients.resolve_op(op, average)
         _gradients.check_args(op, compression, gradient_predivide_factor,
                               num_groups, "DistributedGradientTape")
         self._num_groups = num_groups

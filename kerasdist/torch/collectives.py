@@ -211,11 +211,11 @@ def _allgather_context(ctx, inputs, output):
 
 
 def _allgather_grad(ctx, grad):
-    # Every rank's output holds this rank's rows: their gradient is the sum
-    # of every rank's cotangent for them.
+    # Every rank's output holds this rank's rows: their gradient is the
+    # average of every rank's cotangent for them (Horovod's convention).
     (name,) = ctx.args
-    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
-                        1.0)
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Average,
+                        1.0, 1.0)
     rows = _host.host_int64(_capi.OP_ALLGATHER, [ctx.rows],
                                 name + ".grad.rows")
     start = sum(rows[:basics.rank()])
@@ -224,8 +224,8 @@ def _allgather_grad(ctx, grad):
 
 def _broadcast_grad(ctx, grad):
     name, root = ctx.args
-    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
-                        1.0)
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Average,
+                        1.0, 1.0)
     return (summed if basics.rank() == root else torch.zeros_like(summed),
             None, None)
 
@@ -250,7 +250,7 @@ def _reducescatter_grad(ctx, grad):
     name, op, prescale, postscale = ctx.args
     _differentiable(op)
     gathered = _allgather(grad.contiguous(), name + ".grad")
-    scale = prescale * postscale / (basics.size() if op == basics.Average
+    scale = prescale * postscale * (basics.size() if op == basics.Sum
                                     else 1)
     return gathered * scale, None, None, None, None
 
