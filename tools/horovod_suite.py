@@ -62,6 +62,7 @@ FILES = ("test/parallel/test_tensorflow.py",
          "test/parallel/base_test_tensorflow.py",
          "test/utils/common.py")
 TEST_FILE = FILES[0]
+EXIT_GRACE_S = 60  # for a job to end once every rank finished its tests
 
 # (pattern of a whole line, replacement); indentation is kept.
 IMPORTS = [
@@ -146,7 +147,14 @@ def pytest_collection_modifyitems(session, config, items):
         with open(select) as f:
             wanted = set(line.strip() for line in f if line.strip())
         items[:] = [i for i in items if i.nodeid in wanted]
-    _write(event="collected", tests=[i.nodeid for i in items])
+
+
+def pytest_collection_finish(session):
+    _write(event="collected", tests=[i.nodeid for i in session.items])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _write(event="session_done")
 
 
 def pytest_collectreport(report):
@@ -262,6 +270,18 @@ class Records:
                     return e["tests"]
         return None
 
+    def all_done(self):
+        """The time by which every rank had finished its pytest session,
+        or None."""
+        times = []
+        for r in range(self.np):
+            done = [e["t"] for e in self.events[r]
+                    if e["event"] == "session_done"]
+            if not done:
+                return None
+            times.append(done[0])
+        return max(times)
+
     def collect_errors(self):
         return [e for r in range(self.np) for e in self.events[r]
                 if e["event"] == "collect_error"]
@@ -375,6 +395,11 @@ def run_job(args, work, job, select, deadline):
                 now = time.time()
                 if now > deadline:
                     return records, ("deadline", None)
+                done = records.all_done()
+                if done is not None and now - done > EXIT_GRACE_S:
+                    # Every rank finished its tests but the job does not
+                    # end (a rank waiting at shutdown): end it.
+                    return records, ("exit", "killed after the tests")
                 running = records.running()
                 late = [(t, start, r) for r, (t, start) in running.items()
                         if now - start > args.test_timeout]
@@ -402,8 +427,8 @@ def run_suite(args, work):
         collected = records.collected()
         if order is None:
             order = collected
-            if order is None:
-                collect_errors = records.collect_errors()
+            collect_errors = records.collect_errors()
+            if not order:
                 return None, collect_errors, job
         pending = select if select is not None else order
         for test in pending:
@@ -443,9 +468,12 @@ def summarize(rows, collect_errors, left, jobs, seconds):
     if left:
         lines.append("lines still importing horovod (left as they are):")
         lines += [f"  {s}" for s in left]
+    if collect_errors:
+        lines.append("collection errors:")
+        seen = sorted({(e["where"], e["reason"]) for e in collect_errors})
+        lines += [f"  {where}: {why}" for where, why in seen]
     if rows is None:
-        lines.append("the suite did not collect:")
-        lines += [f"  {e['where']}: {e['reason']}" for e in collect_errors]
+        lines.append("the suite collected no test.")
         return "\n".join(lines)
     counts = {}
     for _, outcome, _ in rows:
