@@ -2,7 +2,7 @@
 
     python tools/horovod_suite.py --git HOROVOD_GIT_DIR [--commit REV]
     python tools/horovod_suite.py --checkout HOROVOD_CHECKOUT
-        [--np 2] [--test-timeout 180] [--timeout 2400] [-k EXPR]
+        [--np 2] [--test-timeout 120] [--timeout 2400] [-k EXPR]
         [--kerasdist-root DIR] [--keep DIR] [--json FILE]
 
 Takes Horovod's `test/parallel/test_tensorflow.py` with its helper files
@@ -32,7 +32,10 @@ Per-test timeout: a test that runs longer than `--test-timeout` seconds on
 any rank (a rank left waiting in a collective its peer never joins) ends
 the job: the launcher's whole process tree is killed, the test is counted
 as failed ("timed out"), and a new job runs the tests that did not finish
-on every rank. A rank that dies is handled the same way. `--timeout`
+on every rank. A rank that dies is handled the same way. (The ranks run
+with KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS=0 unless it is set, so that
+the core does not end the runtime under the tests that follow one that
+waits.) `--timeout`
 bounds the whole run (every job); what did not run by then is counted as
 failed ("not run").
 
@@ -362,6 +365,10 @@ def run_job(args, work, job, select, deadline):
         [args.kerasdist_root, os.path.join(work, "plugins")]
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # A test left waiting is ended by the per-test timeout, and the tests
+    # after it run in a fresh job; the core's deadlock shutdown would end
+    # the runtime under the later tests of this one.
+    env.setdefault("KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS", "0")
     env["KD_SUITE_RECORDS"] = records_dir
     env["KD_SUITE_NAME_RESET"] = "0" if args.no_name_reset else "1"
     env.pop("KD_SUITE_SELECT", None)
@@ -507,7 +514,7 @@ def main(argv=None):
     p.add_argument("--commit", default="HEAD",
                    help="the commit of --git (default HEAD)")
     p.add_argument("--np", type=int, default=2)
-    p.add_argument("--test-timeout", type=float, default=180.0,
+    p.add_argument("--test-timeout", type=float, default=120.0,
                    help="seconds one test may run on a rank")
     p.add_argument("--timeout", type=float, default=2400.0,
                    help="seconds for the whole run")
