@@ -35,9 +35,8 @@ as failed ("timed out"), and a new job runs the tests that did not finish
 on every rank. A rank that dies is handled the same way. (The ranks run
 with KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS=0 unless it is set, so that
 the core does not end the runtime under the tests that follow one that
-waits.) `--timeout`
-bounds the whole run (every job); what did not run by then is counted as
-failed ("not run").
+waits.) `--timeout` bounds the whole run (every job); what did not run by
+then is counted as failed ("not run").
 
 Between tests a small pytest plugin restarts kerasdist's numbering of
 unnamed eager collectives (the ranks match those by call order), so that
