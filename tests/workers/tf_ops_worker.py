@@ -296,9 +296,9 @@ def average_keyword():
         tf.GradientTape(), op=kd.Sum, average=True), "supersedes average")
     opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), average=False,
                                   name="ak.opt")
-    w = keras.Variable(np.zeros(5), name="w")
-    opt.apply([tf.constant(np.full(5, r + 1.0))], [w])
-    expect(w, np.full(5, -n * (n + 1) / 2), "optimizer average=False")
+    w = keras.Variable(np.zeros(5, np.float32), name="w", dtype="float32")
+    opt.apply([tf.constant(np.full(5, r + 1.0, np.float32))], [w])
+    expect(w.numpy(), np.full(5, -n * (n + 1) / 2), "optimizer average=False")
     expect_raises(ValueError, lambda: kd.DistributedOptimizer(
         keras.optimizers.SGD(1.0), op=kd.Average, average=True),
         "supersedes average")
