@@ -298,7 +298,8 @@ def average_keyword():
                                   name="ak.opt")
     w = keras.Variable(np.zeros(5, np.float32), name="w", dtype="float32")
     opt.apply([tf.constant(np.full(5, r + 1.0, np.float32))], [w])
-    expect(w.numpy(), np.full(5, -n * (n + 1) / 2), "optimizer average=False")
+    expect(w.numpy(), np.full(5, -n * (n + 1) / 2),
+           "optimizer average=False")
     expect_raises(ValueError, lambda: kd.DistributedOptimizer(
         keras.optimizers.SGD(1.0), op=kd.Average, average=True),
         "supersedes average")
