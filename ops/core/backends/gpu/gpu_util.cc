@@ -62,6 +62,13 @@ int Blocks(int64_t n) {
       std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
 }
 
+template <typename T>
+void LaunchScaleInt(void* dst, const void* src, int64_t n, double f,
+                    int64_t div, cudaStream_t stream) {
+  ScaleIntKernel<<<Blocks(n), kThreads, 0, stream>>>(
+      static_cast<T*>(dst), static_cast<const T*>(src), n, f, div);
+}
+
 }  // namespace
 
 Status CudaError(cudaError_t e, const char* call, const char* file, int line) {
@@ -111,35 +118,23 @@ Status ScaleCopyAsync(void* dst, const void* src, int64_t n, DataType dt,
           static_cast<float>(factor));
       break;
     case DataType::kInt32:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int32_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kInt64:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int64_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kUInt8:
     case DataType::kBool:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<uint8_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kInt8:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int8_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kInt16:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int16_t*>(dst), static_cast<const int16_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int16_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kUInt16:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<uint16_t>(dst, src, n, factor, int_divisor, stream);
       break;
   }
   KD_CHECK_CUDA(cudaGetLastError());
