@@ -28,6 +28,7 @@ Importing this module imports no framework.
 import numpy as np
 
 from kerasdist import basics
+from kerasdist._core import gradients as _gradients
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_variables",
@@ -127,20 +128,22 @@ def bind(impl):
     """The public collectives on the tensors of implementation module
     `impl` (see the module docstring for what it provides)."""
 
-    def allreduce(tensor, op=basics.Average, name=None, prescale_factor=1.0,
-                  postscale_factor=1.0):
+    def allreduce(tensor, op=None, name=None, prescale_factor=1.0,
+                  postscale_factor=1.0, average=None):
         """Reduces a tensor over all ranks; every rank gets the result.
 
         Args:
             tensor: a tensor of the framework (`tf.Tensor`, JAX array or
                 `torch.Tensor`) or an array-like: float16, bfloat16,
-                float32, float64, int32, int64 or uint8 (on JAX, 64-bit
-                types need `jax_enable_x64`). On TensorFlow also a
-                `tf.IndexedSlices`: its values and indices are allgathered
-                (Sum and Average only; Average divides by `size()`).
-            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
-                `Product`. Average of integers divides with truncation
-                toward zero.
+                float32, float64, int8, int16, int32, int64, uint8 or
+                uint16 (on JAX, 64-bit types need `jax_enable_x64`). On
+                TensorFlow also a `tf.IndexedSlices`: its values and
+                indices are allgathered (Sum and Average only, no scale
+                factors: NotImplementedError otherwise, as in Horovod;
+                Average divides by `size()`).
+            op: `kerasdist.Average` (None, the default), `Sum`, `Min`,
+                `Max` or `Product`. Average of integers divides with
+                truncation toward zero.
             name: the name ranks match this collective by. Unnamed calls
                 are named the same on every rank: eagerly numbered in call
                 order (which must then be the same on every rank), inside
@@ -148,7 +151,12 @@ def bind(impl):
                 one when ranks may issue collectives in different orders
                 eagerly.
             prescale_factor: multiplies the input before the reduction.
-            postscale_factor: multiplies the result after it.
+                Integers are multiplied in float64 and truncated toward
+                zero, as in Horovod.
+            postscale_factor: multiplies the result after it (integers:
+                as the prescale factor).
+            average: Horovod's deprecated form of `op`: True is Average,
+                False Sum (a DeprecationWarning); ValueError with `op`.
 
         Returns:
             A new tensor of the same shape and dtype. Differentiable for
@@ -157,11 +165,11 @@ def bind(impl):
 
         Raises:
             RuntimeError: if kerasdist is not initialized.
-            ValueError: for an unknown `op`.
+            ValueError: for an unknown `op`, or both `op` and `average`.
             kerasdist._core.capi.KerasdistError (a RuntimeError; on
-                TensorFlow `tf.errors.InvalidArgumentError`): if the ranks
-                disagree about the tensor (shape, dtype, op); the message
-                names the ranks.
+                TensorFlow `tf.errors.FailedPreconditionError`, as in
+                Horovod): if the ranks disagree about the tensor (shape,
+                dtype, op); the message names the ranks.
 
         Example:
         >>> import kerasdist as kd
@@ -169,13 +177,15 @@ def bind(impl):
         >>> total = kd.allreduce(keras.ops.ones([2]), op=kd.Sum)
         """
         impl.require_init()
+        op = _gradients.resolve_op(op, average)
         impl.check_op(op, "allreduce")
         tensor = impl.tensor(tensor, "allreduce")
         return impl.allreduce(tensor, op, impl.auto_name("allreduce", name),
                               prescale_factor, postscale_factor)
 
-    def grouped_allreduce(tensors, op=basics.Average, name=None,
-                          prescale_factor=1.0, postscale_factor=1.0):
+    def grouped_allreduce(tensors, op=None, name=None,
+                          prescale_factor=1.0, postscale_factor=1.0,
+                          average=None):
         """Reduces a list of tensors together, as one collective.
 
         The members (named `<name>.<i>`) are negotiated together and fused
@@ -183,12 +193,15 @@ def bind(impl):
         one dtype share a batch).
 
         Args:
-            tensors: a list of tensors, each as `allreduce` takes.
-            op: `kerasdist.Average` (default), `Sum`, `Min`, `Max` or
-                `Product`.
+            tensors: a list of tensors, each as `allreduce` takes
+                (`tf.IndexedSlices` among them on TensorFlow: allgathered,
+                as `allreduce` does).
+            op: `kerasdist.Average` (None, the default), `Sum`, `Min`,
+                `Max` or `Product`.
             name: the group's name (see `allreduce`).
             prescale_factor: multiplies every input before the reduction.
             postscale_factor: multiplies every result after it.
+            average: Horovod's deprecated form of `op` (see `allreduce`).
 
         Returns:
             A list of reduced tensors, in the input order (empty for an
@@ -196,12 +209,13 @@ def bind(impl):
 
         Raises:
             RuntimeError: if kerasdist is not initialized.
-            ValueError: for an unknown `op`.
+            ValueError: for an unknown `op`, or both `op` and `average`.
 
         Example:
         >>> grads = kd.grouped_allreduce(grads)
         """
         impl.require_init()
+        op = _gradients.resolve_op(op, average)
         impl.check_op(op, "grouped_allreduce")
         tensors = [impl.tensor(t, "grouped_allreduce") for t in tensors]
         if not tensors:
@@ -226,7 +240,8 @@ def bind(impl):
 
         Returns:
             A tensor with the rows of rank 0, then rank 1, ...
-            Differentiable: each rank gets the sum of every rank's
+            Differentiable, as in Horovod: each rank gets the average
+            (1 / `size()` of the sum) of every rank's
             gradient for its own rows.
 
         Raises:
@@ -251,9 +266,10 @@ def bind(impl):
                 `allreduce`).
 
         Returns:
-            `root_rank`'s tensor. Differentiable: the gradient flows to the
-            root only, which gets the sum of every rank's gradient; the
-            others get zeros.
+            `root_rank`'s tensor. Differentiable, as in Horovod: the
+            gradient flows to the root only, which gets the average of
+            every rank's gradient (1 / `size()` of their sum); the others
+            get zeros.
 
         Raises:
             RuntimeError: if kerasdist is not initialized.
@@ -314,9 +330,10 @@ def bind(impl):
                 `allreduce`).
 
         Returns:
-            (received, received_splits): the rows from every rank in rank
-            order, and how many rows came from each rank. Differentiable:
-            the gradient's rows go back where they came from.
+            The rows from every rank in rank order; with `splits` given,
+            as in Horovod, (received, received_splits): also how many
+            rows came from each rank. Differentiable: the gradient's rows
+            go back where they came from.
 
         Raises:
             RuntimeError: if kerasdist is not initialized.
@@ -327,7 +344,11 @@ def bind(impl):
         """
         impl.require_init()
         tensor = impl.tensor(tensor, "alltoall")
-        return impl.alltoall(tensor, splits, impl.auto_name("alltoall", name))
+        received, received_splits = impl.alltoall(
+            tensor, splits, impl.auto_name("alltoall", name))
+        if splits is None:
+            return received
+        return received, received_splits
 
     def reducescatter(tensor, op=basics.Average, name=None,
                       prescale_factor=1.0, postscale_factor=1.0):
@@ -349,7 +370,10 @@ def bind(impl):
 
         Returns:
             This rank's rows of the reduction. Differentiable for Sum and
-            Average (the gradient is an allgather).
+            Average, as in Horovod: the gradient is the allgather of the
+            incoming ones times the scale factors, and times `size()` for
+            Sum (`size()` times the gradient of the sum of the ranks'
+            losses).
 
         Raises:
             RuntimeError: if kerasdist is not initialized.

@@ -49,11 +49,12 @@ def _tf():
 
 
 def DistributedOptimizer(optimizer, name=None,
-                         compression=Compression.none, op=basics.Average,
+                         compression=Compression.none, op=None,
                          backward_passes_per_step=1,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
-                         num_groups=0, scale_local_gradients=True):
+                         num_groups=0, scale_local_gradients=True,
+                         average=None):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks.
 
     The result is an instance of a subclass of `type(optimizer)` (so
@@ -80,7 +81,7 @@ def DistributedOptimizer(optimizer, name=None,
             different names.
         compression: `kerasdist.Compression.none` (default) or
             `kerasdist.Compression.fp16`.
-        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
         backward_passes_per_step: communicate and update once every this
             many `apply` calls; in between, gradients are summed locally
             (sparse gradients densified) and weights do not change.
@@ -102,6 +103,8 @@ def DistributedOptimizer(optimizer, name=None,
         scale_local_gradients: divide the gradients of local variables
             (`register_local_var`, `PartialDistributedOptimizer`'s
             `local_layers`) by `size()`, as Horovod does (default True).
+        average: Horovod's deprecated form of `op`: True is Average,
+            False Sum (a DeprecationWarning); ValueError with `op`.
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless
@@ -168,6 +171,7 @@ def DistributedOptimizer(optimizer, name=None,
         raise TypeError("DistributedOptimizer expects a "
                         "keras.optimizers.Optimizer (Keras 3); got "
                         f"{type(optimizer).__name__}.")
+    op = _gradients.resolve_op(op, average)
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)

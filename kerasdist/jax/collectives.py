@@ -36,8 +36,8 @@ no_grad = contextlib.nullcontext
 
 
 _DTYPES = frozenset(np.dtype(t) for t in (
-    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int32,
-    jnp.int64, jnp.uint8, jnp.bool_))
+    jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64, jnp.int8,
+    jnp.int16, jnp.int32, jnp.int64, jnp.uint8, jnp.uint16, jnp.bool_))
 
 
 def tensor(x, what):
@@ -45,8 +45,8 @@ def tensor(x, what):
     x = jnp.asarray(x)
     if np.dtype(x.dtype) not in _DTYPES:
         raise TypeError(f"kerasdist {what}: unsupported dtype {x.dtype}; "
-                        "expected float16, bfloat16, float32, float64, int32, "
-                        "int64, uint8 or bool.")
+                        "expected float16, bfloat16, float32, float64, int8, "
+                        "int16, int32, int64, uint8, uint16 or bool.")
     return x
 
 
@@ -132,9 +132,9 @@ def _allgather_fwd(x, name, rows):
 
 
 def _allgather_bwd(name, rows, _, grad):
-    # Every rank's output holds this rank's rows: their gradient is the sum
-    # of every rank's cotangent for them.
-    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    # Every rank's output holds this rank's rows: their gradient is the
+    # average of every rank's cotangent for them (Horovod's convention).
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
     r = basics.rank()
     start = sum(rows[:r])
     return (summed[start:start + rows[r]],)
@@ -168,7 +168,7 @@ def _broadcast_fwd(x, name, root):
 
 
 def _broadcast_bwd(name, root, _, grad):
-    summed = _allreduce(grad, name + ".grad", basics.Sum, 1.0, 1.0)
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
     return (summed if basics.rank() == root else summed * 0,)
 
 
@@ -251,7 +251,7 @@ def _reducescatter_fwd(x, name, op, prescale, postscale, counts):
 def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
     _differentiable(op)
     gathered = _allgather(grad, name + ".grad", counts)
-    scale = prescale * postscale / (len(counts) if op == basics.Average else 1)
+    scale = prescale * postscale * (len(counts) if op == basics.Sum else 1)
     return (gathered * jnp.asarray(scale, gathered.dtype),)
 
 

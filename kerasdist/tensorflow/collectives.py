@@ -34,8 +34,10 @@ def auto_name(kind, name):
 
 
 def tensor(x, what):
-    """`x` as the ops take it (an allreduce keeps a `tf.IndexedSlices`)."""
-    if what == "allreduce" and isinstance(x, tf.IndexedSlices):
+    """`x` as the ops take it (allreduce and grouped_allreduce keep a
+    `tf.IndexedSlices`)."""
+    if what in ("allreduce", "grouped_allreduce") and isinstance(
+            x, tf.IndexedSlices):
         return x
     return tf.convert_to_tensor(x)
 
@@ -49,16 +51,29 @@ no_grad = contextlib.nullcontext
 
 def allreduce(tensor, op, name, prescale_factor, postscale_factor):
     if isinstance(tensor, tf.IndexedSlices):
+        _check_sparse(op, prescale_factor, postscale_factor)
         return _allreduce_sparse(tensor, op, name)
     return _ops().kerasdist_allreduce(
         tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def _allreduce_sparse(slices, op, base):
+def _check_sparse(op, prescale_factor, postscale_factor):
+    """Horovod's errors (NotImplementedError) for what an allreduce of
+    `tf.IndexedSlices`, which is two allgathers, cannot do."""
     if op not in (basics.Average, basics.Sum):
-        raise ValueError("allreduce of tf.IndexedSlices supports only Sum and "
-                         "Average.")
+        raise NotImplementedError(
+            "allreduce of tf.IndexedSlices supports only kerasdist.Sum and "
+            "kerasdist.Average; pass the gradient as a dense tensor "
+            "(tf.convert_to_tensor) for other ops.")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError(
+            "allreduce of tf.IndexedSlices does not take prescale_factor or "
+            "postscale_factor; scale the values yourself, or pass a dense "
+            "tensor.")
+
+
+def _allreduce_sparse(slices, op, base):
     values = allgather(tf.convert_to_tensor(slices.values), base + ".values")
     indices = allgather(tf.convert_to_tensor(slices.indices),
                         base + ".indices")
@@ -68,10 +83,25 @@ def _allreduce_sparse(slices, op, base):
 
 
 def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
-    # One op for the whole list: members are named `<name>.<i>`.
-    return list(_ops().kerasdist_grouped_allreduce(
-        tensors, tensor_name=name, reduce_op=op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+    # One op for the dense tensors: members are named `<name>.<i>`. Each
+    # tf.IndexedSlices is allgathered (`<name>.sparse.<i>.values`, ...), as
+    # allreduce does.
+    sparse = [i for i, t in enumerate(tensors)
+              if isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        _check_sparse(op, prescale_factor, postscale_factor)
+    dense = [i for i in range(len(tensors)) if i not in sparse]
+    out = [None] * len(tensors)
+    if dense:
+        reduced = _ops().kerasdist_grouped_allreduce(
+            [tensors[i] for i in dense], tensor_name=name, reduce_op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor)
+        for i, t in zip(dense, reduced):
+            out[i] = t
+    for i in sparse:
+        out[i] = _allreduce_sparse(tensors[i], op, f"{name}.sparse.{i}")
+    return out
 
 
 def allgather(tensor, name):
@@ -138,10 +168,14 @@ def _grouped_allreduce_grad(op, *grads):
         postscale_factor=_attr(op, "postscale_factor")))
 
 
+# The gradients of allgather, broadcast and reducescatter follow Horovod's
+# (horovod/tensorflow/mpi_ops.py), not the gradient of the sum of every
+# rank's loss: allgather and broadcast average the incoming gradients over
+# the ranks (1/size() of that sum), a reducescatter's is size() times it.
 @tf.RegisterGradient("KerasdistAllgather")
 def _allgather_grad(op, grad):
     summed = _ops().kerasdist_allreduce(grad, tensor_name=_name(op),
-                                        reduce_op=basics.Sum)
+                                        reduce_op=basics.Average)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     all_rows = _ops().kerasdist_allgather(rows, tensor_name=_name(op) + ".rows")
     offsets = tf.concat([[0], tf.cumsum(all_rows)], 0)
@@ -152,7 +186,7 @@ def _allgather_grad(op, grad):
 @tf.RegisterGradient("KerasdistBroadcast")
 def _broadcast_grad(op, grad):
     summed = _ops().kerasdist_allreduce(grad, tensor_name=_name(op),
-                                        reduce_op=basics.Sum)
+                                        reduce_op=basics.Average)
     if basics.rank() != _attr(op, "root_rank"):
         return summed * 0
     return summed
@@ -161,10 +195,10 @@ def _broadcast_grad(op, grad):
 @tf.RegisterGradient("KerasdistReducescatter")
 def _reducescatter_grad(op, grad):
     gathered = _ops().kerasdist_allgather(grad, tensor_name=_name(op))
-    if _attr(op, "reduce_op") == basics.Average:
-        gathered = gathered / tf.cast(basics.size(), gathered.dtype)
-    return gathered * tf.cast(_attr(op, "prescale_factor") *
-                              _attr(op, "postscale_factor"), gathered.dtype)
+    scale = _attr(op, "prescale_factor") * _attr(op, "postscale_factor")
+    if _attr(op, "reduce_op") == basics.Sum:
+        scale *= basics.size()
+    return gathered * tf.cast(scale, gathered.dtype)
 
 
 @tf.RegisterGradient("KerasdistAlltoall")

@@ -34,7 +34,7 @@ class DistributedGradientTape:
     Args:
         tape: the `tf.GradientTape` to wrap.
         compression: `kerasdist.Compression.none` (default) or `.fp16`.
-        op: `kerasdist.Average` (default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
         sparse_as_dense: allreduce `tf.IndexedSlices` gradients as dense
             tensors instead of allgathering them.
         gradient_predivide_factor: scale by 1/f before the sum and f/size
@@ -47,6 +47,8 @@ class DistributedGradientTape:
         scale_local_gradients: divide the gradients of local sources
             (`register_local_source`) by `size()`, as Horovod does
             (default True).
+        average: Horovod's deprecated form of `op`: True is Average,
+            False Sum (a DeprecationWarning); ValueError with `op`.
 
     `tape.register_local_source(variable)` keeps that source's gradient on
     its rank (not reduced), as Horovod's; every rank must register the
@@ -65,15 +67,17 @@ class DistributedGradientTape:
     >>> optimizer.apply(grads, model.trainable_variables)
     """
 
-    def __init__(self, tape, compression=Compression.none, op=basics.Average,
+    def __init__(self, tape, compression=Compression.none, op=None,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
-                 name=None, num_groups=0, scale_local_gradients=True):
+                 name=None, num_groups=0, scale_local_gradients=True,
+                 average=None):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
         if not isinstance(tape, tf.GradientTape):
             raise TypeError("DistributedGradientTape expects a "
                             f"tf.GradientTape; got {type(tape).__name__}.")
+        op = _gradients.resolve_op(op, average)
         _gradients.check_args(op, compression, gradient_predivide_factor,
                               num_groups, "DistributedGradientTape")
         self._num_groups = num_groups

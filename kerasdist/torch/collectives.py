@@ -24,8 +24,10 @@ from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
-          torch.float64: np.float64, torch.int32: np.int32,
-          torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_}
+          torch.float64: np.float64, torch.int8: np.int8,
+          torch.int16: np.int16, torch.int32: np.int32,
+          torch.int64: np.int64, torch.uint8: np.uint8,
+          torch.uint16: np.uint16, torch.bool: np.bool_}
 
 
 def _code(t):
@@ -33,8 +35,8 @@ def _code(t):
         return _capi.BFLOAT16
     if t.dtype not in _NUMPY:
         raise TypeError(f"kerasdist: unsupported dtype {t.dtype}; expected "
-                        "float16, bfloat16, float32, float64, int32, int64, "
-                        "uint8 or bool.")
+                        "float16, bfloat16, float32, float64, int8, int16, "
+                        "int32, int64, uint8, uint16 or bool.")
     return _capi.DTYPES[np.dtype(_NUMPY[t.dtype])]
 
 
@@ -209,11 +211,11 @@ def _allgather_context(ctx, inputs, output):
 
 
 def _allgather_grad(ctx, grad):
-    # Every rank's output holds this rank's rows: their gradient is the sum
-    # of every rank's cotangent for them.
+    # Every rank's output holds this rank's rows: their gradient is the
+    # average of every rank's cotangent for them (Horovod's convention).
     (name,) = ctx.args
-    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
-                        1.0)
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Average,
+                        1.0, 1.0)
     rows = _host.host_int64(_capi.OP_ALLGATHER, [ctx.rows],
                                 name + ".grad.rows")
     start = sum(rows[:basics.rank()])
@@ -222,8 +224,8 @@ def _allgather_grad(ctx, grad):
 
 def _broadcast_grad(ctx, grad):
     name, root = ctx.args
-    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Sum, 1.0,
-                        1.0)
+    summed = _allreduce(grad.contiguous(), name + ".grad", basics.Average,
+                        1.0, 1.0)
     return (summed if basics.rank() == root else torch.zeros_like(summed),
             None, None)
 
@@ -248,7 +250,7 @@ def _reducescatter_grad(ctx, grad):
     name, op, prescale, postscale = ctx.args
     _differentiable(op)
     gathered = _allgather(grad.contiguous(), name + ".grad")
-    scale = prescale * postscale / (basics.size() if op == basics.Average
+    scale = prescale * postscale * (basics.size() if op == basics.Sum
                                     else 1)
     return gathered * scale, None, None, None, None
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "half_kernels.h"
@@ -17,23 +18,50 @@ void ScaleFloat(T* dst, const T* src, int64_t n, double factor) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * f;
 }
 
+// x (an integer times a factor) as T, truncated toward zero as C++ converts
+// (Horovod's integer scaling); beyond int64 it saturates, beyond a smaller
+// type it wraps, as through int64.
 template <typename T>
-void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t div) {
-  for (int64_t i = 0; i < n; ++i) {
-    T v = src[i];
-    if (div > 1) v = static_cast<T>(v / static_cast<T>(div));
-    if (factor != 1.0)
-      v = static_cast<T>(std::llround(static_cast<double>(v) * factor));
-    dst[i] = v;
+T TruncateTo(double x) {
+  constexpr double kLimit = 9223372036854775807.0;  // 2^63
+  int64_t v;
+  if (x >= kLimit) {
+    v = std::numeric_limits<int64_t>::max();
+  } else if (x <= -kLimit) {
+    v = std::numeric_limits<int64_t>::min();
+  } else {
+    v = static_cast<int64_t>(x);
   }
+  return static_cast<T>(v);
 }
 
-// Integers add and multiply as unsigned: they wrap, as in MPI, instead of
-// overflowing (undefined in C++).
+// Integers: with `factor` 1, a division by `div` truncating toward zero (C
+// division, exact); otherwise, as Horovod, the value times factor / div in
+// double, truncated toward zero: 7 x 0.5 = 3, -7 x 0.5 = -3.
+template <typename T>
+void ScaleInt(T* dst, const T* src, int64_t n, double factor, int64_t div) {
+  if (factor == 1.0) {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = static_cast<T>(static_cast<int64_t>(src[i]) / div);
+    return;
+  }
+  const double f = div > 1 ? factor / static_cast<double>(div) : factor;
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = TruncateTo<T>(static_cast<double>(src[i]) * f);
+}
+
+// Integers add and multiply as unsigned (at least unsigned int, since a
+// narrower unsigned type would be promoted to int): they wrap, as in MPI,
+// instead of overflowing (undefined in C++).
 template <typename T>
 auto Wide(T v) {
   if constexpr (std::is_integral_v<T>) {
-    return static_cast<std::make_unsigned_t<T>>(v);
+    using U = std::make_unsigned_t<T>;
+    if constexpr (sizeof(T) < sizeof(unsigned)) {
+      return static_cast<unsigned>(static_cast<U>(v));
+    } else {
+      return static_cast<U>(v);
+    }
   } else {
     return v;
   }
@@ -96,6 +124,15 @@ void Combine(void* out, const void* a, const void* b, int64_t count,
     case DataType::kUInt8:
     case DataType::kBool:
       CombineTyped<uint8_t>(out, a, b, count, op);
+      break;
+    case DataType::kInt8:
+      CombineTyped<int8_t>(out, a, b, count, op);
+      break;
+    case DataType::kInt16:
+      CombineTyped<int16_t>(out, a, b, count, op);
+      break;
+    case DataType::kUInt16:
+      CombineTyped<uint16_t>(out, a, b, count, op);
       break;
     case DataType::kFloat16:
     case DataType::kBFloat16:
@@ -181,6 +218,18 @@ void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
     case DataType::kUInt8:
     case DataType::kBool:
       ScaleInt(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src),
+               count, factor, int_divisor);
+      break;
+    case DataType::kInt8:
+      ScaleInt(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src),
+               count, factor, int_divisor);
+      break;
+    case DataType::kInt16:
+      ScaleInt(static_cast<int16_t*>(dst), static_cast<const int16_t*>(src),
+               count, factor, int_divisor);
+      break;
+    case DataType::kUInt16:
+      ScaleInt(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src),
                count, factor, int_divisor);
       break;
   }

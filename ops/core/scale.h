@@ -18,9 +18,10 @@ struct Scaling {
 };
 Scaling AverageAsSum(ReduceOp op, DataType dt, double postscale, int size);
 
-// dst[i] = src[i] * factor (dst may equal src). Integer types round to the
-// nearest integer; with `int_divisor` > 1 they are first divided by it with
-// truncation toward zero (how Average treats integers, like C division).
+// dst[i] = src[i] * factor (dst may equal src). Integer types, as Horovod:
+// the product in double, truncated toward zero (7 x 0.5 = 3, -7 x 0.5 = -3);
+// with `int_divisor` > 1 (how Average treats integers) src[i] * factor /
+// int_divisor, truncated, and for factor 1 exactly C's division.
 void ScaleCopy(void* dst, const void* src, int64_t count, DataType dt,
                double factor, int64_t int_divisor = 1);
 

@@ -6,6 +6,8 @@ int64_t DataTypeSize(DataType dt) {
   switch (dt) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -15,6 +17,7 @@ int64_t DataTypeSize(DataType dt) {
       return 8;
     case DataType::kUInt8:
     case DataType::kBool:
+    case DataType::kInt8:
       return 1;
   }
   return 0;
@@ -51,6 +54,12 @@ const char* DataTypeName(DataType dt) {
       return "uint8";
     case DataType::kBool:
       return "bool";
+    case DataType::kInt8:
+      return "int8";
+    case DataType::kInt16:
+      return "int16";
+    case DataType::kUInt16:
+      return "uint16";
   }
   return "unknown";
 }

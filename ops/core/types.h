@@ -19,8 +19,11 @@ enum class DataType : int32_t {
   kInt64 = 5,
   kUInt8 = 6,
   kBool = 7,
+  kInt8 = 8,
+  kInt16 = 9,
+  kUInt16 = 10,
 };
-constexpr int kNumDataTypes = 8;
+constexpr int kNumDataTypes = 11;
 
 // Horovod's values (Adasum = 2 is not offered), so scripts passing ints move
 // over.

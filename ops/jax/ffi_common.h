@@ -45,6 +45,15 @@ inline bool ToCore(xla::ffi::DataType t, int32_t* out) {
     case ffi::DataType::PRED:
       d = DataType::kBool;
       break;
+    case ffi::DataType::S8:
+      d = DataType::kInt8;
+      break;
+    case ffi::DataType::S16:
+      d = DataType::kInt16;
+      break;
+    case ffi::DataType::U16:
+      d = DataType::kUInt16;
+      break;
     default:
       return false;
   }

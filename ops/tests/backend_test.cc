@@ -21,7 +21,9 @@ using namespace kerasdist::core;
 const DataType kAllTypes[] = {DataType::kFloat16, DataType::kBFloat16,
                               DataType::kFloat32, DataType::kFloat64,
                               DataType::kInt32,   DataType::kInt64,
-                              DataType::kUInt8,   DataType::kBool};
+                              DataType::kUInt8,   DataType::kBool,
+                              DataType::kInt8,    DataType::kInt16,
+                              DataType::kUInt16};
 
 struct ReduceCase {
   DataType dt;
@@ -53,23 +55,42 @@ double Fold(double a, double b, ReduceOp op) {
   }
 }
 
+// v as dt holds it: narrow integers wrap, as their arithmetic does.
+int64_t Wrap(int64_t v, DataType dt) {
+  switch (dt) {
+    case DataType::kUInt8:
+    case DataType::kBool:
+      return static_cast<uint8_t>(v);
+    case DataType::kInt8:
+      return static_cast<int8_t>(v);
+    case DataType::kInt16:
+      return static_cast<int16_t>(v);
+    case DataType::kUInt16:
+      return static_cast<uint16_t>(v);
+    default:
+      return v;
+  }
+}
+
 // What element i of tensor t must be after the allreduce over n ranks.
 double Expected(const ReduceCase& c, int n, int t, int64_t i) {
   const bool fl = IsFloat(c.dt);
   double acc = 0;
   for (int r = 0; r < n; ++r) {
     double x = Value(r, t, i, c.dt) * c.pre;
-    if (!fl) x = static_cast<double>(std::llround(x));
+    if (!fl) x = std::trunc(x);  // toward zero, as Horovod
     acc = r == 0 ? x : Fold(acc, x, c.op);
   }
   if (fl) return acc * c.post;
-  int64_t v = static_cast<int64_t>(acc);
-  const bool byte = c.dt == DataType::kUInt8 || c.dt == DataType::kBool;
-  if (byte) v &= 0xff;                // unsigned 8-bit arithmetic wraps
-  if (c.divisor > 1) v /= c.divisor;  // truncates toward zero, as C does
-  if (c.post != 1.0) v = std::llround(static_cast<double>(v) * c.post);
-  if (byte) v &= 0xff;
-  return static_cast<double>(v);
+  int64_t v = Wrap(static_cast<int64_t>(acc), c.dt);
+  if (c.post == 1.0) {
+    if (c.divisor > 1) v /= c.divisor;  // truncates toward zero, as C does
+  } else {
+    // Horovod's integer scaling: times post / divisor, truncated.
+    const double f = c.divisor > 1 ? c.post / c.divisor : c.post;
+    v = static_cast<int64_t>(std::trunc(static_cast<double>(v) * f));
+  }
+  return static_cast<double>(Wrap(v, c.dt));
 }
 
 double Tolerance(DataType dt) {
@@ -109,6 +130,12 @@ std::vector<ReduceCase> AllreduceCases(int n) {
       kinds.push_back(a);
       kinds.push_back({dt, ReduceOp::kSum, fl ? 0.5 : 2.0, fl ? 2.0 : 3.0});
       kinds.push_back({dt, ReduceOp::kMax, fl ? 0.5 : 2.0, 1.0});
+      if (!fl) {
+        // Fractional factors truncate toward zero; Average with a postscale
+        // is the sum times post / size, truncated.
+        kinds.push_back({dt, ReduceOp::kSum, 0.5, 0.75});
+        kinds.push_back({dt, ReduceOp::kSum, 1.0, 0.75, n});
+      }
     }
     for (const ReduceCase& k : kinds) {
       for (const auto& counts : shapes) {

@@ -59,6 +59,8 @@ inline int64_t Size(DataType dt) {
   switch (dt) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -102,6 +104,21 @@ inline void Put(std::vector<char>& buf, int64_t i, DataType dt, double v) {
       std::memcpy(p, &x, 8);
       break;
     }
+    case DataType::kInt8: {
+      const int8_t x = static_cast<int8_t>(static_cast<int64_t>(v));
+      std::memcpy(p, &x, 1);
+      break;
+    }
+    case DataType::kInt16: {
+      const int16_t x = static_cast<int16_t>(static_cast<int64_t>(v));
+      std::memcpy(p, &x, 2);
+      break;
+    }
+    case DataType::kUInt16: {
+      const uint16_t x = static_cast<uint16_t>(static_cast<int64_t>(v));
+      std::memcpy(p, &x, 2);
+      break;
+    }
     default: {
       const uint8_t x = static_cast<uint8_t>(static_cast<int64_t>(v) & 0xff);
       std::memcpy(p, &x, 1);
@@ -140,6 +157,18 @@ inline double Get(const std::vector<char>& buf, int64_t i, DataType dt) {
       std::memcpy(&x, p, 8);
       return static_cast<double>(x);
     }
+    case DataType::kInt8:
+      return static_cast<int8_t>(*p);
+    case DataType::kInt16: {
+      int16_t x;
+      std::memcpy(&x, p, 2);
+      return x;
+    }
+    case DataType::kUInt16: {
+      uint16_t x;
+      std::memcpy(&x, p, 2);
+      return x;
+    }
     default:
       return static_cast<uint8_t>(*p);
   }
@@ -155,7 +184,8 @@ inline bool IsFloat(DataType dt) {
 inline double Value(int rank, int tensor, int64_t i, DataType dt) {
   const int64_t k = (rank + 1) * 3 + tensor * 5 + i * 7;
   if (dt == DataType::kBool) return static_cast<double>(k % 2);
-  if (dt == DataType::kUInt8) return static_cast<double>(k % 7);
+  if (dt == DataType::kUInt8 || dt == DataType::kUInt16)
+    return static_cast<double>(k % 7);
   return static_cast<double>(k % 7 - 3);
 }
 

@@ -44,8 +44,9 @@ namespace {
     case core::StatusCode::kOk:
       return ::tensorflow::Status();
     case core::StatusCode::kInvalidArgument:
-    case core::StatusCode::kMismatch:
       return errors::InvalidArgument(s.message());
+    // Ranks that disagree about a tensor: Horovod's error type.
+    case core::StatusCode::kMismatch:
     case core::StatusCode::kPrecondition:
       return errors::FailedPrecondition(s.message());
     case core::StatusCode::kAborted:
@@ -81,6 +82,15 @@ bool ToCore(::tensorflow::DataType dt, core::DataType* out) {
       return true;
     case ::tensorflow::DT_BOOL:
       *out = core::DataType::kBool;
+      return true;
+    case ::tensorflow::DT_INT8:
+      *out = core::DataType::kInt8;
+      return true;
+    case ::tensorflow::DT_INT16:
+      *out = core::DataType::kInt16;
+      return true;
+    case ::tensorflow::DT_UINT16:
+      *out = core::DataType::kUInt16;
       return true;
     default:
       return false;

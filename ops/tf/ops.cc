@@ -11,6 +11,10 @@ using ::tensorflow::Status;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// The dtypes the reducing ops take; the others also take bool.
+#define KD_REDUCED \
+  "half, bfloat16, float, double, int8, int16, int32, int64, uint8, uint16"
+
 namespace {
 
 Status UnknownFirstDim(InferenceContext* c) {
@@ -28,7 +32,7 @@ Status UnknownFirstDim(InferenceContext* c) {
 }  // namespace
 
 REGISTER_OP("KerasdistAllreduce")
-    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8}")
+    .Attr("T: {" KD_REDUCED "}")
     .Attr("tensor_name: string")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float = 1.0")
@@ -44,7 +48,7 @@ REGISTER_OP("KerasdistAllreduce")
 // One kernel for a whole list: one dispatch and one completion for N tensors,
 // where N separate ops would cost TF's per-op overhead N times.
 REGISTER_OP("KerasdistGroupedAllreduce")
-    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8})")
+    .Attr("T: list({" KD_REDUCED "})")
     .Attr("tensor_name: string")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float = 1.0")
@@ -61,7 +65,7 @@ REGISTER_OP("KerasdistGroupedAllreduce")
         "`tensor_name.0`, `tensor_name.1`, ...).");
 
 REGISTER_OP("KerasdistAllgather")
-    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("T: {" KD_REDUCED ", bool}")
     .Attr("tensor_name: string")
     .Input("tensor: T")
     .Output("gathered: T")
@@ -70,7 +74,7 @@ REGISTER_OP("KerasdistAllgather")
     .Doc("Concatenates `tensor` of every rank along the first dimension.");
 
 REGISTER_OP("KerasdistBroadcast")
-    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("T: {" KD_REDUCED ", bool}")
     .Attr("tensor_name: string")
     .Attr("root_rank: int")
     .Input("tensor: T")
@@ -80,7 +84,7 @@ REGISTER_OP("KerasdistBroadcast")
     .Doc("Every rank receives `tensor` of `root_rank`.");
 
 REGISTER_OP("KerasdistAlltoall")
-    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
+    .Attr("T: {" KD_REDUCED ", bool}")
     .Attr("tensor_name: string")
     .Input("tensor: T")
     .Input("splits: int64")
@@ -97,7 +101,7 @@ REGISTER_OP("KerasdistAlltoall")
         "divides the first dimension evenly.");
 
 REGISTER_OP("KerasdistReducescatter")
-    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8}")
+    .Attr("T: {" KD_REDUCED "}")
     .Attr("tensor_name: string")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float = 1.0")

@@ -67,7 +67,7 @@ else:
 r, n = kd.rank(), kd.size()
 
 FLOATS = [np.float16, np.float32, np.float64] + ([BF16] if BF16 else [])
-REDUCIBLE = FLOATS + [np.int32, np.int64]
+REDUCIBLE = FLOATS + [np.int8, np.int16, np.int32, np.int64, np.uint16]
 ALL = REDUCIBLE + [np.uint8, np.bool_]
 # the last is > threshold for every dtype
 SIZES = [0, 1, 7, 3 * THRESHOLD // 2 + 1]
@@ -196,6 +196,28 @@ def check_allreduce_scale_factors_and_scalar():
                      postscale=0.25),
            stack.sum(0) / n, "average with factors")
     _done.add("allreduce_scale_factors_and_scalar")
+
+
+# Integers scale as in Horovod: the product in float64, truncated toward
+# zero; an Average with a postscale is the sum times post / size, truncated.
+@check("allreduce_integer_scaling")
+def check_allreduce_integer_scaling():
+    signed = np.array([-7, 7, -21, 5, -5, 29, 0, 3] * 3)  # n * 29 fits int8
+    for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16):
+        dname = np.dtype(dt).name
+        x = (np.abs(signed) if np.dtype(dt).kind == "u" else signed).astype(dt)
+        xf = x.astype(np.float64)
+        for f in (0.75, 0.375):
+            expect(allreduce(x, f"iscale.pre.{dname}.{f}", op=kd.Sum,
+                             prescale=f),
+                   (np.trunc(xf * f) * n).astype(dt), f"pre {f} {dname}")
+            expect(allreduce(x, f"iscale.post.{dname}.{f}", op=kd.Sum,
+                             postscale=f),
+                   np.trunc(xf * n * f).astype(dt), f"post {f} {dname}")
+            expect(allreduce(x, f"iscale.avg.{dname}.{f}", op=kd.Average,
+                             postscale=f),
+                   np.trunc(xf * n * (f / n)).astype(dt),
+                   f"average post {f} {dname}")
 
 
 # -- shm and cma at -np 2 or more: bigger than one shared slot ----------------

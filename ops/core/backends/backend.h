@@ -48,7 +48,7 @@ struct CollectiveBatch {
   // Allreduce and reducescatter: the reduction on the wire (never Average:
   // the runtime turns it into Sum plus scaling), the factor applied to each
   // input before it, and the one applied to the result after it (integers
-  // first divided by `divisor`, as ScaleCopy does).
+  // also divided by `divisor`, as ScaleCopy does).
   ReduceOp reduce_op = ReduceOp::kSum;
   double prescale = 1.0;
   double postscale = 1.0;

@@ -88,6 +88,12 @@ MPI_Datatype MpiType(DataType dt) {
     case DataType::kUInt8:
     case DataType::kBool:
       return MPI_UINT8_T;
+    case DataType::kInt8:
+      return MPI_INT8_T;
+    case DataType::kInt16:
+      return MPI_INT16_T;
+    case DataType::kUInt16:
+      return MPI_UINT16_T;
   }
   return MPI_BYTE;
 }

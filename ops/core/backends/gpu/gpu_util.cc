@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace kerasdist::core {
 
@@ -31,21 +32,41 @@ __global__ void Scale16Kernel(T* dst, const T* src, int64_t n, float f) {
   }
 }
 
+// As the CPU path (scale.cc): with f 1 C's division by div, else
+// src * f / div in double truncated toward zero (saturating beyond int64).
 template <typename T>
 __global__ void ScaleIntKernel(T* dst, const T* src, int64_t n, double f,
                                int64_t div) {
+  const double g = div > 1 ? f / static_cast<double>(div) : f;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{blockDim.x} * gridDim.x) {
-    T v = src[i];
-    if (div > 1) v = static_cast<T>(v / static_cast<T>(div));
-    if (f != 1.0) v = static_cast<T>(llround(static_cast<double>(v) * f));
-    dst[i] = v;
+    if (f == 1.0) {
+      dst[i] = static_cast<T>(static_cast<int64_t>(src[i]) / div);
+      continue;
+    }
+    const double x = static_cast<double>(src[i]) * g;
+    int64_t v;
+    if (x >= 9223372036854775807.0) {
+      v = INT64_MAX;
+    } else if (x <= -9223372036854775807.0) {
+      v = INT64_MIN;
+    } else {
+      v = static_cast<int64_t>(x);
+    }
+    dst[i] = static_cast<T>(v);
   }
 }
 
 int Blocks(int64_t n) {
   return static_cast<int>(
       std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+}
+
+template <typename T>
+void LaunchScaleInt(void* dst, const void* src, int64_t n, double f,
+                    int64_t div, cudaStream_t stream) {
+  ScaleIntKernel<<<Blocks(n), kThreads, 0, stream>>>(
+      static_cast<T*>(dst), static_cast<const T*>(src), n, f, div);
 }
 
 }  // namespace
@@ -97,20 +118,23 @@ Status ScaleCopyAsync(void* dst, const void* src, int64_t n, DataType dt,
           static_cast<float>(factor));
       break;
     case DataType::kInt32:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int32_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kInt64:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<int64_t>(dst, src, n, factor, int_divisor, stream);
       break;
     case DataType::kUInt8:
     case DataType::kBool:
-      ScaleIntKernel<<<b, kThreads, 0, stream>>>(
-          static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n,
-          factor, int_divisor);
+      LaunchScaleInt<uint8_t>(dst, src, n, factor, int_divisor, stream);
+      break;
+    case DataType::kInt8:
+      LaunchScaleInt<int8_t>(dst, src, n, factor, int_divisor, stream);
+      break;
+    case DataType::kInt16:
+      LaunchScaleInt<int16_t>(dst, src, n, factor, int_divisor, stream);
+      break;
+    case DataType::kUInt16:
+      LaunchScaleInt<uint16_t>(dst, src, n, factor, int_divisor, stream);
       break;
   }
   KD_CHECK_CUDA(cudaGetLastError());

@@ -41,8 +41,22 @@ ncclDataType_t NcclType(DataType dt) {
     case DataType::kUInt8:
     case DataType::kBool:
       return ncclUint8;
+    case DataType::kInt8:
+      return ncclInt8;
+    case DataType::kInt16:
+    case DataType::kUInt16:
+      return ncclUint8;  // moved as bytes only (NcclReduces)
   }
   return ncclUint8;
+}
+
+Status NcclReduces(DataType dt) {
+  if (dt == DataType::kInt16 || dt == DataType::kUInt16) {
+    return Status::InvalidArgument(
+        std::string("NCCL cannot reduce ") + DataTypeName(dt) +
+        " tensors; reduce them in host memory or cast them to int32 first.");
+  }
+  return Status::OK();
 }
 
 ncclRedOp_t NcclOp(ReduceOp op) {

@@ -34,6 +34,8 @@ Status NcclError(ncclResult_t r, ncclComm_t comm, const char* call,
   } while (0)
 
 ncclDataType_t NcclType(DataType dt);
+// OK, or why NCCL cannot reduce `dt` (it has no 16-bit integers).
+Status NcclReduces(DataType dt);
 ncclRedOp_t NcclOp(ReduceOp op);
 
 namespace nccl_detail {
@@ -63,6 +65,7 @@ class NcclCommunicator : public Communicator {
   Status Allreduce(void* buf, int64_t count, DataType dt,
                    ReduceOp op) override {
     if (count == 0) return Status::OK();
+    KD_RETURN_IF_ERROR(NcclReduces(dt));
     KD_CHECK_NCCL(ncclAllReduce(buf, buf, count, NcclType(dt), NcclOp(op),
                                 comm_, stream_));
     return Status::OK();
@@ -131,6 +134,7 @@ class NcclCommunicator : public Communicator {
   Status Reducescatter(const void* in, void* out,
                        const std::vector<int64_t>& counts, DataType dt,
                        ReduceOp op) override {
+    KD_RETURN_IF_ERROR(NcclReduces(dt));
     if (nccl_detail::AllEqual(counts)) {
       if (counts[0] == 0) return Status::OK();
       KD_CHECK_NCCL(ncclReduceScatter(in, out, counts[0], NcclType(dt),
