@@ -433,7 +433,7 @@ def load_model():
         path, custom_optimizers=["adam"]), "custom_optimizers=['adam']")
 
 
-# ---- names that only TensorFlow graphs have -------------------------------------
+# ---- names that only TensorFlow graphs have ----------------------------------
 
 
 @check("broadcast_global_variables_needs_a_graph", groups=("jax", "torch"))
