@@ -115,8 +115,7 @@ int Timeline::Row(const std::string& tensor) {
   int row = static_cast<int>(rows_.size()) + 1;  // row 0 holds cycle markers
   rows_.emplace(tensor, row);
   meta_.push_back("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
-                  std::to_string(row) + ",\"args\":{" + RowArgs(tensor) +
-                  "}}");
+                  std::to_string(row) + ",\"args\":{" + RowArgs(tensor) + "}}");
   return row;
 }
 

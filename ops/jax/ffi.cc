@@ -78,7 +78,9 @@ class Completer {
   }
 
  private:
-  Completer() { std::thread([this] { Loop(); }).detach(); }
+  Completer() {
+    std::thread([this] { Loop(); }).detach();
+  }
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {

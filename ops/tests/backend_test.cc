@@ -18,12 +18,11 @@ namespace {
 
 using namespace kerasdist::core;
 
-const DataType kAllTypes[] = {DataType::kFloat16, DataType::kBFloat16,
-                              DataType::kFloat32, DataType::kFloat64,
-                              DataType::kInt32,   DataType::kInt64,
-                              DataType::kUInt8,   DataType::kBool,
-                              DataType::kInt8,    DataType::kInt16,
-                              DataType::kUInt16};
+const DataType kAllTypes[] = {
+    DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
+    DataType::kFloat64, DataType::kInt32,    DataType::kInt64,
+    DataType::kUInt8,   DataType::kBool,     DataType::kInt8,
+    DataType::kInt16,   DataType::kUInt16};
 
 struct ReduceCase {
   DataType dt;
