@@ -34,7 +34,8 @@ _EXPORTS = {
     "is_homogeneous": "basics", "mpi_enabled": "basics",
     "mpi_threads_supported": "basics", "rocm_built": "basics",
     "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
-    "Product": "basics",
+    "Product": "basics", "Adasum": "basics",
+    "_executing_eagerly": "util",
     # The collectives of the framework the Keras backend runs on.
     "allreduce": "collectives", "grouped_allreduce": "collectives",
     "allgather": "collectives", "broadcast": "collectives",
@@ -60,7 +61,7 @@ _EXPORTS = {
 
 # Submodules reachable as attributes after `import kerasdist`.
 _SUBMODULES = ("callbacks", "collectives", "schedules", "data", "timeline",
-               "autotune")
+               "autotune", "util")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 

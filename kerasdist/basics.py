@@ -19,6 +19,10 @@ Sum = _capi.reduce_ops()["Sum"]
 Min = _capi.reduce_ops()["Min"]
 Max = _capi.reduce_ops()["Max"]
 Product = _capi.reduce_ops()["Product"]
+# Horovod's Adasum, by its number there. Accepted as a name so that scripts
+# and tests that mention it import; every collective refuses it with
+# NotImplementedError (kerasdist has no Adasum reduction).
+Adasum = 2
 
 _atexit_registered = False
 _lock = threading.Lock()

@@ -110,6 +110,36 @@ def mpi_enabled_threads():
     assert kd.mpi_threads_supported() is True
 
 
+@check("adasum_is_refused")
+def adasum_is_refused():
+    # kd.Adasum imports (Horovod scripts name it) but no collective takes
+    # it: NotImplementedError on every rank, before anything is sent, so
+    # the next collective still matches.
+    x = keras.ops.convert_to_tensor(np.ones(3, np.float32))
+    for fn, what in ((lambda: kd.allreduce(x, op=kd.Adasum), "allreduce"),
+                     (lambda: kd.grouped_allreduce([x], op=kd.Adasum),
+                      "grouped_allreduce")):
+        raises(NotImplementedError, "Adasum", fn, what)
+    expect(kd.allreduce(x, op=kd.Sum, name="test.after_adasum"),
+           np.full(3, N, np.float32), "allreduce after Adasum")
+
+
+@check("_executing_eagerly_util")
+def executing_eagerly():
+    assert kd._executing_eagerly() is True
+    assert kd.util._executing_eagerly is kd._executing_eagerly
+    if BACKEND == "tensorflow":
+        seen = []
+
+        @tf.function
+        def traced():
+            seen.append(kd._executing_eagerly())
+            return tf.constant(0)
+
+        traced()
+        assert seen == [False], seen
+
+
 @check("is_homogeneous")
 def is_homogeneous():
     sizes = kd.allgather_object(kd.local_size(), name="test.local_sizes")
