@@ -202,3 +202,36 @@ def test_a_missing_coordinator_fails_in_time_across_hosts(cluster):
         "RuntimeError: kerasdist.init() failed: rank 1 of 2 found no "
         "coordinator at kdt0:29622 within 3 s"), out
     assert time.monotonic() - start < 40
+
+
+@pytest.mark.timeout(150)
+def test_node_mode_job_across_hosts(cluster):
+    """`kerasdist run --nnodes 2 --node-rank N` on each host (no ssh, no
+    mpiexec across hosts): one job of 2 x 2 ranks, host 1's agent started
+    first, with the single-node and hierarchical paths of kerasdist run."""
+    agents = []
+    try:
+        for node in (1, 0):
+            agents.append(cluster.popen(
+                cluster.hosts[node],
+                [sys.executable, "-m", "kerasdist.run", "--nnodes", "2",
+                 "--node-rank", str(node), "--master-addr", "kdt0",
+                 "--master-port", "29631", "--nproc-per-node", "2",
+                 *WORKER],
+                env=_base(), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))
+        outs = [p.communicate(timeout=120)[0] for p in agents]
+    finally:
+        for p in agents:
+            kill_tree(p)
+    for p, out in zip(agents, outs):
+        assert p.returncode == 0, out[-3000:]
+    node1, node0 = outs
+    for node, out, ranks in ((0, node0, (0, 1)), (1, node1, (2, 3))):
+        for r in ranks:
+            assert f"ok {r} 4 {r % 2} 2 2" in out, (node, r, out[-3000:])
+    backends = {line.split()[-1] for out in outs
+                for line in out.splitlines() if "BACKENDS" in line}
+    assert len(backends) == 1, backends
+    assert "hier" in backends.pop().split(","), outs[1][-3000:]
