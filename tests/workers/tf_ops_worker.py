@@ -469,7 +469,8 @@ def indexed_slices_horovod():
         expect(tf.convert_to_tensor(got[i]), dense_rows, f"member {i}")
     expect(got[1], stack.sum(0), "dense member")
     avg = kd.grouped_allreduce([slices()], average=True, name="is.avg")[0]
-    expect(tf.convert_to_tensor(avg), dense_rows / n, "average", 1e-12)
+    # float32 rows divided by n (1/3 is not exact in float32 at np=3).
+    expect(tf.convert_to_tensor(avg), dense_rows / n, "average", 1e-6)
 
 
 @check("error_types")
