@@ -235,3 +235,31 @@ def test_node_mode_job_across_hosts(cluster):
                 for line in out.splitlines() if "BACKENDS" in line}
     assert len(backends) == 1, backends
     assert "hier" in backends.pop().split(","), outs[1][-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_training_across_hosts_matches_kerasdist_run(cluster, tmp_path):
+    """A Keras model trained by 2 processes started with torchrun's
+    variables, one per host, reaches the weights (1e-5) of the same job
+    under `kerasdist run -np 2 -H kdt0:1,kdt1:1`."""
+    import numpy as np
+    script = worker_cmd("convention_train_worker.py")
+
+    def torchrun(node):
+        return {"RANK": node, "WORLD_SIZE": 2, "LOCAL_RANK": 0,
+                "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "kdt0",
+                "MASTER_PORT": 29641}
+    procs = _start(cluster, {"torchrun": [[torchrun(0)], [torchrun(1)]]},
+                   argv=script + [str(tmp_path / "platform.npz")])
+    results = _wait(procs, timeout=240)["torchrun"]
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0 and f"trained {r} 2" in out, out[-3000:]
+    out = run_on(cluster, 2, "kdt0:1,kdt1:1",
+                 script + [str(tmp_path / "run.npz")], timeout=240,
+                 env=worker_env())
+    assert out.returncode == 0, out.stdout[-3000:]
+    a = np.load(tmp_path / "platform.npz")
+    b = np.load(tmp_path / "run.npz")
+    assert len(a.files) == len(b.files) == 4
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5)
