@@ -2,10 +2,12 @@
 
     python tools/horovod_suite.py --git HOROVOD_GIT_DIR [--commit REV]
     python tools/horovod_suite.py --checkout HOROVOD_CHECKOUT
-        [--np 2] [--test-timeout 120] [--timeout 2400] [-k EXPR]
+        [--file FILE] [--np 2] [--test-timeout 120] [--timeout 2400] [-k EXPR]
         [--kerasdist-root DIR] [--keep DIR] [--json FILE]
 
-Takes Horovod's `test/parallel/test_tensorflow.py` with its helper files
+Takes Horovod's `test/parallel/test_tensorflow.py` (or `--file`, another of
+its test files, e.g. `test/parallel/test_tensorflow_process_sets.py`) with
+its helper files
 (`test/parallel/base_test_tensorflow.py`, `test/utils/common.py`) from a
 checkout or from a git directory at a commit (default HEAD), copies them
 into a temporary directory in Horovod's layout, and changes only their
@@ -60,10 +62,9 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FILES = ("test/parallel/test_tensorflow.py",
-         "test/parallel/base_test_tensorflow.py",
-         "test/utils/common.py")
-TEST_FILE = FILES[0]
+TEST_FILE = "test/parallel/test_tensorflow.py"
+HELPER_FILES = ("test/parallel/base_test_tensorflow.py",
+                "test/utils/common.py")
 EXIT_GRACE_S = 60  # for a job to end once every rank finished its tests
 
 # (pattern of a whole line, replacement); indentation is kept.
@@ -191,9 +192,10 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def read_sources(args):
-    """{path: text} of FILES, from the checkout or the git directory."""
+    """{path: text} of the test file (--file) and HELPER_FILES, from the
+    checkout or the git directory."""
     out = {}
-    for path in FILES:
+    for path in (args.file,) + HELPER_FILES:
         if args.checkout:
             with open(os.path.join(args.checkout, path)) as f:
                 out[path] = f.read()
@@ -380,7 +382,7 @@ def run_job(args, work, job, select, deadline):
     argv = [sys.executable, "-m", "kerasdist.run", "-np", str(args.np),
             sys.executable, "-m", "pytest", "-p", "kd_suite_plugin",
             "-p", "no:cacheprovider", "-q", "--rootdir", parallel,
-            os.path.basename(TEST_FILE)]
+            os.path.basename(args.file)]
     if args.k and select is None:
         argv += ["-k", args.k]
     log_path = os.path.join(work, "logs", f"job{job}.txt")
@@ -512,6 +514,9 @@ def main(argv=None):
     src.add_argument("--checkout", help="a Horovod source tree")
     p.add_argument("--commit", default="HEAD",
                    help="the commit of --git (default HEAD)")
+    p.add_argument("--file", default=TEST_FILE,
+                   help="the test file, relative to Horovod's root "
+                        f"(default {TEST_FILE})")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--test-timeout", type=float, default=120.0,
                    help="seconds one test may run on a rank")
