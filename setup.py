@@ -97,7 +97,10 @@ def _make(out, relocatable, progress):
     """Runs ops/Makefile into `out`; one progress line per library built."""
     cmd = ["make", "--no-print-directory", "--output-sync=target",
            "-C", os.path.join(HERE, "ops"), f"-j{os.cpu_count() or 1}",
-           f"OUT={out}", f"PYTHON={sys.executable}", f"VERSION={VERSION}"]
+           f"OUT={out}", f"PYTHON={sys.executable}", f"VERSION={VERSION}",
+           # One object cache for the editable build and the wheel's: what
+           # both compile alike is compiled once (ops/Makefile).
+           f"OBJ_DIR={os.path.join(SRC_PKG, '.kerasdist_obj')}"]
     if relocatable:
         cmd.append("RELOCATABLE=1")
     progress.say("kerasdist: building the native libraries (about 2 minutes "
