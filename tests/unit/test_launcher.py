@@ -471,6 +471,9 @@ def test_rank_side_names_are_the_launchers():
     assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
     assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
     assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
+    from kerasdist import elastic
+    assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
+        "KERASDIST_ELASTIC_DIR"
     # Not the heartbeat's code (a lost peer), nor a signal's (128+N).
     assert _rank.RESIZE_EXIT_CODE not in (0, 1, 2, 75, 124)
     assert _rank.RESIZE_EXIT_CODE < 128
