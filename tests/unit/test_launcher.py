@@ -647,3 +647,26 @@ def test_watcher_forgets_a_change_that_went_back():
     proc = _Proc()
     w.step(5.0, True, proc)
     assert w.change is None and proc.signals == []
+
+
+def test_jobs_that_may_be_relaunched_get_an_elastic_dir(tmp_path,
+                                                        monkeypatch):
+    monkeypatch.delenv(_rank.ELASTIC_DIR_ENV, raising=False)
+    for argv, wanted in ((["-np", "1", "cmd"], False),
+                         (["-np", "1", "--max-restarts", "1", "cmd"], True),
+                         (["-np", "1", "--host-discovery-script",
+                           _discovery(tmp_path), "cmd"], True)):
+        with launch._elastic_dir(launch.parse_args(argv)) as d:
+            path = os.environ.get(_rank.ELASTIC_DIR_ENV)
+            assert (path is not None) == wanted, argv
+            assert path is None or os.path.isdir(path)
+        assert _rank.ELASTIC_DIR_ENV not in os.environ
+        assert path is None or not os.path.exists(path)
+        assert d.path == path
+    # One set already (storage every host sees) is kept.
+    monkeypatch.setenv(_rank.ELASTIC_DIR_ENV, str(tmp_path))
+    with launch._elastic_dir(launch.parse_args(
+            ["-np", "1", "--max-restarts", "1", "cmd"])):
+        assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
+    assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
+    assert tmp_path.is_dir()
