@@ -597,8 +597,8 @@ def test_watcher_says_once_that_the_command_does_not_check():
     assert out.getvalue() == (
         b"kerasdist: the hosts listed now would give 2 rank(s) (host b "
         b"joined), but the job's command does not check for resize requests "
-        b"(kerasdist.Trainer with a checkpoint_dir does): it goes on at 1 "
-        b"rank(s).\n")
+        b"(kerasdist.Trainer with a checkpoint_dir does, and "
+        b"hvd.elastic.run): it goes on at 1 rank(s).\n")
 
 
 def test_watcher_grows_only_onto_hosts_that_answer():
