@@ -111,7 +111,11 @@ def test_horovod_example_survives_a_killed_rank(tmp_path):
             got = _progress(killed / "progress-1")
             if got and got[-1][0] == 0 and got[-1][1] >= 12:
                 victim = got[-1][2]
-                os.kill(victim, signal.SIGKILL)  # rank 1's python
+                try:
+                    os.kill(victim, signal.SIGKILL)  # rank 1's python
+                except ProcessLookupError:
+                    pytest.fail(f"rank 1 (pid {victim}) ended before the "
+                                f"kill: {got[-3:]}")
             time.sleep(0.01)
         text, _ = proc.communicate(timeout=300)
     finally:

@@ -24,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 import kerasdist as hvd  # kerasdist: was `import horovod.tensorflow.keras`
 
-parser = argparse.ArgumentParser(description='Tensorflow 2.0 Keras MNIST Example')
+parser = argparse.ArgumentParser(
+    description='Tensorflow 2.0 Keras MNIST Example')
 
 parser.add_argument('--use-mixed-precision', action='store_true', default=False,
                     help='use mixed precision for training')
@@ -127,7 +128,8 @@ callbacks = [
     hvd.elastic.CommitStateCallback(state),
 ]
 
-# Horovod: save checkpoints only on worker 0 to prevent other workers from corrupting them.
+# Horovod: save checkpoints only on worker 0 to prevent other workers from
+# corrupting them.
 if hvd.rank() == 0:
     callbacks.append(tf.keras.callbacks.ModelCheckpoint(
         os.path.join(args.out, 'checkpoint-{epoch}.h5')))  # kerasdist: OUT/
