@@ -418,6 +418,22 @@ def _resume(state):
     state.sync()
 
 
+def _internal_error(e):
+    """Whether `e` is a HorovodInternalError, or a TensorFlow error of a
+    kerasdist op that the runtime failed (Horovod's TF `run` takes
+    UnknownError of its ops as one)."""
+    if isinstance(e, HorovodInternalError):
+        return True
+    tf = sys.modules.get("tensorflow")
+    errors = getattr(tf, "errors", None)
+    if errors is None:
+        return False
+    kinds = tuple(getattr(errors, k) for k in
+                  ("UnknownError", "AbortedError", "InternalError")
+                  if hasattr(errors, k))
+    return isinstance(e, kinds) and "Kerasdist" in str(e)
+
+
 def run(func):
     """Runs `func(state, ...)` from the job's last commit (Horovod's
     `hvd.elastic.run` decorator; see the module's doc for how kerasdist
@@ -444,10 +460,11 @@ def run(func):
                 _log("stopping to resize: the launcher asked, the state is "
                      "committed")
             raise _resize.Resize() from None
-        except HorovodInternalError as e:
-            if _directory() is None:
+        except Exception as e:
+            if not _internal_error(e) or _directory() is None:
                 raise
-            why = str(e) or "a collective failed"
+            why = str(e).strip().splitlines()[0] if str(e).strip() else \
+                "a collective failed"
             print(f"kerasdist.elastic: rank {_rank()}: {why}; ending this "
                   f"rank (a restart resumes from the last commit).",
                   file=sys.stderr, flush=True)

@@ -250,6 +250,27 @@ def internal_error_ends_the_rank():
     except hvd.elastic.HorovodInternalError:
         assert NODIR  # no restart to hand over to: the error itself
 
+    # A kerasdist op's runtime failure counts as one (as Horovod's TF run
+    # takes its ops' UnknownError); another error passes through.
+    @hvd.elastic.run
+    def failing(state, error):
+        raise error
+
+    aborted = tf.errors.AbortedError(
+        None, None, "peer lost [Op:KerasdistAllreduce]")
+    try:
+        failing(state, aborted)
+        raise AssertionError("no exception")
+    except SystemExit as e:
+        assert not NODIR and e.code == 1, e
+    except tf.errors.AbortedError:
+        assert NODIR
+    try:
+        failing(state, tf.errors.AbortedError(None, None, "another op"))
+        raise AssertionError("no exception")
+    except tf.errors.AbortedError:
+        pass
+
 
 @check
 def keras_callbacks_count_and_resume_within_an_epoch():
