@@ -61,7 +61,7 @@ _EXPORTS = {
 
 # Submodules reachable as attributes after `import kerasdist`.
 _SUBMODULES = ("callbacks", "collectives", "schedules", "data", "timeline",
-               "autotune", "util")
+               "autotune", "util", "elastic")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 

@@ -67,6 +67,9 @@ ELASTIC_ENV = "KERASDIST_ELASTIC"
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+# Where `hvd.elastic` states are committed for the job's next attempt
+# (kerasdist/elastic.py keeps its own copy).
+ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
 
 # glibc's (2.35+) tunable: 1 = madvise(MADV_HUGEPAGE) on the memory malloc
 # gets from the kernel. Older glibc ignores names it does not know.

@@ -454,10 +454,38 @@ def main(argv=None):
 
     if not _check_remote_hosts(args, log):
         return 1
-    if args.ssh_argv is None or len(args.ssh_argv) == 1:
-        return _run(args, mpiexec, log)
-    with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
-        return _run(args, mpiexec, log, workdir)
+    with _elastic_dir(args):
+        if args.ssh_argv is None or len(args.ssh_argv) == 1:
+            return _run(args, mpiexec, log)
+        with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
+            return _run(args, mpiexec, log, workdir)
+
+
+class _elastic_dir:
+    """A job that may be relaunched (--max-restarts, or one that grows and
+    shrinks) gets a directory of its own for `hvd.elastic`'s commits
+    (kerasdist/elastic.py), in KERASDIST_ELASTIC_DIR for every rank and
+    attempt, removed when the job ends; unless KERASDIST_ELASTIC_DIR is
+    set already (a directory every host sees, for jobs whose rank 0 may
+    move to another host), which is kept."""
+
+    def __init__(self, args):
+        self.wanted = (args.max_restarts > 0 or getattr(
+            args, "host_discovery_script", None) is not None) and \
+            not os.environ.get(_rank.ELASTIC_DIR_ENV)
+        self.path = None
+
+    def __enter__(self):
+        if self.wanted:
+            self.path = tempfile.mkdtemp(prefix="kerasdist-elastic-")
+            os.environ[_rank.ELASTIC_DIR_ENV] = self.path
+        return self
+
+    def __exit__(self, *exc):
+        if self.path is not None:
+            os.environ.pop(_rank.ELASTIC_DIR_ENV, None)
+            shutil.rmtree(self.path, ignore_errors=True)
+        return False
 
 
 def _run_node(args, log):

@@ -17,6 +17,7 @@ after a failure. A resize does not use up `--max-restarts`.
 A host listed for the first time must answer (elastic.answering) before the
 job grows onto it. The launcher only asks once a rank has said that it
 checks for resize requests (the Trainer does, at the start of `fit()`,
+and `hvd.elastic.run` (kerasdist/elastic.py) before it calls its function,
 with one marker line the launcher removes from the output); a command that
 never says so keeps its size, and the launcher says so in one line.
 
@@ -215,5 +216,6 @@ class Watcher:
                            f"{change.new_np} rank(s) ({change.why}), but "
                            f"the job's command does not check for resize "
                            f"requests (kerasdist.Trainer with a "
-                           f"checkpoint_dir does): it goes on at "
+                           f"checkpoint_dir does, and hvd.elastic.run): it "
+                           f"goes on at "
                            f"{self.np} rank(s).")

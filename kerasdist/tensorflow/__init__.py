@@ -53,3 +53,12 @@ __all__ = ["Average", "DistributedGradientTape", "Max", "Min",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
            "rank", "rank_op", "reducescatter", "rocm_built", "shutdown",
            "size", "size_op"]
+
+
+def __getattr__(name):
+    # Horovod's `horovod.tensorflow.elastic` (TensorFlowState, run...).
+    if name == "elastic":
+        import kerasdist.elastic
+        return kerasdist.elastic
+    raise AttributeError(f"module 'kerasdist.tensorflow' has no attribute "
+                         f"{name!r}")

@@ -471,6 +471,9 @@ def test_rank_side_names_are_the_launchers():
     assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
     assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
     assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
+    from kerasdist import elastic
+    assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
+        "KERASDIST_ELASTIC_DIR"
     # Not the heartbeat's code (a lost peer), nor a signal's (128+N).
     assert _rank.RESIZE_EXIT_CODE not in (0, 1, 2, 75, 124)
     assert _rank.RESIZE_EXIT_CODE < 128
@@ -594,8 +597,8 @@ def test_watcher_says_once_that_the_command_does_not_check():
     assert out.getvalue() == (
         b"kerasdist: the hosts listed now would give 2 rank(s) (host b "
         b"joined), but the job's command does not check for resize requests "
-        b"(kerasdist.Trainer with a checkpoint_dir does): it goes on at 1 "
-        b"rank(s).\n")
+        b"(kerasdist.Trainer with a checkpoint_dir does, and "
+        b"hvd.elastic.run): it goes on at 1 rank(s).\n")
 
 
 def test_watcher_grows_only_onto_hosts_that_answer():
@@ -644,3 +647,26 @@ def test_watcher_forgets_a_change_that_went_back():
     proc = _Proc()
     w.step(5.0, True, proc)
     assert w.change is None and proc.signals == []
+
+
+def test_jobs_that_may_be_relaunched_get_an_elastic_dir(tmp_path,
+                                                        monkeypatch):
+    monkeypatch.delenv(_rank.ELASTIC_DIR_ENV, raising=False)
+    for argv, wanted in ((["-np", "1", "cmd"], False),
+                         (["-np", "1", "--max-restarts", "1", "cmd"], True),
+                         (["-np", "1", "--host-discovery-script",
+                           _discovery(tmp_path), "cmd"], True)):
+        with launch._elastic_dir(launch.parse_args(argv)) as d:
+            path = os.environ.get(_rank.ELASTIC_DIR_ENV)
+            assert (path is not None) == wanted, argv
+            assert path is None or os.path.isdir(path)
+        assert _rank.ELASTIC_DIR_ENV not in os.environ
+        assert path is None or not os.path.exists(path)
+        assert d.path == path
+    # One set already (storage every host sees) is kept.
+    monkeypatch.setenv(_rank.ELASTIC_DIR_ENV, str(tmp_path))
+    with launch._elastic_dir(launch.parse_args(
+            ["-np", "1", "--max-restarts", "1", "cmd"])):
+        assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
+    assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
+    assert tmp_path.is_dir()

@@ -1,0 +1,612 @@
+"""Horovod's elastic API (`hvd.elastic`) on kerasdist's restarts.
+
+    import kerasdist as hvd
+    hvd.init()
+    ...
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        state.model.fit(dataset, steps_per_epoch=..., epochs=24 - state.epoch,
+                        callbacks=[hvd.elastic.UpdateEpochStateCallback(state),
+                                   hvd.elastic.UpdateBatchStateCallback(state),
+                                   hvd.elastic.CommitStateCallback(state)])
+
+    train(state)
+
+Horovod keeps the committed state in memory and re-forms the workers in the
+running processes. kerasdist restarts the processes instead (`kerasdist run
+--max-restarts`, `--host-discovery-script`), so a commit also writes the
+state to a file that the next attempt starts from:
+
+* `state.commit()`: `save()` (a copy in memory, which `restore()` returns
+  to), then rank 0 writes the committed state to
+  `$KERASDIST_ELASTIC_DIR/state-N.pkl` (N: the state's number in creation
+  order; written to a temporary file and renamed, so a crash never leaves a
+  half-written one), then `check_host_updates()`. Without
+  KERASDIST_ELASTIC_DIR (a job that is never restarted) nothing is written.
+* `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
+  committed state if there is one (a restarted attempt); if it was
+  committed at another number of ranks, the reset callbacks run
+  (`register_reset_callbacks`, as after Horovod's reset events); then
+  `state.sync()` gives every rank rank 0's state, and `func(state)` runs.
+* `check_host_updates()` raises `HostsUpdatedInterrupt` on every rank at the
+  same call once the launcher asked any rank to stop for a resize (its
+  SIGUSR1, kerasdist/_resize.py). `run` then commits the state as it is and
+  ends the process with the resize exit code: the launcher relaunches at
+  the new size and the next attempt starts from that commit.
+* `HorovodInternalError` (a collective failed) ends the process with an
+  error: the launcher's `--max-restarts` relaunches the job, which resumes
+  from the last commit. A peer that dies ends the other ranks by itself
+  (the heartbeat, exit code 75), to the same effect.
+
+Whatever was trained after the last commit is trained again after a
+restart. The data's position is not part of the state (as in Horovod, where
+`fit` starts a new iterator after a reset); `UpdateBatchStateCallback`
+shortens the first epoch after a resume by the batches already done.
+"""
+
+import functools
+import os
+import pickle
+import sys
+import tempfile
+
+import numpy as np
+
+from kerasdist import _resize
+from kerasdist import basics
+
+ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
+_FORMAT = 1
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name). Under `run` the process ends
+    with an error and the launcher's `--max-restarts` relaunches the job
+    from the last commit."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The launcher asked the job to resize (raised by
+    `State.check_host_updates()` on every rank at the same call)."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__(skip_sync)
+        self.skip_sync = skip_sync
+
+
+def _log(text):
+    print(f"kerasdist.elastic: {text}", flush=True)
+
+
+def _directory():
+    return os.environ.get(ELASTIC_DIR_ENV) or None
+
+
+def _to_numpy(variable):
+    if hasattr(variable, "numpy"):
+        return np.array(variable.numpy())
+    import keras
+    return np.array(keras.ops.convert_to_numpy(variable))
+
+
+def _broadcast_arrays(arrays, name):
+    """Rank 0's arrays on every rank (same shapes and dtypes everywhere),
+    one broadcast per dtype."""
+    if basics.size() == 1 or not arrays:
+        return [np.array(a) for a in arrays]
+    from kerasdist._core import host as _host
+    out = [None] * len(arrays)
+    by_dtype = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(np.dtype(a.dtype).str, []).append(i)
+    for key in sorted(by_dtype):
+        idx = by_dtype[key]
+        flat = np.concatenate([np.ravel(arrays[i]) for i in idx]) \
+            if idx else np.zeros(0)
+        got = _host.host_broadcast(flat, 0, f"kerasdist.elastic.sync.{key}")
+        at = 0
+        for i in idx:
+            n = int(np.prod(arrays[i].shape, dtype=np.int64))
+            out[i] = np.array(got[at:at + n]).reshape(arrays[i].shape)
+            at += n
+    return out
+
+
+def _broadcast_object(obj):
+    if basics.size() == 1:
+        return obj
+    from kerasdist.objects import broadcast_object
+    return broadcast_object(obj, 0, name="kerasdist.elastic.object")
+
+
+def _rank():
+    return basics.rank()
+
+
+class State:
+    """State kept across the job's restarts (Horovod's
+    `horovod.common.elastic.State`).
+
+    Args:
+        bcast_object: function broadcasting a Python object from rank 0
+            (default: kerasdist's broadcast_object).
+        get_rank: function returning this rank (default: kerasdist.rank).
+    """
+
+    _count = 0
+
+    def __init__(self, bcast_object=None, get_rank=None):
+        self._bcast_object = bcast_object or _broadcast_object
+        self._rank = get_rank or _rank
+        self._reset_callbacks = []
+        self._number = State._count
+        State._count += 1
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions to call after a reset: in kerasdist, when a restarted
+        attempt resumes from a commit made at another number of ranks
+        (e.g. to scale the learning rate to the new size)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res):
+        """Horovod's notification hook; kerasdist's resize requests come
+        from the launcher's signal instead, so this does nothing."""
+
+    def commit(self):
+        """save(), then rank 0 writes the committed state where the next
+        attempt of the job starts from (KERASDIST_ELASTIC_DIR), then
+        check_host_updates()."""
+        self.save()
+        self.persist()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raises HostsUpdatedInterrupt on every rank once the launcher
+        asked any rank to stop for a resize; the ranks agree on it in one
+        small allreduce (only in a job that grows and shrinks)."""
+        if not _resize.checking():
+            return
+        flag = np.array([1 if _resize.requested() else 0], np.int64)
+        if basics.size() > 1:
+            from kerasdist._core import host as _host
+            flag = _host.host_allreduce(flag, basics.Max,
+                                        "kerasdist.elastic.hosts")
+        if int(flag[0]):
+            raise HostsUpdatedInterrupt(False)
+
+    def save(self):
+        """Saves the state in memory."""
+        raise NotImplementedError()
+
+    def restore(self):
+        """Returns to the last saved state, undoing what changed since."""
+        raise NotImplementedError()
+
+    def sync(self):
+        """Gives every rank rank 0's state."""
+        raise NotImplementedError()
+
+    def reset(self):
+        """Called after a reset, before the reset callbacks."""
+
+    # -- kerasdist: the committed state on disk -------------------------
+
+    def _saved(self):
+        """The saved state as a picklable dict (subclasses add to it)."""
+        return {}
+
+    def _load_saved(self, saved):
+        """Takes a dict of _saved()'s as the saved state."""
+
+    @property
+    def path(self):
+        """The file rank 0 writes the committed state to, or None (no
+        KERASDIST_ELASTIC_DIR)."""
+        directory = _directory()
+        if directory is None:
+            return None
+        return os.path.join(directory, f"state-{self._number}.pkl")
+
+    def persist(self):
+        """Rank 0 writes the saved state to `path`, atomically."""
+        path = self.path
+        if path is None or self._rank() != 0:
+            return
+        record = {"format": _FORMAT, "size": basics.size(),
+                  "saved": self._saved()}
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-state-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                try:
+                    pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+                except (pickle.PicklingError, TypeError,
+                        AttributeError) as e:
+                    raise TypeError(
+                        f"kerasdist.elastic: cannot write the committed "
+                        f"state: {e}. Keep only picklable values (numbers, "
+                        f"strings, lists, dicts, numpy arrays) in the "
+                        f"state's keyword arguments.") from None
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def load_committed(self):
+        """Rank 0: takes the committed state in `path` as the saved state
+        and restores it. Returns the number of ranks it was committed at,
+        or None when there is none."""
+        path = self.path
+        if path is None or not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            record = pickle.load(f)
+        if not isinstance(record, dict) or record.get("format") != _FORMAT:
+            raise ValueError(f"kerasdist.elastic: {path} is not a committed "
+                             f"state this version wrote; remove it to start "
+                             f"afresh.")
+        self._load_saved(record["saved"])
+        self.restore()
+        return int(record["size"])
+
+
+class ObjectState(State):
+    """State of plain Python objects, given as keyword arguments and kept as
+    attributes (Horovod's ObjectState)."""
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self):
+        self._saved_state = {attr: getattr(self, attr)
+                             for attr in self._saved_state}
+
+    def restore(self):
+        self._set_attrs()
+
+    def sync(self):
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self):
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, value)
+
+    def _saved(self):
+        out = super()._saved()
+        out["objects"] = dict(self._saved_state)
+        return out
+
+    def _load_saved(self, saved):
+        super()._load_saved(saved)
+        objects = saved.get("objects", {})
+        missing = sorted(set(self._saved_state) - set(objects))
+        if missing:
+            raise ValueError(f"kerasdist.elastic: the committed state has no "
+                             f"{', '.join(missing)}: it was written by a "
+                             f"state with other attributes.")
+        self._saved_state = {k: objects[k] for k in self._saved_state}
+
+
+class _VariablesState(ObjectState):
+    """ObjectState plus a list of variables (their values in memory)."""
+
+    def __init__(self, **kwargs):
+        self._values = [_to_numpy(v) for v in self._variables()]
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        raise NotImplementedError()
+
+    def save(self):
+        self._values = [_to_numpy(v) for v in self._variables()]
+        super().save()
+
+    def restore(self):
+        for var, value in zip(self._variables(), self._values):
+            var.assign(value)
+        super().restore()
+
+    def sync(self):
+        variables = self._variables()
+        values = _broadcast_arrays([_to_numpy(v) for v in variables],
+                                   f"state{self._number}")
+        for var, value in zip(variables, values):
+            var.assign(value)
+        self._values = values
+        super().sync()
+
+    def _saved(self):
+        out = super()._saved()
+        out["values"] = list(self._values)
+        return out
+
+    def _load_saved(self, saved):
+        values = saved.get("values", [])
+        variables = self._variables()
+        shapes = [tuple(np.shape(v)) for v in self._values]
+        got = [tuple(np.shape(v)) for v in values]
+        if len(values) != len(variables) or shapes != got:
+            raise ValueError(
+                f"kerasdist.elastic: the committed state holds "
+                f"{len(values)} variable(s) of shapes {got[:4]}..., the "
+                f"state now {len(variables)} of shapes {shapes[:4]}...: "
+                f"the model changed. Remove {self.path} to start afresh.")
+        self._values = [np.array(v) for v in values]
+        super()._load_saved(saved)
+
+
+class TensorFlowState(_VariablesState):
+    """State of a list of variables plus keyword attributes (Horovod's
+    TensorFlowState). `variables` defaults to TF1's global variables;
+    `session` is accepted and ignored (TF2 runs eagerly)."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if variables is None:
+            import tensorflow as tf
+            variables = tf.compat.v1.global_variables()
+        self.variables = list(variables)
+        self.session = session
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        return self.variables
+
+
+class TensorFlowKerasState(_VariablesState):
+    """State of a Keras model and its optimizer (weights, optimizer
+    variables, the dropout layers' seed states) plus keyword attributes
+    (Horovod's TensorFlowKerasState). The model must be built, and the
+    optimizer's variables created (one `fit` step, or `optimizer.build`).
+    `backend` is accepted and ignored."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        if not getattr(model, "built", True):
+            raise ValueError("Model must be built first. Run "
+                             "`model.build(input_shape)`.")
+        self.model = model
+        self.optimizer = optimizer or model.optimizer
+        self.backend = backend
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        variables = list(self.model.variables)
+        if self.optimizer is not None:
+            seen = {id(v) for v in variables}
+            variables += [v for v in self.optimizer.variables
+                          if id(v) not in seen]
+        return variables
+
+
+class KerasState(TensorFlowKerasState):
+    """Horovod's `horovod.tensorflow.keras.elastic.KerasState`."""
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        super().__init__(model, optimizer=optimizer, **kwargs)
+
+
+def _resume(state):
+    """A restarted attempt's start: rank 0 loads the last commit, the reset
+    callbacks run if it was made at another size, every rank syncs."""
+    committed = state.load_committed() if _rank() == 0 else None
+    committed = _broadcast_object(committed)
+    if committed is not None:
+        if _rank() == 0:
+            where = ", ".join(f"{k}={getattr(state, k)!r}" for k in
+                              ("epoch", "batch") if hasattr(state, k))
+            _log(f"resuming from the last commit ({state.path}"
+                 + (f"; {where}" if where else "") + f"), committed at "
+                 f"{committed} rank(s), now {basics.size()}")
+        if committed != basics.size():
+            state.on_reset()
+    state.sync()
+
+
+def _internal_error(e):
+    """Whether `e` is a HorovodInternalError, or a TensorFlow error of a
+    kerasdist op that the runtime failed (Horovod's TF `run` takes
+    UnknownError of its ops as one)."""
+    if isinstance(e, HorovodInternalError):
+        return True
+    tf = sys.modules.get("tensorflow")
+    errors = getattr(tf, "errors", None)
+    if errors is None:
+        return False
+    kinds = tuple(getattr(errors, k) for k in
+                  ("UnknownError", "AbortedError", "InternalError")
+                  if hasattr(errors, k))
+    return isinstance(e, kinds) and "Kerasdist" in str(e)
+
+
+def run(func):
+    """Runs `func(state, ...)` from the job's last commit (Horovod's
+    `hvd.elastic.run` decorator; see the module's doc for how kerasdist
+    maps it onto restarts)."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not basics.is_initialized():
+            basics.init()
+        if _resize.checking():
+            _resize.announce(_rank())
+        _resume(state)
+        try:
+            return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt:
+            if not _resize.checking():
+                raise
+            state.save()
+            state.persist()
+            if basics.size() > 1:
+                from kerasdist._core import host as _host
+                _host.host_barrier("kerasdist.elastic.resize")
+            if _rank() == 0:
+                _log("stopping to resize: the launcher asked, the state is "
+                     "committed")
+            raise _resize.Resize() from None
+        except Exception as e:
+            if not _internal_error(e) or _directory() is None:
+                raise
+            why = str(e).strip().splitlines()[0] if str(e).strip() else \
+                "a collective failed"
+            print(f"kerasdist.elastic: rank {_rank()}: {why}; ending this "
+                  f"rank (a restart resumes from the last commit).",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+    return wrapper
+
+
+def _keras_callback():
+    import keras
+    return keras.callbacks.Callback
+
+
+class _EndOfEpoch:
+    """model.stop_training while an epoch is cut short (truthy: Keras ends
+    the epoch; reset to False at its end, so training goes on)."""
+
+    def __bool__(self):
+        return True
+
+
+_END_OF_EPOCH = _EndOfEpoch()
+
+
+def _callbacks():
+    Callback = _keras_callback()
+
+    class CommitStateCallback(Callback):
+        """Commits `state` every `batches_per_commit` batches and at every
+        epoch end (Horovod's CommitStateCallback)."""
+
+        def __init__(self, state, batches_per_commit=1):
+            super().__init__()
+            self.state = state
+            self.batches_per_commit = batches_per_commit
+            self.batches_remaining = batches_per_commit
+
+        def on_train_begin(self, logs=None):
+            self.batches_remaining = self.batches_per_commit
+
+        def on_batch_end(self, batch, logs=None):
+            self.batches_remaining -= 1
+            if self.batches_remaining == 0:
+                if not self._epoch_ends(batch):
+                    self.commit()
+                self.batches_remaining = self.batches_per_commit
+
+        def _epoch_ends(self, batch):
+            # The epoch's last batch: its end commits next, with nothing
+            # trained in between. Committing here too would leave a state
+            # (all batches done, the epoch not) that a resume cannot cut
+            # to an epoch of no batches.
+            steps = self.params.get("steps") if self.params else None
+            return (steps is not None and batch + 1 >= steps) or \
+                self.model.stop_training is _END_OF_EPOCH
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.commit()
+
+        def commit(self):
+            self.state.commit()
+
+    class UpdateBatchStateCallback(Callback):
+        """Keeps `state.batch` = the batches done in the current epoch (0
+        at its start and end), and cuts the first epoch after a resume
+        short by `state.batch` batches (Horovod's UpdateBatchStateCallback,
+        which keeps the last batch's index instead)."""
+
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+            self._first = True
+            self._steps = None
+            self._offset = 0
+
+        def on_train_begin(self, logs=None):
+            self._first = True
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._steps, self._offset = None, 0
+            steps = self.params.get("steps") if self.params else None
+            done = int(getattr(self.state, "batch", 0) or 0)
+            if self._first and done:
+                self._offset = done
+                if steps:
+                    self._steps = max(steps - done, 1)
+            self._first = False
+
+        def on_batch_end(self, batch, logs=None):
+            self.state.batch = self._offset + batch + 1
+            if self._steps is not None and batch + 1 >= self._steps and \
+                    not self.model.stop_training:
+                self.model.stop_training = _END_OF_EPOCH
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.batch = 0
+            self._steps, self._offset = None, 0
+            if self.model.stop_training is _END_OF_EPOCH:
+                self.model.stop_training = False
+
+        def on_train_end(self, logs=None):
+            if self.model.stop_training is _END_OF_EPOCH:
+                self.model.stop_training = False
+
+    class UpdateEpochStateCallback(Callback):
+        """Keeps `state.epoch` = the epochs done, counted across resumes
+        (Horovod's UpdateEpochStateCallback)."""
+
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+            self.initial_epoch = self.state.epoch
+
+        def on_train_begin(self, logs=None):
+            self.initial_epoch = self.state.epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.epoch = self.initial_epoch + epoch + 1
+
+    for cls in (CommitStateCallback, UpdateBatchStateCallback,
+                UpdateEpochStateCallback):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return {"CommitStateCallback": CommitStateCallback,
+            "UpdateBatchStateCallback": UpdateBatchStateCallback,
+            "UpdateEpochStateCallback": UpdateEpochStateCallback}
+
+
+_CALLBACK_NAMES = ("CommitStateCallback", "UpdateBatchStateCallback",
+                   "UpdateEpochStateCallback")
+
+
+def __getattr__(name):
+    # The callbacks subclass keras.callbacks.Callback: built on first use,
+    # so importing this module does not import Keras.
+    if name in _CALLBACK_NAMES:
+        globals().update(_callbacks())
+        return globals()[name]
+    raise AttributeError(f"module 'kerasdist.elastic' has no attribute "
+                         f"{name!r}")
+
+
+__all__ = ["CommitStateCallback", "HorovodInternalError",
+           "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
+           "TensorFlowKerasState", "TensorFlowState",
+           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
