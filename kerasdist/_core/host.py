@@ -163,6 +163,16 @@ def host_broadcast(array, root_rank, name):
                     root_rank=int(root_rank))[0]
 
 
+def host_join(name="kerasdist.join"):
+    """This rank has no more data: takes part in the other ranks' allreduces
+    with zeros until every rank has joined; returns the last rank to join."""
+    require_init()
+    out = np.zeros((), np.int32)
+    _capi.Handle(_capi.OP_JOIN, name, _capi.DTYPES[np.dtype(np.int32)],
+                 (), None, out.ctypes.data).wait()
+    return int(out)
+
+
 def host_barrier(name):
     """Returns once every rank has called it."""
     require_init()

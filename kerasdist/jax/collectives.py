@@ -271,3 +271,8 @@ def barrier(name):
     token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32), name=name)
     if program_trace() is None:
         token.block_until_ready()
+
+
+def join(name):
+    from kerasdist._core.host import host_join
+    return host_join(name)

@@ -130,6 +130,10 @@ def barrier(name):
     _ops().kerasdist_barrier(tensor_name=name)
 
 
+def join(name):
+    return _ops().kerasdist_join(tensor_name=name)
+
+
 # ---- gradients -------------------------------------------------------------
 
 

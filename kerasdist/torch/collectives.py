@@ -339,3 +339,8 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
 def barrier(name):
     _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
                  (), None, None).wait()
+
+
+def join(name):
+    from kerasdist._core.host import host_join
+    return host_join(name)
