@@ -405,7 +405,7 @@ def bind(impl):
         impl.require_init()
         impl.barrier(impl.auto_name("barrier", name))
 
-    def join():
+    def join(device=-1):
         """This rank has run out of data: it takes part in the other ranks'
         allreduces with zeros (so theirs complete) until every rank has
         called `join()`, then returns the rank that joined last (as
@@ -420,11 +420,17 @@ def bind(impl):
         (not inside `jax.jit`); TensorFlow: an op, eagerly and in a
         `tf.function`.
 
+        Args:
+            device: accepted for Horovod's PyTorch signature
+                (`hvd.join(device=-1)`); -1 (the host) or a GPU ordinal
+                changes nothing: a joined rank's zeros are host memory.
+
         Returns:
             TensorFlow: a scalar int32 tensor; JAX and PyTorch: an int.
 
         Raises:
             RuntimeError: if kerasdist is not initialized.
+            ValueError: if `device` is not an int >= -1.
 
         Example:
         >>> for batch in my_shard:     # fewer batches on some ranks
@@ -432,6 +438,10 @@ def bind(impl):
         >>> last = kd.join()
         """
         impl.require_init()
+        if (isinstance(device, bool) or not isinstance(device, (int, np.integer))
+                or device < -1):
+            raise ValueError(f"join(device=...) takes -1 (the host) or a GPU "
+                             f"ordinal, got {device!r}.")
         return impl.join("kerasdist.join")
 
     def grouped_allgather(tensors, name=None):
