@@ -416,7 +416,11 @@ def bind(impl):
         can run: any other collective fails on the ranks that submitted it
         with an error saying so. `op=Average` still divides by `size()`
         (the joined ranks count, with their zeros), as in Horovod; Min,
-        Max and Product see the zeros too. Eager only on JAX and PyTorch
+        Max and Product see the zeros too. Unnamed eager collectives are
+        numbered afresh on every rank once `join()` returns (the ranks that
+        did not join first made unnamed calls the joined ones did not); a
+        `join()` inside a `tf.function` does not do that, so name the eager
+        collectives that follow it. Eager only on JAX and PyTorch
         (not inside `jax.jit`); TensorFlow: an op, eagerly and in a
         `tf.function`.
 

@@ -131,7 +131,10 @@ def barrier(name):
 
 
 def join(name):
-    return _ops().kerasdist_join(tensor_name=name)
+    last = _ops().kerasdist_join(tensor_name=name)
+    if tf.executing_eagerly():
+        _host.restart_names_after_join()
+    return last
 
 
 # ---- gradients -------------------------------------------------------------

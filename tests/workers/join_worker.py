@@ -9,7 +9,8 @@ the others allreduce tensors of several dtypes eagerly, as a fused batch
 (one tf.function), as a grouped allreduce and as response-cache hits; the
 sum is the non-joined ranks' only, Average divides by size() (as Horovod);
 join() returns the last rank to join, the same on every rank, inside a
-tf.function too; an allgather or broadcast while a rank has joined fails
+tf.function too; unnamed collectives match again after join(); an
+allgather or broadcast while a rank has joined fails
 with a clear error on the ranks that called it and nothing hangs; a custom
 training loop on uneven data (rank r has 3 + 2r batches) with
 DistributedGradientTape, then join(), ends with the weights of a numpy
@@ -185,6 +186,26 @@ def other_collectives_fail_clearly():
            "allgather after join()")
 
 
+@check("unnamed_collectives_after_join")
+def unnamed_collectives_after_join():
+    # The ranks that did not join make unnamed calls the joined one does
+    # not; after join() the unnamed calls of every rank match again.
+    joiner = 0
+    if r == joiner:
+        kd.join()
+    else:
+        for k in range(2):
+            expect(kd.allreduce(vals(r, k, np.float32), op=kd.Sum),
+                   others_sum(joiner, k, np.float32), f"unnamed sum {k}")
+        finish(joiner, "unnamed")
+    for k in range(2):
+        expect(kd.allreduce(vals(r, k, np.float32), op=kd.Sum),
+               sum(vals(q, k, np.float32) for q in range(n)),
+               f"unnamed sum {k} after join()")
+    expect(kd.broadcast(np.full(2, r, np.float32), root_rank=n - 1),
+           np.full(2, n - 1), "unnamed broadcast after join()")
+
+
 def batches_of(rank):
     # Rank r has 3 + 2r batches of 4 rows: uneven data.
     rng = np.random.default_rng(100 + rank)
@@ -266,9 +287,12 @@ def torch_join():
         got = kt.allreduce(torch.tensor(vals(r, 4, np.float64)), op=kt.Sum,
                            name="torch.sum")
         expect(got.numpy(), others_sum(joiner, 4, np.float64), "torch sum")
+        kt.allreduce(torch.ones(2))  # unnamed: the joined rank makes none
         if r == last_rank_of(joiner):
             kt.allreduce(torch.ones(2), name="torch.alone")
         last = kt.join()
+    got = kt.allreduce(torch.ones(2), op=kt.Sum)  # unnamed, on every rank
+    expect(got.numpy(), np.full(2, float(n)), "torch unnamed after join()")
     if not isinstance(last, int):
         raise AssertionError(f"kerasdist.torch.join() gave {last!r}, an int "
                              "wanted")
