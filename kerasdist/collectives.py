@@ -442,8 +442,8 @@ def bind(impl):
         >>> last = kd.join()
         """
         impl.require_init()
-        if (isinstance(device, bool) or not isinstance(device, (int, np.integer))
-                or device < -1):
+        if (isinstance(device, bool)
+                or not isinstance(device, (int, np.integer)) or device < -1):
             raise ValueError(f"join(device=...) takes -1 (the host) or a GPU "
                              f"ordinal, got {device!r}.")
         return impl.join("kerasdist.join")

@@ -373,7 +373,8 @@ KD_TEST(JoinedRanksServeAllreducesUntilEveryRankJoined) {
   cache.Put(m.batches[0].responses[0]);
   // A new allreduce needs ranks 0 and 2 only, as full requests and as
   // cache hits (then the batch names the cache entry).
-  for (int r : {2, 0}) coord.Add(r, One(Req("a", {3}, DataType::kInt64)), cache);
+  for (int r : {2, 0})
+    coord.Add(r, One(Req("a", {3}, DataType::kInt64)), cache);
   m = coord.Decide(cache);
   CHECK((Names(m) == std::vector<std::string>{"a"}));
   CHECK(m.batches[0].responses[0].req.dtype == DataType::kInt64);
@@ -388,7 +389,8 @@ KD_TEST(JoinedRanksServeAllreducesUntilEveryRankJoined) {
         m.batches[0].cache_index[0] >= 0);
   // Broadcast and allgather fail clearly instead of waiting for rank 1.
   for (OpType op : {OpType::kBroadcast, OpType::kAllgather}) {
-    for (int r : {0, 2}) coord.Add(r, One(Req("x", {2}, DataType::kFloat32, op)), cache);
+    for (int r : {0, 2})
+      coord.Add(r, One(Req("x", {2}, DataType::kFloat32, op)), cache);
     m = coord.Decide(cache);
     CHECK((Names(m) == std::vector<std::string>{"x"}));
     CHECK_CONTAINS(m.batches[0].responses[0].error,

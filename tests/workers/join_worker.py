@@ -153,6 +153,13 @@ def join_in_tf_function():
 
 @check("other_collectives_fail_clearly")
 def other_collectives_fail_clearly():
+    try:
+        kd.join(device="gpu")
+    except ValueError as e:
+        if "join(device=...)" not in str(e):
+            raise AssertionError(f"join(device='gpu'): unclear {e}") from None
+    else:
+        raise AssertionError("join(device='gpu') gave no error")
     joiner = 0
     if r == joiner:
         last = int(kd.join())
