@@ -433,7 +433,8 @@ def bind(impl):
             TensorFlow: a scalar int32 tensor; JAX and PyTorch: an int.
 
         Raises:
-            RuntimeError: if kerasdist is not initialized.
+            RuntimeError: if kerasdist is not initialized, or inside
+                `jax.jit`.
             ValueError: if `device` is not an int >= -1.
 
         Example:

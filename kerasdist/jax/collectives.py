@@ -274,5 +274,9 @@ def barrier(name):
 
 
 def join(name):
-    from kerasdist._core.host import host_join
-    return host_join(name)
+    if program_trace() is not None:
+        raise RuntimeError(
+            "kerasdist.jax.join() runs eagerly only: call it after the "
+            "training loop, outside jax.jit (inside a traced function it "
+            "would wait at trace time).")
+    return _host.host_join(name)

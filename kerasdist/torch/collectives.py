@@ -342,5 +342,4 @@ def barrier(name):
 
 
 def join(name):
-    from kerasdist._core.host import host_join
-    return host_join(name)
+    return _host.host_join(name)

@@ -266,7 +266,16 @@ checks.group("frameworks", default=False)
 
 @check("jax_join")
 def jax_join():
+    import jax
+
     import kerasdist.jax as kj
+    try:
+        jax.jit(lambda: kj.join())()
+    except RuntimeError as e:
+        if "eagerly only" not in str(e):
+            raise AssertionError(f"join() in jax.jit: unclear {e}") from None
+    else:
+        raise AssertionError("join() in jax.jit gave no error")
     joiner = n - 1
     if r == joiner:
         last = kj.join()
