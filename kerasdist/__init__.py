@@ -41,6 +41,7 @@ _EXPORTS = {
     "allgather": "collectives", "broadcast": "collectives",
     "broadcast_variables": "collectives", "alltoall": "collectives",
     "reducescatter": "collectives", "barrier": "collectives",
+    "join": "collectives",
     "grouped_allgather": "collectives",
     "grouped_reducescatter": "collectives", "broadcast_": "collectives",
     "broadcast_global_variables": "collectives",

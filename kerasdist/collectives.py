@@ -33,7 +33,7 @@ from kerasdist._core import gradients as _gradients
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_variables",
            "grouped_allgather", "grouped_allreduce", "grouped_reducescatter",
-           "local_rank_op", "local_size_op", "rank_op", "reducescatter",
+           "join", "local_rank_op", "local_size_op", "rank_op", "reducescatter",
            "size_op"]
 
 # The frameworks kerasdist runs on, as Keras names its backends.
@@ -405,6 +405,50 @@ def bind(impl):
         impl.require_init()
         impl.barrier(impl.auto_name("barrier", name))
 
+    def join(device=-1):
+        """This rank has run out of data: it takes part in the other ranks'
+        allreduces with zeros (so theirs complete) until every rank has
+        called `join()`, then returns the rank that joined last (as
+        Horovod's `hvd.join()`). A job may join more than once (say once
+        per epoch); after `join()` returns, collectives go on as before.
+
+        While a rank has joined, only allreduce (and grouped_allreduce)
+        can run: any other collective fails on the ranks that submitted it
+        with an error saying so. `op=Average` still divides by `size()`
+        (the joined ranks count, with their zeros), as in Horovod; Min,
+        Max and Product see the zeros too. Unnamed eager collectives are
+        numbered afresh on every rank once `join()` returns (the ranks that
+        did not join first made unnamed calls the joined ones did not); a
+        `join()` inside a `tf.function` does not do that, so name the eager
+        collectives that follow it. Eager only on JAX and PyTorch
+        (not inside `jax.jit`); TensorFlow: an op, eagerly and in a
+        `tf.function`.
+
+        Args:
+            device: accepted for Horovod's PyTorch signature
+                (`hvd.join(device=-1)`); -1 (the host) or a GPU ordinal
+                changes nothing: a joined rank's zeros are host memory.
+
+        Returns:
+            TensorFlow: a scalar int32 tensor; JAX and PyTorch: an int.
+
+        Raises:
+            RuntimeError: if kerasdist is not initialized, or inside
+                `jax.jit`.
+            ValueError: if `device` is not an int >= -1.
+
+        Example:
+        >>> for batch in my_shard:     # fewer batches on some ranks
+        ...     train_step(batch)      # allreduces its gradients
+        >>> last = kd.join()
+        """
+        impl.require_init()
+        if (isinstance(device, bool)
+                or not isinstance(device, (int, np.integer)) or device < -1):
+            raise ValueError(f"join(device=...) takes -1 (the host) or a GPU "
+                             f"ordinal, got {device!r}.")
+        return impl.join("kerasdist.join")
+
     def grouped_allgather(tensors, name=None):
         """Allgathers each tensor of a list (see `allgather`).
 
@@ -634,7 +678,7 @@ def bind(impl):
 
     functions = {f.__name__: f for f in (
         allreduce, grouped_allreduce, allgather, broadcast,
-        broadcast_variables, alltoall, reducescatter, barrier,
+        broadcast_variables, alltoall, reducescatter, barrier, join,
         grouped_allgather, grouped_reducescatter, broadcast_,
         broadcast_global_variables, rank_op, local_rank_op, size_op,
         local_size_op)}

@@ -20,6 +20,10 @@ from kerasdist._core import capi as _capi
 
 _counters = {}
 _lock = threading.Lock()
+# join() calls so far: every rank makes the same number, so unnamed calls
+# after the j-th are numbered afresh under "j<j>" on every rank (the ranks
+# that did not join first made unnamed calls the joined ones did not).
+_joins = 0
 
 
 def require_init():
@@ -48,7 +52,18 @@ def eager_name(kind, name):
         return str(name)
     with _lock:
         counter = _counters.setdefault(kind, itertools.count())
+        if _joins:
+            return f"{kind}.noname.j{_joins}.{next(counter)}"
         return f"{kind}.noname.{next(counter)}"
+
+
+def restart_names_after_join():
+    """Numbers unnamed calls afresh, the same on every rank, once join() has
+    returned (eager_name)."""
+    global _joins
+    with _lock:
+        _joins += 1
+        _counters.clear()
 
 
 def scatter_rows(rows, n):
@@ -161,6 +176,17 @@ def host_broadcast(array, root_rank, name):
     x = np.asarray(array)
     return run_host(_capi.OP_BROADCAST, name, [x], [x.shape],
                     root_rank=int(root_rank))[0]
+
+
+def host_join(name="kerasdist.join"):
+    """This rank has no more data: takes part in the other ranks' allreduces
+    with zeros until every rank has joined; returns the last rank to join."""
+    require_init()
+    out = np.zeros((), np.int32)
+    _capi.Handle(_capi.OP_JOIN, name, _capi.DTYPES[np.dtype(np.int32)],
+                 (), None, out.ctypes.data).wait()
+    restart_names_after_join()
+    return int(out)
 
 
 def host_barrier(name):

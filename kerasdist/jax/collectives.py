@@ -271,3 +271,12 @@ def barrier(name):
     token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32), name=name)
     if program_trace() is None:
         token.block_until_ready()
+
+
+def join(name):
+    if program_trace() is not None:
+        raise RuntimeError(
+            "kerasdist.jax.join() runs eagerly only: call it after the "
+            "training loop, outside jax.jit (inside a traced function it "
+            "would wait at trace time).")
+    return _host.host_join(name)

@@ -35,6 +35,7 @@ broadcast_variables = _api.broadcast_variables
 grouped_allgather = _api.grouped_allgather
 grouped_allreduce = _api.grouped_allreduce
 grouped_reducescatter = _api.grouped_reducescatter
+join = _api.join
 local_rank_op = _api.local_rank_op
 local_size_op = _api.local_size_op
 rank_op = _api.rank_op
@@ -49,6 +50,7 @@ __all__ = ["Average", "DistributedGradientTape", "Max", "Min",
            "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
            "gloo_enabled", "grouped_allgather", "grouped_allreduce",
            "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
+           "join",
            "local_rank", "local_rank_op", "local_size", "local_size_op",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
            "rank", "rank_op", "reducescatter", "rocm_built", "shutdown",

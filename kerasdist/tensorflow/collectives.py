@@ -130,6 +130,13 @@ def barrier(name):
     _ops().kerasdist_barrier(tensor_name=name)
 
 
+def join(name):
+    last = _ops().kerasdist_join(tensor_name=name)
+    if tf.executing_eagerly():
+        _host.restart_names_after_join()
+    return last
+
+
 # ---- gradients -------------------------------------------------------------
 
 

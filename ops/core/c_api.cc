@@ -282,6 +282,11 @@ Request RequestFromC(const kerasdist_request* r) {
   q.group_size = r->group_size;
   q.device = r->device;
   if (q.op == OpType::kBarrier) q.shape.clear();
+  if (q.op == OpType::kJoin) {  // no tensor; the result is an int32 rank
+    q.shape.clear();
+    q.dtype = DataType::kInt32;
+    q.device = -1;
+  }
   return q;
 }
 

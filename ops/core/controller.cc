@@ -21,7 +21,7 @@ int ResponseCache::IndexOf(const std::string& name) const {
 }
 
 void ResponseCache::Put(const Response& r) {
-  if (!r.error.empty()) return;
+  if (!r.error.empty() || r.req.op == OpType::kJoin) return;
   auto it = index_.find(r.req.name);
   if (it != index_.end()) {
     entries_[it->second] = r;
@@ -45,6 +45,10 @@ void Coordinator::Add(int rank, const RankMessage& m,
 void Coordinator::MarkReported(int rank, const std::string& name,
                                const Request* q, int32_t cached,
                                const ResponseCache& cache) {
+  if (q != nullptr && q->op == OpType::kJoin) {
+    Join(rank, *q, cache);
+    return;
+  }
   auto it = FindOrStart(name, q, cached, cache);
   Pending& p = it->second;
   if (p.have[rank]) return;
@@ -56,11 +60,56 @@ void Coordinator::MarkReported(int rank, const std::string& name,
     p.cached[rank] = cached;
   }
   if (record_ && !p.seen.empty()) p.seen[rank] = Clock::now();
-  if (++p.count < size_) return;
-  if (record_ && !p.seen.empty()) RecordReadyInfo(name, p);
-  Ready ready = MakeReady(name, p, cache);
+  ++p.count;
+  if (AllReported(p)) Finish(it, cache);
+}
+
+bool Coordinator::AllReported(const Pending& p) const {
+  if (p.count >= size_) return true;
+  if (joined_count_ == 0) return false;
+  for (int r = 0; r < size_; ++r) {
+    if (!p.have[r] && !joined_[r]) return false;
+  }
+  return true;
+}
+
+void Coordinator::Finish(Table::iterator it, const ResponseCache& cache) {
+  Pending& p = it->second;
+  if (record_ && !p.seen.empty()) {
+    for (int r = 0; r < size_; ++r) {
+      if (!p.have[r]) p.seen[r] = p.first_seen;  // joined: zeros at once
+    }
+    RecordReadyInfo(it->first, p);
+  }
+  Ready ready = MakeReady(it->first, p, cache);
   spare_.push_back(table_.extract(it));
   Release(std::move(ready), cache);
+}
+
+void Coordinator::Join(int rank, const Request& q, const ResponseCache& cache) {
+  if (joined_.empty()) joined_.assign(size_, false);
+  if (joined_[rank]) return;
+  joined_[rank] = true;
+  ++joined_count_;
+  last_joined_ = rank;
+  ++reports_;
+  // What every other rank had reported can run now, with zeros from here.
+  for (auto it = table_.begin(); it != table_.end();) {
+    auto next = std::next(it);
+    if (AllReported(it->second)) Finish(it, cache);
+    it = next;
+  }
+  if (joined_count_ < size_) return;
+  // Every rank has joined: every join returns the last rank to join.
+  Ready ready;
+  ready.name = q.name;
+  ready.join = true;
+  ready.per_rank.assign(1, q);
+  ready.per_rank[0].root_rank = last_joined_;
+  ready_.push_back(std::move(ready));
+  joined_.assign(size_, false);
+  joined_count_ = 0;
+  last_joined_ = -1;
 }
 
 Coordinator::Table::iterator Coordinator::FindOrStart(
@@ -115,19 +164,52 @@ Coordinator::Ready Coordinator::MakeReady(const std::string& name, Pending& p,
                                           const ResponseCache& cache) {
   Ready ready;
   ready.name = name;
-  bool same_entry = p.cached[0] >= 0;
-  for (int r = 1; r < size_ && same_entry; ++r)
-    same_entry = p.cached[r] == p.cached[0];
+  // Ranks that joined without reporting it stand in as copies of the first
+  // reporting rank (allreduce has the same request on every rank).
+  int first = 0;
+  while (!p.have[first]) ++first;
+  std::string absent;
+  for (int r = 0; r < size_; ++r) {
+    if (!p.have[r]) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+  }
+  bool same_entry = p.cached[first] >= 0;
+  for (int r = 0; r < size_ && same_entry; ++r)
+    same_entry = !p.have[r] || p.cached[r] == p.cached[first];
+  if (!absent.empty()) {
+    const Request& q = p.cached[first] >= 0 ? cache.Get(p.cached[first]).req
+                                            : p.per_rank[first];
+    if (q.op != OpType::kAllreduce) {
+      ready.error = std::string(OpTypeName(q.op)) + " '" + name +
+                    "' cannot run while rank(s) " + absent +
+                    " have called join(): a joined rank takes part in "
+                    "allreduces only (with zeros), as in Horovod. Run " +
+                    OpTypeName(q.op) +
+                    " before join() on every rank, or after every rank's "
+                    "join() has returned";
+      same_entry = false;
+    } else if (q.device >= 0) {
+      ready.error = "allreduce '" + name + "' cannot run while rank(s) " +
+                    absent +
+                    " have called join(): join() serves allreduces of "
+                    "host tensors only in this build (this one is in GPU "
+                    "memory)";
+      same_entry = false;
+    }
+  }
   if (same_entry) {
-    ready.cache_index = p.cached[0];
+    ready.cache_index = p.cached[first];
     return ready;
   }
   // Mixed or full reports: every rank's request, spelled out.
   ready.per_rank.resize(size_);
   for (int r = 0; r < size_; ++r) {
+    if (!p.have[r]) continue;
     ready.per_rank[r] = p.cached[r] >= 0
                             ? RequestForRank(cache.Get(p.cached[r]), r, size_)
                             : std::move(p.per_rank[r]);
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (!p.have[r]) ready.per_rank[r] = ready.per_rank[first];
   }
   return ready;
 }
@@ -165,6 +247,15 @@ CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
   chosen.reserve(ready_.size());
   indices.reserve(ready_.size());
   for (Ready& item : ready_) {
+    if (item.join || !item.error.empty()) {
+      Response r;
+      r.req = std::move(item.per_rank[0]);
+      r.error = std::move(item.error);
+      built.push_back(std::move(r));
+      chosen.push_back(&built.back());
+      indices.push_back(-1);
+      continue;
+    }
     if (item.cache_index >= 0 && cache_enabled_) {
       // Every rank asked exactly what the cache entry says.
       chosen.push_back(&cache.Get(item.cache_index));
@@ -221,8 +312,10 @@ StallReport Coordinator::CheckStalls(Clock::time_point now) {
     if (!warn && !fail) continue;
     std::string ready, missing;
     for (int r = 0; r < size_; ++r) {
-      std::string& s = p.have[r] ? ready : missing;
-      s += (s.empty() ? "" : ", ") + std::to_string(r);
+      const bool joined = joined_count_ > 0 && joined_[r];
+      std::string& s = p.have[r] || joined ? ready : missing;
+      s += (s.empty() ? "" : ", ") + std::to_string(r) +
+           (joined && !p.have[r] ? " (joined)" : "");
     }
     std::string line =
         std::string(OpTypeName(p.op)) + " '" + name + "' has waited " +
@@ -295,6 +388,9 @@ std::string Coordinator::DeadlockReason(Clock::time_point now) {
   std::string ranks;
   for (int r = 0; r < size_; ++r) {
     std::vector<std::string>& w = waits[r];
+    // A rank in join() waits for the others to join, serving their
+    // allreduces meanwhile.
+    if (joined_count_ > 0 && joined_[r]) w.push_back("join()");
     if (w.empty()) return "";
     std::sort(w.begin(), w.end());
     if (std::any_of(w.begin(), w.end(), AtEpochEnd)) {

@@ -29,6 +29,7 @@ class ResponseCache {
   const Response& Get(int index) const { return entries_[index]; }
   int Count() const { return static_cast<int>(entries_.size()); }
   // Overwrites the entry of the same name, else appends while there is room.
+  // Errors and joins are never cached.
   void Put(const Response& r);
 
  private:
@@ -90,6 +91,14 @@ class Coordinator {
   std::unordered_map<std::string, Pending>::iterator FindOrStart(
       const std::string& name, const Request* q, int32_t cached,
       const ResponseCache& cache);
+  // `rank` called join(): from now on it counts as having reported every
+  // allreduce (it runs them with zeros) until every rank has joined.
+  void Join(int rank, const Request& q, const ResponseCache& cache);
+  // Reported by every rank that has not joined.
+  bool AllReported(const Pending& p) const;
+  // `it`, reported by every rank that has not joined, leaves the table.
+  void Finish(std::unordered_map<std::string, Pending>::iterator it,
+              const ResponseCache& cache);
   // For the timeline: when each rank reported `name`.
   void RecordReadyInfo(const std::string& name, const Pending& p);
   // `p` reported by every rank, as a Ready (the cache entry when all named
@@ -114,10 +123,16 @@ class Coordinator {
   // the same cache entry (`cache_index` >= 0, `per_rank` empty) and the
   // decision copies no request or response; otherwise `per_rank` holds every
   // rank's request.
+  // Ranks that joined and did not report it get a copy of a reporting
+  // rank's request. `error` non-empty: the collective fails on every rank
+  // (only allreduce runs while ranks have joined). `join`: every rank has
+  // joined; per_rank[0].root_rank is the last one.
   struct Ready {
     std::string name;
     int32_t cache_index = -1;
     std::vector<Request> per_rank;
+    std::string error;
+    bool join = false;
   };
   using Table = std::unordered_map<std::string, Pending>;
 
@@ -131,6 +146,10 @@ class Coordinator {
   std::unordered_map<std::string, std::vector<Ready>>
       group_ready_;  // waiting for the group
   int shutdown_rank_ = -1;
+  // Ranks waiting in join(), how many, and the last one to join.
+  std::vector<bool> joined_;
+  int joined_count_ = 0;
+  int last_joined_ = -1;
   // Reports so far, and their count when DeadlockReason last saw it change.
   uint64_t reports_ = 0, reports_at_check_ = 0;
   Clock::time_point unchanged_since_;

@@ -340,7 +340,10 @@ bool Runtime::TakeIncoming(RankMessage* msg) {
   }
   const Topology& topo = topology();
   for (Entry& e : fresh) {
-    int ci = cache_->Lookup(e.req, topo.rank, topo.size);
+    if (e.req.op == OpType::kJoin) joined_ = true;
+    int ci = e.req.op == OpType::kJoin
+                 ? -1
+                 : cache_->Lookup(e.req, topo.rank, topo.size);
     if (ci >= 0) {
       msg->cached.push_back(ci);
     } else {
@@ -525,6 +528,16 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
     CompleteAll(entries, Result{Status::Mismatch(head.error), {}});
     return Status::OK();
   }
+  if (head.req.op == OpType::kJoin) {
+    // Every rank has joined: each join returns the last rank to join.
+    joined_ = false;
+    for (Entry& e : entries) {
+      if (e.output != nullptr)
+        *static_cast<int32_t*>(e.output) = head.req.root_rank;
+    }
+    CompleteAll(entries, Result{});
+    return Status::OK();
+  }
   CollectiveBatch batch;
   Result result;
   Status s = PrepareBatch(head, entries, &batch, &result);
@@ -533,10 +546,31 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   return s.code() == StatusCode::kInternal ? s : Status::OK();
 }
 
+// A joined rank's part in an allreduce it never submitted: zeros of the
+// response's shape and dtype, in memory the entry owns.
+Entry Runtime::ZeroEntry(const Response& r) {
+  Entry z;
+  z.req = RequestForRank(r, topology().rank, topology().size);
+  const int64_t bytes = NumElements(z.req.shape) * DataTypeSize(z.req.dtype);
+  auto buf = std::make_shared<std::vector<char>>(
+      static_cast<size_t>(std::max<int64_t>(bytes, 1)), 0);
+  z.input = buf->data();
+  z.output = buf->data();
+  z.done = [buf](const Result&) {};
+  return z;
+}
+
 Status Runtime::TakeEntries(const std::vector<const Response*>& resps,
                             std::vector<Entry>* entries) {
   for (const Response* r : resps) {
     auto it = pending_.find(r->req.name);
+    if (it == pending_.end() && joined_ && !r->error.empty()) {
+      continue;  // the ranks that submitted it see the error
+    }
+    if (it == pending_.end() && joined_ && r->req.op == OpType::kAllreduce) {
+      entries->push_back(ZeroEntry(*r));
+      continue;
+    }
     if (it == pending_.end()) {
       return Status::Internal(
           "the coordinator scheduled '" + r->req.name +

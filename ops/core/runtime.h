@@ -99,6 +99,7 @@ class Runtime {
   // Executing the coordinator's decisions.
   Status Execute(const CoordinatorMessage& msg);
   Status ExecuteBatch(const std::vector<const Response*>& resps);
+  Entry ZeroEntry(const Response& r);
   Status TakeEntries(const std::vector<const Response*>& resps,
                      std::vector<Entry>* entries);
   Status PrepareBatch(const Response& head, std::vector<Entry>& entries,
@@ -147,6 +148,9 @@ class Runtime {
   std::unique_ptr<ResponseCache> cache_;
   std::unique_ptr<Coordinator> coordinator_;
   bool sent_shutdown_ = false;
+  // This rank called join() and it has not returned: it runs the
+  // allreduces it did not submit with zeros.
+  bool joined_ = false;
   // Rank 0: which ranks have sent their last control message (a shutdown).
   std::vector<bool> said_goodbye_;
   // Poll rather than sleep while collectives are in flight (kPendingSpin);

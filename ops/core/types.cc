@@ -94,6 +94,8 @@ const char* OpPhaseName(OpType op) {
       return "REDUCESCATTER";
     case OpType::kBarrier:
       return "BARRIER";
+    case OpType::kJoin:
+      return "JOIN";
   }
   return "UNKNOWN";
 }
@@ -112,6 +114,8 @@ const char* OpTypeName(OpType op) {
       return "reducescatter";
     case OpType::kBarrier:
       return "barrier";
+    case OpType::kJoin:
+      return "join";
   }
   return "unknown";
 }

@@ -42,8 +42,11 @@ enum class OpType : int32_t {
   kAlltoall = 3,
   kReducescatter = 4,
   kBarrier = 5,
+  // This rank ran out of data: it serves the other ranks' allreduces with
+  // zeros until every rank has joined (Horovod's join()).
+  kJoin = 6,
 };
-constexpr int kNumOpTypes = 6;
+constexpr int kNumOpTypes = 7;
 
 // A value of one of the enums above with its name, for the C API's tables.
 struct EnumName {

@@ -350,5 +350,82 @@ KD_TEST(ShutdownNamesTheRank) {
   CHECK_CONTAINS(out.shutdown_reason, "rank 2 shut down");
 }
 
+// join(): a joined rank counts as having reported every allreduce (from
+// the cache too) until every rank has joined; other collectives become
+// errors; the join itself returns the last rank to join, and then ranks
+// count again.
+KD_TEST(JoinedRanksServeAllreducesUntilEveryRankJoined) {
+  const int n = 3;
+  ResponseCache cache(100);
+  Config c = TestConfig(1 << 20);
+  c.deadlock_shutdown_time_s = 5;
+  Coordinator coord(n, c);
+  Request join = Req("kerasdist.join", {}, DataType::kInt32, OpType::kJoin);
+  // "pre" is pending on rank 0 when rank 1 joins: ready at the join.
+  coord.Add(0, One(Req("pre", {4})), cache);
+  coord.Add(2, One(Req("pre", {4})), cache);
+  CHECK(Names(coord.Decide(cache)).empty());
+  coord.Add(1, One(join), cache);
+  CoordinatorMessage m = coord.Decide(cache);
+  CHECK((Names(m) == std::vector<std::string>{"pre"}));
+  CHECK(m.batches[0].responses[0].error.empty());
+  CHECK(m.batches[0].responses[0].req.shape == std::vector<int64_t>{4});
+  cache.Put(m.batches[0].responses[0]);
+  // A new allreduce needs ranks 0 and 2 only, as full requests and as
+  // cache hits (then the batch names the cache entry).
+  for (int r : {2, 0})
+    coord.Add(r, One(Req("a", {3}, DataType::kInt64)), cache);
+  m = coord.Decide(cache);
+  CHECK((Names(m) == std::vector<std::string>{"a"}));
+  CHECK(m.batches[0].responses[0].req.dtype == DataType::kInt64);
+  for (int r : {0, 2}) {
+    RankMessage hit;
+    hit.cached.push_back(cache.Lookup(Req("pre", {4}), r, n));
+    CHECK(hit.cached[0] >= 0);
+    coord.Add(r, hit, cache);
+  }
+  m = coord.Decide(cache);
+  CHECK(m.batches.size() == 1 && m.batches[0].cache_index.size() == 1 &&
+        m.batches[0].cache_index[0] >= 0);
+  // Broadcast and allgather fail clearly instead of waiting for rank 1.
+  for (OpType op : {OpType::kBroadcast, OpType::kAllgather}) {
+    for (int r : {0, 2})
+      coord.Add(r, One(Req("x", {2}, DataType::kFloat32, op)), cache);
+    m = coord.Decide(cache);
+    CHECK((Names(m) == std::vector<std::string>{"x"}));
+    CHECK_CONTAINS(m.batches[0].responses[0].error,
+                   "cannot run while rank(s) 1 have called join()");
+    cache.Put(m.batches[0].responses[0]);  // never cached
+    CHECK(cache.IndexOf("x") < 0);
+  }
+  // Rank 0 waits on "p", rank 2 on "q", rank 1 in join: a deadlock, named.
+  coord.Add(0, One(Req("p", {1})), cache);
+  coord.Add(2, One(Req("q", {1})), cache);
+  const Clock::time_point t = Clock::now();
+  CHECK(coord.CheckStalls(t).shutdown_reason.empty());
+  StallReport rep = coord.CheckStalls(t + std::chrono::seconds(6));
+  CHECK(rep.deadlock);
+  CHECK_CONTAINS(rep.shutdown_reason, "rank 1 waits on 1 (join())");
+  coord.Add(2, One(Req("p", {1})), cache);
+  coord.Add(0, One(Req("q", {1})), cache);
+  CHECK((Names(coord.Decide(cache)) == std::vector<std::string>{"p", "q"}));
+  // Rank 2 then rank 0 join: every join returns 0; no tensor is cached.
+  coord.Add(2, One(join), cache);
+  CHECK(Names(coord.Decide(cache)).empty());
+  coord.Add(0, One(join), cache);
+  m = coord.Decide(cache);
+  CHECK((Names(m) == std::vector<std::string>{"kerasdist.join"}));
+  const Response& done = m.batches[0].responses[0];
+  CHECK(done.req.op == OpType::kJoin && done.req.root_rank == 0);
+  cache.Put(done);
+  CHECK(cache.IndexOf("kerasdist.join") < 0);
+  // Joins are over: a tensor needs every rank again.
+  coord.Add(0, One(Req("b", {2})), cache);
+  coord.Add(2, One(Req("b", {2})), cache);
+  CHECK(Names(coord.Decide(cache)).empty());
+  coord.Add(1, One(Req("b", {2})), cache);
+  CHECK((Names(coord.Decide(cache)) == std::vector<std::string>{"b"}));
+}
+
 }  // namespace
 }  // namespace kdtest

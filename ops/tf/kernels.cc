@@ -598,6 +598,28 @@ class BarrierOp : public CollectiveKernel {
   }
 };
 
+// This rank ran out of data: serves the other ranks' allreduces with zeros
+// until every rank has joined; outputs the last rank to join.
+class JoinOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::Entry e;
+    core::RuntimeRef rt;
+    Placement where;
+    if (!Begin(ctx, done, core::OpType::kJoin, &e, &rt, &where)) return;
+    e.req.dtype = core::DataType::kInt32;
+    e.req.shape.clear();
+    e.req.device = -1;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out),
+        done);
+    e.output = out->flat<::tensorflow::int32>().data();
+    Submit(ctx, done, rt, std::move(e), Placement());
+  }
+};
+
 }  // namespace
 
 #define KD_REGISTER(NAME, CLASS) \
@@ -610,6 +632,7 @@ KD_REGISTER("KerasdistBroadcast", BroadcastOp);
 KD_REGISTER("KerasdistAlltoall", AlltoallOp);
 KD_REGISTER("KerasdistReducescatter", ReducescatterOp);
 KD_REGISTER("KerasdistBarrier", BarrierOp);
+KD_REGISTER("KerasdistJoin", JoinOp);
 
 #ifdef KERASDIST_TF_GPU
 #define KD_REGISTER_GPU(NAME, CLASS) \

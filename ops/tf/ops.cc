@@ -121,4 +121,14 @@ REGISTER_OP("KerasdistBarrier")
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
     .Doc("Returns when every rank has reached the barrier.");
 
+REGISTER_OP("KerasdistJoin")
+    .Attr("tensor_name: string")
+    .Output("last_joined_rank: int32")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(
+        "This rank has no more data: takes part in the other ranks' "
+        "allreduces with zeros until every rank has joined; returns the last "
+        "rank to join.");
+
 }  // namespace kerasdist::tf

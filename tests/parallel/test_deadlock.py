@@ -76,3 +76,10 @@ def test_a_slow_rank_is_not_ended():
     assert out.returncode == 0, out.stdout[-4000:]
     assert out.stdout.count("OK slow") == 2, out.stdout[-4000:]
     assert "deadlock" not in out.stdout, out.stdout[-4000:]
+
+
+def test_a_rank_waiting_in_join_is_not_ended():
+    out, _ = _run("join_slow")
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert out.stdout.count("OK join_slow") == 2, out.stdout[-4000:]
+    assert "deadlock" not in out.stdout, out.stdout[-4000:]

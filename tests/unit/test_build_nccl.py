@@ -117,6 +117,8 @@ def test_gpu_check_scripts_parse():
         assert p.returncode == 0, p.stderr
 
 
+# Ops without tensors: registered on the host only.
+_HOST_OPS = ("KerasdistBarrier", "KerasdistJoin")
 _GPU_OPS = ("KerasdistAllreduce", "KerasdistGroupedAllreduce",
             "KerasdistAllgather", "KerasdistBroadcast", "KerasdistAlltoall",
             "KerasdistReducescatter")
@@ -135,7 +137,7 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
         "from tensorflow.python.framework import kernels\n"
         "_native.ops()\n"
         "out = {'nccl': kd.nccl_built()}\n"
-        "for op in " + repr(_GPU_OPS + ("KerasdistBarrier",)) + ":\n"
+        "for op in " + repr(_GPU_OPS + _HOST_OPS) + ":\n"
         "    out[op] = sorted([k.device_type, sorted(k.host_memory_arg)]\n"
         "                     for k in "
         "kernels.get_registered_kernels_for_op(op).kernel)\n"
@@ -149,7 +151,8 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     import json
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
     got = json.loads(line[len("RESULT "):])
-    assert got.pop("KerasdistBarrier") == [["CPU", []]]
+    for op in _HOST_OPS:
+        assert got.pop(op) == [["CPU", []]], op
     for op in _GPU_OPS:
         want = [["CPU", []]]
         if got["nccl"]:

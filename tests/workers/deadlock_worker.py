@@ -3,7 +3,7 @@ slow: each mode is one scenario. Every rank prints `FAULT <time.time()>` at
 the moment the job went wrong (the last moment a collective could still have
 matched), so the test can time the end of the job from it.
 
-    python deadlock_worker.py uneven|skip|slow
+    python deadlock_worker.py uneven|skip|slow|join_slow
 """
 
 import os
@@ -76,6 +76,22 @@ elif mode == "slow":
         out = allreduce(np.ones(2), f"step.{step}", op=kd.Sum)
         assert out.tolist() == [kd.size()] * 2, out
     print("OK slow", flush=True)
+
+elif mode == "join_slow":
+    # Rank 1 joins at once; rank 0 computes for twice the deadlock bound
+    # with nothing pending, then runs allreduces rank 1 serves with zeros:
+    # a rank waiting in join() is not a deadlock.
+    from tests.support.collectives import allreduce
+    kd.init()
+    pause = 2 * float(os.environ["KERASDIST_DEADLOCK_SHUTDOWN_TIME_SECONDS"])
+    if kd.rank() == 0:
+        for step in range(2):
+            time.sleep(pause / 2)
+            out = allreduce(np.ones(2), f"step.{step}", op=kd.Sum)
+            assert out.tolist() == [1.0, 1.0], out
+    last = int(kd.join())
+    assert last == 0, last
+    print("OK join_slow", flush=True)
 
 else:
     sys.exit(f"unknown mode {mode}")
