@@ -25,9 +25,7 @@ int64_t DataTypeSize(DataType dt) {
 
 bool IsValidDataType(int32_t v) { return v >= 0 && v < kNumDataTypes; }
 
-bool IsValidReduceOp(int32_t v) {
-  return v >= 0 && v <= 5;
-}
+bool IsValidReduceOp(int32_t v) { return v >= 0 && v <= 5; }
 
 bool IsValidOpType(int32_t v) { return v >= 0 && v < kNumOpTypes; }
 

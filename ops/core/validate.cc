@@ -29,27 +29,32 @@ template <typename What>
 Status ValidateAdasum(const Request& q, int size, const What& what) {
   if (q.op != OpType::kAllreduce) {
     return Status::InvalidArgument(
-        what() + ": the Adasum reduction is only for allreduce; use "
-                 "kerasdist.Sum or kerasdist.Average here.");
+        what() +
+        ": the Adasum reduction is only for allreduce; use "
+        "kerasdist.Sum or kerasdist.Average here.");
   }
   if (q.dtype != DataType::kFloat16 && q.dtype != DataType::kFloat32 &&
       q.dtype != DataType::kFloat64) {
     return Status::InvalidArgument(
-        what() + ": the Adasum reduction takes float16, float32 or float64 "
-                 "tensors; got " + DataTypeName(q.dtype) +
-        " (cast to float32 first).");
+        what() +
+        ": the Adasum reduction takes float16, float32 or float64 "
+        "tensors; got " +
+        DataTypeName(q.dtype) + " (cast to float32 first).");
   }
   if (!IsPowerOfTwo(size)) {
     return Status::InvalidArgument(
-        what() + ": the Adasum reduction needs a power-of-two number of "
-                 "ranks (as in Horovod); this job has " +
-        std::to_string(size) + ". Run on 2, 4, 8, ... ranks or use "
-                               "kerasdist.Average.");
+        what() +
+        ": the Adasum reduction needs a power-of-two number of "
+        "ranks (as in Horovod); this job has " +
+        std::to_string(size) +
+        ". Run on 2, 4, 8, ... ranks or use "
+        "kerasdist.Average.");
   }
   if (q.device >= 0) {
     return Status::InvalidArgument(
-        what() + ": the Adasum reduction runs on host memory only; the "
-                 "tensor is in GPU memory (copy it to the CPU first).");
+        what() +
+        ": the Adasum reduction runs on host memory only; the "
+        "tensor is in GPU memory (copy it to the CPU first).");
   }
   return Status::OK();
 }

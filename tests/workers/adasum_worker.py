@@ -161,6 +161,46 @@ def optimizer_step():
         ["Adasum", "average_aggregated_gradients"], "average_aggregated")
 
 
+@check("fit_step")
+def fit_step():
+    # One `fit` step of Dense(3) under MSE, each rank its own batch: the
+    # weights move by lr times the Adasum of the ranks' numpy gradients.
+    n, lr = 4, 0.05
+    xs = inputs(71, (n, 2), np.float32)
+    ys = inputs(72, (n, 3), np.float32)
+    w0 = np.array([[0.5, -1.0, 0.25], [1.5, 0.0, -0.5]], np.float32)
+    b0 = np.array([0.1, 0.2, -0.3], np.float32)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    model.set_weights([w0, b0])
+    model.compile(optimizer=kd.DistributedOptimizer(
+        keras.optimizers.SGD(lr), op=kd.Adasum), loss="mse",
+        jit_compile=False)
+    model.fit(xs[R], ys[R], batch_size=n, epochs=1, verbose=0,
+              shuffle=False)
+    gw, gb = [], []
+    for x, y in zip(xs, ys):
+        # MSE averages over every element of the batch (n x 3).
+        err = (x.astype(np.float64) @ w0 + b0 - y) * (2.0 / (n * 3))
+        gw.append((x.T.astype(np.float64) @ err).astype(np.float32))
+        gb.append(err.sum(0).astype(np.float32))
+    w, b = model.get_weights()
+    expect(w, w0 - np.float32(lr) * ref.tree(gw), "kernel", 1e-5)
+    expect(b, b0 - np.float32(lr) * ref.tree(gb), "bias", 1e-5)
+
+
+@check("gradient_tape")
+def gradient_tape():
+    # d(g . x)/dx = g: the tape's gradient is the Adasum of the ranks' g.
+    import tensorflow as tf
+    per_rank = inputs(61, (5,), np.float32)
+    x = tf.Variable(np.ones(5, np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.constant(per_rank[R]) * x)
+    tape = kd.DistributedGradientTape(tape, op=kd.Adasum)
+    (grad,) = tape.gradient(loss, [x])
+    expect(grad.numpy(), ref.tree(per_rank), "tape", TOL[np.float32])
+
+
 @check("jax_allreduce")
 def jax_allreduce():
     import kerasdist.jax as kdj

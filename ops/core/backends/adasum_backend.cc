@@ -54,8 +54,8 @@ void ScaledAdd(DataType dt, int64_t n, double ac, char* a, double bc,
     auto* y = reinterpret_cast<const uint16_t*>(b);
     const float fa = static_cast<float>(ac), fb = static_cast<float>(bc);
     for (int64_t i = 0; i < n; ++i)
-      x[i] = FloatToHalf(
-          std::fmaf(fb, HalfToFloat(y[i]), fa * HalfToFloat(x[i])));
+      x[i] =
+          FloatToHalf(std::fmaf(fb, HalfToFloat(y[i]), fa * HalfToFloat(x[i])));
   } else if (dt == DataType::kFloat32) {
     auto* x = reinterpret_cast<float*>(a);
     auto* y = reinterpret_cast<const float*>(b);
@@ -97,20 +97,19 @@ class AdasumBackend : public Backend {
 };
 
 // MPI_Sendrecv in pieces an int can count.
-Status AdasumBackend::SendRecv(const char* send, int64_t send_bytes,
-                               char* recv, int64_t recv_bytes,
-                               int peer) const {
+Status AdasumBackend::SendRecv(const char* send, int64_t send_bytes, char* recv,
+                               int64_t recv_bytes, int peer) const {
   constexpr int64_t kPiece = int64_t{1} << 30;
   for (int64_t off = 0; off < send_bytes || off < recv_bytes; off += kPiece) {
     const int s = static_cast<int>(
         std::max<int64_t>(0, std::min(kPiece, send_bytes - off)));
     const int r = static_cast<int>(
         std::max<int64_t>(0, std::min(kPiece, recv_bytes - off)));
-    KD_RETURN_IF_ERROR(MpiStatus(
-        MPI_Sendrecv(send + (s ? off : 0), s, MPI_BYTE, peer, kTag,
-                     recv + (r ? off : 0), r, MPI_BYTE, peer, kTag, comm_,
-                     MPI_STATUS_IGNORE),
-        "MPI_Sendrecv"));
+    KD_RETURN_IF_ERROR(
+        MpiStatus(MPI_Sendrecv(send + (s ? off : 0), s, MPI_BYTE, peer, kTag,
+                               recv + (r ? off : 0), r, MPI_BYTE, peer, kTag,
+                               comm_, MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv"));
   }
   return Status::OK();
 }
@@ -121,9 +120,9 @@ Status AdasumBackend::SumWithin(std::vector<double>& v, int level) {
   peer_.resize(v.size());
   const int64_t bytes = static_cast<int64_t>(v.size() * sizeof(double));
   for (int mask = 1; mask <= level; mask <<= 1) {
-    KD_RETURN_IF_ERROR(SendRecv(reinterpret_cast<const char*>(v.data()),
-                                bytes, reinterpret_cast<char*>(peer_.data()),
-                                bytes, rank_ ^ mask));
+    KD_RETURN_IF_ERROR(SendRecv(reinterpret_cast<const char*>(v.data()), bytes,
+                                reinterpret_cast<char*>(peer_.data()), bytes,
+                                rank_ ^ mask));
     for (size_t i = 0; i < v.size(); ++i) v[i] += peer_[i];
   }
   return Status::OK();
@@ -206,8 +205,8 @@ Status AdasumBackend::Reduce(DataType dt, char* grad, char* recv,
     // The lower rank keeps its front, the upper its back.
     char* kept = lower ? grad : grad + send * esize;
     const char* out = lower ? grad + keep * esize : grad;
-    KD_RETURN_IF_ERROR(SendRecv(out, send * esize, recv, keep * esize,
-                                rank_ ^ level));
+    KD_RETURN_IF_ERROR(
+        SendRecv(out, send * esize, recv, keep * esize, rank_ ^ level));
     KD_RETURN_IF_ERROR(Combine(dt, kept, recv, counts, level, lower));
     grad = kept;
     mine = keep;
@@ -221,8 +220,8 @@ Status AdasumBackend::Reduce(DataType dt, char* grad, char* recv,
     }
     given.pop_back();
     char* into = lower ? grad + mine * esize : grad - theirs * esize;
-    KD_RETURN_IF_ERROR(SendRecv(grad, mine * esize, into, theirs * esize,
-                                rank_ ^ level));
+    KD_RETURN_IF_ERROR(
+        SendRecv(grad, mine * esize, into, theirs * esize, rank_ ^ level));
     if (!lower) grad = into;
     mine += theirs;
   }
