@@ -2,7 +2,9 @@
 real ranks: every float dtype, several tensors in one fused batch (each
 with its own dot products), the zero and identical cases, scale factors,
 the errors (integers, reducescatter, a non-power-of-two job), one
-DistributedOptimizer step, and the JAX and PyTorch front ends.
+DistributedOptimizer step (`apply`, then a Keras `fit` step), a
+DistributedGradientTape, and the JAX (eager and jit) and PyTorch front
+ends.
 
     adasum_worker.py [--only CHECK,...] [--group G]
 
@@ -209,6 +211,12 @@ def jax_allreduce():
     got = kdj.allreduce(jnp.asarray(per_rank[R]), op=kdj.Adasum,
                         name="jax")
     expect(np.asarray(got), ref.tree(per_rank), "jax", TOL[np.float32])
+    # Inside jax.jit: the same reduction through the FFI op.
+    import jax
+    jitted = jax.jit(lambda x: kdj.allreduce(x, op=kdj.Adasum,
+                                             name="jax.jit"))
+    got = jitted(jnp.asarray(per_rank[R]))
+    expect(np.asarray(got), ref.tree(per_rank), "jax jit", TOL[np.float32])
 
 
 @check("torch_allreduce")

@@ -32,7 +32,9 @@ namespace kerasdist::core {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr int kTag = 0x4164;  // "Ad": the tree's messages on ctx.comm
+// The tree's messages on ctx.comm: above the control plane's tags there
+// (mpi_context.cc: kControlTagBase + generation % 16384, 17 to 16400).
+constexpr int kTag = 0x4164;
 
 double Load(DataType dt, const char* p, int64_t i) {
   switch (dt) {
