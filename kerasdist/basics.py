@@ -12,17 +12,16 @@ from kerasdist import autotune
 from kerasdist.run import conventions
 from kerasdist.run import rendezvous
 
-# Reduction ops: the core's values (ops/core/types.h; Horovod's numbering
-# without Adasum), asked from the library.
+# Reduction ops: the core's values (ops/core/types.h; Horovod's numbering),
+# asked from the library.
 Average = _capi.reduce_ops()["Average"]
 Sum = _capi.reduce_ops()["Sum"]
+# Horovod's Adasum: allreduce of float16/32/64 on a power-of-two number of
+# ranks (ops/core/backends/adasum_backend.cc).
+Adasum = _capi.reduce_ops()["Adasum"]
 Min = _capi.reduce_ops()["Min"]
 Max = _capi.reduce_ops()["Max"]
 Product = _capi.reduce_ops()["Product"]
-# Horovod's Adasum, by its number there. Accepted as a name so that scripts
-# and tests that mention it import; every collective refuses it with
-# NotImplementedError (kerasdist has no Adasum reduction).
-Adasum = 2
 
 _atexit_registered = False
 _lock = threading.Lock()

@@ -142,7 +142,8 @@ def bind(impl):
                 factors: NotImplementedError otherwise, as in Horovod;
                 Average divides by `size()`).
             op: `kerasdist.Average` (None, the default), `Sum`, `Min`,
-                `Max` or `Product`. Average of integers divides with
+                `Max`, `Product` or `Adasum` (float16/32/64, a power-of-two
+                number of ranks). Average of integers divides with
                 truncation toward zero.
             name: the name ranks match this collective by. Unnamed calls
                 are named the same on every rank: eagerly numbered in call
@@ -197,7 +198,7 @@ def bind(impl):
                 (`tf.IndexedSlices` among them on TensorFlow: allgathered,
                 as `allreduce` does).
             op: `kerasdist.Average` (None, the default), `Sum`, `Min`,
-                `Max` or `Product`.
+                `Max`, `Product` or `Adasum` (each tensor its own).
             name: the group's name (see `allreduce`).
             prescale_factor: multiplies every input before the reduction.
             postscale_factor: multiplies every result after it.

@@ -81,7 +81,10 @@ def DistributedOptimizer(optimizer, name=None,
             different names.
         compression: `kerasdist.Compression.none` (default) or
             `kerasdist.Compression.fp16`.
-        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default), `kerasdist.Sum` or
+            `kerasdist.Adasum` (as in Horovod: no division by `size()`;
+            a power-of-two number of ranks; see docs/architecture.md for
+            the learning rate).
         backward_passes_per_step: communicate and update once every this
             many `apply` calls; in between, gradients are summed locally
             (sparse gradients densified) and weights do not change.
@@ -175,6 +178,10 @@ def DistributedOptimizer(optimizer, name=None,
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)
+    if op == basics.Adasum and average_aggregated_gradients:
+        raise ValueError("DistributedOptimizer: Adasum does not support "
+                         "average_aggregated_gradients=True (as in "
+                         "Horovod).")
     settings = _Settings(
         prefix=name or "DistributedOptimizer", compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,

@@ -27,9 +27,9 @@ def resolve_op(op, average):
 
 def check_args(op, compression, gradient_predivide_factor, num_groups, what):
     """Validates the arguments both wrappers share; raises ValueError."""
-    if op not in (basics.Average, basics.Sum):
-        raise ValueError(f"{what}: op must be kerasdist.Average or "
-                         f"kerasdist.Sum; got {op!r}.")
+    if op not in (basics.Average, basics.Sum, basics.Adasum):
+        raise ValueError(f"{what}: op must be kerasdist.Average, "
+                         f"kerasdist.Sum or kerasdist.Adasum; got {op!r}.")
     if not (isinstance(compression, type)
             and issubclass(compression, Compressor)) and not (
                 hasattr(compression, "compress")

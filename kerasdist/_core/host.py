@@ -36,11 +36,6 @@ def require_init():
 def check_op(op, what):
     """Raises ValueError unless `op` is one of the core's reduce ops."""
     ops = _capi.reduce_ops()
-    if op == 2 and not isinstance(op, bool):  # basics.Adasum
-        raise NotImplementedError(
-            f"{what}: kerasdist has no Adasum reduction (op=kerasdist."
-            "Adasum); use kerasdist.Average, which DistributedOptimizer "
-            "uses by default.")
     if op not in ops.values():
         raise ValueError(f"{what}: op must be one of kerasdist."
                          f"{', kerasdist.'.join(ops)}; got {op!r}.")

@@ -11,8 +11,9 @@ is TensorFlow; this module is for TensorFlow code that does not go through
 Keras' backend choice.
 """
 
-from kerasdist.basics import (Average, Max, Min, Product, Sum, ccl_built,
-                              cross_rank, cross_size, cuda_built, ddl_built,
+from kerasdist.basics import (Adasum, Average, Max, Min, Product, Sum,
+                              ccl_built, cross_rank, cross_size, cuda_built,
+                              ddl_built,
                               gloo_built, gloo_enabled, init, is_homogeneous,
                               is_initialized, local_rank, local_size,
                               mpi_built, mpi_enabled, mpi_threads_supported,
@@ -42,7 +43,7 @@ rank_op = _api.rank_op
 reducescatter = _api.reducescatter
 size_op = _api.size_op
 
-__all__ = ["Average", "DistributedGradientTape", "Max", "Min",
+__all__ = ["Adasum", "Average", "DistributedGradientTape", "Max", "Min",
            "PartialDistributedGradientTape", "Product", "Sum", "allgather",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_object",

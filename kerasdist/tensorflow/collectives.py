@@ -61,6 +61,11 @@ def allreduce(tensor, op, name, prescale_factor, postscale_factor):
 def _check_sparse(op, prescale_factor, postscale_factor):
     """Horovod's errors (NotImplementedError) for what an allreduce of
     `tf.IndexedSlices`, which is two allgathers, cannot do."""
+    if op == basics.Adasum:
+        raise NotImplementedError(
+            "The Adasum reduction does not support tf.IndexedSlices; pass "
+            "sparse_as_dense=True to DistributedOptimizer, or a dense "
+            "tensor (tf.convert_to_tensor).")
     if op not in (basics.Average, basics.Sum):
         raise NotImplementedError(
             "allreduce of tf.IndexedSlices supports only kerasdist.Sum and "

@@ -34,7 +34,8 @@ class DistributedGradientTape:
     Args:
         tape: the `tf.GradientTape` to wrap.
         compression: `kerasdist.Compression.none` (default) or `.fp16`.
-        op: `kerasdist.Average` (None, the default) or `kerasdist.Sum`.
+        op: `kerasdist.Average` (None, the default), `kerasdist.Sum` or
+            `kerasdist.Adasum` (not divided by `size()`).
         sparse_as_dense: allreduce `tf.IndexedSlices` gradients as dense
             tensors instead of allgathering them.
         gradient_predivide_factor: scale by 1/f before the sum and f/size

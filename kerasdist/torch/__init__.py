@@ -6,8 +6,9 @@ autograd), plus the process API. Imports no TensorFlow.
     grads = kd.grouped_allreduce([p.grad for p in model.parameters()])
 """
 
-from kerasdist.basics import (Average, Max, Min, Product, Sum, ccl_built,
-                              cross_rank, cross_size, cuda_built, ddl_built,
+from kerasdist.basics import (Adasum, Average, Max, Min, Product, Sum,
+                              ccl_built, cross_rank, cross_size, cuda_built,
+                              ddl_built,
                               gloo_built, gloo_enabled, init, is_homogeneous,
                               is_initialized, local_rank, local_size,
                               mpi_built, mpi_enabled, mpi_threads_supported,
@@ -35,7 +36,7 @@ rank_op = _api.rank_op
 reducescatter = _api.reducescatter
 size_op = _api.size_op
 
-__all__ = ["Average", "Max", "Min", "Product", "Sum", "allgather",
+__all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_object",
            "broadcast_object_fn", "broadcast_variables", "ccl_built",

@@ -25,9 +25,7 @@ int64_t DataTypeSize(DataType dt) {
 
 bool IsValidDataType(int32_t v) { return v >= 0 && v < kNumDataTypes; }
 
-bool IsValidReduceOp(int32_t v) {
-  return v == 0 || v == 1 || v == 3 || v == 4 || v == 5;
-}
+bool IsValidReduceOp(int32_t v) { return v >= 0 && v <= 5; }
 
 bool IsValidOpType(int32_t v) { return v >= 0 && v < kNumOpTypes; }
 
@@ -70,6 +68,8 @@ const char* ReduceOpName(ReduceOp op) {
       return "Average";
     case ReduceOp::kSum:
       return "Sum";
+    case ReduceOp::kAdasum:
+      return "Adasum";
     case ReduceOp::kMin:
       return "Min";
     case ReduceOp::kMax:

@@ -25,11 +25,13 @@ enum class DataType : int32_t {
 };
 constexpr int kNumDataTypes = 11;
 
-// Horovod's values (Adasum = 2 is not offered), so scripts passing ints move
-// over.
+// Horovod's values, so scripts passing ints move over. Adasum combines two
+// gradients a, b as (1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b, tensor by
+// tensor, over a power-of-two number of ranks (backends/adasum_backend.cc).
 enum class ReduceOp : int32_t {
   kAverage = 0,
   kSum = 1,
+  kAdasum = 2,
   kMin = 3,
   kMax = 4,
   kProduct = 5,

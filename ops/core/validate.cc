@@ -21,6 +21,44 @@ Status PrepareRequest(Request& q, int size, bool have_device_backend) {
 
 namespace {
 
+bool IsPowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// Adasum (op=kerasdist.Adasum): what Horovod takes (an allreduce of float16,
+// float32 or float64 on a power-of-two number of ranks), on host memory.
+template <typename What>
+Status ValidateAdasum(const Request& q, int size, const What& what) {
+  if (q.op != OpType::kAllreduce) {
+    return Status::InvalidArgument(
+        what() +
+        ": the Adasum reduction is only for allreduce; use "
+        "kerasdist.Sum or kerasdist.Average here.");
+  }
+  if (q.dtype != DataType::kFloat16 && q.dtype != DataType::kFloat32 &&
+      q.dtype != DataType::kFloat64) {
+    return Status::InvalidArgument(
+        what() +
+        ": the Adasum reduction takes float16, float32 or float64 "
+        "tensors; got " +
+        DataTypeName(q.dtype) + " (cast to float32 first).");
+  }
+  if (!IsPowerOfTwo(size)) {
+    return Status::InvalidArgument(
+        what() +
+        ": the Adasum reduction needs a power-of-two number of "
+        "ranks (as in Horovod); this job has " +
+        std::to_string(size) +
+        ". Run on 2, 4, 8, ... ranks or use "
+        "kerasdist.Average.");
+  }
+  if (q.device >= 0) {
+    return Status::InvalidArgument(
+        what() +
+        ": the Adasum reduction runs on host memory only; the "
+        "tensor is in GPU memory (copy it to the CPU first).");
+  }
+  return Status::OK();
+}
+
 // An alltoall's splits: one per rank, none negative, adding up to the first
 // dimension. `what` names the collective for the error.
 template <typename What>
@@ -87,6 +125,10 @@ Status ValidateRequest(const Request& q, int size, bool have_device_backend) {
   }
   if (q.op == OpType::kAlltoall) {
     KD_RETURN_IF_ERROR(ValidateSplits(q, size, what));
+  }
+  if (q.reduce_op == ReduceOp::kAdasum &&
+      (q.op == OpType::kAllreduce || q.op == OpType::kReducescatter)) {
+    KD_RETURN_IF_ERROR(ValidateAdasum(q, size, what));
   }
   if (q.device >= 0 && !have_device_backend) {
     return Status::InvalidArgument(

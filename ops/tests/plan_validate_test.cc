@@ -129,6 +129,44 @@ KD_TEST(ValidationRules) {
   CHECK(Problem(q, 2, true).empty());
 }
 
+KD_TEST(AdasumRules) {
+  // What Horovod takes: float16/32/64 allreduces on 1, 2, 4, ... ranks.
+  Request q = Valid(OpType::kAllreduce);
+  q.reduce_op = ReduceOp::kAdasum;
+  for (DataType dt :
+       {DataType::kFloat16, DataType::kFloat32, DataType::kFloat64}) {
+    q.dtype = dt;
+    for (int size : {1, 2, 4, 8}) CHECK(Problem(q, size).empty());
+  }
+  for (DataType dt : {DataType::kInt32, DataType::kInt64, DataType::kUInt8,
+                      DataType::kBFloat16}) {
+    q.dtype = dt;
+    CHECK_CONTAINS(Problem(q),
+                   std::string("allreduce 't': the Adasum reduction takes "
+                               "float16, float32 or float64 tensors; got ") +
+                       DataTypeName(dt));
+  }
+  q.dtype = DataType::kFloat32;
+  for (int size : {3, 5, 6, 12}) {
+    CHECK_CONTAINS(Problem(q, size),
+                   "needs a power-of-two number of ranks (as in Horovod); "
+                   "this job has " +
+                       std::to_string(size));
+  }
+  q.device = 0;
+  CHECK_CONTAINS(Problem(q, 2, true), "runs on host memory only");
+  q = Valid(OpType::kReducescatter);
+  q.reduce_op = ReduceOp::kAdasum;
+  CHECK_CONTAINS(Problem(q),
+                 "reducescatter 't': the Adasum reduction is only for "
+                 "allreduce");
+  // Fusion keeps Adasum tensors apart from sums.
+  std::vector<Response> rs = {
+      Resp("a0", 1, DataType::kFloat32, ReduceOp::kAdasum), Resp("s0", 1),
+      Resp("a1", 1, DataType::kFloat32, ReduceOp::kAdasum)};
+  CHECK((PlanFusion(rs, 1 << 20) == Plan{{0, 2}, {1}}));
+}
+
 KD_TEST(AlltoallSplits) {
   Request q = Valid(OpType::kAlltoall);
   q.splits = {1, 3};

@@ -94,17 +94,17 @@ def test_doctor_says_which_path_large_allreduces_take():
     # The backend list (first enabled wins) follows the same settings; the
     # GPU entry is there in builds with the GPU backend only.
     assert re.search(r"backends, first enabled wins: "
-                     r"(gpu,)?self,(cma,)?shm,mpi", p.stdout), p.stdout
+                     r"(gpu,)?self,adasum,(cma,)?shm,mpi", p.stdout), p.stdout
     p = _cli("doctor", "--np", "2", "--timeout", "120",
              env=dict(os.environ, KERASDIST_CMA_ALLREDUCE="0"))
     assert "go through shared-memory slots" in p.stdout, p.stdout
-    assert re.search(r"backends, first enabled wins: (gpu,)?self,shm,mpi\b",
-                     p.stdout), p.stdout
+    assert re.search(r"backends, first enabled wins: "
+                     r"(gpu,)?self,adasum,shm,mpi\b", p.stdout), p.stdout
     p = _cli("doctor", "--np", "2", "--timeout", "120",
              env=dict(os.environ, KERASDIST_SHM_ALLREDUCE="0"))
     assert "large allreduces use MPI" in p.stdout, p.stdout
-    assert re.search(r"backends, first enabled wins: (gpu,)?self,mpi\b",
-                     p.stdout), p.stdout
+    assert re.search(r"backends, first enabled wins: "
+                     r"(gpu,)?self,adasum,mpi\b", p.stdout), p.stdout
 
 
 @pytest.mark.parallel

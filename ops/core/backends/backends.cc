@@ -8,6 +8,7 @@ namespace kerasdist::core {
 #define KERASDIST_BACKENDS(X)                                               \
   X(MakeDeviceBackend)       /* GPU tensors: NCCL, or staged (gpu/) */      \
   X(MakeSelfBackend)         /* one rank: only the scaling */               \
+  X(MakeAdasumBackend)       /* op=Adasum: the halving-doubling tree */     \
   X(MakeCmaBackend)          /* one node: peers read each other in place */ \
   X(MakeShmBackend)          /* one node: shared-memory slots */            \
   X(MakeHierarchicalBackend) /* several hosts: within, across, within */    \

@@ -72,7 +72,7 @@ ShmAllreduce::~ShmAllreduce() {
 }
 
 bool ShmAllreduce::Supports(DataType dt, ReduceOp op) {
-  if (op == ReduceOp::kAverage) return false;
+  if (op == ReduceOp::kAverage || op == ReduceOp::kAdasum) return false;
   return dt != DataType::kUInt8 && dt != DataType::kBool;
 }
 
