@@ -40,7 +40,7 @@ def _format(value):
     return str(value)
 
 
-def init(comm=None, verbose=False, **settings):
+def init(comm=None, verbose=False, process_sets=None, **settings):
     """Starts kerasdist on this process.
 
     Every rank of the job calls it once, before any collective. Calling it
@@ -63,6 +63,10 @@ def init(comm=None, verbose=False, **settings):
             size, the coordinator, and the data paths (backends) chosen.
             Without it rank 0 alone prints that line, and only for a job
             that met at a coordinator (not under an MPI launcher).
+        process_sets: Horovod's process sets to add once started (a list
+            of `kerasdist.ProcessSet`, each then has its `process_set_id`),
+            or "dynamic" (accepted for Horovod's code: sets can always be
+            added and removed later, see kerasdist/process_sets.py).
         **settings: runtime settings that override the `KERASDIST_*`
             environment variables: `fusion_threshold` (bytes),
             `cycle_time_ms`, `cache_capacity`, `stall_check_time_seconds`,
@@ -135,6 +139,9 @@ def init(comm=None, verbose=False, **settings):
     # In a job that grows and shrinks (`kerasdist run
     # --host-discovery-script`): note the launcher's resize requests.
     _resize.install()
+    from kerasdist import process_sets as _process_sets
+    if starting:
+        _process_sets._init_process_sets(process_sets)
     autotune.maybe_start()
 
 

@@ -46,6 +46,10 @@ def eager_name(kind, name):
     """`name`, or `<kind>.noname.<k>` for the k-th unnamed call of `kind`."""
     if name is not None:
         return str(name)
+    ps = _capi.current_process_set()
+    if ps:
+        # Only a set's members make its calls: a count of their own.
+        kind = f"{kind}.set{ps}"
     with _lock:
         counter = _counters.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(counter)}"
@@ -62,7 +66,11 @@ def host_int64(op, values, name):
     alltoall (`_capi.OP_ALLTOALL`) of int64 `values` through the core and
     returns the result as a tuple of ints."""
     values = np.ascontiguousarray(values, dtype=np.int64)
-    kwargs = {"splits": [1] * basics.size()} if op == _capi.OP_ALLTOALL else {}
+    n = basics.size()
+    if _capi.current_process_set():
+        from kerasdist import process_sets
+        n = process_sets.set_size(_capi.current_process_set())
+    kwargs = {"splits": [1] * n} if op == _capi.OP_ALLTOALL else {}
     h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
                      values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
     h.wait()
@@ -151,7 +159,11 @@ def host_allgather(array, name):
     if x.ndim == 0:
         raise ValueError("host_allgather needs an array with a first "
                          "dimension, got a scalar.")
-    shape = (x.shape[0] * basics.size(),) + x.shape[1:]
+    n = basics.size()
+    if _capi.current_process_set():
+        from kerasdist import process_sets
+        n = process_sets.set_size(_capi.current_process_set())
+    shape = (x.shape[0] * n,) + x.shape[1:]
     return run_host(_capi.OP_ALLGATHER, name, [x], [shape], owned=True)[0]
 
 
