@@ -98,7 +98,11 @@ def _check_root(root_rank):
 def _on(process_set):
     """The scope in which a collective runs on `process_set` (None or a
     `kerasdist.ProcessSet`; the implementations read it from
-    `_capi.current_process_set()`)."""
+    `_capi.current_process_set()`). None keeps the enclosing scope's set
+    (the job's outside any), so that code such as DistributedOptimizer's
+    can run whole gradient reductions on one set."""
+    if process_set is None:
+        return _capi.process_set_scope(_capi.current_process_set())
     return _capi.process_set_scope(_process_sets.resolve(process_set))
 
 

@@ -77,7 +77,9 @@ def broadcast_object(obj, root_rank=0, session=None, name=None,
     _host.require_init()
     root_rank = _check_root(root_rank)
     _check_name(name, "broadcast_object")
-    with _capi.process_set_scope(_process_sets.resolve(process_set)):
+    with _capi.process_set_scope(
+            _process_sets.resolve(process_set)
+            if process_set is not None else _capi.current_process_set()):
         return _broadcast_object(obj, root_rank, name)
 
 
@@ -147,7 +149,9 @@ def allgather_object(obj, session=None, name=None, process_set=None):
     del session
     _host.require_init()
     _check_name(name, "allgather_object")
-    with _capi.process_set_scope(_process_sets.resolve(process_set)):
+    with _capi.process_set_scope(
+            _process_sets.resolve(process_set)
+            if process_set is not None else _capi.current_process_set()):
         return _allgather_object(obj, name)
 
 

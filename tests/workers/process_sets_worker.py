@@ -337,4 +337,8 @@ def torch_set():
 
 if __name__ == "__main__":
     checks.main(rank=RANK)
+    # A rank's shutdown stops the job's runtime, and with it every set's:
+    # wait for the others first (as Horovod's tests do).
+    from kerasdist._core import host
+    host.host_barrier("process_sets_worker.done")
     kd.shutdown()
