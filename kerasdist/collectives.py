@@ -332,6 +332,11 @@ def bind(impl):
             values = [broadcast(impl.variable_value(v), root_rank, name=n,
                                 process_set=process_set)
                       for v, n in zip(variables, names)]
+            graph = getattr(impl, "global_variables", None)
+            if graph is not None and graph() is not None:
+                # A TF1 graph: the op that assigns them, as Horovod returns
+                # (run it in the session).
+                return impl.group(impl.assign(variables, values))
             for v, value in zip(variables, values):
                 v.assign(value)
 

@@ -280,6 +280,10 @@ def _distributed_class(base, settings):
                 self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
+            ps = getattr(settings, "process_set_id", 0)
+            if ps and _capi.process_set_rank(ps) < 0:
+                return grads  # outside the set: its own gradients (Horovod)
+
             def reduce(grads, variables):
                 return _framework.reduce_gradients(
                     grads, variables, settings.prefix,

@@ -195,7 +195,13 @@ def resolve(process_set):
                 f"{process_set} has not been added: pass it to "
                 "kerasdist.init(process_sets=[...]) or "
                 "kerasdist.add_process_set() first.")
-        return int(process_set.process_set_id)
+        pid = int(process_set.process_set_id)
+        if pid and _capi.process_set_ranks(pid) is None:
+            raise ValueError(
+                f"{process_set}: process set {pid} does not exist (removed, "
+                "or never added); the sets are "
+                f"{_capi.process_set_ids()}.")
+        return pid
     raise TypeError("process_set must be a kerasdist.ProcessSet; got "
                     f"{type(process_set).__name__}.")
 
