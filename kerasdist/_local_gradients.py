@@ -3,7 +3,6 @@
 by DistributedOptimizer (every Keras backend) and DistributedGradientTape
 (TensorFlow). Imports no framework."""
 
-from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 
 

@@ -135,6 +135,8 @@ def add_process_set(process_set):
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set} has been added already.")
     process_set.process_set_id = _capi.add_process_set(process_set.ranks)
+    from kerasdist._core import host
+    host.forget_set_names(process_set.process_set_id)
     return process_set
 
 

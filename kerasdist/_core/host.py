@@ -55,6 +55,15 @@ def eager_name(kind, name):
         return f"{kind}.noname.{next(counter)}"
 
 
+def forget_set_names(process_set_id):
+    """Restarts the numbering of unnamed calls on set `process_set_id`
+    (when it is added: a reused id starts afresh on every member)."""
+    suffix = f".set{process_set_id}"
+    with _lock:
+        for kind in [k for k in _counters if k.endswith(suffix)]:
+            del _counters[kind]
+
+
 def scatter_rows(rows, n):
     """Rows each rank keeps in a reducescatter of `rows` rows over `n` ranks:
     earlier ranks get one more when it does not divide (as the core does)."""

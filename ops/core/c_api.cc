@@ -35,7 +35,6 @@ struct ProcessSetInfo {
   std::shared_ptr<Runtime> rt;
 };
 std::map<int32_t, ProcessSetInfo> g_sets;
-int32_t g_next_set_id = 1;
 // Adding and removing sets, one at a time (guards g_sets_comm too).
 std::mutex g_sets_op_mu;
 // A duplicate of the job's communicator that only adding and removing sets
@@ -172,7 +171,6 @@ int kerasdist_init(int has_comm, int comm_f, const char* settings) {
       g_sets_comm = MPI_COMM_NULL;
   }
   g_sets.clear();
-  g_next_set_id = 1;
   g_runtime = std::move(rt);
   return 0;
 }
@@ -546,7 +544,8 @@ namespace {
 // Collective over g_sets_comm: whether every rank passed the same `values`.
 Status AllAgree(const std::vector<int64_t>& values, const char* what) {
   uint64_t h = 1469598103934665603ull;
-  for (int64_t v : values) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  for (int64_t v : values)
+    h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
   uint64_t mine[2] = {h, ~h}, low[2] = {0, 0};
   int rc = MPI_Allreduce(mine, low, 2, MPI_UINT64_T, MPI_MIN, g_sets_comm);
   if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Allreduce");
@@ -612,10 +611,16 @@ Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
   const bool member =
       std::binary_search(set.begin(), set.end(), int32_t(topo.rank));
   MPI_Comm sub = MPI_COMM_NULL;
-  int rc = MPI_Comm_split(g_sets_comm, member ? 0 : MPI_UNDEFINED, topo.rank,
-                          &sub);
+  int rc =
+      MPI_Comm_split(g_sets_comm, member ? 0 : MPI_UNDEFINED, topo.rank, &sub);
   if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Comm_split");
-  const int32_t new_id = g_next_set_id;
+  // The smallest free id, as Horovod reuses them (the same on every rank:
+  // every rank has made the same calls).
+  int32_t new_id = 1;
+  {
+    std::lock_guard<std::mutex> l(g_mu);
+    while (g_sets.count(new_id)) ++new_id;
+  }
   std::unique_ptr<Runtime> srt;
   Status started;
   if (member) {
@@ -634,12 +639,12 @@ Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
   if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Allreduce");
   if (!all) {
     if (srt) srt->Shutdown();
-    return started.ok() ? Status::Internal("add_process_set: another member "
-                                           "of the set failed to start it.")
+    return started.ok() ? Status::Internal(
+                              "add_process_set: another member "
+                              "of the set failed to start it.")
                         : started;
   }
   std::lock_guard<std::mutex> l(g_mu);
-  g_next_set_id = new_id + 1;
   g_sets[new_id] = ProcessSetInfo{set, std::shared_ptr<Runtime>(srt.release())};
   *id = new_id;
   return Status::OK();

@@ -242,8 +242,8 @@ void Runtime::Loop() {
   while (true) {
     if (role_.parent && role_.parent->has_stopped()) {
       const std::string why = role_.parent->stopped_status().message();
-      FailAll(Status::Aborted(Labelled(
-          "the job's runtime stopped" + (why.empty() ? "." : ": " + why))));
+      FailAll(Status::Aborted(Labelled("the job's runtime stopped" +
+                                       (why.empty() ? "." : ": " + why))));
       break;
     }
     bool worked = RunLoopOnce();
