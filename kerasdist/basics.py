@@ -139,10 +139,35 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     # In a job that grows and shrinks (`kerasdist run
     # --host-discovery-script`): note the launcher's resize requests.
     _resize.install()
-    from kerasdist import process_sets as _process_sets
     if starting:
-        _process_sets._init_process_sets(process_sets)
+        _add_init_process_sets(process_sets)
     autotune.maybe_start()
+
+
+# Called with init()'s `process_sets` once the core has started
+# (kerasdist/process_sets.py registers itself when imported: a ProcessSet
+# passed to init() comes from there).
+_process_set_hooks = []
+
+
+def add_init_hook(hook):
+    """Registers `hook(process_sets)`, called by `init()` once started
+    (kerasdist/process_sets.py: Horovod's `init(process_sets=...)`)."""
+    if hook not in _process_set_hooks:
+        _process_set_hooks.append(hook)
+
+
+def _add_init_process_sets(process_sets):
+    if process_sets is None or process_sets == "dynamic":
+        for hook in _process_set_hooks:
+            hook(None)
+        return
+    if not _process_set_hooks:
+        raise TypeError("init(process_sets=...) takes a list of "
+                        "kerasdist.ProcessSet objects or \"dynamic\"; got "
+                        f"{process_sets!r}.")
+    for hook in _process_set_hooks:
+        hook(process_sets)
 
 
 def _join_launch(lib):

@@ -662,6 +662,14 @@ def bind(impl):
         """1 (int32) if this rank is in process set `process_set_id`,
         else 0 (see `rank_op`).
 
+        Args:
+            process_set_id: the set (`ProcessSet.process_set_id`; 0, the
+                default, is the whole job).
+            name: the op's name (TensorFlow).
+
+        Raises:
+            ValueError: when it runs, for an unknown `process_set_id`.
+
         Example:
         >>> member = kd.process_set_included_op(even.process_set_id)
         """

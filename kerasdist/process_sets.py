@@ -186,6 +186,14 @@ def _size():
     return basics.size()
 
 
+def _register():
+    from kerasdist import basics
+    basics.add_init_hook(_init_process_sets)
+
+
+_register()
+
+
 def resolve(process_set):
     """The id of `process_set` (a ProcessSet, or None for the whole job)
     that a collective runs on."""

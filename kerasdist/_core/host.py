@@ -77,8 +77,7 @@ def host_int64(op, values, name):
     values = np.ascontiguousarray(values, dtype=np.int64)
     n = basics.size()
     if _capi.current_process_set():
-        from kerasdist import process_sets
-        n = process_sets.set_size(_capi.current_process_set())
+        n = len(_capi.process_set_ranks(_capi.current_process_set()) or ())
     kwargs = {"splits": [1] * n} if op == _capi.OP_ALLTOALL else {}
     h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
                      values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
@@ -170,8 +169,7 @@ def host_allgather(array, name):
                          "dimension, got a scalar.")
     n = basics.size()
     if _capi.current_process_set():
-        from kerasdist import process_sets
-        n = process_sets.set_size(_capi.current_process_set())
+        n = len(_capi.process_set_ranks(_capi.current_process_set()) or ())
     shape = (x.shape[0] * n,) + x.shape[1:]
     return run_host(_capi.OP_ALLGATHER, name, [x], [shape], owned=True)[0]
 

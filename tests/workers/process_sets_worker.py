@@ -66,8 +66,8 @@ def expect_error(fn, *needles):
 checks.group("tf")
 
 
-@check("set_queries")
-def set_queries():
+@check("global_process_set_and_sizes")
+def global_process_set_and_sizes():
     assert EVEN.size() == 2 and ODD.size() == 1 and ALL.size() == 3
     assert EVEN.included() == (RANK in (0, 2))
     assert EVEN.rank() == {0: 0, 1: -1, 2: 1}[RANK]
@@ -75,10 +75,18 @@ def set_queries():
     import tensorflow as tf  # noqa: F401
     import kerasdist.tensorflow as kdt
     assert int(kdt.size_op(process_set_id=1)) == 2
-    assert int(kdt.process_set_included_op(process_set_id=1)) == (
-        1 if RANK in (0, 2) else 0)
     if RANK in (0, 2):
         assert int(kdt.rank_op(process_set_id=1)) == EVEN.rank()
+
+
+@check("process_set_included_op")
+def process_set_included_op():
+    import kerasdist.tensorflow as kdt
+    for ps in (EVEN, ODD, ALL):
+        assert int(kdt.process_set_included_op(
+            process_set_id=ps.process_set_id)) == int(RANK in ps.ranks)
+        assert int(kd.process_set_included_op(ps.process_set_id)) == int(
+            RANK in ps.ranks)
 
 
 @check("tf_allreduce")
@@ -230,8 +238,8 @@ def errors():
     expect(kdt.allreduce(tf.ones([2]), op=kd.Sum), [3.0, 3.0], "after errors")
 
 
-@check("add_remove")
-def add_remove():
+@check("add_process_set_remove_process_set")
+def add_process_set_remove_process_set():
     import tensorflow as tf
     import kerasdist.tensorflow as kdt
     ps = kd.add_process_set([1, 2])
