@@ -170,6 +170,12 @@ def bind(impl):
                 as the prescale factor).
             average: Horovod's deprecated form of `op`: True is Average,
                 False Sum (a DeprecationWarning); ValueError with `op`.
+            process_set: a `kerasdist.ProcessSet` added before: reduce
+                over its ranks only (only they may call it). Every
+                collective here takes it; ranks given to them
+                (`root_rank`) stay ranks of the job, as in Horovod. None
+                (default): the whole job, or the enclosing set's inside
+                one (DistributedOptimizer(process_set=...)).
 
         Returns:
             A new tensor of the same shape and dtype. Differentiable for
