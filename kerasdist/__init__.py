@@ -58,6 +58,9 @@ _EXPORTS = {
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
     "SyncBatchNormalization": "sync_batch_norm",
+    "ProcessSet": "process_sets", "global_process_set": "process_sets",
+    "add_process_set": "process_sets", "remove_process_set": "process_sets",
+    "process_set_included_op": "collectives",
 }
 
 # Submodules reachable as attributes after `import kerasdist`.

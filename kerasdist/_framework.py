@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from kerasdist import basics
+from kerasdist import process_sets as _process_sets
 from kerasdist import collectives as _collectives
 
 
@@ -123,7 +124,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
     index = [i for i, g in enumerate(grads) if g is not None]
     wires = [compression.compress(grads[i]) for i in index]
     out = list(grads)
-    if basics.size() == 1 or not index:
+    if _process_sets.current_size() == 1 or not index:
         reduced = [w for w, _ in wires]
     else:
         from kerasdist._core.gradients import source_label
@@ -141,7 +142,7 @@ def _grouped(wires, prefix, op, predivide, num_groups, labels):
     front = collectives()
     if predivide != 1.0:
         op, prescale, postscale = (basics.Sum, 1.0 / predivide,
-                                   predivide / basics.size())
+                                   predivide / _process_sets.current_size())
     else:
         prescale = postscale = 1.0
     groups = num_groups if num_groups > 0 else 1

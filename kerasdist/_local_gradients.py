@@ -3,7 +3,7 @@
 by DistributedOptimizer (every Keras backend) and DistributedGradientTape
 (TensorFlow). Imports no framework."""
 
-from kerasdist import basics
+from kerasdist import process_sets as _process_sets
 
 
 class LocalVariables:
@@ -42,7 +42,7 @@ class LocalVariables:
         keep = [i for i, v in enumerate(variables) if id(v) not in local]
         reduced = reduce([grads[i] for i in keep],
                          [variables[i] for i in keep])
-        n = basics.size() if scale else 1
+        n = _process_sets.current_size() if scale else 1
         out = [scaled(g, n) if id(v) in local else None
                for g, v in zip(grads, variables)]
         for i, g in zip(keep, reduced):

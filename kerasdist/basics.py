@@ -39,7 +39,7 @@ def _format(value):
     return str(value)
 
 
-def init(comm=None, verbose=False, **settings):
+def init(comm=None, verbose=False, process_sets=None, **settings):
     """Starts kerasdist on this process.
 
     Every rank of the job calls it once, before any collective. Calling it
@@ -62,6 +62,10 @@ def init(comm=None, verbose=False, **settings):
             size, the coordinator, and the data paths (backends) chosen.
             Without it rank 0 alone prints that line, and only for a job
             that met at a coordinator (not under an MPI launcher).
+        process_sets: Horovod's process sets to add once started (a list
+            of `kerasdist.ProcessSet`, each then has its `process_set_id`),
+            or "dynamic" (accepted for Horovod's code: sets can always be
+            added and removed later, see kerasdist/process_sets.py).
         **settings: runtime settings that override the `KERASDIST_*`
             environment variables: `fusion_threshold` (bytes),
             `cycle_time_ms`, `cache_capacity`, `stall_check_time_seconds`,
@@ -134,7 +138,35 @@ def init(comm=None, verbose=False, **settings):
     # In a job that grows and shrinks (`kerasdist run
     # --host-discovery-script`): note the launcher's resize requests.
     _resize.install()
+    if starting:
+        _add_init_process_sets(process_sets)
     autotune.maybe_start()
+
+
+# Called with init()'s `process_sets` once the core has started
+# (kerasdist/process_sets.py registers itself when imported: a ProcessSet
+# passed to init() comes from there).
+_process_set_hooks = []
+
+
+def add_init_hook(hook):
+    """Registers `hook(process_sets)`, called by `init()` once started
+    (kerasdist/process_sets.py: Horovod's `init(process_sets=...)`)."""
+    if hook not in _process_set_hooks:
+        _process_set_hooks.append(hook)
+
+
+def _add_init_process_sets(process_sets):
+    if process_sets is None or process_sets == "dynamic":
+        for hook in _process_set_hooks:
+            hook(None)
+        return
+    if not _process_set_hooks:
+        raise TypeError("init(process_sets=...) takes a list of "
+                        "kerasdist.ProcessSet objects or \"dynamic\"; got "
+                        f"{process_sets!r}.")
+    for hook in _process_set_hooks:
+        hook(process_sets)
 
 
 def _join_launch(lib):

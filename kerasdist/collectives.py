@@ -28,13 +28,15 @@ Importing this module imports no framework.
 import numpy as np
 
 from kerasdist import basics
+from kerasdist import process_sets as _process_sets
+from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_variables",
            "grouped_allgather", "grouped_allreduce", "grouped_reducescatter",
-           "join", "local_rank_op", "local_size_op", "rank_op", "reducescatter",
-           "size_op"]
+           "join", "local_rank_op", "local_size_op",
+           "process_set_included_op", "rank_op", "reducescatter", "size_op"]
 
 # The frameworks kerasdist runs on, as Keras names its backends.
 FRAMEWORKS = ("tensorflow", "jax", "torch")
@@ -93,6 +95,17 @@ def _check_root(root_rank):
     return int(root_rank)
 
 
+def _on(process_set):
+    """The scope in which a collective runs on `process_set` (None or a
+    `kerasdist.ProcessSet`; the implementations read it from
+    `_capi.current_process_set()`). None keeps the enclosing scope's set
+    (the job's outside any), so that code such as DistributedOptimizer's
+    can run whole gradient reductions on one set."""
+    if process_set is None:
+        return _capi.process_set_scope(_capi.current_process_set())
+    return _capi.process_set_scope(_process_sets.resolve(process_set))
+
+
 def _tensor_list(tensors, what):
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{what} expects a list of tensors; got "
@@ -129,7 +142,7 @@ def bind(impl):
     `impl` (see the module docstring for what it provides)."""
 
     def allreduce(tensor, op=None, name=None, prescale_factor=1.0,
-                  postscale_factor=1.0, average=None):
+                  postscale_factor=1.0, average=None, process_set=None):
         """Reduces a tensor over all ranks; every rank gets the result.
 
         Args:
@@ -158,6 +171,12 @@ def bind(impl):
                 as the prescale factor).
             average: Horovod's deprecated form of `op`: True is Average,
                 False Sum (a DeprecationWarning); ValueError with `op`.
+            process_set: a `kerasdist.ProcessSet` added before: reduce
+                over its ranks only (only they may call it). Every
+                collective here takes it; ranks given to them
+                (`root_rank`) stay ranks of the job, as in Horovod. None
+                (default): the whole job, or the enclosing set's inside
+                one (DistributedOptimizer(process_set=...)).
 
         Returns:
             A new tensor of the same shape and dtype. Differentiable for
@@ -181,12 +200,14 @@ def bind(impl):
         op = _gradients.resolve_op(op, average)
         impl.check_op(op, "allreduce")
         tensor = impl.tensor(tensor, "allreduce")
-        return impl.allreduce(tensor, op, impl.auto_name("allreduce", name),
-                              prescale_factor, postscale_factor)
+        with _on(process_set):
+            return impl.allreduce(tensor, op,
+                                  impl.auto_name("allreduce", name),
+                                  prescale_factor, postscale_factor)
 
     def grouped_allreduce(tensors, op=None, name=None,
                           prescale_factor=1.0, postscale_factor=1.0,
-                          average=None):
+                          average=None, process_set=None):
         """Reduces a list of tensors together, as one collective.
 
         The members (named `<name>.<i>`) are negotiated together and fused
@@ -221,11 +242,12 @@ def bind(impl):
         tensors = [impl.tensor(t, "grouped_allreduce") for t in tensors]
         if not tensors:
             return []
-        return impl.grouped_allreduce(
-            tensors, op, impl.auto_name("grouped_allreduce", name),
-            prescale_factor, postscale_factor)
+        with _on(process_set):
+            return impl.grouped_allreduce(
+                tensors, op, impl.auto_name("grouped_allreduce", name),
+                prescale_factor, postscale_factor)
 
-    def allgather(tensor, name=None):
+    def allgather(tensor, name=None, process_set=None):
         """Concatenates every rank's tensor along the first dimension.
 
         The first dimension may differ between ranks (not inside
@@ -254,9 +276,10 @@ def bind(impl):
         """
         impl.require_init()
         tensor = impl.tensor(tensor, "allgather")
-        return impl.allgather(tensor, impl.auto_name("allgather", name))
+        with _on(process_set):
+            return impl.allgather(tensor, impl.auto_name("allgather", name))
 
-    def broadcast(tensor, root_rank, name=None):
+    def broadcast(tensor, root_rank, name=None, process_set=None):
         """Every rank receives `root_rank`'s tensor.
 
         Args:
@@ -282,10 +305,12 @@ def bind(impl):
         impl.require_init()
         root_rank = _check_root(root_rank)
         tensor = impl.tensor(tensor, "broadcast")
-        return impl.broadcast(tensor, root_rank,
-                              impl.auto_name("broadcast", name))
+        with _on(process_set):
+            return impl.broadcast(tensor, root_rank,
+                                  impl.auto_name("broadcast", name))
 
-    def broadcast_variables(variables, root_rank=0, name_prefix="broadcast"):
+    def broadcast_variables(variables, root_rank=0, name_prefix="broadcast",
+                            process_set=None):
         """Assigns `root_rank`'s values to `variables` on every rank.
 
         Names derive from the variables' paths, so every rank must pass the
@@ -311,12 +336,18 @@ def bind(impl):
         if len(set(names)) != len(names):
             names = [f"{n}.{i}" for i, n in enumerate(names)]
         with impl.no_grad():
-            values = [broadcast(impl.variable_value(v), root_rank, name=n)
+            values = [broadcast(impl.variable_value(v), root_rank, name=n,
+                                process_set=process_set)
                       for v, n in zip(variables, names)]
+            graph = getattr(impl, "global_variables", None)
+            if graph is not None and graph() is not None:
+                # A TF1 graph: the op that assigns them, as Horovod returns
+                # (run it in the session).
+                return impl.group(impl.assign(variables, values))
             for v, value in zip(variables, values):
                 v.assign(value)
 
-    def alltoall(tensor, splits=None, name=None):
+    def alltoall(tensor, splits=None, name=None, process_set=None):
         """Sends `splits[r]` rows of `tensor` to rank r and returns what
         arrived.
 
@@ -345,14 +376,16 @@ def bind(impl):
         """
         impl.require_init()
         tensor = impl.tensor(tensor, "alltoall")
-        received, received_splits = impl.alltoall(
-            tensor, splits, impl.auto_name("alltoall", name))
+        with _on(process_set):
+            received, received_splits = impl.alltoall(
+                tensor, splits, impl.auto_name("alltoall", name))
         if splits is None:
             return received
         return received, received_splits
 
     def reducescatter(tensor, op=basics.Average, name=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=None):
         """Reduces over all ranks; rank r keeps its slice of the first
         dimension.
 
@@ -386,11 +419,12 @@ def bind(impl):
         impl.require_init()
         impl.check_op(op, "reducescatter")
         tensor = impl.tensor(tensor, "reducescatter")
-        return impl.reducescatter(tensor, op,
-                                  impl.auto_name("reducescatter", name),
-                                  prescale_factor, postscale_factor)
+        with _on(process_set):
+            return impl.reducescatter(tensor, op,
+                                      impl.auto_name("reducescatter", name),
+                                      prescale_factor, postscale_factor)
 
-    def barrier(name=None):
+    def barrier(name=None, process_set=None):
         """Returns once every rank has called it (inside `jax.jit`: the
         program completes it once every rank's program reached it).
 
@@ -404,7 +438,8 @@ def bind(impl):
         >>> kd.barrier()
         """
         impl.require_init()
-        impl.barrier(impl.auto_name("barrier", name))
+        with _on(process_set):
+            impl.barrier(impl.auto_name("barrier", name))
 
     def join(device=-1):
         """This rank has run out of data: it takes part in the other ranks'
@@ -450,7 +485,7 @@ def bind(impl):
                              f"ordinal, got {device!r}.")
         return impl.join("kerasdist.join")
 
-    def grouped_allgather(tensors, name=None):
+    def grouped_allgather(tensors, name=None, process_set=None):
         """Allgathers each tensor of a list (see `allgather`).
 
         The members are named `<name>.<i>` and negotiated one by one: the
@@ -480,12 +515,14 @@ def bind(impl):
                    for t in _tensor_list(tensors, "grouped_allgather")]
         if not tensors:
             return []
-        base = impl.auto_name("grouped_allgather", name)
-        return [impl.allgather(t, f"{base}.{i}")
-                for i, t in enumerate(tensors)]
+        with _on(process_set):
+            base = impl.auto_name("grouped_allgather", name)
+            return [impl.allgather(t, f"{base}.{i}")
+                    for i, t in enumerate(tensors)]
 
     def grouped_reducescatter(tensors, op=basics.Average, name=None,
-                              prescale_factor=1.0, postscale_factor=1.0):
+                              prescale_factor=1.0, postscale_factor=1.0,
+                              process_set=None):
         """Reducescatters each tensor of a list (see `reducescatter`).
 
         The members are named `<name>.<i>` and negotiated one by one: the
@@ -521,12 +558,13 @@ def bind(impl):
                    for t in _tensor_list(tensors, "grouped_reducescatter")]
         if not tensors:
             return []
-        base = impl.auto_name("grouped_reducescatter", name)
-        return [impl.reducescatter(t, op, f"{base}.{i}", prescale_factor,
-                                   postscale_factor)
-                for i, t in enumerate(tensors)]
+        with _on(process_set):
+            base = impl.auto_name("grouped_reducescatter", name)
+            return [impl.reducescatter(t, op, f"{base}.{i}", prescale_factor,
+                                       postscale_factor)
+                    for i, t in enumerate(tensors)]
 
-    def broadcast_(variables, root_rank, name=None):
+    def broadcast_(variables, root_rank, name=None, process_set=None):
         """Assigns `root_rank`'s values to `variables` in place and returns
         their new values.
 
@@ -557,10 +595,11 @@ def bind(impl):
         variables = _variable_list(variables, "broadcast_")
         if not variables:
             return []
-        base = impl.auto_name("broadcast_", name)
+        with _on(process_set):
+            base = impl.auto_name("broadcast_", name)
         with impl.no_grad():
             values = [broadcast(impl.variable_value(v), root_rank,
-                                name=f"{base}.{i}")
+                                name=f"{base}.{i}", process_set=process_set)
                       for i, v in enumerate(variables)]
             assign = getattr(impl, "assign", None)
             if assign is not None:
@@ -569,7 +608,7 @@ def bind(impl):
                 v.assign(value)
         return values
 
-    def broadcast_global_variables(root_rank):
+    def broadcast_global_variables(root_rank, process_set=None):
         """Broadcasts TensorFlow's global variables
         (`tf.compat.v1.global_variables()`) from `root_rank`, in graph mode.
 
@@ -606,7 +645,8 @@ def bind(impl):
                 "`kerasdist.broadcast_variables(<model/optimizer variables>)` "
                 "instead.")
         return impl.group(broadcast_(variables, root_rank,
-                                     name="broadcast_global_variables"))
+                                     name="broadcast_global_variables",
+                                     process_set=process_set))
 
     def _topology_op(query, what, name):
         if name is not None and not isinstance(name, str):
@@ -617,7 +657,7 @@ def bind(impl):
             return op(query, name)
         return impl.tensor(np.int32(query()), what)
 
-    def rank_op(name=None):
+    def rank_op(name=None, process_set_id=0):
         """`rank()` as a scalar int32 tensor. On TensorFlow it is an op
         that reads the rank when it runs (also inside a `tf.function` or
         a graph built before `init()`); on JAX and PyTorch an array of the
@@ -632,6 +672,10 @@ def bind(impl):
         Example:
         >>> r = kd.rank_op()
         """
+        if process_set_id:
+            return _topology_op(
+                lambda: _process_sets.set_rank(process_set_id), "rank_op",
+                name)
         return _topology_op(basics.rank, "rank_op", name)
 
     def local_rank_op(name=None):
@@ -649,22 +693,40 @@ def bind(impl):
         """`size()` as a scalar int32 tensor (see `rank_op`).
 
         Args:
-            process_set_id: 0, the whole job (kerasdist has no process
-                sets yet).
+            process_set_id: the process set (0, the default: the whole
+                job) whose size it reads.
             name: the op's name (TensorFlow).
 
         Raises:
-            ValueError: for another `process_set_id`.
+            ValueError: when it runs, for an unknown `process_set_id`.
 
         Example:
         >>> n = kd.size_op()
         """
-        if process_set_id != 0:
-            raise ValueError(
-                "size_op: process sets are not supported yet; "
-                f"process_set_id must be 0 (the whole job), got "
-                f"{process_set_id!r}.")
+        if process_set_id:
+            return _topology_op(
+                lambda: _process_sets.set_size(process_set_id), "size_op",
+                name)
         return _topology_op(basics.size, "size_op", name)
+
+    def process_set_included_op(process_set_id=0, name=None):
+        """1 (int32) if this rank is in process set `process_set_id`,
+        else 0 (see `rank_op`).
+
+        Args:
+            process_set_id: the set (`ProcessSet.process_set_id`; 0, the
+                default, is the whole job).
+            name: the op's name (TensorFlow).
+
+        Raises:
+            ValueError: when it runs, for an unknown `process_set_id`.
+
+        Example:
+        >>> member = kd.process_set_included_op(even.process_set_id)
+        """
+        return _topology_op(
+            lambda: int(_process_sets.set_rank(process_set_id) >= 0),
+            "process_set_included_op", name)
 
     def local_size_op(name=None):
         """`local_size()` as a scalar int32 tensor (see `rank_op`).
@@ -682,7 +744,7 @@ def bind(impl):
         broadcast_variables, alltoall, reducescatter, barrier, join,
         grouped_allgather, grouped_reducescatter, broadcast_,
         broadcast_global_variables, rank_op, local_rank_op, size_op,
-        local_size_op)}
+        local_size_op, process_set_included_op)}
     for f in functions.values():
         f.__qualname__ = f.__name__
     return _Collectives(dict(functions, framework=impl.FRAMEWORK))

@@ -15,6 +15,7 @@ import pickle
 import numpy as np
 
 from kerasdist import basics
+from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 
@@ -49,7 +50,8 @@ def _check_name(name, what):
                         f"{type(name).__name__}.")
 
 
-def broadcast_object(obj, root_rank=0, session=None, name=None):
+def broadcast_object(obj, root_rank=0, session=None, name=None,
+                     process_set=None):
     """Every rank gets `root_rank`'s `obj` (any picklable object).
 
     Args:
@@ -75,6 +77,13 @@ def broadcast_object(obj, root_rank=0, session=None, name=None):
     _host.require_init()
     root_rank = _check_root(root_rank)
     _check_name(name, "broadcast_object")
+    with _capi.process_set_scope(
+            _process_sets.resolve(process_set)
+            if process_set is not None else _capi.current_process_set()):
+        return _broadcast_object(obj, root_rank, name)
+
+
+def _broadcast_object(obj, root_rank, name):
     base = _host.eager_name("broadcast_object", name)
     root = basics.rank() == root_rank
     data = _bytes(obj) if root else np.zeros(0, np.uint8)
@@ -86,7 +95,8 @@ def broadcast_object(obj, root_rank=0, session=None, name=None):
     return obj if root else _load(data)
 
 
-def broadcast_object_fn(root_rank=0, session=None, name=None):
+def broadcast_object_fn(root_rank=0, session=None, name=None,
+                        process_set=None):
     """A function `bcast(obj)` that broadcasts `obj` from `root_rank`, as
     Horovod's: made once, called as often as needed (every call is a
     `broadcast_object` named `name`).
@@ -111,12 +121,13 @@ def broadcast_object_fn(root_rank=0, session=None, name=None):
     name = name or "broadcast_object_fn"
 
     def bcast(obj):
-        return broadcast_object(obj, root_rank, name=name)
+        return broadcast_object(obj, root_rank, name=name,
+                                process_set=process_set)
 
     return bcast
 
 
-def allgather_object(obj, session=None, name=None):
+def allgather_object(obj, session=None, name=None, process_set=None):
     """The list of every rank's `obj` (any picklable object), in rank
     order; the objects may differ in size.
 
@@ -138,6 +149,13 @@ def allgather_object(obj, session=None, name=None):
     del session
     _host.require_init()
     _check_name(name, "allgather_object")
+    with _capi.process_set_scope(
+            _process_sets.resolve(process_set)
+            if process_set is not None else _capi.current_process_set()):
+        return _allgather_object(obj, name)
+
+
+def _allgather_object(obj, name):
     base = _host.eager_name("allgather_object", name)
     data = _bytes(obj)
     sizes = _host.host_allgather(np.array([data.size], np.int64),
@@ -146,4 +164,4 @@ def allgather_object(obj, session=None, name=None):
                               [(int(sizes.sum()),)], owned=True)[0]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_load(gathered[offsets[k]:offsets[k + 1]])
-            for k in range(basics.size())]
+            for k in range(len(sizes))]

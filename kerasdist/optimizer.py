@@ -27,7 +27,9 @@ jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 import sys
 
 from kerasdist import basics
+from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
+from kerasdist import process_sets as _process_sets
 from kerasdist import _framework
 from kerasdist import _local_gradients
 from kerasdist.compression import Compression
@@ -54,8 +56,10 @@ def DistributedOptimizer(optimizer, name=None,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
                          num_groups=0, scale_local_gradients=True,
-                         average=None):
-    """Wraps a Keras optimizer so that gradients are averaged over all ranks.
+                         average=None, process_set=None):
+    """Wraps a Keras optimizer so that gradients are averaged over all ranks
+    (over the ranks of `process_set`, a `kerasdist.ProcessSet`, when given:
+    only its members may then train with it).
 
     The result is an instance of a subclass of `type(optimizer)` (so
     `isinstance(opt, keras.optimizers.Adam)` holds), built from
@@ -189,7 +193,8 @@ def DistributedOptimizer(optimizer, name=None,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups,
-        scale_local_gradients=bool(scale_local_gradients))
+        scale_local_gradients=bool(scale_local_gradients),
+        process_set_id=_process_sets.resolve(process_set))
     if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
@@ -282,6 +287,10 @@ def _distributed_class(base, settings):
                 self._kerasdist_reduced = False
 
         def _kerasdist_reduce(self, grads, variables):
+            ps = getattr(settings, "process_set_id", 0)
+            if ps and _capi.process_set_rank(ps) < 0:
+                return grads  # outside the set: its own gradients (Horovod)
+
             def reduce(grads, variables):
                 return _framework.reduce_gradients(
                     grads, variables, settings.prefix,
@@ -290,8 +299,10 @@ def _distributed_class(base, settings):
                     gradient_predivide_factor=(
                         settings.gradient_predivide_factor),
                     num_groups=settings.num_groups)
-            return self._kerasdist_local.reduce(
-                grads, variables, reduce, settings.scale_local_gradients)
+            with _capi.process_set_scope(
+                    getattr(settings, "process_set_id", 0)):
+                return self._kerasdist_local.reduce(
+                    grads, variables, reduce, settings.scale_local_gradients)
 
     # Serialize as the user's class: the saved file then names it and loads
     # without kerasdist.

@@ -75,10 +75,24 @@ IMPORTS = [
     (r"from horovod\.runner\.util\.threads import in_thread",
      "from kd_suite_compat import in_thread"),
     (r"import mock", "from unittest import mock"),
+    (r"from horovod\.runner\.common\.util\.env import get_env_rank_and_size",
+     "from kd_suite_compat import get_env_rank_and_size"),
 ]
 
-COMPAT = '''"""What test/utils/common.py imported from Horovod's runner."""
+COMPAT = '''"""What Horovod's test files imported from Horovod's runner."""
+import os
 import threading
+
+
+def get_env_rank_and_size():
+    """(rank, size) from the launcher's environment, before init."""
+    for rank_var, size_var in (("HOROVOD_RANK", "HOROVOD_SIZE"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE")):
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and size is not None:
+            return int(rank), int(size)
+    return 0, 1
 
 
 def in_thread(target, args=(), name=None, daemon=True, silent=False):

@@ -14,6 +14,7 @@ for them (`settings_table()`, `dtype_codes()`, `reduce_ops()`, `op_types()`,
 """
 
 import collections
+import contextlib
 import ctypes
 import functools
 import os
@@ -49,6 +50,7 @@ class _Request(ctypes.Structure):
         ("group", ctypes.c_char_p),
         ("group_size", ctypes.c_int32),
         ("device", ctypes.c_int32),
+        ("process_set", ctypes.c_int32),
     ]
 
 
@@ -152,6 +154,18 @@ def lib():
         l.kerasdist_get_tunables.restype = i
         l.kerasdist_release.argtypes = [i64]
         l.kerasdist_release.restype = None
+        pi32 = ctypes.POINTER(ctypes.c_int32)
+        l.kerasdist_add_process_set.argtypes = [pi32, ctypes.c_int32]
+        l.kerasdist_add_process_set.restype = i
+        l.kerasdist_remove_process_set.argtypes = [ctypes.c_int32]
+        l.kerasdist_remove_process_set.restype = i
+        l.kerasdist_process_set_ids.argtypes = [pi32, ctypes.c_int32]
+        l.kerasdist_process_set_ids.restype = i
+        l.kerasdist_process_set_ranks.argtypes = [ctypes.c_int32, pi32,
+                                                  ctypes.c_int32]
+        l.kerasdist_process_set_ranks.restype = i
+        l.kerasdist_process_set_rank.argtypes = [ctypes.c_int32]
+        l.kerasdist_process_set_rank.restype = i
         _lib = l
         return l
 
@@ -325,13 +339,73 @@ def _i64_array(values):
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def process_set_scope(process_set_id):
+    """Collectives this thread enqueues inside run on process set
+    `process_set_id` (the public collectives' `process_set=` argument on
+    JAX and PyTorch, whose ops reach the core through `Handle`)."""
+    old = getattr(_scope, "id", 0)
+    _scope.id = int(process_set_id)
+    try:
+        yield
+    finally:
+        _scope.id = old
+
+
+def current_process_set():
+    """The process set id of the innermost `process_set_scope` (0)."""
+    return getattr(_scope, "id", 0)
+
+
+def add_process_set(ranks):
+    """Collective over every rank: the new set's id."""
+    ranks = [int(r) for r in ranks]
+    arr = (ctypes.c_int32 * max(len(ranks), 1))(*ranks)
+    got = lib().kerasdist_add_process_set(arr, len(ranks))
+    if got < 0:
+        raise ValueError(last_error())
+    return got
+
+
+def remove_process_set(process_set_id):
+    if lib().kerasdist_remove_process_set(int(process_set_id)) != 0:
+        raise ValueError(last_error())
+
+
+def process_set_ids():
+    cap = 1024
+    arr = (ctypes.c_int32 * cap)()
+    n = lib().kerasdist_process_set_ids(arr, cap)
+    return [arr[i] for i in range(min(max(n, 0), cap))]
+
+
+def process_set_ranks(process_set_id):
+    """The job ranks of a set; None for an unknown id."""
+    cap = 1 << 16
+    arr = (ctypes.c_int32 * cap)()
+    n = lib().kerasdist_process_set_ranks(int(process_set_id), arr, cap)
+    if n < 0:
+        return None
+    return [arr[i] for i in range(min(n, cap))]
+
+
+def process_set_rank(process_set_id):
+    return lib().kerasdist_process_set_rank(int(process_set_id))
+
+
 class Handle:
     """An enqueued collective (host or device pointers); `wait()` finishes
     it."""
 
     def __init__(self, op, name, dtype_code, shape, input_ptr, output_ptr,
                  reduce_op=None, root_rank=0, prescale=1.0, postscale=1.0,
-                 splits=None, group=None, group_size=0, device=-1):
+                 splits=None, group=None, group_size=0, device=-1,
+                 process_set=None):
+        if process_set is None:
+            process_set = current_process_set()
         if reduce_op is None:
             reduce_op = reduce_ops()["Sum"]
         self._shape = _i64_array(shape)
@@ -342,7 +416,8 @@ class Handle:
             root_rank=int(root_rank), prescale=float(prescale),
             postscale=float(postscale), nsplits=len(splits or []),
             splits=self._splits, group=(group or "").encode(),
-            group_size=int(group_size), device=int(device))
+            group_size=int(group_size), device=int(device),
+            process_set=int(process_set))
         self.handle = lib().kerasdist_enqueue(ctypes.byref(req), input_ptr,
                                               output_ptr)
         if self.handle == 0:

@@ -45,6 +45,10 @@ def eager_name(kind, name):
     """`name`, or `<kind>.noname.<k>` for the k-th unnamed call of `kind`."""
     if name is not None:
         return str(name)
+    ps = _capi.current_process_set()
+    if ps:
+        # Only a set's members make its calls: a count of their own.
+        kind = f"{kind}.set{ps}"
     with _lock:
         counter = _counters.setdefault(kind, itertools.count())
         if _joins:
@@ -61,6 +65,15 @@ def restart_names_after_join():
         _counters.clear()
 
 
+def forget_set_names(process_set_id):
+    """Restarts the numbering of unnamed calls on set `process_set_id`
+    (when it is added: a reused id starts afresh on every member)."""
+    suffix = f".set{process_set_id}"
+    with _lock:
+        for kind in [k for k in _counters if k.endswith(suffix)]:
+            del _counters[kind]
+
+
 def scatter_rows(rows, n):
     """Rows each rank keeps in a reducescatter of `rows` rows over `n` ranks:
     earlier ranks get one more when it does not divide (as the core does)."""
@@ -72,7 +85,10 @@ def host_int64(op, values, name):
     alltoall (`_capi.OP_ALLTOALL`) of int64 `values` through the core and
     returns the result as a tuple of ints."""
     values = np.ascontiguousarray(values, dtype=np.int64)
-    kwargs = {"splits": [1] * basics.size()} if op == _capi.OP_ALLTOALL else {}
+    n = basics.size()
+    if _capi.current_process_set():
+        n = len(_capi.process_set_ranks(_capi.current_process_set()) or ())
+    kwargs = {"splits": [1] * n} if op == _capi.OP_ALLTOALL else {}
     h = _capi.Handle(op, name, _capi.DTYPES[np.dtype(np.int64)], values.shape,
                      values.ctypes.data_as(ctypes.c_void_p), None, **kwargs)
     h.wait()
@@ -161,7 +177,10 @@ def host_allgather(array, name):
     if x.ndim == 0:
         raise ValueError("host_allgather needs an array with a first "
                          "dimension, got a scalar.")
-    shape = (x.shape[0] * basics.size(),) + x.shape[1:]
+    n = basics.size()
+    if _capi.current_process_set():
+        n = len(_capi.process_set_ranks(_capi.current_process_set()) or ())
+    shape = (x.shape[0] * n,) + x.shape[1:]
     return run_host(_capi.OP_ALLGATHER, name, [x], [shape], owned=True)[0]
 
 

@@ -128,6 +128,10 @@ def call(target, out_types, *args, **attrs):
         # has_side_effect: XLA must never drop a collective whose result is
         # unused on one rank (a broadcast's gradient off the root): the
         # others would wait for it forever.
+        if _capi.current_process_set():
+            raise NotImplementedError(
+                f"kerasdist.jax {target} on a process set runs eagerly "
+                "only; call it outside jax.jit.")
         _register()
         if target not in CUDA_TARGETS and jax.default_backend() == "gpu":
             raise NotImplementedError(

@@ -19,6 +19,8 @@ from kerasdist.basics import (Adasum, Average, Max, Min, Product, Sum,
                               mpi_built, mpi_enabled, mpi_threads_supported,
                               nccl_built, rank, rocm_built, shutdown, size)
 from kerasdist.collectives import bound
+from kerasdist.process_sets import (ProcessSet, add_process_set,
+                                    global_process_set, remove_process_set)
 from kerasdist.objects import (allgather_object, broadcast_object,
                                broadcast_object_fn)
 from kerasdist.tensorflow.tape import (DistributedGradientTape,
@@ -42,8 +44,11 @@ local_size_op = _api.local_size_op
 rank_op = _api.rank_op
 reducescatter = _api.reducescatter
 size_op = _api.size_op
+process_set_included_op = _api.process_set_included_op
 
 __all__ = ["Adasum", "Average", "DistributedGradientTape", "Max", "Min",
+           "ProcessSet", "add_process_set", "global_process_set",
+           "process_set_included_op", "remove_process_set",
            "PartialDistributedGradientTape", "Product", "Sum", "allgather",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_object",

@@ -7,11 +7,29 @@ import contextlib
 
 import tensorflow as tf
 
+from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 from kerasdist import basics
 from kerasdist.tensorflow._native import ops as _ops
 
 FRAMEWORK = "tensorflow"
+
+_ps = _capi.current_process_set
+
+
+def _set_size(process_set):
+    if not process_set:
+        return basics.size()
+    from kerasdist import process_sets
+    return process_sets.set_size(process_set)
+
+
+def _set_rank(process_set):
+    if not process_set:
+        return basics.rank()
+    from kerasdist import process_sets
+    return process_sets.set_rank(process_set)
+
 
 require_init = _host.require_init
 check_op = _host.check_op
@@ -55,7 +73,8 @@ def allreduce(tensor, op, name, prescale_factor, postscale_factor):
         return _allreduce_sparse(tensor, op, name)
     return _ops().kerasdist_allreduce(
         tensor, tensor_name=name, reduce_op=op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=_ps())
 
 
 def _check_sparse(op, prescale_factor, postscale_factor):
@@ -83,7 +102,7 @@ def _allreduce_sparse(slices, op, base):
     indices = allgather(tf.convert_to_tensor(slices.indices),
                         base + ".indices")
     if op == basics.Average:
-        values = values / tf.cast(basics.size(), values.dtype)
+        values = values / tf.cast(_set_size(_ps()), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -101,7 +120,7 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
         reduced = _ops().kerasdist_grouped_allreduce(
             [tensors[i] for i in dense], tensor_name=name, reduce_op=op,
             prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor)
+            postscale_factor=postscale_factor, process_set=_ps())
         for i, t in zip(dense, reduced):
             out[i] = t
     for i in sparse:
@@ -110,29 +129,32 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
 
 
 def allgather(tensor, name):
-    return _ops().kerasdist_allgather(tensor, tensor_name=name)
+    return _ops().kerasdist_allgather(tensor, tensor_name=name,
+                                      process_set=_ps())
 
 
 def broadcast(tensor, root_rank, name):
     return _ops().kerasdist_broadcast(tensor, tensor_name=name,
-                                      root_rank=root_rank)
+                                      root_rank=root_rank, process_set=_ps())
 
 
 def alltoall(tensor, splits, name):
     if splits is None:
         splits = tf.zeros([0], tf.int64)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
-    return _ops().kerasdist_alltoall(tensor, splits, tensor_name=name)
+    return _ops().kerasdist_alltoall(tensor, splits, tensor_name=name,
+                                     process_set=_ps())
 
 
 def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
     return _ops().kerasdist_reducescatter(
         tensor, tensor_name=name, reduce_op=op,
-        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=_ps())
 
 
 def barrier(name):
-    _ops().kerasdist_barrier(tensor_name=name)
+    _ops().kerasdist_barrier(tensor_name=name, process_set=_ps())
 
 
 def join(name):
@@ -149,6 +171,13 @@ def _attr(op, key):
     return op.get_attr(key)
 
 
+def _set(op):
+    try:
+        return int(op.get_attr("process_set"))
+    except ValueError:
+        return 0
+
+
 def _name(op):
     n = _attr(op, "tensor_name")
     return (n.decode() if isinstance(n, bytes) else n) + ".grad"
@@ -163,7 +192,7 @@ def _allreduce_grad(op, grad):
     return _ops().kerasdist_allreduce(
         grad, tensor_name=_name(op), reduce_op=reduce_op,
         prescale_factor=_attr(op, "prescale_factor"),
-        postscale_factor=_attr(op, "postscale_factor"))
+        postscale_factor=_attr(op, "postscale_factor"), process_set=_set(op))
 
 
 @tf.RegisterGradient("KerasdistGroupedAllreduce")
@@ -177,7 +206,7 @@ def _grouped_allreduce_grad(op, *grads):
     return list(_ops().kerasdist_grouped_allreduce(
         grads, tensor_name=_name(op), reduce_op=reduce_op,
         prescale_factor=_attr(op, "prescale_factor"),
-        postscale_factor=_attr(op, "postscale_factor")))
+        postscale_factor=_attr(op, "postscale_factor"), process_set=_set(op)))
 
 
 # The gradients of allgather, broadcast and reducescatter follow Horovod's
@@ -186,19 +215,23 @@ def _grouped_allreduce_grad(op, *grads):
 # the ranks (1/size() of that sum), a reducescatter's is size() times it.
 @tf.RegisterGradient("KerasdistAllgather")
 def _allgather_grad(op, grad):
+    ps = _set(op)
     summed = _ops().kerasdist_allreduce(grad, tensor_name=_name(op),
-                                        reduce_op=basics.Average)
+                                        reduce_op=basics.Average,
+                                        process_set=ps)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    all_rows = _ops().kerasdist_allgather(rows, tensor_name=_name(op) + ".rows")
+    all_rows = _ops().kerasdist_allgather(rows, tensor_name=_name(op) + ".rows",
+                                          process_set=ps)
     offsets = tf.concat([[0], tf.cumsum(all_rows)], 0)
-    me = basics.rank()
+    me = _set_rank(ps)
     return summed[offsets[me]:offsets[me + 1]]
 
 
 @tf.RegisterGradient("KerasdistBroadcast")
 def _broadcast_grad(op, grad):
     summed = _ops().kerasdist_allreduce(grad, tensor_name=_name(op),
-                                        reduce_op=basics.Average)
+                                        reduce_op=basics.Average,
+                                        process_set=_set(op))
     if basics.rank() != _attr(op, "root_rank"):
         return summed * 0
     return summed
@@ -206,17 +239,19 @@ def _broadcast_grad(op, grad):
 
 @tf.RegisterGradient("KerasdistReducescatter")
 def _reducescatter_grad(op, grad):
-    gathered = _ops().kerasdist_allgather(grad, tensor_name=_name(op))
+    gathered = _ops().kerasdist_allgather(grad, tensor_name=_name(op),
+                                          process_set=_set(op))
     scale = _attr(op, "prescale_factor") * _attr(op, "postscale_factor")
     if _attr(op, "reduce_op") == basics.Sum:
-        scale *= basics.size()
+        scale *= _set_size(_set(op))
     return gathered * tf.cast(scale, gathered.dtype)
 
 
 @tf.RegisterGradient("KerasdistAlltoall")
 def _alltoall_grad(op, grad, _splits_grad):
     back, _ = _ops().kerasdist_alltoall(grad, op.outputs[1],
-                                        tensor_name=_name(op))
+                                        tensor_name=_name(op),
+                                        process_set=_set(op))
     return back, None
 
 

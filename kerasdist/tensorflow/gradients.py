@@ -5,6 +5,7 @@ reducing a gradient list of TF tensors."""
 import tensorflow as tf
 
 from kerasdist import basics
+from kerasdist import process_sets as _process_sets
 from kerasdist.collectives import bound
 from kerasdist._core.gradients import (label_members, source_label,
                                        split_groups)
@@ -63,13 +64,13 @@ def reduce_gradients(grads, sources, prefix, compression=None,
         A list like `grads` holding the reduced gradients.
     """
     compression = compression or _none()
-    if basics.size() == 1:
+    if _process_sets.current_size() == 1:
         return [_local_only(g, compression, sparse_as_dense) for g in grads]
     names = gradient_names(prefix, sources)
     if gradient_predivide_factor != 1.0:
         dense_op = basics.Sum
         prescale = 1.0 / gradient_predivide_factor
-        postscale = gradient_predivide_factor / basics.size()
+        postscale = gradient_predivide_factor / _process_sets.current_size()
     else:
         dense_op, prescale, postscale = op, 1.0, 1.0
 

@@ -5,6 +5,8 @@ import tensorflow as tf
 
 from kerasdist import basics
 from kerasdist import _local_gradients
+from kerasdist import process_sets as _process_sets
+from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
 from kerasdist.tensorflow import gradients as _tf_gradients
 from kerasdist.compression import Compression
@@ -71,7 +73,7 @@ class DistributedGradientTape:
     def __init__(self, tape, compression=Compression.none, op=None,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
                  name=None, num_groups=0, scale_local_gradients=True,
-                 average=None):
+                 average=None, process_set=None):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
@@ -90,6 +92,9 @@ class DistributedGradientTape:
         self._prefix = name or "DistributedGradientTape"
         self._scale_local = bool(scale_local_gradients)
         self._local = _local_gradients.LocalVariables()
+        # As Horovod: reduced over `process_set` (a kerasdist.ProcessSet)
+        # only; a rank outside it keeps its own gradients.
+        self._process_set = _process_sets.resolve(process_set)
 
     def register_local_source(self, source):
         """Keeps `source`'s gradient on this rank: it is not reduced
@@ -138,8 +143,11 @@ class DistributedGradientTape:
                 gradient_predivide_factor=self._predivide,
                 num_groups=self._num_groups)
 
-        reduced = self._local.reduce(flat_grads, flat_sources, reduce,
-                                     self._scale_local)
+        if self._process_set and _capi.process_set_rank(self._process_set) < 0:
+            return grads
+        with _capi.process_set_scope(self._process_set):
+            reduced = self._local.reduce(flat_grads, flat_sources, reduce,
+                                         self._scale_local)
         return tf.nest.pack_sequence_as(sources, reduced)
 
 

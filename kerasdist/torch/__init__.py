@@ -35,8 +35,13 @@ local_size_op = _api.local_size_op
 rank_op = _api.rank_op
 reducescatter = _api.reducescatter
 size_op = _api.size_op
+process_set_included_op = _api.process_set_included_op
+from kerasdist.process_sets import (ProcessSet, add_process_set,  # noqa: E402
+                                    global_process_set, remove_process_set)
 
-__all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather",
+__all__ = ["Adasum", "Average", "Max", "Min", "ProcessSet", "add_process_set",
+           "global_process_set", "process_set_included_op",
+           "remove_process_set", "Product", "Sum", "allgather",
            "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_object",
            "broadcast_object_fn", "broadcast_variables", "ccl_built",

@@ -24,6 +24,9 @@ typedef struct {
   const char* group; /* grouped allreduce; NULL or "" = none */
   int32_t group_size;
   int32_t device; /* -1 = host memory */
+  /* Process set id; 0 (a zeroed field) = the whole job. A broadcast's
+   * root_rank stays a rank of the job (as in Horovod), one of the set's. */
+  int32_t process_set;
 } kerasdist_request;
 
 /* comm_f: Fortran handle of the MPI communicator (mpi4py: comm.py2f()), used
@@ -162,6 +165,26 @@ const char* kerasdist_backends(void);
  * counts for the one that ran it; "shm" and "cma" together: the single-node
  * allreduces); 0 for a name not in the list; -1 before init. */
 int64_t kerasdist_backend_runs(const char* name);
+
+/* Process sets: subsets of the job's ranks whose collectives run on a
+ * runtime of their own (its own communicator, negotiation, fusion and
+ * response cache). Set 0 is the whole job. Adding and removing are
+ * collective over all ranks of the job, which must pass the same ranks (or
+ * id) in the same order of calls; they need MPI_THREAD_MULTIPLE.
+ * kerasdist_add_process_set: `ranks` are n sorted, distinct ranks of the
+ * job; returns the new set's id (> 0), or -1 with kerasdist_last_error(). */
+int kerasdist_add_process_set(const int32_t* ranks, int32_t n);
+/* Stops set `id`'s runtime (its pending collectives fail); 0, or -1. */
+int kerasdist_remove_process_set(int32_t id);
+/* The ids of every set (0 first) into `ids` (up to `cap`); how many there
+ * are, or -1 before init. */
+int kerasdist_process_set_ids(int32_t* ids, int32_t cap);
+/* The job ranks of set `id` into `ranks` (up to `cap`); the set's size, or
+ * -1 with kerasdist_last_error() for an unknown id. */
+int kerasdist_process_set_ranks(int32_t id, int32_t* ranks, int32_t cap);
+/* This process's rank within set `id`; -1 when it is not a member, -2 for
+ * an unknown id. */
+int kerasdist_process_set_rank(int32_t id);
 
 #ifdef __cplusplus
 }

@@ -22,8 +22,10 @@ class Runtime;
 // alive for the call even if another thread shuts kerasdist down.
 class RuntimeRef {
  public:
-  // Empty (false) when kerasdist is not initialized.
-  static RuntimeRef Current();
+  // Empty (false) when kerasdist is not initialized. Enqueue routes to
+  // process set `process_set`'s runtime (global.h's RuntimeForSet: an error
+  // there fails the enqueue).
+  static RuntimeRef Current(int process_set = 0);
   explicit operator bool() const { return rt_ != nullptr; }
   // As Runtime::Enqueue / EnqueueMany (runtime.h).
   Status Enqueue(Entry entry);
@@ -31,6 +33,7 @@ class RuntimeRef {
 
  private:
   std::shared_ptr<Runtime> rt_;
+  int process_set_ = 0;
 };
 
 // The CUDA hooks, or null in a build without the GPU backend.

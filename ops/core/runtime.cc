@@ -47,9 +47,10 @@ std::string BatchArgs(const CollectiveBatch& b) {
 }  // namespace
 
 Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
-                      std::unique_ptr<Runtime>* out) {
+                      std::unique_ptr<Runtime>* out, RuntimeRole role) {
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
+  rt->role_ = std::move(role);
   KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
   KD_RETURN_IF_ERROR(StartLiveness(
       rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
@@ -167,6 +168,10 @@ Status Runtime::stopped_status() {
   return stopped_ ? stopped_status_ : Status::OK();
 }
 
+std::string Runtime::Labelled(const std::string& message) const {
+  return role_.label.empty() ? message : role_.label + ": " + message;
+}
+
 Status Runtime::Enqueue(Entry entry) {
   std::vector<Entry> one;
   one.push_back(std::move(entry));
@@ -186,13 +191,15 @@ Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
       break;
     }
   }
+  if (!failed.ok() && !role_.label.empty())
+    failed = Status(failed.code(), Labelled(failed.message()));
   // A bad request is reported as such, even if the runtime has stopped
   // meanwhile (another rank's shutdown must not hide the caller's mistake).
   if (valid == 0) return failed;
   std::lock_guard<std::mutex> l(mu_);
   if (stopped_ || shutdown_requested_) {
     return Status::Aborted(
-        "kerasdist has shut down" +
+        Labelled("kerasdist has shut down") +
         (stopped_status_.message().empty() ? std::string(".")
                                            : ": " + stopped_status_.message()) +
         " Call kerasdist.init() again to start a new runtime.");
@@ -233,6 +240,12 @@ void Runtime::Loop() {
   prctl(PR_SET_NAME, "kerasdist", 0, 0, 0);   // its name in top -H and perf
   int idle_rounds = 0;
   while (true) {
+    if (role_.parent && role_.parent->has_stopped()) {
+      const std::string why = role_.parent->stopped_status().message();
+      FailAll(Status::Aborted(Labelled("the job's runtime stopped" +
+                                       (why.empty() ? "." : ": " + why))));
+      break;
+    }
     bool worked = RunLoopOnce();
     worked = PollBackends() || worked;
     {
@@ -405,10 +418,15 @@ Status Runtime::CheckStalls(Clock::time_point now, bool* stopped) {
   if (now - last_stall_check_ <= std::chrono::seconds(1)) return Status::OK();
   last_stall_check_ = now;
   StallReport report = coordinator_->CheckStalls(now);
+  const std::string prefix = "kerasdist: ";
   for (const auto& w : report.warnings) {
-    if (config_.log_level > 0) std::fprintf(stderr, "%s\n", w.c_str());
+    std::string line = w;
+    if (!role_.label.empty() && line.rfind(prefix, 0) == 0)
+      line = prefix + Labelled(line.substr(prefix.size()));
+    if (config_.log_level > 0) std::fprintf(stderr, "%s\n", line.c_str());
   }
   if (report.shutdown_reason.empty()) return Status::OK();
+  report.shutdown_reason = Labelled(report.shutdown_reason);
   if (report.deadlock && config_.log_level > 0)
     std::fprintf(stderr, "kerasdist: %s.\n", report.shutdown_reason.c_str());
   CoordinatorMessage out;
@@ -525,7 +543,7 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   RecordQueued(resps, start);
   const Response& head = *resps[0];
   if (!head.error.empty()) {
-    CompleteAll(entries, Result{Status::Mismatch(head.error), {}});
+    CompleteAll(entries, Result{Status::Mismatch(Labelled(head.error)), {}});
     return Status::OK();
   }
   if (head.req.op == OpType::kJoin) {
@@ -768,6 +786,7 @@ void Runtime::FailAll(const Status& s) {
   {
     std::lock_guard<std::mutex> l(mu_);
     stopped_ = true;
+    stopped_flag_ = true;
     if (stopped_status_.ok()) stopped_status_ = s;
     queued.swap(incoming_);
   }

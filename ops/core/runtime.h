@@ -26,10 +26,20 @@
 
 namespace kerasdist::core {
 
+// What distinguishes a process set's runtime from the job's (process set 0):
+// `label` ("process set 1 (ranks 0,2)") starts its errors and stall
+// messages; `parent`, the job's runtime, whose stop fails this one's pending
+// collectives too (its heartbeat watches every rank, so a set needs none).
+struct RuntimeRole {
+  std::string label;
+  std::shared_ptr<class Runtime> parent;
+};
+
 class Runtime {
  public:
   static Status Start(const Config& config, bool has_comm, int parent_comm_f,
-                      std::unique_ptr<Runtime>* out);
+                      std::unique_ptr<Runtime>* out,
+                      RuntimeRole role = RuntimeRole());
   ~Runtime();  // Stops the thread (as Shutdown) if still running.
 
   // Checks the request against this rank's facts and queues it. An error here
@@ -68,6 +78,9 @@ class Runtime {
                    bool* cache) const;
   // Why the runtime stopped, or OK while it runs.
   Status stopped_status();
+  // Whether it has stopped (no lock: the loop of a set's runtime polls it).
+  bool has_stopped() const { return stopped_flag_.load(); }
+  const std::string& label() const { return role_.label; }
 
  private:
   // A batch an asynchronous backend (a GPU stream) is still running.
@@ -113,6 +126,8 @@ class Runtime {
   // Complete for each of a batch's entries, taking the lock once.
   void CompleteAll(std::vector<Entry>& entries, const Result& r);
   void FailAll(const Status& s);
+  // `message` prefixed with this runtime's label (a process set's).
+  std::string Labelled(const std::string& message) const;
 
   // Timeline.
   std::shared_ptr<Timeline> CurrentTimeline();
@@ -126,6 +141,8 @@ class Runtime {
   void RecordAsync(const AsyncBatch& a);
 
   Config config_;
+  RuntimeRole role_;
+  std::atomic<bool> stopped_flag_{false};
   std::unique_ptr<MpiContext> mpi_;
   std::unique_ptr<Liveness> liveness_;  // the heartbeat; empty at one rank
   std::unique_ptr<Communicator> host_;

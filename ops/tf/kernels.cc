@@ -245,13 +245,14 @@ class CollectiveKernel : public AsyncOpKernel {
         on_gpu_(c->device_type() == ::tensorflow::DEVICE_GPU) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
+    OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
   }
 
  protected:
   // Fills the parts of the request every op has, and *where.
   bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
              core::Entry* e, core::RuntimeRef* rt, Placement* where) {
-    *rt = core::RuntimeRef::Current();
+    *rt = core::RuntimeRef::Current(process_set_);
     if (!*rt) {
       ctx->SetStatus(::tensorflow::errors::FailedPrecondition(
           "kerasdist is not initialized; call kerasdist.init() first."));
@@ -349,6 +350,7 @@ class CollectiveKernel : public AsyncOpKernel {
 
   const bool on_gpu_;
   std::string tensor_name_;
+  int process_set_ = 0;
 };
 
 class AllreduceOp : public CollectiveKernel {
@@ -388,6 +390,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
         outputs_(on_gpu_) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &base_));
     if (base_.empty()) base_ = name();
+    OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
     OP_REQUIRES_OK(c, reduce_.Read(c));
     // "<base>.<i>" for every member, built once: a node's input count is fixed.
     for (int i = 0; i < c->num_inputs(); ++i) {
@@ -396,7 +399,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::RuntimeRef rt = core::RuntimeRef::Current();
+    core::RuntimeRef rt = core::RuntimeRef::Current(process_set_);
     OP_REQUIRES_ASYNC(
         ctx, static_cast<bool>(rt),
         ::tensorflow::errors::FailedPrecondition(
@@ -491,6 +494,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
 
   const bool on_gpu_;
   std::string base_;
+  int process_set_ = 0;
   ReduceAttrs reduce_;
   OutputCache outputs_;
   std::vector<std::string> names_;

@@ -18,12 +18,17 @@ namespace {
 
 constexpr int64_t kRound = int64_t{2} << 20;
 
-std::string SegmentName(long job, int generation, int rank) {
+// `job`: the pid of the communicator's rank 0 and which of that process's
+// communicators (its job's, then each process set's) it is, so that the
+// segments of two runtimes of one process never share a name.
+std::string SegmentName(const long job[2], int generation, int rank) {
   char name[96];
-  std::snprintf(name, sizeof(name), "/kerasdist.%ld.%d.%d", job, generation,
-                rank);
+  std::snprintf(name, sizeof(name), "/kerasdist.%ld.%ld.%d.%d", job[0], job[1],
+                generation, rank);
   return name;
 }
+
+std::atomic<long> g_instances{0};
 
 // Maps `name` (created, with `bytes` reserved, when `create`); null on failure.
 char* MapSegment(const std::string& name, int64_t bytes, bool create) {
@@ -93,9 +98,10 @@ Status ShmAllreduce::Grow(int64_t bytes, bool* ok) {
   }
   Unmap();
   const int64_t cap = (bytes + kRound - 1) / kRound * kRound;
-  long job = static_cast<long>(getpid());
+  if (instance_ < 0) instance_ = g_instances++;
+  long job[2] = {static_cast<long>(getpid()), instance_};
   KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Bcast(&job, 1, MPI_LONG, 0, comm_), "MPI_Bcast"));
+      MpiStatus(MPI_Bcast(job, 2, MPI_LONG, 0, comm_), "MPI_Bcast"));
   ++generation_;
   const std::string mine = SegmentName(job, generation_, rank_);
   shm_unlink(mine.c_str());  // a leftover of a killed job with a reused pid

@@ -72,6 +72,7 @@ class ShmAllreduce {
   int64_t refused_ = INT64_MAX;  // smallest size the ranks could not all map
   std::vector<char*> slots_;     // every rank's slot, mapped here
   int generation_ = 0;
+  long instance_ = -1;           // this process's number for the communicator
   bool used_ = false;            // a call ran since the slots were made
   std::vector<int64_t> bounds_;  // element ranges reduced by each rank
   int64_t esize_ = 0;

@@ -322,6 +322,10 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   KD_RETURN_IF_ERROR(
       MpiStatus(MPI_Comm_dup(parent, &ctx->comm_), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(ctx->comm_, MPI_ERRORS_RETURN);
+  // Rank 0's: processes that are in different process sets have made
+  // different numbers of contexts.
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Bcast(&ctx->control_tag_, 1, MPI_INT, 0, ctx->comm_), "MPI_Bcast"));
   Topology& t = ctx->topo_;
   MPI_Comm_rank(ctx->comm_, &t.rank);
   MPI_Comm_size(ctx->comm_, &t.size);
