@@ -580,15 +580,9 @@ Status RequireSets(std::shared_ptr<Runtime>* rt) {
   return Status::OK();
 }
 
-Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
-  std::shared_ptr<Runtime> rt;
-  KD_RETURN_IF_ERROR(RequireSets(&rt));
-  const Topology& topo = rt->topology();
-  std::vector<int32_t> set(ranks, ranks + std::max(n, 0));
-  std::vector<int64_t> key(set.begin(), set.end());
-  key.push_back(-1);
-  // Agreement first, so that every rank fails alike.
-  KD_RETURN_IF_ERROR(AllAgree(key, "add_process_set"));
+// The ranks of a new set are ranks of the job, sorted, neither the whole job
+// nor an existing set's.
+Status CheckNewSet(const std::vector<int32_t>& set, const Topology& topo) {
   if (set.empty())
     return Status::InvalidArgument("add_process_set needs at least one rank.");
   for (size_t i = 0; i < set.size(); ++i) {
@@ -613,6 +607,19 @@ Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
       }
     }
   }
+  return Status::OK();
+}
+
+Status AddProcessSet(const int32_t* ranks, int32_t n, int32_t* id) {
+  std::shared_ptr<Runtime> rt;
+  KD_RETURN_IF_ERROR(RequireSets(&rt));
+  const Topology& topo = rt->topology();
+  std::vector<int32_t> set(ranks, ranks + std::max(n, 0));
+  std::vector<int64_t> key(set.begin(), set.end());
+  key.push_back(-1);
+  // Agreement first, so that every rank fails alike.
+  KD_RETURN_IF_ERROR(AllAgree(key, "add_process_set"));
+  KD_RETURN_IF_ERROR(CheckNewSet(set, topo));
   const bool member =
       std::binary_search(set.begin(), set.end(), int32_t(topo.rank));
   MPI_Comm sub = MPI_COMM_NULL;

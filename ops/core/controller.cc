@@ -237,6 +237,44 @@ void Coordinator::Release(Ready ready, const ResponseCache& cache) {
   }
 }
 
+void Coordinator::Choose(Ready& item, const ResponseCache& cache,
+                         std::vector<Response>* built,
+                         std::vector<const Response*>* chosen,
+                         std::vector<int32_t>* indices) {
+  if (item.join || !item.error.empty()) {
+    Response r;
+    r.req = std::move(item.per_rank[0]);
+    r.error = std::move(item.error);
+    built->push_back(std::move(r));
+    chosen->push_back(&built->back());
+    indices->push_back(-1);
+    return;
+  }
+  if (item.cache_index >= 0 && cache_enabled_) {
+    // Every rank asked exactly what the cache entry says.
+    chosen->push_back(&cache.Get(item.cache_index));
+    indices->push_back(item.cache_index);
+    return;
+  }
+  if (item.cache_index >= 0) {
+    const Response& entry = cache.Get(item.cache_index);
+    item.per_rank.resize(size_);
+    for (int r = 0; r < size_; ++r)
+      item.per_rank[r] = RequestForRank(entry, r, size_);
+  }
+  int ci = cache_enabled_ ? cache.IndexOf(item.name) : -1;
+  for (int r = 0; ci >= 0 && r < size_; ++r) {
+    if (!MatchesForRank(cache.Get(ci), r, size_, item.per_rank[r])) ci = -1;
+  }
+  if (ci >= 0) {
+    chosen->push_back(&cache.Get(ci));
+  } else {
+    built->push_back(BuildResponse(item.per_rank));
+    chosen->push_back(&built->back());
+  }
+  indices->push_back(ci);
+}
+
 CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
   CoordinatorMessage out;
   // Built responses live here; `chosen` points at them or at cache entries.
@@ -246,40 +284,7 @@ CoordinatorMessage Coordinator::Decide(const ResponseCache& cache) {
   std::vector<int32_t> indices;
   chosen.reserve(ready_.size());
   indices.reserve(ready_.size());
-  for (Ready& item : ready_) {
-    if (item.join || !item.error.empty()) {
-      Response r;
-      r.req = std::move(item.per_rank[0]);
-      r.error = std::move(item.error);
-      built.push_back(std::move(r));
-      chosen.push_back(&built.back());
-      indices.push_back(-1);
-      continue;
-    }
-    if (item.cache_index >= 0 && cache_enabled_) {
-      // Every rank asked exactly what the cache entry says.
-      chosen.push_back(&cache.Get(item.cache_index));
-      indices.push_back(item.cache_index);
-      continue;
-    }
-    if (item.cache_index >= 0) {
-      const Response& entry = cache.Get(item.cache_index);
-      item.per_rank.resize(size_);
-      for (int r = 0; r < size_; ++r)
-        item.per_rank[r] = RequestForRank(entry, r, size_);
-    }
-    int ci = cache_enabled_ ? cache.IndexOf(item.name) : -1;
-    for (int r = 0; ci >= 0 && r < size_; ++r) {
-      if (!MatchesForRank(cache.Get(ci), r, size_, item.per_rank[r])) ci = -1;
-    }
-    if (ci >= 0) {
-      chosen.push_back(&cache.Get(ci));
-    } else {
-      built.push_back(BuildResponse(item.per_rank));
-      chosen.push_back(&built.back());
-    }
-    indices.push_back(ci);
-  }
+  for (Ready& item : ready_) Choose(item, cache, &built, &chosen, &indices);
   ready_.clear();
   for (const auto& batch : PlanFusion(chosen, config_.fusion_threshold_bytes)) {
     Batch b;

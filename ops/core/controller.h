@@ -103,6 +103,12 @@ class Coordinator {
   void RecordReadyInfo(const std::string& name, const Pending& p);
   // `p` reported by every rank, as a Ready (the cache entry when all named
   // the same one, else every rank's request).
+  // Decide's choice for one ready tensor: a cache entry (its index) or a
+  // response built into `built` (index -1), appended to `chosen`/`indices`.
+  void Choose(Ready& item, const ResponseCache& cache,
+              std::vector<Response>* built,
+              std::vector<const Response*>* chosen,
+              std::vector<int32_t>* indices);
   Ready MakeReady(const std::string& name, Pending& p,
                   const ResponseCache& cache);
   // Queues `ready` for the next decision, or holds it until its whole group

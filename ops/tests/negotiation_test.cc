@@ -350,6 +350,35 @@ KD_TEST(ShutdownNamesTheRank) {
   CHECK_CONTAINS(out.shutdown_reason, "rank 2 shut down");
 }
 
+// The middle of JoinedRanksServeAllreducesUntilEveryRankJoined (rank 1 of
+// 3 has joined): other collectives fail, and a real deadlock is named.
+static void JoinedRankRefusesOthersAndDeadlocks(Coordinator& coord,
+                                                ResponseCache& cache) {
+  CoordinatorMessage m;
+  // Broadcast and allgather fail clearly instead of waiting for rank 1.
+  for (OpType op : {OpType::kBroadcast, OpType::kAllgather}) {
+    for (int r : {0, 2})
+      coord.Add(r, One(Req("x", {2}, DataType::kFloat32, op)), cache);
+    m = coord.Decide(cache);
+    CHECK((Names(m) == std::vector<std::string>{"x"}));
+    CHECK_CONTAINS(m.batches[0].responses[0].error,
+                   "cannot run while rank(s) 1 have called join()");
+    cache.Put(m.batches[0].responses[0]);  // never cached
+    CHECK(cache.IndexOf("x") < 0);
+  }
+  // Rank 0 waits on "p", rank 2 on "q", rank 1 in join: a deadlock, named.
+  coord.Add(0, One(Req("p", {1})), cache);
+  coord.Add(2, One(Req("q", {1})), cache);
+  const Clock::time_point t = Clock::now();
+  CHECK(coord.CheckStalls(t).shutdown_reason.empty());
+  StallReport rep = coord.CheckStalls(t + std::chrono::seconds(6));
+  CHECK(rep.deadlock);
+  CHECK_CONTAINS(rep.shutdown_reason, "rank 1 waits on 1 (join())");
+  coord.Add(2, One(Req("p", {1})), cache);
+  coord.Add(0, One(Req("q", {1})), cache);
+  CHECK((Names(coord.Decide(cache)) == std::vector<std::string>{"p", "q"}));
+}
+
 // join(): a joined rank counts as having reported every allreduce (from
 // the cache too) until every rank has joined; other collectives become
 // errors; the join itself returns the last rank to join, and then ranks
@@ -387,28 +416,7 @@ KD_TEST(JoinedRanksServeAllreducesUntilEveryRankJoined) {
   m = coord.Decide(cache);
   CHECK(m.batches.size() == 1 && m.batches[0].cache_index.size() == 1 &&
         m.batches[0].cache_index[0] >= 0);
-  // Broadcast and allgather fail clearly instead of waiting for rank 1.
-  for (OpType op : {OpType::kBroadcast, OpType::kAllgather}) {
-    for (int r : {0, 2})
-      coord.Add(r, One(Req("x", {2}, DataType::kFloat32, op)), cache);
-    m = coord.Decide(cache);
-    CHECK((Names(m) == std::vector<std::string>{"x"}));
-    CHECK_CONTAINS(m.batches[0].responses[0].error,
-                   "cannot run while rank(s) 1 have called join()");
-    cache.Put(m.batches[0].responses[0]);  // never cached
-    CHECK(cache.IndexOf("x") < 0);
-  }
-  // Rank 0 waits on "p", rank 2 on "q", rank 1 in join: a deadlock, named.
-  coord.Add(0, One(Req("p", {1})), cache);
-  coord.Add(2, One(Req("q", {1})), cache);
-  const Clock::time_point t = Clock::now();
-  CHECK(coord.CheckStalls(t).shutdown_reason.empty());
-  StallReport rep = coord.CheckStalls(t + std::chrono::seconds(6));
-  CHECK(rep.deadlock);
-  CHECK_CONTAINS(rep.shutdown_reason, "rank 1 waits on 1 (join())");
-  coord.Add(2, One(Req("p", {1})), cache);
-  coord.Add(0, One(Req("q", {1})), cache);
-  CHECK((Names(coord.Decide(cache)) == std::vector<std::string>{"p", "q"}));
+  JoinedRankRefusesOthersAndDeadlocks(coord, cache);
   // Rank 2 then rank 0 join: every join returns 0; no tensor is cached.
   coord.Add(2, One(join), cache);
   CHECK(Names(coord.Decide(cache)).empty());
