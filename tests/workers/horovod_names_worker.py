@@ -156,7 +156,8 @@ def topology_ops():
         assert np_of(got).dtype == np.int32, (op, got)
         expect(got, np.int32(want), op.__name__)
     expect(kd.size_op(0, name="size"), np.int32(N), "size_op(0)")
-    raises(ValueError, "process sets", lambda: kd.size_op(1), "size_op(1)")
+    raises(ValueError, "process set 1 does not exist", lambda: kd.size_op(1),
+           "size_op(1)")
     raises(TypeError, "name", lambda: kd.rank_op(name=3), "rank_op(name=3)")
     if BACKEND == "tensorflow":
         @tf.function
