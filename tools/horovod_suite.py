@@ -77,6 +77,11 @@ IMPORTS = [
     (r"import mock", "from unittest import mock"),
     (r"from horovod\.runner\.common\.util\.env import get_env_rank_and_size",
      "from kd_suite_compat import get_env_rank_and_size"),
+    # test_tensorflow2_keras.py (it also needs `pip install parameterized`)
+    (r"import horovod\.tensorflow\.keras as hvd", "import kerasdist as hvd"),
+    (r"import horovod\.keras as hvd_keras", "import kerasdist as hvd_keras"),
+    (r"from horovod\.common\.util import is_version_greater_equal_than",
+     "from kd_suite_compat import is_version_greater_equal_than"),
 ]
 
 COMPAT = '''"""What Horovod's test files imported from Horovod's runner."""
@@ -93,6 +98,11 @@ def get_env_rank_and_size():
         if rank is not None and size is not None:
             return int(rank), int(size)
     return 0, 1
+
+
+def is_version_greater_equal_than(ver, target):
+    from packaging import version
+    return version.parse(ver) >= version.parse(target)
 
 
 def in_thread(target, args=(), name=None, daemon=True, silent=False):
