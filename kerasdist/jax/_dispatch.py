@@ -89,13 +89,18 @@ def auto_name(kind, name):
 
     Explicit names win. Eagerly, unnamed calls are numbered in call order.
     Inside `jax.jit` they are numbered per trace, prefixed with the traced
-    function's name, like the unique names of a TF graph.
+    function's name, like the unique names of a TF graph. Calls on a process
+    set are counted apart (`<kind>.set<id>`), as eagerly: only its members
+    make them, and the numbering of the others' calls must not shift.
     """
     if name is not None:
         return str(name)
     trace = program_trace()
     if trace is None:
         return _host.eager_name(kind, None)
+    ps = _capi.current_process_set()
+    if ps:
+        kind = f"{kind}.set{ps}"
     with _lock:
         counters = _trace_counters.setdefault(trace, {})
         k = counters.get(kind, 0)
@@ -128,18 +133,18 @@ def call(target, out_types, *args, **attrs):
         # has_side_effect: XLA must never drop a collective whose result is
         # unused on one rank (a broadcast's gradient off the root): the
         # others would wait for it forever.
-        if _capi.current_process_set():
-            raise NotImplementedError(
-                f"kerasdist.jax {target} on a process set runs eagerly "
-                "only; call it outside jax.jit.")
         _register()
         if target not in CUDA_TARGETS and jax.default_backend() == "gpu":
             raise NotImplementedError(
                 f"kerasdist.jax {target} inside jax.jit runs on the CPU "
                 "only: its result's size depends on the other ranks. Call "
                 "it outside jax.jit (eagerly, through host memory).")
+        # The set is fixed at trace time: the program keeps the set its
+        # collectives were traced on.
         return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
-                                has_side_effect=True)(*args, **attrs)
+                                has_side_effect=True)(
+            *args, process_set=np.int32(_capi.current_process_set()),
+            **attrs)
     return _run_eager(target, out_types, args, attrs)
 
 

@@ -64,6 +64,25 @@ def _reduce_attrs(op, prescale, postscale):
                 postscale=np.float64(postscale))
 
 
+def _set_size():
+    """The size of the process set collectives run on here (the job's)."""
+    ps = _capi.current_process_set()
+    return len(_capi.process_set_ranks(ps)) if ps else basics.size()
+
+
+def _set_rank():
+    """This rank's index in that set."""
+    ps = _capi.current_process_set()
+    return _capi.process_set_rank(ps) if ps else basics.rank()
+
+
+def _on_set(ps):
+    """The scope of process set `ps`, for the primal and backward passes of
+    a collective: the backward pass runs after the public call returned
+    (and its scope ended), yet must run on the forward's set."""
+    return _capi.process_set_scope(ps)
+
+
 def _differentiable(op):
     if op not in (basics.Average, basics.Sum):
         raise NotImplementedError(
@@ -73,19 +92,20 @@ def _differentiable(op):
 # ---- allreduce ---------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _allreduce(x, name, op, prescale, postscale):
-    return call("allreduce", _like(x), x, name=name,
-                 **_reduce_attrs(op, prescale, postscale))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _allreduce(x, name, op, prescale, postscale, ps=0):
+    with _on_set(ps):
+        return call("allreduce", _like(x), x, name=name,
+                    **_reduce_attrs(op, prescale, postscale))
 
 
-def _allreduce_fwd(x, name, op, prescale, postscale):
-    return _allreduce(x, name, op, prescale, postscale), None
+def _allreduce_fwd(x, name, op, prescale, postscale, ps):
+    return _allreduce(x, name, op, prescale, postscale, ps), None
 
 
-def _allreduce_bwd(name, op, prescale, postscale, _, grad):
+def _allreduce_bwd(name, op, prescale, postscale, ps, _, grad):
     _differentiable(op)
-    return (_allreduce(grad, name + ".grad", op, prescale, postscale),)
+    return (_allreduce(grad, name + ".grad", op, prescale, postscale, ps),)
 
 
 _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
@@ -93,22 +113,24 @@ _allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
 
 def allreduce(tensor, op, name, prescale_factor, postscale_factor):
     return _allreduce(tensor, name, int(op), float(prescale_factor),
-                      float(postscale_factor))
+                      float(postscale_factor), _capi.current_process_set())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _grouped(xs, name, op, prescale, postscale):
-    return tuple(call("grouped_allreduce", [_like(x) for x in xs], *xs,
-                       name=name, **_reduce_attrs(op, prescale, postscale)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _grouped(xs, name, op, prescale, postscale, ps=0):
+    with _on_set(ps):
+        return tuple(call("grouped_allreduce", [_like(x) for x in xs], *xs,
+                          name=name, **_reduce_attrs(op, prescale, postscale)))
 
 
-def _grouped_fwd(xs, name, op, prescale, postscale):
-    return _grouped(xs, name, op, prescale, postscale), None
+def _grouped_fwd(xs, name, op, prescale, postscale, ps):
+    return _grouped(xs, name, op, prescale, postscale, ps), None
 
 
-def _grouped_bwd(name, op, prescale, postscale, _, grads):
+def _grouped_bwd(name, op, prescale, postscale, ps, _, grads):
     _differentiable(op)
-    return (_grouped(tuple(grads), name + ".grad", op, prescale, postscale),)
+    return (_grouped(tuple(grads), name + ".grad", op, prescale, postscale,
+                     ps),)
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -116,26 +138,29 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
     return list(_grouped(tuple(tensors), name, int(op),
-                         float(prescale_factor), float(postscale_factor)))
+                         float(prescale_factor), float(postscale_factor),
+                         _capi.current_process_set()))
 
 
 # ---- allgather ---------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _allgather(x, name, rows):
-    return call("allgather", _like(x, sum(rows)), x, name=name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _allgather(x, name, rows, ps=0):
+    with _on_set(ps):
+        return call("allgather", _like(x, sum(rows)), x, name=name)
 
 
-def _allgather_fwd(x, name, rows):
-    return _allgather(x, name, rows), None
+def _allgather_fwd(x, name, rows, ps):
+    return _allgather(x, name, rows, ps), None
 
 
-def _allgather_bwd(name, rows, _, grad):
+def _allgather_bwd(name, rows, ps, _, grad):
     # Every rank's output holds this rank's rows: their gradient is the
     # average of every rank's cotangent for them (Horovod's convention).
-    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
-    r = basics.rank()
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0, ps)
+    with _on_set(ps):
+        r = _set_rank()
     start = sum(rows[:r])
     return (summed[start:start + rows[r]],)
 
@@ -151,24 +176,26 @@ def allgather(tensor, name):
         rows = _host.host_int64(_capi.OP_ALLGATHER, [tensor.shape[0]],
                                 name + ".rows")
     else:
-        rows = (tensor.shape[0],) * basics.size()
-    return _allgather(tensor, name, rows)
+        rows = (tensor.shape[0],) * _set_size()
+    return _allgather(tensor, name, rows, _capi.current_process_set())
 
 
 # ---- broadcast ---------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _broadcast(x, name, root):
-    return call("broadcast", _like(x), x, name=name, root_rank=np.int32(root))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _broadcast(x, name, root, ps=0):
+    with _on_set(ps):
+        return call("broadcast", _like(x), x, name=name,
+                    root_rank=np.int32(root))
 
 
-def _broadcast_fwd(x, name, root):
-    return _broadcast(x, name, root), None
+def _broadcast_fwd(x, name, root, ps):
+    return _broadcast(x, name, root, ps), None
 
 
-def _broadcast_bwd(name, root, _, grad):
-    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0)
+def _broadcast_bwd(name, root, ps, _, grad):
+    summed = _allreduce(grad, name + ".grad", basics.Average, 1.0, 1.0, ps)
     return (summed if basics.rank() == root else summed * 0,)
 
 
@@ -176,25 +203,26 @@ _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 
 def broadcast(tensor, root_rank, name):
-    return _broadcast(tensor, name, root_rank)
+    return _broadcast(tensor, name, root_rank, _capi.current_process_set())
 
 
 # ---- alltoall ----------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _alltoall(x, name, splits, recv):
-    return call("alltoall", _like(x, sum(recv)), x, name=name,
-                 splits=np.asarray(splits, np.int64))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _alltoall(x, name, splits, recv, ps=0):
+    with _on_set(ps):
+        return call("alltoall", _like(x, sum(recv)), x, name=name,
+                    splits=np.asarray(splits, np.int64))
 
 
-def _alltoall_fwd(x, name, splits, recv):
-    return _alltoall(x, name, splits, recv), None
+def _alltoall_fwd(x, name, splits, recv, ps):
+    return _alltoall(x, name, splits, recv, ps), None
 
 
-def _alltoall_bwd(name, splits, recv, _, grad):
+def _alltoall_bwd(name, splits, recv, ps, _, grad):
     # The rows go back where they came from.
-    return (_alltoall(grad, name + ".grad", recv, splits),)
+    return (_alltoall(grad, name + ".grad", recv, splits, ps),)
 
 
 _alltoall.defvjp(_alltoall_fwd, _alltoall_bwd)
@@ -213,7 +241,7 @@ def _concrete_splits(splits, rows, size):
 
 
 def alltoall(tensor, splits, name):
-    n = basics.size()
+    n = _set_size()
     if tensor.ndim == 0:
         raise ValueError("alltoall needs an array with a first dimension, got "
                          "a scalar.")
@@ -231,26 +259,27 @@ def alltoall(tensor, splits, name):
                 "split): the received sizes would fix the result's shape. "
                 "Call it outside jax.jit for explicit splits.")
         recv = _host.host_int64(_capi.OP_ALLTOALL, splits, name + ".splits")
-    return (_alltoall(tensor, name, splits, recv),
+    return (_alltoall(tensor, name, splits, recv, _capi.current_process_set()),
             jnp.asarray(np.asarray(recv, np.int32)))
 
 
 # ---- reducescatter -----------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _reducescatter(x, name, op, prescale, postscale, counts):
-    return call("reducescatter", _like(x, counts[basics.rank()]), x,
-                 name=name, **_reduce_attrs(op, prescale, postscale))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _reducescatter(x, name, op, prescale, postscale, counts, ps=0):
+    with _on_set(ps):
+        return call("reducescatter", _like(x, counts[_set_rank()]), x,
+                    name=name, **_reduce_attrs(op, prescale, postscale))
 
 
-def _reducescatter_fwd(x, name, op, prescale, postscale, counts):
-    return _reducescatter(x, name, op, prescale, postscale, counts), None
+def _reducescatter_fwd(x, name, op, prescale, postscale, counts, ps):
+    return _reducescatter(x, name, op, prescale, postscale, counts, ps), None
 
 
-def _reducescatter_bwd(name, op, prescale, postscale, counts, _, grad):
+def _reducescatter_bwd(name, op, prescale, postscale, counts, ps, _, grad):
     _differentiable(op)
-    gathered = _allgather(grad, name + ".grad", counts)
+    gathered = _allgather(grad, name + ".grad", counts, ps)
     scale = prescale * postscale * (len(counts) if op == basics.Sum else 1)
     return (gathered * jnp.asarray(scale, gathered.dtype),)
 
@@ -262,9 +291,10 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
     if tensor.ndim == 0:
         raise ValueError("reducescatter needs an array with a first "
                          "dimension, got a scalar.")
-    counts = _host.scatter_rows(tensor.shape[0], basics.size())
+    counts = _host.scatter_rows(tensor.shape[0], _set_size())
     return _reducescatter(tensor, name, int(op), float(prescale_factor),
-                          float(postscale_factor), counts)
+                          float(postscale_factor), counts,
+                          _capi.current_process_set())
 
 
 def barrier(name):

@@ -241,8 +241,10 @@ ffi::Future One(std::string_view name, const Spec& s, const ffi::AnyBuffer& in,
 
 ffi::Future AllreduceImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                           std::string_view name, int32_t reduce_op,
-                          double prescale, double postscale) {
+                          double prescale, double postscale,
+                          int32_t process_set) {
   Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
+  s.process_set = process_set;
   return One(name, s, x, &*y, false);
 }
 
@@ -250,8 +252,10 @@ ffi::Future AllreduceImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
 // core fuses them into as few collectives as the threshold allows.
 ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
                                  std::string_view name, int32_t reduce_op,
-                                 double prescale, double postscale) {
+                                 double prescale, double postscale,
+                                 int32_t process_set) {
   Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
+  s.process_set = process_set;
   s.group = std::string(name);
   s.group_size = static_cast<int32_t>(xs.size());
   // Every member is checked before any is enqueued: a group short of a
@@ -282,43 +286,50 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
 }
 
 ffi::Future AllgatherImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view name) {
+                          std::string_view name, int32_t process_set) {
   Spec s;
   s.op = OpType::kAllgather;
+  s.process_set = process_set;
   return One(name, s, x, &*y, true);
 }
 
 ffi::Future BroadcastImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                          std::string_view name, int32_t root_rank) {
+                          std::string_view name, int32_t root_rank,
+                          int32_t process_set) {
   Spec s;
   s.op = OpType::kBroadcast;
+  s.process_set = process_set;
   s.root_rank = root_rank;
   return One(name, s, x, &*y, false);
 }
 
 ffi::Future AlltoallImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         std::string_view name,
-                         ffi::Span<const int64_t> splits) {
+                         std::string_view name, ffi::Span<const int64_t> splits,
+                         int32_t process_set) {
   Spec s;
   s.op = OpType::kAlltoall;
+  s.process_set = process_set;
   s.splits.assign(splits.begin(), splits.end());
   return One(name, s, x, &*y, true);
 }
 
 ffi::Future ReducescatterImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                               std::string_view name, int32_t reduce_op,
-                              double prescale, double postscale) {
+                              double prescale, double postscale,
+                              int32_t process_set) {
   Spec s = ReduceSpec(OpType::kReducescatter, reduce_op, prescale, postscale);
+  s.process_set = process_set;
   return One(name, s, x, &*y, true);
 }
 
 // A barrier has no data; XLA needs a result, so it writes a scalar the
 // Python side ignores (it orders what depends on it).
 ffi::Future BarrierImpl(ffi::Result<ffi::AnyBuffer> token,
-                        std::string_view name) {
+                        std::string_view name, int32_t process_set) {
   std::memset(token->untyped_data(), 0, token->size_bytes());
   Spec s;
   s.op = OpType::kBarrier;
+  s.process_set = process_set;
   Call* call = new Call(1);
   ffi::Future future = call->future();
   auto p = std::make_unique<Pending>();
@@ -338,7 +349,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistAllreduce, AllreduceImpl,
                                   .Attr<std::string_view>("name")
                                   .Attr<int32_t>("reduce_op")
                                   .Attr<double>("prescale")
-                                  .Attr<double>("postscale"));
+                                  .Attr<double>("postscale")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduce, GroupedAllreduceImpl,
                               ffi::Ffi::Bind()
@@ -347,27 +359,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduce, GroupedAllreduceImpl,
                                   .Attr<std::string_view>("name")
                                   .Attr<int32_t>("reduce_op")
                                   .Attr<double>("prescale")
-                                  .Attr<double>("postscale"));
+                                  .Attr<double>("postscale")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistAllgather, AllgatherImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name"));
+                                  .Attr<std::string_view>("name")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBroadcast, BroadcastImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<std::string_view>("name")
-                                  .Attr<int32_t>("root_rank"));
+                                  .Attr<int32_t>("root_rank")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistAlltoall, AlltoallImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<std::string_view>("name")
-                                  .Attr<ffi::Span<const int64_t>>("splits"));
+                                  .Attr<ffi::Span<const int64_t>>("splits")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistReducescatter, ReducescatterImpl,
                               ffi::Ffi::Bind()
@@ -376,8 +392,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistReducescatter, ReducescatterImpl,
                                   .Attr<std::string_view>("name")
                                   .Attr<int32_t>("reduce_op")
                                   .Attr<double>("prescale")
-                                  .Attr<double>("postscale"));
+                                  .Attr<double>("postscale")
+                                  .Attr<int32_t>("process_set"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    KerasdistBarrier, BarrierImpl,
-    ffi::Ffi::Bind().Ret<ffi::AnyBuffer>().Attr<std::string_view>("name"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBarrier, BarrierImpl,
+                              ffi::Ffi::Bind()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::string_view>("name")
+                                  .Attr<int32_t>("process_set"));

@@ -71,6 +71,7 @@ struct Spec {
   std::string group;
   int32_t group_size = 0;
   std::vector<int64_t> splits;  // alltoall: rows sent to each rank
+  int32_t process_set = 0;      // the set traced with (0: the whole job)
 };
 
 // An allreduce's (or reducescatter's) spec.
@@ -104,6 +105,7 @@ inline kerasdist_request Request(const std::string& name, const Spec& s,
   r.group = s.group.c_str();
   r.group_size = s.group_size;
   r.device = device;
+  r.process_set = s.process_set;
   return r;
 }
 

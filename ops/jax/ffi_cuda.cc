@@ -174,8 +174,10 @@ ffi::Error Run(cudaStream_t stream, const Spec& s,
 
 ffi::Error AllreduceImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, std::string_view name,
-                         int32_t reduce_op, double prescale, double postscale) {
+                         int32_t reduce_op, double prescale, double postscale,
+                         int32_t process_set) {
   Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
+  s.process_set = process_set;
   return Run(stream, s, {{std::string(name), x, *y}});
 }
 
@@ -183,8 +185,9 @@ ffi::Error AllreduceImpl(cudaStream_t stream, ffi::AnyBuffer x,
 ffi::Error GroupedAllreduceImpl(cudaStream_t stream, ffi::RemainingArgs xs,
                                 ffi::RemainingRets ys, std::string_view name,
                                 int32_t reduce_op, double prescale,
-                                double postscale) {
+                                double postscale, int32_t process_set) {
   Spec s = ReduceSpec(OpType::kAllreduce, reduce_op, prescale, postscale);
+  s.process_set = process_set;
   s.group = std::string(name);
   s.group_size = static_cast<int32_t>(xs.size());
   std::vector<Member> members;
@@ -203,15 +206,16 @@ ffi::Error GroupedAllreduceImpl(cudaStream_t stream, ffi::RemainingArgs xs,
 
 ffi::Error BroadcastImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, std::string_view name,
-                         int32_t root_rank) {
+                         int32_t root_rank, int32_t process_set) {
   Spec s;
   s.op = OpType::kBroadcast;
+  s.process_set = process_set;
   s.root_rank = root_rank;
   return Run(stream, s, {{std::string(name), x, *y}});
 }
 
 ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
-                       std::string_view name) {
+                       std::string_view name, int32_t process_set) {
   cudaError_t e =
       cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
   if (e != cudaSuccess) return CudaError("clearing the barrier's token", e);
@@ -225,6 +229,7 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
   r.op = static_cast<int32_t>(OpType::kBarrier);
   r.dtype = static_cast<int32_t>(DataType::kUInt8);
   r.device = -1;
+  r.process_set = process_set;
   Waiter w;
   std::string failure = Enqueue(r, nullptr, nullptr, nullptr, &w);
   std::string ended = w.Wait();
@@ -245,7 +250,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistAllreduceCuda, AllreduceImpl,
                                   .Attr<std::string_view>("name")
                                   .Attr<int32_t>("reduce_op")
                                   .Attr<double>("prescale")
-                                  .Attr<double>("postscale"));
+                                  .Attr<double>("postscale")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduceCuda,
                               GroupedAllreduceImpl,
@@ -256,7 +262,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduceCuda,
                                   .Attr<std::string_view>("name")
                                   .Attr<int32_t>("reduce_op")
                                   .Attr<double>("prescale")
-                                  .Attr<double>("postscale"));
+                                  .Attr<double>("postscale")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBroadcastCuda, BroadcastImpl,
                               ffi::Ffi::Bind()
@@ -264,10 +271,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBroadcastCuda, BroadcastImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<std::string_view>("name")
-                                  .Attr<int32_t>("root_rank"));
+                                  .Attr<int32_t>("root_rank")
+                                  .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBarrierCuda, BarrierImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name"));
+                                  .Attr<std::string_view>("name")
+                                  .Attr<int32_t>("process_set"));

@@ -236,5 +236,51 @@ elif mode == "exit":
                 os.kill(os.getpid(), 9)
             sys.exit(0)  # a clean exit: atexit shuts kerasdist down
         allreduce(np.ones(1000), f"grad.{step % 5}", op=kd.Sum)
+elif mode == "set_member_leaves":
+    # np 3, set {0,1}: rank 1 leaves while rank 0 waits in a collective on
+    # the set and rank 2, outside it, in one of the job's. HOW=exit:
+    # os._exit (no goodbye, no MPI finalize); HOW=freeze: SIGSTOP, so only
+    # the heartbeat's silence can tell; HOW=shutdown: kd.shutdown(), the
+    # process staying. No one may hang: a collective that fails prints how
+    # long it waited, and the rank exits 3; a rank the heartbeat ends exits
+    # 75 after a line saying what it lost.
+    import signal
+
+    from kerasdist._core import capi
+    SHUTDOWN_ALIVE_S = 8
+    kd.init(process_sets=[kd.ProcessSet([0, 1])])
+    r = kd.rank()
+    assert kd.size() == 3, "run at -np 3"
+    how = os.environ["HOW"]
+    if r < 2:
+        with capi.process_set_scope(1):
+            got = allreduce(np.ones(4), "set.first", op=kd.Sum)
+        assert got.tolist() == [2] * 4, got
+    if r == 1:
+        time.sleep(1)  # rank 0 is waiting on the set by now
+        if how == "exit":
+            os._exit(0)
+        if how == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        kd.shutdown()
+        # Alive for longer than the others may wait (the test checks their
+        # times), so only the shutdown can end their waits; they wait for
+        # this exit in MPI's finalize.
+        time.sleep(SHUTDOWN_ALIVE_S)
+        sys.exit(0)
+    start = time.monotonic()
+    if r == 0:
+        with capi.process_set_scope(1):
+            text = expect_error(
+                lambda: allreduce(np.ones(4), "set.wait", op=kd.Sum),
+                "rank 1")
+    else:
+        # rank 0 may shut down (after its error) before rank 1's goodbye
+        # reached this rank: either names the rank that left.
+        text = expect_error(
+            lambda: allreduce(np.ones(4), "job.wait", op=kd.Sum), "shut down")
+    print(f"OK set_member_leaves {time.monotonic() - start:.1f}s: {text}",
+          flush=True)
+    sys.exit(3)  # the job failed, as it should
 else:
     sys.exit(f"unknown mode {mode}")

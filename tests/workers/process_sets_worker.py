@@ -8,7 +8,7 @@ negotiated independently (different orders on different ranks), errors
 naming the set, adding and removing sets at run time, the process ops,
 objects, and DistributedOptimizer(process_set=) against one process
 training on the set's concatenated batches. Group "frontends": JAX
-(eager) and PyTorch collectives on a set.
+(eager and inside jax.jit) and PyTorch collectives on a set.
 """
 
 import os
@@ -325,6 +325,68 @@ def jax_set():
         expect(kdj.broadcast(jnp.asarray(data(RANK, (2,), np.float32)),
                              ps.ranks[0], process_set=ps),
                data(ps.ranks[0], (2,), np.float32), f"jax broadcast {ps}")
+
+
+@check("jax_jit_set")
+def jax_jit_set():
+    """One jitted function on each set this rank is in, the whole job
+    included: its collectives run on the set it was traced with."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import kerasdist.jax as kdj
+    from kerasdist._core import capi
+    from kerasdist._core.host import scatter_rows
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def step(x, ps):
+        n = len(ps.ranks)
+        return (kdj.allreduce(x, op=kd.Sum, process_set=ps),
+                kdj.allgather(x, process_set=ps),
+                kdj.broadcast(x, ps.ranks[-1], process_set=ps),
+                kdj.reducescatter(x, op=kd.Sum, process_set=ps),
+                kdj.alltoall(x[:n], process_set=ps),
+                jax.grad(lambda v: jnp.sum(
+                    kdj.allreduce(v, op=kd.Sum, process_set=ps)))(x))
+
+    for ps in mine():
+        xs = {r: data(r, (4, 2), np.float32) for r in ps.ranks}
+        n, i = len(ps.ranks), ps.ranks.index(RANK)
+        got = step(jnp.asarray(xs[RANK]), ps)
+        total = sum(xs.values())
+        start = sum(scatter_rows(4, n)[:i])
+        want = (total, np.concatenate([xs[r] for r in ps.ranks]),
+                xs[ps.ranks[-1]], total[start:start + scatter_rows(4, n)[i]],
+                np.stack([xs[r][i] for r in ps.ranks]),
+                np.full((4, 2), n, np.float32))
+        for what, g, w in zip(("allreduce", "allgather", "broadcast",
+                               "reducescatter", "alltoall", "grad"),
+                              got, want):
+            expect(g, w, f"jitted {what} on {ps}")
+
+    # Unnamed calls, set members only: the set's names are counted apart,
+    # so the job-wide call after them matches on every rank. A program
+    # traced inside a set's scope keeps the set when called outside it.
+    def mixed(x):
+        a = x
+        if RANK in EVEN.ranks:
+            a = kdj.allreduce(x, op=kd.Sum, process_set=EVEN)
+        return a, kdj.allreduce(x, op=kd.Sum)
+
+    x = data(RANK, (3,), np.float32)
+    a, b = jax.jit(mixed)(jnp.asarray(x))
+    expect(b, sum(data(r, (3,), np.float32) for r in range(SIZE)),
+           "jitted job-wide allreduce after a set's")
+    if RANK in EVEN.ranks:
+        expect(a, sum(data(r, (3,), np.float32) for r in EVEN.ranks),
+               "jitted unnamed allreduce on {0,2}")
+        scoped = jax.jit(lambda v: kdj.allreduce(v, op=kd.Sum))
+        with capi.process_set_scope(EVEN.process_set_id):
+            scoped(jnp.asarray(x)).block_until_ready()
+        expect(scoped(jnp.asarray(x)),
+               sum(data(r, (3,), np.float32) for r in EVEN.ranks),
+               "jitted program traced in a set's scope, called outside")
 
 
 @check("torch_set")
