@@ -130,6 +130,9 @@ REGISTER_OP("KerasdistBarrier")
 
 REGISTER_OP("KerasdistJoin")
     .Attr("tensor_name: string")
+    // Every collective kernel reads it; a join is always the job's (set 0),
+    // as in Horovod.
+    .Attr("process_set: int = 0")
     .Output("last_joined_rank: int32")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
