@@ -181,7 +181,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True,
                  steps_per_epoch=None, verbose=0):
         def multiplier(epoch):
-            epoch += 1.0 / self._steps
+            # Never past the end: a job resumed at another size counts its
+            # interrupted epoch in fractional steps (ResumedWarmupCallback),
+            # and its last batch must not overshoot `initial_lr`.
+            epoch = min(epoch + 1.0 / self._steps, warmup_epochs)
             size = basics.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
