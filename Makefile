@@ -4,11 +4,17 @@
 #   make test        lint, then the unit tests, then every other test tier
 #   make lint        ruff and clang-format, checking only (seconds)
 #   make fmt         apply ruff's fixes and clang-format to the tree
-#   make test-unit   one process, no MPI (a few minutes)
+#   make test-unit   no MPI (a few minutes)
 #   make wheel       dist/kerasdist-*-manylinux_*.whl, which installs without
 #                    a compiler (see below)
 
 PYTHON ?= python
+# pytest-xdist workers for the test tiers (TEST_WORKERS=0: no xdist). Two
+# on two cores: a rank test leaves a core idle while its ranks start, wait
+# on a heartbeat bound or a restart, and a second test fills it. Each test
+# file is one group on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
 .PHONY: test lint fmt test-unit test-rest wheel
@@ -25,12 +31,12 @@ fmt:
 	clang-format -i $(CXX_SOURCES)
 
 test-unit:
-	$(PYTHON) -m pytest tests/unit
+	$(PYTEST) tests/unit
 
 # Everything but tests/unit: parallel, integration, cluster (gpu tests skip
 # without a GPU).
 test-rest:
-	$(PYTHON) -m pytest tests --ignore=tests/unit
+	$(PYTEST) tests --ignore=tests/unit
 
 # The wheel: the core, the TensorFlow op library and the JAX op library,
 # built (CPU only, no NCCL) for the TensorFlow and jax installed here, which

@@ -16,6 +16,12 @@
 - SIGTERM (the overall bound in .ci/run sends it) kills every process
   pytest started, then stops the session as Ctrl-C does, so the summary
   and the slowest tests still print.
+- Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`),
+  each test file is one group, so a file's module fixtures (one launch
+  for many checks) run once, on one worker. Files that must never run at
+  the same time share a group: every file of tests/cluster (one set of
+  namespace hosts and Slurm daemons at a time) and every file that runs
+  the native build into the tree's object directories (_SHARED_GROUPS).
 """
 
 import ctypes
@@ -35,6 +41,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 # (tests/integration/test_no_hang.py sets it short).
 _BACKSTOP_S = float(os.environ.get("TESTS_TIMEOUT_BACKSTOP_S", "60"))
 _BACKSTOP_KEY = pytest.StashKey[threading.Timer]()
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+# Test files (relative to tests/) grouped onto one xdist worker, in order.
+_SHARED_GROUPS = {
+    "cluster/": "cluster",
+    "integration/test_wheel.py": "build",
+    "unit/test_build_nccl.py": "build",
+    "unit/test_core_cpp.py": "build",
+}
 
 
 def _become_subreaper():
@@ -133,6 +147,19 @@ def pytest_timeout_cancel_timer(item):
 def _on_sigterm(signum, frame):
     _kill_everything_started()
     raise KeyboardInterrupt("SIGTERM: the session ran past its bound")
+
+
+def _xdist_group(path):
+    rel = os.path.relpath(str(path), _TESTS).replace(os.sep, "/")
+    for prefix, group in _SHARED_GROUPS.items():
+        if rel.startswith(prefix):
+            return group
+    return rel
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item.path)))
 
 
 def pytest_configure(config):
