@@ -289,9 +289,11 @@ def _pytorchjob_env(rank):
 
 
 # Printed by each rank of the MPIJob before it trains: where it runs.
-WHERE = ("import os, socket; print('WHERE', socket.gethostname(), "
-         "os.environ['KERASDIST_HOSTNAME'], os.environ['K_MPI_JOB_ROLE'], "
-         "os.environ['PMI_RANK'])")
+# (The rank: hydra's PMI_RANK, or Open MPI's OMPI_COMM_WORLD_RANK.)
+WHERE = ("import os, socket; e = os.environ; print('WHERE', "
+         "socket.gethostname(), e['KERASDIST_HOSTNAME'], "
+         "e['K_MPI_JOB_ROLE'], e.get('PMI_RANK', "
+         "e.get('OMPI_COMM_WORLD_RANK')))")
 
 
 def _openmpi_hostfile_run(cluster):
@@ -317,8 +319,11 @@ def _openmpi_hostfile_run(cluster):
 def jobs(cluster, tmp_path_factory):
     """Every recipe's job at once; the JobSet's is killed in epoch 2 and
     started again by the test, as its controller would. Returns
-    {name: [Pod, ...]}, with "jobset0"/"jobset1" the two attempts and
-    "reference" the uninterrupted Trainer job under `kerasdist run`."""
+    {name: [Pod, ...]}, with "jobset0"/"jobset1" the two attempts,
+    "reference" the uninterrupted Trainer job under `kerasdist run` (a
+    CompletedProcess) and "openmpi" the MPIJob launcher's run with Open
+    MPI's hostfile and variables ((exit code, output)), made once the
+    MPICH job's launcher has ended."""
     root = tmp_path_factory.mktemp("jobs")
     fit = worker_cmd("keras_backend_worker.py", str(root), *FIT)
     trainer = worker_cmd("trainer_worker.py", "resume", str(root / "ckpt"),
