@@ -97,8 +97,13 @@ def parse_hostfile_text(text, name="hostfile"):
     return merge_hosts(hosts)
 
 
-def parse_hostfile(path):
+def parse_hostfile(path, what="--hostfile"):
     """Reads and parses a hostfile; see parse_hostfile_text.
+
+    Args:
+        path: the file.
+        what: where its name came from, for an error message (the flag, or
+            the platform's variable).
 
     Raises:
         ValueError: the file cannot be read or is malformed.
@@ -108,7 +113,7 @@ def parse_hostfile(path):
             text = f.read()
     except OSError as e:
         raise ValueError(
-            f"--hostfile: cannot read {path!r}: {e.strerror or e}"
+            f"{what}: cannot read {path!r}: {e.strerror or e}"
         ) from None
     return parse_hostfile_text(text, path)
 

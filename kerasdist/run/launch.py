@@ -202,9 +202,17 @@ def parse_args(argv, environ=None):
         raise UsageError("no command given (usage: kerasdist run -np N "
                          "command [args...])")
     args.node = None
+    args.platform_hostfile = None
+    if not any(getattr(args, f) is not None for f in _NODE_FLAGS) and \
+            args.np is None and args.hosts is None and \
+            args.hostfile is None:
+        _node_flags_from_pet(args, environ)
     if any(getattr(args, f) is not None for f in _NODE_FLAGS):
         _check_node_mode(args)
         return args
+    if args.hosts is None and args.hostfile is None and \
+            args.host_discovery_script is None:
+        args.platform_hostfile = platform_hostfile(environ)
     try:
         if args.hosts is not None:
             args.hosts = hosts_lib.parse_host_list(args.hosts)
@@ -212,6 +220,10 @@ def parse_args(argv, environ=None):
         elif args.hostfile is not None:
             args.hosts = hosts_lib.parse_hostfile(args.hostfile)
             source = f"--hostfile {args.hostfile}"
+        elif args.platform_hostfile is not None:
+            name, path = args.platform_hostfile
+            args.hosts = hosts_lib.parse_hostfile(path, f"{name}={path}")
+            source = f"{name}={path}"
         args.ssh_argv = (None if args.ssh_command is None else
                          remote.split_command(args.ssh_command))
         args.slurm = slurm.allocation(environ)
@@ -219,6 +231,8 @@ def parse_args(argv, environ=None):
         raise UsageError(str(e)) from None
     if args.slurm is not None:
         _check_against_slurm(args, environ)
+    elif args.np is None and args.platform_hostfile is not None:
+        args.np = hosts_lib.total_slots(args.hosts)
     elif args.np is None:
         raise UsageError("-np N is required outside a Slurm allocation "
                          "(usage: kerasdist run -np N command [args...])")
@@ -236,6 +250,48 @@ def parse_args(argv, environ=None):
 
 _NODE_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr",
                "master_port")
+
+# The hostfile an MPI platform names for its launcher, in the order looked
+# at: MPICH's hydra (Kubeflow's MPIJob with mpiImplementation MPICH), Intel
+# MPI's hydra (Intel), Open MPI (OpenMPI, and Kubeflow Trainer's MPI
+# runtime). The MPIJob operator mounts the file at /etc/mpi/hostfile.
+PLATFORM_HOSTFILES = ("HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE",
+                      "OMPI_MCA_orte_default_hostfile",
+                      "OMPI_MCA_prte_default_hostfile")
+
+# torchrun reads its flags' defaults from PET_<FLAG> (Kubeflow Trainer's
+# torch runtime and PyTorchJob set these in each pod); so does node mode.
+_PET_FLAGS = (("nnodes", "PET_NNODES"), ("node_rank", "PET_NODE_RANK"),
+              ("nproc_per_node", "PET_NPROC_PER_NODE"),
+              ("master_addr", "PET_MASTER_ADDR"),
+              ("master_port", "PET_MASTER_PORT"))
+
+
+def platform_hostfile(environ):
+    """(variable, path) of the first hostfile a platform names in
+    `environ` (PLATFORM_HOSTFILES), or None."""
+    for name in PLATFORM_HOSTFILES:
+        path = environ.get(name, "").strip()
+        if path:
+            return name, path
+    return None
+
+
+def _node_flags_from_pet(args, environ):
+    """Node mode from torchrun's PET_* variables where the command line
+    names neither ranks nor hosts (no -np, -H, --hostfile, node flags):
+    PET_NNODES and PET_NODE_RANK are required for it, the others are
+    optional as with the flags."""
+    if not (environ.get("PET_NNODES", "").strip() and
+            environ.get("PET_NODE_RANK", "").strip()):
+        return
+    given = []
+    for flag, name in _PET_FLAGS:
+        value = environ.get(name, "").strip()
+        if value:
+            setattr(args, flag, value)
+            given.append(f"{name}={value}")
+    args.node_from_pet = " ".join(given)
 
 
 def _check_node_mode(args):
@@ -260,6 +316,12 @@ def _check_node_mode(args):
                               args.nproc_per_node, args.master_addr,
                               args.master_port, args.np)
     except ValueError as e:
+        if getattr(args, "node_from_pet", False):
+            raise UsageError(f"node mode from the PET_* variables "
+                             f"({args.node_from_pet}):"
+                             f" {e} (the flag is the variable's; in a "
+                             f"TrainJob set numNodes and numProcPerNode "
+                             f"to numbers)") from None
         raise UsageError(str(e)) from None
     args.np = args.node.world_size
     args.min_np = args.max_np = args.np
@@ -444,7 +506,16 @@ def main(argv=None):
         log.raw(f"{PROG}: error: {problem}.\n".encode())
         return 2
     if args.node is not None:
+        if getattr(args, "node_from_pet", False):
+            log.line(f"node mode from the PET_* variables: node "
+                     f"{args.node.node_rank} of {args.node.nnodes}, "
+                     f"{args.node.nproc_per_node} rank(s) here, master "
+                     f"{args.node.master_addr}:{args.node.master_port}")
         return _run_node(args, log)
+    if args.platform_hostfile is not None:
+        name, path = args.platform_hostfile
+        log.line(f"hosts from {name}={path}: "
+                 f"{hosts_lib.hydra_hosts_arg(args.hosts)}")
     try:
         mpiexec = find_mpiexec()
         _rank_env(args, 0)  # the core library names the variables

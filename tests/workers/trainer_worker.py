@@ -6,10 +6,11 @@
 Modes:
     train     train 4 epochs straight; run every check of a trained job
               and save the final state to OUT_NPY (rank 0).
-    resume    the same job, to be killed and relaunched: --kill-after-epoch
-              K SIGKILLs the last rank right after epoch K's checkpoint;
-              --kill-in-epoch K SIGKILLs it in the middle of epoch K on
-              the first attempt only (KERASDIST_RESTART_ATTEMPT == "0").
+    resume    the same job (--epochs E of it, default 4), to be killed
+              and relaunched: --kill-after-epoch K SIGKILLs the last rank
+              right after epoch K's checkpoint; --kill-in-epoch K SIGKILLs
+              it in the middle of epoch K on the first attempt only
+              (KERASDIST_RESTART_ATTEMPT == "0").
     corrupt   resume from CKPT_DIR (its newest checkpoint was damaged by
               the test), then check that a directory whose checkpoints
               are all damaged (--all-bad DIR) gives CheckpointError.
@@ -244,7 +245,8 @@ def check_data_is_sharded():
 
 def mode_resume(args):
     trainer = Toy(kill_after=args.kill_after_epoch,
-                  kill_in=args.kill_in_epoch, **settings(args.ckpt_dir))
+                  kill_in=args.kill_in_epoch,
+                  **dict(settings(args.ckpt_dir), epochs=args.epochs))
     trainer.fit()
     print(f"worker: initial_epoch {trainer.initial_epoch}", flush=True)
     assert_same_on_ranks(flat_state(trainer.model), "state")
@@ -324,6 +326,8 @@ def main():
     p.add_argument("out")
     p.add_argument("--kill-after-epoch", type=int)
     p.add_argument("--kill-in-epoch", type=int)
+    p.add_argument("--epochs", type=int, default=EPOCHS,
+                   help="resume mode: epochs to train (default %(default)s)")
     p.add_argument("--all-bad")
     p.add_argument("--new-dir")
     args = p.parse_args()
