@@ -9,8 +9,8 @@ differences that matter here (Intel MPI 2021.19):
   cores): `-H node1:1,node2:1 -np 2` would put both ranks on node1. A
   machine file (`-machinefile`, one `host:slots` a line) is followed
   exactly, so the launcher gives Intel's mpiexec its hosts that way.
-- Intel MPI pins every rank to CPUs in MPI_Init (`I_MPI_PIN`, on by
-  default), which would undo `--bind-to` (core, or none); the ranks get
+- Intel's mpiexec pins every rank to CPUs (`I_MPI_PIN`, on by default),
+  which would undo `--bind-to` (core, or none); the ranks get
   `I_MPI_PIN=0` unless the environment sets `I_MPI_PIN` already, so the
   launcher's binding is the one in force, as with MPICH.
 

@@ -93,6 +93,10 @@ def site():
         try:
             yield home, build, c, s
         finally:
+            # The hosts first: their slurmds go with them at once (a
+            # SIGTERM to nsenter does not reach them; Slurm.close() would
+            # wait 10 s for each).
+            c.close()
             if s is not None:
                 s.close()
 
@@ -146,7 +150,9 @@ def test_intel_hydra_on_one_host_and_each_build_on_the_others_libmpi(site):
     """mpiexec -n 2 on this machine: the Intel build under Intel's
     mpiexec.hydra; the mpich-wheel build on Intel's libmpi
     (LD_LIBRARY_PATH) under Intel's; the Intel build on the wheel's libmpi
-    under the wheel's mpiexec. Either libmpi.so.12 serves either build."""
+    under the wheel's mpiexec. Either libmpi.so.12 serves either build.
+    Then `kerasdist run --bind-to none` with Intel's mpiexec: no rank is
+    pinned."""
     home, build, _, _ = site
     cmd = worker_cmd("site_mpi_worker.py", "--collectives")
     intel = os.path.join(home, "lib")
@@ -169,6 +175,16 @@ def test_intel_hydra_on_one_host_and_each_build_on_the_others_libmpi(site):
         assert {os.path.dirname(p) for p in libs} == {lib}, (what, libs)
         name = "Intel(R) MPI Library 2021.19.0" if lib == intel else "MPICH"
         assert all(name in v for v in libs.values()), (what, libs)
+    # kerasdist run --bind-to none under Intel's mpiexec: Intel MPI's own
+    # pinning (I_MPI_PIN) is off, so each rank may run on every CPU.
+    result = launch(2, worker_cmd("site_mpi_worker.py"), timeout=120,
+                    env=_env(build, KERASDIST_MPI_HOME=home),
+                    launcher_args=["--bind-to", "none"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    for r in range(2):
+        assert f"CPUS {every}" in rank_lines(result.stdout, r), (
+            r, result.stdout[-2000:])
 
 
 def test_intel_hydra_across_hosts(site):

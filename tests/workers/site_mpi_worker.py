@@ -6,8 +6,9 @@ small Keras model, whatever MPI kerasdist was built against.
 
 With SITE_MPI_BUILD=DIR it imports DIR/kerasdist (another build). Prints
 `MPI_LIB <path of the libmpi loaded> | <MPI_Get_library_version's first
-line>`, `PACKAGE <the directory kerasdist was imported from>` and
-`TOPO rank=R size=N local_rank=L local_size=S host=H`.
+line>`, `PACKAGE <the directory kerasdist was imported from>`,
+`TOPO rank=R size=N local_rank=L local_size=S host=H` and `CPUS <the CPUs
+it may run on after kd.init(), comma-separated>`.
 --collectives: every check of core_collectives_worker.py in its "hosts"
 mode (the single-node paths allowed, and taken only when all ranks share
 one host; `OK ...` lines and `DONE`). Needs no TensorFlow.
@@ -68,6 +69,8 @@ def main(argv):
     print(f"TOPO rank={kd.rank()} size={kd.size()} "
           f"local_rank={kd.local_rank()} local_size={kd.local_size()} "
           f"host={socket.gethostname()}", flush=True)
+    print("CPUS " + ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+          flush=True)
     if collectives:
         from tests.support import checks
         checks.main(rank=kd.rank(), argv=[])
