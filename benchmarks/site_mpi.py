@@ -49,6 +49,7 @@ def rank_main(steps, warmup):
     from kerasdist._core import capi as _capi
     import keras_scaling
 
+    keras_scaling._threads("tensorflow")  # before TensorFlow starts (W1's)
     kd.init()
     result = {"w1": {}}
     code = _capi.DTYPES[np.dtype(np.float32)]
