@@ -25,6 +25,7 @@ import time
 from kerasdist.run import _rank
 from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
+from kerasdist.run import intel_mpi
 from kerasdist.run import job
 from kerasdist.run import node
 from kerasdist.run import remote
@@ -439,7 +440,7 @@ def rank_wrapper_argv(no_prefix=False, python=None, bind=False,
 def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
                        no_prefix=False, python=None, bind=False,
                        report_bind=False, launcher_exec=None, iface=None,
-                       huge_pages=False):
+                       huge_pages=False, machinefile=None):
     """Builds the hydra mpiexec command line.
 
     Args:
@@ -459,6 +460,9 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
             or None.
         huge_pages: ask the wrapper to back each rank's malloc by huge
             pages (see _rank.with_huge_pages).
+        machinefile: a file naming `hosts` (intel_mpi.write_machinefile),
+            given as `-machinefile` instead of `-hosts` (Intel MPI's
+            mpiexec, see intel_mpi.py).
 
     Returns:
         The argv list.
@@ -466,7 +470,9 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
     argv = [mpiexec, "-genvall"]
     for name, value in rank_env.items():
         argv += ["-genv", name, value]
-    if hosts:
+    if hosts and machinefile:
+        argv += ["-machinefile", machinefile]
+    elif hosts:
         argv += ["-hosts", hosts_lib.hydra_hosts_arg(hosts)]
     if launcher_exec:
         argv += ["-launcher", "ssh", "-launcher-exec", launcher_exec]
@@ -526,7 +532,9 @@ def main(argv=None):
     if not _check_remote_hosts(args, log):
         return 1
     with _elastic_dir(args):
-        if args.ssh_argv is None or len(args.ssh_argv) == 1:
+        # Intel MPI's mpiexec gets its hosts in a file (intel_mpi.py).
+        if (args.ssh_argv is None or len(args.ssh_argv) == 1) and \
+                not intel_mpi.is_intel_mpiexec(mpiexec):
             return _run(args, mpiexec, log)
         with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
             return _run(args, mpiexec, log, workdir)
@@ -635,6 +643,7 @@ class Attempts:
 def _run(args, mpiexec, log, workdir=None):
     launcher_exec = (None if args.ssh_argv is None else
                      remote.launcher_exec(args.ssh_argv, workdir))
+    intel = intel_mpi.is_intel_mpiexec(mpiexec)
     attempts = Attempts(args.max_restarts)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     outcome = then = announced = None
@@ -658,13 +667,19 @@ def _run(args, mpiexec, log, workdir=None):
                          f"({hosts_lib.hydra_hosts_arg(hosts)}): the hosts "
                          f"changed again")
             rank_env = _rank_env(args, attempt)
+            machinefile = None
+            if intel:
+                rank_env.update(intel_mpi.rank_env(os.environ))
+                if hosts:
+                    machinefile = intel_mpi.write_machinefile(hosts, workdir)
             mpi_argv = build_mpiexec_argv(mpiexec, np_, args.command,
                                           rank_env, hosts, args.no_prefix,
                                           bind=args.bind_to == "core",
                                           report_bind=args.verbose,
                                           huge_pages=not args.no_huge_pages,
                                           launcher_exec=launcher_exec,
-                                          iface=args.network_interface)
+                                          iface=args.network_interface,
+                                          machinefile=machinefile)
             if args.verbose:
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)
