@@ -437,6 +437,24 @@ _NOT_EXPORTED = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "OPAL_", "BASH_FUNC",
                  "SLURM_")
 
 
+def interface_network(name):
+    """The IPv4 network ("198.18.0.0/24") of interface `name`."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+    address = elastic.interface_address(name)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x891B,  # SIOCGIFNETMASK
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise ValueError(f"--network-interface {name}: no IPv4 netmask "
+                             f"({e.strerror or e})") from None
+    mask = socket.inet_ntoa(packed[20:24])
+    return str(ipaddress.ip_network(f"{address}/{mask}", strict=False))
+
+
 def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
                        no_prefix=False, python=None, bind=False,
                        report_bind=False, launcher_exec=None, iface=None,
@@ -452,14 +470,19 @@ def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     if hosts:
-        argv += ["-H", hosts_lib.hydra_hosts_arg(hosts)]
-        argv += ["--prefix",
+        # The daemons stay children of their remote shells (as hydra's
+        # proxies do), so that they end with the job.
+        argv += ["-H", hosts_lib.hydra_hosts_arg(hosts),
+                 "--leave-session-attached", "--prefix",
                  os.path.dirname(os.path.dirname(os.path.realpath(mpirun)))]
     if launcher_exec:
         argv += ["--mca", "plm_rsh_agent", launcher_exec]
     if iface:
-        argv += ["--mca", "btl_tcp_if_include", iface,
-                 "--mca", "oob_tcp_if_include", iface]
+        # The daemons on the other hosts read the same setting, where the
+        # interface has another name: its network instead (a.b.c.d/n).
+        net = interface_network(iface)
+        argv += ["--mca", "btl_tcp_if_include", net,
+                 "--mca", "oob_tcp_if_include", net]
     names = sorted(set(environ) | set(rank_env))
     for name in names:
         if name.isidentifier() and not name.startswith(_NOT_EXPORTED):

@@ -29,11 +29,14 @@ def python_cmd(code):
     return [sys.executable, "-c", code]
 
 
-def launcher_env(env=None):
-    """Returns `env` (default os.environ) with the repo root on PYTHONPATH."""
+def launcher_env(env=None, root=None):
+    """Returns `env` (default os.environ) with the repo root (or `root`, a
+    directory holding another build of the kerasdist package) first on
+    PYTHONPATH."""
     env = dict(os.environ if env is None else env)
     old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + old if old else "")
+    env["PYTHONPATH"] = (root or REPO_ROOT) + (os.pathsep + old if old
+                                               else "")
     return env
 
 
@@ -65,7 +68,7 @@ def worker_cmd(name, *args):
 
 
 def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
-           prefix=()):
+           prefix=(), root=None):
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 
     Whatever ends the wait early (the timeout, or pytest-timeout's exception
@@ -83,6 +86,8 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         cwd: working directory (default the repo root).
         prefix: argv put before the launcher's (e.g. a namespace to run
             it in); it must exec the launcher.
+        root: a directory whose kerasdist package (another build of it)
+            the launcher and the ranks import, first on PYTHONPATH.
 
     Returns:
         A subprocess.CompletedProcess; `stdout` holds stdout and stderr
@@ -101,7 +106,7 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         stdin=subprocess.DEVNULL,
         text=True,
         errors="replace",
-        env=launcher_env(env),
+        env=launcher_env(env, root),
         cwd=REPO_ROOT if cwd is None else cwd,
         start_new_session=True,
     )
