@@ -83,7 +83,7 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         env: environment (default os.environ); the repo root is prepended
             to its PYTHONPATH.
         launcher_args: launcher flags placed before -np.
-        cwd: working directory (default the repo root).
+        cwd: working directory (default `root`, else the repo root).
         prefix: argv put before the launcher's (e.g. a namespace to run
             it in); it must exec the launcher.
         root: a directory whose kerasdist package (another build of it)
@@ -107,7 +107,8 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         text=True,
         errors="replace",
         env=launcher_env(env, root),
-        cwd=REPO_ROOT if cwd is None else cwd,
+        # `python -m` puts the working directory first on sys.path.
+        cwd=cwd or root or REPO_ROOT,
         start_new_session=True,
     )
     try:
