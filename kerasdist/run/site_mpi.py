@@ -22,7 +22,8 @@ import os
 import shutil
 
 Vendor = collections.namedtuple(
-    "Vendor", ["name", "launcher", "family", "protocols", "pmi_rendezvous"])
+    "Vendor", ["name", "launcher", "family", "protocols", "pmi_rendezvous",
+               "banner"])
 Vendor.__doc__ = """How kerasdist starts under one MPI.
 
 name: for messages ("Open MPI").
@@ -34,13 +35,15 @@ protocols: what its MPI_Init starts from: "pmi" (PMI-1/PMI-2) and/or
 pmi_rendezvous: MPI_Init speaks PMI-1's wire protocol to PMI_PORT, which
     kerasdist's rendezvous serves (the torchrun, Keras, JAX, ... launch
     conventions and `kerasdist run --nnodes`).
+banner: how its MPI_Get_library_version begins ("Open MPI v5.0.11, ...").
 """
 
 VENDORS = {
-    "mpich": Vendor("MPICH", "mpiexec", "hydra", ("pmi",), True),
-    "openmpi": Vendor("Open MPI", "mpirun", "openmpi", ("pmix",), False),
+    "mpich": Vendor("MPICH", "mpiexec", "hydra", ("pmi",), True, "MPICH"),
+    "openmpi": Vendor("Open MPI", "mpirun", "openmpi", ("pmix",), False,
+                      "Open MPI"),
 }
-UNKNOWN = Vendor("MPI", "mpiexec", "hydra", ("pmi", "pmix"), True)
+UNKNOWN = Vendor("MPI", "mpiexec", "hydra", ("pmi", "pmix"), True, "")
 
 # The variables each protocol's launchers set in every process.
 PMIX_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_NAMESPACE")
@@ -178,3 +181,28 @@ def check_size(launch, mpi_size, loaded, environ, rec=None):
             f"against {describe(rec)}) does not speak this launcher's "
             f"protocol; start it with {how_to_launch(rec)}, or build "
             f"kerasdist against the launcher's MPI ({GUIDE}).")
+
+
+def loaded_vendor(loaded):
+    """The VENDORS key whose banner MPI_Get_library_version's `loaded`
+    begins with, or None."""
+    for key, v in VENDORS.items():
+        if v.banner and loaded.strip().startswith(v.banner):
+            return key
+    return None
+
+
+def check_loaded(loaded, rec=None):
+    """The one-line problem when the libmpi loaded at run time (its
+    MPI_Get_library_version, `loaded`) is another MPI than the one the
+    build record names (LD_LIBRARY_PATH or another MPI's module put a
+    libmpi of the same name first), else None."""
+    rec = record() if rec is None else rec
+    found = loaded_vendor(loaded)
+    if not rec or found is None or found == rec.get("vendor"):
+        return None
+    return (f"kerasdist was built against {describe(rec)} but the libmpi "
+            f"loaded is {VENDORS[found].name} ({loaded.strip()[:60]}): "
+            f"put {rec.get('library_path') or 'the MPI it was built with'} "
+            f"first (LD_LIBRARY_PATH, the site's module), or rebuild "
+            f"kerasdist against the loaded MPI ({GUIDE}).")
