@@ -496,7 +496,7 @@ host=$1
 shift
 # ssh starts the command in a fresh environment: an MPI launcher's own
 # variables (Open MPI's prterun sets PMIX_* for itself) must not reach it.
-for v in $(env | grep -E '^(PMIX|PRTE|OMPI|OPAL)_[A-Za-z0-9_]*=' | cut -d= -f1); do
+for v in $(env | grep -E '^(PMIX|PRTE|OMPI|OPAL)_\\w*=' | cut -d= -f1); do
   unset "$v"
 done
 # Open MPI's daemons (and their ranks) keep their session directories in
