@@ -462,11 +462,15 @@ def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
     """Open MPI's mpirun command line for what build_mpiexec_argv builds
     for hydra: every variable of this environment and `rank_env` exported
     (-x, hydra's -genvall), -H for the hosts, as many ranks as asked on a
-    host (--oversubscribe, as hydra does), the remote shell as Open MPI's
+    host (--oversubscribe, as hydra does), no binding by mpirun (the
+    wrapper's, as with hydra), the remote shell as Open MPI's
     plm_rsh_agent, the MPI's prefix on the remote hosts (--prefix), and
     --allow-run-as-root for root."""
     environ = os.environ if environ is None else environ
-    argv = [mpirun, "-np", str(np), "--oversubscribe"]
+    # --bind-to none: the rank wrapper binds (--bind-to core), as with
+    # hydra, which binds nothing itself; Open MPI would bind each rank
+    # to one core first.
+    argv = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     if hosts:

@@ -267,7 +267,8 @@ def test_open_mpi_build_across_hosts_under_its_mpirun_equals_mpich(
     weights = {}
     for mpi, out in runs.items():
         assert out.returncode == 0, (mpi, out.stdout[-4000:])
-        launcher = ("mpirun -np 2 --oversubscribe" if mpi == "openmpi"
+        launcher = ("mpirun -np 2 --oversubscribe --bind-to none"
+                    if mpi == "openmpi"
                     else "mpiexec -genvall")
         assert f"{launcher} " in out.stdout, (mpi, out.stdout[:3000])
         for r in range(2):

@@ -503,7 +503,7 @@ done
 # TMPDIR, named by PID: the hosts share /tmp and their PIDs repeat, so
 # each host's own /dev/shm instead.
 case "$*" in
-  *prted*) export TMPDIR=/dev/shm ;;
+  *prted*|*orted*) export TMPDIR=/dev/shm ;;
 esac
 case "$host" in
 {cases}  *) echo "ssh: Could not resolve hostname $host:" \

@@ -74,7 +74,8 @@ def test_openmpi_argv_exports_the_environment_and_places_the_ranks():
         hosts=[("a", 2), ("b", 2)], launcher_exec="/x/ssh", iface="lo",
         environ={"HOME": "/root", "PMIX_RANK": "0", "BASH_FUNC_f%%": "()"})
     text = " ".join(argv)
-    assert argv[:4] == ["/opt/ompi/bin/mpirun", "-np", "4", "--oversubscribe"]
+    assert argv[:6] == ["/opt/ompi/bin/mpirun", "-np", "4", "--oversubscribe",
+                        "--bind-to", "none"]
     for part in ("-H a:2,b:2 --leave-session-attached --prefix /opt/ompi",
                  "--mca plm_rsh_agent /x/ssh",
                  "--mca btl_tcp_if_include 127.0.0.0/8",
