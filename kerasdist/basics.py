@@ -11,6 +11,7 @@ from kerasdist import _resize
 from kerasdist import autotune
 from kerasdist.run import conventions
 from kerasdist.run import rendezvous
+from kerasdist.run import site_mpi
 
 # Reduction ops: the core's values (ops/core/types.h; Horovod's numbering),
 # asked from the library.
@@ -125,6 +126,11 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
+        if launch is not None:
+            wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
+                                        os.environ)
+            if wrong:
+                raise RuntimeError(f"kerasdist.init() failed: {wrong}")
         if starting:
             _learn_homogeneity()
         if launch is not None and (verbose or (
@@ -176,6 +182,14 @@ def _join_launch(lib):
     the PMI variables for MPI_Init: (launch, {name: value}), {} where there
     is nothing to join."""
     launch = conventions.detect(os.environ)
+    # The MPI kerasdist was built against must speak the launcher's
+    # protocol (kerasdist/run/site_mpi.py): one line, not MPI_Init's abort
+    # or a job of one on every process.
+    wrong = (site_mpi.check_launch(os.environ) if launch.convention == "mpi"
+             else site_mpi.check_rendezvous(launch.convention)
+             if launch.coordinator is not None else None)
+    if wrong:
+        raise RuntimeError(f"kerasdist.init() failed: {wrong}")
     if launch.coordinator is None:
         return launch, {}
     mpi_started = ctypes.c_int(0)
@@ -191,6 +205,14 @@ def _join_launch(lib):
         return launch, rendezvous.join(launch, timeout)
     except rendezvous.RendezvousError as e:
         raise RuntimeError(f"kerasdist.init() failed: {e}") from None
+
+
+def _mpi_loaded(lib):
+    """The first line of MPI_Get_library_version of the libmpi loaded."""
+    for line in lib.kerasdist_build_info().decode().splitlines():
+        if line.startswith("mpi_library="):
+            return line.split("=", 1)[1].strip()
+    return "?"
 
 
 def started_line(launch):

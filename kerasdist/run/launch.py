@@ -29,6 +29,7 @@ from kerasdist.run import intel_mpi
 from kerasdist.run import job
 from kerasdist.run import node
 from kerasdist.run import remote
+from kerasdist.run import site_mpi
 from kerasdist.run import resize
 from kerasdist.run import settings
 from kerasdist.run import slurm
@@ -401,6 +402,17 @@ def find_mpiexec(environ=None, prefix=None, which=shutil.which):
     """
     environ = os.environ if environ is None else environ
     prefix = sys.prefix if prefix is None else prefix
+    rec = site_mpi.record()
+    if site_mpi.vendor(rec).family != "hydra":
+        # Built against another MPI (Open MPI): its own launcher.
+        path = site_mpi.launcher_path(rec, environ, prefix)
+        if path is None:
+            raise FileNotFoundError(
+                f"kerasdist was built against {site_mpi.describe(rec)} but "
+                f"its {site_mpi.vendor(rec).launcher} is not in "
+                f"{rec.get('launcher_dir') or 'the build record'} nor on "
+                f"PATH; set {settings.MPI_HOME} to that MPI's prefix")
+        return path
     home = environ.get(settings.MPI_HOME)
     if home:
         path = os.path.join(home, "bin", "mpiexec")
@@ -467,6 +479,10 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
     Returns:
         The argv list.
     """
+    if site_mpi.vendor(site_mpi.record()).family == "openmpi":
+        return build_openmpi_argv(mpiexec, np, command, rank_env, hosts,
+                                  no_prefix, python, bind, report_bind,
+                                  launcher_exec, iface, huge_pages)
     argv = [mpiexec, "-genvall"]
     for name, value in rank_env.items():
         argv += ["-genv", name, value]
@@ -479,6 +495,70 @@ def build_mpiexec_argv(mpiexec, np, command, rank_env, hosts=None,
     if iface:
         argv += ["-iface", iface]
     argv += ["-n", str(np)]
+    return argv + rank_wrapper_argv(no_prefix, python, bind, report_bind,
+                                    huge_pages) + list(command)
+
+
+# Variables of the launcher's environment not passed on to the ranks by
+# Open MPI's -x: the launchers' own, and shell functions.
+_NOT_EXPORTED = ("OMPI_", "PMIX_", "PRTE_", "PMI_", "OPAL_", "BASH_FUNC",
+                 "SLURM_")
+
+
+def interface_network(name):
+    """The IPv4 network ("198.18.0.0/24") of interface `name`."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+    address = elastic.interface_address(name)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x891B,  # SIOCGIFNETMASK
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise ValueError(f"--network-interface {name}: no IPv4 netmask "
+                             f"({e.strerror or e})") from None
+    mask = socket.inet_ntoa(packed[20:24])
+    return str(ipaddress.ip_network(f"{address}/{mask}", strict=False))
+
+
+def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
+                       no_prefix=False, python=None, bind=False,
+                       report_bind=False, launcher_exec=None, iface=None,
+                       huge_pages=False, environ=None):
+    """Open MPI's mpirun command line for what build_mpiexec_argv builds
+    for hydra: every variable of this environment and `rank_env` exported
+    (-x, hydra's -genvall), -H for the hosts, as many ranks as asked on a
+    host (--oversubscribe, as hydra does), no binding by mpirun (the
+    wrapper's, as with hydra), the remote shell as Open MPI's
+    plm_rsh_agent, the MPI's prefix on the remote hosts (--prefix), and
+    --allow-run-as-root for root."""
+    environ = os.environ if environ is None else environ
+    # --bind-to none: the rank wrapper binds (--bind-to core), as with
+    # hydra, which binds nothing itself; Open MPI would bind each rank
+    # to one core first.
+    argv = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    if hosts:
+        # The daemons stay children of their remote shells (as hydra's
+        # proxies do), so that they end with the job.
+        argv += ["-H", hosts_lib.hydra_hosts_arg(hosts),
+                 "--leave-session-attached", "--prefix",
+                 os.path.dirname(os.path.dirname(os.path.realpath(mpirun)))]
+    if launcher_exec:
+        argv += ["--mca", "plm_rsh_agent", launcher_exec]
+    if iface:
+        # The daemons on the other hosts read the same setting, where the
+        # interface has another name: its network instead (a.b.c.d/n).
+        net = interface_network(iface)
+        argv += ["--mca", "btl_tcp_if_include", net,
+                 "--mca", "oob_tcp_if_include", net]
+    names = sorted(set(environ) | set(rank_env))
+    for name in names:
+        if name.isidentifier() and not name.startswith(_NOT_EXPORTED):
+            argv += ["-x", name]
     return argv + rank_wrapper_argv(no_prefix, python, bind, report_bind,
                                     huge_pages) + list(command)
 
@@ -569,6 +649,10 @@ class _elastic_dir:
 
 def _run_node(args, log):
     """Node mode: this host's ranks under node.py's process manager."""
+    wrong = site_mpi.check_rendezvous("kerasdist run --nnodes (node mode)")
+    if wrong:
+        log.raw(f"{PROG}: error: {wrong}\n".encode())
+        return 2
     try:
         rank_env = _rank_env(args, 0)
     except ImportError as e:

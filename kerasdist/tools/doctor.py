@@ -22,6 +22,7 @@ import sys
 import kerasdist
 from kerasdist import _build_check
 from kerasdist._core import capi as _capi
+from kerasdist.run import site_mpi
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
 # TensorFlow's start-up chatter would drown the report.
@@ -131,6 +132,7 @@ def check_build_rows():
             ("JAX running", _version("jax")[0] or "not installed"),
             ("JAX op library", _jax_library()[1] or "built"),
             ("Python", sys.version.split()[0])]
+    rows.append(("MPI built against", site_mpi.describe(site_mpi.record())))
     if info:
         rows += [("MPI library", info.get("mpi_library", "?")),
                  ("MPI standard", info.get("mpi_standard", "?"))]
@@ -292,14 +294,12 @@ def install_checks(np_ranks):
                                          _version("jax")[0])
     if jax_mismatch:
         out.append((WARN, jax_mismatch))
-    if info is not None:
-        out.append((OK, f"MPI {info.get('mpi_standard')}: "
-                        f"{info.get('mpi_library')}"))
+    out += mpi_checks(info, site_mpi.record(), os.environ)
     try:
         from kerasdist.run import launch
-        out.append((OK, f"mpiexec: {launch.find_mpiexec()}"))
+        out.append((OK, f"launcher: {launch.find_mpiexec()}"))
     except Exception as e:  # noqa: BLE001 - its message says what to do
-        out.append((FAIL, f"mpiexec: {e}"))
+        out.append((FAIL, f"launcher: {e}"))
     out.append(launch_check(os.environ))
     out += gpu_checks(info, _gpus(), np_ranks)
     if info is not None:
@@ -311,6 +311,28 @@ def install_checks(np_ranks):
             out.append(shm_check(_shm_free("/dev/shm"), np_ranks,
                                  settings[_shm_name()]))
     out.append(huge_pages_check(_thp_mode(), platform.libc_ver()))
+    return out
+
+
+def mpi_checks(info, rec, environ):
+    """The MPI kerasdist was built against (the build record), the one it
+    loads at run time (MPI_Get_library_version through the C API, in
+    `info`), and whether this process's MPI launcher suits the build
+    (kerasdist/run/site_mpi.py)."""
+    out = [(OK if rec else WARN,
+            f"MPI built against: {site_mpi.describe(rec)}"
+            + (f", {rec['library_path']}" if rec.get("library_path") else "")
+            if rec else "MPI built against: not recorded (a build older "
+            "than the record; rebuild to have it)")]
+    if info is None:
+        return out
+    loaded = info.get("mpi_library", "?")
+    wrong = site_mpi.check_loaded(loaded, rec)
+    out.append((FAIL, wrong) if wrong else
+               (OK, f"MPI loaded: {loaded} (MPI {info.get('mpi_standard')})"))
+    wrong = site_mpi.check_launch(environ, rec)
+    if wrong:
+        out.append((FAIL, wrong))
     return out
 
 

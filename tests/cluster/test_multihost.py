@@ -250,3 +250,35 @@ def test_a_job_across_hosts_ends_without_mpi_warnings(cluster):
         assert out.stdout.count("selftest OK") == 3, out.stdout[-4000:]
         bad = [l for l in out.stdout.splitlines() if _UNCLEAN.search(l)]
         assert not bad, (attempt, bad)
+
+
+def test_open_mpi_build_across_hosts_under_its_mpirun_equals_mpich(
+        cluster, openmpi_root):
+    # kerasdist built against Open MPI (tests/support/site_mpi.py) is
+    # started by Open MPI's mpirun (kerasdist run picks it from the build
+    # record), the mpich build by hydra: the collectives against numpy, and
+    # the same fitted weights, byte for byte, as the mpich build's.
+    worker = worker_cmd("openmpi_worker.py")
+    runs = {"mpich": run_on(cluster, 2, "kdt0:1,kdt1:1", worker,
+                            timeout=400, launcher_args=["--verbose"]),
+            "openmpi": run_on(cluster, 2, "kdt0:1,kdt1:1", worker,
+                              timeout=400, launcher_args=["--verbose"],
+                              root=openmpi_root)}
+    weights = {}
+    for mpi, out in runs.items():
+        assert out.returncode == 0, (mpi, out.stdout[-4000:])
+        launcher = ("mpirun -np 2 --oversubscribe --bind-to none"
+                    if mpi == "openmpi"
+                    else "mpiexec -genvall")
+        assert f"{launcher} " in out.stdout, (mpi, out.stdout[:3000])
+        for r in range(2):
+            lines = rank_lines(out.stdout, r)
+            assert lines[0].startswith(
+                "MPI openmpi Open MPI v5" if mpi == "openmpi"
+                else "MPI mpich MPICH Version:"), (mpi, r, lines)
+            for check in ("allreduce", "allgather", "broadcast", "alltoall",
+                          "reducescatter", "barrier", "fit"):
+                assert f"OK {check}" in lines, (mpi, r, check, lines)
+            assert lines[-1] == "DONE", (mpi, r, lines)
+            weights[mpi, r] = [l for l in lines if l.startswith("WEIGHTS ")]
+    assert len({tuple(w) for w in weights.values()}) == 1, weights

@@ -108,3 +108,42 @@ def test_ranks_started_by_srun_directly(slurm):
         got["env_host"] = got["host"]  # no launcher, no KERASDIST_HOSTNAME
     assert topo == [want[r] for r in range(4)], out
     assert out.count("PATHS single_node=0 in_place=0") == 4, out
+
+
+# A rank that starts kerasdist and prints its rank, size and libmpi.
+_SIZE_LINE = ("import kerasdist as kd; kd.init(); print('SIZE', kd.rank(), "
+              "kd.size(), kd.build_info()['mpi_library'][:13], flush=True)")
+
+
+def _srun(s, mpi, root=None, timeout=120):
+    argv = s.prefix() + ["salloc", "-N2", "-n2", "srun", f"--mpi={mpi}",
+                         sys.executable, "-c", _SIZE_LINE]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=launcher_env(s.env(worker_env()), root),
+                            cwd=root, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"srun ran past {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def test_srun_pmix_starts_the_open_mpi_build_not_the_mpich_one(
+        slurm, openmpi_root):
+    # Slurm's PMIx plugin serves Open MPI's MPI_Init directly.
+    code, out = _srun(slurm, "pmix", openmpi_root)
+    assert code == 0, out[-4000:]
+    assert sorted(l for l in out.splitlines() if l.startswith("SIZE")) == [
+        "SIZE 0 2 Open MPI v5.0", "SIZE 1 2 Open MPI v5.0"], out
+    # The mpich wheel has no PMIx: one line per rank naming what to run,
+    # not MPICH's abort (nor a job of one on each).
+    code, out = _srun(slurm, "pmix")
+    assert code != 0, out
+    # (The two ranks' stderr may interleave within lines: counted.)
+    for part in ("kerasdist.init() failed: kerasdist was built against "
+                 "MPICH", "PMIx launcher (PMIX_RANK=", "srun --mpi=pmi2"):
+        assert out.count(part) == 2, (part, out)
+    assert "SIZE " not in out and "unsupported PMI" not in out, out

@@ -444,14 +444,16 @@ class Cluster:
 
 
 def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
-           env=None, launcher_args=()):
+           env=None, launcher_args=(), root=None):
     """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
-    the host names resolve to the test hosts."""
+    the host names resolve to the test hosts (with the kerasdist package
+    under `root`, another build of it, where given)."""
     args = ["--ssh-command", ssh_command or cluster.remote_shell,
             "--network-interface", cluster.bridge, "-H", hosts,
             *launcher_args]
     return launch(np_, command, timeout=timeout, env=env or worker_env(),
-                  launcher_args=args, prefix=cluster.launcher_prefix())
+                  launcher_args=args, prefix=cluster.launcher_prefix(),
+                  root=root)
 
 
 def processes_in(cluster, host, settle=5.0):
@@ -492,6 +494,17 @@ while [ $# -gt 0 ]; do
 done
 host=$1
 shift
+# ssh starts the command in a fresh environment: an MPI launcher's own
+# variables (Open MPI's prterun sets PMIX_* for itself) must not reach it.
+for v in $(env | grep -E '^(PMIX|PRTE|OMPI|OPAL)_\\w*=' | cut -d= -f1); do
+  unset "$v"
+done
+# Open MPI's daemons (and their ranks) keep their session directories in
+# TMPDIR, named by PID: the hosts share /tmp and their PIDs repeat, so
+# each host's own /dev/shm instead.
+case "$*" in
+  *prted*|*orted*) export TMPDIR=/dev/shm ;;
+esac
 case "$host" in
 {cases}  *) echo "ssh: Could not resolve hostname $host:" \
           "Name or service not known" >&2

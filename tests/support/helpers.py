@@ -29,11 +29,14 @@ def python_cmd(code):
     return [sys.executable, "-c", code]
 
 
-def launcher_env(env=None):
-    """Returns `env` (default os.environ) with the repo root on PYTHONPATH."""
+def launcher_env(env=None, root=None):
+    """Returns `env` (default os.environ) with the repo root (or `root`, a
+    directory holding another build of the kerasdist package) first on
+    PYTHONPATH."""
     env = dict(os.environ if env is None else env)
     old = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + old if old else "")
+    env["PYTHONPATH"] = (root or REPO_ROOT) + (os.pathsep + old if old
+                                               else "")
     return env
 
 
@@ -65,7 +68,7 @@ def worker_cmd(name, *args):
 
 
 def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
-           prefix=()):
+           prefix=(), root=None):
     """Runs `python -m kerasdist.run [launcher_args] -np NP ARGS...`.
 
     Whatever ends the wait early (the timeout, or pytest-timeout's exception
@@ -80,9 +83,11 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         env: environment (default os.environ); the repo root is prepended
             to its PYTHONPATH.
         launcher_args: launcher flags placed before -np.
-        cwd: working directory (default the repo root).
+        cwd: working directory (default `root`, else the repo root).
         prefix: argv put before the launcher's (e.g. a namespace to run
             it in); it must exec the launcher.
+        root: a directory whose kerasdist package (another build of it)
+            the launcher and the ranks import, first on PYTHONPATH.
 
     Returns:
         A subprocess.CompletedProcess; `stdout` holds stdout and stderr
@@ -101,8 +106,9 @@ def launch(np, args, timeout=300, env=None, launcher_args=(), cwd=None,
         stdin=subprocess.DEVNULL,
         text=True,
         errors="replace",
-        env=launcher_env(env),
-        cwd=REPO_ROOT if cwd is None else cwd,
+        env=launcher_env(env, root),
+        # `python -m` puts the working directory first on sys.path.
+        cwd=cwd or root or REPO_ROOT,
         start_new_session=True,
     )
     try:

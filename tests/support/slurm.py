@@ -132,6 +132,9 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
+# Per host (each has its own /dev/shm): srun --mpi=pmix's directories are
+# named by job and step, and the hosts share /tmp.
+TmpFS=/dev/shm
 ReturnToService=2
 SlurmctldTimeout=30
 SlurmdTimeout=30
