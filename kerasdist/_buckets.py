@@ -19,11 +19,18 @@ in the order they become ready (by the position of their last member in
 backprop order), and the indices inside a bucket in backprop order.
 """
 
+import os
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+# DistributedOptimizer's defaults for `overlap` and `bucket_bytes` when the
+# arguments are None (read when the optimizer is wrapped).
+OVERLAP_ENV = "KERASDIST_OVERLAP"
+BUCKET_BYTES_ENV = "KERASDIST_BUCKET_BYTES"
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES",
-           "assign_buckets", "variable_buckets"]
+           "BUCKET_BYTES_ENV", "OVERLAP_ENV", "assign_buckets",
+           "resolve_settings", "variable_buckets"]
 
 
 def _check_limit(value, name):
@@ -115,3 +122,40 @@ def variable_buckets(sizes, dtypes=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
     buckets = assign_buckets(sizes[::-1], rev_dtypes, bucket_bytes,
                              first_bucket_bytes)
     return [[n - 1 - i for i in b] for b in buckets]
+
+
+def resolve_settings(overlap=None, bucket_bytes=None, what="kerasdist",
+                     environ=None):
+    """(overlap, bucket_bytes) from the arguments, None taking the
+    environment's KERASDIST_OVERLAP (1/0, true/false; default 1) and
+    KERASDIST_BUCKET_BYTES (default 25 MiB). ValueError naming `what` for
+    a bad value."""
+    env = os.environ if environ is None else environ
+    if overlap is None:
+        text = env.get(OVERLAP_ENV, "1").strip().lower()
+        if text in ("1", "true", "yes", "on", ""):
+            overlap = True
+        elif text in ("0", "false", "no", "off"):
+            overlap = False
+        else:
+            raise ValueError(f"{what}: {OVERLAP_ENV} must be 1 or 0; got "
+                             f"{text!r}.")
+    elif not isinstance(overlap, bool):
+        raise ValueError(f"{what}: overlap must be True, False or None; got "
+                         f"{overlap!r}.")
+    if bucket_bytes is None:
+        text = env.get(BUCKET_BYTES_ENV, "").strip()
+        try:
+            bucket_bytes = int(text) if text else DEFAULT_BUCKET_BYTES
+        except ValueError:
+            raise ValueError(f"{what}: {BUCKET_BYTES_ENV} must be a number of "
+                             f"bytes >= 1; got {text!r}.") from None
+        if bucket_bytes < 1:
+            raise ValueError(f"{what}: {BUCKET_BYTES_ENV} must be a number of "
+                             f"bytes >= 1; got {text!r}.")
+    else:
+        try:
+            _check_limit(bucket_bytes, "bucket_bytes")
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    return overlap, bucket_bytes

@@ -106,3 +106,22 @@ def test_assign_buckets_bad_input():
         assign_buckets([1, -2])
     with pytest.raises(ValueError, match="2 dtypes for 1 sizes"):
         assign_buckets([1], ["a", "b"])
+
+
+def test_assign_buckets_resolve_settings():
+    from kerasdist._buckets import resolve_settings
+    assert resolve_settings(environ={}) == (True, 25 * MiB)
+    assert resolve_settings(environ={"KERASDIST_OVERLAP": "0",
+                                     "KERASDIST_BUCKET_BYTES": "4096"}) == \
+        (False, 4096)
+    # Arguments win over the environment.
+    assert resolve_settings(True, 10, environ={"KERASDIST_OVERLAP": "0"}) \
+        == (True, 10)
+    with pytest.raises(ValueError, match="X: KERASDIST_OVERLAP must be 1"):
+        resolve_settings(environ={"KERASDIST_OVERLAP": "maybe"}, what="X")
+    with pytest.raises(ValueError, match="KERASDIST_BUCKET_BYTES must be"):
+        resolve_settings(environ={"KERASDIST_BUCKET_BYTES": "0"})
+    with pytest.raises(ValueError, match="X: bucket_bytes must be an int"):
+        resolve_settings(bucket_bytes=-1, what="X", environ={})
+    with pytest.raises(ValueError, match="overlap must be True, False"):
+        resolve_settings(overlap="yes", environ={})
