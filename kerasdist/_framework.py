@@ -191,70 +191,79 @@ def _grouped(wires, prefix, op, predivide, num_groups, labels,
 # ---- PyTorch: buckets started from autograd hooks ----------------------------
 
 
-def overlapped_reduce(owner, grads, variables, plain, prefix, compression,
-                      op, predivide, bucket_bytes):
-    """PyTorch: `grads` of `variables` reduced, taking the buckets that
-    `owner`'s hooks (a `kerasdist.torch._overlap.GradientBuckets` kept on
-    `owner`) started during backprop, and `plain(grads, variables)` (the
-    synchronous reduction) for the rest. At the first call, or when the
-    variables change, the hooks are (re)installed, to act from the next
-    backward pass on. Hooks are installed only where they can be used:
-    several ranks, not inside `torch.compile`, not Adasum (whose result
-    depends on what is reduced together), and gradients that are the
-    variables' `.grad` tensors (Keras' torch `fit`, or a loop that calls
-    `loss.backward()` then `apply` with them)."""
-    import torch
+class Overlap:
+    """An optimizer's PyTorch overlap state: `buckets`, the
+    `kerasdist.torch._overlap.GradientBuckets` whose hooks act on its
+    variables (None until installed)."""
 
-    from kerasdist.torch import _overlap
-    if compression is None:
-        from kerasdist.compression import Compression
-        compression = Compression.none
-    buckets = getattr(owner, "_kerasdist_buckets", None)
-    if torch.compiler.is_compiling():
-        if buckets is not None:
-            buckets.drain()
-        return plain(grads, variables)
-    key = tuple(id(v) for v in variables)
-    if buckets is not None and buckets.key != key:
-        buckets.remove()
-        buckets = owner._kerasdist_buckets = None
-    if buckets is None:
-        out = plain(grads, variables)
-        _install(owner, grads, variables, key, prefix, compression, op,
-                 predivide, bucket_bytes, _overlap)
-        return out
-    where = buckets.where
-    sub, redo = buckets.collect([grads[j] for j in where])
-    out = list(grads)
-    for j, g in zip(where, sub):
-        out[j] = g
-    rest = sorted({where[i] for i in redo} | (
-        set(range(len(grads))) - set(where)))
-    if rest:
-        for j, g in zip(rest, plain([grads[j] for j in rest],
-                                    [variables[j] for j in rest])):
+    def __init__(self):
+        self.buckets = None
+
+    def reduce(self, grads, variables, plain, prefix, compression, op,
+               predivide, bucket_bytes):
+        """PyTorch: `grads` of `variables` reduced, taking the buckets that
+        the hooks started during backprop, and `plain(grads, variables)`
+        (the synchronous reduction) for the rest. At the first call, or
+        when the variables change, the hooks are (re)installed, to act from
+        the next backward pass on. Hooks are installed only where they can
+        be used: several ranks, not inside `torch.compile`, not Adasum
+        (whose result depends on what is reduced together), and gradients
+        that are the variables' `.grad` tensors (Keras' torch `fit`, or a
+        loop that calls `loss.backward()` then `apply` with them)."""
+        import torch
+
+        if compression is None:
+            from kerasdist.compression import Compression
+            compression = Compression.none
+        buckets = self.buckets
+        if torch.compiler.is_compiling():
+            if buckets is not None:
+                buckets.drain()
+            return plain(grads, variables)
+        key = tuple(id(v) for v in variables)
+        if buckets is not None and buckets.key != key:
+            buckets.remove()
+            buckets = self.buckets = None
+        if buckets is None:
+            out = plain(grads, variables)
+            self.buckets = _install(grads, variables, key, prefix,
+                                    compression, op, predivide, bucket_bytes)
+            return out
+        where = buckets.where
+        sub, redo = buckets.collect([grads[j] for j in where])
+        out = list(grads)
+        for j, g in zip(where, sub):
             out[j] = g
-    return out
+        rest = sorted({where[i] for i in redo} | (
+            set(range(len(grads))) - set(where)))
+        if rest:
+            for j, g in zip(rest, plain([grads[j] for j in rest],
+                                        [variables[j] for j in rest])):
+                out[j] = g
+        return out
 
 
-def _install(owner, grads, variables, key, prefix, compression, op,
-             predivide, bucket_bytes, _overlap):
+def _install(grads, variables, key, prefix, compression, op, predivide,
+             bucket_bytes):
+    """The GradientBuckets for these variables, or None where hooks
+    cannot serve (see `Overlap.reduce`)."""
     if _process_sets.current_size() == 1 or op == basics.Adasum:
-        return
+        return None
     where = [j for j, g in enumerate(grads) if g is not None]
     params = [variables[j].value for j in where]
     if not where or not all(
             grads[j] is p.grad and p.is_leaf for j, p in zip(where, params)):
-        return
-    from kerasdist._core.gradients import source_label
-    op, prescale, postscale = _scales(op, predivide)
+        return None
     from kerasdist._core import capi
+    from kerasdist._core.gradients import source_label
+    from kerasdist.torch import _overlap
+    op, prescale, postscale = _scales(op, predivide)
     buckets = _overlap.GradientBuckets(
         params, f"{prefix}.overlap", op, prescale, postscale, compression,
         capi.current_process_set(), bucket_bytes,
         labels=[source_label(variables[j], j) for j in where])
     buckets.key, buckets.where = key, where
-    owner._kerasdist_buckets = buckets
+    return buckets
 
 
 def unique_name(base):

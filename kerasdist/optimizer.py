@@ -233,7 +233,7 @@ def _distributed_class(base, settings):
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
             self._kerasdist_local = _local_gradients.LocalVariables()
-            self._kerasdist_buckets = None  # PyTorch's hooks (overlap)
+            self._kerasdist_overlap = _framework.Overlap()  # PyTorch's
 
         def register_local_var(self, var):
             """Keeps `var`'s gradient on this rank: it is not reduced
@@ -328,8 +328,8 @@ def _distributed_class(base, settings):
             def reduce(grads, variables):
                 if not overlap or framework != "torch":
                     return plain(grads, variables)
-                return _framework.overlapped_reduce(
-                    self, grads, variables, plain, settings.prefix,
+                return self._kerasdist_overlap.reduce(
+                    grads, variables, plain, settings.prefix,
                     settings.compression, settings.op,
                     settings.gradient_predivide_factor,
                     settings.bucket_bytes)

@@ -401,7 +401,7 @@ def overlap_starts_before_backprop_ends():
     x, y = data()
     opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), **TINY_BUCKETS)
     fit(dense_model(), opt, my_part(x), my_part(y), B)
-    b = opt._kerasdist_buckets
+    b = opt._kerasdist_overlap.buckets
     assert b is not None, "no hooks installed"
     assert b.buckets == [[3, 2], [1], [0]], b.buckets
     ev = b.last_events
@@ -419,7 +419,7 @@ def overlap_starts_before_backprop_ends():
     # overlap=False: no hooks.
     plain = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap=False)
     fit(dense_model(), plain, my_part(x), my_part(y), B)
-    assert plain._kerasdist_buckets is None
+    assert plain._kerasdist_overlap.buckets is None
 
 
 def torch_loop(opt, model, extra, x, y, twice=False):
@@ -467,7 +467,7 @@ def overlap_custom_loop_local_none():
     off, _ = run(False)
     on, opt = run(True)
     assert_close(on, off, "custom loop: overlap on vs off", atol=1e-6)
-    b = opt._kerasdist_buckets
+    b = opt._kerasdist_overlap.buckets
     # Reduced: kernel 0, bias 0, kernel 1 (bias 1 is local, extra's None).
     assert b is not None and b.where == [0, 1, 2], b and b.where
     assert b.last_events[-1] == ("collect", ()), b.last_events
@@ -476,7 +476,7 @@ def overlap_custom_loop_local_none():
     on2, opt2 = run(True, twice=True)
     assert_close(on2, off2, "two backward passes: overlap on vs off",
                  atol=1e-6)
-    redo = opt2._kerasdist_buckets.last_events[-1]
+    redo = opt2._kerasdist_overlap.buckets.last_events[-1]
     assert redo == ("collect", (0, 1, 2)), redo
     same_on_all_ranks(on[:3] + on[4:], "custom loop")
 
@@ -495,7 +495,7 @@ def overlap_process_set_of_one():
         alone = fit(dense_model(), keras.optimizers.SGD(0.1), my_part(x),
                     my_part(y), B)
         assert_close(got, alone, "process set of one", atol=1e-6)
-        assert opt._kerasdist_buckets is None
+        assert opt._kerasdist_overlap.buckets is None
     finally:
         kd.remove_process_set(ps)
 
