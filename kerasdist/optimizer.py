@@ -24,6 +24,7 @@ TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
 jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 """
 
+import os
 import sys
 
 from kerasdist import basics
@@ -114,16 +115,19 @@ def DistributedOptimizer(optimizer, name=None,
             `local_layers`) by `size()`, as Horovod does (default True).
         average: Horovod's deprecated form of `op`: True is Average,
             False Sum (a DeprecationWarning); ValueError with `op`.
-        overlap: with `num_groups=0` on PyTorch and JAX, reduce the
-            gradients in buckets of up to `bucket_bytes`, in the order
-            backprop produces them (the last layer's first), so that
-            communication overlaps the rest of backprop: on PyTorch each
-            bucket's allreduce starts from autograd hooks as soon as its
-            gradients exist (from the second step on; the first step
-            installs the hooks); on JAX each bucket is a custom call of its
-            own, which XLA may start as soon as its gradients are computed.
-            The result is the same. None (default): the environment's
-            `KERASDIST_OVERLAP` (default 1: on). TensorFlow: no effect.
+        overlap: with `num_groups=0`, reduce the gradients in buckets of
+            up to `bucket_bytes`, in the order backprop produces them (the
+            last layer's first), so that communication overlaps the rest
+            of backprop. PyTorch: each bucket's allreduce starts from
+            autograd hooks as soon as its gradients exist (from the second
+            step on; the first step installs the hooks). JAX: each bucket
+            is a custom call of its own; only when asked for (True, or
+            `KERASDIST_OVERLAP=1` set), since XLA's CPU runtime runs the
+            step's operations in sequence and waits for each custom call
+            before the next, so more calls only add round trips there (see
+            docs/keras.md). The result is the same. None (default): the
+            environment's `KERASDIST_OVERLAP` (default 1: on where it is
+            faster, PyTorch). TensorFlow: no effect.
         bucket_bytes: the most bytes in a bucket (the first bucket is at
             most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
             (default 25 MiB).
@@ -197,6 +201,9 @@ def DistributedOptimizer(optimizer, name=None,
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)
+    # Asked for, not defaulted: JAX splits its reduction only then (see
+    # the docstring).
+    overlap_asked = overlap is not None or _buckets.OVERLAP_ENV in os.environ
     overlap, bucket_bytes = _buckets.resolve_settings(
         overlap, bucket_bytes, "DistributedOptimizer")
     if op == basics.Adasum and average_aggregated_gradients:
@@ -212,7 +219,8 @@ def DistributedOptimizer(optimizer, name=None,
         num_groups=num_groups,
         scale_local_gradients=bool(scale_local_gradients),
         process_set_id=_process_sets.resolve(process_set),
-        overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes)
+        overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
+        jax_buckets=overlap and overlap_asked and num_groups == 0)
     if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
@@ -322,7 +330,8 @@ def _distributed_class(base, settings):
                         settings.gradient_predivide_factor),
                     num_groups=settings.num_groups,
                     bucket_bytes=(settings.bucket_bytes
-                                  if overlap and framework == "jax"
+                                  if framework == "jax" and getattr(
+                                      settings, "jax_buckets", False)
                                   else None))
 
             def reduce(grads, variables):
