@@ -105,8 +105,12 @@ def keras_dp_worker(model_name, steps, warmup, rank, world, port):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from keras_scaling import _build
     if world > 1:
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=jax.devices()))
+        dp = keras.distribution.DataParallel(devices=jax.devices())
+        dp.auto_shard_dataset = False  # each process feeds its own batch
+        keras.distribution.set_distribution(dp)
+    # The same initial weights on every process (the variables are
+    # replicated: jax checks they agree).
+    keras.utils.set_random_seed(0)
     model = _build(model_name)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(
