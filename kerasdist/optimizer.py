@@ -24,12 +24,14 @@ TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
 jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
 """
 
+import os
 import sys
 
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
 from kerasdist import process_sets as _process_sets
+from kerasdist import _buckets
 from kerasdist import _framework
 from kerasdist import _local_gradients
 from kerasdist.compression import Compression
@@ -56,7 +58,8 @@ def DistributedOptimizer(optimizer, name=None,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
                          num_groups=0, scale_local_gradients=True,
-                         average=None, process_set=None):
+                         average=None, process_set=None, overlap=None,
+                         bucket_bytes=None):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks
     (over the ranks of `process_set`, a `kerasdist.ProcessSet`, when given:
     only its members may then train with it).
@@ -112,6 +115,22 @@ def DistributedOptimizer(optimizer, name=None,
             `local_layers`) by `size()`, as Horovod does (default True).
         average: Horovod's deprecated form of `op`: True is Average,
             False Sum (a DeprecationWarning); ValueError with `op`.
+        overlap: with `num_groups=0`, reduce the gradients in buckets of
+            up to `bucket_bytes`, in the order backprop produces them (the
+            last layer's first), so that communication overlaps the rest
+            of backprop. PyTorch: each bucket's allreduce starts from
+            autograd hooks as soon as its gradients exist (from the second
+            step on; the first step installs the hooks). JAX: each bucket
+            is a custom call of its own; only when asked for (True, or
+            `KERASDIST_OVERLAP=1` set), since XLA's CPU runtime runs the
+            step's operations in sequence and waits for each custom call
+            before the next, so more calls only add round trips there (see
+            docs/keras.md). The result is the same. None (default): the
+            environment's `KERASDIST_OVERLAP` (default 1: on where it is
+            faster, PyTorch). TensorFlow: no effect.
+        bucket_bytes: the most bytes in a bucket (the first bucket is at
+            most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
+            (default 25 MiB).
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless
@@ -182,6 +201,11 @@ def DistributedOptimizer(optimizer, name=None,
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)
+    # Asked for, not defaulted: JAX splits its reduction only then (see
+    # the docstring).
+    overlap_asked = overlap is not None or _buckets.OVERLAP_ENV in os.environ
+    overlap, bucket_bytes = _buckets.resolve_settings(
+        overlap, bucket_bytes, "DistributedOptimizer")
     if op == basics.Adasum and average_aggregated_gradients:
         raise ValueError("DistributedOptimizer: Adasum does not support "
                          "average_aggregated_gradients=True (as in "
@@ -194,7 +218,9 @@ def DistributedOptimizer(optimizer, name=None,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups,
         scale_local_gradients=bool(scale_local_gradients),
-        process_set_id=_process_sets.resolve(process_set))
+        process_set_id=_process_sets.resolve(process_set),
+        overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
+        jax_buckets=overlap and overlap_asked and num_groups == 0)
     if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
@@ -215,6 +241,7 @@ def _distributed_class(base, settings):
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
             self._kerasdist_local = _local_gradients.LocalVariables()
+            self._kerasdist_overlap = _framework.Overlap()  # PyTorch's
 
         def register_local_var(self, var):
             """Keeps `var`'s gradient on this rank: it is not reduced
@@ -291,14 +318,30 @@ def _distributed_class(base, settings):
             if ps and _capi.process_set_rank(ps) < 0:
                 return grads  # outside the set: its own gradients (Horovod)
 
-            def reduce(grads, variables):
+            overlap = getattr(settings, "overlap", False)
+            framework = _framework.current()
+
+            def plain(grads, variables):
                 return _framework.reduce_gradients(
                     grads, variables, settings.prefix,
                     compression=settings.compression, op=settings.op,
                     sparse_as_dense=settings.sparse_as_dense,
                     gradient_predivide_factor=(
                         settings.gradient_predivide_factor),
-                    num_groups=settings.num_groups)
+                    num_groups=settings.num_groups,
+                    bucket_bytes=(settings.bucket_bytes
+                                  if framework == "jax" and getattr(
+                                      settings, "jax_buckets", False)
+                                  else None))
+
+            def reduce(grads, variables):
+                if not overlap or framework != "torch":
+                    return plain(grads, variables)
+                return self._kerasdist_overlap.reduce(
+                    grads, variables, plain, settings.prefix,
+                    settings.compression, settings.op,
+                    settings.gradient_predivide_factor,
+                    settings.bucket_bytes)
             with _capi.process_set_scope(
                     getattr(settings, "process_set_id", 0)):
                 return self._kerasdist_local.reduce(
@@ -320,7 +363,8 @@ def PartialDistributedOptimizer(optimizer, name=None,
                                 backward_passes_per_step=1,
                                 average_aggregated_gradients=False,
                                 num_groups=0, local_layers=None,
-                                scale_local_gradients=True):
+                                scale_local_gradients=True, overlap=None,
+                                bucket_bytes=None):
     """A `DistributedOptimizer` whose `local_layers` keep their gradients
     on each rank, as Horovod's: their trainable weights are not reduced
     (their gradients are divided by `size()` unless
@@ -356,7 +400,8 @@ def PartialDistributedOptimizer(optimizer, name=None,
         average_aggregated_gradients=average_aggregated_gradients,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups, scale_local_gradients=scale_local_gradients)
+        num_groups=num_groups, scale_local_gradients=scale_local_gradients,
+        overlap=overlap, bucket_bytes=bucket_bytes)
     wrapped._kerasdist_local.add_layers(layers)
     return wrapped
 

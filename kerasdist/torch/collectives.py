@@ -95,25 +95,50 @@ def _allreduce(x: torch.Tensor, name: str, op: int, prescale: float,
     return out
 
 
+class PendingAllreduce:
+    """A grouped allreduce enqueued in the core and not yet waited for:
+    `wait()` returns the reduced tensors. The inputs are kept alive (the
+    core reads them in place) until then."""
+
+    def __init__(self, xs, name, op, prescale, postscale, process_set=None):
+        # Every member is enqueued before any is waited for, so the core
+        # sees the whole group at once and fuses it.
+        xs = [x.contiguous() for x in xs]
+        outs = [torch.empty_like(x) for x in xs]
+        # Checked before anything is enqueued: a group short of a member
+        # would keep the other ranks waiting for it.
+        devices = [_device(x, "grouped_allreduce") for x in xs]
+        for x in xs:
+            _code(x)
+        self._inputs, self._outputs = xs, outs
+        self._handles = [
+            _start(_capi.OP_ALLREDUCE, f"{name}.{i}", x, out, reduce_op=op,
+                   prescale=prescale, postscale=postscale, group=name,
+                   group_size=len(xs), device=device,
+                   process_set=process_set)
+            for i, (x, out, device) in enumerate(zip(xs, outs, devices))]
+
+    def wait(self):
+        try:
+            for h in self._handles:
+                h.wait()
+        finally:
+            self._handles, self._inputs = [], []
+        return self._outputs
+
+
+def start_grouped_allreduce(xs, name, op, prescale=1.0, postscale=1.0,
+                            process_set=None):
+    """Enqueues a grouped allreduce of torch tensors without waiting for
+    it (the gradient buckets' overlap); returns a `PendingAllreduce`."""
+    return PendingAllreduce(list(xs), name, int(op), float(prescale),
+                            float(postscale), process_set)
+
+
 @torch.library.custom_op("kerasdist::grouped_allreduce", mutates_args=())
 def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
              postscale: float) -> list[torch.Tensor]:
-    # Every member is enqueued before any is waited for, so the core sees
-    # the whole group at once and fuses it.
-    xs = [x.contiguous() for x in xs]
-    outs = [torch.empty_like(x) for x in xs]
-    # Checked before anything is enqueued: a group short of a member would
-    # keep the other ranks waiting for it.
-    devices = [_device(x, "grouped_allreduce") for x in xs]
-    for x in xs:
-        _code(x)
-    handles = [_start(_capi.OP_ALLREDUCE, f"{name}.{i}", x, out, reduce_op=op,
-                      prescale=prescale, postscale=postscale, group=name,
-                      group_size=len(xs), device=device)
-               for i, (x, out, device) in enumerate(zip(xs, outs, devices))]
-    for h in handles:
-        h.wait()
-    return outs
+    return PendingAllreduce(xs, name, op, prescale, postscale).wait()
 
 
 @torch.library.custom_op("kerasdist::allgather", mutates_args=())

@@ -371,6 +371,162 @@ def check_checkpoint():
               for v in model.optimizer.variables]))
 
 
+# ---- gradient buckets (overlap) ---------------------------------------------
+
+# dense_model's gradients in backprop order are bias 1 (4 bytes), kernel 1
+# (12), bias 0 (12), kernel 0 (48): 16-byte buckets make three, in the
+# variables' indices [[3, 2], [1], [0]].
+TINY_BUCKETS = {"overlap": True, "bucket_bytes": 16}
+
+
+@check("fit_overlap_buckets", groups=("jax", "torch"))
+def fit_overlap_buckets():
+    """Three buckets (three allreduces, on PyTorch started from autograd
+    hooks, on JAX three custom calls) == one process on the global batch
+    == the synchronous reduction (overlap=False)."""
+    x, y = data()
+    got = check_fit("fit_overlap_buckets",
+                    lambda: keras.optimizers.Adam(0.01), **TINY_BUCKETS)
+    off = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), overlap=False), my_part(x), my_part(y),
+        B)
+    assert_close(got, off, "overlap on vs off", atol=1e-6)
+
+
+@check("overlap_starts_before_backprop_ends", groups=("torch",))
+def overlap_starts_before_backprop_ends():
+    """In `fit`'s last step, bucket 0's allreduce was enqueued from its
+    hook before backprop had produced the last gradient (an order record,
+    not a timing), and apply took every bucket from the hooks."""
+    x, y = data()
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), **TINY_BUCKETS)
+    fit(dense_model(), opt, my_part(x), my_part(y), B)
+    b = opt._kerasdist_overlap.buckets
+    assert b is not None, "no hooks installed"
+    assert b.buckets == [[3, 2], [1], [0]], b.buckets
+    ev = b.last_events
+    assert ev[-1] == ("collect", ()), ev
+    assert sorted(e for e in ev if e[0] == "grad") == [
+        ("grad", i) for i in range(4)], ev
+    assert [e for e in ev if e[0] == "start"] == [
+        ("start", k) for k in range(3)], ev
+    last_grad = max(i for i, e in enumerate(ev) if e[0] == "grad")
+    assert ev.index(("start", 0)) < last_grad, ev
+    # Each bucket starts right after its own last gradient.
+    for k, members in enumerate(b.buckets):
+        ready = max(ev.index(("grad", i)) for i in members)
+        assert ev.index(("start", k)) == ready + 1, (k, ev)
+    # overlap=False: no hooks.
+    plain = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap=False)
+    fit(dense_model(), plain, my_part(x), my_part(y), B)
+    assert plain._kerasdist_overlap.buckets is None
+
+
+def torch_loop(opt, model, extra, x, y, twice=False):
+    """A custom loop: backward, then apply with the variables' `.grad`
+    (`extra`'s layer takes no part in the loss: None gradients)."""
+    import torch
+    import warnings
+    variables = model.trainable_variables + extra.trainable_variables
+    # Keras warns of the None gradients at every apply.
+    warnings.filterwarnings("ignore", "Gradients do not exist")
+    for s in range(STEPS):
+        xb = torch.as_tensor(x[s * B:(s + 1) * B])
+        yb = torch.as_tensor(y[s * B:(s + 1) * B])
+        for v in variables:
+            v.value.grad = None
+        for _ in range(2 if twice else 1):  # twice: .grad accumulates
+            loss = torch.mean((model(xb) - yb) ** 2)
+            loss.backward()
+        opt.apply([v.value.grad for v in variables], variables)
+    return [keras.ops.convert_to_numpy(v) for v in variables]
+
+
+@check("overlap_custom_loop_local_none", groups=("torch",))
+def overlap_custom_loop_local_none():
+    """A custom loop with a local variable (register_local_var), None
+    gradients and, in a second run, two backward passes per apply: the
+    buckets give the synchronous path's result (itself checked against one
+    process above); the None and local gradients are in no bucket, and a
+    second backward pass sends the buckets through the synchronous path."""
+    x, y = data()
+    x, y = my_part(x), my_part(y)
+
+    def run(overlap, twice=False):
+        model = dense_model()
+        extra = keras.layers.Dense(2)
+        extra.build((None, 4))
+        extra.set_weights([np.ones((4, 2), "float32"),
+                           np.zeros(2, "float32")])
+        opt = kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.5), overlap=overlap,
+            bucket_bytes=16)
+        opt.register_local_var(model.layers[-1].bias)
+        return torch_loop(opt, model, extra, x, y, twice), opt
+
+    off, _ = run(False)
+    on, opt = run(True)
+    assert_close(on, off, "custom loop: overlap on vs off", atol=1e-6)
+    b = opt._kerasdist_overlap.buckets
+    # Reduced: kernel 0, bias 0, kernel 1 (bias 1 is local, extra's None).
+    assert b is not None and b.where == [0, 1, 2], b and b.where
+    assert b.last_events[-1] == ("collect", ()), b.last_events
+    assert any(e[0] == "start" for e in b.last_events), b.last_events
+    off2, _ = run(False, twice=True)
+    on2, opt2 = run(True, twice=True)
+    assert_close(on2, off2, "two backward passes: overlap on vs off",
+                 atol=1e-6)
+    redo = opt2._kerasdist_overlap.buckets.last_events[-1]
+    assert redo == ("collect", (0, 1, 2)), redo
+    same_on_all_ranks(on[:3] + on[4:], "custom loop")
+
+
+@check("overlap_process_set_of_one", groups=("torch",))
+def overlap_process_set_of_one():
+    """A set of rank 0 alone: rank 0 reduces over itself, rank 1 is
+    outside; neither installs hooks, and each trains on its own data as
+    the plain optimizer does."""
+    ps = kd.add_process_set([0])
+    try:
+        x, y = data()
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                      process_set=ps, **TINY_BUCKETS)
+        got = fit(dense_model(), opt, my_part(x), my_part(y), B)
+        alone = fit(dense_model(), keras.optimizers.SGD(0.1), my_part(x),
+                    my_part(y), B)
+        assert_close(got, alone, "process set of one", atol=1e-6)
+        assert opt._kerasdist_overlap.buckets is None
+    finally:
+        kd.remove_process_set(ps)
+
+
+@check("jax_bucket_custom_calls", groups=("jax",))
+def jax_bucket_custom_calls():
+    """Inside jax.jit, one grouped-allreduce custom call per bucket, each
+    taking only its bucket's gradients; num_groups and overlap=False keep
+    their calls."""
+    import jax
+    import jax.numpy as jnp
+    from kerasdist import _framework
+    shapes = [(4, 3), (3,), (3, 1), (1,)]  # dense_model's
+
+    def count(**kw):
+        def step(*gs):
+            return _framework.reduce_gradients(list(gs), None, "test.bk",
+                                               **kw)
+        text = jax.jit(step).lower(
+            *[jnp.ones(s, jnp.float32) for s in shapes]).as_text()
+        return text.count("kerasdist_grouped_allreduce"), text
+
+    n, text = count(bucket_bytes=16)
+    assert n == 3, text
+    for k in range(3):
+        assert f"test.bk.bucket{k}of3" in text, text
+    assert count()[0] == 1
+    assert count(num_groups=2)[0] == 2
+    assert count(num_groups=2, bucket_bytes=16)[0] == 2
+
+
 @check("no_tensorflow", groups=("jax", "torch"))
 def no_tensorflow():
     # Keras itself imports TensorFlow when it is installed in
