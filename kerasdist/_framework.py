@@ -104,7 +104,8 @@ def to_numpy(x):
 
 def reduce_gradients(grads, variables, prefix, compression=None,
                      op=basics.Average, sparse_as_dense=False,
-                     gradient_predivide_factor=1.0, num_groups=0):
+                     gradient_predivide_factor=1.0, num_groups=0,
+                     bucket_bytes=None):
     """Allreduces a flat gradient list (`None` kept) on the running
     backend; see `_tf_gradients.reduce_gradients` (TensorFlow), which this
     mirrors for JAX and PyTorch arrays: one grouped allreduce per group,
@@ -117,7 +118,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
             grads, variables, prefix, compression=compression, op=op,
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups)
+            num_groups=num_groups, bucket_bytes=bucket_bytes)
     if compression is None:
         from kerasdist.compression import Compression
         compression = Compression.none

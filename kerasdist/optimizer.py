@@ -30,6 +30,7 @@ from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
 from kerasdist import process_sets as _process_sets
+from kerasdist import _buckets
 from kerasdist import _framework
 from kerasdist import _local_gradients
 from kerasdist.compression import Compression
@@ -56,7 +57,8 @@ def DistributedOptimizer(optimizer, name=None,
                          average_aggregated_gradients=False,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
                          num_groups=0, scale_local_gradients=True,
-                         average=None, process_set=None):
+                         average=None, process_set=None, overlap=None,
+                         bucket_bytes=None):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks
     (over the ranks of `process_set`, a `kerasdist.ProcessSet`, when given:
     only its members may then train with it).
@@ -112,6 +114,19 @@ def DistributedOptimizer(optimizer, name=None,
             `local_layers`) by `size()`, as Horovod does (default True).
         average: Horovod's deprecated form of `op`: True is Average,
             False Sum (a DeprecationWarning); ValueError with `op`.
+        overlap: with `num_groups=0`, reduce the gradients in buckets of
+            up to `bucket_bytes`, in the order backprop produces them (the
+            last layer's first), so that communication overlaps the rest
+            of backprop. On TensorFlow each bucket is one grouped allreduce
+            op in the train step's graph, which TF's executor runs as soon
+            as the bucket's gradients exist, while it goes on computing the
+            others (eagerly, and with `backward_passes_per_step > 1`, the
+            gradients stay in one group). The result is the same. None
+            (default): the environment's `KERASDIST_OVERLAP` (default 1:
+            on).
+        bucket_bytes: the most bytes in a bucket (the first bucket is at
+            most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
+            (default 25 MiB).
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless
@@ -182,6 +197,8 @@ def DistributedOptimizer(optimizer, name=None,
     _gradients.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)
+    overlap, bucket_bytes = _buckets.resolve_settings(
+        overlap, bucket_bytes, "DistributedOptimizer")
     if op == basics.Adasum and average_aggregated_gradients:
         raise ValueError("DistributedOptimizer: Adasum does not support "
                          "average_aggregated_gradients=True (as in "
@@ -194,7 +211,8 @@ def DistributedOptimizer(optimizer, name=None,
         gradient_predivide_factor=gradient_predivide_factor,
         num_groups=num_groups,
         scale_local_gradients=bool(scale_local_gradients),
-        process_set_id=_process_sets.resolve(process_set))
+        process_set_id=_process_sets.resolve(process_set),
+        overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes)
     if _framework.current() == "tensorflow":
         _tf().install_train_function_hook(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
@@ -286,6 +304,15 @@ def _distributed_class(base, settings):
             finally:
                 self._kerasdist_reduced = False
 
+        def _kerasdist_bucket_bytes(self):
+            # TensorFlow's graph step only; summed accumulators
+            # (backward_passes_per_step > 1) are all ready at once.
+            if (not getattr(settings, "overlap", False)
+                    or settings.backward_passes_per_step > 1
+                    or _framework.current() != "tensorflow"):
+                return None
+            return settings.bucket_bytes
+
         def _kerasdist_reduce(self, grads, variables):
             ps = getattr(settings, "process_set_id", 0)
             if ps and _capi.process_set_rank(ps) < 0:
@@ -298,7 +325,8 @@ def _distributed_class(base, settings):
                     sparse_as_dense=settings.sparse_as_dense,
                     gradient_predivide_factor=(
                         settings.gradient_predivide_factor),
-                    num_groups=settings.num_groups)
+                    num_groups=settings.num_groups,
+                    bucket_bytes=self._kerasdist_bucket_bytes())
             with _capi.process_set_scope(
                     getattr(settings, "process_set_id", 0)):
                 return self._kerasdist_local.reduce(
@@ -320,7 +348,8 @@ def PartialDistributedOptimizer(optimizer, name=None,
                                 backward_passes_per_step=1,
                                 average_aggregated_gradients=False,
                                 num_groups=0, local_layers=None,
-                                scale_local_gradients=True):
+                                scale_local_gradients=True, overlap=None,
+                                bucket_bytes=None):
     """A `DistributedOptimizer` whose `local_layers` keep their gradients
     on each rank, as Horovod's: their trainable weights are not reduced
     (their gradients are divided by `size()` unless
@@ -356,7 +385,8 @@ def PartialDistributedOptimizer(optimizer, name=None,
         average_aggregated_gradients=average_aggregated_gradients,
         sparse_as_dense=sparse_as_dense,
         gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups, scale_local_gradients=scale_local_gradients)
+        num_groups=num_groups, scale_local_gradients=scale_local_gradients,
+        overlap=overlap, bucket_bytes=bucket_bytes)
     wrapped._kerasdist_local.add_layers(layers)
     return wrapped
 
