@@ -14,6 +14,9 @@ Per step, COUNT float32 tensors of SIZE bytes are summed over the ranks:
   one `kerasdist.grouped_allreduce` op (how DistributedOptimizer and
   DistributedGradientTape send gradients): TF schedules and completes one
   op instead of COUNT;
+- TF alone, tf.function: the first row's function with a tf.identity in
+  place of each allreduce (COUNT tensors in, COUNT out): TensorFlow's own
+  cost of that call, mostly in Python (the floor of the first row);
 - TF alone, in-graph: the in-graph function with a copy (tf.identity) in
   place of each allreduce: what TF itself costs per call of that function,
   which the two in-graph rows include;
@@ -69,6 +72,17 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
 
     def kd_tf():
         last["tf"] = tf_step(txs)
+
+    @tf.function(autograph=False)
+    def tf_identity_step(tensors):
+        return [tf.identity(t) for t in tensors]
+
+    def tf_alone_call():
+        last["identity"] = tf_identity_step(txs)
+
+    def check_identity():
+        return wrong_list([t.numpy() - x + w for t, x, w in
+                           zip(last["identity"], xs, want)])
 
     # In-graph: the tensors are read from variables and the results assigned
     # to variables inside the function, as gradients are made and consumed
@@ -154,6 +168,7 @@ def make_systems(comm, kd, tf, count, nbytes, tag="fusion"):
 
     return {
         "kerasdist tf.function": (kd_tf, check_tf),
+        "TF alone, tf.function": (tf_alone_call, check_identity),
         "kerasdist in-graph": (tf_graph_step, check_graph),
         "kerasdist grouped, in-graph": (tf_grouped_step, check_graph),
         "TF alone, in-graph": (tf_alone_step, check_alone),

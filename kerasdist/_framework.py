@@ -122,7 +122,7 @@ def reduce_gradients(grads, variables, prefix, compression=None,
             grads, variables, prefix, compression=compression, op=op,
             sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups)
+            num_groups=num_groups, bucket_bytes=bucket_bytes)
     if compression is None:
         from kerasdist.compression import Compression
         compression = Compression.none

@@ -118,16 +118,20 @@ def DistributedOptimizer(optimizer, name=None,
         overlap: with `num_groups=0`, reduce the gradients in buckets of
             up to `bucket_bytes`, in the order backprop produces them (the
             last layer's first), so that communication overlaps the rest
-            of backprop. PyTorch: each bucket's allreduce starts from
-            autograd hooks as soon as its gradients exist (from the second
-            step on; the first step installs the hooks). JAX: each bucket
-            is a custom call of its own; only when asked for (True, or
-            `KERASDIST_OVERLAP=1` set), since XLA's CPU runtime runs the
-            step's operations in sequence and waits for each custom call
-            before the next, so more calls only add round trips there (see
-            docs/keras.md). The result is the same. None (default): the
-            environment's `KERASDIST_OVERLAP` (default 1: on where it is
-            faster, PyTorch). TensorFlow: no effect.
+            of backprop. TensorFlow: each bucket is one grouped allreduce op
+            in the train step's graph, which TF's executor runs as soon as
+            the bucket's gradients exist, while it goes on computing the
+            others (eagerly, and with `backward_passes_per_step > 1`, the
+            gradients stay in one group). PyTorch: each bucket's allreduce
+            starts from autograd hooks as soon as its gradients exist (from
+            the second step on; the first step installs the hooks). JAX:
+            each bucket is a custom call of its own; only when asked for
+            (True, or `KERASDIST_OVERLAP=1` set), since XLA's CPU runtime
+            runs the step's operations in sequence and waits for each
+            custom call before the next, so more calls only add round trips
+            there (see docs/keras.md). The result is the same. None
+            (default): the environment's `KERASDIST_OVERLAP` (default 1: on
+            where it is faster, TensorFlow and PyTorch).
         bucket_bytes: the most bytes in a bucket (the first bucket is at
             most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
             (default 25 MiB).
@@ -313,6 +317,22 @@ def _distributed_class(base, settings):
             finally:
                 self._kerasdist_reduced = False
 
+        def _kerasdist_bucket_bytes(self):
+            # The bucket size the plain (not hooked) reduction splits by:
+            # TensorFlow's graph step (summed accumulators, with
+            # backward_passes_per_step > 1, are all ready at once), and JAX
+            # only when overlap was asked for (see the docstring); None
+            # otherwise (PyTorch's buckets come from its hooks).
+            if not getattr(settings, "overlap", False):
+                return None
+            framework = _framework.current()
+            if framework == "tensorflow":
+                return (settings.bucket_bytes
+                        if settings.backward_passes_per_step == 1 else None)
+            if framework == "jax" and getattr(settings, "jax_buckets", False):
+                return settings.bucket_bytes
+            return None
+
         def _kerasdist_reduce(self, grads, variables):
             ps = getattr(settings, "process_set_id", 0)
             if ps and _capi.process_set_rank(ps) < 0:
@@ -329,10 +349,7 @@ def _distributed_class(base, settings):
                     gradient_predivide_factor=(
                         settings.gradient_predivide_factor),
                     num_groups=settings.num_groups,
-                    bucket_bytes=(settings.bucket_bytes
-                                  if framework == "jax" and getattr(
-                                      settings, "jax_buckets", False)
-                                  else None))
+                    bucket_bytes=self._kerasdist_bucket_bytes())
 
             def reduce(grads, variables):
                 if not overlap or framework != "torch":

@@ -4,6 +4,7 @@ reducing a gradient list of TF tensors."""
 
 import tensorflow as tf
 
+from kerasdist import _buckets
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist.collectives import bound
@@ -46,7 +47,8 @@ def gradient_names(prefix, sources):
 
 def reduce_gradients(grads, sources, prefix, compression=None,
                      op=basics.Average, sparse_as_dense=False,
-                     gradient_predivide_factor=1.0, num_groups=0):
+                     gradient_predivide_factor=1.0, num_groups=0,
+                     bucket_bytes=None):
     """Allreduces `grads` (a flat list, `None` entries kept) over all ranks.
 
     Dense gradients are allreduced; `tf.IndexedSlices` are allgathered
@@ -55,6 +57,16 @@ def reduce_gradients(grads, sources, prefix, compression=None,
     Average. The dense gradients are split, in order, into `num_groups`
     groups of nearly equal count (0 means one group), each reduced by one
     `grouped_allreduce`; the runtime fuses each group up to the threshold.
+
+    `bucket_bytes` (with `num_groups=0`, inside a `tf.function`, op not
+    Adasum): the dense gradients go in buckets of up to that many bytes
+    (`kerasdist._buckets.variable_buckets`: backprop order, the last
+    layer's first, dtypes apart), one grouped allreduce each. TF's executor
+    runs an op as soon as its inputs exist and the collective ops are
+    asynchronous (they return their thread at once), so a bucket's
+    allreduce runs in the runtime while TF still computes the gradients of
+    earlier layers. The result is the same. Eagerly every op waits for its
+    result, so there the gradients stay in one group.
 
     With one rank nothing is communicated: every supported reduction of one
     rank is the identity, so only compression (and `sparse_as_dense`) is
@@ -100,23 +112,52 @@ def reduce_gradients(grads, sources, prefix, compression=None,
     # step), and member names are positions within the group, so they do not
     # depend on Keras' auto-generated layer names, which can differ between
     # ranks that built a different number of models before.
-    groups = num_groups if num_groups > 0 else 1
-    reduced = []
+    reduced = [None] * len(dense)
     if dense:
-        for g, members in enumerate(split_groups(len(dense), groups)):
-            group = _group_name(prefix, g, groups)
+        buckets = _buckets_of(wires, bucket_bytes, num_groups, op)
+        if buckets is not None:
+            names = [_group_name(prefix, b, len(buckets), "bucket")
+                     for b in range(len(buckets))]
+        else:
+            groups = num_groups if num_groups > 0 else 1
+            buckets = split_groups(len(dense), groups)
+            names = [_group_name(prefix, g, groups)
+                     for g in range(len(buckets))]
+        for group, members in zip(names, buckets):
             label_members(group, [source_label(sources[dense[j][0]],
                                                dense[j][0]) for j in members])
-            reduced += bound("tensorflow").grouped_allreduce(
+            outs = bound("tensorflow").grouped_allreduce(
                 [wires[j] for j in members], op=dense_op, name=group,
                 prescale_factor=prescale, postscale_factor=postscale)
+            for j, r in zip(members, outs):
+                reduced[j] = r
     for (i, _, _, ctx), r in zip(dense, reduced):
         out[i] = compression.decompress(r, ctx)
     return out
 
 
-def _group_name(prefix, index, num_groups):
-    name = f"{prefix}.group{index}of{num_groups}"
+def _buckets_of(wires, bucket_bytes, num_groups, op):
+    """The buckets of `wires` (lists of indices, in the order they become
+    ready), or None where the gradients stay grouped: no `bucket_bytes`,
+    `num_groups` given, Adasum (whose result depends on what is reduced
+    together), eagerly, a single gradient, or a shape unknown when
+    tracing."""
+    if (bucket_bytes is None or num_groups > 0 or op == basics.Adasum
+            or tf.executing_eagerly() or len(wires) < 2):
+        return None
+    sizes = []
+    for w in wires:
+        n = w.shape.num_elements()
+        if n is None:
+            return None
+        sizes.append(n * w.dtype.size)
+    buckets = _buckets.variable_buckets(
+        sizes, [w.dtype.name for w in wires], bucket_bytes)
+    return buckets if len(buckets) > 1 else None
+
+
+def _group_name(prefix, index, num_groups, kind="group"):
+    name = f"{prefix}.{kind}{index}of{num_groups}"
     if tf.executing_eagerly():
         return name
     # Unique within the graph (a second reduction in one tf.function), and

@@ -3,6 +3,7 @@ over all ranks, for custom training loops."""
 
 import tensorflow as tf
 
+from kerasdist import _buckets
 from kerasdist import basics
 from kerasdist import _local_gradients
 from kerasdist import process_sets as _process_sets
@@ -52,6 +53,13 @@ class DistributedGradientTape:
             (default True).
         average: Horovod's deprecated form of `op`: True is Average,
             False Sum (a DeprecationWarning); ValueError with `op`.
+        overlap: with `num_groups=0` inside a `tf.function`, reduce the
+            gradients in buckets of up to `bucket_bytes`, in backprop
+            order, one grouped allreduce each, which TF runs while it
+            computes the other gradients (as `DistributedOptimizer`'s
+            `overlap`). None (default): `KERASDIST_OVERLAP` (default 1).
+        bucket_bytes: the most bytes in a bucket. None:
+            `KERASDIST_BUCKET_BYTES` (default 25 MiB).
 
     `tape.register_local_source(variable)` keeps that source's gradient on
     its rank (not reduced), as Horovod's; every rank must register the
@@ -73,7 +81,8 @@ class DistributedGradientTape:
     def __init__(self, tape, compression=Compression.none, op=None,
                  sparse_as_dense=False, gradient_predivide_factor=1.0,
                  name=None, num_groups=0, scale_local_gradients=True,
-                 average=None, process_set=None):
+                 average=None, process_set=None, overlap=None,
+                 bucket_bytes=None):
         if isinstance(tape, DistributedGradientTape):
             raise ValueError("DistributedGradientTape got a tape that is "
                              "already distributed; wrap the plain tape once.")
@@ -83,7 +92,11 @@ class DistributedGradientTape:
         op = _gradients.resolve_op(op, average)
         _gradients.check_args(op, compression, gradient_predivide_factor,
                               num_groups, "DistributedGradientTape")
+        overlap, bucket_bytes = _buckets.resolve_settings(
+            overlap, bucket_bytes, "DistributedGradientTape")
         self._num_groups = num_groups
+        self._bucket_bytes = (bucket_bytes if overlap and num_groups == 0
+                              else None)
         self._tape = tape
         self._compression = compression
         self._op = op
@@ -141,7 +154,8 @@ class DistributedGradientTape:
                 compression=self._compression, op=self._op,
                 sparse_as_dense=self._sparse_as_dense,
                 gradient_predivide_factor=self._predivide,
-                num_groups=self._num_groups)
+                num_groups=self._num_groups,
+                bucket_bytes=self._bucket_bytes)
 
         if self._process_set and _capi.process_set_rank(self._process_set) < 0:
             return grads

@@ -248,6 +248,9 @@ class CollectiveKernel : public AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("process_set", &process_set_));
   }
 
+  // See GroupedAllreduceOp::IsExpensive.
+  bool IsExpensive() override { return false; }
+
  protected:
   // Fills the parts of the request every op has, and *where.
   bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
@@ -397,6 +400,15 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       names_.push_back(base_ + "." + std::to_string(i));
     }
   }
+
+  // ComputeAsync only enqueues, so TF's executor may run it inline, on the
+  // thread that made its inputs, as soon as they exist. An AsyncOpKernel
+  // is never timed (TF's cost estimates come from synchronous kernels), so
+  // it would otherwise count as expensive for ever and be handed to the
+  // inter-op pool, whose worker takes its own queue's newest task first: with
+  // one inter-op thread, a gradient bucket's allreduce then waited behind
+  // the whole rest of backprop, and overlapped nothing.
+  bool IsExpensive() override { return false; }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     core::RuntimeRef rt = core::RuntimeRef::Current(process_set_);

@@ -247,7 +247,7 @@ def fit_fp16():
 @check("distributed_gradient_tape_function", mode="function")
 @check("distributed_gradient_tape_function_groups3", mode="function",
        num_groups=3)
-def check_tape(mode, num_groups=0):
+def check_tape(mode, num_groups=0, bucket_bytes=None):
     x, y = data()
     truth = fit(dense_model(), keras.optimizers.SGD(0.1), x, y, SIZE * B)
     model = dense_model()
@@ -257,7 +257,8 @@ def check_tape(mode, num_groups=0):
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
-        tape = kd.DistributedGradientTape(tape, num_groups=num_groups)
+        tape = kd.DistributedGradientTape(tape, num_groups=num_groups,
+                                          bucket_bytes=bucket_bytes)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)
 
@@ -266,7 +267,8 @@ def check_tape(mode, num_groups=0):
     for s in range(STEPS):
         step(tf.constant(xs[s * B:(s + 1) * B]),
              tf.constant(ys[s * B:(s + 1) * B]))
-    what = f"tape_{mode}" + (f"_groups{num_groups}" if num_groups else "")
+    what = f"tape_{mode}" + (f"_groups{num_groups}" if num_groups else "") \
+        + (f"_buckets{bucket_bytes}" if bucket_bytes else "")
     close(model.get_weights(), truth, what)
     same_on_all_ranks(model.get_weights(), what)
 
@@ -416,6 +418,195 @@ def check_loss_scale_outside(function):
 
 
 checks.group("keras")
+
+
+# The bucket checks run at np=2 only (the keras group): one launch.
+@check("fit_buckets")
+def fit_buckets():
+    # 8-byte buckets: every gradient its own grouped allreduce in fit's
+    # train function (the graph path every Keras fit on TF takes).
+    check_fit("fit_buckets", lambda: keras.optimizers.Adam(0.01),
+              bucket_bytes=8)
+
+
+@check("distributed_gradient_tape_function_buckets")
+def tape_buckets():
+    check_tape("function", bucket_bytes=8)
+
+
+def grouped_ops(fn, *specs):
+    """The KerasdistGroupedAllreduce ops of `fn`'s graph: each one's input
+    dtypes."""
+    graph = fn.get_concrete_function(*specs).graph
+    return [[t.dtype.name for t in op.inputs] for op in graph.get_operations()
+            if op.type == "KerasdistGroupedAllreduce"]
+
+
+@check("buckets_in_graph")
+def buckets_in_graph():
+    """One grouped op per bucket in a tf.function, dtypes never mixed;
+    one for all eagerly, with overlap off (argument or environment) and
+    the num_groups of old; the update is the average every way."""
+    va = keras.Variable(np.zeros(3), name="bva")                  # 24 B
+    vb = keras.Variable(np.zeros(2), name="bvb")                  # 16 B
+    vc = keras.Variable(np.zeros(2, np.float32), name="bvc")      # 8 B
+    variables = [va, vb, vc]
+    specs = [tf.TensorSpec([3], tf.float64), tf.TensorSpec([2], tf.float64),
+             tf.TensorSpec([2], tf.float32)]
+    grads = [tf.constant(BASE * (RANK + 1)),
+             tf.constant([1.0, -1.0], tf.float64) * (RANK + 1),
+             tf.constant([2.0, 4.0], tf.float32) * (RANK + 1)]
+    want = [-BASE * MEAN_R, -np.array([1.0, -1.0]) * MEAN_R,
+            -np.array([2.0, 4.0]) * MEAN_R]
+
+    def run(opt, function=True):
+        for v in variables:
+            v.assign(np.zeros(v.shape))
+
+        def step(a, b, c):
+            opt.apply([a, b, c], variables)
+
+        if function:
+            step = tf.function(step)
+        step(*grads)
+        for v, w in zip(variables, want):
+            close(v.numpy(), w, f"buckets {opt.name}")
+        return grouped_ops(step, *specs) if function else None
+
+    # Backprop order (the last variable first), 16-byte buckets: [vc]
+    # (float32), [vb], [va] (24 bytes: alone).
+    ops = run(kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                      bucket_bytes=16))
+    assert sorted(ops) == [["float32"], ["float64"], ["float64"]], ops
+    ops = run(kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                      bucket_bytes=64))
+    assert sorted(ops) == [["float32"], ["float64", "float64"]], ops
+    run(kd.DistributedOptimizer(keras.optimizers.SGD(1.0), bucket_bytes=16),
+        function=False)
+    ops = run(kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                      bucket_bytes=16, overlap=False))
+    assert len(ops) == 1 and len(ops[0]) == 3, ops
+    ops = run(kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                      bucket_bytes=16, num_groups=2))
+    assert len(ops) == 2, ops
+    os.environ["KERASDIST_OVERLAP"] = "0"
+    try:
+        off = kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                      bucket_bytes=16)
+    finally:
+        del os.environ["KERASDIST_OVERLAP"]
+    ops = run(off)
+    assert len(ops) == 1, ops
+    os.environ["KERASDIST_BUCKET_BYTES"] = "16"
+    try:
+        env = kd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    finally:
+        del os.environ["KERASDIST_BUCKET_BYTES"]
+    assert len(run(env)) == 3
+    # Adasum keeps one group (its result depends on what is reduced
+    # together); only the graph is built.
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=kd.Adasum,
+                                  bucket_bytes=16)
+    opt.build(variables)
+    ops = grouped_ops(tf.function(lambda a, b, c: opt.apply([a, b, c],
+                                                            variables)),
+                      *specs)
+    assert len(ops) == 1, ops
+    for bad in (0, -1, 1.5, "1"):
+        try:
+            kd.DistributedOptimizer(keras.optimizers.SGD(), bucket_bytes=bad)
+        except ValueError as e:
+            assert "bucket_bytes" in str(e), e
+        else:
+            raise AssertionError(f"bucket_bytes={bad!r} accepted")
+
+
+def trace_events(path, rows, steps):
+    """The timeline's events once each of `rows` has `steps` NEGOTIATE
+    and ALLREDUCE events (rank 0 writes it; its writer flushes at least
+    once a second)."""
+    import json
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with open(path) as f:
+                events = json.load(f)
+            tid = {e["args"].get("tensor", e["args"]["name"]): e["tid"]
+                   for e in events if e.get("name") == "thread_name"}
+            count = {}
+            for e in events:
+                if e.get("ph") == "X":
+                    key = (e["tid"], e["name"])
+                    count[key] = count.get(key, 0) + 1
+            if all(count.get((tid.get(r), p), 0) >= steps for r in rows
+                   for p in ("NEGOTIATE", "ALLREDUCE")):
+                return events, tid
+        except (OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: {steps} steps of rows "
+                                 f"{sorted(rows)} never appeared")
+        time.sleep(0.05)
+
+
+@check("overlap_timeline")
+def overlap_timeline():
+    """Communication overlaps backprop: in some step one bucket's
+    ALLREDUCE has finished before any rank has even submitted another
+    bucket, i.e. while every rank was still computing that bucket's
+    gradients. A fact of order in rank 0's timeline (one clock), not a
+    timing threshold: with one group for all gradients nothing is
+    submitted before the last gradient exists."""
+    rng = np.random.default_rng(5)
+    model = keras.Sequential([keras.Input((512,)),
+                              keras.layers.Dense(512, activation="tanh"),
+                              keras.layers.Dense(64, activation="tanh"),
+                              keras.layers.Dense(64, activation="tanh"),
+                              keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.01)
+    x = tf.constant(rng.normal(size=(256, 512)) + RANK)
+    y = tf.constant(rng.normal(size=(256, 1)))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        tape = kd.DistributedGradientTape(tape, name="ovl",
+                                          bucket_bytes=64 * 1024)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    step()  # trace and warm up outside the timeline
+    n = len(grouped_ops(step))
+    assert n >= 3, n
+    path = os.path.join(tempfile.gettempdir(), f"kd_ovl_{os.getppid()}.json")
+    steps = 5
+    kd.timeline.start_timeline(path)
+    for _ in range(steps):
+        step()
+    kd.timeline.stop_timeline()
+    if RANK != 0:
+        return
+    rows = [f"ovl.bucket{b}of{n}.0" for b in range(n)]
+    events, tid = trace_events(path, rows, steps)
+    os.unlink(path)
+
+    def phases(row, name):
+        return sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("ph") == "X" and e["tid"] == tid[row]
+                      and e["name"] == name)
+
+    # Per step: the earliest end of a bucket's allreduce, and the latest
+    # first report of a bucket (its NEGOTIATE starts at the first rank's).
+    done = list(zip(*[[end for _, end in phases(r, "ALLREDUCE")][:steps]
+                      for r in rows]))
+    asked = list(zip(*[[ts for ts, _ in phases(r, "NEGOTIATE")][:steps]
+                       for r in rows]))
+    ahead = [max(a) - min(d) for d, a in zip(done, asked)]
+    print(f"overlap: per step, a bucket reduced {ahead} us before the last "
+          "bucket was first submitted", flush=True)
+    assert max(ahead) > 0, (done, asked)
 
 
 @functools.cache
