@@ -176,6 +176,11 @@ def _join_launch(lib):
     the PMI variables for MPI_Init: (launch, {name: value}), {} where there
     is nothing to join."""
     launch = conventions.detect(os.environ)
+    if launch.convention == "single" and "ray.train" in sys.modules:
+        # A Ray Train worker group without kerasdist's backend would train
+        # as jobs of one, each alone (kerasdist/ray.py).
+        from kerasdist import ray as _ray
+        _ray.check_worker(launch)
     if launch.coordinator is None:
         return launch, {}
     mpi_started = ctypes.c_int(0)
