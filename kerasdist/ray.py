@@ -30,7 +30,8 @@ size are Ray's world rank and size, and `kd.local_rank()` is Ray's local
 rank (Ray numbers the workers of a node consecutively, as MPI does), so
 `gpus[kd.local_rank()]` is the worker's own GPU under ``use_gpu=True``
 (every worker of a node sees all the node's GPUs of the run, as under
-Ray's torch backend).
+Ray's torch backend). When the loop returns, kerasdist is shut down in
+that worker (a goodbye to its peers).
 
 When a worker dies, the others end within kerasdist's heartbeat bound;
 Ray's `FailureConfig(max_failures=K)` then starts a new worker group,
@@ -43,11 +44,11 @@ Needs Ray Train v2 (``pip install "kerasdist[ray]"``; v2 is the default
 from Ray 2.50 on, ``RAY_TRAIN_V2_ENABLED``).
 """
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import socket
-import sys
 import tempfile
 
 import ray
@@ -91,6 +92,10 @@ class KerasdistConfig(BackendConfig):
     def backend_cls(self):
         return _KerasdistBackend
 
+    @property
+    def train_func_context(self):
+        return _train_func_context
+
     def to_dict(self):
         return {"coordinator_port": self.coordinator_port,
                 "rendezvous_timeout_s": self.rendezvous_timeout_s}
@@ -130,17 +135,17 @@ def _set_environment(env):
     return os.getpid()
 
 
-def _shutdown_worker():
-    """Runs in a worker at the group's end: kerasdist says goodbye to its
-    peers (so a worker that finished is never taken for lost), if the loop
-    started it."""
-    if "kerasdist.basics" not in sys.modules:
-        return False
+@contextlib.contextmanager
+def _train_func_context():
+    """Wraps the loop on every worker (in the thread that runs it): once
+    the loop has returned, kerasdist says goodbye to its peers and stops
+    (so a worker that finished is never taken for lost when Ray ends the
+    group). After an exception nothing is done: the peers may be inside
+    a collective, and Ray ends the whole group."""
+    yield
     from kerasdist import basics
-    if not basics.is_initialized():
-        return False
-    basics.shutdown()
-    return True
+    if basics.is_initialized():
+        basics.shutdown()
 
 
 class _KerasdistBackend(Backend):
@@ -164,27 +169,6 @@ class _KerasdistBackend(Backend):
                 backend_config.rendezvous_timeout_s))
             for i in range(size)])
 
-    def on_shutdown(self, worker_group, backend_config):
-        try:
-            ray.get(worker_group.execute_async(_shutdown_worker), timeout=30)
-        except Exception:  # a dead worker: Ray ends the group anyway
-            pass
-
-
-def check_worker(launch):
-    """Called by `kd.init()` where a Ray Train worker (Ray imported) finds
-    no launch convention: a worker group of more than one that was not
-    given `KerasdistConfig` would train as N jobs of one, each alone."""
-    try:
-        size = ray.train.get_context().get_world_size()
-    except Exception:  # not inside a Ray Train worker
-        return
-    if size > 1:
-        raise RuntimeError(
-            f"kerasdist.init() runs in a Ray Train worker group of {size}, "
-            f"but no kerasdist job was set up for it, so each worker would "
-            f"train alone; pass backend_config=kerasdist.ray."
-            f"KerasdistConfig() to the DataParallelTrainer.")
 
 
 def __getattr__(name):

@@ -3,7 +3,9 @@ test hosts: `ray start --head` in kdt0 (bound to its address), `ray start
 --address` in kdt1, one CPU each (so the 2 workers land one per host), no
 dashboard, a small object store; the driver runs in kdt0. One Ray cluster
 for the module, stopped (`ray stop --force` in each host) however the
-tests end. Drivers: tests/workers/ray_worker.py.
+tests end, and one Ray Train run (tests/workers/ray_worker.py) whose two
+worker groups (the second after a SIGKILLed worker) do every check; each
+test asserts its part.
 """
 
 import json
@@ -28,29 +30,24 @@ def ray_cluster():
         yield rc
 
 
-def _drive(cluster, mode, out_dir, timeout=240):
-    """Runs ray_worker.py MODE in kdt0's namespace; returns its output
-    and what it wrote ({name: record})."""
-    [(rc, out)] = start_processes(
-        cluster.head.nsenter() + worker_cmd("ray_worker.py", mode,
-                                            str(out_dir)),
-        [cluster.driver_env()], timeout=timeout)
-    records = {p[:-5]: json.loads(open(out_dir / p).read())
-               for p in os.listdir(out_dir) if p.endswith(".json")}
-    return rc, out, records
-
-
 @pytest.fixture(scope="module")
-def fit_run(ray_cluster, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("ray_fit")
-    rc, out, records = _drive(ray_cluster, "fit", out_dir)
-    assert rc == 0 and "DRIVER DONE fit" in out, out[-5000:]
-    return out_dir, out, records
+def ray_run(ray_cluster, tmp_path_factory):
+    """One Ray Train run of ray_worker.py, driven from kdt0: (its output,
+    its directory, {name: record} of what it wrote)."""
+    out_dir = tmp_path_factory.mktemp("ray")
+    [(rc, out)] = start_processes(
+        ray_cluster.head.nsenter() + worker_cmd("ray_worker.py",
+                                                str(out_dir)),
+        [ray_cluster.driver_env()], timeout=600)
+    assert rc == 0 and "DRIVER DONE" in out, out[-6000:]
+    records = {p[:-5]: json.loads((out_dir / p).read_text())
+               for p in os.listdir(out_dir) if p.endswith(".json")}
+    return out, out_dir, records
 
 
 def test_ray_workers_form_one_job_and_fit_matches_one_process(
-        ray_cluster, fit_run):
-    _, out, records = fit_run
+        ray_cluster, ray_run):
+    out, _, records = ray_run
     hosts = {h.address: h.name for h in ray_cluster.cluster.hosts}
     workers = [records[f"fit.r{r}"] for r in (0, 1)]
     for r, w in enumerate(workers):
@@ -70,12 +67,10 @@ def test_ray_workers_form_one_job_and_fit_matches_one_process(
 
 
 def test_ray_restarts_a_killed_worker_and_the_trainer_resumes_exactly(
-        ray_cluster, fit_run, tmp_path):
+        ray_run):
     import numpy as np
 
-    ref_dir, _, _ = fit_run
-    rc, out, records = _drive(ray_cluster, "fault", tmp_path, timeout=300)
-    assert rc == 0 and "DRIVER DONE fault" in out, out[-6000:]
+    out, root, records = ray_run
     assert "kills itself: after step 22" in out, out[-4000:]
     # The second worker group (attempt 1) resumed inside epoch 2.
     m = tr.RESUMED.search(out)
@@ -83,23 +78,23 @@ def test_ray_restarts_a_killed_worker_and_the_trainer_resumes_exactly(
     epoch, samples = int(m.group(1)) - 1, int(m.group(2) or 0)
     assert epoch == 1 and samples > 0, m.group(0)
     assert "restart attempt 2 (KERASDIST_RESTART_ATTEMPT=1)" in out
-    assert set(n for n in records if n.startswith("fault.a")) == {
+    assert {n for n in records if n.startswith("fault.a")} == {
         "fault.a1.r0", "fault.a1.r1"}, sorted(records)
+    assert {records[f"fault.a1.r{r}"]["attempt"] for r in (0, 1)} == {"1"}
     # No example lost or trained twice: attempt 0's steps up to the
     # checkpoint, then attempt 1's, are the uninterrupted job's steps.
     resumed_step = int(m.group(3))
-    ref = tr.job_steps(tr.steps(ref_dir, "ref", 0, 2))
-    got = (tr.job_steps(tr.steps(tmp_path, "fault", 0, 2),
-                        until=resumed_step)
-           + tr.job_steps(tr.steps(tmp_path, "fault", 1, 2)))
+    ref = tr.job_steps(tr.steps(root, "ref", 0, 2))
+    got = (tr.job_steps(tr.steps(root, "fault", 0, 2), until=resumed_step)
+           + tr.job_steps(tr.steps(root, "fault", 1, 2)))
     assert got == ref
     for ids in tr.epochs(got):
         assert sorted(ids) == list(range(tr.N))
-    np.testing.assert_array_equal(np.load(tmp_path / "fault.npy"),
-                                  np.load(ref_dir / "ref.npy"))
+    np.testing.assert_array_equal(np.load(root / "fault.npy"),
+                                  np.load(root / "ref.npy"))
     # Ray holds the Trainer's last epoch checkpoint, and the last epoch's
     # metrics.
-    driver = records["fault"]
+    driver = records["driver"]
     assert driver["error"] is None, driver
     assert driver["metrics"]["epoch"] == 3, driver
     assert "loss" in driver["metrics"], driver

@@ -34,7 +34,8 @@ def ray_env(**extra):
     launchers' variables, Ray's usage stats off, Train v2, `extra` set."""
     env = {k: v for k, v in worker_env().items() if not k.startswith(DROP)}
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1",
-               RAY_TRAIN_V2_ENABLED="1")
+               RAY_TRAIN_V2_ENABLED="1", RAY_TRAIN_METRICS_ENABLED="0",
+               RAY_TRAIN_ENABLE_PRINT_PATCH="0")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -71,11 +72,21 @@ class RayCluster:
         common = ["--num-cpus", str(cpus), "--num-gpus", "0",
                   "--object-store-memory", str(object_store_mib * 2**20),
                   "--disable-usage-stats"]
+        # Ray gives every node the head's temp dir: each host gets a
+        # directory of its own mounted there (a node's logs, sockets and
+        # spill files are its own, and each node's log monitor reads only
+        # its own workers' logs, as on separate machines).
+        temp = os.path.join(cluster.dir, "ray")
+        os.makedirs(temp, exist_ok=True)
+        for host in cluster.hosts[1:]:
+            own = os.path.join(cluster.dir, f"ray-{host.name}")
+            os.makedirs(own, exist_ok=True)
+            cluster.run(host, ["mount", "--bind", own, temp])
         try:
             self._start(self.head, [
                 "--head", "--node-ip-address", self.head.address,
                 "--port", str(PORT), "--include-dashboard", "false",
-                "--temp-dir", os.path.join(cluster.dir, "ray"), *common])
+                "--temp-dir", temp, *common])
             for host in cluster.hosts[1:]:
                 self._start(host, ["--address", self.address,
                                    "--node-ip-address", host.address,

@@ -1,29 +1,28 @@
-"""Ray Train driver for tests/cluster/test_ray.py; one mode a run.
+"""Ray Train driver for tests/cluster/test_ray.py: one run of every check.
 
-    RAY_ADDRESS=HEAD:PORT python tests/workers/ray_worker.py MODE OUT_DIR
+    RAY_ADDRESS=HEAD:PORT python tests/workers/ray_worker.py OUT_DIR
 
 Runs a `DataParallelTrainer` of 2 workers with kerasdist's backend
-(`kerasdist.ray.KerasdistConfig`) on the Ray cluster at RAY_ADDRESS, and
-writes what it found to OUT_DIR/<mode>.json (the workers write theirs to
-OUT_DIR/<mode>.r<rank>.json). Modes:
+(`kerasdist.ray.KerasdistConfig`) and FailureConfig(max_failures=1) on the
+Ray cluster at RAY_ADDRESS. What it found goes to OUT_DIR: the workers'
+fit.r<rank>.json and fault.a<attempt>.r<rank>.json, the driver's
+driver.json (the run's Result), the Trainers' id records (see
+trainer_fault_worker.py) and final states (ref.npy, fault.npy).
 
-    fit      every worker first calls kd.init() as it would run without
-             KerasdistConfig (the backend's variables hidden), which must
-             raise saying what to pass; then checks that kerasdist's rank,
-             size, local rank
-             and local size are Ray's, and that its host is its Ray node;
-             a Keras `model.fit` with DistributedOptimizer and the
-             broadcast callback (different initial weights on each
-             worker) must end at the weights of a single-process fit on
-             the concatenated batches (1e-5). First it trains
-             trainer_fault_worker.py's Trainer uninterrupted (records
-             tagged "ref", state in OUT_DIR/ref.npy: the truth of `fault`).
-    fault    the same Trainer with step checkpoints; worker 1 SIGKILLs
-             itself after step 22 on the first worker group (in epoch 2,
-             once that epoch's step checkpoint is written); Ray's
-             FailureConfig(max_failures=1) starts a new group, the Trainer
-             resumes. ReportCallback reports every epoch, with the
-             Trainer's newest checkpoint; the run's Result is written out.
+Ray's first worker group (attempt 0), on every worker:
+  1. kd.init() as it would run without KerasdistConfig (the backend's
+     variables hidden): it must raise, saying what to pass;
+  2. kd.init(); kerasdist's rank, size, local rank and size must be Ray's,
+     and its host its Ray node's;
+  3. trainer_fault_worker.py's Trainer, uninterrupted (tag "ref"): the
+     truth for 5;
+  4. a Keras `model.fit` with DistributedOptimizer and the broadcast
+     callback (different initial weights on each worker), which must end
+     at the weights of a single-process fit on the concatenated batches;
+  5. the same Trainer again (tag "fault"), with ReportCallback (every
+     epoch, the newest checkpoint); worker 1 SIGKILLs itself after step 22
+     (in epoch 2, once that epoch's step checkpoint is written).
+Ray then starts a second group (attempt 1), whose Trainer resumes 5.
 """
 
 import json
@@ -120,69 +119,60 @@ def _init_without_the_backend(kd):
     return None
 
 
-def loop_fit(config):
-    _quiet_tf()
-    import kerasdist as kd
-    error = _init_without_the_backend(kd)
-    kd.init()
-    out = config["out"]
-    record = _layout(kd)
-    record["error_without_backend"] = error
-    sys.path.insert(0, WORKERS)
-    import trainer_fault_worker as tfw
-    args = _trainer_args(tfw, out, "ref", os.path.join(out, "ref"))
-    tfw.open_log(out, "ref")
-    trainer, loss = tfw.train(args)
-    tfw.finish(args, trainer, loss)
-    tfw._Log.file = None
-    record["loss"] = loss
-    record.update(_fit_check(kd))
-    _write(os.path.join(out, f"fit.r{kd.rank()}.json"), record)
-
-
-def _trainer_args(tfw, out, tag, ckpt_dir):
+def _trainer_args(out, tag):
     import argparse
-    return argparse.Namespace(ckpt_dir=ckpt_dir, log_dir=out, tag=tag)
+    return argparse.Namespace(ckpt_dir=os.path.join(out, tag), log_dir=out,
+                              tag=tag)
 
 
-def loop_fault(config):
+def loop(config):
+    """Attempt 0 (Ray's first worker group): the checks, the reference
+    Trainer, then the Trainer that worker 1 kills; attempt 1: its resume."""
     _quiet_tf()
     import kerasdist as kd
     from kerasdist.ray import ReportCallback
-    kd.init()
     out = config["out"]
+    attempt = int(os.environ["KERASDIST_RESTART_ATTEMPT"])
+    error = _init_without_the_backend(kd) if attempt == 0 else None
+    kd.init()
     sys.path.insert(0, WORKERS)
     import trainer_fault_worker as tfw
-    ckpt = os.path.join(out, "fault")
-    args = _trainer_args(tfw, out, "fault", ckpt)
+    if attempt == 0:
+        record = _layout(kd)
+        record["error_without_backend"] = error
+        args = _trainer_args(out, "ref")
+        tfw.open_log(out, "ref")
+        trainer, record["loss"] = tfw.train(args)
+        tfw.finish(args, trainer, record["loss"])
+        record.update(_fit_check(kd))
+        _write(os.path.join(out, f"fit.r{kd.rank()}.json"), record)
+    args = _trainer_args(out, "fault")
     tfw.open_log(out, "fault")
-    callbacks = [tfw.Killer(ckpt, 1, 22), ReportCallback(ckpt)]
+    callbacks = [tfw.Killer(args.ckpt_dir, 1, 22),
+                 ReportCallback(args.ckpt_dir)]
     trainer, loss = tfw.train(args, callbacks=callbacks)
     tfw.finish(args, trainer, loss)
     record = _layout(kd)
     record["loss"] = loss
-    _write(os.path.join(out, f"fault.a{tfw.ATTEMPT}.r{kd.rank()}.json"),
-           record)
+    _write(os.path.join(out, f"fault.a{attempt}.r{kd.rank()}.json"), record)
 
 
 def main():
-    mode, out = sys.argv[1], os.path.abspath(sys.argv[2])
+    out = os.path.abspath(sys.argv[1])
     ray.init(log_to_driver=True)
-    # The previous run's workers may still be giving their CPUs back.
+    # A previous run's workers may still be giving their CPUs back.
     deadline = time.monotonic() + 120
     while ray.available_resources().get("CPU", 0) < 2:
         assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.5)
     start = time.monotonic()
-    loop = {"fit": loop_fit, "fault": loop_fault}[mode]
-    failures = 1 if mode == "fault" else 0
     trainer = DataParallelTrainer(
         loop, train_loop_config={"out": out},
         backend_config=KerasdistConfig(),
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
-            name=mode, storage_path=os.path.join(out, "ray"),
-            failure_config=FailureConfig(max_failures=failures)))
+            name="kerasdist", storage_path=os.path.join(out, "ray"),
+            failure_config=FailureConfig(max_failures=1)))
     result = trainer.fit()
     record = {"metrics": result.metrics, "error": repr(result.error)
               if result.error else None}
@@ -190,9 +180,8 @@ def main():
         record["checkpoint"] = sorted(os.listdir(result.checkpoint.path))
         record["checkpoint_path"] = result.checkpoint.path
     assert isinstance(result.checkpoint, (Checkpoint, type(None)))
-    _write(os.path.join(out, f"{mode}.json"), record)
-    print(f"DRIVER DONE {mode} in {time.monotonic() - start:.1f} s",
-          flush=True)
+    _write(os.path.join(out, "driver.json"), record)
+    print(f"DRIVER DONE in {time.monotonic() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
