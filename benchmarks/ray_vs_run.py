@@ -27,6 +27,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -87,6 +88,7 @@ class OnRay(multihost.Bench):
         try:
             self.ray.close()
         finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
             super().close()
 
     def run_a(self, opts, timeout):
