@@ -187,6 +187,8 @@ setup(
     # kerasdist with --no-build-isolation. torch needs nothing compiled.
     # The wheel (`make wheel`) carries the JAX op library already.
     extras_require={"plot": ["matplotlib"], "test": ["pytest"],
-                    "jax": ["jax[cpu]==0.10.2"], "torch": ["torch==2.13.0"]},
+                    "jax": ["jax[cpu]==0.10.2"], "torch": ["torch==2.13.0"],
+                    # kerasdist.ray: the Ray Train backend.
+                    "ray": ["ray[train]==2.60.0"]},
     entry_points={"console_scripts": ["kerasdist=kerasdist.tools.cli:main"]},
 )

@@ -7,6 +7,7 @@ import sys
 import threading
 
 from kerasdist._core import capi as _capi
+from kerasdist import _ray_worker
 from kerasdist import _resize
 from kerasdist import autotune
 from kerasdist.run import conventions
@@ -190,6 +191,10 @@ def _join_launch(lib):
              if launch.coordinator is not None else None)
     if wrong:
         raise RuntimeError(f"kerasdist.init() failed: {wrong}")
+    if launch.convention == "single" and _ray_worker.in_ray_worker():
+        # A Ray Train worker group without kerasdist's backend would train
+        # as jobs of one, each alone (kerasdist/ray.py).
+        _ray_worker.check_no_convention()
     if launch.coordinator is None:
         return launch, {}
     mpi_started = ctypes.c_int(0)
