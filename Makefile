@@ -14,7 +14,7 @@ PYTHON ?= python
 # on a heartbeat bound or a restart, and a second test fills it. Each test
 # file is one group on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
-PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
 .PHONY: test lint fmt test-unit test-rest wheel site-mpis

@@ -16,12 +16,12 @@
 - SIGTERM (the overall bound in .ci/run sends it) kills every process
   pytest started, then stops the session as Ctrl-C does, so the summary
   and the slowest tests still print.
-- Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`),
-  each test file is one group, so a file's module fixtures (one launch
-  for many checks) run once, on one worker. Files that must never run at
-  the same time share a group: every file of tests/cluster (one set of
-  namespace hosts and Slurm daemons at a time) and every file that runs
-  the native build into the tree's object directories (_SHARED_GROUPS).
+- Under pytest-xdist (`make test` runs two workers), each test file is one
+  group on one worker, so a file's module fixtures (one launch for many
+  checks) run once. Files that must never run at the same time share a
+  group: every file of tests/cluster (one set of namespace hosts and Slurm
+  daemons at a time) and every file that runs the native build into the
+  tree's object directories (_SHARED_GROUPS).
 """
 
 import ctypes
@@ -149,20 +149,31 @@ def _on_sigterm(signum, frame):
     raise KeyboardInterrupt("SIGTERM: the session ran past its bound")
 
 
-def _xdist_group(path):
-    rel = os.path.relpath(str(path), _TESTS).replace(os.sep, "/")
+def _xdist_group(nodeid):
+    """The group of a test's node id ("tests/unit/test_x.py::test_y")."""
+    path = nodeid.split("::", 1)[0]
+    rel = path[len("tests/"):] if path.startswith("tests/") else path
     for prefix, group in _SHARED_GROUPS.items():
         if rel.startswith(prefix):
             return group
     return rel
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item.path)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler, by the groups above: xdist's own
+    `loadgroup` reads a node id attribute that pytest 9 no longer has."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _xdist_group(nodeid)
+
+    return FileGroups(config, log)
 
 
 def pytest_configure(config):
     _become_subreaper()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+

@@ -22,8 +22,10 @@ PACKAGE = os.path.join(REPO_ROOT, "kerasdist")
 # Command-line front ends that may start or describe the launcher.
 _LAUNCHER_USERS = {"kerasdist.tools.cli", "kerasdist.tools.doctor",
                    "kerasdist.tools.settings_doc"}
-# The launcher's modules that kd.init() runs before MPI starts.
-_START_UP = {"kerasdist.run.conventions", "kerasdist.run.rendezvous"}
+# The launcher's modules that kd.init() runs before MPI starts (site_mpi:
+# whether the launcher suits the MPI built against).
+_START_UP = {"kerasdist.run.conventions", "kerasdist.run.rendezvous",
+             "kerasdist.run.site_mpi"}
 
 
 def _modules():
