@@ -7,8 +7,10 @@
 Each `--mpi NAME[=HOME:BUILD]` is one system: `mpich` alone is this tree's
 build on the mpich wheel (its mpiexec); `NAME=HOME:BUILD` runs the
 kerasdist package in BUILD/kerasdist (a build against the MPI in HOME, as
-tests/cluster/test_intel_mpi.py makes one) under `kerasdist run` with
-KERASDIST_MPI_HOME=HOME, so with that MPI's mpiexec. Every job is 2 hosts
+tests/cluster/test_intel_mpi.py and tests/support/site_mpi.py make one,
+with the TensorFlow op library for W3) under that build's `kerasdist run`
+with KERASDIST_MPI_HOME=HOME, so with that MPI's launcher (Intel's
+mpiexec, Open MPI's mpirun). Every job is 2 hosts
 x 1 rank (`-H kdt0:1,kdt1:1`, unshaped veths) and measures, in this order:
 
 - W1: float32 Sum allreduce of 4 KiB and 16 MiB through the C API (no
@@ -119,7 +121,7 @@ def _job(cluster, system, steps, warmup):
                  launcher_args=["--ssh-command", cluster.remote_shell,
                                 "--network-interface", cluster.bridge,
                                 "-H", "kdt0:1,kdt1:1"],
-                 prefix=cluster.launcher_prefix())
+                 prefix=cluster.launcher_prefix(), root=build)
     found = [json.loads(line.split("RESULT ", 1)[1])
              for line in out.stdout.splitlines() if "RESULT " in line]
     if out.returncode != 0 or len(found) != 2:

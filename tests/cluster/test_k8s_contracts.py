@@ -44,10 +44,12 @@ weights of a single process trained on the concatenated batches, 1e-5
 the JobSet's job is killed and restarted, and its Trainer must end where
 the same uninterrupted job under `kerasdist run` ends.
 
-One cluster for the module, every job at once. What is not here yet: the
-MPIJob launched under Open MPI's mpirun (mpiImplementation: OpenMPI) needs
-kerasdist built against Open MPI; its hostfile and variables are checked
-below under `kerasdist run` (hydra).
+One cluster for the module, every job at once. The Open MPI MPIJob
+(mpiImplementation: OpenMPI) runs kerasdist built against Open MPI
+(tests/cluster/conftest.py's openmpi_root) under `kerasdist run`, which
+starts it with Open MPI's mpirun; its ranks check the collectives and a
+fit (tests/workers/openmpi_worker.py, on the JAX backend: that build has
+no TensorFlow op library) instead of fit_sgd.
 """
 
 import os
@@ -296,34 +298,44 @@ WHERE = ("import os, socket; e = os.environ; print('WHERE', "
          "e.get('OMPI_COMM_WORLD_RANK')))")
 
 
-def _openmpi_hostfile_run(cluster):
-    """`kerasdist run` in the launcher with the operator's Open MPI
-    hostfile and variables (for now under hydra, not Open MPI's mpirun):
-    (exit code, output)."""
+def _openmpi_job(cluster, root):
+    """The MPIJob with mpiImplementation: OpenMPI: the operator's hostfile
+    (`slots=` form) and variables in the launcher, and `kerasdist run` of
+    kerasdist built against Open MPI (`root`, tests/cluster/conftest.py),
+    which reads the hostfile from OMPI_MCA_orte_default_hostfile and starts
+    the ranks with Open MPI's mpirun -H over ssh in the worker pods; each
+    rank runs tests/workers/openmpi_worker.py (the collectives against
+    numpy, a fit against one process): (exit code, output)."""
     _put(cluster, cluster.host(LAUNCHER), HOSTFILE,
          _mpijob_hostfile("OpenMPI"))
-    proc = cluster.popen(cluster.host(LAUNCHER),
-                         _kerasdist_run(sys.executable, "-c", WHERE),
-                         env=_mpijob_env("OpenMPI"), cwd=REPO_ROOT,
+    env = _mpijob_env("OpenMPI")
+    env["PYTHONPATH"] = os.pathsep.join([root, REPO_ROOT])
+    argv = _kerasdist_run("--verbose", "sh", "-c",
+                          '"$0" -c "$1" && shift && exec "$@"',
+                          sys.executable, WHERE,
+                          *worker_cmd("openmpi_worker.py"))
+    # Its working directory is the Open MPI build's (mpirun starts the
+    # ranks there too), so `python -c` and the wrapper import that build.
+    proc = cluster.popen(cluster.host(LAUNCHER), argv, env=env, cwd=root,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, text=True,
                          start_new_session=True)
     try:
-        text = proc.communicate(timeout=90)[0]
+        text = proc.communicate(timeout=240)[0]
     finally:
         kill_tree(proc)
     return proc.returncode, text
 
 
 @pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory):
+def jobs(cluster, openmpi_root, tmp_path_factory):
     """Every recipe's job at once; the JobSet's is killed in epoch 2 and
     started again by the test, as its controller would. Returns
     {name: [Pod, ...]}, with "jobset0"/"jobset1" the two attempts,
     "reference" the uninterrupted Trainer job under `kerasdist run` (a
-    CompletedProcess) and "openmpi" the MPIJob launcher's run with Open
-    MPI's hostfile and variables ((exit code, output)), made once the
-    MPICH job's launcher has ended."""
+    CompletedProcess) and "openmpi" the Open MPI MPIJob's launcher run
+    (_openmpi_job: (exit code, output)), made once the MPICH job's
+    launcher has ended."""
     root = tmp_path_factory.mktemp("jobs")
     fit = worker_cmd("keras_backend_worker.py", str(root), *FIT)
     trainer = worker_cmd("trainer_worker.py", "resume", str(root / "ckpt"),
@@ -369,7 +381,7 @@ def jobs(cluster, tmp_path_factory):
             start("jobset1", JOBSET[i], trainer, _jobset_env(i, 1))
         # The launcher is free again: Open MPI's form of its hostfile.
         _wait(pods["mpijob"], deadline)
-        pods["openmpi"] = _openmpi_hostfile_run(cluster)
+        pods["openmpi"] = _openmpi_job(cluster, openmpi_root)
         _wait(started, deadline)
         thread.join(max(1, deadline - time.monotonic()))
         pods["reference"] = reference.get("out")
@@ -413,10 +425,18 @@ def test_mpijob_mpich_trains_like_one_process(jobs):
     _assert_fit("mpijob", [rank_lines(out, r) for r in (0, 1)], out)
 
 
-def test_mpijob_open_mpi_hostfile_is_read(jobs):
+def test_mpijob_open_mpi_runs_under_its_mpirun(jobs):
     rc, out = jobs["openmpi"]
-    assert rc == 0, out[-3000:]
+    assert rc == 0, out[-4000:]
     _assert_placed("OpenMPI", "OMPI_MCA_orte_default_hostfile", out)
+    assert "mpirun -np 2 --oversubscribe --bind-to none " in out, out[:3000]
+    for r in (0, 1):
+        lines = rank_lines(out, r)
+        assert any(l.startswith("MPI openmpi Open MPI v5") for l in lines), (
+            r, lines[-20:])
+        for check in ("allreduce", "allgather", "broadcast", "fit"):
+            assert f"OK {check}" in lines, (r, check, lines[-20:])
+        assert lines[-1] == "DONE", (r, lines[-20:])
 
 
 def test_trainjob_torch_policy_trains_like_one_process(jobs):
