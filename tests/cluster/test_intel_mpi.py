@@ -17,6 +17,7 @@ instead, made the same way, to rerun the tests without building).
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -141,6 +142,11 @@ def _packages(out):
             if l.split("]:")[-1].startswith("PACKAGE ")}
 
 
+def _topo_hosts(out):
+    """The hosts the ranks' TOPO lines name, sorted."""
+    return sorted(re.findall(r"^TOPO rank=\d+ .*?host=(\S+)$", out, re.M))
+
+
 def _collectives_passed(out, np_):
     assert out.count("OK allreduce_path") == np_, out[-4000:]
     assert out.count("DONE") == np_, out[-4000:]
@@ -200,8 +206,7 @@ def test_intel_hydra_across_hosts(site):
         _env(build), prefix=c.launcher_prefix())
     assert code == 0, out[-4000:]
     _collectives_passed(out, 2)
-    assert sorted(l.split("host=")[1] for l in out.splitlines()
-                  if l.startswith("TOPO ")) == ["kdt0", "kdt1"], out[-3000:]
+    assert _topo_hosts(out) == ["kdt0", "kdt1"], out[-3000:]
     assert {os.path.dirname(p) for p in _mpi_libs(out)} == {intel_lib}
     assert _packages(out) == {build}, out[-2000:]
 
@@ -258,9 +263,7 @@ def test_srun_pmi2_with_the_intel_build(site):
         *worker_cmd("site_mpi_worker.py", "--collectives")], env)
     assert code == 0, out[-4000:]
     _collectives_passed(out, 2)
-    hosts = sorted(l.split("host=")[1] for l in out.splitlines()
-                   if l.startswith("TOPO "))
-    assert hosts == ["kdt0", "kdt1"], out[-3000:]
+    assert _topo_hosts(out) == ["kdt0", "kdt1"], out[-3000:]
     assert {os.path.dirname(p) for p in _mpi_libs(out)} == {
         os.path.join(home, "lib")}
     assert _packages(out) == {build}, out[-2000:]

@@ -34,6 +34,15 @@ if os.environ.get("SITE_MPI_BUILD"):
     sys.path.insert(0, os.environ["SITE_MPI_BUILD"])
 
 
+def say(line):
+    """Writes LINE and its newline in one write(2): a launcher that forwards
+    each rank's output as it comes (Intel's and MPICH's hydra) interleaves
+    ranks between writes, and print() writes the newline apart when
+    stdout is unbuffered."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def loaded_libmpi():
     """The path of the libmpi this process mapped (from /proc/self/maps)."""
     with open("/proc/self/maps") as f:
@@ -63,14 +72,12 @@ def main(argv):
     if not collectives:
         kd.init()
     lib = loaded_libmpi()
-    print(f"MPI_LIB {lib} | {library_version(lib)}", flush=True)
-    print(f"PACKAGE {os.path.dirname(os.path.dirname(kd.__file__))}",
-          flush=True)
-    print(f"TOPO rank={kd.rank()} size={kd.size()} "
-          f"local_rank={kd.local_rank()} local_size={kd.local_size()} "
-          f"host={socket.gethostname()}", flush=True)
-    print("CPUS " + ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-          flush=True)
+    say(f"MPI_LIB {lib} | {library_version(lib)}")
+    say(f"PACKAGE {os.path.dirname(os.path.dirname(kd.__file__))}")
+    say(f"TOPO rank={kd.rank()} size={kd.size()} "
+        f"local_rank={kd.local_rank()} local_size={kd.local_size()} "
+        f"host={socket.gethostname()}")
+    say("CPUS " + ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     if collectives:
         from tests.support import checks
         checks.main(rank=kd.rank(), argv=[])
