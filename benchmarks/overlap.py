@@ -4,12 +4,19 @@ shaped to 1 Gbit (tc tbf).
 
     python benchmarks/overlap.py [--backend tensorflow] [--models mlp20,cnn]
         [--steps 20] [--rounds 3] [--buckets 1M] [--profile 1gbit]
-        [--json FILE]
+        [--ranks-per-host 1] [--json FILE]
 
 Per model (benchmarks/keras_scaling.py's CNN and MLP-20, batch 64 per
 rank, SGD with momentum), the median step time of:
 
-- compute only: one rank on one host, the plain optimizer (np=1);
+- compute only: one rank on one host, the plain optimizer (np=1); with
+  `--ranks-per-host 2`, two ranks on one host each training alone (the
+  compute of a step when two ranks share a host's cores and memory);
+- no comm: every rank of the 2 hosts training alone at the same time
+  (the plain optimizer, no collective): the compute of a step when the
+  ranks share this machine's cores, memory and the links' CPU cost, as
+  they do in the distributed runs (`/ no-comm t`: the target with it as
+  the compute);
 - comm only: the model's gradients (tensors of the trainable variables'
   shapes) allreduced alone, in one grouped allreduce per step, on the 2
   hosts;
@@ -99,6 +106,7 @@ def rank_job(opts):
     comm = MPI.COMM_WORLD
     kd.init()
     rank, n = kd.rank(), kd.size()
+    together = n > 1 and not opts.get("alone")
     rng = np.random.default_rng(rank)
     x = rng.random((1024, 32, 32, 3), dtype=np.float32)
     y = rng.integers(0, 10, size=(1024,))
@@ -117,12 +125,12 @@ def rank_job(opts):
         opt = sgd if kw is None else kd.DistributedOptimizer(
             sgd, name=f"ovb{len(models)}", **kw)
         model.compile(optimizer=opt, loss=loss, jit_compile=jit)
-        if n > 1:
+        if together:
             kd.broadcast_variables(model.variables, root_rank=0)
         model.fit(data, steps_per_epoch=WARMUP, epochs=1, verbose=0)
         models[name] = model
     comm_step = _comm_only(kd, models[next(iter(models))],
-                           opts["backend"]) if n > 1 else None
+                           opts["backend"]) if together else None
     res = {name: [] for name in models}
     if comm_step is not None:
         res["comm only"] = []
@@ -187,6 +195,8 @@ def main(argv=None):
                    help="bucket sizes besides the default (K/M suffix; "
                         "empty: none)")
     p.add_argument("--profile", default="1gbit")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks on each of the 2 hosts (2 x N)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(HERE))
@@ -212,11 +222,17 @@ def main(argv=None):
         for model in args.models.split(","):
             common = {"backend": args.backend, "model": model,
                       "steps": args.steps, "rounds": args.rounds}
-            alone = job(cluster, 1, "kdt0:1",
-                        dict(common, systems={"compute only": None}), env)
-            two = job(cluster, 2, "kdt0:1,kdt1:1",
+            k = args.ranks_per_host
+            hosts = f"kdt0:{k},kdt1:{k}"
+            alone = job(cluster, k, f"kdt0:{k}",
+                        dict(common, systems={"compute only": None},
+                             alone=True), env)
+            apart = job(cluster, 2 * k, hosts,
+                        dict(common, systems={"no comm": None},
+                             alone=True), env)
+            two = job(cluster, 2 * k, hosts,
                       dict(common, systems=systems), env)
-            results[model] = dict(two, **alone)
+            results[model] = {**alone, **apart, **two}
             report(model, results[model], systems, args)
     finally:
         cluster.close()
@@ -228,16 +244,21 @@ def main(argv=None):
 def report(model, res, systems, args):
     compute, comm = res["compute only"], res["comm only"]
     target = max(compute, comm) + 0.5 * min(compute, comm)
+    apart = res["no comm"]
+    shared = max(apart, comm) + 0.5 * min(apart, comm)
     print(f"# {model} ({res['tensors']} tensors, {res['grad_bytes']} B), "
-          f"{args.backend}, 2 hosts x 1 rank, {args.profile}; median step "
+          f"{args.backend}, 2 hosts x {args.ranks_per_host} rank(s), "
+          f"{args.profile}; median step "
           f"over {args.rounds} rounds of {args.steps}; target max(compute, "
-          f"comm) + 0.5 min = {target * 1e3:.1f} ms")
-    print(f"{'system':>16} {'step ms':>9} {'/ target':>9} {'/ off':>7}")
+          f"comm) + 0.5 min = {target * 1e3:.1f} ms; with the no-comm "
+          f"step as compute: {shared * 1e3:.1f} ms")
+    print(f"{'system':>16} {'step ms':>9} {'/ target':>9} {'/ no-comm t':>12}"
+          f" {'/ off':>7}")
     off = res["overlap off"]
-    for name in ["compute only", "comm only", *systems]:
+    for name in ["compute only", "no comm", "comm only", *systems]:
         sec = res[name]
         print(f"{name:>16} {sec * 1e3:>9.1f} {sec / target:>9.2f} "
-              f"{sec / off:>7.2f}")
+              f"{sec / shared:>12.2f} {sec / off:>7.2f}")
     print(flush=True)
 
 

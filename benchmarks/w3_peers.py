@@ -12,6 +12,11 @@ np=2, for the models and batch of benchmarks/keras_scaling.py.
   `jax.distributed` (two CPU processes, gloo collectives), each process
   feeding its 64 images; np=1 is plain Keras on JAX (jitted).
 
+- `kerasdist-torch`, `kerasdist-jax`: kerasdist's Keras job of
+  benchmarks/keras_scaling.py on that backend (np=1 and np=2), in the same
+  rounds as the peers: `--systems ddp,kerasdist-torch` alternates them.
+  Its step is 64 / the slower rank's img/s.
+
 Each rank times `--steps` steps after `--warmup`, by wall clock; the row
 gives the median step time at np=1 and np=2, the milliseconds np=2 adds
 and the efficiency (np=1 step time / np=2 step time: total images/s at
@@ -135,9 +140,25 @@ def keras_dp_worker(model_name, steps, warmup, rank, world, port):
 
 
 WORKERS = {"ddp": ddp_worker, "keras-dp": keras_dp_worker}
+# kerasdist's own rows (benchmarks/keras_scaling.py's job, on that Keras
+# backend), so that a peer and kerasdist alternate in the same rounds.
+KERASDIST = {"kerasdist-torch": "torch", "kerasdist-jax": "jax"}
+
+
+def _run_kerasdist(backend, model, world, steps, warmup):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import keras_scaling
+    res = keras_scaling._launch(world, model, steps, warmup,
+                                backend=backend)
+    if not res["same"]:
+        raise RuntimeError(f"kerasdist on {backend}: the ranks' weights "
+                           "differ after training")
+    return max(BATCH * 1000.0 / r for r in res["rates"])
 
 
 def _run(system, model, world, steps, warmup):
+    if system in KERASDIST:
+        return _run_kerasdist(KERASDIST[system], model, world, steps, warmup)
     port = _port()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if system == "keras-dp":
@@ -188,17 +209,25 @@ def main():
         print("RESULT " + json.dumps({"step_ms": ms}), flush=True)
         return
     print("| model | system | np=1 ms/step | np=2 ms/step | ms added at np=2 "
-          "| efficiency |")
+          "(range over rounds) | efficiency |")
     print("|---|---|---|---|---|---|")
+    systems = args.systems.split(",")
     for model in args.models.split(","):
-        for system in args.systems.split(","):
-            one, two = [], []
-            for _ in range(args.rounds):
-                one.append(_run(system, model, 1, args.steps, args.warmup))
-                two.append(_run(system, model, 2, args.steps, args.warmup))
-            a, b = statistics.median(one), statistics.median(two)
+        one = {s: [] for s in systems}
+        two = {s: [] for s in systems}
+        for _ in range(args.rounds):  # every system once per round
+            for system in systems:
+                one[system].append(_run(system, model, 1, args.steps,
+                                        args.warmup))
+                two[system].append(_run(system, model, 2, args.steps,
+                                        args.warmup))
+        for system in systems:
+            a, b = statistics.median(one[system]), statistics.median(
+                two[system])
+            added = sorted(y - x for x, y in zip(one[system], two[system]))
             print(f"| {model} | {system} | {a:.1f} | {b:.1f} | {b - a:.1f} "
-                  f"| {a / b:.2f} |", flush=True)
+                  f"({added[0]:.1f}..{added[-1]:.1f}) | {a / b:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
