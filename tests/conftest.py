@@ -18,10 +18,10 @@
   and the slowest tests still print.
 - Under pytest-xdist (`make test` runs two workers), each test file is one
   group on one worker, so a file's module fixtures (one launch for many
-  checks) run once. Files that must never run at the same time share a
-  group: every file of tests/cluster (one set of namespace hosts and Slurm
-  daemons at a time) and every file that runs the native build into the
-  tree's object directories (_SHARED_GROUPS).
+  checks) run once. Files share a group where they share a session fixture
+  that is costly to make (the Open MPI build) or must never run at the
+  same time (the native build into the tree's object directories):
+  _SHARED_GROUPS. The longest groups start first (_FIRST_GROUPS).
 """
 
 import ctypes
@@ -42,13 +42,31 @@ _PR_SET_CHILD_SUBREAPER = 36
 _BACKSTOP_S = float(os.environ.get("TESTS_TIMEOUT_BACKSTOP_S", "60"))
 _BACKSTOP_KEY = pytest.StashKey[threading.Timer]()
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-# Test files (relative to tests/) grouped onto one xdist worker, in order.
+# Test files (relative to tests/) grouped onto one xdist worker, in order:
+# the files that use the session's Open MPI build of kerasdist
+# (tests/cluster/conftest.py), so it is built once, and the files that run
+# the native build into the tree's object directories. Every other file is
+# a group of its own; each cluster test file makes its own namespace hosts
+# (tests/support/cluster.py), so two can run at once.
 _SHARED_GROUPS = {
-    "cluster/": "cluster",
+    "cluster/test_multihost.py": "cluster-openmpi",
+    "cluster/test_k8s_contracts.py": "cluster-openmpi",
+    "cluster/test_site_mpi.py": "cluster-openmpi",
+    "cluster/test_slurm.py": "cluster-openmpi",
     "integration/test_wheel.py": "build",
     "unit/test_build_nccl.py": "build",
     "unit/test_core_cpp.py": "build",
 }
+# The longest groups (minutes each), handed out first, longest first, so
+# the shorter files fill the run around them; xdist would order groups by
+# their number of tests and start these late (pytest_xdist_make_scheduler).
+_FIRST_GROUPS = (
+    "cluster-openmpi",
+    "cluster/test_faults.py",
+    "cluster/test_intel_mpi.py",
+    "cluster/test_ray.py",
+    "build",
+)
 
 
 def _become_subreaper():
@@ -168,6 +186,13 @@ def pytest_xdist_make_scheduler(config, log):
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return _xdist_group(nodeid)
+
+        def _assign_work_unit(self, node):
+            for group in _FIRST_GROUPS:
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
+                    break
+            super()._assign_work_unit(node)
 
     return FileGroups(config, log)
 

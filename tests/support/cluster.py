@@ -32,6 +32,7 @@ Standard library only.
 """
 
 import atexit
+import fcntl
 import itertools
 import os
 import re
@@ -241,8 +242,17 @@ class Cluster:
     # -- building -----------------------------------------------------------
 
     def _start(self):
-        net = _free_subnet(self.owner)
-        self.address = net + "1"
+        # Two test processes may make clusters at once (pytest-xdist): the
+        # lock keeps a /24 picked by one from being picked by the other
+        # before its bridge holds the address.
+        with open(os.path.join(tempfile.gettempdir(),
+                               "kerasdist-cluster.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            net = _free_subnet(self.owner)
+            self.address = net + "1"
+            _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _sh(["ip", "addr", "add", f"{self.address}/24", "dev",
+                 self.bridge])
         self.hosts = [Host(name, f"{net}{i + 2}", f"{self.tag}h{i}")
                       for i, name in enumerate(self.names)]
         hosts_file = os.path.join(self.dir, "hosts")
@@ -258,8 +268,6 @@ class Cluster:
             f.write("hosts: files\n")
         os.chmod(self._nsswitch, 0o644)
         self._hosts_file = hosts_file
-        _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _sh(["ip", "addr", "add", f"{self.address}/24", "dev", self.bridge])
         _sh(["ip", "link", "set", self.bridge, "up"])
         for i, host in enumerate(self.hosts):
             self._start_host(i, host, hosts_file)
