@@ -33,8 +33,13 @@ _POLL_S = 0.1
 _FORCE_AFTER_S = 12.0
 _KILL_AFTER_S = 20.0
 # How long after a rank's failure the launcher waits for more before it
-# says what happened.
-_SETTLE_S = 0.5
+# says what happened: at least _SETTLE_S after the first, and until none has
+# come for _SETTLE_QUIET_S, but never more than _SETTLE_MAX_S. A host's ranks
+# killed at once reach the launcher through the host's proxy one by one, and
+# on a loaded machine more than half a second apart.
+_SETTLE_S = 1.0
+_SETTLE_QUIET_S = 0.5
+_SETTLE_MAX_S = 3.0
 # How long, after the first rank exited for a resize, the others have to
 # follow before the launcher stops them as failed.
 _RESIZE_EXIT_WAIT_S = 60.0
@@ -282,6 +287,11 @@ class Findings:
         return bool(failures) and all(
             f.status == _rank.RESIZE_EXIT_CODE for f in failures)
 
+    def count(self):
+        """How many rank failures have been seen so far."""
+        with self.lock:
+            return len(self.failures)
+
     def ranks_failed(self):
         with self.lock:
             return {f.rank for f in self.failures}
@@ -500,6 +510,8 @@ class _Stopper:
         self.reason = None  # "failure", "unreachable", "timeout" or "signal"
         self.since = None
         self.failed_at = None
+        self.last_failure_at = None
+        self.failures_seen = 0
         self.forced = self.killed = False
         self.known = {}  # the job's processes when it was being stopped
 
@@ -534,7 +546,12 @@ class _Stopper:
             # Failures come in bursts (a host's ranks, then the ranks whose
             # heartbeat lost them): a moment more, and one line says it.
             self.failed_at = self.failed_at or now
-            if now - self.failed_at >= _SETTLE_S:
+            seen = self.findings.count()
+            if seen != self.failures_seen:
+                self.failures_seen, self.last_failure_at = seen, now
+            settled = (now - self.failed_at >= _SETTLE_S
+                       and now - self.last_failure_at >= _SETTLE_QUIET_S)
+            if settled or now - self.failed_at >= _SETTLE_MAX_S:
                 self.reason = "failure"
                 self.log.line(f"{self.findings.describe()}; "
                               "stopping the other ranks.")
