@@ -545,7 +545,8 @@ class _Stopper:
         if self.findings.failed.is_set() and not self._resizing(now):
             # Failures come in bursts (a host's ranks, then the ranks whose
             # heartbeat lost them): a moment more, and one line says it.
-            self.failed_at = self.failed_at or now
+            if self.failed_at is None:
+                self.failed_at = now
             seen = self.findings.count()
             if seen != self.failures_seen:
                 self.failures_seen, self.last_failure_at = seen, now

@@ -670,3 +670,56 @@ def test_jobs_that_may_be_relaunched_get_an_elastic_dir(tmp_path,
         assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
     assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
     assert tmp_path.is_dir()
+
+
+def test_a_hosts_failures_arriving_apart_are_named_in_one_line():
+    # A host's ranks killed together reach the launcher one by one through
+    # the host's proxy; on a loaded machine 0.8 s apart. The launcher's
+    # line must name both (it waits 1 s after the first failure and until
+    # none came for 0.5 s), and a stream that never settles is cut at 3 s.
+    from kerasdist.run import job
+
+    class _Log:
+        def __init__(self):
+            self.lines = []
+
+        def line(self, text):
+            self.lines.append(text)
+
+    def stopper():
+        proc = subprocess.Popen([sys.executable, "-c",
+                                 "import time; time.sleep(60)"],
+                                start_new_session=True)
+        findings, log = job.Findings(), _Log()
+        return proc, findings, log, job._Stopper(
+            proc, findings, job.Interrupts(), None, None, log)
+
+    proc, findings, log, s = stopper()
+    try:
+        findings.add_failure(job.RankFailure("1", "kdt1", -9))
+        for now in (0.0, 0.5):
+            s.step(now)
+        findings.add_failure(job.RankFailure("2", "kdt1", -9))
+        for now in (0.8, 1.0, 1.2):
+            s.step(now)
+        assert log.lines == [] and s.reason is None
+        s.step(1.3)
+        assert log.lines == ["ranks 1, 2 (host kdt1) exited with signal 9 "
+                             "(SIGKILL); stopping the other ranks."]
+        assert proc.wait(timeout=30) == -15  # stopped with SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+
+    proc, findings, log, s = stopper()
+    try:
+        for i in range(8):  # one every 0.4 s: never quiet for 0.5 s
+            findings.add_failure(job.RankFailure(str(i), f"h{i}", 1))
+            s.step(0.4 * i)
+        assert s.reason is None and log.lines == []
+        s.step(3.0)
+        assert s.reason == "failure" and len(log.lines) == 1, log.lines
+        assert log.lines[0].startswith("rank 0 (host h0) exited with code 1")
+    finally:
+        proc.kill()
+        proc.wait()
