@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.parallel, pytest.mark.slow,
 WORKER = "keras_optimizer_worker.py"
 NP2 = WorkerChecks(WORKER, np=2, groups=("equiv", "math", "keras"))
 NP1 = WorkerChecks(WORKER, np=1, groups=("np1",))
-NP3 = WorkerChecks(WORKER, np=3, groups=("equiv", "math"))
+NP3 = WorkerChecks(WORKER, np=3, groups=("odd",))
 np2_job = NP2.fixture("np2_job")
 np1_job = NP1.fixture("np1_job")
 np3_job = NP3.fixture("np3_job")

@@ -6,8 +6,9 @@
 Named checks (tests/support/checks.py) in groups: equiv (training
 equivalence against a single-process truth), math (hand-computed updates:
 clipping, accumulation, Sum, predivide, groups, loss scaling), keras
-(serialization, save/load, XLA, mixed precision, errors), np1 (run alone at
-np=1: no collective is created). Default: all but np1. A failed check
+(serialization, save/load, XLA, mixed precision, errors), odd (some equiv
+and math checks, run at np=3 as well), np1 (run alone at np=1: no
+collective is created). Default: all but np1. A failed check
 raises, which fails the rank and the job.
 
 The truth for an equivalence check is computed on every rank in-process,
@@ -128,14 +129,17 @@ def check_fit(label, make_opt, make_model=dense_model, xy=None, rtol=RTOL,
 
 
 checks.group("equiv")
+# The checks also in group "odd" run at np=3 as well (tests/parallel/
+# test_optimizer.py): an odd number of ranks for the averages, the
+# predivision, the sparse gathers and the groups. The others run at np=2.
 
 
-@check("fit_sgd")
+@check("fit_sgd", groups=("equiv", "odd"))
 def fit_sgd():
     check_fit("fit_sgd", lambda: keras.optimizers.SGD(0.1))
 
 
-@check("fit_adam")
+@check("fit_adam", groups=("equiv", "odd"))
 def fit_adam():
     check_fit("fit_adam", lambda: keras.optimizers.Adam(0.01))
 
@@ -163,7 +167,7 @@ def fit_loss_scale():
         keras.optimizers.SGD(0.1), initial_scale=2.0**10))
 
 
-@check("fit_predivide")
+@check("fit_predivide", groups=("equiv", "odd"))
 def fit_predivide():
     # The runtime's prescale/postscale factors are TF float attributes
     # (32-bit): 1/f and f/size carry a relative error up to ~6e-8 unless
@@ -181,7 +185,7 @@ def fit_global_clipnorm():
 # Groups change how gradients travel, not the result: 1 group, 3 groups
 # of 4 tensors (2+1+1), more groups than tensors.
 @check("fit_num_groups_1", num_groups=1)
-@check("fit_num_groups_3", num_groups=3)
+@check("fit_num_groups_3", groups=("equiv", "odd"), num_groups=3)
 @check("fit_num_groups_100", num_groups=100)
 def fit_num_groups(num_groups):
     check_fit(f"fit_num_groups={num_groups}",
@@ -206,7 +210,7 @@ def fit_embedding_sgd(dense):
               xy=embed_data(), sparse_as_dense=dense)
 
 
-@check("fit_embedding_adam_sparse")
+@check("fit_embedding_adam_sparse", groups=("equiv", "odd"))
 def fit_embedding_adam_sparse():
     check_fit("fit_embedding_adam_sparse",
               lambda: keras.optimizers.Adam(0.05), embed_model,
@@ -243,7 +247,8 @@ def fit_fp16():
     same_on_all_ranks(got, "fit_fp16")
 
 
-@check("distributed_gradient_tape_eager", mode="eager")
+@check("distributed_gradient_tape_eager", groups=("equiv", "odd"),
+       mode="eager")
 @check("distributed_gradient_tape_function", mode="function")
 @check("distributed_gradient_tape_function_groups3", mode="function",
        num_groups=3)
@@ -302,7 +307,7 @@ def tag_of(function):
     return "function" if function else "eager"
 
 
-@check("op_sum_eager", function=False)
+@check("op_sum_eager", groups=("math", "odd"), function=False)
 @check("op_sum_function", function=True)
 def op_sum(function):
     # op=Sum and predivide.
@@ -316,7 +321,8 @@ def op_sum(function):
 # backward_passes_per_step=2: local sum (or mean) of two gradients,
 # averaged over ranks, applied once; the first step changes nothing.
 @check("backward_passes_avg_false_eager", avg=False, function=False)
-@check("backward_passes_avg_true_eager", avg=True, function=False)
+@check("backward_passes_avg_true_eager", groups=("math", "odd"), avg=True,
+       function=False)
 @check("backward_passes_avg_false_function", avg=False, function=True)
 @check("backward_passes_avg_true_function", avg=True, function=True)
 def backward_passes(avg, function):
@@ -358,7 +364,8 @@ def num_groups(function):
           f"groups b {tag}")
 
 
-@check("clip_on_averaged_gradient_eager", function=False)
+@check("clip_on_averaged_gradient_eager", groups=("math", "odd"),
+       function=False)
 @check("clip_on_averaged_gradient_function", function=True)
 def clip_on_averaged_gradient(function):
     # Clipping acts on the averaged gradient. Rank r sends
