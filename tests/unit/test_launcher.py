@@ -677,8 +677,6 @@ def test_a_hosts_failures_arriving_apart_are_named_in_one_line():
     # the host's proxy; on a loaded machine 0.8 s apart. The launcher's
     # line must name both (it waits 1 s after the first failure and until
     # none came for 0.5 s), and a stream that never settles is cut at 3 s.
-    from kerasdist.run import job
-
     class _Log:
         def __init__(self):
             self.lines = []
@@ -703,7 +701,7 @@ def test_a_hosts_failures_arriving_apart_are_named_in_one_line():
         for now in (0.8, 1.0, 1.2):
             s.step(now)
         assert log.lines == [] and s.reason is None
-        s.step(1.3)
+        s.step(1.35)
         assert log.lines == ["ranks 1, 2 (host kdt1) exited with signal 9 "
                              "(SIGKILL); stopping the other ranks."]
         assert proc.wait(timeout=30) == -15  # stopped with SIGTERM
