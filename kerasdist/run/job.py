@@ -287,11 +287,6 @@ class Findings:
         return bool(failures) and all(
             f.status == _rank.RESIZE_EXIT_CODE for f in failures)
 
-    def count(self):
-        """How many rank failures have been seen so far."""
-        with self.lock:
-            return len(self.failures)
-
     def ranks_failed(self):
         with self.lock:
             return {f.rank for f in self.failures}
@@ -547,7 +542,7 @@ class _Stopper:
             # heartbeat lost them): a moment more, and one line says it.
             if self.failed_at is None:
                 self.failed_at = now
-            seen = self.findings.count()
+            seen = len(self.findings.ranks_failed())
             if seen != self.failures_seen:
                 self.failures_seen, self.last_failure_at = seen, now
             settled = (now - self.failed_at >= _SETTLE_S
