@@ -1,7 +1,10 @@
 # Developer shortcuts. The native build itself is ops/Makefile, run by
 # setup.py (`pip install --no-build-isolation -e .`).
 #
-#   make test        lint, then the unit tests, then every other test tier
+#   make test        lint, then the unit tests, then every other test tier;
+#                    each tier's wall time at the end (tools/tiers.sh)
+#   make test-fast   lint, the unit tests and one launch per backend of the
+#                    public collectives and DistributedOptimizer (minutes)
 #   make lint        ruff and clang-format, checking only (seconds)
 #   make fmt         apply ruff's fixes and clang-format to the tree
 #   make test-unit   no MPI (a few minutes)
@@ -17,9 +20,19 @@ TEST_WORKERS ?= 2
 PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
-.PHONY: test lint fmt test-unit test-rest wheel site-mpis
+.PHONY: test test-fast lint fmt test-unit test-rest test-fast-tests wheel \
+	site-mpis
 
-test: lint test-unit test-rest
+test:
+	@tools/tiers.sh "$(MAKE)" lint test-unit test-rest
+
+# The inner loop: the tests marked `fast` (tests/conftest.py) beside the unit
+# tests, in one session.
+test-fast:
+	@tools/tiers.sh "$(MAKE)" lint test-fast-tests
+
+test-fast-tests:
+	$(PYTEST) -m "unit or fast" tests
 
 lint:
 	ruff check .

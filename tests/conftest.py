@@ -197,8 +197,47 @@ def pytest_xdist_make_scheduler(config, log):
     return FileGroups(config, log)
 
 
+# KERASDIST_TEST_TALLY, taken out of the environment at start so that a
+# pytest a test runs (tests/integration/test_no_hang.py) adds nothing.
+_TALLY = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Appends "passed failed skipped" of this session to the file named by
+    KERASDIST_TEST_TALLY (tools/tiers.sh, `make test`'s tier table)."""
+    path = _TALLY.get("path")
+    if not path or hasattr(config, "workerinput"):
+        return
+    stats = terminalreporter.stats
+    counts = [len(stats.get("passed", ())),
+              len(stats.get("failed", ())) + len(stats.get("error", ())),
+              len(stats.get("skipped", ()))]
+    with open(path, "a") as f:
+        f.write(" ".join(map(str, counts)) + "\n")
+
+
+def _rank_site_first():
+    site = os.path.join(_TESTS, "support", "rank_site")
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [site] + [p for p in paths if p])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests in tests/unit `unit` (before `-m` selects), so that
+    `make test-fast` takes them with `-m "unit or fast"`."""
+    unit = os.path.join(_TESTS, "unit") + os.sep
+    for item in items:
+        if str(item.path).startswith(unit):
+            item.add_marker(pytest.mark.unit)
+
+
 def pytest_configure(config):
     _become_subreaper()
+    _rank_site_first()
+    _TALLY["path"] = os.environ.pop("KERASDIST_TEST_TALLY", None)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
 

@@ -26,11 +26,13 @@ pytestmark = [pytest.mark.parallel, pytest.mark.slow,
 
 BACKENDS = ["tensorflow", "jax", "torch"]
 NP = 2
+# DistributedOptimizer on each backend in `make test-fast`.
+FAST = ("apply_averages", "fit_adam")
 # tests/workers/keras_backend_worker.py's checks on each backend, one launch
 # a backend; the worker's groups name the backends a check runs on.
 LAYER = {b: WorkerChecks("keras_backend_worker.py", np=NP, groups=(b,),
                          args=("{tmp}",), timeout=450, requires=(b,),
-                         env={"KERAS_BACKEND": b})
+                         env={"KERAS_BACKEND": b}, fast=FAST)
          for b in BACKENDS}
 tensorflow_job = LAYER["tensorflow"].fixture("tensorflow_job")
 jax_job = LAYER["jax"].fixture("jax_job")

@@ -84,7 +84,7 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
 # test_tf_ops_np2[allgather], ..., one launch per size.
 add_job_tests(globals(), {
     f"test_tf_ops_np{np_}": WorkerChecks("tf_ops_worker.py", np=np_,
-                                         timeout=300)
+                                         timeout=300, fast=np_ == 2)
     for np_ in (2, 3)},
     # its launch may take 300 s
     marks=(pytest.mark.slow, pytest.mark.timeout(400)))

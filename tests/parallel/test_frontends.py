@@ -31,7 +31,8 @@ def _groups(front, mode, np_):
 add_job_tests(globals(), {
     f"test_{front}_{mode}_np{np_}": WorkerChecks(
         WORKER, np=np_, args=(front, mode),
-        groups=_groups(front, mode, np_), timeout=400, requires=(front,))
+        groups=_groups(front, mode, np_), timeout=400, requires=(front,),
+        fast=mode == "eager" and np_ == 2)
     for front, mode in (("jax", "eager"), ("jax", "jit"), ("torch", "eager"))
     for np_ in (1, 2, 3)})
 

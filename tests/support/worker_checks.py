@@ -49,10 +49,12 @@ class WorkerChecks:
         env: extra environment variables for the ranks.
         launcher_args: flags for `kerasdist run`.
         requires: modules the job needs (the tests skip without them).
+        fast: the checks whose tests are marked `fast` (`make test-fast`):
+            True for every one, or a tuple of names (False: none).
     """
 
     def __init__(self, script, np, groups=None, args=(), timeout=400,
-                 env=None, launcher_args=(), requires=()):
+                 env=None, launcher_args=(), requires=(), fast=()):
         self.path = os.path.join(WORKERS, script)
         self.np, self.args, self.timeout = np, tuple(args), timeout
         self.env, self.launcher_args = dict(env or {}), tuple(launcher_args)
@@ -60,11 +62,18 @@ class WorkerChecks:
         self.names = [n for n, _ in checks.check_names(self.path, groups)]
         if not self.names:
             raise ValueError(f"{script}: no checks in groups {groups}")
+        self.fast = set(self.names if fast is True else fast or ())
+        if self.fast - set(self.names):
+            raise ValueError(f"{script}: fast checks "
+                             f"{sorted(self.fast - set(self.names))} are "
+                             f"not among {self.names}")
 
     @property
     def parametrize(self):
         """Parametrises a test over this worker's check names ("check")."""
-        return pytest.mark.parametrize("check", self.names, ids=self.names)
+        return pytest.mark.parametrize("check", [
+            pytest.param(n, id=n, marks=[pytest.mark.fast] * (n in self.fast))
+            for n in self.names])
 
     def fixture(self, name):
         """A module-scoped fixture called `name` (assign it to that module
