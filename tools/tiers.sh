@@ -24,7 +24,7 @@ finish_tier() {
     passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
     [ "$rc" = 0 ] || status="FAILED (exit $rc)"
     [ -s "$tally" ] && counts="$p passed, $f failed, $s skipped"
-    rows+=("$(printf '%-10s %5d s  %-8s %s' "$tier" \
+    rows+=("$(printf '%-16s %5d s  %-8s %s' "$tier" \
         $(($(date +%s) - start)) "$status" "$counts")")
 }
 
