@@ -13,8 +13,10 @@ and:
   grace period, kills it (and every process it started) if it ignores an
   ending signal;
 - kills the command if the wrapper itself dies (Linux parent-death signal);
-- reports a failed exit (nonzero code or a signal) to the launcher as one
-  marker line on stderr, which the launcher removes from the output;
+- reports the command's exit (its code or signal, 0 too) to the launcher as
+  one marker line on stderr, which the launcher removes from the output: a
+  rank that never reports was stopped from outside (hydra kills the job's
+  other ranks when one exits without MPI finalize, and may then exit 0);
 - in an elastic job (KERASDIST_ELASTIC=1, set by `kerasdist run
   --host-discovery-script`), starts the command with SIGUSR1 ignored, so
   the launcher's resize request (SIGUSR1, see kerasdist/run/resize.py)
@@ -593,10 +595,9 @@ def main(argv=None):
         _bind(rank, report)
     elastic = os.environ.get(ELASTIC_ENV) == "1"
     status = _Wrapper(argv, prefix).run(rank, elastic)
-    if status != 0:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _write_all(2, format_marker(rank, socket.gethostname(), status))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _write_all(2, format_marker(rank, socket.gethostname(), status))
     if elastic and status == RESIZE_EXIT_CODE:
         return 0  # the launcher has the marker; hydra must not clean up
     # A command killed by signal N is reported to mpiexec as exit 128+N;

@@ -246,16 +246,27 @@ class Findings:
     def __init__(self):
         self.lock = threading.Lock()
         self.failures = []  # RankFailure, in the order seen
+        self.exited = set()  # every rank whose wrapper reported its exit
         self.lost = {}      # rank -> what its heartbeat lost (text)
         self.unreachable = None
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
 
+    def add_exit(self, rank):
+        with self.lock:
+            self.exited.add(rank)
+
     def add_failure(self, failure):
         with self.lock:
+            self.exited.add(failure.rank)
             self.failures.append(failure)
         self.failed.set()
+
+    def unreported(self, ranks):
+        """The ranks of 0..ranks-1 whose wrapper never reported an exit."""
+        with self.lock:
+            return [r for r in range(ranks) if str(r) not in self.exited]
 
     def add_lost(self, rank, text):
         with self.lock:
@@ -304,11 +315,17 @@ def _group_failures(failures):
         groups.setdefault((f.host, f.status), []).append(f.rank)
     out = []
     for (host, status), ranks in groups.items():
-        ranks = sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else 0)
-        who = (f"rank {ranks[0]}" if len(ranks) == 1 else
-               "ranks " + ", ".join(str(r) for r in ranks))
-        out.append(f"{who} (host {host}) exited with {describe_status(status)}")
+        out.append(f"{_ranks_clause(ranks)} (host {host}) exited with "
+                   f"{describe_status(status)}")
     return out
+
+
+def _ranks_clause(ranks):
+    """"rank 3" or "ranks 0, 2", in rank order."""
+    ranks = sorted((str(r) for r in ranks),
+                   key=lambda r: int(r) if r.isdigit() else 0)
+    return (f"rank {ranks[0]}" if len(ranks) == 1 else
+            "ranks " + ", ".join(ranks))
 
 
 _PIECE_END_RE = re.compile(rb"\r\n|\n|\r")
@@ -355,6 +372,8 @@ class _Relay(threading.Thread):
             parsed = _rank.parse_marker(line[start:])
             if parsed and parsed[2] != 0:
                 self.findings.add_failure(RankFailure(*parsed))
+            elif parsed:
+                self.findings.add_exit(parsed[0])
         if self._held is not None:
             self.log.raw(self._held, self.stream)
         self.pipe.close()
@@ -425,7 +444,7 @@ def _kill_job(proc, known):
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
-                banner=False, manager="mpiexec", watcher=None):
+                banner=False, manager="mpiexec", watcher=None, ranks=None):
     """Runs mpiexec once and returns its Outcome.
 
     Args:
@@ -441,6 +460,9 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             own process manager in mpiexec's place, see node.py).
         watcher: a resize.Watcher of an elastic job, or None; it is
             started and stopped here.
+        ranks: how many ranks (0..ranks-1, each under _rank.py) the job
+            starts: if mpiexec exits 0 but one of them never reported its
+            exit, the attempt failed. None: not checked.
 
     Returns:
         An Outcome.
@@ -485,7 +507,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
                        reason="the ranks stopped for a resize")
     return _outcome(rc, stopper.reason, findings, interrupts, timeout, log,
-                    manager)
+                    manager, ranks)
 
 
 class _Stopper:
@@ -578,7 +600,7 @@ class _Stopper:
 
 
 def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
-             manager="mpiexec"):
+             manager="mpiexec", ranks=None):
     failure = findings.first_failure()
     unreachable = findings.unreachable
     if unreachable is not None and stop_reason in (None, "unreachable"):
@@ -602,4 +624,18 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
         log.line(f"{manager} exited with {describe_status(rc)}.")
         return Outcome(status_exit_code(rc),
                        reason=f"{manager} exited with {describe_status(rc)}")
+    missing = [] if ranks is None else findings.unreported(ranks)
+    if missing:
+        # A rank that exits without MPI finalize (code 0 all the same) makes
+        # hydra kill the others, and its own exit code may then be 0.
+        who = _ranks_clause(missing)
+        reason = (f"{who} never reported an exit: {manager} stopped "
+                  f"{'it' if len(missing) == 1 else 'them'}")
+        with findings.lock:
+            ended = list(findings.exited)
+        log.line(f"{manager} exited with code 0, but {reason}, as it does "
+                 f"when a rank exits without MPI finalize"
+                 + (f" ({_ranks_clause(ended)} exited with code 0)"
+                    if ended else "") + ".")
+        return Outcome(1, reason=reason)
     return Outcome(0)

@@ -770,7 +770,7 @@ def _run(args, mpiexec, log, workdir=None):
             watcher = _watcher(args, log, np_, hosts)
             outcome = job.run_attempt(mpi_argv, env, interrupts, deadline,
                                       args.timeout, log, banner=args.verbose,
-                                      watcher=watcher)
+                                      watcher=watcher, ranks=np_)
             if outcome.resized:
                 announced = watcher.requested.new_np
             then = attempts.after(outcome)

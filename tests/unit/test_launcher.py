@@ -326,6 +326,29 @@ def test_marker_round_trip():
     assert _rank.parse_marker(b"[0]<stderr>:ordinary line\n") is None
 
 
+
+@pytest.mark.parametrize("started,code", [((0, 1), 0), ((1,), 1)])
+def test_a_rank_that_never_reports_fails_the_attempt(capfdbinary, started,
+                                                      code):
+    # A stand-in for mpiexec that exits 0 having run the real wrapper for
+    # some of the 2 ranks only: hydra does that when a rank exits without
+    # MPI finalize (it kills the others, and may exit 0).
+    wrapper = os.path.join(os.path.dirname(_rank.__file__), "_rank.py")
+    runs = "; ".join(f"PMI_RANK={r} {sys.executable} -I -S {wrapper} -- true"
+                     for r in started)
+    with job.Interrupts() as interrupts:
+        outcome = job.run_attempt(["sh", "-c", runs], dict(os.environ),
+                                  interrupts, ranks=2)
+    assert outcome.exit_code == code
+    err = capfdbinary.readouterr().err.decode()
+    if code:
+        assert err.splitlines() == [
+            "kerasdist: mpiexec exited with code 0, but rank 0 never reported "
+            "an exit: mpiexec stopped it, as it does when a rank exits without "
+            "MPI finalize (rank 1 exited with code 0)."], err
+    else:
+        assert err == ""
+
 def test_rank_from_env():
     assert _rank.rank_from_env({"PMI_RANK": "2"}) == "2"
     assert _rank.rank_from_env({"OMPI_COMM_WORLD_RANK": "1"}) == "1"
