@@ -17,6 +17,11 @@ Every other importer gets them as usual: a rank script, kerasdist itself
 (kerasdist.autotune's scikit-learn), Keras on the JAX backend (its backend
 module imports JAX before anything here could refuse it). Set
 KERASDIST_TEST_IMPORT_GUARD=0 to start ranks with everything Keras finds.
+
+With KERASDIST_TEST_CPU_LOG=FILE, every such process that exits normally
+appends one JSON line to FILE: its command, the test that started it
+(PYTEST_CURRENT_TEST), its CPU seconds and which frameworks it imported;
+tools/cpu_by_test.py sums them, to find where the suite's CPU goes.
 Standard library only.
 """
 
@@ -61,5 +66,32 @@ class _OpportunisticImports:
         return None
 
 
+def _log_cpu(path):
+    import json
+    import resource
+    import time
+    start = time.monotonic()
+
+    def write():
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        line = json.dumps({
+            "argv": [os.path.basename(a) for a in sys.argv[:3]],
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "cpu": round(use.ru_utime + use.ru_stime, 2),
+            "wall": round(time.monotonic() - start, 2),
+            "mods": [m for m in ("tensorflow", "jax", "torch", "keras")
+                     if m in sys.modules]})
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+    import atexit
+    atexit.register(write)
+
+
 if os.environ.get("KERASDIST_TEST_IMPORT_GUARD", "1") != "0":
     sys.meta_path.insert(0, _OpportunisticImports())
+if os.environ.get("KERASDIST_TEST_CPU_LOG"):
+    _log_cpu(os.environ["KERASDIST_TEST_CPU_LOG"])
