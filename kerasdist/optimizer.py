@@ -19,9 +19,12 @@ never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
 
-The reduction runs on the Keras backend's own tensors (`kerasdist._framework`):
-TF ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's
-jitted step, `kerasdist.torch`'s custom ops in PyTorch's eager step.
+The reduction (`kerasdist._gradient_reduction`, written once) runs on the
+Keras backend's own tensors through the backend's `KerasFramework`
+(`kerasdist._framework.get()`, from the framework's own package): TF ops on
+TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's jitted step,
+`kerasdist.torch`'s custom ops in PyTorch's eager step. Nothing here asks
+which framework runs.
 """
 
 import os
@@ -33,6 +36,7 @@ from kerasdist._core import gradients as _gradients
 from kerasdist import process_sets as _process_sets
 from kerasdist import _buckets
 from kerasdist import _framework
+from kerasdist import _gradient_reduction
 from kerasdist import _local_gradients
 from kerasdist.compression import Compression
 
@@ -44,12 +48,6 @@ class _Settings:
 
     def __init__(self, **kwargs):
         self.__dict__.update(kwargs)
-
-
-def _tf():
-    """The TensorFlow-only parts (accumulation, XLA), on that backend."""
-    from kerasdist.tensorflow import optimizer as _optimizer_tf
-    return _optimizer_tf
 
 
 def DistributedOptimizer(optimizer, name=None,
@@ -225,8 +223,7 @@ def DistributedOptimizer(optimizer, name=None,
         process_set_id=_process_sets.resolve(process_set),
         overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
         jax_buckets=overlap and overlap_asked and num_groups == 0)
-    if _framework.current() == "tensorflow":
-        _tf().install_train_function_hook(_is_distributed)
+    _framework.get().on_wrap(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
     wrapped = cls.from_config(optimizer.get_config())
     if optimizer.built:
@@ -245,7 +242,7 @@ def _distributed_class(base, settings):
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
             self._kerasdist_local = _local_gradients.LocalVariables()
-            self._kerasdist_overlap = _framework.Overlap()  # PyTorch's
+            self._kerasdist_overlap = _framework.get().overlap()
 
         def register_local_var(self, var):
             """Keeps `var`'s gradient on this rank: it is not reduced
@@ -268,12 +265,12 @@ def _distributed_class(base, settings):
         def build(self, variables):
             super().build(variables)
             if settings.backward_passes_per_step > 1:
-                self._kerasdist_accum = _tf().Accumulators(
+                self._kerasdist_accum = _framework.get().accumulators(
                     self._trainable_variables)
 
         def apply(self, grads, trainable_variables=None):
-            if _framework.current() == "tensorflow":
-                _tf().check_not_xla()
+            framework = _framework.get()
+            framework.check_apply()
             grads = list(grads)
             if trainable_variables is not None:
                 trainable_variables = list(trainable_variables)
@@ -289,11 +286,11 @@ def _distributed_class(base, settings):
                 return super().apply(reduced, trainable_variables)
 
             if not self.built:
-                _tf().build(self, variables)
+                framework.build_optimizer(self, variables)
             acc = self._kerasdist_accum
             # super() needs the enclosing method's frame; bind it here.
             parent_apply = super().apply
-            return _tf().accumulate(
+            return framework.accumulate(
                 [acc.grads[self._get_variable_index(v)] for v in variables],
                 acc.count, grads, settings.backward_passes_per_step,
                 settings.average_aggregated_gradients,
@@ -317,44 +314,29 @@ def _distributed_class(base, settings):
             finally:
                 self._kerasdist_reduced = False
 
-        def _kerasdist_bucket_bytes(self):
-            # The bucket size the plain (not hooked) reduction splits by:
-            # TensorFlow's graph step (summed accumulators, with
-            # backward_passes_per_step > 1, are all ready at once), and JAX
-            # only when overlap was asked for (see the docstring); None
-            # otherwise (PyTorch's buckets come from its hooks).
-            if not getattr(settings, "overlap", False):
-                return None
-            framework = _framework.current()
-            if framework == "tensorflow":
-                return (settings.bucket_bytes
-                        if settings.backward_passes_per_step == 1 else None)
-            if framework == "jax" and getattr(settings, "jax_buckets", False):
-                return settings.bucket_bytes
-            return None
-
         def _kerasdist_reduce(self, grads, variables):
             ps = getattr(settings, "process_set_id", 0)
             if ps and _capi.process_set_rank(ps) < 0:
                 return grads  # outside the set: its own gradients (Horovod)
 
-            overlap = getattr(settings, "overlap", False)
-            framework = _framework.current()
+            framework = _framework.get()
+            overlap = (self._kerasdist_overlap
+                       if getattr(settings, "overlap", False) else None)
 
             def plain(grads, variables):
-                return _framework.reduce_gradients(
-                    grads, variables, settings.prefix,
+                return _gradient_reduction.reduce_gradients(
+                    grads, variables, settings.prefix, framework,
                     compression=settings.compression, op=settings.op,
                     sparse_as_dense=settings.sparse_as_dense,
                     gradient_predivide_factor=(
                         settings.gradient_predivide_factor),
                     num_groups=settings.num_groups,
-                    bucket_bytes=self._kerasdist_bucket_bytes())
+                    bucket_bytes=framework.bucket_bytes(settings))
 
             def reduce(grads, variables):
-                if not overlap or framework != "torch":
+                if overlap is None:
                     return plain(grads, variables)
-                return self._kerasdist_overlap.reduce(
+                return overlap.reduce(
                     grads, variables, plain, settings.prefix,
                     settings.compression, settings.op,
                     settings.gradient_predivide_factor,
@@ -437,13 +419,7 @@ def _check_passes(backward_passes_per_step):
             backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be an int >= 1; got "
                          f"{backward_passes_per_step!r}.")
-    framework = _framework.current()
-    if backward_passes_per_step > 1 and framework != "tensorflow":
-        raise ValueError(
-            "DistributedOptimizer(backward_passes_per_step > 1) needs the "
-            f"TensorFlow backend; on {framework} pass gradient_accumulation_"
-            "steps to the Keras optimizer instead (the gradients are then "
-            "averaged over the ranks at every backward pass).")
+    _framework.get().check_passes(backward_passes_per_step)
 
 
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------
@@ -479,7 +455,7 @@ def _synced_loss_scale_class(base):
                 return finite
             # Min over ranks: finite only if every rank's gradients are.
             prefix = self.inner_optimizer._kerasdist_settings.prefix
-            return _framework.agree_finite(finite, prefix)
+            return _framework.get().agree_finite(finite, prefix)
 
     _SyncedLossScaleOptimizer.__name__ = base.__name__
     _SyncedLossScaleOptimizer.__qualname__ = base.__qualname__

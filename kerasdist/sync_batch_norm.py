@@ -143,7 +143,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             count = ops.sum(ops.cast(weight, dtype), axes)
         local = ops.concatenate([ops.sum(kept, axes),
                                  ops.sum(ops.square(kept), axes), count])
-        total = _framework.collectives().allreduce(
+        total = _framework.get().collectives.allreduce(
             local, op=basics.Sum, name=self._collective_name())
         s, q = total[:channels], total[channels:2 * channels]
         n = total[2 * channels:]
@@ -164,10 +164,4 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         made unique within the TF graph or JAX program being traced (a
         layer may be called more than once in one step)."""
         base = f"SyncBatchNormalization.{self.path or self.name}"
-        if _framework.current() == "tensorflow":
-            import tensorflow as tf
-            if not tf.executing_eagerly():
-                graph = tf.compat.v1.get_default_graph()
-                return graph.unique_name(base, mark_as_used=True)
-            return base
-        return _framework.unique_name(base)
+        return _framework.get().unique_name(base)

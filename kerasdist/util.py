@@ -8,7 +8,4 @@ def _executing_eagerly():
     no graphs of their own. Imports TensorFlow only when it is installed
     and the Keras backend is TensorFlow."""
     from kerasdist import _framework
-    if _framework.current() != "tensorflow":
-        return True
-    import tensorflow as tf
-    return tf.executing_eagerly()
+    return _framework.get().executing_eagerly()

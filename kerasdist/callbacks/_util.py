@@ -41,7 +41,7 @@ def variable_name(v):
 def _fingerprint(v):
     # A hash of the raw bytes: exact (no float tolerance) and the same on
     # every rank that holds the same bits, on every backend.
-    data = np.ascontiguousarray(_framework.to_numpy(v))
+    data = np.ascontiguousarray(_framework.get().to_numpy(v))
     digest = hashlib.blake2b(data.tobytes(), digest_size=8).digest()
     return np.frombuffer(digest, np.int64)[0]
 

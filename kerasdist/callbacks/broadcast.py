@@ -104,7 +104,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # that built a different number of layers before this model.
         names = [f"kerasdist.bgv.{i}." + "x".join(str(d) for d in v.shape)
                  for i, v in enumerate(variables)]
-        _framework.assign_broadcast(variables, self.root_rank, names)
+        _framework.get().assign_broadcast(variables, self.root_rank, names)
         if self.verify:
             _util.verify_identical(variables, "after the broadcast")
 

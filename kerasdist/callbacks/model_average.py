@@ -149,4 +149,4 @@ def _averaging_function(variables, k):
     shapes = ".".join("x".join(str(d) for d in v.shape) for v in variables)
     crc = zlib.crc32(shapes.encode())  # not hash(): salted per process
     name = f"kerasdist.model_average.{k}.{len(variables)}.{crc:08x}"
-    return _framework.assign_average(variables, name)
+    return _framework.get().assign_average(variables, name)

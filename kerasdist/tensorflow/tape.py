@@ -4,12 +4,13 @@ over all ranks, for custom training loops."""
 import tensorflow as tf
 
 from kerasdist import _buckets
+from kerasdist import _gradient_reduction
 from kerasdist import basics
 from kerasdist import _local_gradients
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
-from kerasdist.tensorflow import gradients as _tf_gradients
+from kerasdist.tensorflow import _keras_layer
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
@@ -140,7 +141,7 @@ class DistributedGradientTape:
         grads = self._tape.gradient(
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients)
-        if _tf_gradients.in_xla_context():
+        if _keras_layer.in_xla_context():
             raise RuntimeError(
                 "DistributedGradientTape cannot reduce gradients inside an "
                 "XLA-compiled function (the collectives have no XLA kernel); "
@@ -149,8 +150,8 @@ class DistributedGradientTape:
         flat_grads = tf.nest.flatten(grads)
 
         def reduce(grads, sources):
-            return _tf_gradients.reduce_gradients(
-                grads, sources, self._prefix,
+            return _gradient_reduction.reduce_gradients(
+                grads, sources, self._prefix, _keras_layer.FRAMEWORK,
                 compression=self._compression, op=self._op,
                 sparse_as_dense=self._sparse_as_dense,
                 gradient_predivide_factor=self._predivide,

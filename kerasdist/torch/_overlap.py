@@ -44,8 +44,8 @@ class GradientBuckets:
         params: the torch parameters (leaf tensors), in the variables'
             order.
         name: prefix of the buckets' collective names.
-        op, prescale, postscale: the allreduce's (as `_framework._grouped`
-            computes them).
+        op, prescale, postscale: the allreduce's (as
+            `kerasdist._gradient_reduction.scales` computes them).
         compression: a `kerasdist.Compression` (compress in the hook,
             decompress in `collect`).
         process_set: the core's process set id.

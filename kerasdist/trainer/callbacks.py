@@ -253,4 +253,4 @@ def sync_state(model):
         variables += list(model.optimizer.variables)
     names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)
              for i, v in enumerate(variables)]
-    _framework.assign_broadcast(variables, 0, names)
+    _framework.get().assign_broadcast(variables, 0, names)

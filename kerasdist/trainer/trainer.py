@@ -410,7 +410,7 @@ class Trainer:
         # calls them as XLA custom calls. PyTorch: eager, Keras's default.
         self.model.compile(optimizer=self.optimizer, loss=self.build_loss(),
                            metrics=self.build_metrics(),
-                           jit_compile=_framework.jit_compile())
+                           jit_compile=_framework.get().jit_compile)
 
     def _set_learning_rate(self, value):
         if not isinstance(self.optimizer._learning_rate,

@@ -167,3 +167,37 @@ def test_layers():
         assert not deps[m], f"{m} (run before MPI starts) imports {deps[m]}"
     assert deps["kerasdist.autotune"] <= binding, deps["kerasdist.autotune"]
     assert "kerasdist.autotune" in deps["kerasdist.basics"]
+
+
+# The Keras layer's framework-neutral modules: they reach a framework only
+# through kerasdist._framework.get(), which returns the running backend's
+# object from kerasdist/<framework>/_keras_layer.py.
+_NEUTRAL = ("kerasdist.optimizer", "kerasdist._gradient_reduction",
+            "kerasdist._framework", "kerasdist.sync_batch_norm",
+            "kerasdist.util", "kerasdist.callbacks.broadcast",
+            "kerasdist.callbacks.model_average", "kerasdist.callbacks._util")
+_FRAMEWORK_NAMES = {"tensorflow", "jax", "torch"}
+
+
+def test_the_keras_layer_never_asks_which_framework_runs():
+    wrong = []
+    for module in _NEUTRAL:
+        _, targets, _ = _imports(module, MODULES[module])
+        for node in ast.walk(MODULES[module]):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = []
+            wrong += [f"{module} imports {n}" for n in names
+                      if n.split(".")[0] in _FRAMEWORK_NAMES]
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    if isinstance(side, ast.Constant) and \
+                            side.value in _FRAMEWORK_NAMES:
+                        wrong.append(f"{module}:{node.lineno} compares with "
+                                     f"{side.value!r}")
+        wrong += [f"{module} imports {t}" for t in targets
+                  if t.split(".")[1] in _FRAMEWORK_NAMES]
+    assert not wrong, wrong

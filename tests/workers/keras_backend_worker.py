@@ -507,13 +507,13 @@ def jax_bucket_custom_calls():
     their calls."""
     import jax
     import jax.numpy as jnp
-    from kerasdist import _framework
+    from kerasdist import _gradient_reduction
     shapes = [(4, 3), (3,), (3, 1), (1,)]  # dense_model's
 
     def count(**kw):
         def step(*gs):
-            return _framework.reduce_gradients(list(gs), None, "test.bk",
-                                               **kw)
+            return _gradient_reduction.reduce_gradients(
+                list(gs), None, "test.bk", **kw)
         text = jax.jit(step).lower(
             *[jnp.ones(s, jnp.float32) for s in shapes]).as_text()
         return text.count("kerasdist_grouped_allreduce"), text

@@ -1,0 +1,153 @@
+"""Reducing a list of gradients over the ranks, written once for every
+framework: DistributedOptimizer (on each Keras backend) and TensorFlow's
+DistributedGradientTape come here with their gradients and the running
+framework's `kerasdist._framework.KerasFramework`.
+
+The steps: compress each gradient; allgather sparse ones (TensorFlow's
+`tf.IndexedSlices`) unless `sparse_as_dense`; put the dense ones in groups
+(`num_groups`) or buckets (`bucket_bytes`, in the order backprop produces
+them); one grouped allreduce per group, named identically on every rank,
+with a predivide factor as the runtime's prescale and postscale; then
+decompress. With one rank nothing is communicated.
+"""
+
+from kerasdist import _buckets
+from kerasdist import basics
+from kerasdist import process_sets as _process_sets
+from kerasdist._core.gradients import (label_members, source_label,
+                                       split_groups)
+
+
+def reduce_gradients(grads, sources, prefix, framework=None,
+                     compression=None, op=basics.Average,
+                     sparse_as_dense=False, gradient_predivide_factor=1.0,
+                     num_groups=0, bucket_bytes=None):
+    """Allreduces `grads` (a flat list, `None` entries kept) over the ranks
+    of the current process set.
+
+    Dense gradients are allreduced; sparse ones are allgathered unless
+    `sparse_as_dense`. With a predivide factor f the runtime multiplies by
+    1/f before summing and by f/size after, which equals Average. The dense
+    gradients are split, in order, into `num_groups` groups of nearly equal
+    count (0 means one group), each reduced by one `grouped_allreduce`; the
+    runtime fuses each group up to the fusion threshold.
+
+    `bucket_bytes` (with `num_groups=0`, op not Adasum, whose result
+    depends on what is reduced together): the dense gradients go in
+    buckets of up to that many bytes (`kerasdist._buckets.variable_buckets`:
+    backprop order, the last layer's first, dtypes apart), one grouped
+    allreduce each, so that each bucket's allreduce depends only on its own
+    gradients and can start as soon as they exist (TensorFlow's executor
+    runs a graph op as soon as its inputs exist; XLA may schedule a custom
+    call early). The result is the same.
+
+    With one rank nothing is communicated: every supported reduction of one
+    rank is the identity, so only compression (and `sparse_as_dense`) is
+    applied, keeping its rounding, and no collective is created.
+
+    Args:
+        grads: the gradients (`None` where a source has none).
+        sources: what they are gradients of (variables), one per gradient,
+            for names and the timeline's labels; None: positions only.
+        prefix: the first part of every collective's name.
+        framework: a `KerasFramework`; None: the Keras backend's.
+        The others: DistributedOptimizer's arguments of the same names.
+
+    Returns:
+        A list like `grads` holding the reduced gradients.
+    """
+    if framework is None:
+        from kerasdist import _framework
+        framework = _framework.get()
+    if compression is None:
+        from kerasdist.compression import Compression
+        compression = Compression.none
+    if _process_sets.current_size() == 1:
+        return [_local_only(framework, g, compression, sparse_as_dense)
+                for g in grads]
+    out = [None] * len(grads)
+    dense = []  # (index, wire tensor, ctx)
+    sparse_names = None
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        if framework.is_sparse(grad) and not sparse_as_dense:
+            if sparse_names is None:
+                sparse_names = framework.gradient_names(prefix, sources)
+            out[i] = framework.reduce_sparse(grad, compression, op,
+                                             sparse_names[i])
+            continue
+        wire, ctx = compression.compress(framework.dense(grad))
+        dense.append((i, wire, ctx))
+    if dense:
+        labels = [source_label(sources[i], i) if sources else None
+                  for i, _, _ in dense]
+        reduced = _grouped(framework, [w for _, w, _ in dense], labels,
+                           prefix, op, gradient_predivide_factor, num_groups,
+                           bucket_bytes)
+        for (i, _, ctx), r in zip(dense, reduced):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def scales(op, predivide):
+    """(op, prescale, postscale) of a gradient allreduce with
+    `gradient_predivide_factor`."""
+    if predivide != 1.0:
+        return (basics.Sum, 1.0 / predivide,
+                predivide / _process_sets.current_size())
+    return op, 1.0, 1.0
+
+
+def _grouped(framework, wires, labels, prefix, op, predivide, num_groups,
+             bucket_bytes):
+    """One grouped allreduce per group or bucket of `wires`: one op to
+    dispatch and complete instead of one per gradient, and member names
+    that are positions within the group, so that they do not depend on
+    Keras' auto-generated layer names (which can differ between ranks that
+    built a different number of models before)."""
+    buckets = _buckets_of(framework, wires, bucket_bytes, num_groups, op)
+    if buckets is not None:
+        names = [f"{prefix}.bucket{k}of{len(buckets)}"
+                 for k in range(len(buckets))]
+    else:
+        groups = num_groups if num_groups > 0 else 1
+        buckets = split_groups(len(wires), groups)
+        names = [f"{prefix}.group{g}of{groups}" for g in range(len(buckets))]
+    op, prescale, postscale = scales(op, predivide)
+    reduced = [None] * len(wires)
+    for base, members in zip(names, buckets):
+        group = framework.unique_name(base)
+        label_members(group, [labels[j] for j in members])
+        outs = framework.collectives.grouped_allreduce(
+            [wires[j] for j in members], op=op, name=group,
+            prescale_factor=prescale, postscale_factor=postscale)
+        for j, r in zip(members, outs):
+            reduced[j] = r
+    return reduced
+
+
+def _buckets_of(framework, wires, bucket_bytes, num_groups, op):
+    """The buckets of `wires` (lists of indices, in the order they become
+    ready), or None where the gradients stay grouped: no `bucket_bytes`,
+    `num_groups` given, Adasum, where the framework cannot overlap (eager
+    TensorFlow), a single bucket, or a size unknown when tracing."""
+    if (bucket_bytes is None or num_groups > 0 or op == basics.Adasum
+            or len(wires) < 2 or not framework.can_bucket()):
+        return None
+    sizes = [framework.nbytes(w) for w in wires]
+    if any(s is None for s in sizes):
+        return None
+    buckets = _buckets.variable_buckets(
+        sizes, [framework.dtype_name(w) for w in wires], bucket_bytes)
+    return buckets if len(buckets) > 1 else None
+
+
+def _local_only(framework, grad, compression, sparse_as_dense):
+    if grad is None:
+        return None
+    if framework.is_sparse(grad) and not sparse_as_dense:
+        return framework.map_sparse_values(
+            grad, lambda v: compression.decompress(*compression.compress(v)))
+    return compression.decompress(
+        *compression.compress(framework.dense(grad)))

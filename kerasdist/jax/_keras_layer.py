@@ -1,0 +1,35 @@
+"""The Keras layer's JAX parts: the `KerasFramework` that
+`kerasdist._framework.get()` returns on the JAX backend. Keras' JAX train
+step is jitted and stateless, so the gradients are tracers and every
+collective is an XLA custom call (kerasdist/jax/collectives.py)."""
+
+from kerasdist import _framework
+
+
+class Jax(_framework.KerasFramework):
+    """The Keras layer on JAX (see kerasdist/_framework.py)."""
+
+    name = "jax"
+    # The collectives are XLA custom calls: the train step stays compiled.
+    jit_compile = True
+
+    def unique_name(self, base):
+        # Several collectives of one jitted step may run at once, so two
+        # must never share a name; eagerly they run one after the other.
+        from kerasdist.jax._dispatch import auto_name, program_trace
+        if program_trace() is None:
+            return base
+        return auto_name(base, None)
+
+    def bucket_bytes(self, settings):
+        # Only when overlap was asked for (True, or KERASDIST_OVERLAP set):
+        # XLA's CPU runtime runs the step's operations in sequence and
+        # waits for each custom call, so more calls only add round trips
+        # there (docs/keras.md).
+        if getattr(settings, "overlap", False) and \
+                getattr(settings, "jax_buckets", False):
+            return settings.bucket_bytes
+        return None
+
+
+FRAMEWORK = Jax()

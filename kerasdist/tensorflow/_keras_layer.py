@@ -1,0 +1,261 @@
+"""The Keras layer's TensorFlow parts: the `KerasFramework` that
+`kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
+names, `tf.IndexedSlices`, shapes known only when traced), the gradient
+accumulation of `backward_passes_per_step > 1` in TF variables, and XLA
+(the TF ops have no XLA kernel). Imported only when the Keras backend is
+TensorFlow, or by DistributedGradientTape."""
+
+import warnings
+
+import tensorflow as tf
+
+from kerasdist import basics
+from kerasdist import _framework
+from kerasdist._core.gradients import source_label
+
+XLA_MESSAGE = (
+    "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
+    "function: its collectives have no XLA kernel. Drop `jit_compile=True` "
+    "from the tf.function around a custom train step, or compile the model "
+    "with `model.compile(..., jit_compile=False)` (model.fit and "
+    "train_on_batch turn XLA off by themselves, with a warning).")
+
+
+def in_xla_context():
+    """True while tracing a function compiled with XLA (jit_compile=True)."""
+    if tf.executing_eagerly():
+        return False
+    # Private, but the only way to ask; guarded so a TF change degrades to
+    # TF's own (cryptic) error instead of breaking every graph trace.
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def check_not_xla():
+    """Raises RuntimeError while tracing an XLA-compiled function."""
+    if in_xla_context():
+        raise RuntimeError(XLA_MESSAGE)
+
+
+def _unique_in_graph(name):
+    """`name`, unique within the graph being traced (a second reduction in
+    one tf.function): the graph's naming is deterministic, so it is
+    identical on every rank. Unchanged eagerly."""
+    if tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    return graph.unique_name(name, mark_as_used=True)
+
+
+class TensorFlow(_framework.KerasFramework):
+    """The Keras layer on TensorFlow (see kerasdist/_framework.py)."""
+
+    name = "tensorflow"
+
+    def executing_eagerly(self):
+        return tf.executing_eagerly()
+
+    def assign_average(self, variables, name):
+        front = self.collectives
+
+        @tf.function
+        def average():
+            values = front.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in variables],
+                op=basics.Average, name=name)
+            for v, x in zip(variables, values):
+                v.assign(x)
+
+        return average
+
+    def unique_name(self, base):
+        return _unique_in_graph(base)
+
+    def agree_finite(self, finite, prefix):
+        check_not_xla()
+        agreed = self.collectives.allreduce(
+            tf.cast(finite, tf.int32), op=basics.Min,
+            name=_unique_in_graph(f"{prefix}.loss_scale_finite"))
+        return tf.greater(agreed, 0)
+
+    # ---- gradients -----------------------------------------------------
+
+    def is_sparse(self, grad):
+        return isinstance(grad, tf.IndexedSlices)
+
+    def dense(self, grad):
+        return tf.convert_to_tensor(grad)
+
+    def nbytes(self, x):
+        n = x.shape.num_elements()
+        return None if n is None else n * x.dtype.size
+
+    def dtype_name(self, x):
+        return x.dtype.name
+
+    def can_bucket(self):
+        # Eagerly every op waits for its result: nothing to overlap.
+        return not tf.executing_eagerly()
+
+    def bucket_bytes(self, settings):
+        # With backward_passes_per_step > 1 the summed gradients are all
+        # ready at once.
+        if getattr(settings, "overlap", False) and \
+                settings.backward_passes_per_step == 1:
+            return settings.bucket_bytes
+        return None
+
+    def gradient_names(self, prefix, sources):
+        """One collective name per source, identical on every rank.
+
+        Names come from the variables' paths (Keras) or names
+        (tf.Variable), so they depend only on how the model was built, not
+        on call order. Sources without a name fall back to their position.
+        """
+        sources = sources or []
+        names = [f"{prefix}.{source_label(s, i)}"
+                 for i, s in enumerate(sources)]
+        if len(set(names)) != len(names):
+            names = [f"{n}.{i}" for i, n in enumerate(names)]
+        return [_unique_in_graph(n) for n in names]
+
+    def reduce_sparse(self, grad, compression, op, name):
+        """A `tf.IndexedSlices` gradient allgathered (its values
+        compressed)."""
+        values, ctx = compression.compress(grad.values)
+        gathered = self.collectives.allreduce(
+            tf.IndexedSlices(values, grad.indices, grad.dense_shape),
+            op=op, name=name)
+        return tf.IndexedSlices(compression.decompress(gathered.values, ctx),
+                                gathered.indices, gathered.dense_shape)
+
+    def map_sparse_values(self, grad, fn):
+        return tf.IndexedSlices(fn(grad.values), grad.indices,
+                                grad.dense_shape)
+
+    # ---- DistributedOptimizer ------------------------------------------
+
+    def on_wrap(self, is_distributed):
+        install_train_function_hook(is_distributed)
+
+    def check_apply(self):
+        check_not_xla()
+
+    def check_passes(self, backward_passes_per_step):
+        pass  # accumulated in TF variables (Accumulators)
+
+    def accumulators(self, variables):
+        return Accumulators(variables)
+
+    def build_optimizer(self, optimizer, variables):
+        build(optimizer, variables)
+
+    def accumulate(self, *args):
+        return accumulate(*args)
+
+
+class Accumulators:
+    """Local gradient sums for backward_passes_per_step > 1.
+
+    Plain `tf.Variable`s held outside Keras tracking: they are not in
+    `optimizer.variables`, so a saved model's optimizer state has the same
+    layout as the unwrapped optimizer's and loads without kerasdist. The
+    price: a partial accumulation is not checkpointed.
+    """
+
+    def __init__(self, variables):
+        with tf.init_scope():
+            self.grads = [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                            name="kerasdist_accum")
+                for v in variables]
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name="kerasdist_accum_count")
+
+
+def build(optimizer, variables):
+    """Builds `optimizer` on `variables` as Keras' `apply` would."""
+    with tf.name_scope(optimizer.name):
+        optimizer.build(variables)
+    optimizer.built = True
+
+
+def accumulate(slots, count, grads, k, average, reduce, apply):
+    """Adds `grads` to their `slots`; every k-th call reduces the sums
+    (divided by k if `average`) with `reduce` and hands them to `apply`.
+
+    Returns a boolean tensor: True when the update ran.
+    """
+    for g, slot in zip(grads, slots):
+        if g is not None:
+            slot.assign_add(tf.cast(tf.convert_to_tensor(g), slot.dtype))
+    count = count.assign_add(1)
+
+    def communicate():
+        summed = [None if g is None else tf.identity(slot)
+                  for g, slot in zip(grads, slots)]
+        if average:
+            summed = [None if s is None else s / k for s in summed]
+        apply(reduce(summed))
+        for slot in slots:
+            slot.assign(tf.zeros_like(slot))
+        return tf.constant(True)
+
+    # Every rank counts the same calls, so all take the same branch and the
+    # collectives inside stay matched.
+    return tf.cond(tf.equal(count % k, 0), communicate,
+                   lambda: tf.constant(False))
+
+
+# ---- XLA: turn it off for the train function, with one warning --------------
+
+_XLA_WARNING = (
+    "kerasdist: XLA was turned off for the train step of model {name!r} "
+    "(model.jit_compile is now False): kerasdist's collectives have no XLA "
+    "kernel. Compile the model with jit_compile=False to silence this "
+    "warning.")
+
+
+def _turn_off_xla(model, is_distributed):
+    """Before Keras builds a train function: no XLA with kerasdist inside."""
+    if model.run_eagerly or not is_distributed(model.optimizer):
+        return
+    if not model.jit_compile:  # resolves "auto"
+        return
+    model.jit_compile = False
+    model.train_function = None  # rebuilt without XLA
+    if not getattr(model, "_kerasdist_xla_warned", False):
+        model._kerasdist_xla_warned = True
+        warnings.warn(_XLA_WARNING.format(name=model.name), UserWarning,
+                      stacklevel=3)
+
+
+def install_train_function_hook(is_distributed):
+    """Wraps Keras's `make_train_function` (once per process).
+
+    `fit` and `train_on_batch` call it before the first step is traced, so
+    this is the last moment `jit_compile` can still be changed. Without the
+    private class (a Keras change), the clear error in `apply` remains.
+    """
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # pragma: no cover
+        return
+    original = TensorFlowTrainer.make_train_function
+    if getattr(original, "_kerasdist_hook", False):
+        return
+
+    def make_train_function(self, force=False):
+        _turn_off_xla(self, is_distributed)
+        return original(self, force=force)
+
+    make_train_function._kerasdist_hook = True
+    make_train_function.__doc__ = original.__doc__
+    TensorFlowTrainer.make_train_function = make_train_function
+
+
+FRAMEWORK = TensorFlow()

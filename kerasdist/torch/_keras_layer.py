@@ -1,0 +1,103 @@
+"""The Keras layer's PyTorch parts: the `KerasFramework` that
+`kerasdist._framework.get()` returns on the PyTorch backend (values
+detached, assignments outside autograd), and the optimizer's reduction
+overlapped with backprop: buckets started from autograd hooks
+(kerasdist/torch/_overlap.py)."""
+
+import torch
+
+from kerasdist import _framework
+from kerasdist import _gradient_reduction
+from kerasdist import basics
+from kerasdist import process_sets as _process_sets
+from kerasdist._core import capi
+from kerasdist._core.gradients import source_label
+from kerasdist.torch import _overlap
+
+
+class Torch(_framework.KerasFramework):
+    """The Keras layer on PyTorch (see kerasdist/_framework.py)."""
+
+    name = "torch"
+
+    def value(self, variable):
+        return variable.value.detach()
+
+    def no_grad(self):
+        return torch.no_grad()
+
+    def overlap(self):
+        return Overlap()
+
+
+class Overlap:
+    """An optimizer's PyTorch overlap state: `buckets`, the
+    `kerasdist.torch._overlap.GradientBuckets` whose hooks act on its
+    variables (None until installed)."""
+
+    def __init__(self):
+        self.buckets = None
+
+    def reduce(self, grads, variables, plain, prefix, compression, op,
+               predivide, bucket_bytes):
+        """PyTorch: `grads` of `variables` reduced, taking the buckets that
+        the hooks started during backprop, and `plain(grads, variables)`
+        (the synchronous reduction) for the rest. At the first call, or
+        when the variables change, the hooks are (re)installed, to act from
+        the next backward pass on. Hooks are installed only where they can
+        be used: several ranks, not inside `torch.compile`, not Adasum
+        (whose result depends on what is reduced together), and gradients
+        that are the variables' `.grad` tensors (Keras' torch `fit`, or a
+        loop that calls `loss.backward()` then `apply` with them)."""
+        if compression is None:
+            from kerasdist.compression import Compression
+            compression = Compression.none
+        buckets = self.buckets
+        if torch.compiler.is_compiling():
+            if buckets is not None:
+                buckets.drain()
+            return plain(grads, variables)
+        key = tuple(id(v) for v in variables)
+        if buckets is not None and buckets.key != key:
+            buckets.remove()
+            buckets = self.buckets = None
+        if buckets is None:
+            out = plain(grads, variables)
+            self.buckets = _install(grads, variables, key, prefix,
+                                    compression, op, predivide, bucket_bytes)
+            return out
+        where = buckets.where
+        sub, redo = buckets.collect([grads[j] for j in where])
+        out = list(grads)
+        for j, g in zip(where, sub):
+            out[j] = g
+        rest = sorted({where[i] for i in redo} | (
+            set(range(len(grads))) - set(where)))
+        if rest:
+            for j, g in zip(rest, plain([grads[j] for j in rest],
+                                        [variables[j] for j in rest])):
+                out[j] = g
+        return out
+
+
+def _install(grads, variables, key, prefix, compression, op, predivide,
+             bucket_bytes):
+    """The GradientBuckets for these variables, or None where hooks
+    cannot serve (see `Overlap.reduce`)."""
+    if _process_sets.current_size() == 1 or op == basics.Adasum:
+        return None
+    where = [j for j, g in enumerate(grads) if g is not None]
+    params = [variables[j].value for j in where]
+    if not where or not all(
+            grads[j] is p.grad and p.is_leaf for j, p in zip(where, params)):
+        return None
+    op, prescale, postscale = _gradient_reduction.scales(op, predivide)
+    buckets = _overlap.GradientBuckets(
+        params, f"{prefix}.overlap", op, prescale, postscale, compression,
+        capi.current_process_set(), bucket_bytes,
+        labels=[source_label(variables[j], j) for j in where])
+    buckets.key, buckets.where = key, where
+    return buckets
+
+
+FRAMEWORK = Torch()
