@@ -15,9 +15,6 @@ without Keras, and never import TensorFlow.
 """
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 
 __version__ = "0.1.0"
 
@@ -85,34 +82,4 @@ def __dir__():
     return __all__
 
 
-# Modules that moved when the package was laid out by layer. Their old paths
-# keep importing (`from kerasdist import checkpoints`,
-# `import kerasdist.tape`): each is the module at its new path, not a copy.
-_MOVED = {
-    "kerasdist.checkpoints": "kerasdist.trainer.checkpoints",
-    "kerasdist.tape": "kerasdist.tensorflow.tape",
-    "kerasdist.cli": "kerasdist.tools.cli",
-    "kerasdist.doctor": "kerasdist.tools.doctor",
-    "kerasdist.timeline_tools": "kerasdist.tools.timeline",
-    "kerasdist.callbacks.checkpoint": "kerasdist.callbacks.model_checkpoint",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves an old module path to the module at its new one."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        return importlib.import_module(_MOVED[spec.name])
-
-    def exec_module(self, module):
-        pass
-
-
-if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())
 importlib.import_module("kerasdist._build_check").warn()
