@@ -96,7 +96,13 @@ def _present(environ, names):
     return [n for n in names if environ.get(n, "") != ""]
 
 
-def _int(environ, name, what, minimum=0):
+# The most processes in one job: far above any job that runs, low enough
+# that a typo (WORLD_SIZE=1000000000) is an error at once, not a rendezvous
+# that waits for them all.
+MAX_PROCESSES = 1 << 20
+
+
+def _int(environ, name, what, minimum=0, maximum=None):
     value = environ[name]
     try:
         number = int(value.strip())
@@ -105,6 +111,10 @@ def _int(environ, name, what, minimum=0):
                          f"to {what}.") from None
     if number < minimum:
         raise ValueError(f"{name}={value!r} is below {minimum}; set {name} "
+                         f"to {what}.")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}={value!r} is above {maximum}, the most "
+                         f"processes kerasdist forms a job of; set {name} "
                          f"to {what}.")
     return number
 
@@ -130,7 +140,7 @@ def _rank_and_size(environ, rank_name, size_name, what):
                 f"{have} is set but {missing} is not; set {missing} to "
                 f"{wants[missing]} ({what}).")
     size = _int(environ, size_name, "the number of processes (1 or more)",
-                minimum=1)
+                minimum=1, maximum=MAX_PROCESSES)
     rank = _int(environ, rank_name,
                 f"this process's rank, 0 to {size - 1}")
     if rank >= size:
@@ -336,7 +346,7 @@ def _kerasdist(environ, full=True):
         per = _int(environ, PER_HOST_ENV,
                    "the number of processes in each pod (1 or more)", 1)
     size = _int(environ, size_name, "the number of processes (1 or more)",
-                minimum=1)
+                minimum=1, maximum=MAX_PROCESSES)
     if size % per:
         raise ValueError(f"{size_name}={size} is not a multiple of "
                          f"{PER_HOST_ENV}={per}; set {size_name} to pods x "

@@ -320,7 +320,14 @@ class _Server:
                 self.hello = {}
 
     def fail_hello(self):  # with self.cv held
-        missing = sorted(set(range(self.size)) - set(self.hello))
+        # The first 16 missing ranks: nothing the size of the job is built
+        # (a size of 10**9 would take gigabytes).
+        missing = []
+        for r in range(self.size):
+            if r not in self.hello:
+                missing.append(r)
+                if len(missing) > 16:
+                    break
         shown = ", ".join(map(str, missing[:16])) + (
             ", ..." if len(missing) > 16 else "")
         for c in self.hello.values():

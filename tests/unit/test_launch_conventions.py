@@ -73,6 +73,9 @@ def test_mpi_launcher_comes_first_and_keeps_todays_path():
     (with_(TORCHRUN, RANK="-1"), "RANK='-1' is below 0; set RANK"),
     (with_(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE='0' is below 1"),
     (with_(TORCHRUN, WORLD_SIZE="2.0"), "WORLD_SIZE='2.0' is not an integer"),
+    (with_(TORCHRUN, WORLD_SIZE="1000000000"),
+     "WORLD_SIZE='1000000000' is above 1048576, the most processes kerasdist "
+     "forms a job of; set WORLD_SIZE to the number of processes"),
     (with_(TORCHRUN, LOCAL_WORLD_SIZE=None),
      "LOCAL_RANK is set but LOCAL_WORLD_SIZE is not; set LOCAL_WORLD_SIZE"),
     (with_(TORCHRUN, LOCAL_RANK="2"),
@@ -460,3 +463,21 @@ def test_a_hello_to_an_earlier_runs_server_waits_for_the_next_one():
         for server in (old, new):
             if server is not None and server.poll() is None:
                 _end(server)
+
+
+def test_a_rendezvous_that_fails_builds_nothing_the_size_of_the_job():
+    # At the deadline the server names the first missing ranks; it used to
+    # build the set of all of them (gigabytes for a WORLD_SIZE of 10**9;
+    # hundreds of megabytes for the 10**7 here).
+    import tracemalloc
+    from kerasdist.run import rendezvous
+    server = rendezvous._Server(10 ** 7, 1.0)
+    tracemalloc.start()
+    try:
+        with server.cv:
+            server.fail_hello()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert server.failed and server.hello_done
+    assert peak < 1 << 20, peak
