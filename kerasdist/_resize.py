@@ -13,6 +13,7 @@ rank side may not import the launcher. A unit test holds them equal.
 Standard library only.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -58,6 +59,10 @@ def install():
             previous(signum, frame)
 
     signal.signal(signal.SIGUSR1, note)
+    # A request that comes while the interpreter shuts down (the training
+    # done, Python's handlers already reset to the default action) would
+    # kill a rank that finished: from then on there is nothing to stop.
+    atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
     _state["installed"] = True
     return True
 

@@ -744,3 +744,23 @@ def test_a_hosts_failures_arriving_apart_are_named_in_one_line():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_resize_request_after_the_program_ended_is_ignored():
+    # An exit function registered before kd.init() installs the resize
+    # handler runs after kerasdist's own (atexit runs them last in, first
+    # out): by then SIGUSR1 is ignored, so a request that comes while the
+    # interpreter shuts down (Python resets its handlers to the default
+    # action, which ends the process) cannot kill a rank that finished.
+    code = (
+        "import atexit, os, signal\n"
+        "def late():\n"
+        "    print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "atexit.register(late)\n"
+        "from kerasdist import _resize\n"
+        "assert _resize.install()\n")
+    env = dict(os.environ, KERASDIST_ELASTIC="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "True\n"), p

@@ -19,6 +19,7 @@ argv: OUT [--epochs E] [--steps S] [--grow HOSTS_FILE]
 
 import argparse
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -119,6 +120,13 @@ class Progress(tf.keras.callbacks.Callback):
                 int(opt.iterations) == 4:
             with open(args.grow, 'w') as f:
                 f.write('localhost:2\n')
+            # kerasdist: hold the training until the launcher's resize
+            # request (SIGUSR1) is here, so that it comes before the last
+            # commit however slow the launcher's discovery is under load.
+            from kerasdist import _resize
+            deadline = time.monotonic() + 120
+            while not _resize.requested() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 callbacks = [
