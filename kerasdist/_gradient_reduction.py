@@ -73,7 +73,8 @@ def reduce_gradients(grads, sources, prefix, framework=None,
             continue
         if framework.is_sparse(grad) and not sparse_as_dense:
             if sparse_names is None:
-                sparse_names = framework.gradient_names(prefix, sources)
+                sparse_names = framework.gradient_names(
+                    prefix, sources or [None] * len(grads))
             out[i] = framework.reduce_sparse(grad, compression, op,
                                              sparse_names[i])
             continue

@@ -116,7 +116,6 @@ class TensorFlow(_framework.KerasFramework):
         (tf.Variable), so they depend only on how the model was built, not
         on call order. Sources without a name fall back to their position.
         """
-        sources = sources or []
         names = [f"{prefix}.{source_label(s, i)}"
                  for i, s in enumerate(sources)]
         if len(set(names)) != len(names):
