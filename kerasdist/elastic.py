@@ -55,6 +55,7 @@ import tempfile
 import numpy as np
 
 from kerasdist import _resize
+from kerasdist import _sharding
 from kerasdist import basics
 
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
@@ -389,8 +390,8 @@ class TensorFlowKerasState(_VariablesState):
         variables = list(self.model.variables)
         if self.optimizer is not None:
             seen = {id(v) for v in variables}
-            variables += [v for v in self.optimizer.variables
-                          if id(v) not in seen]
+            variables += [v for v in _sharding.whole_variables(
+                self.optimizer) if id(v) not in seen]
         return variables
 
 

@@ -38,6 +38,7 @@ from kerasdist import _buckets
 from kerasdist import _framework
 from kerasdist import _gradient_reduction
 from kerasdist import _local_gradients
+from kerasdist import _sharding
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -57,7 +58,7 @@ def DistributedOptimizer(optimizer, name=None,
                          sparse_as_dense=False, gradient_predivide_factor=1.0,
                          num_groups=0, scale_local_gradients=True,
                          average=None, process_set=None, overlap=None,
-                         bucket_bytes=None):
+                         bucket_bytes=None, shard=None):
     """Wraps a Keras optimizer so that gradients are averaged over all ranks
     (over the ranks of `process_set`, a `kerasdist.ProcessSet`, when given:
     only its members may then train with it).
@@ -133,6 +134,19 @@ def DistributedOptimizer(optimizer, name=None,
         bucket_bytes: the most bytes in a bucket (the first bucket is at
             most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
             (default 25 MiB).
+        shard: None (default): every rank holds the whole optimizer state.
+            "optimizer_state" (ZeRO-1): each rank keeps the optimizer state
+            (Adam's moments, momentum, EMA, accumulators) of 1/size() of
+            every variable only; the gradients are reduce-scattered, each
+            rank updates its shard, and the weights are allgathered back,
+            the same bytes on the wire as an allreduce.
+            "gradients" (ZeRO-2): the same, reduced in buckets of
+            `bucket_bytes` in backprop order, and the whole gradients that
+            a framework keeps between steps (PyTorch's `.grad`) are dropped
+            once reduced. The result equals the replicated optimizer's.
+            Needs an elementwise update (SGD, Adam, AdamW, RMSprop, ...;
+            not Lamb, Adafactor or Muon), no Adasum and no local
+            variables; see kerasdist/_sharding.py and docs/keras.md.
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless
@@ -214,6 +228,7 @@ def DistributedOptimizer(optimizer, name=None,
                          "Horovod).")
     settings = _Settings(
         prefix=name or "DistributedOptimizer", compression=compression, op=op,
+        shard=shard,
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         sparse_as_dense=sparse_as_dense,
@@ -223,8 +238,12 @@ def DistributedOptimizer(optimizer, name=None,
         process_set_id=_process_sets.resolve(process_set),
         overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
         jax_buckets=overlap and overlap_asked and num_groups == 0)
+    _sharding.check_shard(shard, type(optimizer), settings)
     _framework.get().on_wrap(_is_distributed)
     cls = _distributed_class(type(optimizer), settings)
+    if shard is not None:
+        cls = _sharding.sharded_class(cls, settings)
+        _name_as(cls, type(optimizer))
     wrapped = cls.from_config(optimizer.get_config())
     if optimizer.built:
         _copy_state(optimizer, wrapped)
@@ -346,12 +365,16 @@ def _distributed_class(base, settings):
                 return self._kerasdist_local.reduce(
                     grads, variables, reduce, settings.scale_local_gradients)
 
+    _name_as(_DistributedOptimizer, base)
+    return _DistributedOptimizer
+
+
+def _name_as(cls, base):
     # Serialize as the user's class: the saved file then names it and loads
     # without kerasdist.
-    _DistributedOptimizer.__name__ = base.__name__
-    _DistributedOptimizer.__qualname__ = base.__qualname__
-    _DistributedOptimizer.__module__ = base.__module__
-    return _DistributedOptimizer
+    cls.__name__ = base.__name__
+    cls.__qualname__ = base.__qualname__
+    cls.__module__ = base.__module__
 
 
 def PartialDistributedOptimizer(optimizer, name=None,
@@ -464,6 +487,11 @@ def _synced_loss_scale_class(base):
 
 
 def _copy_state(source, target):
+    if getattr(target._kerasdist_settings, "shard", None) is not None:
+        raise ValueError(
+            "DistributedOptimizer(shard=...) got an optimizer that is "
+            "already built: its state is whole. Wrap the optimizer before "
+            "it is built (before compile/fit), or use shard=None.")
     # Build the wrapper on the same variables, then take over the slots,
     # iterations (and a LossScaleOptimizer's scale and inner state).
     target.build(source._trainable_variables)

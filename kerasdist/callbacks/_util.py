@@ -6,6 +6,7 @@ import numpy as np
 
 from kerasdist._core import host as _host
 from kerasdist import _framework
+from kerasdist import _sharding
 
 
 def model_is_built(model):
@@ -30,7 +31,7 @@ def state_variables(model):
     then every optimizer variable (iterations and learning rate included)."""
     variables = list(model.weights)
     if model.optimizer is not None:
-        variables += list(model.optimizer.variables)
+        variables += _sharding.whole_variables(model.optimizer)
     return variables
 
 

@@ -4,6 +4,7 @@ import keras
 
 from kerasdist import basics
 from kerasdist import _framework
+from kerasdist import _sharding
 from kerasdist.callbacks import _util
 
 
@@ -93,7 +94,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             # The optimizer's slots for local variables differ between
             # ranks by design: with local variables only weights count.
             if self.model.optimizer is not None and not self._local:
-                variables += list(self.model.optimizer.variables)
+                variables += _sharding.whole_variables(
+                    self.model.optimizer)
             _util.verify_identical(variables, f"end of epoch {epoch}")
 
     def _broadcast(self):

@@ -6,6 +6,7 @@ import keras
 
 from kerasdist import basics
 from kerasdist import _framework
+from kerasdist import _sharding
 from kerasdist.callbacks import _util
 
 
@@ -127,7 +128,7 @@ class ModelAverageCallback(keras.callbacks.Callback):
             rate = getattr(optimizer, "_learning_rate", None)
             if isinstance(rate, keras.Variable):
                 skip.add(id(rate))
-            variables += [v for v in optimizer.variables
+            variables += [v for v in _sharding.whole_variables(optimizer)
                           if id(v) not in skip]
         seen, unique = set(), []
         for v in variables:

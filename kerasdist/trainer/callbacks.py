@@ -7,6 +7,7 @@ import numpy as np
 
 from kerasdist._core import host as _host
 from kerasdist import _framework
+from kerasdist import _sharding
 from kerasdist import _resize
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
@@ -250,7 +251,7 @@ def sync_state(model):
     """
     variables = list(model.weights)
     if model.optimizer is not None:
-        variables += list(model.optimizer.variables)
+        variables += _sharding.whole_variables(model.optimizer)
     names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)
              for i, v in enumerate(variables)]
     _framework.get().assign_broadcast(variables, 0, names)

@@ -541,5 +541,199 @@ def fit_loss_scale():
         keras.optimizers.SGD(0.1), initial_scale=2.0**10))
 
 
+# ---- the sharded optimizer (shard=) ------------------------------------------
+
+checks.group("tensorflow", "jax", "torch")
+
+
+def check_shard(label, make_opt, shard="optimizer_state", model=dense_model,
+                x_y=None, atol=ATOL, unlike=None, wrap=lambda o: o,
+                **kd_args):
+    """Sharded fit on my part == one process on everything == the
+    replicated DistributedOptimizer; the weights agree bit for bit on every
+    rank, and the optimizer's slots hold 1/N of each variable. `unlike`:
+    an optimizer whose truth must differ (the same without clipping)."""
+    x, y = x_y or data()
+    truth = fit(model(), make_opt(), x, y, N * B)
+    if unlike is not None:
+        other = fit(model(), unlike(), x, y, N * B)
+        assert np.max(np.abs(flat(other) - flat(truth))) > 100 * atol, \
+            f"{label}: the option made no difference"
+    opt = kd.DistributedOptimizer(make_opt(), shard=shard, **kd_args)
+    sharded = opt
+    opt = wrap(opt)
+    # As users run it: the start broadcast from rank 0, and every epoch's
+    # check that the weights and the shared optimizer state agree.
+    got = fit(model(), opt, my_part(x), my_part(y), B, [
+        kd.callbacks.BroadcastGlobalVariablesCallback(0, verify=True)])
+    diff = assert_close(got, truth, label, atol)
+    same_on_all_ranks(got, label)
+    replicated = fit(model(), wrap(kd.DistributedOptimizer(make_opt(),
+                                                           **kd_args)),
+                     my_part(x), my_part(y), B)
+    assert_close(got, replicated, f"{label}: against replicated", atol)
+    alone = fit(model(), make_opt(), my_part(x), my_part(y), B)
+    miss = np.max(np.abs(flat(alone) - flat(truth)))
+    assert miss > 100 * atol, f"{label}: unaveraged training is too close"
+    sizes = [int(np.prod(v.shape))
+             for v in sharded.kerasdist_sharded_variables]
+    whole = sum(int(np.prod(w.shape)) for w in got)
+    slots = len(sizes) // max(1, len(got))
+    assert sum(sizes) <= slots * (whole / N + len(got)), (sizes, whole)
+    print(f"{label}: max diff {diff:.2e}, unaveraged {miss:.2e}, "
+          f"slots {sizes}", flush=True)
+    return got
+
+
+@check("shard_fit_sgd_momentum")
+def shard_fit_sgd_momentum():
+    check_shard("shard_fit_sgd_momentum",
+                lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+@check("shard_fit_adam")
+def shard_fit_adam():
+    check_shard("shard_fit_adam", lambda: keras.optimizers.Adam(0.01))
+
+
+@check("shard_fit_adamw_global_clipnorm")
+def shard_fit_adamw_global_clipnorm():
+    # A clip norm small enough to clip every step: the norm must be the
+    # whole gradient's, summed over the ranks' shards.
+    check_shard("shard_fit_adamw_global_clipnorm",
+                lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1,
+                                               global_clipnorm=0.05),
+                unlike=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
+
+
+@check("shard_fit_clipnorm_gradients_buckets")
+def shard_fit_clipnorm_gradients_buckets():
+    # ZeRO-2 in three buckets; clipnorm is per variable.
+    check_shard("shard_fit_clipnorm_gradients_buckets",
+                lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+                shard="gradients",
+                unlike=lambda: keras.optimizers.Adam(0.01), **TINY_BUCKETS)
+
+
+def embedding_model(seed=1):
+    model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                              keras.layers.Embedding(10, 4),
+                              keras.layers.Flatten(),
+                              keras.layers.Dense(1)])
+    rng = np.random.default_rng(seed)
+    model.set_weights([(rng.normal(size=w.shape) * 0.5).astype("float32")
+                       for w in model.get_weights()])
+    return model
+
+
+def int_data():
+    rng = np.random.default_rng(3)
+    n = N * B * STEPS
+    x = rng.integers(0, 10, size=(n, 3)).astype("int32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    return x, y
+
+
+@check("shard_fit_embedding")
+def shard_fit_embedding():
+    # On TensorFlow the embedding's gradient is a tf.IndexedSlices, which
+    # the sharded optimizer reduces dense (as sparse_as_dense=True). SGD
+    # with momentum updates every row either way; Keras' TF Adam updates
+    # its moments only at a tf.IndexedSlices' rows, so the sharded Adam
+    # equals the replicated one with sparse_as_dense=True.
+    check_shard("shard_fit_embedding",
+                lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                model=embedding_model, x_y=int_data())
+    x, y = int_data()
+    got = fit(embedding_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), shard="gradients"), my_part(x),
+        my_part(y), B)
+    dense = fit(embedding_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), sparse_as_dense=True), my_part(x),
+        my_part(y), B)
+    assert_close(got, dense, "shard_fit_embedding: Adam")
+
+
+@check("shard_fit_mixed_bfloat16")
+def shard_fit_mixed_bfloat16():
+    # bfloat16 activations round differently on a batch of B than on one of
+    # N * B: against one process 1e-2; against the replicated optimizer,
+    # which reduces the same gradients, 1e-5.
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        x, y = data()
+        opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                      shard="optimizer_state")
+        got = fit(dense_model(), opt, my_part(x), my_part(y), B)
+        truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, N * B)
+        replicated = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.Adam(0.01)), my_part(x), my_part(y), B)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert_close(got, truth, "mixed_bfloat16: against one process", 1e-2)
+    assert_close(got, replicated, "mixed_bfloat16: against replicated")
+    same_on_all_ranks(got, "mixed_bfloat16")
+
+
+@check("shard_fit_loss_scale_ema")
+def shard_fit_loss_scale_ema():
+    # A LossScaleOptimizer around the sharded one (its finiteness check
+    # agreed over the ranks), and EMA kept on the shards and gathered at
+    # the end of fit.
+    check_shard("shard_fit_loss_scale",
+                lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                wrap=lambda o: keras.optimizers.LossScaleOptimizer(
+                    o, initial_scale=2.0**10))
+    check_shard("shard_fit_ema",
+                lambda: keras.optimizers.Adam(0.01, use_ema=True,
+                                              ema_momentum=0.5),
+                unlike=lambda: keras.optimizers.Adam(0.01))
+
+
+@check("shard_refusals")
+def shard_refusals():
+    def refused(make, words):
+        try:
+            make()
+        except ValueError as e:
+            assert all(w in str(e) for w in words), (words, e)
+        else:
+            raise AssertionError(f"accepted: {words}")
+
+    sgd = keras.optimizers.SGD
+    refused(lambda: kd.DistributedOptimizer(sgd(0.1), shard="weights"),
+            ["shard must be None", "'weights'"])
+    refused(lambda: kd.DistributedOptimizer(keras.optimizers.Lamb(0.1),
+                                            shard="optimizer_state"),
+            ["Lamb", "shard=None"])
+    refused(lambda: kd.DistributedOptimizer(sgd(0.1), op=kd.Adasum,
+                                            shard="gradients"),
+            ["Adasum"])
+    refused(lambda: kd.DistributedOptimizer(
+        keras.optimizers.LossScaleOptimizer(sgd(0.1)), shard="gradients"),
+        ["LossScaleOptimizer(DistributedOptimizer(opt, shard=...))"])
+    opt = kd.DistributedOptimizer(sgd(0.1), shard="optimizer_state")
+    model = dense_model()
+    opt.register_local_var(model.layers[-1].bias)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data()
+    refused(lambda: model.fit(my_part(x), my_part(y), batch_size=B,
+                              verbose=0), ["local variables"])
+
+
+@check("shard_gradients_released", groups=("torch",))
+def shard_gradients_released():
+    """PyTorch keeps `.grad` between steps: shard="gradients" drops each
+    whole gradient once reduce-scattered, "optimizer_state" keeps it."""
+    x, y = data()
+    for shard, kept in (("gradients", False), ("optimizer_state", True)):
+        model = dense_model()
+        fit(model, kd.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                           shard=shard),
+            my_part(x), my_part(y), B)
+        grads = [v.value.grad for v in model.trainable_variables]
+        assert all((g is not None) == kept for g in grads), (shard, grads)
+
+
 if __name__ == "__main__":
     checks.main(rank=R)

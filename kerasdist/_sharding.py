@@ -1,0 +1,492 @@
+"""The sharded optimizer (`DistributedOptimizer(opt, shard=...)`): each
+rank keeps the optimizer state of its shard of every variable only
+(ZeRO-1, `shard="optimizer_state"`), and with `shard="gradients"` the
+averaged gradients too, reduced in buckets as backprop produces them
+(ZeRO-2). Written once for every Keras backend over `keras.ops` and the
+running framework's collectives (`kerasdist._framework`).
+
+The layout (`Layout`, a pure function of the variables' shapes and dtypes
+and the number of ranks): variable i of n_i elements is padded to
+N * c_i elements, c_i = ceil(n_i / N), and rank r owns elements
+[r * c_i, (r + 1) * c_i). Every rank thus owns 1/N of every variable (the
+shards are balanced by bytes to within N - 1 elements a variable), and
+every rank's shard of a variable has the same shape, so every rank builds
+the same optimizer slots and traces the same program. A padded element
+has a zero gradient and a zero weight, which every elementwise optimizer
+leaves at zero.
+
+A step, in `ShardedOptimizer.apply`:
+
+1. The gradients of each bucket (variables of one dtype) are laid out as
+   an N x B matrix, row r holding rank r's shards side by side, and one
+   `reducescatter` leaves each rank its row of the average.
+2. The rank's shard of each weight is copied into a 1-D "shadow"
+   variable, and the wrapped Keras optimizer, built on the shadows, runs
+   its usual `apply` on them: clipping (norms summed over the ranks with
+   one small allreduce), weight decay, the update, EMA, gradient
+   accumulation, all on the shards.
+3. One `allgather` per bucket brings every rank's updated shard back, and
+   each weight is assigned from it: identical bits on every rank.
+
+The optimizer's slots are shaped like the shards; its `iterations` and
+learning rate are whole, as in the plain optimizer. The update must be
+elementwise: optimizers that look at a whole variable (Lamb's trust ratio,
+Adafactor's factored moments, Muon's matrices) are refused.
+"""
+
+import math
+
+from kerasdist import _buckets
+from kerasdist import basics
+from kerasdist import process_sets as _process_sets
+
+SHARD_MODES = (None, "optimizer_state", "gradients")
+
+# Optimizers whose update of a variable depends on more than each of its
+# elements alone: they cannot run on shards.
+_WHOLE_VARIABLE = ("Lamb", "Adafactor", "Muon")
+
+
+def check_shard(shard, base, settings):
+    """Raises ValueError for a `shard=` that cannot work with the other
+    arguments (`settings`) or the optimizer class `base`."""
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            f"DistributedOptimizer: shard must be None, 'optimizer_state' "
+            f"or 'gradients'; got {shard!r}.")
+    if shard is None:
+        return
+    import keras
+
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "DistributedOptimizer(shard=...) takes the optimizer that "
+            "updates the weights, not a LossScaleOptimizer: write "
+            "LossScaleOptimizer(DistributedOptimizer(opt, shard=...)), or "
+            "use the mixed_float16 policy, which wraps it so by itself.")
+    for klass in base.__mro__:
+        if klass.__name__ in _WHOLE_VARIABLE:
+            raise ValueError(
+                f"DistributedOptimizer(shard={shard!r}): {klass.__name__}'s "
+                "update of a variable depends on the whole variable, so it "
+                "cannot run on shards; use shard=None with it.")
+    if settings.op == basics.Adasum:
+        raise ValueError(
+            f"DistributedOptimizer(shard={shard!r}) cannot use Adasum: its "
+            "result depends on whole gradients; use op=Average or Sum.")
+
+
+def partition(numels, size):
+    """The shard length of each variable: ceil(numel / size), at least 1.
+    Rank r owns elements [r * c, (r + 1) * c) of the variable flattened and
+    zero-padded to size * c elements (a pure function: the same on every
+    rank, for a given model and size)."""
+    if size < 1:
+        raise ValueError(f"partition: size must be >= 1; got {size}.")
+    return [max(1, math.ceil(int(n) / size)) for n in numels]
+
+
+def owned(numel, chunk, rank):
+    """The elements [lo, hi) of a variable that `rank` owns (hi == lo
+    where its shard is all padding)."""
+    lo = min(rank * chunk, numel)
+    return lo, min(lo + chunk, numel)
+
+
+class Layout:
+    """Where each variable's shard lies, for `size` ranks.
+
+    Attributes:
+        shapes, numels, dtypes: the variables'.
+        chunks: each variable's shard length (`partition`).
+        buckets: lists of variable indices, one dtype each, reduced and
+            gathered together.
+        offsets: each variable's offset in its bucket's row.
+        widths: each bucket's row length (the sum of its chunks).
+    """
+
+    def __init__(self, shapes, dtypes, size, bucket_bytes=None):
+        self.size = size
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.dtypes = [str(d) for d in dtypes]
+        self.chunks = partition(self.numels, size)
+        if bucket_bytes:
+            sizes = [n * _itemsize(d)
+                     for n, d in zip(self.numels, self.dtypes)]
+            self.buckets = _buckets.variable_buckets(
+                sizes, self.dtypes, bucket_bytes)
+        else:
+            self.buckets = _dtype_groups(self.dtypes)
+        self.offsets = [0] * len(self.shapes)
+        self.widths = []
+        for bucket in self.buckets:
+            offset = 0
+            for i in bucket:
+                self.offsets[i] = offset
+                offset += self.chunks[i]
+            self.widths.append(offset)
+
+    def shard_bytes(self):
+        """Bytes of one rank's shards (padding included)."""
+        return sum(c * _itemsize(d) for c, d in zip(self.chunks, self.dtypes))
+
+
+def _itemsize(dtype):
+    import numpy as np
+    if dtype == "bfloat16":
+        return 2
+    return np.dtype(dtype).itemsize
+
+
+def _dtype_groups(dtypes):
+    groups = {}
+    for i, d in enumerate(dtypes):
+        groups.setdefault(d, []).append(i)
+    return list(groups.values())
+
+
+def _size_and_rank(process_set_id):
+    if process_set_id:
+        return (_process_sets.set_size(process_set_id),
+                _process_sets.set_rank(process_set_id))
+    return basics.size(), basics.rank()
+
+
+# ---- the step ---------------------------------------------------------------
+
+
+def _rows(ops, tensor, numel, chunk, size):
+    """`tensor` flattened, zero-padded and shaped (size, chunk)."""
+    flat = ops.reshape(tensor, (-1,))
+    pad = size * chunk - numel
+    if pad:
+        flat = ops.pad(flat, [[0, pad]])
+    return ops.reshape(flat, (size, chunk))
+
+
+def scatter(framework, layout, grads, prefix, compression, op, predivide):
+    """This rank's shard of each gradient averaged (or summed) over the
+    ranks: one reducescatter per bucket. None where a gradient is None."""
+    import keras
+    from kerasdist import _gradient_reduction
+
+    ops = keras.ops
+    op, prescale, postscale = _gradient_reduction.scales(op, predivide)
+    out = [None] * len(grads)
+    count = len(layout.buckets)
+    for k, bucket in enumerate(layout.buckets):
+        present = [i for i in bucket if grads[i] is not None]
+        if not present:
+            continue
+        dtype = layout.dtypes[bucket[0]]
+        rows = [_rows(ops, framework.dense(grads[i]), layout.numels[i],
+                      layout.chunks[i], layout.size)
+                if grads[i] is not None else
+                ops.zeros((layout.size, layout.chunks[i]), dtype)
+                for i in bucket]
+        matrix = rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1)
+        wire, ctx = compression.compress(matrix)
+        mine = framework.collectives.reducescatter(
+            wire, op=op,
+            name=framework.unique_name(f"{prefix}.shard{k}of{count}"),
+            prescale_factor=prescale, postscale_factor=postscale)
+        mine = ops.reshape(compression.decompress(mine, ctx), (-1,))
+        for i in present:
+            start = layout.offsets[i]
+            out[i] = mine[start:start + layout.chunks[i]]
+    return out
+
+
+def gather(framework, layout, shards, targets, prefix):
+    """Assigns to each of `targets` (the model's variables) the
+    concatenation of every rank's shard (`shards`, this rank's, one per
+    variable): one allgather per bucket."""
+    import keras
+
+    ops = keras.ops
+    count = len(layout.buckets)
+    with framework.no_grad():
+        for k, bucket in enumerate(layout.buckets):
+            parts = [shards[i] for i in bucket]
+            row = parts[0] if len(parts) == 1 else ops.concatenate(parts)
+            everyone = framework.collectives.allgather(
+                ops.reshape(row, (1, -1)),
+                name=framework.unique_name(f"{prefix}.gather{k}of{count}"))
+            for i in bucket:
+                start, chunk = layout.offsets[i], layout.chunks[i]
+                block = everyone[:, start:start + chunk]
+                flat = ops.reshape(block, (-1,))[:layout.numels[i]]
+                targets[i].assign(ops.reshape(flat, layout.shapes[i]))
+
+
+def shard_of(framework, layout, variable, i, rank):
+    """This rank's shard of `variable` (index i), padded."""
+    import keras
+
+    ops = keras.ops
+    rows = _rows(ops, framework.value(variable), layout.numels[i],
+                 layout.chunks[i], layout.size)
+    return rows[rank]
+
+
+def global_square_sums(framework, grads, prefix):
+    """Each gradient's sum of squares over every rank's shard: one small
+    allreduce (Sum) of this rank's partial sums."""
+    import keras
+
+    ops = keras.ops
+    partial = ops.stack([ops.sum(ops.square(ops.cast(g, "float32")))
+                         for g in grads])
+    return framework.collectives.allreduce(
+        partial, op=basics.Sum,
+        name=framework.unique_name(f"{prefix}.shard_norms"))
+
+
+def sharded_class(base, settings):
+    """A subclass of `base` (a DistributedOptimizer class) that shards the
+    optimizer state (see the module docstring)."""
+    import keras
+
+    ops = keras.ops
+
+    class _ShardedOptimizer(base):
+
+        def build(self, variables):
+            from kerasdist import _framework
+
+            variables = list(variables)
+            size, rank = _size_and_rank(settings.process_set_id)
+            if rank < 0:
+                raise ValueError(
+                    "DistributedOptimizer(shard=...): this rank is not in the "
+                    "optimizer's process set; only its members may train "
+                    "with it.")
+            framework = _framework.get()
+            bucket_bytes = (settings.bucket_bytes
+                            if settings.shard == "gradients" else None)
+            layout = Layout([v.shape for v in variables],
+                            [keras.backend.standardize_dtype(v.dtype)
+                             for v in variables], size, bucket_bytes)
+            shadows = []
+            for i, v in enumerate(variables):
+                name = (getattr(v, "path", None) or v.name).replace("/", "_")
+                shadow = keras.Variable(
+                    initializer="zeros", shape=(layout.chunks[i],),
+                    dtype=layout.dtypes[i], trainable=False,
+                    name=f"{name}_shard")
+                shadow.constraint = None
+                shadows.append(shadow)
+            self._kerasdist_shard = _Shard(variables, shadows, layout, rank,
+                                           framework)
+            super().build(shadows)
+            if settings.backward_passes_per_step > 1:
+                # The local sums are of the whole gradients.
+                self._kerasdist_accum = framework.accumulators(variables)
+
+        @property
+        def kerasdist_sharded_variables(self):
+            """The optimizer variables that hold only this rank's shard."""
+            if not self.built:
+                return []
+            shared = {id(self._iterations)}
+            rate = getattr(self, "_learning_rate", None)
+            if isinstance(rate, keras.Variable):
+                shared.add(id(rate))
+            return [v for v in self.variables if id(v) not in shared]
+
+        def apply(self, grads, trainable_variables=None):
+            from kerasdist import _framework
+
+            framework = _framework.get()
+            framework.check_apply()
+            grads = list(grads)
+            if not self.built:
+                if trainable_variables is None:
+                    return super().apply(grads, trainable_variables)
+                self.build(list(trainable_variables))
+            state = self._kerasdist_shard
+            variables = (state.variables if trainable_variables is None
+                         else list(trainable_variables))
+            state.check_variables(variables)
+            if self._kerasdist_local.ids():
+                raise ValueError(
+                    "DistributedOptimizer(shard=...) cannot keep local "
+                    "variables (register_local_var, local_layers): every "
+                    "variable's update is split over the ranks.")
+            if settings.backward_passes_per_step == 1:
+                return self._kerasdist_step(grads)
+            acc = self._kerasdist_accum
+            return framework.accumulate(
+                acc.grads, acc.count, grads,
+                settings.backward_passes_per_step,
+                settings.average_aggregated_gradients,
+                lambda summed: summed, self._kerasdist_step)
+
+        def _kerasdist_step(self, grads):
+            from kerasdist._core import capi as _capi
+            from kerasdist.compression import Compression
+
+            state = self._kerasdist_shard
+            framework = state.framework
+            compression = settings.compression or Compression.none
+            with _capi.process_set_scope(settings.process_set_id):
+                chunks = scatter(framework, state.layout, grads,
+                                 settings.prefix, compression, settings.op,
+                                 settings.gradient_predivide_factor)
+                state.release(grads, settings.shard)
+                with framework.no_grad():
+                    for i, (v, s) in enumerate(zip(state.variables,
+                                                   state.shadows)):
+                        s.assign(shard_of(framework, state.layout, v, i,
+                                          state.rank))
+                # The user's optimizer class's own apply, on the shards.
+                super(base, self).apply(chunks, state.shadows)
+                gather(framework, state.layout,
+                       [s.value for s in state.shadows], state.variables,
+                       settings.prefix)
+                for v in state.variables:
+                    if v.constraint is not None:
+                        v.assign(v.constraint(v))
+
+        def stateless_apply(self, optimizer_variables, grads,
+                            trainable_variables):
+            # Keras' JAX train step: the model's variables' values and the
+            # optimizer's come in, their new values go out.
+            from keras.src import backend as _backend
+
+            state = self._kerasdist_shard
+            mapping = (list(zip(state.variables, trainable_variables))
+                       + list(zip(self.variables, optimizer_variables)))
+            with _backend.StatelessScope(state_mapping=mapping) as scope:
+                self.apply(list(grads), state.variables)
+            return ([scope.get_current_value(v) for v in state.variables],
+                    [scope.get_current_value(v) for v in self.variables])
+
+        def _clip_gradients(self, grads):
+            # The norms of whole gradients, from every rank's shard.
+            if not ((self.clipnorm and self.clipnorm > 0) or
+                    (self.global_clipnorm and self.global_clipnorm > 0)):
+                return super()._clip_gradients(grads)
+            where = [i for i, g in enumerate(grads) if g is not None]
+            squares = global_square_sums(
+                self._kerasdist_shard.framework, [grads[i] for i in where],
+                settings.prefix)
+            out = list(grads)
+            if self.clipnorm and self.clipnorm > 0:
+                for j, i in enumerate(where):
+                    out[i] = _clip_by_norm(ops, grads[i], squares[j],
+                                           self.clipnorm)
+                return out
+            norm = ops.sqrt(ops.sum(squares))
+            clip = self.global_clipnorm
+            scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
+            scale = scale + (norm - norm)
+            for i in where:
+                out[i] = grads[i] * ops.cast(scale, grads[i].dtype)
+            return out
+
+        def _use_weight_decay(self, variable):
+            # Decided by the model's variable (its name, its exclusion).
+            state = getattr(self, "_kerasdist_shard", None)
+            model_variable = state.model_variable(variable) if state else None
+            return super()._use_weight_decay(
+                variable if model_variable is None else model_variable)
+
+        def finalize_variable_values(self, var_list):
+            if not self.use_ema:
+                return
+            state = self._kerasdist_shard
+            from kerasdist._core import capi as _capi
+            with _capi.process_set_scope(settings.process_set_id):
+                gather(state.framework, state.layout,
+                       [a.value for a in
+                        self._model_variables_moving_average],
+                       state.variables, f"{settings.prefix}.ema")
+
+        def save_own_variables(self, store):
+            # The slots are spread over the ranks; what one rank writes is
+            # the whole-job state (step, learning rate) only, which plain
+            # Keras skips with a warning and a fresh optimizer state.
+            shared = [v for v in self.variables
+                      if id(v) not in {id(s) for s in
+                                       self.kerasdist_sharded_variables}]
+            _warn_save_once()
+            for i, v in enumerate(shared):
+                store[str(i)] = v.numpy() if hasattr(v, "numpy") else v
+
+    return _ShardedOptimizer
+
+
+_warned = []
+
+
+def _warn_save_once():
+    if _warned:
+        return
+    _warned.append(True)
+    import warnings
+    warnings.warn(
+        "kerasdist: a sharded optimizer's state (shard=...) is spread over "
+        "the ranks; a saved model holds its weights, and of the optimizer "
+        "only what every rank shares, not its slots: loading it starts "
+        "them afresh.", UserWarning, stacklevel=3)
+
+
+def _clip_by_norm(ops, grad, square_sum, clipnorm):
+    """Keras' `_clip_by_norm` with the whole gradient's sum of squares."""
+    square_sum = ops.cast(square_sum, grad.dtype)
+    positive = square_sum > 0
+    safe = ops.where(positive, square_sum, ops.ones_like(square_sum))
+    norm = ops.where(positive, ops.sqrt(safe), square_sum)
+    return ops.convert_to_tensor(grad * clipnorm) / ops.maximum(
+        norm, clipnorm)
+
+
+class _Shard:
+    """A sharded optimizer's state outside Keras' tracking: the model's
+    variables, their shadows and the layout."""
+
+    def __init__(self, variables, shadows, layout, rank, framework):
+        self.variables = variables
+        self.shadows = shadows
+        self.layout = layout
+        self.rank = rank
+        self.framework = framework
+        self._ids = [id(v) for v in variables]
+        self._model_of = {id(s): v for s, v in zip(shadows, variables)}
+
+    def model_variable(self, shadow):
+        return self._model_of.get(id(shadow))
+
+    def check_variables(self, variables):
+        if [id(v) for v in variables] != self._ids:
+            raise ValueError(
+                "DistributedOptimizer(shard=...): apply() got other "
+                f"variables ({len(variables)}) than the optimizer was built "
+                f"with ({len(self._ids)}); a sharded optimizer updates the "
+                "variables it was built with, all together, in one order.")
+
+    def release(self, grads, mode):
+        """With shard="gradients", drops the whole gradients the framework
+        keeps between steps once they are reduce-scattered (PyTorch's
+        `.grad`)."""
+        if mode != "gradients":
+            return
+        for v in self.variables:
+            tensor = getattr(v, "value", None)
+            if getattr(tensor, "grad", None) is not None:
+                tensor.grad = None
+
+
+def whole_variables(optimizer):
+    """`optimizer.variables` without those that hold only this rank's
+    shard (a sharded optimizer's slots, its own or an inner optimizer's,
+    as inside a LossScaleOptimizer): what every rank holds alike, to
+    broadcast, average or compare."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in
+                    getattr(inner, "kerasdist_sharded_variables", ()))
+        inner = getattr(inner, "inner_optimizer", None)
+    return [v for v in optimizer.variables if id(v) not in skip]
