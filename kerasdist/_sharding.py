@@ -236,7 +236,10 @@ def global_square_sums(framework, grads, prefix):
     import keras
 
     ops = keras.ops
-    partial = ops.stack([ops.sum(ops.square(ops.cast(g, "float32")))
+    # float32 at least (half precision sums overflow), float64 where given.
+    wide = ("float64" if any(keras.backend.standardize_dtype(g.dtype) ==
+                             "float64" for g in grads) else "float32")
+    partial = ops.stack([ops.sum(ops.square(ops.cast(g, wide)))
                          for g in grads])
     return framework.collectives.allreduce(
         partial, op=basics.Sum,

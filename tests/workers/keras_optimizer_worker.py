@@ -217,6 +217,30 @@ def fit_embedding_adam_sparse():
               xy=embed_data())
 
 
+# The sharded optimizer at np=3 (its checks at np=2 on every backend are in
+# tests/workers/keras_backend_worker.py): shards of unequal real length,
+# ranks whose shard of a small variable is all padding, in float64.
+@check("shard_fit_sgd_momentum_np3", groups=("odd",))
+def shard_fit_sgd_momentum_np3():
+    check_fit("shard_fit_sgd_momentum_np3",
+              lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+              shard="optimizer_state")
+
+
+@check("shard_fit_adamw_global_clipnorm_np3", groups=("odd",))
+def shard_fit_adamw_global_clipnorm_np3():
+    check_fit("shard_fit_adamw_global_clipnorm_np3",
+              lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1,
+                                             global_clipnorm=0.1),
+              shard="gradients", overlap=True, bucket_bytes=32)
+
+
+@check("shard_fit_embedding_np3", groups=("odd",))
+def shard_fit_embedding_np3():
+    check_fit("shard_fit_embedding_np3", lambda: keras.optimizers.SGD(0.5),
+              embed_model, xy=embed_data(), shard="optimizer_state")
+
+
 @functools.cache
 def uncompressed_ref():
     """The uncompressed weights fit_fp16 compares with (checked once)."""
