@@ -1,0 +1,174 @@
+"""Memory per rank of the replicated and the sharded optimizer
+(`DistributedOptimizer(shard=...)`), and their step times.
+
+    python benchmarks/memory.py [--backend tensorflow] [--sizes 1,2,4]
+        [--params 100e6] [--model mlp|transformer] [--steps 4]
+        [--json FILE]
+
+For each size N and each of replicated, shard="optimizer_state" and
+shard="gradients", one job of N ranks (`kerasdist run -np N`) trains a
+model of about --params parameters (random weights: a deep MLP of square
+layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
+--steps steps. Each rank reports, as bytes per parameter:
+
+- held: what the framework holds after training, weights + optimizer
+  variables (+ the sharded optimizer's 1-D shards of the weights), counted
+  from the variables' shapes;
+- peak: the peak resident set (ru_maxrss) above the same process's
+  resident set before the model was built: weights, gradients, optimizer
+  state, the collectives' buffers, activations and allocator slack.
+
+Theory (float32, Adam): replicated 4 + 4 + 8 = 16 with the gradients, 12
+held; sharded 4 + 12/N held (weights, moments and the weights' shard),
+plus the whole gradients while a step runs.
+
+Step time: the median interval between batch ends after the first, the
+slower rank's; compare the modes of one size (the jobs run one after the
+other on a shared machine: ratios, not absolute figures). Rank 0 of each
+job prints one JSON line; the driver prints the table.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("replicated", "optimizer_state", "gradients")
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _model(keras, kind, params):
+    if kind == "mlp":
+        width, depth = 2048, max(1, round(params / (2048 * 2049)))
+        layers = [keras.Input((width,))]
+        layers += [keras.layers.Dense(width, activation="relu")
+                   for _ in range(depth)]
+        return keras.Sequential(layers + [keras.layers.Dense(1)]), (width,)
+    d, seq = 1024, 16
+    blocks = max(1, round(params / (12 * d * d)))
+    x = inputs = keras.Input((seq, d))
+    for _ in range(blocks):
+        a = keras.layers.MultiHeadAttention(8, d // 8)(x, x)
+        x = keras.layers.LayerNormalization()(x + a)
+        f = keras.layers.Dense(4 * d, activation="gelu")(x)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(d)(f))
+    out = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inputs, out), (seq, d)
+
+
+def rank_main(args):
+    import numpy as np
+    import keras
+    import kerasdist as kd
+
+    kd.init()
+    base = _rss_bytes()
+    keras.utils.set_random_seed(0)
+    model, shape = _model(keras, args.model, args.params)
+    shard = None if args.mode == "replicated" else args.mode
+    opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
+    model.compile(optimizer=opt, loss="mse")
+    batch = 2
+    rng = np.random.default_rng(kd.rank())
+    x = rng.normal(size=(batch * args.steps,) + shape).astype("float32")
+    y = rng.normal(size=(batch * args.steps, 1)).astype("float32")
+    ends = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, b, logs=None):
+            ends.append(time.perf_counter())
+
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         Clock()])
+    n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    held = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
+    held += sum(int(np.prod(v.shape)) * 4 for v in opt.variables)
+    state = getattr(opt, "_kerasdist_shard", None)
+    if state is not None:
+        held += sum(int(np.prod(s.shape)) * 4 for s in state.shadows)
+    steps = np.diff(ends)
+    step = float(np.median(steps)) if len(steps) else float("nan")
+    mine = np.array([held / n_params, (_peak_bytes() - base) / n_params,
+                     step], "float64")
+    every = np.asarray(kd.allgather(mine[None, :].astype("float32"),
+                                    name="bench.memory.report"))
+    if kd.rank() == 0:
+        print("RESULT " + json.dumps({
+            "np": kd.size(), "mode": args.mode, "params": n_params,
+            "held_bytes_per_param": float(every[:, 0].max()),
+            "peak_bytes_per_param": float(every[:, 1].max()),
+            "step_s": float(every[:, 2].max())}), flush=True)
+
+
+def drive(args):
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        for mode in MODES:
+            cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
+                   sys.executable, os.path.abspath(__file__), "--rank",
+                   "--mode", mode, "--model", args.model, "--params",
+                   str(args.params), "--steps", str(args.steps)]
+            env = dict(os.environ, KERAS_BACKEND=args.backend,
+                       TF_CPP_MIN_LOG_LEVEL="3",
+                       PYTHONPATH=REPO_ROOT + os.pathsep +
+                       os.environ.get("PYTHONPATH", ""))
+            out = subprocess.run(cmd, env=env, capture_output=True,
+                                 text=True, timeout=3600)
+            found = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
+                     if "RESULT " in l]
+            if out.returncode != 0 or not found:
+                sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
+                         + (out.stdout + out.stderr)[-3000:])
+            rows.append(json.loads(found[0]))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.model}, {rows[0]['params'] / 1e6:.1f}M parameters, "
+          f"Adam, {args.backend}; bytes per parameter (max over ranks)")
+    print("| np | optimizer | held | theory held | peak RSS | step s |"
+          " step / replicated |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        n = r["np"]
+        theory = 12.0 if r["mode"] == "replicated" else 4 + 12.0 / n
+        ref = next(x for x in rows if x["np"] == n
+                   and x["mode"] == "replicated")
+        print(f"| {n} | {r['mode']} | {r['held_bytes_per_param']:.2f} | "
+              f"{theory:.2f} | {r['peak_bytes_per_param']:.2f} | "
+              f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default="replicated")
+    p.add_argument("--backend", default="tensorflow")
+    p.add_argument("--sizes", default="1,2,4")
+    p.add_argument("--params", type=float, default=100e6)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--json")
+    args = p.parse_args()
+    args.params = int(args.params)
+    if args.rank:
+        rank_main(args)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()
