@@ -14,7 +14,8 @@ layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
 - held: what the framework holds after training, weights + optimizer
   variables (+ the sharded optimizer's 1-D shards of the weights), counted
   from the variables' shapes;
-- peak: the peak resident set (ru_maxrss) above the same process's
+- peak: the peak resident set while training (VmHWM, started afresh once
+  the model and the optimizer are built) above the same process's
   resident set before the model was built: weights, gradients, optimizer
   state, the collectives' buffers, activations and allocator slack.
 
@@ -29,6 +30,7 @@ job prints one JSON line; the driver prints the table.
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -45,7 +47,17 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak():
+    """Starts the peak resident set (VmHWM) afresh (Linux 4.0 on)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _peak_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -80,11 +92,16 @@ def rank_main(args):
     shard = None if args.mode == "replicated" else args.mode
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
     model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)
     batch = 2
     rng = np.random.default_rng(kd.rank())
     x = rng.normal(size=(batch * args.steps,) + shape).astype("float32")
     y = rng.normal(size=(batch * args.steps, 1)).astype("float32")
     ends = []
+    # The peak of training: the weights' initial values, made before they
+    # are copied into the variables, are not part of it.
+    gc.collect()
+    _reset_peak()
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, b, logs=None):

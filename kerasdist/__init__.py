@@ -51,7 +51,7 @@ _EXPORTS = {
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
     "PartialDistributedOptimizer": "optimizer",
     "PartialDistributedGradientTape": "tensorflow.tape",
-    "load_model": "saving",
+    "load_model": "saving", "save_model": "saving",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
     "SyncBatchNormalization": "sync_batch_norm",

@@ -15,18 +15,21 @@ the same optimizer slots and traces the same program. A padded element
 has a zero gradient and a zero weight, which every elementwise optimizer
 leaves at zero.
 
-A step, in `ShardedOptimizer.apply`:
+A step, in the sharded class's `apply`:
 
-1. The gradients of each bucket (variables of one dtype) are laid out as
-   an N x B matrix, row r holding rank r's shards side by side, and one
-   `reducescatter` leaves each rank its row of the average.
+1. Each gradient, padded, is an N x c_i matrix whose row r is rank r's
+   shard; one `reducescatter` leaves each rank its row of the average.
+   Gradients of the same bucket (`bucket_bytes`, in backprop order, one
+   dtype) whose shards are small (under `ALONE_BYTES`) go side by side in
+   one matrix and one `reducescatter`.
 2. The rank's shard of each weight is copied into a 1-D "shadow"
    variable, and the wrapped Keras optimizer, built on the shadows, runs
    its usual `apply` on them: clipping (norms summed over the ranks with
    one small allreduce), weight decay, the update, EMA, gradient
    accumulation, all on the shards.
-3. One `allgather` per bucket brings every rank's updated shard back, and
-   each weight is assigned from it: identical bits on every rank.
+3. `allgather` brings every rank's updated shard back (one per large
+   shard, one per bucket of small ones), and each weight is assigned from
+   it: identical bits on every rank.
 
 The optimizer's slots are shaped like the shards; its `iterations` and
 learning rate are whole, as in the plain optimizer. The update must be
@@ -100,9 +103,8 @@ class Layout:
         shapes, numels, dtypes: the variables'.
         chunks: each variable's shard length (`partition`).
         buckets: lists of variable indices, one dtype each, reduced and
-            gathered together.
-        offsets: each variable's offset in its bucket's row.
-        widths: each bucket's row length (the sum of its chunks).
+            gathered together (`bucket_bytes` of them in backprop order,
+            or one bucket a dtype).
     """
 
     def __init__(self, shapes, dtypes, size, bucket_bytes=None):
@@ -118,14 +120,6 @@ class Layout:
                 sizes, self.dtypes, bucket_bytes)
         else:
             self.buckets = _dtype_groups(self.dtypes)
-        self.offsets = [0] * len(self.shapes)
-        self.widths = []
-        for bucket in self.buckets:
-            offset = 0
-            for i in bucket:
-                self.offsets[i] = offset
-                offset += self.chunks[i]
-            self.widths.append(offset)
 
     def shard_bytes(self):
         """Bytes of one rank's shards (padding included)."""
@@ -156,6 +150,13 @@ def _size_and_rank(process_set_id):
 # ---- the step ---------------------------------------------------------------
 
 
+# A shard at least this large is reduced and gathered alone: its N x chunk
+# rows are the variable itself (padded), so neither side copies a strided
+# block, and each collective's output is freed once used. Smaller shards
+# share one collective per bucket, their rows side by side.
+ALONE_BYTES = 1 << 16
+
+
 def _rows(ops, tensor, numel, chunk, size):
     """`tensor` flattened, zero-padded and shaped (size, chunk)."""
     flat = ops.reshape(tensor, (-1,))
@@ -167,7 +168,9 @@ def _rows(ops, tensor, numel, chunk, size):
 
 def scatter(framework, layout, grads, prefix, compression, op, predivide):
     """This rank's shard of each gradient averaged (or summed) over the
-    ranks: one reducescatter per bucket. None where a gradient is None."""
+    ranks: one reducescatter per large gradient (its N x chunk rows are
+    the gradient itself, padded), one per bucket for the small ones (their
+    rows side by side). None where a gradient is None."""
     import keras
     from kerasdist import _gradient_reduction
 
@@ -175,49 +178,80 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     op, prescale, postscale = _gradient_reduction.scales(op, predivide)
     out = [None] * len(grads)
     count = len(layout.buckets)
-    for k, bucket in enumerate(layout.buckets):
-        present = [i for i in bucket if grads[i] is not None]
-        if not present:
-            continue
-        dtype = layout.dtypes[bucket[0]]
-        rows = [_rows(ops, framework.dense(grads[i]), layout.numels[i],
-                      layout.chunks[i], layout.size)
-                if grads[i] is not None else
-                ops.zeros((layout.size, layout.chunks[i]), dtype)
-                for i in bucket]
-        matrix = rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1)
+
+    def reduce(matrix, name):
         wire, ctx = compression.compress(matrix)
         mine = framework.collectives.reducescatter(
-            wire, op=op,
-            name=framework.unique_name(f"{prefix}.shard{k}of{count}"),
+            wire, op=op, name=framework.unique_name(name),
             prescale_factor=prescale, postscale_factor=postscale)
-        mine = ops.reshape(compression.decompress(mine, ctx), (-1,))
-        for i in present:
-            start = layout.offsets[i]
+        return ops.reshape(compression.decompress(mine, ctx), (-1,))
+
+    for k, bucket in enumerate(layout.buckets):
+        small = []
+        for i in bucket:
+            if grads[i] is None:
+                continue
+            if layout.chunks[i] * _itemsize(layout.dtypes[i]) < ALONE_BYTES:
+                small.append(i)
+                continue
+            out[i] = reduce(_rows(ops, framework.dense(grads[i]),
+                                  layout.numels[i], layout.chunks[i],
+                                  layout.size), f"{prefix}.shard.v{i}")
+        if not small:
+            continue
+        rows = [_rows(ops, framework.dense(grads[i]), layout.numels[i],
+                      layout.chunks[i], layout.size) for i in small]
+        matrix = rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1)
+        mine = reduce(matrix, f"{prefix}.shard{k}of{count}")
+        start = 0
+        for i in small:
             out[i] = mine[start:start + layout.chunks[i]]
+            start += layout.chunks[i]
     return out
 
 
 def gather(framework, layout, shards, targets, prefix):
     """Assigns to each of `targets` (the model's variables) the
     concatenation of every rank's shard (`shards`, this rank's, one per
-    variable): one allgather per bucket."""
+    variable): one allgather per large shard, one per bucket for the small
+    ones."""
     import keras
 
     ops = keras.ops
     count = len(layout.buckets)
     with framework.no_grad():
         for k, bucket in enumerate(layout.buckets):
-            parts = [shards[i] for i in bucket]
+            small = []
+            for i in bucket:
+                if layout.chunks[i] * _itemsize(layout.dtypes[i]) < \
+                        ALONE_BYTES:
+                    small.append(i)
+                    continue
+                everyone = framework.collectives.allgather(
+                    ops.reshape(shards[i], (1, -1)),
+                    name=framework.unique_name(f"{prefix}.gather.v{i}"))
+                _assign_whole(ops, layout, i, ops.reshape(everyone, (-1,)),
+                              targets[i])
+            if not small:
+                continue
+            parts = [shards[i] for i in small]
             row = parts[0] if len(parts) == 1 else ops.concatenate(parts)
             everyone = framework.collectives.allgather(
                 ops.reshape(row, (1, -1)),
                 name=framework.unique_name(f"{prefix}.gather{k}of{count}"))
-            for i in bucket:
-                start, chunk = layout.offsets[i], layout.chunks[i]
+            start = 0
+            for i in small:
+                chunk = layout.chunks[i]
                 block = everyone[:, start:start + chunk]
-                flat = ops.reshape(block, (-1,))[:layout.numels[i]]
-                targets[i].assign(ops.reshape(flat, layout.shapes[i]))
+                start += chunk
+                _assign_whole(ops, layout, i, ops.reshape(block, (-1,)),
+                              targets[i])
+
+
+def _assign_whole(ops, layout, i, flat, target):
+    if layout.size * layout.chunks[i] != layout.numels[i]:
+        flat = flat[:layout.numels[i]]
+    target.assign(ops.reshape(flat, layout.shapes[i]))
 
 
 def shard_of(framework, layout, variable, i, rank):
@@ -266,11 +300,9 @@ def sharded_class(base, settings):
                     "optimizer's process set; only its members may train "
                     "with it.")
             framework = _framework.get()
-            bucket_bytes = (settings.bucket_bytes
-                            if settings.shard == "gradients" else None)
             layout = Layout([v.shape for v in variables],
                             [keras.backend.standardize_dtype(v.dtype)
-                             for v in variables], size, bucket_bytes)
+                             for v in variables], size, settings.bucket_bytes)
             shadows = []
             for i, v in enumerate(variables):
                 name = (getattr(v, "path", None) or v.name).replace("/", "_")
@@ -287,16 +319,25 @@ def sharded_class(base, settings):
                 # The local sums are of the whole gradients.
                 self._kerasdist_accum = framework.accumulators(variables)
 
+        def add_variable_from_reference(self, reference_variable, *args,
+                                        **kwargs):
+            # Every slot Keras makes for a shard (moments, momentum, EMA,
+            # accumulators) is a shard too: note whose.
+            slot = super().add_variable_from_reference(
+                reference_variable, *args, **kwargs)
+            state = getattr(self, "_kerasdist_shard", None)
+            if state is not None:
+                state.note_slot(slot, reference_variable)
+            return slot
+
         @property
         def kerasdist_sharded_variables(self):
             """The optimizer variables that hold only this rank's shard."""
-            if not self.built:
+            state = getattr(self, "_kerasdist_shard", None)
+            if not self.built or state is None:
                 return []
-            shared = {id(self._iterations)}
-            rate = getattr(self, "_learning_rate", None)
-            if isinstance(rate, keras.Variable):
-                shared.add(id(rate))
-            return [v for v in self.variables if id(v) not in shared]
+            return [v for v in self.variables
+                    if state.slot_index(v) is not None]
 
         def apply(self, grads, trainable_variables=None):
             from kerasdist import _framework
@@ -408,15 +449,78 @@ def sharded_class(base, settings):
                        state.variables, f"{settings.prefix}.ema")
 
         def save_own_variables(self, store):
-            # The slots are spread over the ranks; what one rank writes is
-            # the whole-job state (step, learning rate) only, which plain
-            # Keras skips with a warning and a fresh optimizer state.
-            shared = [v for v in self.variables
-                      if id(v) not in {id(s) for s in
-                                       self.kerasdist_sharded_variables}]
+            # A file in the plain optimizer's layout. The slots are spread
+            # over the ranks: whole only inside `whole_state` (every rank
+            # gathers); otherwise what one rank can write is the state every
+            # rank shares (step, learning rate), which Keras skips on load
+            # with a warning, starting the slots afresh.
+            whole = self._kerasdist_shard.whole
+            if whole is not None:
+                for i, value in enumerate(whole):
+                    store[str(i)] = value
+                return
             _warn_save_once()
+            shared = [v for v in self.variables
+                      if self._kerasdist_shard.slot_index(v) is None]
             for i, v in enumerate(shared):
-                store[str(i)] = v.numpy() if hasattr(v, "numpy") else v
+                store[str(i)] = keras.ops.convert_to_numpy(v)
+
+        def load_own_variables(self, store):
+            # A file in the plain optimizer's layout (written by plain Keras,
+            # the replicated optimizer, or a sharded one at any size): each
+            # slot takes this rank's shard of the whole value.
+            if len(store.keys()) != len(self.variables):
+                return super().load_own_variables(store)  # Keras' warning
+            self.kerasdist_assign_whole(
+                [store[str(i)] for i in range(len(self.variables))])
+
+        def kerasdist_assign_whole(self, values):
+            """Assigns the plain optimizer's variable values (`values`, one
+            per variable of `self.variables`, whole) to this sharded
+            optimizer: its shard of each slot, the shared ones whole."""
+            import numpy as np
+
+            state = self._kerasdist_shard
+            layout = state.layout
+            for v, value in zip(self.variables, values):
+                value = np.asarray(value)
+                j = state.slot_index(v)
+                if j is None:
+                    v.assign(value)
+                    continue
+                if value.size != layout.numels[j]:
+                    raise ValueError(
+                        f"DistributedOptimizer(shard=...): the saved value of "
+                        f"{v.path} has {value.size} elements, but its "
+                        f"variable has {layout.numels[j]}: the file is of "
+                        "another model.")
+                flat = np.zeros(layout.size * layout.chunks[j], value.dtype)
+                flat[:value.size] = value.ravel()
+                c = layout.chunks[j]
+                v.assign(flat[state.rank * c:(state.rank + 1) * c])
+
+        def kerasdist_gather_whole(self):
+            """The plain optimizer's variable values, whole (numpy), on
+            every rank: each slot allgathered from its shards. A
+            collective: every rank of the optimizer's set calls it."""
+            from kerasdist._core import capi as _capi
+
+            state = self._kerasdist_shard
+            layout, framework = state.layout, state.framework
+            out = []
+            with _capi.process_set_scope(settings.process_set_id):
+                for i, v in enumerate(self.variables):
+                    j = state.slot_index(v)
+                    if j is None:
+                        out.append(keras.ops.convert_to_numpy(v))
+                        continue
+                    every = framework.collectives.allgather(
+                        ops.reshape(framework.value(v), (1, -1)),
+                        name=f"{settings.prefix}.whole_state.{i}")
+                    flat = keras.ops.convert_to_numpy(every).reshape(-1)
+                    out.append(flat[:layout.numels[j]].reshape(
+                        layout.shapes[j]))
+            return out
 
     return _ShardedOptimizer
 
@@ -458,6 +562,19 @@ class _Shard:
         self.framework = framework
         self._ids = [id(v) for v in variables]
         self._model_of = {id(s): v for s, v in zip(shadows, variables)}
+        self._index_of = {id(s): j for j, s in enumerate(shadows)}
+        self._slots = {}  # id(slot) -> index of its variable
+        self.whole = None  # whole_state's gathered values while saving
+
+    def note_slot(self, slot, reference):
+        j = self._index_of.get(id(reference))
+        if j is not None:
+            self._slots[id(slot)] = j
+
+    def slot_index(self, variable):
+        """The index of the variable whose shard `variable` is a slot of,
+        or None for a shared optimizer variable."""
+        return self._slots.get(id(variable))
 
     def model_variable(self, shadow):
         return self._model_of.get(id(shadow))
@@ -493,3 +610,36 @@ def whole_variables(optimizer):
                     getattr(inner, "kerasdist_sharded_variables", ()))
         inner = getattr(inner, "inner_optimizer", None)
     return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def sharded_in(optimizer):
+    """The sharded optimizer in `optimizer` (itself, or the inner optimizer
+    of a LossScaleOptimizer), or None."""
+    while optimizer is not None:
+        if getattr(getattr(optimizer, "_kerasdist_settings", None), "shard",
+                   None) is not None:
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+class whole_state:
+    """A context in which a sharded optimizer in `optimizer` saves its
+    state whole, in the plain optimizer's layout (`model.save`,
+    `save_weights`): entering gathers every slot from its shards, on every
+    rank (a collective: every rank enters). Nothing for any other
+    optimizer."""
+
+    def __init__(self, optimizer):
+        self.sharded = sharded_in(optimizer)
+
+    def __enter__(self):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded._kerasdist_shard.whole = \
+                self.sharded.kerasdist_gather_whole()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded._kerasdist_shard.whole = None
+        return False

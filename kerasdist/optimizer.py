@@ -488,10 +488,17 @@ def _synced_loss_scale_class(base):
 
 def _copy_state(source, target):
     if getattr(target._kerasdist_settings, "shard", None) is not None:
-        raise ValueError(
-            "DistributedOptimizer(shard=...) got an optimizer that is "
-            "already built: its state is whole. Wrap the optimizer before "
-            "it is built (before compile/fit), or use shard=None.")
+        # Each rank keeps its shard of the built optimizer's slots.
+        import keras
+        target.build(source._trainable_variables)
+        if len(target.variables) != len(source.variables):
+            raise ValueError(
+                f"DistributedOptimizer(shard=...): the wrapper has "
+                f"{len(target.variables)} optimizer variables but the built "
+                f"optimizer has {len(source.variables)}.")
+        target.kerasdist_assign_whole(
+            [keras.ops.convert_to_numpy(v) for v in source.variables])
+        return
     # Build the wrapper on the same variables, then take over the slots,
     # iterations (and a LossScaleOptimizer's scale and inner state).
     target.build(source._trainable_variables)

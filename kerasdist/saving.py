@@ -1,13 +1,44 @@
 """`load_model`: a saved Keras model whose optimizer is wrapped in
-`DistributedOptimizer` again, as Horovod's `hvd.load_model`."""
+`DistributedOptimizer` again, as Horovod's `hvd.load_model`; `save_model`:
+a model file plain Keras loads, also from a sharded optimizer."""
 
 from kerasdist.compression import Compression
 
-__all__ = ["load_model"]
+__all__ = ["load_model", "save_model"]
+
+
+def save_model(model, filepath, **kwargs):
+    """Saves `model` as `model.save(filepath, **kwargs)` does, on rank 0;
+    call it on every rank.
+
+    With a sharded optimizer (`DistributedOptimizer(shard=...)`) each
+    rank holds a shard of the optimizer's slots: every rank sends its
+    shards (an allgather), and rank 0 writes the file in the plain
+    optimizer's layout, which plain Keras loads with the whole optimizer
+    state, and `load_model` (any number of ranks, sharded or not) resumes
+    from. With any other optimizer it is `model.save` on rank 0. A
+    `model.save()` called on rank 0 alone, with a sharded optimizer, writes
+    the weights and only the state every rank shares (step, learning
+    rate), with a warning.
+
+    Args:
+        model: a Keras model.
+        filepath: the `.keras` file (or a legacy `.h5` file).
+        **kwargs: `model.save`'s other arguments.
+
+    Example:
+    >>> kerasdist.save_model(model, "model.keras")  # on every rank
+    """
+    from kerasdist import _sharding
+    from kerasdist import basics
+
+    with _sharding.whole_state(getattr(model, "optimizer", None)):
+        if basics.rank() == 0:
+            model.save(filepath, **kwargs)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
-               compression=Compression.none, legacy_opts=False):
+               compression=Compression.none, legacy_opts=False, shard=None):
     """Loads a Keras model file and wraps its optimizer in
     `kerasdist.DistributedOptimizer`, keeping the optimizer's state
     (iterations, slots), so training continues where it was saved.
@@ -29,6 +60,10 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
             (`kerasdist.Compression.none` or `.fp16`).
         legacy_opts: False; Keras 3 has no `keras.optimizers.legacy`
             (Horovod's True loaded those).
+        shard: the wrapper's `shard=` (`DistributedOptimizer`): with
+            "optimizer_state" or "gradients" each rank keeps its shard of
+            the saved optimizer state, whatever the number of ranks or
+            the optimizer that saved it.
 
     Returns:
         The Keras model, compiled with the distributed optimizer.
@@ -72,7 +107,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         return model
     if not optimizer.built and getattr(model, "built", False):
         optimizer.build(model.trainable_variables)
-    wrapped = DistributedOptimizer(optimizer, compression=compression)
+    wrapped = DistributedOptimizer(optimizer, compression=compression,
+                                   shard=shard)
     compile_config = getattr(model, "_compile_config", None)
     config = dict(getattr(compile_config, "config", None) or {})
     if config:

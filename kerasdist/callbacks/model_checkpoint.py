@@ -9,6 +9,7 @@ import h5py
 import keras
 import numpy as np
 
+from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist.callbacks import _util
 
@@ -31,6 +32,10 @@ class ModelCheckpoint(keras.callbacks.Callback):
     temporary file in the same directory and renames it over the target
     (`os.replace`), so a reader or a crash never sees a half-written
     checkpoint. Other ranks write nothing. Resume with `load_checkpoint`.
+    With a sharded optimizer (`DistributedOptimizer(shard=...)`) every rank
+    sends its shard of the optimizer state to the file's writer first, so
+    the file holds the whole state in the plain optimizer's layout and
+    resumes at any number of ranks, sharded or not.
 
     Place it after `MetricAverageCallback` so `monitor` reads the average
     over all ranks.
@@ -91,10 +96,13 @@ class ModelCheckpoint(keras.callbacks.Callback):
             if not self._better(current, self.best):
                 return
             self.best = current
-        if basics.rank() != 0:
-            return
-        path = self.filepath.format(epoch=epoch + 1, **logs)
-        save_checkpoint(path, self.model, next_epoch=epoch + 1)
+        # A sharded optimizer's slots are gathered from every rank, so that
+        # rank 0 writes them whole (kerasdist/_sharding.py).
+        with _sharding.whole_state(self.model.optimizer):
+            if basics.rank() != 0:
+                return
+            path = self.filepath.format(epoch=epoch + 1, **logs)
+            save_checkpoint(path, self.model, next_epoch=epoch + 1)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: saved checkpoint {path}")
 

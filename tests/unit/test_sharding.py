@@ -42,21 +42,17 @@ def test_layout_rows_and_buckets():
     dtypes = ["float32"] * 4 + ["float16"]
     layout = _sharding.Layout(shapes, dtypes, 2)
     assert layout.chunks == [6, 2, 2, 1, 3]
-    # One bucket a dtype, in the variables' order; offsets in each row.
+    # Without a bucket size, one bucket a dtype, in the variables' order.
     assert layout.buckets == [[0, 1, 2, 3], [4]]
-    assert layout.offsets == [0, 6, 8, 10, 0]
-    assert layout.widths == [11, 3]
     assert layout.shard_bytes() == 11 * 4 + 3 * 2
     # With a bucket size (shard="gradients"): backprop order, dtypes apart,
     # as the replicated optimizer's buckets.
     tiny = _sharding.Layout(shapes[:4], dtypes[:4], 2, bucket_bytes=16)
     assert tiny.buckets == [[3, 2], [1], [0]]
-    assert tiny.offsets == [0, 0, 1, 0]
 
 
 def test_same_layout_for_the_same_model_and_size():
     shapes = [(128, 64), (64,), (64, 10), (10,)]
     a = _sharding.Layout(shapes, ["float32"] * 4, 3, bucket_bytes=4096)
     b = _sharding.Layout(list(shapes), ("float32",) * 4, 3, bucket_bytes=4096)
-    assert (a.chunks, a.buckets, a.offsets) == (b.chunks, b.buckets,
-                                                b.offsets)
+    assert (a.chunks, a.buckets) == (b.chunks, b.buckets)

@@ -596,6 +596,27 @@ def shard_fit_adam():
     check_shard("shard_fit_adam", lambda: keras.optimizers.Adam(0.01))
 
 
+def wide_model(seed=1):
+    # A 256 x 256 kernel: its shards are over _sharding.ALONE_BYTES, so it
+    # is reduced and gathered alone; the rest share a bucket.
+    model = keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(1)])
+    rng = np.random.default_rng(seed)
+    model.set_weights([(rng.normal(size=w.shape) * 0.1).astype("float32")
+                       for w in model.get_weights()])
+    return model
+
+
+@check("shard_fit_adam_large_and_small_shards")
+def shard_fit_adam_large_and_small_shards():
+    from kerasdist import _sharding
+    assert 256 * 256 // N * 4 >= _sharding.ALONE_BYTES
+    check_shard("shard_fit_adam_large_and_small_shards",
+                lambda: keras.optimizers.Adam(0.001), model=wide_model)
+
+
 @check("shard_fit_adamw_global_clipnorm")
 def shard_fit_adamw_global_clipnorm():
     # A clip norm small enough to clip every step: the norm must be the
@@ -733,6 +754,72 @@ def shard_gradients_released():
             my_part(x), my_part(y), B)
         grads = [v.value.grad for v in model.trainable_variables]
         assert all((g is not None) == kept for g in grads), (shard, grads)
+
+
+@check("shard_save_model_model_checkpoint_any_size")
+def shard_save_model_model_checkpoint_any_size():
+    """A sharded fit's files (kd.callbacks.ModelCheckpoint, kd.save_model)
+    hold the whole optimizer state in the plain layout: plain Keras loads
+    it, equal to the replicated optimizer's after the same training; a
+    sharded optimizer resumes from them (sharded at this size, whole at a
+    size of one, and from the .keras file by kd.load_model) and goes on as
+    the uninterrupted replicated run."""
+    x, y = data()
+    xs, ys = my_part(x), my_part(y)
+    ckpt = os.path.join(DIR, "shard_ckpt")
+    keras_file = os.path.join(DIR, "shard_model.keras")
+
+    def adam():
+        return keras.optimizers.Adam(0.01)
+
+    def one_epoch(model, callbacks=()):
+        model.fit(xs, ys, batch_size=B, epochs=1, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+        return model
+
+    def slots(opt):
+        return [keras.ops.convert_to_numpy(v) for v in opt.variables]
+
+    model = dense_model()
+    model.compile(kd.DistributedOptimizer(adam(), shard="optimizer_state"),
+                  "mse")
+    one_epoch(model, [kd.callbacks.ModelCheckpoint(
+        os.path.join(ckpt, "e{epoch}.weights.h5"))])
+    kd.save_model(model, keras_file)
+    ref = dense_model()
+    ref.compile(kd.DistributedOptimizer(adam()), "mse")
+    one_epoch(ref)
+    gather(np.zeros(1, "float32"))  # rank 0's files are written
+    plain = keras.models.load_model(keras_file)
+    assert isinstance(plain.optimizer, keras.optimizers.Adam)
+    assert not hasattr(plain.optimizer, "_kerasdist_settings")
+    assert_close(plain.get_weights(), ref.get_weights(), "saved weights")
+    assert_close(slots(plain.optimizer), slots(ref.optimizer),
+                 "saved optimizer state, whole")
+    one_epoch(ref)  # the uninterrupted run's second epoch
+    latest = kd.callbacks.latest_checkpoint(ckpt)
+    resumed = dense_model(seed=7)
+    resumed.compile(kd.DistributedOptimizer(adam(), shard="gradients"),
+                    "mse")
+    assert kd.callbacks.load_checkpoint(latest, resumed) == 1
+    assert_close(one_epoch(resumed).get_weights(), ref.get_weights(),
+                 "resumed from ModelCheckpoint, sharded")
+    loaded = kd.load_model(keras_file, shard="optimizer_state")
+    assert_close(one_epoch(loaded).get_weights(), ref.get_weights(),
+                 "resumed from kd.save_model's file by kd.load_model")
+    same_on_all_ranks(loaded.get_weights(), "resumed")
+    alone = kd.add_process_set([0])
+    try:
+        if R == 0:  # a sharded optimizer of one rank: its shards are whole
+            one = dense_model(seed=7)
+            opt = kd.DistributedOptimizer(adam(), shard="optimizer_state",
+                                          process_set=alone)
+            one.compile(opt, "mse")
+            kd.callbacks.load_checkpoint(latest, one)
+            assert_close(slots(opt), slots(plain.optimizer),
+                         "loaded at a size of one")
+    finally:
+        kd.remove_process_set(alone)
 
 
 if __name__ == "__main__":
