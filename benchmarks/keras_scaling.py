@@ -47,7 +47,10 @@ calls), PyTorch feeds numpy batches to its eager step; one compute thread
 per process on each (XLA_FLAGS / torch.set_num_threads). `--overhead` adds a
 `plain` row at np=1 (the plain Keras optimizer, no DistributedOptimizer)
 and a table of the per-step overhead of kerasdist at np=1 against it, per
-backend and model.
+backend and model. `--shard` adds rows at np=2 with
+`DistributedOptimizer(shard="optimizer_state")` and `shard="gradients"`
+(the sharded optimizer's step time against the replicated `kerasdist` row
+of the same round).
 Run it alone: the machine has 2 cores.
 """
 
@@ -124,7 +127,8 @@ def _batches(x, y):
             yield x[i:i + BATCH], y[i:i + BATCH]
 
 
-def setup_rank(model_name, communicate=True, backend="tensorflow"):
+def setup_rank(model_name, communicate=True, backend="tensorflow",
+               shard=None):
     """This rank's W3 job: one thread of each kind, kerasdist started,
     1024 random images of its own (repeated, batched), the model compiled
     with SGD momentum (inside DistributedOptimizer if `communicate`) and
@@ -150,7 +154,8 @@ def setup_rank(model_name, communicate=True, backend="tensorflow"):
     model = _build(model_name)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     model.compile(
-        optimizer=kd.DistributedOptimizer(sgd) if communicate else sgd,
+        optimizer=(kd.DistributedOptimizer(sgd, shard=shard) if communicate
+                   else sgd),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         # TF's ops have no XLA kernel; JAX's step is jitted with them.
         jit_compile=backend == "jax")
@@ -159,7 +164,7 @@ def setup_rank(model_name, communicate=True, backend="tensorflow"):
 
 
 def worker(model_name, steps, warmup, communicate=True, meet=False,
-           backend="tensorflow"):
+           backend="tensorflow", shard=None):
     """One rank: train, time, check weights; rank 0 prints a RESULT line.
 
     With communicate=False each rank trains on its own with the plain
@@ -173,7 +178,7 @@ def worker(model_name, steps, warmup, communicate=True, meet=False,
 
     import kerasdist as kd
 
-    model, data = setup_rank(model_name, communicate, backend)
+    model, data = setup_rank(model_name, communicate, backend, shard)
     import keras
 
     def numpy(x):
@@ -357,6 +362,10 @@ def _parse(argv=None):
     parser.add_argument("--overhead", action="store_true",
                         help="also run plain Keras at np=1 and print "
                         "kerasdist's per-step overhead against it")
+    parser.add_argument("--shard", action="store_true",
+                        help="also DistributedOptimizer(shard=...) at np=2, "
+                        "both modes (rows shard-optimizer_state and "
+                        "shard-gradients)")
     parser.add_argument("--np4", action="store_true",
                         help="also run kerasdist at np=4 (oversubscribed on "
                         "a 2-core machine), reported separately")
@@ -387,6 +396,9 @@ def _runs(args):
             runs += [(backend, "no-comm", 2), (backend, "sync-only", 2)]
         if args.np4:
             runs.append((backend, "kerasdist", 4))
+        if args.shard:
+            runs += [(backend, "shard-optimizer_state", 2),
+                     (backend, "shard-gradients", 2)]
     return runs
 
 
@@ -447,7 +459,9 @@ def main():
                    communicate=args.system not in ("no-comm", "sync-only",
                                                    "plain"),
                    meet=args.system == "sync-only",
-                   backend=args.backends[0])
+                   backend=args.backends[0],
+                   shard=(args.system[len("shard-"):]
+                          if args.system.startswith("shard-") else None))
         return
 
     print(f"# W3: model.fit, batch 64 per rank, SGD momentum; {args.rounds} "

@@ -617,6 +617,46 @@ def shard_fit_adam_large_and_small_shards():
                 lambda: keras.optimizers.Adam(0.001), model=wide_model)
 
 
+@check("shard_fit_accumulation_predivide_fp16")
+def shard_fit_accumulation_predivide_fp16():
+    check_shard("shard_fit_gradient_accumulation",
+                lambda: keras.optimizers.SGD(
+                    0.1, momentum=0.5, gradient_accumulation_steps=3))
+    check_shard("shard_fit_predivide", lambda: keras.optimizers.SGD(0.1),
+                gradient_predivide_factor=float(N))
+    # fp16 on the wire for the gradients (the weights travel whole): the
+    # replicated optimizer's rounding, within fp16's 11 bits of float32.
+    x, y = data()
+    fp16 = kd.Compression.fp16
+    got = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), shard="gradients", compression=fp16),
+        my_part(x), my_part(y), B)
+    replicated = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), compression=fp16), my_part(x),
+        my_part(y), B)
+    assert_close(got, replicated, "shard fp16 against replicated fp16")
+    assert_close(got, sgd_exact(), "shard fp16 against float32", 2e-3)
+    same_on_all_ranks(got, "shard fp16")
+
+
+@check("shard_backward_passes_per_step", groups=("tensorflow",))
+def shard_backward_passes_per_step():
+    # Two local passes summed, then one sharded step: the replicated
+    # optimizer's result, and one process on batches of 2 N B.
+    x, y = data()
+    got = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), shard="optimizer_state",
+        backward_passes_per_step=2, average_aggregated_gradients=True),
+        my_part(x), my_part(y), B)
+    replicated = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), backward_passes_per_step=2,
+        average_aggregated_gradients=True), my_part(x), my_part(y), B)
+    assert_close(got, replicated, "shard backward_passes_per_step=2")
+    assert np.max(np.abs(flat(got) - flat(dense_model().get_weights()))) \
+        > 100 * ATOL, "did not train"
+    same_on_all_ranks(got, "shard backward_passes_per_step")
+
+
 @check("shard_fit_adamw_global_clipnorm")
 def shard_fit_adamw_global_clipnorm():
     # A clip norm small enough to clip every step: the norm must be the
