@@ -548,11 +548,13 @@ checks.group("tensorflow", "jax", "torch")
 
 def check_shard(label, make_opt, shard="optimizer_state", model=dense_model,
                 x_y=None, atol=ATOL, unlike=None, wrap=lambda o: o,
-                **kd_args):
-    """Sharded fit on my part == one process on everything == the
-    replicated DistributedOptimizer; the weights agree bit for bit on every
-    rank, and the optimizer's slots hold 1/N of each variable. `unlike`:
-    an optimizer whose truth must differ (the same without clipping)."""
+                replicated=False, **kd_args):
+    """Sharded fit on my part == one process on everything (and, with
+    `replicated`, == the replicated DistributedOptimizer); the weights
+    agree bit for bit on every rank, and the optimizer's slots hold 1/N of
+    each variable. `unlike`: an optimizer whose truth must differ (the same
+    without clipping). Training without the average misses these truths
+    by far more than ATOL: check_fit shows it for the same data."""
     x, y = x_y or data()
     truth = fit(model(), make_opt(), x, y, N * B)
     if unlike is not None:
@@ -568,20 +570,19 @@ def check_shard(label, make_opt, shard="optimizer_state", model=dense_model,
         kd.callbacks.BroadcastGlobalVariablesCallback(0, verify=True)])
     diff = assert_close(got, truth, label, atol)
     same_on_all_ranks(got, label)
-    replicated = fit(model(), wrap(kd.DistributedOptimizer(make_opt(),
-                                                           **kd_args)),
-                     my_part(x), my_part(y), B)
-    assert_close(got, replicated, f"{label}: against replicated", atol)
-    alone = fit(model(), make_opt(), my_part(x), my_part(y), B)
-    miss = np.max(np.abs(flat(alone) - flat(truth)))
-    assert miss > 100 * atol, f"{label}: unaveraged training is too close"
+    assert np.max(np.abs(flat(truth) - flat(model().get_weights()))) \
+        > 100 * atol, f"{label}: the truth did not train"
+    if replicated:
+        other = fit(model(), wrap(kd.DistributedOptimizer(make_opt(),
+                                                          **kd_args)),
+                    my_part(x), my_part(y), B)
+        assert_close(got, other, f"{label}: against replicated", atol)
     sizes = [int(np.prod(v.shape))
              for v in sharded.kerasdist_sharded_variables]
     whole = sum(int(np.prod(w.shape)) for w in got)
     slots = len(sizes) // max(1, len(got))
     assert sum(sizes) <= slots * (whole / N + len(got)), (sizes, whole)
-    print(f"{label}: max diff {diff:.2e}, unaveraged {miss:.2e}, "
-          f"slots {sizes}", flush=True)
+    print(f"{label}: max diff {diff:.2e}, slots {sizes}", flush=True)
     return got
 
 
@@ -617,7 +618,9 @@ def shard_fit_adam_large_and_small_shards():
                 lambda: keras.optimizers.Adam(0.001), model=wide_model)
 
 
-@check("shard_fit_accumulation_predivide_fp16")
+# Options whose sharded path is the same code on every backend: checked
+# on TensorFlow (the backends' own paths are checked above and below).
+@check("shard_fit_accumulation_predivide_fp16", groups=("tensorflow",))
 def shard_fit_accumulation_predivide_fp16():
     check_shard("shard_fit_gradient_accumulation",
                 lambda: keras.optimizers.SGD(
@@ -667,12 +670,12 @@ def shard_fit_adamw_global_clipnorm():
                 unlike=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
 
 
-@check("shard_fit_clipnorm_gradients_buckets")
+@check("shard_fit_clipnorm_gradients_buckets", groups=("tensorflow",))
 def shard_fit_clipnorm_gradients_buckets():
     # ZeRO-2 in three buckets; clipnorm is per variable.
     check_shard("shard_fit_clipnorm_gradients_buckets",
                 lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
-                shard="gradients",
+                shard="gradients", replicated=True,
                 unlike=lambda: keras.optimizers.Adam(0.01), **TINY_BUCKETS)
 
 
@@ -705,6 +708,8 @@ def shard_fit_embedding():
     check_shard("shard_fit_embedding",
                 lambda: keras.optimizers.SGD(0.1, momentum=0.5),
                 model=embedding_model, x_y=int_data())
+    if BACKEND != "tensorflow":
+        return  # no tf.IndexedSlices
     x, y = int_data()
     got = fit(embedding_model(), kd.DistributedOptimizer(
         keras.optimizers.Adam(0.01), shard="gradients"), my_part(x),
@@ -747,11 +752,10 @@ def shard_fit_loss_scale_ema():
                     o, initial_scale=2.0**10))
     check_shard("shard_fit_ema",
                 lambda: keras.optimizers.Adam(0.01, use_ema=True,
-                                              ema_momentum=0.5),
-                unlike=lambda: keras.optimizers.Adam(0.01))
+                                              ema_momentum=0.5))
 
 
-@check("shard_refusals")
+@check("shard_refusals", groups=("tensorflow",))
 def shard_refusals():
     def refused(make, words):
         try:
