@@ -355,9 +355,6 @@ def test_trainer_grows_and_shrinks_with_the_discovery_script(
 
 
 SOAK_FAULTS = 20
-# What the soak's fork servers import once for all attempts.
-SOAK_PRELOAD = ("tensorflow", "keras", "h5py", "kerasdist.trainer",
-                "kerasdist.tensorflow.collectives")
 
 
 @pytest.mark.timeout(1500)
@@ -391,8 +388,9 @@ def test_soak_twenty_faults_in_a_row_each_recovered(cluster, tmp_path):
     env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
     name = f"soak{os.getpid()}"
     try:
-        with forkserver.Servers(name, SOAK_PRELOAD, env, prefixes=[
-                h.nsenter() for h in cluster.hosts]):
+        with forkserver.Servers(name, forkserver.TRAINER_MODULES, env,
+                                prefixes=[h.nsenter()
+                                          for h in cluster.hosts]):
             out = run_on(cluster, 2, "kdt0:1,kdt1:1", forkserver.command(
                 name, os.path.join(WORKERS, "trainer_soak_worker.py"),
                 str(ckpt), str(state), "7", str(SOAK_FAULTS)),

@@ -45,6 +45,10 @@ import signal
 import socket
 import sys
 
+# What a Trainer job's servers import (tests/workers/trainer_*_worker.py).
+TRAINER_MODULES = ("tensorflow", "keras", "h5py", "kerasdist.trainer",
+                   "kerasdist.tensorflow.collectives")
+
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
