@@ -29,6 +29,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from tests.support import forkserver  # noqa: E402
+from tests.support.helpers import WORKERS  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
@@ -42,10 +44,16 @@ N, BATCH, EPOCHS, WARMUP, LR = tr.N, 8, 3, 2, 0.01  # as in the worker
 _TIMEOUT = 300
 
 
-def _run(np_, mode, ckpt, logs, *args, launcher_args=()):
-    return launch(np_, worker_cmd("trainer_fault_worker.py", mode,
-                                  str(ckpt), str(logs), *map(str, args)),
-                  timeout=_TIMEOUT, env=worker_env(),
+def _run(np_, mode, ckpt, logs, *args, launcher_args=(), server=None):
+    """The worker's job; with `server`, its ranks are forked by that
+    tests/support/forkserver.py server."""
+    argv = [mode, str(ckpt), str(logs), *map(str, args)]
+    if server is None:
+        command = worker_cmd("trainer_fault_worker.py", *argv)
+    else:
+        command = forkserver.command(
+            server, os.path.join(WORKERS, "trainer_fault_worker.py"), *argv)
+    return launch(np_, command, timeout=_TIMEOUT, env=worker_env(),
                   launcher_args=launcher_args)
 
 
@@ -152,8 +160,13 @@ def test_resume_at_another_size(reference, sizes):
 def test_faults_in_checkpoint_writes_and_broadcast(reference):
     root, _, _ = reference
     ckpt = root / "faults"
-    out = _run(2, "faults", ckpt, root, "--tag", "faults",
-               launcher_args=("--max-restarts", "6"))
+    # The ranks of its 7 attempts are forked from a server that imported
+    # TensorFlow once (tests/support/forkserver.py).
+    server = f"trainer-faults{os.getpid()}"
+    with forkserver.Servers(server, forkserver.TRAINER_MODULES,
+                            worker_env()):
+        out = _run(2, "faults", ckpt, root, "--tag", "faults",
+                   launcher_args=("--max-restarts", "6"), server=server)
     _assert_done(out, 2)
     # One attempt per fault of the worker's FAULTS, each one hit.
     attempts = re.split(r"kerasdist: attempt \d+ of 7", out.stdout)

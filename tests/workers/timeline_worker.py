@@ -17,9 +17,10 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
 
 import kerasdist as kd
+
+tf = None  # TensorFlow, imported by main() where it is used
 
 
 def _steps(prefix, count):
@@ -55,7 +56,12 @@ def _fit(out):
 
 
 def main():
+    global tf
     mode = sys.argv[1]
+    # `fit` on JAX or PyTorch uses no TensorFlow.
+    if mode != "fit" or os.environ.get("KERAS_BACKEND",
+                                        "tensorflow") == "tensorflow":
+        import tensorflow as tf
     kd.init()
     rank = kd.rank()
     if mode == "fit":

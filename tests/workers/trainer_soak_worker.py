@@ -3,7 +3,10 @@ test_faults.py's soak test), under `kerasdist run --max-restarts K
 --min-np 1` on two test hosts with one rank each.
 
     python -m kerasdist.run ... python trainer_soak_worker.py \\
-        CKPT_DIR STATE_DIR SEED
+        CKPT_DIR STATE_DIR SEED FAULTS
+
+(the test runs it through tests/support/forkserver.py, so that the ranks
+of its 21 attempts do not each import TensorFlow).
 
 The model and data are trainer_fault_worker's (every example carries its id
 and each rank logs the ids it trains). Each attempt picks a fault from

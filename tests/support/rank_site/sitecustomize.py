@@ -15,8 +15,23 @@ go on without them, as on a machine where the package is not installed:
 
 Every other importer gets them as usual: a rank script, kerasdist itself
 (kerasdist.autotune's scikit-learn), Keras on the JAX backend (its backend
-module imports JAX before anything here could refuse it). Set
-KERASDIST_TEST_IMPORT_GUARD=0 to start ranks with everything Keras finds.
+module imports JAX before anything here could refuse it).
+
+TensorFlow (3-4 CPU s) is imported by Keras on every backend when it asks
+`keras.src.utils.module_utils.tensorflow.available`: to tell whether an
+object it serializes is a TensorFlow one (model.save, an optimizer's
+config), and in keras.utils.set_random_seed, to seed TensorFlow too. While
+TensorFlow is not imported, those askers get False (not cached): no object
+can be a TensorFlow one then, and the seed is kept and given to
+tf.random.set_seed right after TensorFlow's import, before anything can use
+it (_TF_ISINSTANCE_ASKERS, _SEED_ASKER). Any other asker, and every asker
+once TensorFlow is imported, gets Keras' own answer. Set
+KERASDIST_TEST_IMPORT_GUARD=0 to start ranks with everything Keras finds,
+and none of this.
+
+With KERASDIST_TEST_IMPORT_TRACE=MODULE=FILE, every process appends to FILE
+the stack of its first import of MODULE (`tensorflow=/tmp/tf.txt`: who
+imports TensorFlow in a JAX job).
 
 With KERASDIST_TEST_CPU_LOG=FILE, every such process that exits normally
 appends one JSON line to FILE: its command, the test that started it
@@ -66,6 +81,98 @@ class _OpportunisticImports:
         return None
 
 
+# Keras asks `module_utils.tensorflow.available` (which imports TensorFlow,
+# 3-4 CPU s, to answer) on every backend, here only to test whether an
+# object is a TensorFlow one, which it cannot be while TensorFlow is not
+# imported: the answer is False then (not cached, so a later question after
+# TensorFlow's import gets True, as before).
+_TF_ISINSTANCE_ASKERS = {
+    ("keras.src.saving.serialization_lib", "serialize_keras_object"),
+    ("keras.src.legacy.saving.json_utils", "get_json_type"),
+    ("keras.src.legacy.saving.json_utils", "default"),
+}
+# And set_random_seed, to seed TensorFlow too: while TensorFlow is not
+# imported its seed is kept, and set (tf.random.set_seed) as soon as
+# TensorFlow is imported, before anything can use it.
+_SEED_ASKER = ("keras.src.utils.rng_utils", "set_random_seed")
+_pending_tf_seed = []
+
+
+def _asker():
+    """(module, function) of the code that asks the property in progress,
+    and its frame."""
+    frame = sys._getframe(2)
+    return (frame.f_globals.get("__name__", ""), frame.f_code.co_name), frame
+
+
+def _tensorflow_if_imported(module_utils):
+    """Makes module_utils.tensorflow.available answer False, uncached, to
+    the askers above while TensorFlow is not imported."""
+    lazy = module_utils.tensorflow
+    base = type(lazy)
+
+    class TensorflowIfImported(base):
+        @property
+        def available(self):
+            if self._available is None and "tensorflow" not in sys.modules:
+                asker, frame = _asker()
+                if asker in _TF_ISINSTANCE_ASKERS:
+                    return False
+                if asker == _SEED_ASKER and "seed" in frame.f_locals:
+                    _pending_tf_seed[:] = [frame.f_locals["seed"]]
+                    return False
+            return base.available.fget(self)
+
+    lazy.__class__ = TensorflowIfImported
+
+
+def _seed_tensorflow(tf):
+    if _pending_tf_seed:
+        tf.random.set_seed(_pending_tf_seed.pop())
+
+
+class _AfterImport:
+    """A meta path finder that calls `then[name](module)` right after module
+    `name` has run (its first import), before its importer goes on."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def find_spec(self, name, path=None, target=None):
+        fn = self.then.get(name)
+        if fn is None or name in sys.modules:
+            return None
+        mine = sys.meta_path.index(self)
+        for finder in sys.meta_path[mine + 1:]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ThenLoader(spec.loader, fn)
+        return spec
+
+
+class _ThenLoader:
+    def __init__(self, loader, then):
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        # The module keeps its own loader, as without this.
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.then(module)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
 def _log_cpu(path):
     import json
     import resource
@@ -91,7 +198,39 @@ def _log_cpu(path):
     atexit.register(write)
 
 
+class _TraceImport:
+    """A meta path finder that appends, to a file, the stack of the first
+    real import of a module (importlib.util.find_spec, which torch's
+    dynamo calls for "tensorflow", is not one)."""
+
+    def __init__(self, name, path):
+        self.name, self.path = name, path
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name or name in sys.modules:
+            return None
+        caller = sys._getframe(1).f_back  # of importlib's _find_spec
+        if caller is None or caller.f_code.co_name != \
+                "_find_and_load_unlocked":
+            return None
+        sys.meta_path.remove(self)
+        import traceback
+        stack = "".join(traceback.format_stack(sys._getframe(1)))
+        with open(self.path, "a") as f:
+            f.write(f"=== {name} imported by {sys.argv[:3]} in "
+                    f"{os.environ.get('PYTEST_CURRENT_TEST', '')}\n"
+                    f"{stack}\n")
+        return None
+
+
 if os.environ.get("KERASDIST_TEST_IMPORT_GUARD", "1") != "0":
     sys.meta_path.insert(0, _OpportunisticImports())
+    sys.meta_path.insert(0, _AfterImport({
+        "keras.src.utils.module_utils": _tensorflow_if_imported,
+        "tensorflow": _seed_tensorflow}))
+if os.environ.get("KERASDIST_TEST_IMPORT_TRACE"):
+    _name, _, _path = os.environ["KERASDIST_TEST_IMPORT_TRACE"].partition(
+        "=")
+    sys.meta_path.insert(0, _TraceImport(_name, _path))
 if os.environ.get("KERASDIST_TEST_CPU_LOG"):
     _log_cpu(os.environ["KERASDIST_TEST_CPU_LOG"])
