@@ -73,6 +73,19 @@ def _non_negative_float(text):
     return value
 
 
+def _at_most(most, what):
+    """A non-negative number up to `most` (a buffer of 10**308 MiB or a
+    cycle of 10**12 ms is a typo, not a setting: one line, not a traceback
+    or an init() that waits silently)."""
+    def parse(text):
+        value = _non_negative_float(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is above {most:g}, the most {what}")
+        return value
+    return parse
+
+
 def _positive_float(text):
     value = _non_negative_float(text)
     if value == 0:
@@ -136,9 +149,12 @@ def make_parser():
                       metavar="PORT", help="a free port on node 0's host "
                       f"(default {node.DEFAULT_PORT}; one node: any free "
                       "port)")
-    p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
+    p.add_argument("--fusion-threshold-mb",
+                   type=_at_most(65536, "MiB a fusion buffer may have"),
                    metavar="MB", help="tensor fusion buffer size in MiB")
-    p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
+    p.add_argument("--cycle-time-ms",
+                   type=_at_most(60000, "milliseconds a cycle may last"),
+                   metavar="MS",
                    help="background loop cycle time in milliseconds")
     p.add_argument("--timeline-filename", metavar="FILE",
                    help="write a Chrome-trace timeline to FILE")

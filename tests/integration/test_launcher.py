@@ -242,6 +242,22 @@ def test_max_restarts_gives_up_with_last_code():
     assert "giving up after 2 attempts" in out.stdout
 
 
+def test_restarts_back_off_and_timeout_holds_between_them():
+    # A job that fails at once, with restarts to spare: the launcher
+    # waits longer before each restart, and --timeout ends it on time.
+    start = time.monotonic()
+    out = launch(1, python_cmd("import sys; sys.exit(3)"), timeout=60,
+                 launcher_args=("--max-restarts", "50", "--timeout", "3"))
+    took = time.monotonic() - start
+    assert out.returncode == 124, out.stdout
+    assert "waiting 0.5 s before the next" in out.stdout, out.stdout
+    assert "waiting 1 s before the next" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith(
+        "kerasdist: the job timed out after 3 s; not restarting."), out.stdout
+    assert out.stdout.count("kerasdist: attempt ") < 6, out.stdout
+    assert took < 20, took
+
+
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()
