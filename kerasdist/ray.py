@@ -168,10 +168,13 @@ class _KerasdistBackend(Backend):
         backend_config._attempts = attempt + 1
         address, port = worker_group.execute_single(
             0, _address_and_port, backend_config.coordinator_port)
-        # A secret per worker group, which its workers prove to each other
-        # (the driver's own KERASDIST_JOB_SECRET where it has one).
-        secret = (os.environ.get("KERASDIST_JOB_SECRET") or
-                  secrets.token_hex(32))
+        # A secret per run, which its workers prove to each other (the
+        # driver's own KERASDIST_JOB_SECRET where it has one): the same
+        # for the next attempt's group, whose rank 0 may find this one's
+        # server still ending on a fixed coordinator_port.
+        secret = getattr(backend_config, "_secret", None) or (
+            os.environ.get("KERASDIST_JOB_SECRET") or secrets.token_hex(32))
+        backend_config._secret = secret
         ray.get([worker_group.execute_single_async(
             i, _set_environment, worker_environment(
                 i, size, address, port, attempt,

@@ -276,11 +276,14 @@ def _address_toward(ip):
         return s.getsockname()[0]
 
 
-def join(launch, timeout, environ=None):
+def join(launch, timeout, environ=None, watch=True):
     """Meets the other ranks at `launch.coordinator`.
 
     Rank 0 first starts the server there (under torchrun's agent store, on
-    a free port it publishes in that store). Returns {name: value} for the
+    a free port it publishes in that store). With `watch`, the hello's
+    connection stays open for a failure the server reports later (a rank
+    missing from MPI_Init's barrier): this process then prints that one
+    line and ends (_start_watch). Returns {name: value} for the
     environment of MPI_Init (PMI_PORT, PMI_ID, PMI_RANK, PMI_SIZE).
 
     Raises:
@@ -328,9 +331,10 @@ def join(launch, timeout, environ=None):
         _start_server(port, launch.size, timeout, job, key)
     if launch.rank == 0:
         ip = "127.0.0.1"
+    kept = []
     while True:
         reply = _hello((ip, port), where, launch, timeout, deadline, job,
-                       key)
+                       key, kept)
         if reply.startswith(f"cmd=kd_ready rc={_OTHER_JOB} "):
             raise RendezvousError(
                 f"rank {launch.rank} of {launch.size}: "
@@ -353,6 +357,10 @@ def join(launch, timeout, environ=None):
     if not reply.startswith("cmd=kd_ready rc=0 "):
         msg = reply.partition(" msg=")[2]
         raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
+    if kept and watch:
+        _start_watch(*kept[-1], launch)
+    for sock, _ in kept[:-1] if watch else kept:
+        sock.close()
     # MPICH's client proves itself to the server with PMI_ID, the one-time
     # number the server gave this rank.
     pmiid = _tokens(reply).get("pmiid", "")
@@ -360,9 +368,42 @@ def join(launch, timeout, environ=None):
             "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
 
 
-def _hello(address, where, launch, timeout, deadline, job, key):
+_watching = []  # the hello's connection, kept while this process lives
+
+
+def _start_watch(sock, check, launch):
+    """Keeps the hello's connection open: if the server ends the job's MPI
+    start (a rank missing from MPI's barrier), it says so here, and this
+    rank prints that one line and ends instead of waiting in MPI_Init
+    (MPI's own error says nothing of who is missing)."""
+    sock.settimeout(None)
+    _watching.append(sock)
+
+    def watch():
+        try:
+            line = _read_line(sock)
+        except (OSError, ValueError):
+            return
+        body, _, mac = line.rpartition(" mac=")
+        if body.startswith("cmd=kd_fail ") and check(body, mac):
+            msg = body.partition(" msg=")[2]
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.write(2, f"kerasdist: rank {launch.rank} of {launch.size}: "
+                        f"{msg}\n".encode(errors="replace"))
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True,
+                     name="kerasdist-rendezvous-watch").start()
+
+
+def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
     """Connects (retrying until `deadline`), proves the job's secret, says
-    hello; returns the server's reply line once its proof is checked."""
+    hello; returns the server's reply line once its proof is checked. A
+    connection whose hello formed the job is left open and added to
+    `keep` (a list) as (socket, check of the server's later lines)."""
     sock, error = _connect(address, deadline)
     if sock is None:
         raise RendezvousError(
@@ -392,17 +433,24 @@ def _hello(address, where, launch, timeout, deadline, job, key):
         if not reply:
             return (f"{_NO_ANSWER} msg=the coordinator at {where} closed "
                     f"the connection")
+        def check(body, mac):
+            return hmac.compare_digest(mac, _mac(key, "ready", nonce, theirs,
+                                                 body))
+
         body, _, mac = reply.rpartition(" mac=")
-        if not hmac.compare_digest(mac, _mac(key, "ready", nonce, theirs,
-                                             body)):
+        if not check(body, mac):
             return (f"{_NO_ANSWER} msg=the coordinator at {where} answered "
                     f"without proving the job's secret")
+        if keep is not None and body.startswith("cmd=kd_ready rc=0 "):
+            keep.append((sock, check))
+            sock = None
         return body
     except (OSError, ValueError) as e:
         return (f"{_NO_ANSWER} msg=the coordinator at {where} stopped "
                 f"answering ({e})")
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 # --------------------------------------------------------------- server
@@ -479,6 +527,7 @@ class _Server:
         self.pmi_seen = set()  # ranks whose MPI ever connected
         self.pmi_done = set()  # ranks whose MPI finalized or went
         self.dead = set()      # ranks whose MPI went without finalizing
+        self.watchers = {}     # rank -> its hello's _Conn, once formed
         self.conns = set()
         self.parent_gone_at = None
         self.started = time.monotonic()
@@ -545,6 +594,7 @@ class _Server:
                         token = 1 + secrets.randbelow(2 ** 31 - 2)
                     self.tokens[token] = r
                     self._reply(c, f"cmd=kd_ready rc=0 pmiid={token}")
+                self.watchers = dict(self.hello)
                 self.hello = {}
 
     def fail_hello(self):  # with self.cv held
@@ -656,12 +706,20 @@ class _Server:
                 f"not reach MPI's barrier ({why}); ending the job's MPI")
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+        self.tell_watchers(line.partition(": ")[2])
         for c in self.barrier.values():
             self._send(c, f"cmd=barrier_out rc=1 msg={line.replace(' ', '_')}")
             c.drop()
         self.barrier = {}
         self.barrier_since = None
         self.failed = True
+
+    def tell_watchers(self, line):  # with self.cv held
+        """Every rank whose MPI has not finalized hears `line` on its
+        hello's connection, prints it and ends (_start_watch)."""
+        for r, c in self.watchers.items():
+            if r not in self.pmi_done or r in self.dead:
+                self._reply(c, f"cmd=kd_fail msg={line}")
 
     def serve(self, conn):
         try:
@@ -758,11 +816,11 @@ class _Server:
                 # A rank met the others but its MPI never came: the others
                 # would wait in MPI_Init forever. Ending makes it fail.
                 missing = _first_missing(self.size, self.pmi_seen)
-                sys.stderr.write(
-                    f"kerasdist rendezvous: the MPI of ranks {missing} of "
-                    f"{self.size} did not start within {self.timeout:g} s "
-                    f"of meeting ({TIMEOUT_ENV}); ending the job's MPI "
-                    f"start\n")
+                line = (f"the MPI of ranks {missing} of {self.size} did "
+                        f"not start within {self.timeout:g} s of meeting "
+                        f"({TIMEOUT_ENV}); ending the job's MPI start")
+                sys.stderr.write(f"kerasdist rendezvous: {line}\n")
+                self.tell_watchers(line)
                 self.failed = True
             elif (self.barrier_since is not None and self.barrier and
                   now > self.barrier_since + self.timeout):

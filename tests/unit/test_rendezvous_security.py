@@ -17,6 +17,7 @@ import pytest
 
 from kerasdist.run import rendezvous
 from kerasdist.run.conventions import Launch
+from tests.support.helpers import launcher_env
 from tests.support.hostile import foreigner as _foreigner
 
 SECRET = "an-honest-jobs-secret-0123456789"
@@ -63,8 +64,10 @@ def _join_all(port, size, env, timeout=20):
         launch = Launch("torchrun", rank, size, rank, size,
                         ("127.0.0.1", port))
         try:
+            # watch=False: a watching join ends its process on the
+            # server's failure report (tested in a process of its own).
             out[rank] = rendezvous.join(launch, timeout,
-                                        environ=dict(env))
+                                        environ=dict(env), watch=False)
         except rendezvous.RendezvousError as e:
             out[rank] = e
     threads = [threading.Thread(target=one, args=(r,)) for r in range(1,
@@ -303,6 +306,69 @@ def test_a_rank_lost_inside_mpi_init_fails_the_barrier_at_once():
         err = _end(proc)
     assert ("ranks 2 of 3 did not reach MPI's barrier (the MPI of rank 2 "
             "ended without finalizing)") in err, err
+
+
+_WATCHING_RANK = """
+import json, sys, time
+from kerasdist.run import rendezvous
+from kerasdist.run.conventions import Launch
+launch = Launch("torchrun", 1, 3, 1, 3, ("127.0.0.1", int(sys.argv[1])))
+print(json.dumps(rendezvous.join(launch, 20, environ={})), flush=True)
+time.sleep(60)  # as if in MPI_Init, waiting in its barrier
+"""
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_hears_who_is_missing_and_ends():
+    # Rank 1 is a process of its own that joined (its hello's connection
+    # kept open) and then waits, as in MPI_Init; rank 2's MPI dies before
+    # the barrier: rank 1 prints the server's line naming rank 2 and ends.
+    import json
+    proc, port = _serve(3, 30)
+    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
+                              str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=launcher_env())
+    try:
+        joined = _join_all_but(port, 3, 1)
+        joined[1] = json.loads(rank1.stdout.readline())
+        pmi = {r: Pmi(joined[r]) for r in range(3)}
+        for r in (0, 1):
+            pmi[r].send("cmd=barrier_in")
+        time.sleep(0.3)
+        start = time.monotonic()
+        pmi[2].sock.close()
+        pmi[2].file.close()
+        assert rank1.wait(timeout=10) == 1
+        assert time.monotonic() - start < 5
+        err = rank1.stderr.read()
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+        _end(proc)
+    assert err == ("kerasdist: rank 1 of 3: ranks 2 of 3 did not reach "
+                   "MPI's barrier (the MPI of rank 2 ended without "
+                   "finalizing); ending the job's MPI\n"), err
+
+
+def _join_all_but(port, size, absent):
+    """join() of every rank but `absent` (which joins elsewhere)."""
+    out = {}
+
+    def one(rank):
+        if rank == 0:
+            out[0] = _hello0(port, size, {}, 20)
+            return
+        launch = Launch("torchrun", rank, size, rank, size,
+                        ("127.0.0.1", port))
+        out[rank] = rendezvous.join(launch, 20, environ={}, watch=False)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)
+               if r != absent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
 
 
 @pytest.mark.timeout(60)
