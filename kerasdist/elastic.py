@@ -168,7 +168,7 @@ def _read_record(path):
         record = _decode(json.loads(header), arrays)
     except (OSError, ValueError, KeyError, TypeError, EOFError,
             zipfile.BadZipFile, UnicodeDecodeError, AttributeError,
-            IndexError, io.UnsupportedOperation) as e:
+            IndexError, RecursionError, io.UnsupportedOperation) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise ValueError("not a committed state this version wrote")
