@@ -46,11 +46,14 @@ restart. The data's position is not part of the state (as in Horovod, where
 shortens the first epoch after a resume by the batches already done.
 """
 
+import base64
 import functools
+import io
+import json
 import os
-import pickle
 import sys
 import tempfile
+import zipfile
 
 import numpy as np
 
@@ -59,7 +62,118 @@ from kerasdist import _sharding
 from kerasdist import basics
 
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
-_FORMAT = 1
+_FORMAT = 2
+
+
+# -- the committed state on disk: data, never code -------------------------
+#
+# A commit is an .npz file (numpy's zip of .npy arrays, read back with
+# allow_pickle=False): "header" holds JSON of the record, in which every
+# container is tagged ({"d": [[key, value], ...]}, {"l": [...]},
+# {"t": [...]}) and every array or numpy scalar is a reference ({"a": i}
+# to the array "a<i>", {"s": i} to a 0-d one read back as a scalar); bytes
+# are {"b": base64}. A file that is not that (a planted pickle, a torn
+# write) is refused, never executed.
+
+def _encode(obj, arrays):
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        if isinstance(obj, int) and not isinstance(obj, bool) and (
+                abs(obj) >= 1 << 63):
+            return {"i": str(obj)}
+        return obj
+    if isinstance(obj, (np.ndarray, np.generic)):
+        array = np.asarray(obj)
+        if array.dtype.hasobject:
+            raise TypeError(f"a numpy array of Python objects (dtype "
+                            f"{array.dtype})")
+        arrays.append(array)
+        return {"s" if isinstance(obj, np.generic) else "a": len(arrays) - 1}
+    if isinstance(obj, (bytes, bytearray)):
+        return {"b": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, dict):
+        return {"d": [[_encode(k, arrays), _encode(v, arrays)]
+                      for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"l": [_encode(v, arrays) for v in obj]}
+    if isinstance(obj, tuple):
+        return {"t": [_encode(v, arrays) for v in obj]}
+    raise TypeError(f"a value of type {type(obj).__name__}")
+
+
+def _decode(obj, arrays):
+    if not isinstance(obj, dict):
+        return obj
+    (tag, value), = obj.items()
+    if tag == "a":
+        return arrays[f"a{int(value)}"]
+    if tag == "s":
+        return arrays[f"a{int(value)}"][()]
+    if tag == "i":
+        return int(value)
+    if tag == "b":
+        return base64.b64decode(value)
+    if tag == "d":
+        return {_hashable(_decode(k, arrays)): _decode(v, arrays)
+                for k, v in value}
+    if tag == "l":
+        return [_decode(v, arrays) for v in value]
+    if tag == "t":
+        return tuple(_decode(v, arrays) for v in value)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _hashable(key):
+    return tuple(key) if isinstance(key, list) else key
+
+
+def _write_record(path, record):
+    """Writes `record` (numbers, strings, bytes, lists, tuples, dicts, numpy
+    arrays) to `path` atomically; the commit that was there stays as
+    `path`.prev, the fallback of a commit that cannot be read."""
+    arrays = []
+    try:
+        header = json.dumps(_encode(record, arrays))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"kerasdist.elastic: cannot write the committed state: it holds "
+            f"{e}. Keep only numbers, strings, bytes, lists, tuples, dicts "
+            f"and numpy arrays in the state's keyword arguments.") from None
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-state-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            named = {f"a{i}": a for i, a in enumerate(arrays)}
+            named["header"] = np.frombuffer(header.encode(), dtype=np.uint8)
+            np.savez(f, **named)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            os.replace(path, path + ".prev")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_record(path):
+    """The record in `path`; ValueError when it is not one (never runs
+    anything in the file: no pickle)."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+        header = arrays.pop("header").tobytes().decode()
+        record = _decode(json.loads(header), arrays)
+    except (OSError, ValueError, KeyError, TypeError, EOFError,
+            zipfile.BadZipFile, UnicodeDecodeError, AttributeError,
+            IndexError, RecursionError, io.UnsupportedOperation) as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    if not isinstance(record, dict) or record.get("format") != _FORMAT:
+        raise ValueError("not a committed state this version wrote")
+    return record
 
 
 class HorovodInternalError(RuntimeError):
@@ -213,55 +327,46 @@ class State:
         directory = _directory()
         if directory is None:
             return None
-        return os.path.join(directory, f"state-{self._number}.pkl")
+        return os.path.join(directory, f"state-{self._number}.npz")
 
     def persist(self):
-        """Rank 0 writes the saved state to `path`, atomically."""
+        """Rank 0 writes the saved state to `path`, atomically, keeping the
+        commit before as the fallback."""
         path = self.path
         if path is None or self._rank() != 0:
             return
-        record = {"format": _FORMAT, "size": basics.size(),
-                  "saved": self._saved()}
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-state-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                try:
-                    pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
-                except (pickle.PicklingError, TypeError,
-                        AttributeError) as e:
-                    raise TypeError(
-                        f"kerasdist.elastic: cannot write the committed "
-                        f"state: {e}. Keep only picklable values (numbers, "
-                        f"strings, lists, dicts, numpy arrays) in the "
-                        f"state's keyword arguments.") from None
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        _write_record(path, {"format": _FORMAT, "size": basics.size(),
+                             "saved": self._saved()})
 
     def load_committed(self):
         """Rank 0: takes the committed state in `path` as the saved state
         and restores it. Returns the number of ranks it was committed at,
-        or None when there is none."""
+        or None when there is none. A commit that cannot be read (a write
+        torn by a crash, a file that is not one) gives way to the commit
+        before it, with a line saying so."""
         path = self.path
-        if path is None or not os.path.exists(path):
+        if path is None:
             return None
-        with open(path, "rb") as f:
-            record = pickle.load(f)
-        if not isinstance(record, dict) or record.get("format") != _FORMAT:
-            raise ValueError(f"kerasdist.elastic: {path} is not a committed "
-                             f"state this version wrote; remove it to start "
+        errors = []
+        for candidate in (path, path + ".prev"):
+            if not os.path.exists(candidate):
+                continue
+            try:
+                record = _read_record(candidate)
+            except ValueError as e:
+                errors.append(f"{candidate}: {e}")
+                continue
+            if errors:
+                _log(f"the last commit cannot be read ({errors[0]}); "
+                     f"resuming from the one before it")
+            self._load_saved(record["saved"])
+            self.restore()
+            return int(record["size"])
+        if errors:
+            raise ValueError(f"kerasdist.elastic: no commit can be read: "
+                             f"{'; '.join(errors)}; remove them to start "
                              f"afresh.")
-        self._load_saved(record["saved"])
-        self.restore()
-        return int(record["size"])
+        return None
 
 
 class ObjectState(State):

@@ -47,6 +47,7 @@ from Ray 2.50 on, ``RAY_TRAIN_V2_ENABLED``).
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -114,8 +115,10 @@ def _address_and_port(port):
 
 
 def worker_environment(rank, size, address, port, attempt,
-                       rendezvous_timeout_s=None):
-    """The variables the backend sets in worker `rank` of `size`."""
+                       rendezvous_timeout_s=None, secret=None):
+    """The variables the backend sets in worker `rank` of `size`; `secret`:
+    the job's KERASDIST_JOB_SECRET (on_start makes one per worker group:
+    SECURITY.md)."""
     host = f"[{address}]" if ":" in address else address
     env = {"KERASDIST_NUM_PROCESSES": str(size),
            "KERASDIST_RANK": str(rank),
@@ -124,6 +127,8 @@ def worker_environment(rank, size, address, port, attempt,
     if rendezvous_timeout_s is not None:
         env["KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS"] = str(
             float(rendezvous_timeout_s))
+    if secret is not None:
+        env["KERASDIST_JOB_SECRET"] = secret
     return env
 
 
@@ -163,10 +168,17 @@ class _KerasdistBackend(Backend):
         backend_config._attempts = attempt + 1
         address, port = worker_group.execute_single(
             0, _address_and_port, backend_config.coordinator_port)
+        # A secret per run, which its workers prove to each other (the
+        # driver's own KERASDIST_JOB_SECRET where it has one): the same
+        # for the next attempt's group, whose rank 0 may find this one's
+        # server still ending on a fixed coordinator_port.
+        secret = getattr(backend_config, "_secret", None) or (
+            os.environ.get("KERASDIST_JOB_SECRET") or secrets.token_hex(32))
+        backend_config._secret = secret
         ray.get([worker_group.execute_single_async(
             i, _set_environment, worker_environment(
                 i, size, address, port, attempt,
-                backend_config.rendezvous_timeout_s))
+                backend_config.rendezvous_timeout_s, secret))
             for i in range(size)])
 
 

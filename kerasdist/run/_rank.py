@@ -56,6 +56,10 @@ import threading
 
 # Shared with the launcher (kerasdist/run/job.py imports these names).
 MARKER = b"\x1ekerasdist-rank-exit "
+# The launcher's random token for the job's markers: the wrapper takes it
+# out of the environment before the command starts, so that a rank's own
+# output (a log it prints, a nested job's) can never pass for a marker.
+MARKER_TOKEN_ENV = "KERASDIST_MARKER_TOKEN"
 # The host's name, for every rank (see docs/launcher.md).
 HOSTNAME_ENV = "KERASDIST_HOSTNAME"
 # Seconds between forwarding an ending signal and SIGKILL.
@@ -187,17 +191,46 @@ def _span(run):
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
-def format_marker(rank, host, status):
+_PR_SET_PDEATHSIG = 1
+_prctl = None
+
+
+def prepare_parent_death():
+    """Loads prctl (Linux) in this process, before a fork whose child calls
+    die_with_parent(): the child then only calls it."""
+    global _prctl
+    if _prctl is None and sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _prctl = False
+    return _prctl
+
+
+def die_with_parent(signum, parent):
+    """Asks the kernel to send this process `signum` when its parent (the
+    launcher, the process manager) ends, even by SIGKILL; `parent`: the
+    parent's pid, to catch a parent that ended before the call."""
+    if prepare_parent_death():
+        _prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signum)
+
+
+def format_marker(rank, host, status, token=""):
     """Returns the marker line for a rank whose command ended with `status`.
 
     `status` follows Popen.returncode: a negative value is a signal number.
     """
     host = host.replace(" ", "_") or "?"
-    return MARKER + f"rank={rank} host={host} status={status}\n".encode()
+    return MARKER + (f"rank={rank} host={host} status={status} "
+                     f"token={token}\n").encode()
 
 
-def parse_marker(line):
-    """Returns (rank, host, status) from a marker line, or None."""
+def parse_marker(line, token=None):
+    """Returns (rank, host, status) from a marker line, or None (also when
+    `token` is given and the line does not carry it)."""
     start = line.find(MARKER)
     if start < 0:
         return None
@@ -205,6 +238,8 @@ def parse_marker(line):
     for item in line[start + len(MARKER):].decode(errors="replace").split():
         key, _, value = item.partition("=")
         fields[key] = value
+    if token is not None and fields.get("token") != token:
+        return None
     try:
         return fields["rank"], fields["host"], int(fields["status"])
     except (KeyError, ValueError):
@@ -588,6 +623,10 @@ def main(argv=None):
         sys.stderr.write("kerasdist: _rank: no command given\n")
         return 2
     rank = rank_from_env(os.environ)
+    # A process manager that is killed takes its ranks with it: the wrapper
+    # gets SIGTERM and ends its command as for any ending signal.
+    die_with_parent(signal.SIGTERM, os.getppid())
+    token = os.environ.pop(MARKER_TOKEN_ENV, "")
     os.environ[HOSTNAME_ENV] = socket.gethostname()
     if huge:
         os.environ[TUNABLES_ENV] = with_huge_pages(os.environ.get(TUNABLES_ENV))
@@ -597,7 +636,7 @@ def main(argv=None):
     status = _Wrapper(argv, prefix).run(rank, elastic)
     sys.stdout.flush()
     sys.stderr.flush()
-    _write_all(2, format_marker(rank, socket.gethostname(), status))
+    _write_all(2, format_marker(rank, socket.gethostname(), status, token))
     if elastic and status == RESIZE_EXIT_CODE:
         return 0  # the launcher has the marker; hydra must not clean up
     # A command killed by signal N is reported to mpiexec as exit 128+N;

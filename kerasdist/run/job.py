@@ -112,7 +112,9 @@ class Outcome:
 
 
 class Interrupts:
-    """Records SIGINT/SIGTERM sent to the launcher while it runs a job."""
+    """Records SIGINT/SIGTERM/SIGHUP sent to the launcher while it runs a
+    job. SIGHUP (the terminal or the session went away) stops the job as
+    SIGTERM does, as torchrun's does."""
 
     def __init__(self):
         self.signum = None
@@ -125,7 +127,7 @@ class Interrupts:
         self.count += 1
 
     def __enter__(self):
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._saved[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -367,12 +369,17 @@ class _Relay(threading.Thread):
                 self._note(line)
                 self._write(line)
                 continue
+            parsed = _rank.parse_marker(
+                line[start:], os.environ.get(_rank.MARKER_TOKEN_ENV))
+            if parsed is None:  # the rank's own output, not the wrapper's
+                self._note(line)
+                self._write(line)
+                continue
             if start > 0:  # an unprefixed partial line ran into the marker
                 self._write(line[:start] + b"\n")
-            parsed = _rank.parse_marker(line[start:])
-            if parsed and parsed[2] != 0:
+            if parsed[2] != 0:
                 self.findings.add_failure(RankFailure(*parsed))
-            elif parsed:
+            else:
                 self.findings.add_exit(parsed[0])
         if self._held is not None:
             self.log.raw(self._held, self.stream)
@@ -468,10 +475,16 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         An Outcome.
     """
     log = log or Log()
+    # mpiexec ends (and ends its ranks) when the launcher does, even when
+    # the launcher is killed with SIGKILL.
+    _rank.prepare_parent_death()
+    launcher = os.getpid()
     try:
         proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=lambda: _rank.die_with_parent(signal.SIGTERM,
+                                                     launcher),
         )
     except OSError as e:
         log.line(f"cannot run {argv[0]!r}: {e.strerror or e}")
@@ -557,7 +570,9 @@ class _Stopper:
             self.reason = "signal"
             name = signal.Signals(self.interrupts.signum).name
             self.log.line(f"received {name}; stopping all ranks.")
-            return self.interrupts.signum
+            # mpiexec's proxies end their ranks on SIGTERM, not SIGHUP.
+            return (signal.SIGTERM if self.interrupts.signum == signal.SIGHUP
+                    else self.interrupts.signum)
         # Ranks leaving for the resize they were asked for have not failed.
         if self.findings.failed.is_set() and not self._resizing(now):
             # Failures come in bursts (a host's ranks, then the ranks whose

@@ -16,8 +16,10 @@ settings.py). It starts in milliseconds. See docs/launcher.md.
 
 import argparse
 import os
+import secrets
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -29,9 +31,11 @@ from kerasdist.run import intel_mpi
 from kerasdist.run import job
 from kerasdist.run import node
 from kerasdist.run import remote
+from kerasdist.run import rendezvous
 from kerasdist.run import site_mpi
 from kerasdist.run import resize
 from kerasdist.run import settings
+from kerasdist.run import shm
 from kerasdist.run import slurm
 
 PROG = "kerasdist run"
@@ -67,6 +71,19 @@ def _non_negative_float(text):
         raise argparse.ArgumentTypeError(
             f"expected a non-negative number, got {text!r}")
     return value
+
+
+def _at_most(most, what):
+    """A non-negative number up to `most` (a buffer of 10**308 MiB or a
+    cycle of 10**12 ms is a typo, not a setting: one line, not a traceback
+    or an init() that waits silently)."""
+    def parse(text):
+        value = _non_negative_float(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is above {most:g}, the most {what}")
+        return value
+    return parse
 
 
 def _positive_float(text):
@@ -132,9 +149,12 @@ def make_parser():
                       metavar="PORT", help="a free port on node 0's host "
                       f"(default {node.DEFAULT_PORT}; one node: any free "
                       "port)")
-    p.add_argument("--fusion-threshold-mb", type=_non_negative_float,
+    p.add_argument("--fusion-threshold-mb",
+                   type=_at_most(65536, "MiB a fusion buffer may have"),
                    metavar="MB", help="tensor fusion buffer size in MiB")
-    p.add_argument("--cycle-time-ms", type=_non_negative_float, metavar="MS",
+    p.add_argument("--cycle-time-ms",
+                   type=_at_most(60000, "milliseconds a cycle may last"),
+                   metavar="MS",
                    help="background loop cycle time in milliseconds")
     p.add_argument("--timeline-filename", metavar="FILE",
                    help="write a Chrome-trace timeline to FILE")
@@ -611,13 +631,35 @@ def main(argv=None):
 
     if not _check_remote_hosts(args, log):
         return 1
-    with _elastic_dir(args):
+    with _elastic_dir(args), _job_secret():
         # Intel MPI's mpiexec gets its hosts in a file (intel_mpi.py).
         if (args.ssh_argv is None or len(args.ssh_argv) == 1) and \
                 not intel_mpi.is_intel_mpiexec(mpiexec):
             return _run(args, mpiexec, log)
         with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as workdir:
             return _run(args, mpiexec, log, workdir)
+
+
+class _job_secret:
+    """Every job gets a random secret of its own in KERASDIST_JOB_SECRET
+    (unless one is set already), which its ranks prove on every control
+    connection (the heartbeat, kerasdist/run/rendezvous.py; SECURITY.md).
+    It travels in the environment (hydra's -genvall, Open MPI's -x), never
+    on a command line."""
+
+    def __enter__(self):
+        self.made = not os.environ.get(rendezvous.SECRET_ENV)
+        if self.made:
+            os.environ[rendezvous.SECRET_ENV] = secrets.token_hex(32)
+        # And the token of the per-rank wrappers' exit markers (_rank.py).
+        os.environ[_rank.MARKER_TOKEN_ENV] = secrets.token_hex(16)
+        return self
+
+    def __exit__(self, *exc):
+        if self.made:
+            os.environ.pop(rendezvous.SECRET_ENV, None)
+        os.environ.pop(_rank.MARKER_TOKEN_ENV, None)
+        return False
 
 
 class _elastic_dir:
@@ -731,6 +773,7 @@ def _run(args, mpiexec, log, workdir=None):
     attempts = Attempts(args.max_restarts)
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     outcome = then = announced = None
+    quick = 0  # attempts in a row that failed within _QUICK_S
     with job.Interrupts() as interrupts:
         while True:
             placed = _place(args, log, attempts.started > 0)
@@ -768,17 +811,62 @@ def _run(args, mpiexec, log, workdir=None):
                 log.line(f"running: {shlex.join(mpi_argv)}")
             env = dict(os.environ, **rank_env)
             watcher = _watcher(args, log, np_, hosts)
+            began = time.monotonic()
+            began_at = time.time()
             outcome = job.run_attempt(mpi_argv, env, interrupts, deadline,
                                       args.timeout, log, banner=args.verbose,
                                       watcher=watcher, ranks=np_)
+            if outcome.exit_code != 0:
+                # What MPICH's dead ranks left in /dev/shm on this host.
+                shm.remove_orphans(began_at - 1.0)
             if outcome.resized:
                 announced = watcher.requested.new_np
             then = attempts.after(outcome)
             if then is None:
                 break
+            if then == "restart":
+                quick = (quick + 1 if time.monotonic() - began < _QUICK_S
+                         else 0)
+                stopped = _back_off(quick, deadline, args.timeout,
+                                    interrupts, log)
+                if stopped is not None:
+                    return stopped
         if outcome.retryable and attempts.max_restarts > 0:
             log.line(f"giving up after {attempts.started} attempts.")
     return outcome.exit_code
+
+
+# Restarts back off: an attempt that failed within _QUICK_S seconds is
+# followed by a pause, doubling from _BACKOFF_S up to _BACKOFF_MOST_S while
+# they keep failing that fast (a job that cannot start must not restart
+# ten times a second).
+_QUICK_S = 60.0
+_BACKOFF_S = 0.5
+_BACKOFF_MOST_S = 30.0
+
+
+def _back_off(quick, deadline, timeout, interrupts, log):
+    """Waits before a restart; returns the exit code when --timeout or a
+    signal ends the job instead, else None."""
+    pause = 0.0 if quick == 0 else min(_BACKOFF_S * 2 ** (quick - 1),
+                                       _BACKOFF_MOST_S)
+    if pause:
+        log.line(f"the attempt failed within {_QUICK_S:g} s of its start; "
+                 f"waiting {pause:g} s before the next.")
+    end = time.monotonic() + pause
+    while True:
+        if interrupts.signum is not None:
+            log.line(f"received {signal.Signals(interrupts.signum).name}; "
+                     f"not restarting.")
+            return 128 + interrupts.signum
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            log.line(f"the job timed out after {timeout:g} s; not "
+                     f"restarting.")
+            return 124
+        if now >= end:
+            return None
+        time.sleep(min(0.05, end - now))
 
 
 def _watcher(args, log, np_, hosts):

@@ -36,7 +36,10 @@ put in the environment before `MPI_Init`.
 """
 
 import errno
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -45,6 +48,16 @@ import time
 
 TIMEOUT_ENV = "KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_S = 300.0
+# The job's secret (docs/launcher.md, "The control plane's secret"): every
+# connection to the rendezvous proves it before anything it says counts.
+SECRET_ENV = "KERASDIST_JOB_SECRET"
+# The job's name, where the platform gives none of its own (below).
+JOB_ID_ENV = "KERASDIST_JOB_ID"
+MIN_SECRET_CHARS = 16
+# The platforms' own names of a job, first found wins: two jobs on one
+# coordinator's port are told apart by it even without a secret.
+_JOB_ID_VARIABLES = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+                     "TRAINING_JOB_NAME", "JOB_NAME")
 # After rank 0 has gone: how long the server still serves the other ranks'
 # finalize (they are a barrier's reply away from it).
 _GRACE_S = 30.0
@@ -52,12 +65,24 @@ _RETRY_S = 0.25
 # The hello's reply code of a server whose job has formed (or failed) already:
 # the hello came too late for it, and may be meant for the next one.
 _FORMED = 2
+# The reply code of a server of another job.
+_OTHER_JOB = 3
 # What a hello that got no answer returns (the server closed, or ended).
 _NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE")
+# Bounds on what any connection may send or hold (hostile input): a line
+# (MPICH's longest is a put of a 1024-byte value), the seconds a connection
+# has to prove the secret, the connections that have not proved it yet (the
+# oldest is dropped for a new one), the keys one rank may put.
+MAX_LINE = 4096
+AUTH_DEADLINE_S = 5.0
+MAX_UNPROVEN = 64
+MAX_KEYS_PER_RANK = 1024
+_KEY_MAX, _VALUE_MAX = 64, 1024
 
 _server = None  # rank 0's server process, kept for this process's life
+_said_unauthenticated = False
 
 
 class RendezvousError(RuntimeError):
@@ -77,6 +102,47 @@ def timeout_from(environ):
         raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a positive number "
                          f"of seconds; set it to e.g. 300.")
     return value
+
+
+def identity(environ):
+    """(job id, key, authenticated) of this process's job.
+
+    The key is what every message's HMAC is made with: the job's secret
+    (KERASDIST_JOB_SECRET) where there is one; else one made from the job
+    id alone, which keeps jobs apart but proves nothing (anyone can compute
+    it). The job id is KERASDIST_JOB_ID or the platform's name of the job
+    (torchrun's run id, Slurm's job id, ...); with a secret and no name,
+    the secret's fingerprint; else "unnamed".
+    """
+    secret = environ.get(SECRET_ENV, "")
+    if secret and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"{SECRET_ENV} has {len(secret)} characters, fewer than "
+            f"{MIN_SECRET_CHARS}; set it to a random string, e.g. the "
+            f"output of `python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'`.")
+    job = ""
+    for name in _JOB_ID_VARIABLES:
+        job = environ.get(name, "").strip()
+        if job:
+            break
+    if secret:
+        job = job or "s-" + hashlib.sha256(
+            b"kerasdist job id|" + secret.encode()).hexdigest()[:12]
+        key = hashlib.sha256(b"kerasdist key|" + secret.encode()).digest()
+    else:
+        job = job or "unnamed"
+        key = hashlib.sha256(b"kerasdist unauthenticated|" +
+                             job.encode()).digest()
+    # The id travels in protocol lines: no spaces, bounded.
+    job = "".join(c if c.isalnum() or c in "-_.:" else "_"
+                  for c in job)[:128]
+    return job, key, bool(secret)
+
+
+def _mac(key, *parts):
+    return hmac.new(key, "|".join(map(str, parts)).encode(),
+                    hashlib.sha256).hexdigest()
 
 
 # --------------------------------------------------------------- client
@@ -110,19 +176,27 @@ def _connect(address, deadline):
         time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _start_server(port, size, timeout):
+def _start_server(port, size, timeout, job, key):
     """Starts rank 0's server on `port` (0: any free one); returns the port
     once it listens. A port in use is waited for, up to `timeout`: after a
     platform restarted the job, the server of its previous run may still
-    be ending there."""
+    be ending there. A port that another job's server holds is an error at
+    once."""
     global _server
+    env = dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
+               _KERASDIST_RENDEZVOUS_JOB=job)
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
          str(port), str(size), repr(timeout)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        close_fds=True)
+        close_fds=True, env=env)
     line = proc.stdout.readline().strip()
     if line.startswith("waiting "):
+        other = _whose(("127.0.0.1", port), job, key)
+        if other is not None:
+            proc.kill()
+            proc.wait()
+            raise RendezvousError(_other_job_line(port, other, job))
         sys.stderr.write(
             f"kerasdist: rank 0: the coordinator's port {port} is in use; "
             f"waiting up to {timeout:g} s ({TIMEOUT_ENV}) for it to be free "
@@ -137,6 +211,51 @@ def _start_server(port, size, timeout):
             f"{line or 'its server ended'}")
     _server = proc  # its stdin stays open while this process lives
     return int(line.split()[1])
+
+
+def _other_job_line(port, other, job):
+    return (f"the coordinator's port {port} serves another job ({other}), "
+            f"not this one ({job}); give each job its own port (e.g. "
+            f"MASTER_PORT), or a name ({JOB_ID_ENV}) and secret "
+            f"({SECRET_ENV}) of its own")
+
+
+def _whose(address, job, key):
+    """The id of another job whose server holds `address` (or "another
+    secret"); None when it is this job's (an earlier run's) or not a
+    kerasdist server."""
+    try:
+        with socket.create_connection(address, timeout=2.0) as sock:
+            sock.settimeout(2.0)
+            nonce = secrets.token_hex(16)
+            sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
+            t = _tokens(_read_line(sock))
+    except (OSError, ValueError):
+        return None
+    if t.get("cmd") != "kd_challenge":
+        return None
+    if t.get("job") != job:
+        return f"job {t.get('job')}"
+    if not hmac.compare_digest(
+            t.get("proof", ""),
+            _mac(key, "server", nonce, t.get("nonce", ""), job)):
+        return f"job {job} with another secret"
+    return None
+
+
+def _read_line(sock, limit=MAX_LINE):
+    """One line from `sock` (without its newline), at most `limit` bytes;
+    "" when it closed first. Reads byte-wise past nothing: what follows the
+    line stays in the socket."""
+    data = bytearray()
+    while len(data) <= limit:
+        c = sock.recv(1)
+        if not c:
+            return ""
+        if c == b"\n":
+            return data.decode(errors="replace")
+        data += c
+    raise ValueError("line too long")
 
 
 def _agent_store(host, port, timeout):
@@ -157,11 +276,14 @@ def _address_toward(ip):
         return s.getsockname()[0]
 
 
-def join(launch, timeout, environ=None):
+def join(launch, timeout, environ=None, watch=True):
     """Meets the other ranks at `launch.coordinator`.
 
     Rank 0 first starts the server there (under torchrun's agent store, on
-    a free port it publishes in that store). Returns {name: value} for the
+    a free port it publishes in that store). With `watch`, the hello's
+    connection stays open for a failure the server reports later (a rank
+    missing from MPI_Init's barrier): this process then prints that one
+    line and ends (_start_watch). Returns {name: value} for the
     environment of MPI_Init (PMI_PORT, PMI_ID, PMI_RANK, PMI_SIZE).
 
     Raises:
@@ -169,20 +291,34 @@ def join(launch, timeout, environ=None):
             not all arrive, within `timeout` seconds; or they disagree.
     """
     environ = os.environ if environ is None else environ
+    try:
+        job, key, proven = identity(environ)
+    except ValueError as e:
+        raise RendezvousError(str(e)) from None
+    global _said_unauthenticated
+    if not proven and launch.rank == 0 and not _said_unauthenticated:
+        _said_unauthenticated = True
+        sys.stderr.write(
+            f"kerasdist: rank 0: the rendezvous is unauthenticated (no "
+            f"{SECRET_ENV}): jobs on one port are kept apart by their name "
+            f"({job}; {JOB_ID_ENV} sets one), but any host that reaches "
+            f"the coordinator's port could disturb this job; see "
+            f"SECURITY.md\n")
+        sys.stderr.flush()
     host, port = launch.coordinator
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
     ip = _resolve(host, deadline)
     if (launch.convention == "torchrun" and
             environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        key = (f"kerasdist/pmi/{environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        entry = (f"kerasdist/pmi/{environ.get('TORCHELASTIC_RUN_ID', '')}/"
                f"{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         try:
             store = _agent_store(ip, port, timeout)
             if launch.rank == 0:
-                own = _start_server(0, launch.size, timeout)
-                store.set(key, f"{_address_toward(ip)}:{own}")
-            ip, _, served = store.get(key).decode().rpartition(":")
+                own = _start_server(0, launch.size, timeout, job, key)
+                store.set(entry, f"{_address_toward(ip)}:{own}")
+            ip, _, served = store.get(entry).decode().rpartition(":")
         except RendezvousError:
             raise
         except Exception as e:  # torch's store errors have no common base
@@ -192,11 +328,17 @@ def join(launch, timeout, environ=None):
                 f"{timeout:g} s ({TIMEOUT_ENV}): {e}") from None
         port, where = int(served), f"{ip}:{served}"
     elif launch.rank == 0:
-        _start_server(port, launch.size, timeout)
+        _start_server(port, launch.size, timeout, job, key)
     if launch.rank == 0:
         ip = "127.0.0.1"
+    kept = []
     while True:
-        reply = _hello((ip, port), where, launch, timeout, deadline)
+        reply = _hello((ip, port), where, launch, timeout, deadline, job,
+                       key, kept)
+        if reply.startswith(f"cmd=kd_ready rc={_OTHER_JOB} "):
+            raise RendezvousError(
+                f"rank {launch.rank} of {launch.size}: "
+                f"{_other_job_line(port, reply.partition(' msg=')[2], job)}")
         # A server whose job formed without this process, or one that
         # closes without an answer: the previous run of a job that a
         # platform restarted, still ending. Its successor listens once it
@@ -212,16 +354,56 @@ def join(launch, timeout, environ=None):
                 f"{where} {what} after {timeout:g} s ({TIMEOUT_ENV}): "
                 f"{reply.partition(' msg=')[2]}")
         time.sleep(_RETRY_S)
-    if reply != "cmd=kd_ready rc=0":
+    if not reply.startswith("cmd=kd_ready rc=0 "):
         msg = reply.partition(" msg=")[2]
         raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
-    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": str(launch.rank),
+    if kept and watch:
+        _start_watch(*kept[-1], launch)
+    for sock, _ in kept[:-1] if watch else kept:
+        sock.close()
+    # MPICH's client proves itself to the server with PMI_ID, the one-time
+    # number the server gave this rank.
+    pmiid = _tokens(reply).get("pmiid", "")
+    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": pmiid,
             "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
 
 
-def _hello(address, where, launch, timeout, deadline):
-    """Connects (retrying until `deadline`) and says hello; returns the
-    server's reply line."""
+_watching = []  # the hello's connection, kept while this process lives
+
+
+def _start_watch(sock, check, launch):
+    """Keeps the hello's connection open: if the server ends the job's MPI
+    start (a rank missing from MPI's barrier), it says so here, and this
+    rank prints that one line and ends instead of waiting in MPI_Init
+    (MPI's own error says nothing of who is missing)."""
+    sock.settimeout(None)
+    _watching.append(sock)
+
+    def watch():
+        try:
+            line = _read_line(sock)
+        except (OSError, ValueError):
+            return
+        body, _, mac = line.rpartition(" mac=")
+        if body.startswith("cmd=kd_fail ") and check(body, mac):
+            msg = body.partition(" msg=")[2]
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.write(2, f"kerasdist: rank {launch.rank} of {launch.size}: "
+                        f"{msg}\n".encode(errors="replace"))
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True,
+                     name="kerasdist-rendezvous-watch").start()
+
+
+def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
+    """Connects (retrying until `deadline`), proves the job's secret, says
+    hello; returns the server's reply line once its proof is checked. A
+    connection whose hello formed the job is left open and added to
+    `keep` (a list) as (socket, check of the server's later lines)."""
     sock, error = _connect(address, deadline)
     if sock is None:
         raise RendezvousError(
@@ -231,16 +413,44 @@ def _hello(address, where, launch, timeout, deadline):
             f"{where}, and that every process has the same coordinator.")
     try:
         sock.settimeout(max(1.0, deadline - time.monotonic()) + 10.0)
-        sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size}\n"
-                     .encode())
-        reply = sock.makefile("r").readline().strip()
-        return reply or (f"{_NO_ANSWER} msg=the coordinator at {where} "
-                         f"closed the connection")
-    except OSError as e:
+        nonce = secrets.token_hex(16)
+        sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
+        t = _tokens(_read_line(sock))
+        if t.get("cmd") != "kd_challenge":
+            return (f"{_NO_ANSWER} msg=the coordinator at {where} did not "
+                    f"answer as a kerasdist rendezvous")
+        if t.get("rc") == str(_OTHER_JOB) or t.get("job") != job:
+            return f"cmd=kd_ready rc={_OTHER_JOB} msg=job {t.get('job')}"
+        theirs = t.get("nonce", "")
+        if not hmac.compare_digest(t.get("proof", ""),
+                                   _mac(key, "server", nonce, theirs, job)):
+            return (f"cmd=kd_ready rc={_OTHER_JOB} msg=job {job} with "
+                    f"another secret ({SECRET_ENV} differs)")
+        proof = _mac(key, "hello", theirs, nonce, launch.rank, launch.size)
+        sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size} "
+                     f"proof={proof}\n".encode())
+        reply = _read_line(sock)
+        if not reply:
+            return (f"{_NO_ANSWER} msg=the coordinator at {where} closed "
+                    f"the connection")
+        def check(body, mac):
+            return hmac.compare_digest(mac, _mac(key, "ready", nonce, theirs,
+                                                 body))
+
+        body, _, mac = reply.rpartition(" mac=")
+        if not check(body, mac):
+            return (f"{_NO_ANSWER} msg=the coordinator at {where} answered "
+                    f"without proving the job's secret")
+        if keep is not None and body.startswith("cmd=kd_ready rc=0 "):
+            keep.append((sock, check))
+            sock = None
+        return body
+    except (OSError, ValueError) as e:
         return (f"{_NO_ANSWER} msg=the coordinator at {where} stopped "
                 f"answering ({e})")
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 # --------------------------------------------------------------- server
@@ -271,92 +481,164 @@ def _tokens(line):
     return out
 
 
+class _Conn:
+    """One connection: what it has proved, and which rank it is."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.since = time.monotonic()
+        self.nonce = None    # the server's challenge, once asked
+        self.theirs = None   # the client's nonce
+        self.proven = False  # proved the secret (hello) or a PMI_ID (PMI)
+        self.rank = None     # a PMI connection's rank
+        self.hello_rank = None
+        self.dropped = False
+
+    def drop(self):
+        """Ends the connection; its reading thread sees the end at once
+        (close() alone would not wake a thread blocked reading it)."""
+        self.dropped = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _Bad(Exception):
+    """A connection broke the protocol: it is dropped, the job goes on."""
+
+
 class _Server:
-    def __init__(self, size, timeout):
+    def __init__(self, size, timeout, job="unnamed", key=b""):
         self.size = size
         self.timeout = timeout
+        self.job = job
+        self.key = key or identity({})[1]
         self.kvsname = f"kerasdist_{os.getpid()}_{int(time.time())}"
         self.cv = threading.Condition()
-        self.hello = {}        # rank -> socket, until all have come
+        self.hello = {}        # rank -> _Conn, until all have come
         self.hello_done = False
+        self.tokens = {}       # PMI_ID -> rank, once formed, until used
         self.kvs = {}
-        self.barrier = []      # sockets waiting in barrier_in
-        self.pmi_open = 0      # PMI connections open now
-        self.pmi_seen = 0      # PMI connections ever
+        self.keys_of = {}      # rank -> keys it put
+        self.barrier = {}      # rank -> _Conn waiting in barrier_in
+        self.barrier_since = None
+        self.pmi = {}          # rank -> _Conn of its MPI, while open
+        self.pmi_seen = set()  # ranks whose MPI ever connected
+        self.pmi_done = set()  # ranks whose MPI finalized or went
+        self.dead = set()      # ranks whose MPI went without finalizing
+        self.watchers = {}     # rank -> its hello's _Conn, once formed
         self.conns = set()
         self.parent_gone_at = None
         self.started = time.monotonic()
         self.formed_at = None  # when every rank had said hello
         self.failed = False
 
+    # Who may talk: a hello proves the secret first (kd_auth, a challenge,
+    # an HMAC); MPICH's client, which cannot, proves the one-time PMI_ID
+    # this server gave its rank in the hello's reply.
+    def on_auth(self, conn, t):
+        job = t.get("job", "")
+        if job != self.job:
+            self._send(conn, f"cmd=kd_challenge rc={_OTHER_JOB} "
+                       f"job={self.job}")
+            raise _Bad("another job")
+        conn.theirs = t.get("nonce", "")[:64]
+        conn.nonce = secrets.token_hex(16)
+        proof = _mac(self.key, "server", conn.theirs, conn.nonce, self.job)
+        self._send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
+                   f"nonce={conn.nonce} proof={proof}")
+
+    def _reply(self, conn, line):
+        """A hello's reply, with its proof."""
+        mac = _mac(self.key, "ready", conn.theirs, conn.nonce, line)
+        self._send(conn, f"{line} mac={mac}")
+
     # The hello: a barrier of all ranks with a deadline.
     def on_hello(self, conn, t):
+        if conn.nonce is None or conn.hello_rank is not None:
+            raise _Bad("hello before the challenge, or twice")
         try:
             rank, size = int(t.get("rank")), int(t.get("size"))
         except (TypeError, ValueError):
-            return self._send(conn, "cmd=kd_ready rc=1 msg=malformed hello")
+            raise _Bad("malformed hello") from None
+        if not hmac.compare_digest(
+                t.get("proof", ""),
+                _mac(self.key, "hello", conn.nonce, conn.theirs, rank, size)):
+            raise _Bad("no proof of the secret")
+        conn.proven = True
+        conn.hello_rank = rank
         with self.cv:
             if self.hello_done:
-                return self._send(
+                return self._reply(
                     conn, f"cmd=kd_ready rc={_FORMED} msg=its job of "
                     f"{self.size} formed (or failed) without this rank "
                     f"{rank}; if no earlier run of the job is still ending, "
                     f"give each process its own rank in 0..{self.size - 1}")
             if size != self.size:
-                return self._send(
+                return self._reply(
                     conn, f"cmd=kd_ready rc=1 msg=this process says the job "
                     f"has {size} processes but rank 0 says {self.size}; give "
                     f"every process the same size")
             if not 0 <= rank < self.size or rank in self.hello:
-                return self._send(
+                return self._reply(
                     conn, f"cmd=kd_ready rc=1 msg=rank {rank} came twice; "
                     f"give each process its own rank in 0..{self.size - 1}")
             self.hello[rank] = conn
             if len(self.hello) == self.size:
                 self.hello_done = True
                 self.formed_at = time.monotonic()
-                for c in self.hello.values():
-                    self._send(c, "cmd=kd_ready rc=0")
+                for r, c in self.hello.items():
+                    token = 0
+                    while token == 0 or token in self.tokens:
+                        token = 1 + secrets.randbelow(2 ** 31 - 2)
+                    self.tokens[token] = r
+                    self._reply(c, f"cmd=kd_ready rc=0 pmiid={token}")
+                self.watchers = dict(self.hello)
                 self.hello = {}
 
     def fail_hello(self):  # with self.cv held
-        # The first 16 missing ranks: nothing the size of the job is built
-        # (a size of 10**9 would take gigabytes).
-        missing = []
-        for r in range(self.size):
-            if r not in self.hello:
-                missing.append(r)
-                if len(missing) > 16:
-                    break
-        shown = ", ".join(map(str, missing[:16])) + (
-            ", ..." if len(missing) > 16 else "")
+        shown = _first_missing(self.size, self.hello)
         for c in self.hello.values():
-            self._send(c, f"cmd=kd_ready rc=1 msg=ranks {shown} of "
-                       f"{self.size} did not reach the coordinator within "
-                       f"{self.timeout:g} s ({TIMEOUT_ENV}); check that "
-                       f"every process was started and has the same "
-                       f"coordinator")
+            self._reply(c, f"cmd=kd_ready rc=1 msg=ranks {shown} of "
+                        f"{self.size} did not reach the coordinator within "
+                        f"{self.timeout:g} s ({TIMEOUT_ENV}); check that "
+                        f"every process was started and has the same "
+                        f"coordinator")
         self.hello_done = True
         self.failed = True
 
     def _send(self, conn, line):
         try:
-            conn.sendall((line + "\n").encode())
+            conn.sock.sendall((line + "\n").encode())
         except OSError:
             pass
 
-    # PMI-1, the commands MPICH's client sends.
+    def on_initack(self, conn, t):
+        try:
+            token = int(t.get("pmiid", ""))
+        except ValueError:
+            raise _Bad("malformed initack") from None
+        with self.cv:
+            rank = self.tokens.pop(token, None)
+            if rank is None:
+                raise _Bad("not a rank's PMI_ID")
+            conn.proven = True
+            conn.rank = rank
+            self.pmi[rank] = conn
+            self.pmi_seen.add(rank)
+        self._send(conn, f"cmd=initack rc=0\ncmd=set size={self.size}\n"
+                   f"cmd=set rank={rank}\ncmd=set debug=0")
+
+    # PMI-1, the commands MPICH's client sends, from a proven rank.
     def on_pmi(self, conn, cmd, t):
         send = lambda line: self._send(conn, line)  # noqa: E731
-        if cmd == "initack":  # PMI_ID: rank and size through the socket
-            rank = int(t.get("pmiid", "-1"))
-            send(f"cmd=initack rc=0\ncmd=set size={self.size}\n"
-                 f"cmd=set rank={rank}\ncmd=set debug=0")
-        elif cmd == "init":
+        rank = conn.rank
+        if cmd == "init":
             send("cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1")
         elif cmd == "get_maxes":
-            send("cmd=maxes rc=0 kvsname_max=256 keylen_max=64 "
-                 "vallen_max=1024")
+            send(f"cmd=maxes rc=0 kvsname_max=256 keylen_max={_KEY_MAX} "
+                 f"vallen_max={_VALUE_MAX}")
         elif cmd == "get_appnum":
             send("cmd=appnum rc=0 appnum=0")
         elif cmd == "get_my_kvsname":
@@ -364,8 +646,18 @@ class _Server:
         elif cmd == "get_universe_size":
             send(f"cmd=universe_size rc=0 size={self.size}")
         elif cmd == "put":
+            key, value = t.get("key", ""), t.get("value", "")
             with self.cv:
-                self.kvs[t.get("key", "")] = t.get("value", "")
+                mine = self.keys_of.setdefault(rank, set())
+                if (len(key) > _KEY_MAX or len(value) > _VALUE_MAX or
+                        len(mine) >= MAX_KEYS_PER_RANK):
+                    raise _Bad("a put beyond the bounds")
+                if key in self.kvs and key not in mine:
+                    # One rank's key is never another's to change.
+                    send("cmd=put_result rc=1 msg=duplicate_key")
+                    return
+                mine.add(key)
+                self.kvs[key] = value
             send("cmd=put_result rc=0")
         elif cmd == "get":
             # No PMI_process_mapping: MPICH then learns which ranks share a
@@ -376,76 +668,182 @@ class _Server:
                  else f"cmd=get_result rc=0 value={value}")
         elif cmd == "barrier_in":
             with self.cv:
-                self.barrier.append(conn)
+                if rank in self.barrier:
+                    raise _Bad("barrier_in twice")
+                if self.dead:
+                    self.fail_barrier(
+                        f"the MPI of {_ranks(self.dead)} ended without "
+                        f"finalizing")
+                    return
+                if not self.barrier:
+                    # MPI_Init's barriers come within seconds of meeting;
+                    # they have a deadline. MPI_Finalize's may wait for a
+                    # rank's long last work: only a rank's end fails it.
+                    now = time.monotonic()
+                    self.barrier_since = (
+                        now if now < self.formed_at + self.timeout else None)
+                self.barrier[rank] = conn
                 if len(self.barrier) == self.size:
-                    for c in self.barrier:
+                    for c in self.barrier.values():
                         self._send(c, "cmd=barrier_out rc=0")
-                    self.barrier = []
+                    self.barrier = {}
+                    self.barrier_since = None
         elif cmd == "finalize":
+            with self.cv:
+                self.pmi_done.add(rank)
             send("cmd=finalize_ack rc=0")
         elif cmd == "abort":
-            sys.stderr.write(f"kerasdist rendezvous: a rank aborted: "
-                             f"{t.get('message', '')}\n")
+            sys.stderr.write(f"kerasdist rendezvous: rank {rank} aborted: "
+                             f"{t.get('message', '')[:200]}\n")
         else:
-            send(f"cmd={cmd} rc=-1 msg=unsupported")
+            send(f"cmd={cmd[:32]} rc=-1 msg=unsupported")
+
+    def fail_barrier(self, why):  # with self.cv held
+        """Ends a PMI barrier that cannot complete: one line naming who is
+        missing, and every waiting rank's MPI fails instead of waiting."""
+        missing = _first_missing(self.size, self.barrier)
+        line = (f"kerasdist rendezvous: ranks {missing} of {self.size} did "
+                f"not reach MPI's barrier ({why}); ending the job's MPI")
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        self.tell_watchers(line.partition(": ")[2])
+        for c in self.barrier.values():
+            self._send(c, f"cmd=barrier_out rc=1 msg={line.replace(' ', '_')}")
+            c.drop()
+        self.barrier = {}
+        self.barrier_since = None
+        self.failed = True
+
+    def tell_watchers(self, line):  # with self.cv held
+        """Every rank whose MPI has not finalized hears `line` on its
+        hello's connection, prints it and ends (_start_watch)."""
+        for r, c in self.watchers.items():
+            if r not in self.pmi_done or r in self.dead:
+                self._reply(c, f"cmd=kd_fail msg={line}")
 
     def serve(self, conn):
-        is_pmi = False
         try:
-            for raw in conn.makefile("rb"):
-                line = raw.decode(errors="replace").rstrip("\n")
-                t = _tokens(line)
-                cmd = t.get("cmd")
-                if cmd == "kd_hello":
-                    self.on_hello(conn, t)
+            buf = b""
+            while True:
+                i = buf.find(b"\n")
+                if i < 0:
+                    if len(buf) > MAX_LINE:
+                        raise _Bad("a line beyond the bound")
+                    data = conn.sock.recv(65536)
+                    if not data:
+                        break
+                    buf += data
                     continue
-                if not is_pmi:
-                    is_pmi = True
-                    with self.cv:
-                        self.pmi_open += 1
-                        self.pmi_seen += 1
-                self.on_pmi(conn, cmd, t)
-        except OSError:
+                line, buf = buf[:i].decode(errors="replace"), buf[i + 1:]
+                if len(line) > MAX_LINE:
+                    raise _Bad("a line beyond the bound")
+                t = _tokens(line)
+                cmd = t.get("cmd", "")
+                if conn.rank is not None:
+                    self.on_pmi(conn, cmd, t)
+                elif cmd == "kd_auth" and conn.nonce is None:
+                    self.on_auth(conn, t)
+                elif cmd == "kd_hello":
+                    self.on_hello(conn, t)
+                elif cmd == "initack" and conn.nonce is None:
+                    self.on_initack(conn, t)
+                else:
+                    raise _Bad(f"{cmd[:32]!r} from a connection that did "
+                               f"not prove itself")
+        except (OSError, _Bad):
             pass
         finally:
             with self.cv:
-                if is_pmi:
-                    self.pmi_open -= 1
-                    if conn in self.barrier:
-                        self.barrier.remove(conn)
-                    if self.barrier:
-                        # A rank left while others wait for it: let them
-                        # fail now rather than wait forever.
-                        for c in self.barrier:
-                            c.close()
-                        self.barrier = []
+                rank = conn.rank
+                if rank is not None and self.pmi.get(rank) is conn:
+                    del self.pmi[rank]
+                    if rank not in self.pmi_done:
+                        self.dead.add(rank)
+                        self.pmi_done.add(rank)
+                        if self.barrier:
+                            # A rank left while others wait for it: they
+                            # fail now rather than wait forever.
+                            self.barrier.pop(rank, None)
+                            self.fail_barrier(
+                                f"the MPI of rank {rank} ended without "
+                                f"finalizing")
+                for r, c in list(self.hello.items()):
+                    if c is conn:
+                        del self.hello[r]
                 self.conns.discard(conn)
                 self.cv.notify_all()
-            conn.close()
+            conn.drop()
+            conn.sock.close()
+
+    def admit(self, conn):
+        """Counts a new connection in; drops the oldest that has not proved
+        itself when there are too many such."""
+        with self.cv:
+            self.shed(MAX_UNPROVEN - 1)
+            self.conns.add(conn)
+
+    def shed(self, keep):
+        """Drops the oldest connections that proved nothing, all but
+        `keep`."""
+        with self.cv:
+            unproven = sorted((c for c in self.conns
+                               if not (c.proven or c.dropped)),
+                              key=lambda c: c.since)
+            for c in unproven[:max(0, len(unproven) - keep)]:
+                c.drop()
 
     def finished(self):
         with self.cv:
             if self.failed:
                 return True
-            if self.pmi_seen >= self.size and self.pmi_open == 0:
+            if len(self.pmi_done) >= self.size:
                 return True  # every rank's MPI has finalized or gone
             return (self.parent_gone_at is not None and
-                    (self.pmi_open == 0 or
+                    (not self.pmi or
                      time.monotonic() - self.parent_gone_at > _GRACE_S))
 
     def check_deadlines(self, now):
         with self.cv:
+            for c in self.conns:
+                if (not (c.proven or c.dropped) and
+                        now > c.since + AUTH_DEADLINE_S):
+                    c.drop()
             if not self.hello_done and now > self.started + self.timeout:
                 self.fail_hello()
-            elif (self.formed_at is not None and self.pmi_seen < self.size
-                  and now > self.formed_at + self.timeout):
+            elif (self.formed_at is not None and
+                  len(self.pmi_seen) < self.size and
+                  now > self.formed_at + self.timeout):
                 # A rank met the others but its MPI never came: the others
-                # would wait in MPI_Init forever. Closing makes it fail.
-                sys.stderr.write(
-                    f"kerasdist rendezvous: only {self.pmi_seen} of "
-                    f"{self.size} ranks started MPI within {self.timeout:g} "
-                    f"s of meeting; ending the job's MPI start\n")
+                # would wait in MPI_Init forever. Ending makes it fail.
+                missing = _first_missing(self.size, self.pmi_seen)
+                line = (f"the MPI of ranks {missing} of {self.size} did "
+                        f"not start within {self.timeout:g} s of meeting "
+                        f"({TIMEOUT_ENV}); ending the job's MPI start")
+                sys.stderr.write(f"kerasdist rendezvous: {line}\n")
+                self.tell_watchers(line)
                 self.failed = True
+            elif (self.barrier_since is not None and self.barrier and
+                  now > self.barrier_since + self.timeout):
+                self.fail_barrier(f"not within {self.timeout:g} s")
+
+
+def _ranks(ranks):
+    return ", ".join(map(str, sorted(ranks)[:16])) + (
+        ", ..." if len(ranks) > 16 else "")
+
+
+def _first_missing(size, present):
+    """"0, 3, 5" : the first 16 ranks of `size` not in `present`, built
+    without anything the size of the job (a size of 10**9 would take
+    gigabytes)."""
+    missing = []
+    for r in range(size):
+        if r not in present:
+            missing.append(r)
+            if len(missing) > 16:
+                break
+    return ", ".join(map(str, missing[:16])) + (
+        ", ..." if len(missing) > 16 else "")
 
 
 def _watch_parent(server):
@@ -466,7 +864,7 @@ def _listen(port, size, timeout):
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind(("", port))
-            listener.listen(min(max(size, 16), 4096))
+            listener.listen(min(max(size, 128), 4096))
             return listener
         except OSError as e:
             listener.close()
@@ -480,27 +878,42 @@ def _listen(port, size, timeout):
 
 
 def _serve(port, size, timeout):
+    job = os.environ.get("_KERASDIST_RENDEZVOUS_JOB", "unnamed")
+    key = bytes.fromhex(os.environ.get("_KERASDIST_RENDEZVOUS_KEY", ""))
     try:
         listener = _listen(port, size, timeout)
     except OSError as e:
         print(f"{e.strerror or e} (the coordinator's port must be free on "
               f"rank 0's host)", flush=True)
         return 1
-    server = _Server(size, timeout)
+    server = _Server(size, timeout, job, key)
     threading.Thread(target=_watch_parent, args=(server,),
                      daemon=True).start()
 
     def accept():
         while True:
             try:
-                conn, _ = listener.accept()
-            except OSError:
+                sock, _ = listener.accept()
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                               errno.ENOMEM, errno.ECONNABORTED,
+                               errno.EPROTO, errno.EPERM):
+                    # Out of descriptors (a flood): shed the older half of
+                    # the connections that proved nothing, and go on.
+                    server.shed(MAX_UNPROVEN // 2)
+                    time.sleep(0.01)
+                    continue
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with server.cv:
-                server.conns.add(conn)
-            threading.Thread(target=server.serve, args=(conn,),
-                             daemon=True).start()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock)
+            server.admit(conn)
+            try:
+                threading.Thread(target=server.serve, args=(conn,),
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                with server.cv:
+                    server.conns.discard(conn)
+                sock.close()
 
     threading.Thread(target=accept, daemon=True).start()
     print(f"ready {listener.getsockname()[1]}", flush=True)
@@ -510,10 +923,7 @@ def _serve(port, size, timeout):
             server.cv.wait(0.5)
     with server.cv:
         for c in list(server.conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            c.drop()
     return 0
 
 

@@ -91,6 +91,10 @@ class Trainer:
             many seconds have passed since the last checkpoint; None: none.
         auto_resume: resume from the newest complete checkpoint in
             `checkpoint_dir` if there is one.
+        fresh_optimizer: resume from a checkpoint that holds no optimizer
+            state (weights saved without one) with a fresh optimizer. By
+            default such a checkpoint is refused: an exact resume needs
+            the optimizer's state (Adam's moments, the step count).
         seed: seeds weight initialisation, data order and dropout.
         verbose: Keras progress level on rank 0 (0, 1 or 2); other ranks
             are silent. Non-zero also prints resume information.
@@ -132,7 +136,8 @@ class Trainer:
                  keep_checkpoints=3, checkpoint_every_steps=None,
                  checkpoint_every_seconds=None, auto_resume=True, seed=0,
                  verbose=1, tensorboard_dir=None, data_is_sharded=False,
-                 shuffle=True, shuffle_buffer=None, fit_kwargs=None):
+                 shuffle=True, shuffle_buffer=None, fit_kwargs=None,
+                 fresh_optimizer=False):
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
@@ -165,6 +170,7 @@ class Trainer:
         self.checkpoint_dir = None if checkpoint_dir is None else \
             os.fspath(checkpoint_dir)
         self.auto_resume = bool(auto_resume)
+        self.fresh_optimizer = bool(fresh_optimizer)
         self.seed = int(seed)
         self.verbose = verbose
         self.tensorboard_dir = tensorboard_dir
@@ -424,7 +430,18 @@ class Trainer:
         """Loads a verified checkpoint on rank 0 (sync_state spreads it)."""
         if basics.rank() != 0:
             return
-        self.model.load_weights(manifest["weights_path"])
+        path = manifest["weights_path"]
+        if not self.fresh_optimizer:
+            held = _optimizer_variables_in(path)
+            wanted = len(self.optimizer.variables)
+            if held < wanted:
+                raise ValueError(
+                    f"{path} holds {held} of the optimizer's {wanted} "
+                    f"variables (weights saved without their optimizer): "
+                    f"resuming from it would train on with a fresh "
+                    f"optimizer, not where the run stopped; pass "
+                    f"fresh_optimizer=True to the Trainer to do that.")
+        self.model.load_weights(path)
         old, new = manifest.get("world_size"), basics.size()
         if old and old != new and self.scale_lr:
             # Written at another world size: its learning rate was scaled
@@ -649,3 +666,15 @@ class Trainer:
         # Recompile so the train step sees the new trainable set; the
         # optimizer object (and its state) is kept.
         self._compile()
+
+
+def _optimizer_variables_in(path):
+    """How many optimizer variables a Keras weight file holds (Keras 3's
+    layout: optimizer/vars/0..N-1; 0 when it was saved without one)."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            group = f.get("optimizer/vars")
+            return 0 if group is None else len(group.keys())
+    except OSError:
+        return 0

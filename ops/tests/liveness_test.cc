@@ -46,19 +46,25 @@ LivenessOptions Options(int rank, int size, Said* said) {
   o.interval_s = 0.05;
   o.timeout_s = 0.5;
   o.on_lost = [said](const std::string& l) { said->Set(l); };
+  o.key = "the job's key";
   return o;
 }
 
-// A worker that says hello and then nothing: frozen from the start.
-int SilentWorker(int port, int rank) {
+int Connected(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(port);
   inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
   CHECK(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0);
-  uint32_t hello[4] = {1, static_cast<uint32_t>(rank), 0, 0x6b646862};
-  CHECK(send(fd, hello, sizeof(hello), 0) == sizeof(hello));
+  return fd;
+}
+
+// A worker that says hello and then nothing: frozen from the start.
+int SilentWorker(int port, int rank) {
+  int fd = Connected(port);
+  Said unused;
+  CHECK_OK(Liveness::Handshake(fd, Options(rank, 3, &unused), 5.0));
   return fd;
 }
 
@@ -123,6 +129,56 @@ KD_TEST(LivenessTellsAGoodbyeFromADeath) {
       "lost rank 2 on host node2: its connection closed without a goodbye");
   CHECK(line.find("rank 1 ") == std::string::npos);
   CHECK(said1.line.empty());
+}
+
+// Foreign connections on rank 0's port while the workers connect: idle
+// ones, half a hello, a forged 16-byte hello (the old protocol), a hello
+// with a wrong proof. None counts as a rank, none delays the real ones.
+KD_TEST(LivenessCountsOnlyConnectionsThatProveTheKey) {
+  int listen_fd = -1, port = -1;
+  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  std::vector<int> foreign;
+  for (int i = 0; i < Liveness::kMaxPending + 10; ++i) {
+    foreign.push_back(Connected(port));  // idle, half-open
+  }
+  int forged = Connected(port);
+  uint32_t hello[4] = {1, 2, 0, 0x6b646862};
+  CHECK(send(forged, hello, sizeof(hello), 0) == sizeof(hello));
+  Said said0, said1, said2;
+  std::unique_ptr<Liveness> worker1, worker2, coordinator;
+  int wrong = -1;
+  Status wrong_key = Status::OK();
+  std::thread t([&] {
+    // Another job's key: rank 0 does not prove itself to it, nor it to
+    // rank 0.
+    wrong = Connected(port);
+    LivenessOptions other = Options(2, 3, &said2);
+    other.key = "another job's key";
+    wrong_key = Liveness::Handshake(wrong, other, 5.0);
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port,
+                                   &worker1));
+    CHECK_OK(Liveness::StartWorker(Options(2, 3, &said2), {"127.0.0.1"}, port,
+                                   &worker2));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
+                                      &coordinator));
+  t.join();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
+  CHECK_CONTAINS(wrong_key.message(),
+                 "did not prove the job's key (another job's, or not "
+                 "kerasdist's); check that every rank of the job has the "
+                 "same KERASDIST_JOB_SECRET");
+  // The foreign connections end: none was a peer, so none is lost, while
+  // the real workers keep beating.
+  for (int fd : foreign) close(fd);
+  close(forged);
+  close(wrong);
+  CHECK(said0.Wait(1.5).empty());
+  CHECK(said1.line.empty() && said2.line.empty());
+  worker1->Stop();
+  worker2->Stop();
+  coordinator->Stop();
 }
 
 }  // namespace

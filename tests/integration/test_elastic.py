@@ -31,7 +31,8 @@ _STATE_CHECKS = [
     "tensorflow_state_like_horovods_test", "keras_state_sync_restore_commit",
     "run_resumes_from_the_commit_and_syncs",
     "run_without_a_launcher_just_runs", "internal_error_ends_the_rank",
-    "keras_callbacks_count_and_resume_within_an_epoch"]
+    "keras_callbacks_count_and_resume_within_an_epoch",
+    "commits_are_data_never_code_and_fall_back"]
 _EXAMPLE = "horovod_elastic_keras_worker.py"
 
 

@@ -53,9 +53,23 @@ def _assert_formed(results, size, convention):
 
 @pytest.mark.timeout(150)
 def test_torchrun_variables_form_one_job():
+    # With a secret, and a foreign client flooding the coordinator's port
+    # all the while (PMI commands, forged hellos, garbage, idle
+    # connections): the job forms and computes as without.
+    import threading
+    from tests.support.hostile import foreigner
     port = free_port()
-    results = start_processes(WORKER, [_env(r, 2, port) for r in range(2)],
-                              timeout=120)
+    stop, sent = threading.Event(), []
+    flood = threading.Thread(target=foreigner, args=(port, stop, sent))
+    flood.start()
+    try:
+        results = start_processes(
+            WORKER, [_env(r, 2, port, KERASDIST_JOB_SECRET="s" * 32)
+                     for r in range(2)], timeout=120)
+    finally:
+        stop.set()
+        flood.join(10)
+    assert len(sent) > 10
     _assert_formed(results, 2, "torchrun")
     assert "ok 1 2 1 2" in results[1][1]  # local rank from MPI, same host
     assert f"coordinator 127.0.0.1:{port}" in results[0][1]

@@ -242,6 +242,22 @@ def test_max_restarts_gives_up_with_last_code():
     assert "giving up after 2 attempts" in out.stdout
 
 
+def test_restarts_back_off_and_timeout_holds_between_them():
+    # A job that fails at once, with restarts to spare: the launcher
+    # waits longer before each restart, and --timeout ends it on time.
+    start = time.monotonic()
+    out = launch(1, python_cmd("import sys; sys.exit(3)"), timeout=60,
+                 launcher_args=("--max-restarts", "50", "--timeout", "3"))
+    took = time.monotonic() - start
+    assert out.returncode == 124, out.stdout
+    assert "waiting 0.5 s before the next" in out.stdout, out.stdout
+    assert "waiting 1 s before the next" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith(
+        "kerasdist: the job timed out after 3 s; not restarting."), out.stdout
+    assert out.stdout.count("kerasdist: attempt ") < 6, out.stdout
+    assert took < 20, took
+
+
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()
@@ -273,7 +289,12 @@ def test_timeout_kills_children_that_left_the_rank(tmp_path):
     assert_all_gone(tmp_path, within=2)
 
 
-def test_sigint_to_launcher_stops_all_ranks(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP,
+                                    signal.SIGKILL])
+def test_sigint_to_launcher_stops_all_ranks(tmp_path, signum):
+    # SIGHUP (the terminal or the session gone) stops the job as torchrun
+    # does, not ignored; SIGKILL, which the launcher cannot see, ends
+    # mpiexec and the ranks all the same (their parent-death signal).
     body = "print('up', flush=True); time.sleep(600)\n"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kerasdist.run", "-np", "2",
@@ -285,22 +306,34 @@ def test_sigint_to_launcher_stops_all_ranks(tmp_path):
         while len(list(tmp_path.glob("pid.*"))) < 2:
             assert time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, _ = proc.communicate(timeout=_TEARDOWN_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, out
-    assert "received SIGINT" in out
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signum, out
+    else:
+        assert proc.returncode == 128 + signum, out
+        assert f"received {signal.Signals(signum).name}" in out
     assert_all_gone(tmp_path)
 
 
 def test_np3_oversubscribes_and_no_prefix():
-    code = "import os; print('rank', os.environ['PMI_RANK'])"
+    # Each rank also has the job's secret, not the token of the wrapper's
+    # exit markers, and prints a forged marker that says it failed: the
+    # job goes on and the line is the rank's output.
+    code = ("import os, sys; print('rank', os.environ['PMI_RANK']); "
+            "assert len(os.environ['KERASDIST_JOB_SECRET']) == 64; "
+            "assert 'KERASDIST_MARKER_TOKEN' not in os.environ; "
+            "sys.stderr.write('\\x1ekerasdist-rank-exit rank=0 host=h "
+            "status=9\\n')")
     out = launch(3, python_cmd(code), timeout=60)
     assert out.returncode == 0, out.stdout
     for r in range(3):
         assert rank_lines(out.stdout, r) == [f"rank {r}"]
+        assert (f"[{r}]<stderr>:\x1ekerasdist-rank-exit rank=0 host=h "
+                f"status=9\n") in out.stdout, out.stdout
     out = launch(3, python_cmd(code), timeout=60,
                  launcher_args=("--no-prefix", "--verbose"))
     assert out.returncode == 0, out.stdout

@@ -376,11 +376,20 @@ def _end(server):
     server.wait(timeout=20)
 
 
-def _hello(port, rank, size):
-    """Says hello as rank `rank` of `size`; returns the server's reply."""
+def _hello(port, rank, size, job="unnamed", key=None):
+    """Says hello as rank `rank` of `size` of job `job` (its key: that of
+    a job without a secret), proving the key as join() does; returns the
+    server's reply without its proof."""
+    key = key or rendezvous.identity({rendezvous.JOB_ID_ENV: job})[1]
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        s.sendall(f"cmd=kd_hello rank={rank} size={size}\n".encode())
-        return s.makefile("r").readline().strip()
+        s.sendall(f"cmd=kd_auth job={job} nonce=n{rank}\n".encode())
+        t = rendezvous._tokens(rendezvous._read_line(s))
+        assert t["cmd"] == "kd_challenge" and t["rc"] == "0", t
+        proof = rendezvous._mac(key, "hello", t["nonce"], f"n{rank}", rank,
+                                size)
+        s.sendall(f"cmd=kd_hello rank={rank} size={size} proof={proof}\n"
+                  .encode())
+        return rendezvous._read_line(s).rpartition(" mac=")[0]
 
 
 def _listening_socket():
@@ -398,7 +407,7 @@ def test_rank_0_waits_for_a_port_an_earlier_server_holds():
         assert server.stdout.readline().strip() == f"waiting {port}"
         holder.close()  # the earlier run's server has ended
         assert server.stdout.readline().strip() == f"ready {port}"
-        assert _hello(port, 0, 1) == "cmd=kd_ready rc=0"
+        assert _hello(port, 0, 1).startswith("cmd=kd_ready rc=0 pmiid=")
     finally:
         holder.close()
         _end(server)
@@ -439,13 +448,14 @@ def test_a_hello_to_an_earlier_runs_server_waits_for_the_next_one():
             t.start()
         for t in hellos:
             t.join(20)
-        assert replies == ["cmd=kd_ready rc=0"] * 2
+        assert [r.split()[:2] for r in replies] == [
+            ["cmd=kd_ready", "rc=0"]] * 2
         assert _hello(port, 1, 2).startswith("cmd=kd_ready rc=2 msg=its job "
                                              "of 2 formed")
         joined = {}
         launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
         rank1 = threading.Thread(target=lambda: joined.update(
-            rendezvous.join(launch, 30, environ={})))
+            rendezvous.join(launch, 30, environ={}, watch=False)))
         rank1.start()
         time.sleep(1.0)
         assert rank1.is_alive() and not joined  # waiting, not failed
@@ -455,9 +465,11 @@ def test_a_hello_to_an_earlier_runs_server_waits_for_the_next_one():
         if line.startswith("waiting"):  # the old listener not yet gone
             line = new.stdout.readline().strip()
         assert line == f"ready {port}"
-        assert _hello(port, 0, 2) == "cmd=kd_ready rc=0"
+        assert _hello(port, 0, 2).startswith("cmd=kd_ready rc=0 pmiid=")
         rank1.join(20)
-        assert joined == {"PMI_PORT": f"127.0.0.1:{port}", "PMI_ID": "1",
+        # PMI_ID: the one-time number MPICH's client proves itself with.
+        assert int(joined.pop("PMI_ID")) > 0
+        assert joined == {"PMI_PORT": f"127.0.0.1:{port}",
                           "PMI_RANK": "1", "PMI_SIZE": "2"}
     finally:
         for server in (old, new):

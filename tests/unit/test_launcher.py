@@ -191,6 +191,10 @@ def test_parse_args_hostfile(tmp_path):
     (["-np", "2", "--max-restarts", "-1", "cmd"], "non-negative"),
     (["-np", "2", "--fusion-threshold-mb", "x", "cmd"], "non-negative"),
     (["-np", "2", "--cycle-time-ms", "-3", "cmd"], "non-negative"),
+    (["-np", "2", "--cycle-time-ms", "1e12", "cmd"],
+     "'1e12' is above 60000, the most milliseconds a cycle may last"),
+    (["-np", "2", "--fusion-threshold-mb", "1e308", "cmd"],
+     "'1e308' is above 65536, the most MiB a fusion buffer may have"),
     (["-np", "2", "--min-np", "3", "cmd"], "--min-np 3 is more than -np 2"),
     (["-np", "2", "--min-np", "0", "cmd"], "positive integer"),
     (["-np", "2", "-H", "a:2", "--host-discovery-script", "/bin/true",
@@ -324,6 +328,13 @@ def test_marker_round_trip():
     assert line.endswith(b"\n")
     assert _rank.parse_marker(b"partial output" + line) == ("3", "my_host", -9)
     assert _rank.parse_marker(b"[0]<stderr>:ordinary line\n") is None
+    # With the launcher's token, only a marker that carries it counts: a
+    # rank that prints a marker (a log, a nested job) stops nothing.
+    signed = _rank.format_marker("3", "h", 1, token="t0k")
+    assert _rank.parse_marker(signed, "t0k") == ("3", "h", 1)
+    assert _rank.parse_marker(line, "t0k") is None
+    assert _rank.parse_marker(_rank.format_marker("3", "h", 1, "bad"),
+                              "t0k") is None
 
 
 
@@ -764,3 +775,30 @@ def test_a_resize_request_after_the_program_ended_is_ignored():
     p = subprocess.run([sys.executable, "-c", code], env=env,
                        capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout) == (0, "True\n"), p
+
+
+# --- MPICH's /dev/shm segments of a failed attempt ---------------------------
+
+def test_orphan_shm_segments_of_an_attempt_are_removed(tmp_path):
+    import mmap
+    import time
+    from kerasdist.run import shm
+    since = time.time() - 1.0
+    old = tmp_path / "mpich_shm_old_0"
+    old.write_bytes(b"x" * 4096)
+    os.utime(old, (since - 100, since - 100))  # an earlier job's: kept
+    orphan = tmp_path / "mpich_shm_dead_0"
+    orphan.write_bytes(b"x" * 4096)
+    live = tmp_path / "mpich_shm_live_0"
+    live.write_bytes(b"x" * 4096)
+    other = tmp_path / "not_mpich"
+    other.write_bytes(b"x")
+    with open(live, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 4096)  # a live rank maps it: kept
+        try:
+            assert shm.remove_orphans(since, str(tmp_path)) == [
+                "mpich_shm_dead_0"]
+        finally:
+            mapping.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mpich_shm_live_0", "mpich_shm_old_0", "not_mpich"]

@@ -160,6 +160,24 @@ def test_fit_at_size_one_learns_and_resumes(tmp_path):
     assert int(again.optimizer.iterations) == 3 * 5  # 40 examples / 8
 
 
+def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
+    # Weights saved without their optimizer, as a valid checkpoint: an
+    # exact resume refuses them (one line saying what to do);
+    # fresh_optimizer=True resumes with a fresh optimizer.
+    bare = Tiny().build_model()
+    checkpoints.save(tmp_path, 2, bare.save_weights, {})
+    with pytest.raises(kd.Trainer.CheckpointError,
+                       match="holds 0 of the optimizer's .* variables .*"
+                             "pass fresh_optimizer=True"):
+        Tiny(epochs=3, batch_size=8, checkpoint_dir=tmp_path,
+             verbose=0).fit()
+    fresh = Tiny(epochs=3, batch_size=8, checkpoint_dir=tmp_path, verbose=0,
+                 fresh_optimizer=True)
+    fresh.fit()
+    assert fresh.initial_epoch == 2
+    assert int(fresh.optimizer.iterations) == 5  # one epoch, from step 0
+
+
 def test_from_checkpoint_without_checkpoint(tmp_path):
     with pytest.raises(checkpoints.CheckpointError, match="no checkpoint"):
         Tiny.from_checkpoint(tmp_path)

@@ -7,7 +7,6 @@ argv: DIR   a directory every rank sees; KERASDIST_ELASTIC_DIR is set to
 """
 
 import os
-import pickle
 import sys
 
 import numpy as np
@@ -35,8 +34,7 @@ def check(fn):
 
 
 def committed(state):
-    with open(state.path, "rb") as f:
-        return pickle.load(f)
+    return hvd.elastic._read_record(state.path)
 
 
 def close(a, b):
@@ -198,8 +196,7 @@ def run_resumes_from_the_commit_and_syncs():
     if RANK == 0:
         rec = committed(first)
         rec["size"] = SIZE + 3
-        with open(first.path, "wb") as f:
-            pickle.dump(rec, f)
+        hvd.elastic._write_record(first.path, rec)
     hvd.barrier()
     assert train(second, 5)[3] == 5
     assert resets == [SIZE]
@@ -319,6 +316,68 @@ def keras_callbacks_count_and_resume_within_an_epoch():
         hvd.elastic.UpdateBatchStateCallback(state),
         hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
     assert commits == [(0, 2), (0, 4), (1, 0)], commits
+
+
+@check
+def commits_are_data_never_code_and_fall_back():
+    """A commit is arrays + JSON: every kind of value a state holds comes
+    back as it was; a planted pickle never runs; a torn or foreign last
+    commit gives way to the one before it."""
+    values = dict(epoch=1, lr=0.5, big=1 << 70, name="ab", blob=b"\x00x",
+                  arr=np.arange(3, dtype=np.int16), scalar=np.float32(2.5),
+                  pair=(1, [2, None]), table={1: "a", (2, 3): True})
+    # Every rank makes the states (their numbers name the files).
+    state = hvd.elastic.ObjectState(**values)
+    not_data = hvd.elastic.ObjectState(fn=len)
+    if NODIR or RANK != 0:
+        hvd.barrier()
+        return
+    state.save()
+    state.persist()
+    back = committed(state)["saved"]["objects"]
+    assert back.keys() == values.keys()
+    for k, v in values.items():
+        if isinstance(v, (np.ndarray, np.generic)):
+            assert type(back[k]) is type(v) and back[k].dtype == v.dtype
+            close(back[k], v)
+        else:
+            assert back[k] == v and type(back[k]) is type(v), (k, back[k])
+    state.epoch = 2
+    state.save()
+    state.persist()  # the commit of epoch=1 is now the fallback
+    marker = os.path.join(DIR, "planted-pickle-ran")
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (marker, "w"))
+
+    import pickle
+    for bad in (pickle.dumps({"format": 2, "size": 1, "saved": Planted()}),
+                open(state.path, "rb").read()[:100]):  # torn
+        with open(state.path, "wb") as f:
+            f.write(bad)
+        # The old name of a commit, planted too: never read.
+        with open(state.path[:-len(".npz")] + ".pkl", "wb") as f:
+            f.write(pickle.dumps(Planted()))
+        state.epoch = 99
+        assert state.load_committed() == SIZE
+        assert state.epoch == 1, state.epoch
+        assert not os.path.exists(marker)
+    with open(state.path + ".prev", "wb") as f:
+        f.write(b"garbage")
+    try:
+        state.load_committed()
+        raise AssertionError("no error")
+    except ValueError as e:
+        assert "no commit can be read" in str(e), e
+    # A value that is not data: one clear error at the commit.
+    try:
+        not_data.persist()
+        raise AssertionError("no error")
+    except TypeError as e:
+        assert "cannot write the committed state: it holds a value of " \
+            "type builtin_function_or_method" in str(e), e
+    hvd.barrier()
 
 
 for fn in CHECKS:

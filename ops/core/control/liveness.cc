@@ -19,6 +19,8 @@
 #include <map>
 #include <sstream>
 
+#include "hmac.h"
+
 namespace kerasdist::core {
 namespace {
 
@@ -93,18 +95,49 @@ int ConnectWithTimeout(const std::string& address, int port) {
   return fd;
 }
 
-// Reads one whole frame from a fresh connection, waiting up to `timeout_s`.
-bool ReadHello(int fd, double timeout_s, Frame* f) {
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kMacBytes = 32;
+
+// What each side proves: the HMAC of both nonces and the rank, under the
+// job's key, with a label so that one side's proof is never the other's.
+std::string Proof(const std::string& key, const char* label,
+                  const std::string& first, const std::string& second,
+                  int rank) {
+  return HmacSha256(key,
+                    std::string(label) + first + second + std::to_string(rank));
+}
+
+// Reads exactly `n` bytes into *out, waiting up to `timeout_s`.
+bool ReadExactly(int fd, size_t n, double timeout_s, std::string* out) {
+  out->assign(n, '\0');
   size_t got = 0;
   const double until = Now() + timeout_s;
-  while (got < sizeof(*f) && Now() < until) {
+  while (got < n && Now() < until) {
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, 100) != 1) continue;
-    ssize_t n = recv(fd, reinterpret_cast<char*>(f) + got, sizeof(*f) - got, 0);
-    if (n <= 0 && !(n < 0 && errno == EAGAIN)) return false;
-    if (n > 0) got += n;
+    ssize_t r = recv(fd, &(*out)[got], n - got, 0);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) return false;
+    if (r > 0) got += r;
   }
-  return got == sizeof(*f) && f->magic == kMagic && f->type == kHello;
+  return got == n;
+}
+
+bool SendAll(int fd, const std::string& data) {
+  size_t sent = 0;
+  const double until = Now() + kConnectTimeoutS;
+  while (sent < data.size() && Now() < until) {
+    ssize_t n = send(fd, data.data() + sent, data.size() - sent,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      sent += n;
+    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+      return false;
+    } else {
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, 100);
+    }
+  }
+  return sent == data.size();
 }
 
 std::string ReasonText(LostReason reason, double timeout_s) {
@@ -234,9 +267,10 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
          "with KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
     return Status::Internal(s.str());
   }
-  if (!SendFrame(fd, kHello, opt.rank)) {
+  Status proved = Handshake(fd, opt, opt.timeout_s + 10.0);
+  if (!proved.ok()) {
     close(fd);
-    return Status::Internal(Errno("heartbeat hello"));
+    return proved;
   }
   std::unique_ptr<Liveness> l(new Liveness());
   l->opt_ = opt;
@@ -247,6 +281,54 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
   return Status::OK();
 }
 
+Status Liveness::Handshake(int fd, const LivenessOptions& opt,
+                           double timeout_s) {
+  const std::string mine = RandomBytes(kNonceBytes);
+  if (mine.empty()) return Status::Internal(Errno("getrandom"));
+  Frame f{kHello, opt.rank, 0, kMagic};
+  std::string hello(reinterpret_cast<const char*>(&f), sizeof(f));
+  if (!SendAll(fd, hello + mine)) {
+    return Status::Internal(Errno("heartbeat hello"));
+  }
+  std::string answer;
+  if (!ReadExactly(fd, kNonceBytes + kMacBytes, timeout_s, &answer)) {
+    return Status::Internal(
+        "rank " + std::to_string(opt.rank) +
+        ": rank 0's heartbeat port did not answer the hello within " +
+        std::to_string(static_cast<int>(timeout_s)) +
+        " s; check that every rank of the job has the same "
+        "KERASDIST_JOB_SECRET");
+  }
+  const std::string theirs = answer.substr(0, kNonceBytes);
+  if (!EqualInConstantTime(
+          answer.substr(kNonceBytes),
+          Proof(opt.key, "kdhb rank 0", mine, theirs, opt.rank))) {
+    return Status::Internal(
+        "rank " + std::to_string(opt.rank) +
+        ": the process on rank 0's heartbeat port did not prove the job's "
+        "key (another job's, or not kerasdist's); check that every rank of "
+        "the job has the same KERASDIST_JOB_SECRET");
+  }
+  if (!SendAll(fd, Proof(opt.key, "kdhb worker", theirs, mine, opt.rank))) {
+    return Status::Internal(Errno("heartbeat proof"));
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// A connection to rank 0's port that has not proved the key yet.
+struct Pending {
+  int fd = -1;
+  double since = 0;
+  std::string inbox;   // bytes of its current step
+  int rank = -1;       // once its hello came
+  std::string nonce;   // rank 0's, once sent
+  std::string theirs;  // the worker's
+};
+
+}  // namespace
+
 Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
                                   std::unique_ptr<Liveness>* out) {
   std::unique_ptr<Liveness> l(new Liveness());
@@ -255,34 +337,100 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
   const double until = Now() + opt.timeout_s + 10.0;
   std::vector<bool> seen(opt.size, false);
   int missing = opt.size - 1;
+  int unproven = 0;  // handshakes that failed their proof
+  std::vector<Pending> pending;
+  const size_t want_hello = sizeof(Frame) + kNonceBytes;
+  auto drop = [&](size_t i) {
+    close(pending[i].fd);
+    pending.erase(pending.begin() + i);
+  };
   while (missing > 0 && Now() < until) {
-    pollfd p{listen_fd, POLLIN, 0};
-    if (poll(&p, 1, 100) != 1) continue;
-    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Frame f;
-    if (!ReadHello(fd, 5.0, &f) || f.rank <= 0 || f.rank >= opt.size ||
-        seen[f.rank]) {
-      close(fd);
-      continue;
+    std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
+    for (const Pending& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), 100) <= 0) continue;
+    const double now = Now();
+    // Steps of the handshakes under way; from the last, as they may go.
+    for (size_t i = pending.size(); i-- > 0;) {
+      Pending& p = pending[i];
+      if (!fds[i + 1].revents) {
+        if (now - p.since > kHandshakeS) drop(i);
+        continue;
+      }
+      const size_t want = p.nonce.empty() ? want_hello : kMacBytes;
+      char buf[64];
+      ssize_t n = recv(p.fd, buf, want - p.inbox.size(), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        drop(i);
+        continue;
+      }
+      if (n > 0) p.inbox.append(buf, n);
+      if (p.inbox.size() < want) {
+        if (now - p.since > kHandshakeS) drop(i);
+        continue;
+      }
+      if (p.nonce.empty()) {  // the hello and the worker's nonce
+        Frame f;
+        std::memcpy(&f, p.inbox.data(), sizeof(f));
+        if (f.magic != kMagic || f.type != kHello || f.rank <= 0 ||
+            f.rank >= opt.size || seen[f.rank]) {
+          drop(i);
+          continue;
+        }
+        p.rank = f.rank;
+        p.theirs = p.inbox.substr(sizeof(f));
+        p.nonce = RandomBytes(kNonceBytes);
+        p.inbox.clear();
+        if (p.nonce.empty() ||
+            !SendAll(p.fd, p.nonce + Proof(opt.key, "kdhb rank 0", p.theirs,
+                                           p.nonce, p.rank))) {
+          drop(i);
+        }
+        continue;
+      }
+      if (!EqualInConstantTime(p.inbox, Proof(opt.key, "kdhb worker", p.nonce,
+                                              p.theirs, p.rank)) ||
+          seen[p.rank]) {
+        ++unproven;
+        drop(i);
+        continue;
+      }
+      seen[p.rank] = true;
+      --missing;
+      l->peers_.push_back(Peer{p.rank, p.fd, now});
+      pending.erase(pending.begin() + i);
     }
-    SetNonBlocking(fd);
-    seen[f.rank] = true;
-    --missing;
-    l->peers_.push_back(Peer{f.rank, fd, Now()});
+    if (fds[0].revents) {
+      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        SetNonBlocking(fd);
+        if (pending.size() >= static_cast<size_t>(kMaxPending)) drop(0);
+        pending.push_back(Pending{fd, now});
+      } else if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the oldest handshakes make room.
+        for (int k = 0; k < kMaxPending / 2 && !pending.empty(); ++k) drop(0);
+      }
+    }
   }
+  for (Pending& p : pending) close(p.fd);
   close(listen_fd);
   if (missing > 0) {
     std::vector<int> absent;
     for (int r = 1; r < opt.size; ++r) {
       if (!seen[r]) absent.push_back(r);
     }
-    return Status::Internal(RankList(absent) +
-                            " never reached rank 0's heartbeat port; allow "
-                            "TCP between the hosts, name the interface they "
-                            "reach each other on with --network-interface, "
-                            "or turn the heartbeat off with "
-                            "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0");
+    std::string why =
+        " never reached rank 0's heartbeat port; allow TCP between the "
+        "hosts, name the interface they reach each other on with "
+        "--network-interface, or turn the heartbeat off with "
+        "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
+    if (unproven > 0) {
+      why += " (" + std::to_string(unproven) +
+             " connection(s) did not prove the job's key: check that every "
+             "rank has the same KERASDIST_JOB_SECRET)";
+    }
+    for (Peer& p : l->peers_) close(p.fd);
+    l->peers_.clear();
+    return Status::Internal(RankList(absent) + why);
   }
   if (pipe2(l->wake_, O_CLOEXEC) != 0) return Status::Internal(Errno("pipe"));
   l->thread_ = std::thread(&Liveness::Loop, l.get());

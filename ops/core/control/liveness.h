@@ -11,6 +11,15 @@
 // lost; every rank that learns of a loss prints one line naming the lost
 // ranks and their host and ends its process, so the launcher can stop or
 // restart the job. A clean shutdown says goodbye first.
+//
+// Rank 0's port is open to anyone who reaches it, so a connection counts
+// only once it has proved the job's key (`key`: rank 0's random bytes,
+// shared over MPI, mixed with KERASDIST_JOB_SECRET): the worker sends its
+// hello and a nonce, rank 0 answers with its nonce and an HMAC-SHA256 of
+// both (proving itself), the worker answers with its own HMAC. Handshakes
+// run side by side, each with a deadline, at most kMaxPending at once
+// (the oldest is dropped), so idle or half-open connections cannot delay
+// the real ones.
 #ifndef KERASDIST_CORE_CONTROL_LIVENESS_H_
 #define KERASDIST_CORE_CONTROL_LIVENESS_H_
 
@@ -44,6 +53,8 @@ struct LivenessOptions {
   std::vector<std::string> hosts;  // each rank's host, by rank
   double interval_s = 1.0;
   double timeout_s = 30.0;
+  // What every connection proves (see above); the same on every rank.
+  std::string key;
   // Called once, from the liveness thread, with the line to print when a
   // peer is lost; the default prints it and ends the process (_exit).
   std::function<void(const std::string&)> on_lost;
@@ -64,6 +75,11 @@ class Liveness {
                             std::unique_ptr<Liveness>* out);
   static Status StartCoordinator(const LivenessOptions& opt, int listen_fd,
                                  std::unique_ptr<Liveness>* out);
+  // The worker's half of the handshake on a connected socket `fd`: sends
+  // the hello, checks rank 0's proof, sends its own. An error says why.
+  static Status Handshake(int fd, const LivenessOptions& opt, double timeout_s);
+  static constexpr int kMaxPending = 64;
+  static constexpr double kHandshakeS = 5.0;
   ~Liveness();
   // Says goodbye to the peers and joins the thread.
   void Stop();

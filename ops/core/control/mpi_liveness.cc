@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "../transport/mpi_context.h"
+#include "hmac.h"
 
 namespace kerasdist::core {
 namespace {
@@ -54,6 +56,25 @@ Status ShareEndpoint(MPI_Comm comm, int rank, const std::string& interface,
   return Status::OK();
 }
 
+// The key every heartbeat connection proves: random bytes of rank 0's,
+// shared over MPI, mixed with the job's secret where there is one (so that
+// who reads MPI's traffic still lacks it).
+Status ShareKey(MPI_Comm comm, int rank, std::string* key) {
+  char bytes[32] = {0};
+  if (rank == 0) {
+    const std::string random = RandomBytes(sizeof(bytes));
+    if (random.size() == sizeof(bytes)) {
+      std::memcpy(bytes, random.data(), sizeof(bytes));
+    }
+  }
+  int rc = MPI_Bcast(bytes, sizeof(bytes), MPI_CHAR, 0, comm);
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Bcast");
+  const char* secret = std::getenv("KERASDIST_JOB_SECRET");
+  *key = Sha256(std::string("kerasdist heartbeat|") + (secret ? secret : "") +
+                "|" + std::string(bytes, sizeof(bytes)));
+  return Status::OK();
+}
+
 Status Connect(const LivenessOptions& opt, std::vector<std::string> addresses,
                int listen_fd, int port, std::unique_ptr<Liveness>* out) {
   if (opt.rank == 0) return Liveness::StartCoordinator(opt, listen_fd, out);
@@ -79,6 +100,7 @@ Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
   if (opt.size == 1 || opt.timeout_s <= 0) return Status::OK();
   opt.interval_s = std::min(opt.interval_s, opt.timeout_s / 3);
   KD_RETURN_IF_ERROR(GatherHosts(comm, opt.size, &opt.hosts));
+  KD_RETURN_IF_ERROR(ShareKey(comm, opt.rank, &opt.key));
   int listen_fd = -1, port = -1;
   std::vector<std::string> addresses;
   Status s =

@@ -1,0 +1,477 @@
+"""The rendezvous server (kerasdist/run/rendezvous.py) against foreign and
+hostile clients: real server processes and real sockets on loopback; the
+ranks are join() itself (the hello) and a PMI-1 client that speaks as
+MPICH's does. No MPI: each test takes a second or a few.
+"""
+
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kerasdist.run import rendezvous
+from kerasdist.run.conventions import Launch
+from tests.support.helpers import launcher_env
+from tests.support.hostile import foreigner as _foreigner
+
+SECRET = "an-honest-jobs-secret-0123456789"
+
+
+def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
+    """rank 0's server as join() starts it; returns (process, port)."""
+    env = {rendezvous.JOB_ID_ENV: job}
+    if secret:
+        env[rendezvous.SECRET_ENV] = secret
+    job, key, _ = rendezvous.identity(env)
+    preexec = None
+    if limit:
+        def preexec():
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    proc = subprocess.Popen(
+        [sys.executable, "-I", rendezvous.__file__, "serve", str(port),
+         str(size), str(timeout)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
+                 _KERASDIST_RENDEZVOUS_JOB=job), preexec_fn=preexec)
+    line = proc.stdout.readline().split()
+    assert line[0] == "ready", line
+    return proc, int(line[1])
+
+
+def _end(proc):
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stderr.read()
+
+
+def _join_all(port, size, env, timeout=20):
+    """join() of every rank on threads; returns {rank: variables or the
+    error}."""
+    out = {}
+
+    def one(rank):
+        launch = Launch("torchrun", rank, size, rank, size,
+                        ("127.0.0.1", port))
+        try:
+            # watch=False: a watching join ends its process on the
+            # server's failure report (tested in a process of its own).
+            out[rank] = rendezvous.join(launch, timeout,
+                                        environ=dict(env), watch=False)
+        except rendezvous.RendezvousError as e:
+            out[rank] = e
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(1,
+                                                                      size)]
+    # Rank 0's server is the test's: rank 0 says hello like the others.
+    threads.append(threading.Thread(target=lambda: out.update(
+        {0: _hello0(port, size, env, timeout)})))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out
+
+
+def _hello0(port, size, env, timeout):
+    job, key, _ = rendezvous.identity(env)
+    launch = Launch("torchrun", 0, size, 0, size, ("127.0.0.1", port))
+    deadline = time.monotonic() + timeout
+    reply = rendezvous._hello(("127.0.0.1", port), "here", launch, timeout,
+                              deadline, job, key)
+    assert reply.startswith("cmd=kd_ready rc=0 "), reply
+    return {"PMI_PORT": f"127.0.0.1:{port}",
+            "PMI_ID": rendezvous._tokens(reply)["pmiid"]}
+
+
+class Pmi:
+    """MPICH's PMI-1 client, as it speaks: initack with PMI_ID, then one
+    line per command."""
+
+    def __init__(self, variables):
+        host, port = variables["PMI_PORT"].split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=20)
+        self.file = self.sock.makefile("r")
+        self.send(f"cmd=initack pmiid={variables['PMI_ID']}")
+        assert self.read() == "cmd=initack rc=0"
+        self.size = int(self.read().split("=")[-1])
+        self.rank = int(self.read().split("=")[-1])
+        self.read()  # debug
+
+    def send(self, line):
+        self.sock.sendall((line + "\n").encode())
+
+    def read(self):
+        return self.file.readline().strip()
+
+    def ask(self, line):
+        self.send(line)
+        return self.read()
+
+    def close(self):
+        self.file.close()
+        self.sock.close()
+
+
+def _mpi_init_and_finalize(variables, results):
+    """What MPI_Init and MPI_Finalize ask: put a card, barrier, get all."""
+    p = Pmi(variables)
+    assert p.ask(f"cmd=put kvsname=k key=card[{p.rank}] value=r{p.rank}") \
+        == "cmd=put_result rc=0"
+    assert p.ask("cmd=barrier_in") == "cmd=barrier_out rc=0"
+    cards = [p.ask(f"cmd=get kvsname=k key=card[{r}]") for r in
+             range(p.size)]
+    assert p.ask("cmd=barrier_in") == "cmd=barrier_out rc=0"
+    assert p.ask("cmd=finalize") == "cmd=finalize_ack rc=0"
+    p.close()
+    results[p.rank] = cards
+
+
+def _form_and_run(port, size, env):
+    joined = _join_all(port, size, env)
+    for r in range(size):
+        assert isinstance(joined[r], dict), joined[r]
+    results = {}
+    threads = [threading.Thread(target=_mpi_init_and_finalize,
+                                args=(joined[r], results))
+               for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    want = [f"cmd=get_result rc=0 value=r{r}" for r in range(size)]
+    assert results == {r: want for r in range(size)}, results
+
+
+# ---- foreign clients --------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret", ["", SECRET])
+def test_a_foreign_client_changes_nothing(secret):
+    env = {rendezvous.JOB_ID_ENV: "job1"}
+    if secret:
+        env[rendezvous.SECRET_ENV] = secret
+    proc, port = _serve(2, 20, "job1", secret)
+    stop, sent = threading.Event(), []
+    foreigner = threading.Thread(target=_foreigner,
+                                 args=(port, stop, sent))
+    foreigner.start()
+    try:
+        time.sleep(0.3)
+        _form_and_run(port, 2, env)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        stop.set()
+        foreigner.join(10)
+        _end(proc)
+    assert len(sent) > 10
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_secret_proves_nothing():
+    proc, port = _serve(2, 20, "job1", SECRET)
+    try:
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        with pytest.raises(rendezvous.RendezvousError) as e:
+            rendezvous.join(launch, 20, environ={
+                rendezvous.JOB_ID_ENV: "job1",
+                rendezvous.SECRET_ENV: "another-secret-of-32-characters!"})
+        assert f"port {port} serves another job (job job1 with another " \
+            f"secret (KERASDIST_JOB_SECRET differs))" in str(e.value)
+        # A hello whose proof is wrong is dropped, unanswered.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"cmd=kd_auth job=job1 nonce=x\n")
+            assert rendezvous._read_line(s).startswith(
+                "cmd=kd_challenge rc=0 job=job1 ")
+            s.sendall(b"cmd=kd_hello rank=1 size=2 proof=" + b"0" * 64 +
+                      b"\n")
+            assert s.recv(100) == b""
+        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "job1",
+                                rendezvous.SECRET_ENV: SECRET})
+    finally:
+        _end(proc)
+
+
+@pytest.mark.timeout(60)
+def test_unproven_connections_are_capped_and_accept_survives_emfile():
+    # 40 descriptors: the idle connections exhaust them (accept fails with
+    # EMFILE); the server sheds the oldest unproven ones and the ranks
+    # still meet.
+    proc, port = _serve(2, 20, limit=40)
+    idle = []
+    try:
+        for _ in range(100):
+            idle.append(socket.create_connection(("127.0.0.1", port),
+                                                 timeout=5))
+        time.sleep(0.5)
+        _form_and_run(port, 2, {})
+        idle[0].settimeout(5)
+        assert idle[0].recv(10) == b""  # shed
+    finally:
+        for s in idle:
+            s.close()
+        _end(proc)
+
+
+@pytest.mark.timeout(60)
+def test_an_unproven_connection_is_dropped_at_its_deadline(monkeypatch):
+    proc, port = _serve(1, 30)
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        start = time.monotonic()
+        s.sendall(b"cmd=kd_au")  # and then nothing, ever
+        assert s.recv(10) == b""
+        took = time.monotonic() - start
+    finally:
+        _end(proc)
+    assert rendezvous.AUTH_DEADLINE_S - 1 < took < \
+        rendezvous.AUTH_DEADLINE_S + 3, took
+
+
+# ---- two jobs on one port ---------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_two_jobs_on_one_port_are_refused_naming_both():
+    proc, port = _serve(2, 20, "jobA")
+    try:
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        start = time.monotonic()
+        with pytest.raises(rendezvous.RendezvousError) as e:
+            rendezvous.join(launch, 20,
+                            environ={rendezvous.JOB_ID_ENV: "jobB"})
+        assert time.monotonic() - start < 5
+        assert str(e.value) == (
+            f"rank 1 of 2: the coordinator's port {port} serves another job "
+            f"(job jobA), not this one (jobB); give each job its own port "
+            f"(e.g. MASTER_PORT), or a name (KERASDIST_JOB_ID) and secret "
+            f"(KERASDIST_JOB_SECRET) of its own")
+        # Rank 0 of the second job: the port is busy with job A's server.
+        launch = Launch("torchrun", 0, 2, 0, 2, ("127.0.0.1", port))
+        start = time.monotonic()
+        with pytest.raises(rendezvous.RendezvousError) as e:
+            rendezvous.join(launch, 20,
+                            environ={rendezvous.JOB_ID_ENV: "jobB"})
+        assert time.monotonic() - start < 5
+        assert f"port {port} serves another job (job jobA), not this one " \
+            f"(jobB)" in str(e.value)
+        # Job A is untouched by either.
+        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "jobA"})
+    finally:
+        _end(proc)
+
+
+def test_job_identity():
+    assert rendezvous.identity({})[0] == "unnamed"
+    assert rendezvous.identity({"TORCHELASTIC_RUN_ID": "r 1"})[0] == "r_1"
+    job, key, proven = rendezvous.identity(
+        {rendezvous.SECRET_ENV: SECRET})
+    assert job.startswith("s-") and proven and SECRET not in job
+    assert key != rendezvous.identity({rendezvous.SECRET_ENV: SECRET + "x"})[1]
+    with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET has 5 "
+                       "characters, fewer than 16"):
+        rendezvous.identity({rendezvous.SECRET_ENV: "short"})
+
+
+# ---- a rank lost inside MPI_Init, a barrier that never completes ------------
+
+@pytest.mark.timeout(60)
+def test_a_rank_lost_inside_mpi_init_fails_the_barrier_at_once():
+    proc, port = _serve(3, 30)
+    try:
+        joined = _join_all(port, 3, {})
+        waiting = [Pmi(joined[r]) for r in (0, 1)]
+        lost = Pmi(joined[2])
+        for p in waiting:
+            p.send("cmd=barrier_in")
+        time.sleep(0.3)
+        start = time.monotonic()
+        lost.sock.close()  # rank 2 dies before its barrier
+        lost.file.close()
+        for p in waiting:
+            reply = p.read()
+            assert reply.startswith("cmd=barrier_out rc=1"), reply
+            assert p.read() == ""  # and the connection ends
+        assert time.monotonic() - start < 3
+        assert proc.wait(timeout=10) == 0
+    finally:
+        err = _end(proc)
+    assert ("ranks 2 of 3 did not reach MPI's barrier (the MPI of rank 2 "
+            "ended without finalizing)") in err, err
+
+
+_WATCHING_RANK = """
+import json, sys, time
+from kerasdist.run import rendezvous
+from kerasdist.run.conventions import Launch
+launch = Launch("torchrun", 1, 3, 1, 3, ("127.0.0.1", int(sys.argv[1])))
+print(json.dumps(rendezvous.join(launch, 20, environ={})), flush=True)
+time.sleep(60)  # as if in MPI_Init, waiting in its barrier
+"""
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_hears_who_is_missing_and_ends():
+    # Rank 1 is a process of its own that joined (its hello's connection
+    # kept open) and then waits, as in MPI_Init; rank 2's MPI dies before
+    # the barrier: rank 1 prints the server's line naming rank 2 and ends.
+    import json
+    proc, port = _serve(3, 30)
+    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
+                              str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=launcher_env())
+    try:
+        joined = _join_all_but(port, 3, 1)
+        joined[1] = json.loads(rank1.stdout.readline())
+        pmi = {r: Pmi(joined[r]) for r in range(3)}
+        for r in (0, 1):
+            pmi[r].send("cmd=barrier_in")
+        time.sleep(0.3)
+        start = time.monotonic()
+        pmi[2].sock.close()
+        pmi[2].file.close()
+        assert rank1.wait(timeout=10) == 1
+        assert time.monotonic() - start < 5
+        err = rank1.stderr.read()
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+        _end(proc)
+    assert err == ("kerasdist: rank 1 of 3: ranks 2 of 3 did not reach "
+                   "MPI's barrier (the MPI of rank 2 ended without "
+                   "finalizing); ending the job's MPI\n"), err
+
+
+def _join_all_but(port, size, absent):
+    """join() of every rank but `absent` (which joins elsewhere)."""
+    out = {}
+
+    def one(rank):
+        if rank == 0:
+            out[0] = _hello0(port, size, {}, 20)
+            return
+        launch = Launch("torchrun", rank, size, rank, size,
+                        ("127.0.0.1", port))
+        out[rank] = rendezvous.join(launch, 20, environ={}, watch=False)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)
+               if r != absent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_pmi_barrier_has_a_deadline_naming_who_is_missing():
+    proc, port = _serve(2, 2)
+    try:
+        joined = _join_all(port, 2, {})
+        p0, p1 = Pmi(joined[0]), Pmi(joined[1])  # rank 1 never enters
+        start = time.monotonic()
+        reply = p0.ask("cmd=barrier_in")
+        assert reply.startswith("cmd=barrier_out rc=1"), reply
+        assert 1.5 < time.monotonic() - start < 6
+        assert proc.wait(timeout=10) == 0
+        p1.close()
+    finally:
+        err = _end(proc)
+    assert "ranks 1 of 2 did not reach MPI's barrier (not within 2 s)" \
+        in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_may_not_use_another_ranks_pmi_id_or_key():
+    proc, port = _serve(2, 20)
+    try:
+        joined = _join_all(port, 2, {})
+        p0 = Pmi(joined[0])
+        # Its PMI_ID is spent: a second connection with it is dropped.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(f"cmd=initack pmiid={joined[0]['PMI_ID']}\n".encode())
+            assert s.recv(100) == b""
+        assert p0.ask("cmd=put kvsname=k key=a value=0") == \
+            "cmd=put_result rc=0"
+        p1 = Pmi(joined[1])
+        assert p1.ask("cmd=put kvsname=k key=a value=1") == \
+            "cmd=put_result rc=1 msg=duplicate_key"
+        assert p1.ask("cmd=get kvsname=k key=a") == \
+            "cmd=get_result rc=0 value=0"
+        p1.send("cmd=put kvsname=k key=b value=" + "v" * 2000)
+        assert p1.read() == ""  # beyond the bounds: dropped
+        p0.close()
+    finally:
+        _end(proc)
+
+
+# ---- fuzz -------------------------------------------------------------------
+
+def _mutations(rng):
+    valid = [b"cmd=kd_auth job=unnamed nonce=abc\n",
+             b"cmd=kd_hello rank=0 size=2 proof=" + b"0" * 64 + b"\n",
+             b"cmd=initack pmiid=12345\n", b"cmd=init pmi_version=1\n",
+             b"cmd=put kvsname=k key=card[0] value=x\n",
+             b"cmd=barrier_in\n", b"cmd=get kvsname=k key=card[1]\n",
+             b"cmd=finalize\n", b"cmd=abort message=x\n"]
+    while True:
+        m = bytearray(b"".join(rng.choice(valid)
+                               for _ in range(rng.randint(1, 4))))
+        for _ in range(rng.randint(0, 8)):
+            op, i = rng.randint(0, 3), rng.randrange(len(m) + 1)
+            if op == 0 and m:
+                m[min(i, len(m) - 1)] = rng.randrange(256)
+            elif op == 1:
+                m[i:i] = os.urandom(rng.randint(1, 64))
+            elif op == 2:
+                del m[i:i + rng.randint(1, 16)]
+            else:
+                m[i:i] = b"\\" * rng.randint(1, 4) + b" = \n"
+        yield bytes(m) if rng.random() < 0.9 else os.urandom(
+            rng.randint(1, 5000))
+
+
+@pytest.mark.timeout(60)
+def test_fuzzing_the_server_while_a_job_forms_changes_nothing():
+    proc, port = _serve(2, 20, "job1")
+    stop, sent = threading.Event(), []
+
+    def fuzz():
+        rng = random.Random(36)
+        gen = _mutations(rng)
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port),
+                                              timeout=1) as s:
+                    s.settimeout(0.2)
+                    for _ in range(rng.randint(1, 3)):
+                        s.sendall(next(gen))
+                    sent.append(1)
+                    try:
+                        s.recv(4096)
+                    except OSError:
+                        pass
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=fuzz) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)  # fuzz alone, then while the job forms and runs
+        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "job1"})
+        assert proc.wait(timeout=10) == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        _end(proc)
+    assert len(sent) > 20
