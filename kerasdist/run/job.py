@@ -224,6 +224,13 @@ class Unreachable:
 # heartbeat for 30 s (...); ending this rank."
 _LOST_RE = re.compile(rb"kerasdist: rank (\d+): lost (.*); ending this rank\.")
 
+# The runtime's line (rank 0's) when every rank waits for collectives no
+# other rank submitted. The launcher holds it back and says it as its last
+# line, once, after the ranks' output.
+_DEADLOCK_RE = re.compile(
+    rb"^(?:\[\d+\]<stderr>:)?kerasdist: (deadlock: every rank is waiting"
+    rb".*?)\r?\n?$")
+
 # hydra's banner when a rank ends badly. The launcher says what happened in
 # a line of its own, so the banner is left out (shown with --verbose).
 _BANNER_RE = re.compile(
@@ -252,6 +259,7 @@ class Findings:
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
+        self.deadlock = None  # the runtime's deadlock message (text)
 
     def add_exit(self, rank):
         with self.lock:
@@ -364,8 +372,8 @@ class _Relay(threading.Thread):
                 continue
             start = line.find(_rank.MARKER)
             if start < 0:
-                self._note(line)
-                self._write(line)
+                if not self._note(line):
+                    self._write(line)
                 continue
             if start > 0:  # an unprefixed partial line ran into the marker
                 self._write(line[:start] + b"\n")
@@ -395,6 +403,14 @@ class _Relay(threading.Thread):
         self.log.raw(line, self.stream)
 
     def _note(self, line):
+        """Notes what `line` tells; True when the line is held back."""
+        m = _DEADLOCK_RE.match(line)
+        if m:
+            with self.findings.lock:
+                if self.findings.deadlock is None:
+                    self.findings.deadlock = m.group(1).decode(
+                        errors="replace")
+            return True
         m = _LOST_RE.search(line)
         if m:
             self.findings.add_lost(m.group(1).decode(),
@@ -506,8 +522,11 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             len(findings.ranks_failed()) == resize.old_np:
         return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
                        reason="the ranks stopped for a resize")
-    return _outcome(rc, stopper.reason, findings, interrupts, timeout, log,
-                    manager, ranks)
+    outcome = _outcome(rc, stopper.reason, findings, interrupts, timeout,
+                       log, manager, ranks)
+    if findings.deadlock is not None:
+        log.line(findings.deadlock)
+    return outcome
 
 
 class _Stopper:
