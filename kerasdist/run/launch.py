@@ -702,6 +702,8 @@ class Attempts:
     def __init__(self, max_restarts):
         self.max_restarts = max_restarts
         self.started = self.restarts = self.resizes = 0
+        self.repeated = None  # the error two attempts in a row ended with
+        self._last_error = None
 
     def start(self):
         """Notes an attempt's start; returns its number from 0."""
@@ -713,7 +715,13 @@ class Attempts:
         if outcome.resized:
             self.resizes += 1
             return "resize"
+        last, self._last_error = self._last_error, outcome.error
         if not outcome.retryable or self.restarts >= self.max_restarts:
+            return None
+        if outcome.error is not None and outcome.error == last:
+            # The same ranks failed with the same words again: a relaunch
+            # would only repeat it.
+            self.repeated = outcome.error
             return None
         self.restarts += 1
         return "restart"
@@ -776,7 +784,12 @@ def _run(args, mpiexec, log, workdir=None):
             then = attempts.after(outcome)
             if then is None:
                 break
-        if outcome.retryable and attempts.max_restarts > 0:
+        if attempts.repeated is not None:
+            rank, _, said = attempts.repeated[0]
+            log.line(f"not restarting: attempt {attempts.started} failed "
+                     f"as attempt {attempts.started - 1} did (rank {rank}: "
+                     f"{said}), an error a restart repeats.")
+        elif outcome.retryable and attempts.max_restarts > 0:
             log.line(f"giving up after {attempts.started} attempts.")
     return outcome.exit_code
 

@@ -242,6 +242,20 @@ def test_max_restarts_gives_up_with_last_code():
     assert "giving up after 2 attempts" in out.stdout
 
 
+def test_max_restarts_does_not_repeat_a_deterministic_error():
+    code = ("import os\n"
+            "print('attempt', os.environ['KERASDIST_RESTART_ATTEMPT'])\n"
+            "raise TypeError('build_model() got an unexpected keyword')\n")
+    out = launch(2, python_cmd(code), timeout=60,
+                 launcher_args=("--max-restarts", "5"))
+    assert out.returncode == 1, out.stdout
+    assert "attempt 2 of 6" in out.stdout and "attempt 3" not in out.stdout
+    assert out.stdout.rstrip("\n").splitlines()[-1] == (
+        "kerasdist: not restarting: attempt 2 failed as attempt 1 did (rank "
+        "0: TypeError: build_model() got an unexpected keyword), an error a "
+        "restart repeats."), out.stdout
+
+
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()

@@ -556,6 +556,35 @@ def test_a_resize_is_not_counted_as_a_restart():
         assert launch.Attempts(3).after(final) is None
 
 
+def test_an_error_that_repeats_is_not_restarted_again():
+    said = (("1", 1, "TypeError: bad"),)
+    attempts = launch.Attempts(max_restarts=5)
+    # Killed or silent (error None): always restarted; a new error too.
+    assert attempts.after(_outcome()) == "restart"
+    assert attempts.after(_outcome()) == "restart"
+    assert attempts.after(_outcome(error=said)) == "restart"
+    other = (("1", 1, "ValueError: other"),)
+    assert attempts.after(_outcome(error=other)) == "restart"
+    assert attempts.repeated is None
+    assert attempts.after(_outcome(error=other)) is None
+    assert attempts.repeated == other and attempts.restarts == 4
+
+
+def test_findings_error_needs_every_culprits_last_line():
+    findings = job.Findings()
+    findings.add_failure(job.RankFailure("1", "h", 1))
+    assert findings.error() is None           # rank 1 said nothing
+    findings.last_error["1"] = "TypeError: bad"
+    assert findings.error() == (("1", 1, "TypeError: bad"),)
+    findings.add_failure(job.RankFailure("0", "h", 3))
+    assert findings.error() is None           # rank 0 said nothing
+    findings.last_error["0"] = "OSError: disk full"
+    assert len(findings.error()) == 2
+    findings.add_failure(job.RankFailure("2", "h", -9))
+    findings.last_error["2"] = "WARNING: something"
+    assert findings.error() is None           # rank 2 was killed
+
+
 class _Proc:
     """Stands in for mpiexec: records the signals the watcher sends."""
 
