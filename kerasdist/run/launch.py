@@ -58,6 +58,14 @@ def _positive_int(text):
     return value
 
 
+def _num_proc(text):
+    # argparse reads "-np2" as "-n p2" (-n is -np's short form): take it
+    # as the "-np 2" it means.
+    if len(text) > 1 and text[0] == "p" and text[1:].isdigit():
+        text = text[1:]
+    return _positive_int(text)
+
+
 def _non_negative_float(text):
     try:
         value = float(text)
@@ -96,7 +104,7 @@ def make_parser():
                     "rank-prefixed output and fail-fast teardown.",
         epilog="Example: kerasdist run -np 2 python train.py",
     )
-    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int,
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_num_proc,
                    metavar="N", help="number of ranks (default inside a "
                    "Slurm allocation: its number of tasks)")
     where = p.add_mutually_exclusive_group()

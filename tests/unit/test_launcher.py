@@ -168,6 +168,13 @@ def test_parse_args_all_flags():
     assert args.command == ["cmd", "-x"]
 
 
+def test_parse_args_np_written_together():
+    for flag in ("-np2", "-n2", "-np=2"):
+        assert launch.parse_args([flag, "cmd"]).np == 2, flag
+    with pytest.raises(launch.UsageError, match="got 'px'"):
+        launch.parse_args(["-npx", "cmd"])
+
+
 def test_parse_args_hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("a slots=2\n")
