@@ -138,6 +138,10 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
                 launch.coordinator is not None and rank() == 0)):
             sys.stderr.write(f"kerasdist: {started_line(launch)}\n")
             sys.stderr.flush()
+        elif (starting and launch is not None
+              and launch.convention == "single" and size() == 1):
+            sys.stderr.write(_job_of_one_hint())
+            sys.stderr.flush()
         if not _atexit_registered:
             atexit.register(_at_exit)
             sys.excepthook = _noting_uncaught(sys.excepthook)
@@ -210,6 +214,16 @@ def _join_launch(lib):
         return launch, rendezvous.join(launch, timeout)
     except rendezvous.RendezvousError as e:
         raise RuntimeError(f"kerasdist.init() failed: {e}") from None
+
+
+def _job_of_one_hint():
+    """The line for a process started with no launcher at all: it trains
+    alone, which is right for a try-out and a surprise otherwise."""
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") \
+        else "train.py"
+    return ("kerasdist: no launcher started this process, so it runs as a "
+            "job of one; to train on N processes run `kerasdist run -np N "
+            f"python {script}`.\n")
 
 
 def _mpi_loaded(lib):

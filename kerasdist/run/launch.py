@@ -571,6 +571,9 @@ def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
                                     huge_pages) + list(command)
 
 
+QUIET_TF_ENV = "TF_CPP_MIN_LOG_LEVEL"
+
+
 def _rank_env(args, attempt):
     env = settings.build_env(
         attempt,
@@ -583,6 +586,11 @@ def _rank_env(args, attempt):
     if getattr(args, "host_discovery_script", None) is not None and \
             args.node is None:
         env[_rank.ELASTIC_ENV] = "1"  # see kerasdist/run/resize.py
+    # TensorFlow's C++ start-up lines (CPU features, oneDNN, absl's notice)
+    # would come once per rank before the first epoch: warnings and errors
+    # only, unless the caller chose a level.
+    if QUIET_TF_ENV not in os.environ:
+        env[QUIET_TF_ENV] = "1"
     return env
 
 

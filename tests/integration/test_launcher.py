@@ -256,6 +256,19 @@ def test_max_restarts_does_not_repeat_a_deterministic_error():
         "restart repeats."), out.stdout
 
 
+@pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
+def test_tensorflow_start_up_lines_are_quiet_unless_asked(given, seen):
+    env = dict(os.environ)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if given is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = given
+    out = launch(1, python_cmd(
+        "import os; print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))"),
+        timeout=60, env=env)
+    assert out.returncode == 0, out.stdout
+    assert rank_lines(out.stdout, 0) == [f"level {seen}"], out.stdout
+
+
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()

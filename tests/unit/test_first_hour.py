@@ -145,3 +145,25 @@ def test_timeline_steps_are_counted_on_a_gradient_not_the_start_up(
     assert timeline._step_window(trace, 1, 0) == (100, 1100)
     assert timeline._step_window(trace, 1, 1) == (1100, 2100)
     assert timeline._step_window(trace, 2, 1) == (1100, 2200)
+
+
+def test_a_job_of_one_outside_any_launcher_says_so_once(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import kerasdist as kd\n"
+                      "kd.init(); kd.init()\n"
+                      "print(kd.size())\n")
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
+                       env=launcher_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout == "1\n", p.stderr
+    assert p.stderr.splitlines() == [
+        "kerasdist: no launcher started this process, so it runs as a job "
+        f"of one; to train on N processes run `kerasdist run -np N python "
+        f"{script}`."], p.stderr
+    # Under the launcher, a job of one is what was asked for: no hint.
+    p = subprocess.run([sys.executable, "-m", "kerasdist.run", "-np", "1",
+                        sys.executable, str(script)], cwd=tmp_path,
+                       env=launcher_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no launcher" not in p.stdout + p.stderr, p.stdout + p.stderr
