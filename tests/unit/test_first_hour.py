@@ -167,3 +167,41 @@ def test_a_job_of_one_outside_any_launcher_says_so_once(tmp_path):
                        timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no launcher" not in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+# setup.py's progress lines, without running setup(): its two helpers.
+_PROGRESS_CODE = """
+import ast, os, sys
+tree = ast.parse(open(sys.argv[1]).read())
+keep = [n for n in tree.body if getattr(n, "name", "") in
+        ("_pip_ancestor", "_Progress")]
+ns = {"os": os, "sys": sys}
+exec(compile(ast.Module(keep, []), "setup.py", "exec"), ns)
+progress = ns["_Progress"]()
+progress.say("kerasdist:   built libkerasdist_core.so (1 s)")
+progress.close()
+"""
+
+
+def test_build_progress_reaches_pips_output_through_a_pipe(tmp_path):
+    # A stand-in for pip: its argv names pip, it captures the build's
+    # output (showing it only as CAPTURED), and its own stderr is a pipe.
+    stub = tmp_path / "pip"
+    stub.write_text(
+        "import subprocess, sys\n"
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "print('CAPTURED', repr(p.stdout + p.stderr))\n")
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), "setup.py")
+    p = subprocess.run(
+        [sys.executable, str(stub), sys.executable, "-c", _PROGRESS_CODE,
+         setup_py], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
+        (p.stdout, p.stderr)
+    assert p.stdout == "CAPTURED ''\n", p.stdout
+    # Without pip, the lines go to the build's own stderr.
+    p = subprocess.run([sys.executable, "-c", _PROGRESS_CODE, setup_py],
+                       capture_output=True, text=True, timeout=60)
+    assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
+        p.stderr
