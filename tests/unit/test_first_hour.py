@@ -205,3 +205,23 @@ def test_build_progress_reaches_pips_output_through_a_pipe(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
         p.stderr
+
+
+def test_doctor_names_pytorch_and_the_active_keras_backend(tmp_path):
+    from kerasdist.tools import doctor
+    assert doctor.torch_check(None)[0] == doctor.INFO
+    assert doctor.torch_check("2.13.0") == (
+        doctor.OK, "PyTorch 2.13.0 (kerasdist.torch needs nothing built)")
+    assert doctor.active_backend({"KERAS_BACKEND": "jax"}) == (
+        "jax", "KERAS_BACKEND")
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert doctor.active_backend({"KERAS_HOME": str(tmp_path)}) == (
+        "torch", str(tmp_path / "keras.json"))
+    assert doctor.active_backend({"KERAS_HOME": str(tmp_path / "no")}) == (
+        "tensorflow", "Keras' default")
+    assert doctor.backend_check("torch", "KERAS_BACKEND", "2.13.0") == (
+        doctor.OK, "Keras backend torch 2.13.0 (from KERAS_BACKEND)")
+    status, message = doctor.backend_check("torch", "KERAS_BACKEND", None)
+    assert status == doctor.FAIL and "torch is not installed" in message
+    status, message = doctor.backend_check("numpy", "KERAS_BACKEND", None)
+    assert status == doctor.FAIL and "tensorflow, jax and torch" in message
