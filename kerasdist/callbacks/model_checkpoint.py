@@ -10,6 +10,7 @@ import keras
 import numpy as np
 
 from kerasdist import basics
+from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 from kerasdist.callbacks import _util
 
@@ -140,8 +141,19 @@ class ModelCheckpoint(keras.callbacks.Callback):
         # Rank 0 writes in on_epoch_end; without this the other ranks
         # would return from fit (and perhaps load the file) while rank 0
         # is still writing it.
-        if basics.size() > 1:
-            _host.host_barrier("kerasdist.model_checkpoint.train_end")
+        if basics.size() == 1:
+            return
+        try:
+            # The name tells a deadlock message's reader what is wrong
+            # when only some ranks were given this callback.
+            _host.host_barrier(
+                "kerasdist.callbacks.ModelCheckpoint.fit_end"
+                "(give_it_to_fit_on_every_rank)")
+        except _capi.KerasdistError as e:
+            # Given on rank 0 alone (Horovod's habit) to ranks that have
+            # already finished: nobody is left to wait for the file.
+            if "shut down" not in str(e):
+                raise
 
 
 def save_checkpoint(path, model, next_epoch):
