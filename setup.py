@@ -11,7 +11,8 @@ An editable install builds into the source package (kerasdist/); a wheel
 (`pip wheel`, `pip install .`, `make wheel`) into build/, with RELOCATABLE=1
 so that the core finds the mpich wheel's libmpi wherever it is installed.
 `make` rebuilds only what is out of date. pip hides the build's output, so
-short progress lines go to the terminal (/dev/tty) when there is one.
+short progress lines go to pip's own stderr (a terminal, a pipe or a CI log
+alike).
 """
 
 import collections
@@ -47,28 +48,60 @@ JAX_NATIVE = "_kerasdist_jax.so"
 _LINKED = re.compile(r"\s-o\s+(\S+\.so)(?:\s|$)")
 
 
+def _pip_ancestor(levels=4):
+    """The pid of the pip process this build runs under (pip, pip3.11,
+    `python -m pip`, `uv pip`), looking a few parents up, or None."""
+    pid = os.getppid()
+    for _ in range(levels):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace")
+                        for a in f.read().split(b"\0") if a]
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if any(os.path.basename(a).startswith("pip") for a in argv):
+            return pid
+        pid = parent
+    return None
+
+
 class _Progress:
-    """Short lines on the terminal, past pip's capture of the build's
-    output; nothing extra where there is no terminal (CI, a pipe)."""
+    """Short lines past pip's capture of the build's output: written to
+    pip's own stderr, so they show wherever pip's output goes (a terminal,
+    a pipe, a CI log); the terminal if that cannot be opened; this
+    process's stderr when no pip runs the build."""
 
     def __init__(self):
-        try:
-            self._tty = open("/dev/tty", "w")
-        except OSError:
-            self._tty = None
+        self._out = None
+        pip = _pip_ancestor()
+        targets = ([f"/proc/{pip}/fd/2", "/dev/tty"] if pip is not None
+                   else [])
+        for path in targets:
+            try:
+                # Append: a CI log redirected to a file is not truncated.
+                self._out = open(path, "a")
+                break
+            except OSError:
+                continue
+        self._own = pip is None
 
     def say(self, line):
-        if self._tty is None:
+        out = sys.stderr if self._own else self._out
+        if out is None:
             return
         try:
-            self._tty.write(line + "\n")
-            self._tty.flush()
+            out.write(line + "\n")
+            out.flush()
         except OSError:
-            self._tty = None
+            self._out = None
 
     def close(self):
-        if self._tty is not None:
-            self._tty.close()
+        if self._out is not None:
+            self._out.close()
 
 
 def _check_tools():

@@ -11,7 +11,8 @@ needs a download) so that this example runs anywhere in under a minute.
 The kerasdist changes to a single-process script are marked (1)-(5):
 (1) init, (2) shard the data, (3) scale the learning rate and wrap the
 optimizer, (4) broadcast / average / warm up callbacks, (5) checkpoints on
-rank 0 only (and resume from the latest one).
+rank 0 only (and resume from the latest one, or read it on every rank
+after fit).
 """
 
 import argparse
@@ -83,6 +84,14 @@ def main():
               epochs=args.epochs, initial_epoch=initial_epoch,
               validation_data=(x_test, y_test), callbacks=callbacks,
               verbose=2 if kd.rank() == 0 else 0)
+
+    if args.checkpoint_dir:
+        # kd.callbacks.ModelCheckpoint made fit wait on every rank until
+        # rank 0 had written its last file, so any rank may read it now
+        # (on hosts that do not share the directory, or for a file rank 0
+        # wrote otherwise: kd.load_model(path, root_rank=0) for a .keras).
+        kd.callbacks.load_checkpoint(
+            kd.callbacks.latest_checkpoint(args.checkpoint_dir), model)
 
     # Every rank holds the same weights, so every rank prints the same number.
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)

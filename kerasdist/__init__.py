@@ -60,9 +60,11 @@ _EXPORTS = {
     "process_set_included_op": "collectives",
 }
 
-# Submodules reachable as attributes after `import kerasdist`.
+# Submodules reachable as attributes after `import kerasdist`. `run`, the
+# launcher's package, is also callable: `kerasdist.run(fn, np=2)`, Horovod's
+# `horovod.run` (kerasdist/run/function.py).
 _SUBMODULES = ("callbacks", "collectives", "schedules", "data", "timeline",
-               "autotune", "util", "elastic")
+               "autotune", "util", "elastic", "run")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 

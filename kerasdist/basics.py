@@ -138,6 +138,10 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
                 launch.coordinator is not None and rank() == 0)):
             sys.stderr.write(f"kerasdist: {started_line(launch)}\n")
             sys.stderr.flush()
+        elif (starting and launch is not None
+              and launch.convention == "single" and size() == 1):
+            sys.stderr.write(_job_of_one_hint())
+            sys.stderr.flush()
         if not _atexit_registered:
             atexit.register(_at_exit)
             sys.excepthook = _noting_uncaught(sys.excepthook)
@@ -212,6 +216,16 @@ def _join_launch(lib):
         raise RuntimeError(f"kerasdist.init() failed: {e}") from None
 
 
+def _job_of_one_hint():
+    """The line for a process started with no launcher at all: it trains
+    alone, which is right for a try-out and a surprise otherwise."""
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") \
+        else "train.py"
+    return ("kerasdist: no launcher started this process, so it runs as a "
+            "job of one; to train on N processes run `kerasdist run -np N "
+            f"python {script}`.\n")
+
+
 def _mpi_loaded(lib):
     """The first line of MPI_Get_library_version of the libmpi loaded."""
     for line in lib.kerasdist_build_info().decode().splitlines():
@@ -233,12 +247,46 @@ def started_line(launch):
             f"wins: {backends}")
 
 
+# In the runtime's message (ops/core/controller.cc) when it failed every
+# rank's collectives because none of them could ever run.
+_DEADLOCK_TEXT = "deadlock: every rank is waiting for collectives"
+
+
 def _noting_uncaught(hook):
     def excepthook(exc_type, exc, tb):
         global _uncaught
         _uncaught = True
+        if _DEADLOCK_TEXT in str(exc):
+            # Rank 0 has printed why in one line (and `kerasdist run`
+            # repeats it last); each rank's traceback through Keras and the
+            # framework would only bury it.
+            sys.stderr.write(_deadlock_exit_line(tb))
+            sys.stderr.flush()
+            return
         hook(exc_type, exc, tb)
     return excepthook
+
+
+def _deadlock_exit_line(tb):
+    """One line for a rank that dies of the deadlock error: where in the
+    user's code (the innermost frame outside kerasdist and installed or
+    standard-library packages) the collective was waited for."""
+    import sysconfig
+    import traceback
+    skip = [os.path.dirname(os.path.abspath(__file__))]
+    skip += [p for p in {sysconfig.get_path("stdlib"),
+                         sysconfig.get_path("purelib"),
+                         sysconfig.get_path("platlib")} if p]
+    where = ""
+    for frame in traceback.extract_tb(tb):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or any(
+                path.startswith(p + os.sep) for p in skip):
+            continue
+        where = f" at {os.path.basename(frame.filename)}:{frame.lineno}"
+    return (f"kerasdist: a collective failed{where}: the job is "
+            "deadlocked, as rank 0's deadlock message says (traceback left "
+            "out).\n")
 
 
 def _at_exit():

@@ -192,7 +192,10 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 
 def _log(text):
-    print(f"kerasdist.elastic: {text}", flush=True)
+    # On stderr: rank 0's stdout may be in the middle of Keras' progress
+    # bar, which a line there would be glued onto; the launcher ends the
+    # bar's line before another stream's line.
+    print(f"kerasdist.elastic: {text}", file=sys.stderr, flush=True)
 
 
 def _directory():

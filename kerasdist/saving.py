@@ -38,7 +38,8 @@ def save_model(model, filepath, **kwargs):
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
-               compression=Compression.none, legacy_opts=False, shard=None):
+               compression=Compression.none, legacy_opts=False,
+               root_rank=None, shard=None):
     """Loads a Keras model file and wraps its optimizer in
     `kerasdist.DistributedOptimizer`, keeping the optimizer's state
     (iterations, slots), so training continues where it was saved.
@@ -60,6 +61,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
             (`kerasdist.Compression.none` or `.fp16`).
         legacy_opts: False; Keras 3 has no `keras.optimizers.legacy`
             (Horovod's True loaded those).
+        root_rank: None (default): every rank reads `filepath` itself.
+            A rank number: only that rank reads the file and sends its
+            bytes to the others (a collective: call it on every rank), so
+            ranks that cannot see the root's file system, or a file the
+            root wrote a moment ago, load the same model. The other
+            ranks' `filepath` is used only for its ending.
         shard: the wrapper's `shard=` (`DistributedOptimizer`): with
             "optimizer_state" or "gradients" each rank keeps its shard of
             the saved optimizer state, whatever the number of ranks or
@@ -73,9 +80,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
             optimizer classes, or `custom_objects` is not a dict.
         ValueError: for `legacy_opts=True`.
         ValueError: for a file Keras cannot read (Keras' own error).
+        OSError: with `root_rank`, on every rank, when the root cannot
+            read the file.
 
     Example:
     >>> model = kerasdist.load_model("checkpoint-3.keras")
+    >>> model = kerasdist.load_model("best.keras", root_rank=0)  # every rank
     >>> model.fit(x, y, initial_epoch=3, epochs=10)
     """
     import keras
@@ -101,7 +111,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
                             "name: object; got "
                             f"{type(custom_objects).__name__}.")
         objects.update(custom_objects)
-    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    if root_rank is None:
+        model = keras.models.load_model(filepath,
+                                        custom_objects=objects or None)
+    else:
+        model = _load_from_root(filepath, root_rank, objects or None)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or _distributed(optimizer):
         return model
@@ -119,6 +133,40 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     else:
         model.optimizer = wrapped
     return model
+
+
+def _load_from_root(filepath, root_rank, custom_objects):
+    """keras.models.load_model of `root_rank`'s file on every rank."""
+    import os
+    import tempfile
+
+    import keras
+
+    from kerasdist import basics, objects
+
+    if basics.rank() == root_rank:
+        try:
+            with open(filepath, "rb") as f:
+                sent = ("ok", f.read())
+        except OSError as e:
+            sent = ("error", f"{type(e).__name__}: {e}")
+    else:
+        sent = None
+    # The root's failure travels too, so that no rank waits for bytes.
+    status, payload = objects.broadcast_object(
+        sent, root_rank=root_rank, name="kerasdist.load_model")
+    if status != "ok":
+        raise OSError(f"load_model(root_rank={root_rank}): rank "
+                      f"{root_rank} could not read the file: {payload}")
+    if basics.rank() == root_rank:
+        return keras.models.load_model(filepath,
+                                       custom_objects=custom_objects)
+    suffix = ".h5" if str(filepath).endswith(".h5") else ".keras"
+    with tempfile.TemporaryDirectory(prefix="kerasdist-load-") as tmp:
+        local = os.path.join(tmp, "model" + suffix)
+        with open(local, "wb") as f:
+            f.write(payload)
+        return keras.models.load_model(local, custom_objects=custom_objects)
 
 
 def _distributed(optimizer):

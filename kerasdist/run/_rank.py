@@ -453,14 +453,25 @@ def chunks(fd):
         yield data
 
 
+def prefixed(pieces, prefix, state):
+    """`pieces` (from Units) with `prefix` on each, except the bare "\n"
+    that ends a redrawn line (the launcher's Log ends the bar with it). A
+    blank line of the rank's own is a bare "\n" too, but not after a
+    redraw: it gets its prefix. `state`: a dict kept between calls."""
+    for piece in pieces:
+        bare = piece == b"\n" and state.get("redrawing", False)
+        state["redrawing"] = piece.endswith(b"\r")
+        yield piece if bare else prefix + piece
+
+
 def _pump(pipe, fd, prefix):
     """Copies `pipe` to `fd`, one write() per prefixed piece (see Units)."""
-    units = Units()
+    units, state = Units(), {}
     for data in chunks(pipe.fileno()):
-        for piece in units.feed(data):
-            _write_all(fd, piece if piece == b"\n" else prefix + piece)
-    for piece in units.close():
-        _write_all(fd, piece if piece == b"\n" else prefix + piece)
+        for piece in prefixed(units.feed(data), prefix, state):
+            _write_all(fd, piece)
+    for piece in prefixed(units.close(), prefix, state):
+        _write_all(fd, piece)
     pipe.close()
 
 

@@ -93,10 +93,15 @@ class Outcome:
         resized: every rank stopped at a checkpoint for the resize the
             launcher asked for; the job goes on at the new size (this is
             no failure and no restart).
+        error: what the ranks that failed on their own said last, as a
+            comparable value (their ranks, exit codes and last stderr
+            lines), or None when one of them was killed by a signal or
+            said nothing: a relaunch that fails with the same error met a
+            deterministic one (a missing script, a TypeError).
     """
 
     def __init__(self, exit_code, failure=None, timed_out=False, signum=None,
-                 reason="", final=False, resized=False):
+                 reason="", final=False, resized=False, error=None):
         self.exit_code = exit_code
         self.failure = failure
         self.timed_out = timed_out
@@ -104,6 +109,7 @@ class Outcome:
         self.reason = reason
         self.final = final
         self.resized = resized
+        self.error = error
 
     @property
     def retryable(self):
@@ -226,6 +232,16 @@ class Unreachable:
 # heartbeat for 30 s (...); ending this rank."
 _LOST_RE = re.compile(rb"kerasdist: rank (\d+): lost (.*); ending this rank\.")
 
+# A rank's stderr line (its own words, not kerasdist's, tell an error).
+_STDERR_RE = re.compile(rb"^\[(\d+)\]<stderr>:(.*?)\r?\n?$")
+
+# The runtime's line (rank 0's) when every rank waits for collectives no
+# other rank submitted. The launcher holds it back and says it as its last
+# line, once, after the ranks' output.
+_DEADLOCK_RE = re.compile(
+    rb"^(?:\[\d+\]<stderr>:)?kerasdist: (deadlock: every rank is waiting"
+    rb".*?)\r?\n?$")
+
 # hydra's banner when a rank ends badly. The launcher says what happened in
 # a line of its own, so the banner is left out (shown with --verbose).
 _BANNER_RE = re.compile(
@@ -254,6 +270,8 @@ class Findings:
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
+        self.deadlock = None  # the runtime's deadlock message (text)
+        self.last_error = {}  # rank -> its last stderr line (text)
 
     def add_exit(self, rank):
         with self.lock:
@@ -287,6 +305,21 @@ class Findings:
         if lost:
             return "lost " + lost[min(lost)]
         return failures[0].describe() if failures else ""
+
+    def error(self):
+        """Outcome.error: ((rank, status, last stderr line), ...) of the
+        ranks that failed on their own, or None."""
+        failures, _, culprits = self._split()
+        if not culprits:
+            return None
+        with self.lock:
+            said = [(f.rank, f.status, self.last_error.get(f.rank))
+                    for f in culprits]
+        # A signal (killed: out of memory, a host's trouble) says nothing
+        # of the next attempt, whatever was printed before it.
+        if any(line is None or status < 0 for _, status, line in said):
+            return None
+        return tuple(sorted(said))
 
     def first_failure(self):
         failures, _, culprits = self._split()
@@ -366,8 +399,8 @@ class _Relay(threading.Thread):
                 continue
             start = line.find(_rank.MARKER)
             if start < 0:
-                self._note(line)
-                self._write(line)
+                if not self._note(line):
+                    self._write(line)
                 continue
             parsed = _rank.parse_marker(
                 line[start:], os.environ.get(_rank.MARKER_TOKEN_ENV))
@@ -402,6 +435,20 @@ class _Relay(threading.Thread):
         self.log.raw(line, self.stream)
 
     def _note(self, line):
+        """Notes what `line` tells; True when the line is held back."""
+        m = _STDERR_RE.match(line)
+        if m and m.group(2).strip() and \
+                not m.group(2).startswith(b"kerasdist: "):
+            with self.findings.lock:
+                self.findings.last_error[m.group(1).decode()] = \
+                    m.group(2).strip().decode(errors="replace")
+        m = _DEADLOCK_RE.match(line)
+        if m:
+            with self.findings.lock:
+                if self.findings.deadlock is None:
+                    self.findings.deadlock = m.group(1).decode(
+                        errors="replace")
+            return True
         m = _LOST_RE.search(line)
         if m:
             self.findings.add_lost(m.group(1).decode(),
@@ -519,8 +566,11 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             len(findings.ranks_failed()) == resize.old_np:
         return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
                        reason="the ranks stopped for a resize")
-    return _outcome(rc, stopper.reason, findings, interrupts, timeout, log,
-                    manager, ranks)
+    outcome = _outcome(rc, stopper.reason, findings, interrupts, timeout,
+                       log, manager, ranks)
+    if findings.deadlock is not None:
+        log.line(findings.deadlock)
+    return outcome
 
 
 class _Stopper:
@@ -634,7 +684,7 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
         if stop_reason is None:  # mpiexec ended before the loop saw it
             log.line(f"{findings.describe()}; the job has ended.")
         return Outcome(failure.exit_code, failure,
-                       reason=findings.describe())
+                       reason=findings.describe(), error=findings.error())
     if rc != 0:
         log.line(f"{manager} exited with {describe_status(rc)}.")
         return Outcome(status_exit_code(rc),

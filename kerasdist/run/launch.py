@@ -62,6 +62,14 @@ def _positive_int(text):
     return value
 
 
+def _num_proc(text):
+    # argparse reads "-np2" as "-n p2" (-n is -np's short form): take it
+    # as the "-np 2" it means.
+    if len(text) > 1 and text[0] == "p" and text[1:].isdigit():
+        text = text[1:]
+    return _positive_int(text)
+
+
 def _non_negative_float(text):
     try:
         value = float(text)
@@ -113,7 +121,7 @@ def make_parser():
                     "rank-prefixed output and fail-fast teardown.",
         epilog="Example: kerasdist run -np 2 python train.py",
     )
-    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_positive_int,
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_num_proc,
                    metavar="N", help="number of ranks (default inside a "
                    "Slurm allocation: its number of tasks)")
     where = p.add_mutually_exclusive_group()
@@ -583,6 +591,9 @@ def build_openmpi_argv(mpirun, np, command, rank_env, hosts=None,
                                     huge_pages) + list(command)
 
 
+QUIET_TF_ENV = "TF_CPP_MIN_LOG_LEVEL"
+
+
 def _rank_env(args, attempt):
     env = settings.build_env(
         attempt,
@@ -595,6 +606,11 @@ def _rank_env(args, attempt):
     if getattr(args, "host_discovery_script", None) is not None and \
             args.node is None:
         env[_rank.ELASTIC_ENV] = "1"  # see kerasdist/run/resize.py
+    # TensorFlow's C++ start-up lines (CPU features, oneDNN, absl's notice)
+    # would come once per rank before the first epoch: warnings and errors
+    # only, unless the caller chose a level.
+    if QUIET_TF_ENV not in os.environ:
+        env[QUIET_TF_ENV] = "1"
     return env
 
 
@@ -744,6 +760,8 @@ class Attempts:
     def __init__(self, max_restarts):
         self.max_restarts = max_restarts
         self.started = self.restarts = self.resizes = 0
+        self.repeated = None  # the error two attempts in a row ended with
+        self._last_error = None
 
     def start(self):
         """Notes an attempt's start; returns its number from 0."""
@@ -755,7 +773,13 @@ class Attempts:
         if outcome.resized:
             self.resizes += 1
             return "resize"
+        last, self._last_error = self._last_error, outcome.error
         if not outcome.retryable or self.restarts >= self.max_restarts:
+            return None
+        if outcome.error is not None and outcome.error == last:
+            # The same ranks failed with the same words again: a relaunch
+            # would only repeat it.
+            self.repeated = outcome.error
             return None
         self.restarts += 1
         return "restart"
@@ -831,7 +855,12 @@ def _run(args, mpiexec, log, workdir=None):
                                     interrupts, log)
                 if stopped is not None:
                     return stopped
-        if outcome.retryable and attempts.max_restarts > 0:
+        if attempts.repeated is not None:
+            rank, _, said = attempts.repeated[0]
+            log.line(f"not restarting: attempt {attempts.started} failed "
+                     f"as attempt {attempts.started - 1} did (rank {rank}: "
+                     f"{said}), an error a restart repeats.")
+        elif outcome.retryable and attempts.max_restarts > 0:
             log.line(f"giving up after {attempts.started} attempts.")
     return outcome.exit_code
 

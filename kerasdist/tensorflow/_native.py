@@ -12,6 +12,24 @@ from kerasdist._core import capi as _capi
 _ops = None
 
 
+def _autograph_leaves_kerasdist_alone():
+    """Keeps AutoGraph from converting kerasdist's own functions when a
+    `tf.function` calls them, as TensorFlow does for Keras and itself.
+
+    kerasdist's code runs as written inside graphs (Keras' train step
+    calls it unconverted anyway); converted, its plain-Python helpers
+    (the lazy loader below: `os.path.exists`, importlib's finders) made
+    AutoGraph print "could not transform" warnings on every rank."""
+    from tensorflow.python.autograph.core import config
+    rule = config.DoNotConvert("kerasdist")
+    if not any(isinstance(r, config.DoNotConvert) and r.matches("kerasdist")
+               for r in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (rule,) + tuple(config.CONVERSION_RULES)
+
+
+_autograph_leaves_kerasdist_alone()
+
+
 def _rebuild_hint():
     return ("Rebuild kerasdist against it: from the kerasdist source tree run "
             "`pip install --no-build-isolation -e .` "

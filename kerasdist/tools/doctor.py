@@ -13,6 +13,7 @@ launcher (`python -m kerasdist.run -np N python -m kerasdist.tools.doctor
 import argparse
 import ctypes
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -100,6 +101,53 @@ def jax_check(jax_version, library):
         return (FAIL, f"the JAX op library {path} {problem}: rebuild with "
                       "`pip install --no-build-isolation -e .`.")
     return (OK, f"jax {jax_version} and its op library")
+
+
+def torch_check(torch_version):
+    """(status, message) for the PyTorch front end, which needs nothing
+    built: `torch_version` installed, or None."""
+    if torch_version is None:
+        return (INFO, "PyTorch is not installed (only needed for "
+                      "KERAS_BACKEND=torch: pip install "
+                      "--no-build-isolation -e '.[torch]')")
+    return (OK, f"PyTorch {torch_version} (kerasdist.torch needs nothing "
+                "built)")
+
+
+def active_backend(environ):
+    """(backend, where it comes from) as Keras will choose it:
+    KERAS_BACKEND, else keras.json's "backend", else TensorFlow."""
+    name = environ.get("KERAS_BACKEND")
+    if name:
+        return name, "KERAS_BACKEND"
+    home = environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras")
+    path = os.path.join(home, "keras.json")
+    try:
+        with open(path) as f:
+            name = json.load(f).get("backend")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name:
+        return name, path
+    return "tensorflow", "Keras' default"
+
+
+def backend_check(backend, where, version):
+    """(status, message) for the Keras backend scripts will run on:
+    `backend` chosen by `where`, its framework's `version` (or None)."""
+    install = {"jax": "pip install \"jax[cpu]==0.10.2\" && pip install "
+                      "--no-build-isolation -e '.[jax]'",
+               "torch": "pip install --no-build-isolation -e '.[torch]'",
+               "tensorflow": "pip install -r requirements.txt"}
+    if backend not in install:
+        return (FAIL, f"Keras backend {backend!r} (from {where}): kerasdist "
+                      "runs on tensorflow, jax and torch; set KERAS_BACKEND "
+                      "to one of them.")
+    if version is None:
+        return (FAIL, f"Keras backend {backend} (from {where}), but "
+                      f"{backend} is not installed: {install[backend]}.")
+    return (OK, f"Keras backend {backend} {version} (from {where})")
 
 
 def _gpus():
@@ -294,6 +342,11 @@ def install_checks(np_ranks):
                                          _version("jax")[0])
     if jax_mismatch:
         out.append((WARN, jax_mismatch))
+    out.append(torch_check(_version("torch")[0]))
+    backend, where = active_backend(os.environ)
+    out.append(backend_check(
+        backend, where,
+        _version(backend)[0] if backend in _DISTRIBUTIONS else None))
     out += mpi_checks(info, site_mpi.record(), os.environ)
     try:
         from kerasdist.run import launch

@@ -409,6 +409,10 @@ class Trainer:
             self._source_point = self._resume.load_source(
                 self._load_on_rank0, self._rng_count())
             _tcb.sync_state(model)
+            source = self._resume.source
+            self._log(f"loaded checkpoint {source['weights_path']} (after "
+                      f"epoch {source['epoch']}, optimizer step "
+                      f"{int(self.optimizer.iterations)})")
 
     def _compile(self):
         # TensorFlow: no XLA, kerasdist's TF ops have no XLA kernel (Keras's

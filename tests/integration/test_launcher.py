@@ -258,6 +258,33 @@ def test_restarts_back_off_and_timeout_holds_between_them():
     assert took < 20, took
 
 
+def test_max_restarts_does_not_repeat_a_deterministic_error():
+    code = ("import os\n"
+            "print('attempt', os.environ['KERASDIST_RESTART_ATTEMPT'])\n"
+            "raise TypeError('build_model() got an unexpected keyword')\n")
+    out = launch(2, python_cmd(code), timeout=60,
+                 launcher_args=("--max-restarts", "5"))
+    assert out.returncode == 1, out.stdout
+    assert "attempt 2 of 6" in out.stdout and "attempt 3" not in out.stdout
+    assert out.stdout.rstrip("\n").splitlines()[-1] == (
+        "kerasdist: not restarting: attempt 2 failed as attempt 1 did (rank "
+        "0: TypeError: build_model() got an unexpected keyword), an error a "
+        "restart repeats."), out.stdout
+
+
+@pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
+def test_tensorflow_start_up_lines_are_quiet_unless_asked(given, seen):
+    env = dict(os.environ)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    if given is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = given
+    out = launch(1, python_cmd(
+        "import os; print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'))"),
+        timeout=60, env=env)
+    assert out.returncode == 0, out.stdout
+    assert rank_lines(out.stdout, 0) == [f"level {seen}"], out.stdout
+
+
 def test_timeout_stops_job_with_124(tmp_path):
     body = "print('up', flush=True); time.sleep(600)\n"
     start = time.monotonic()

@@ -123,3 +123,20 @@ def test_mnist_example_small(tmp_path):
     assert said == [f"resuming from {tmp_path / 'epoch2.weights.h5'}: "
                     "epoch 3 of 3"], out.stdout[-3000:]
     assert "epoch3.weights.h5" in os.listdir(tmp_path)
+
+
+def test_model_checkpoint_on_rank0_alone_ends_when_the_others_do():
+    """Horovod scripts add their checkpoint callback on rank 0 only: its
+    end-of-fit wait must not fail once the other ranks have finished.
+    (Keras' numpy backend: no framework to start.)"""
+    code = ("import kerasdist as kd\n"
+            "from kerasdist.callbacks import ModelCheckpoint\n"
+            "kd.init()\n"
+            "if kd.rank() == 0:\n"
+            "    ModelCheckpoint('m.keras').on_train_end()\n"
+            "print('done', kd.rank(), flush=True)\n")
+    out = launch(2, [sys.executable, "-c", code], timeout=120,
+                 env=dict(os.environ, KERAS_BACKEND="numpy"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    for r in (0, 1):
+        assert rank_lines(out.stdout, r) == [f"done {r}"], out.stdout

@@ -53,8 +53,18 @@ def test_uneven_shards_end_the_job_naming_each_rank():
             in line), line
     assert "Likely cause: uneven data" in line, line
     assert "kd.data.shard" in line and "EqualizeStepsCallback" in line, line
-    # every rank's collective failed with the same explanation
-    assert out.stdout.count("EqualizeStepsCallback") >= 3, out.stdout[-4000:]
+    # The launcher's last line, said once; the ranks that died of it say
+    # where in one line each, without their tracebacks through Keras.
+    assert out.stdout.rstrip("\n").splitlines()[-1] == line, \
+        out.stdout[-4000:]
+    assert line.startswith("kerasdist: deadlock:"), line
+    assert out.stdout.count("EqualizeStepsCallback") == 1, out.stdout[-4000:]
+    assert "Traceback" not in out.stdout, out.stdout[-4000:]
+    assert re.search(r"<stderr>:kerasdist: a collective failed at "
+                     r"deadlock_worker\.py:\d+: the job is deadlocked, as "
+                     r"rank 0's deadlock message says \(traceback left "
+                     r"out\)\.",
+                     out.stdout), out.stdout[-4000:]
     _assert_ended_in_time(out, ended)
 
 
@@ -68,6 +78,8 @@ def test_a_rank_that_skips_a_collective_ends_the_job():
     assert "rank 1 waits on 1 (allreduce 'step.4')" in line, line
     assert "Likely cause: a rank skipped a collective" in line, line
     assert "exception it caught" in line, line
+    assert out.stdout.rstrip("\n").splitlines()[-1] == line, \
+        out.stdout[-4000:]
     _assert_ended_in_time(out, ended)
 
 

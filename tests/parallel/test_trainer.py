@@ -145,6 +145,11 @@ def test_fine_tune_at_another_size(straight, np_):
     _assert_checks(out, ["loaded_checkpoint_state", "freeze_by_name",
                          "fine_tune_improves_on_new_data",
                          "fine_tune_checkpoints"], np_=np_)
+    loaded = [line for line in rank_lines(out.stdout, 0)
+              if "loaded checkpoint" in line]
+    assert len(loaded) == 1 and re.search(
+        r"^kerasdist\.Trainer: loaded checkpoint \S+epoch-000004\.weights\.h5 "
+        r"\(after epoch 4, optimizer step \d+\)$", loaded[0]), loaded
 
 
 def test_example_small(tmp_path):

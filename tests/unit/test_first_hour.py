@@ -145,3 +145,83 @@ def test_timeline_steps_are_counted_on_a_gradient_not_the_start_up(
     assert timeline._step_window(trace, 1, 0) == (100, 1100)
     assert timeline._step_window(trace, 1, 1) == (1100, 2100)
     assert timeline._step_window(trace, 2, 1) == (1100, 2200)
+
+
+def test_a_job_of_one_outside_any_launcher_says_so_once(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import kerasdist as kd\n"
+                      "kd.init(); kd.init()\n"
+                      "print(kd.size())\n")
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path,
+                       env=launcher_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout == "1\n", p.stderr
+    assert p.stderr.splitlines() == [
+        "kerasdist: no launcher started this process, so it runs as a job "
+        f"of one; to train on N processes run `kerasdist run -np N python "
+        f"{script}`."], p.stderr
+    # Under the launcher, a job of one is what was asked for: no hint.
+    p = subprocess.run([sys.executable, "-m", "kerasdist.run", "-np", "1",
+                        sys.executable, str(script)], cwd=tmp_path,
+                       env=launcher_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no launcher" not in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+# setup.py's progress lines, without running setup(): its two helpers.
+_PROGRESS_CODE = """
+import ast, os, sys
+tree = ast.parse(open(sys.argv[1]).read())
+keep = [n for n in tree.body if getattr(n, "name", "") in
+        ("_pip_ancestor", "_Progress")]
+ns = {"os": os, "sys": sys}
+exec(compile(ast.Module(keep, []), "setup.py", "exec"), ns)
+progress = ns["_Progress"]()
+progress.say("kerasdist:   built libkerasdist_core.so (1 s)")
+progress.close()
+"""
+
+
+def test_build_progress_reaches_pips_output_through_a_pipe(tmp_path):
+    # A stand-in for pip: its argv names pip, it captures the build's
+    # output (showing it only as CAPTURED), and its own stderr is a pipe.
+    stub = tmp_path / "pip"
+    stub.write_text(
+        "import subprocess, sys\n"
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "print('CAPTURED', repr(p.stdout + p.stderr))\n")
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), "setup.py")
+    p = subprocess.run(
+        [sys.executable, str(stub), sys.executable, "-c", _PROGRESS_CODE,
+         setup_py], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
+        (p.stdout, p.stderr)
+    assert p.stdout == "CAPTURED ''\n", p.stdout
+    # Without pip, the lines go to the build's own stderr.
+    p = subprocess.run([sys.executable, "-c", _PROGRESS_CODE, setup_py],
+                       capture_output=True, text=True, timeout=60)
+    assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
+        p.stderr
+
+
+def test_doctor_names_pytorch_and_the_active_keras_backend(tmp_path):
+    from kerasdist.tools import doctor
+    assert doctor.torch_check(None)[0] == doctor.INFO
+    assert doctor.torch_check("2.13.0") == (
+        doctor.OK, "PyTorch 2.13.0 (kerasdist.torch needs nothing built)")
+    assert doctor.active_backend({"KERAS_BACKEND": "jax"}) == (
+        "jax", "KERAS_BACKEND")
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert doctor.active_backend({"KERAS_HOME": str(tmp_path)}) == (
+        "torch", str(tmp_path / "keras.json"))
+    assert doctor.active_backend({"KERAS_HOME": str(tmp_path / "no")}) == (
+        "tensorflow", "Keras' default")
+    assert doctor.backend_check("torch", "KERAS_BACKEND", "2.13.0") == (
+        doctor.OK, "Keras backend torch 2.13.0 (from KERAS_BACKEND)")
+    status, message = doctor.backend_check("torch", "KERAS_BACKEND", None)
+    assert status == doctor.FAIL and "torch is not installed" in message
+    status, message = doctor.backend_check("numpy", "KERAS_BACKEND", None)
+    assert status == doctor.FAIL and "tensorflow, jax and torch" in message

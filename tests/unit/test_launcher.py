@@ -168,6 +168,13 @@ def test_parse_args_all_flags():
     assert args.command == ["cmd", "-x"]
 
 
+def test_parse_args_np_written_together():
+    for flag in ("-np2", "-n2", "-np=2"):
+        assert launch.parse_args([flag, "cmd"]).np == 2, flag
+    with pytest.raises(launch.UsageError, match="got 'px'"):
+        launch.parse_args(["-npx", "cmd"])
+
+
 def test_parse_args_hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("a slots=2\n")
@@ -565,6 +572,35 @@ def test_a_resize_is_not_counted_as_a_restart():
     for final in (_outcome(final=True), _outcome(timed_out=True),
                   _outcome(signum=signal.SIGINT)):
         assert launch.Attempts(3).after(final) is None
+
+
+def test_an_error_that_repeats_is_not_restarted_again():
+    said = (("1", 1, "TypeError: bad"),)
+    attempts = launch.Attempts(max_restarts=5)
+    # Killed or silent (error None): always restarted; a new error too.
+    assert attempts.after(_outcome()) == "restart"
+    assert attempts.after(_outcome()) == "restart"
+    assert attempts.after(_outcome(error=said)) == "restart"
+    other = (("1", 1, "ValueError: other"),)
+    assert attempts.after(_outcome(error=other)) == "restart"
+    assert attempts.repeated is None
+    assert attempts.after(_outcome(error=other)) is None
+    assert attempts.repeated == other and attempts.restarts == 4
+
+
+def test_findings_error_needs_every_culprits_last_line():
+    findings = job.Findings()
+    findings.add_failure(job.RankFailure("1", "h", 1))
+    assert findings.error() is None           # rank 1 said nothing
+    findings.last_error["1"] = "TypeError: bad"
+    assert findings.error() == (("1", 1, "TypeError: bad"),)
+    findings.add_failure(job.RankFailure("0", "h", 3))
+    assert findings.error() is None           # rank 0 said nothing
+    findings.last_error["0"] = "OSError: disk full"
+    assert len(findings.error()) == 2
+    findings.add_failure(job.RankFailure("2", "h", -9))
+    findings.last_error["2"] = "WARNING: something"
+    assert findings.error() is None           # rank 2 was killed
 
 
 class _Proc:

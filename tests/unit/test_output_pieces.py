@@ -48,6 +48,15 @@ def test_carriage_return_line_feed_ends_a_line_once():
     assert out == [[b"x\r", b"\n"], [b"y\n"]]
 
 
+def test_blank_lines_keep_the_rank_prefix_a_bars_end_does_not():
+    units, state, out = _rank.Units(), {}, []
+    for chunk in [b"a\n\n", b"\r1/2 bar", b"\r2/2 bar\n", b"\n", b"x\r\n"]:
+        out += _rank.prefixed(units.feed(chunk), b"[1]<stdout>:", state)
+    assert out == [b"[1]<stdout>:a\n", b"[1]<stdout>:\n",
+                   b"[1]<stdout>:1/2 bar\r", b"[1]<stdout>:2/2 bar\r", b"\n",
+                   b"[1]<stdout>:\n", b"[1]<stdout>:x\r", b"\n"]
+
+
 def _log():
     out = io.BytesIO()
     return job.Log(out=out, err=out), out

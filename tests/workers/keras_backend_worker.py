@@ -371,6 +371,53 @@ def check_checkpoint():
               for v in model.optimizer.variables]))
 
 
+class _SlowRankZero(keras.callbacks.Callback):
+    """Rank 0 reaches each epoch's checkpoint late: a rank that returned
+    from fit without waiting would read the previous epoch's file."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if R == 0:
+            import time
+            time.sleep(1.5)
+
+
+@check("every_rank_loads_rank0_model_after_fit")
+def check_every_rank_loads_rank0_model():
+    """The FordA pattern: save the model on rank 0, load it on every rank
+    right after fit. kd.callbacks.ModelCheckpoint('.keras') makes fit end
+    only once the file is complete; kd.load_model(root_rank=0) reads
+    rank 0's file (written by Keras' own callback on rank 0) on rank 0
+    only and sends it to the others."""
+    x, y = data()
+    xs, ys = my_part(x), my_part(y)
+    shared = os.path.join(DIR, "shared", "last.keras")
+    private = os.path.join(DIR, f"rank{R}", "private", "best.keras")
+    callbacks = [kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 _SlowRankZero(),
+                 kd.callbacks.ModelCheckpoint(shared, monitor="loss")]
+    if R == 0:
+        callbacks.append(keras.callbacks.ModelCheckpoint(private))
+    model = dense_model()
+    model.compile(kd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  "mse")
+    model.fit(xs, ys, batch_size=B, epochs=2, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    trained = flat(model.get_weights())
+    loaded = keras.models.load_model(shared)
+    np.testing.assert_array_equal(flat(loaded.get_weights()), trained)
+    if R != 0:
+        assert not os.path.exists(private), private
+    loaded = kd.load_model(private, root_rank=0)
+    np.testing.assert_array_equal(flat(loaded.get_weights()), trained)
+    assert loaded.optimizer._kerasdist_settings is not None
+    try:
+        kd.load_model(os.path.join(DIR, "missing.keras"), root_rank=0)
+    except OSError as e:
+        assert "rank 0 could not read the file" in str(e), e
+    else:
+        raise AssertionError("load_model of a missing file did not raise")
+
+
 # ---- gradient buckets (overlap) ---------------------------------------------
 
 # dense_model's gradients in backprop order are bias 1 (4 bytes), kernel 1

@@ -278,8 +278,10 @@ def mode_corrupt(args):
 def mode_finetune(args):
     size = kd.size()
     source = checkpoints.latest(args.ckpt_dir)
+    # verbose=2: rank 0 says which checkpoint it loaded (and prints a
+    # line per epoch).
     trainer = Toy.from_checkpoint(args.ckpt_dir, checkpoint_dir=args.new_dir,
-                                  verbose=0)
+                                  verbose=2)
     x_new, y_new = make_data(150, 3, shift=0.5)
     before = trainer.evaluate((x_new, y_new))
     expected = checkpoint_in_fresh_model(source["weights_path"])

@@ -1,0 +1,211 @@
+"""`kerasdist.run(fn, np=...)`: Horovod's `horovod.run`, on `kerasdist run`.
+
+The launching process pickles `(fn, args, kwargs)` (cloudpickle, so a
+function defined in a script travels by value), starts
+`python -m kerasdist.run -np N [-H ...] python -m kerasdist.run.function
+PAYLOAD` and passes the job's output through. Every rank unpickles the
+call, runs it and writes its pickled result on stdout as one marked line;
+the launcher prefixes it with the rank, and this process takes those lines
+out of the output and returns the results in rank order. No file is shared
+between hosts unless the call is too large for a command line.
+
+Standard library only (cloudpickle when installed), like the rest of the
+launcher; never imports a framework.
+"""
+
+import base64
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+__all__ = ["run"]
+
+# Marks a rank's result in its stdout; a line may hold output before it
+# (the function's last print without a newline).
+_MARKER = "\x1ekerasdist-run-result:"
+_PREFIXED = re.compile(r"^\[(\d+)\]<stdout>:(.*)$")
+# Payloads up to this many base64 characters travel on the command line
+# (Linux takes 128 KiB per argument); larger ones in a file.
+_ARGV_LIMIT = 64 * 1024
+
+
+def _dumps(obj, what):
+    try:
+        import cloudpickle as pickler
+    except ImportError:  # pragma: no cover
+        pickler = pickle
+    try:
+        return pickler.dumps(obj)
+    except Exception as e:
+        hint = ("" if pickler is not pickle else
+                " (pip install cloudpickle to send functions defined in a "
+                "script or a notebook)")
+        raise TypeError(f"kerasdist.run: cannot pickle {what}: "
+                        f"{type(e).__name__}: {e}{hint}.") from None
+
+
+def _check_np(np, num_proc):
+    if np is not None and num_proc is not None and np != num_proc:
+        raise ValueError(f"kerasdist.run: np={np!r} and num_proc="
+                         f"{num_proc!r} disagree; give one of them.")
+    n = np if np is not None else num_proc
+    if (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
+        raise ValueError("kerasdist.run: np (Horovod's num_proc) must be a "
+                         f"positive int, the number of ranks; got {n!r}.")
+    return n
+
+
+def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
+        env=None, executable=None, verbose=False, launcher_args=(),
+        num_proc=None):
+    """Runs `fn(*args, **kwargs)` on `np` ranks and returns their results.
+
+    Horovod's `horovod.run(fn, args, kwargs, num_proc=..., hosts=...)`:
+    `fn` runs in `np` new processes started by `kerasdist run` (with its
+    CPU binding, fail-fast teardown and output prefixes), and calls
+    `kerasdist.init()` itself, as any rank script does. The ranks' output
+    is passed through as the launcher prints it.
+
+    Args:
+        fn: the function to run on every rank. It is pickled with
+            cloudpickle, so functions defined in a script (`main`) or a
+            notebook travel by value; the modules it imports must be
+            importable on every host.
+        args: positional arguments for `fn` (pickled with it).
+        kwargs: keyword arguments for `fn`.
+        np: the number of ranks (Horovod's `num_proc`, also accepted).
+        hosts: "host1:slots,host2:slots", as `kerasdist run -H`.
+        hostfile: a hostfile, as `kerasdist run --hostfile`.
+        env: variables to set for the ranks, on top of this process's
+            environment.
+        executable: the Python the ranks run (default: this one).
+        verbose: `kerasdist run --verbose`.
+        launcher_args: more `kerasdist run` flags, e.g.
+            `["--bind-to", "none"]`.
+        num_proc: Horovod's name for `np`.
+
+    Returns:
+        A list of `size()` values: rank r's return value at index r.
+
+    Raises:
+        ValueError: for a missing or bad `np`, or both `hosts` and
+            `hostfile`.
+        TypeError: if `fn`, its arguments or a rank's result cannot be
+            pickled.
+        RuntimeError: if the job fails (a rank raised or died): the
+            ranks' output above it says why.
+
+    Example:
+    >>> import kerasdist as kd
+    >>> def work(scale):
+    ...     kd.init()
+    ...     return kd.rank() * scale
+    >>> kd.run(work, args=(10,), np=2)
+    [0, 10]
+    """
+    n = _check_np(np, num_proc)
+    if not callable(fn):
+        raise TypeError(f"kerasdist.run: fn must be callable; got "
+                        f"{type(fn).__name__}.")
+    if hosts is not None and hostfile is not None:
+        raise ValueError("kerasdist.run: give hosts or hostfile, not both.")
+    if "--no-prefix" in launcher_args:
+        raise ValueError("kerasdist.run: launcher_args cannot hold "
+                         "--no-prefix: the results are told apart by the "
+                         "ranks' prefixes.")
+    payload = base64.b64encode(
+        _dumps((fn, tuple(args), dict(kwargs or {})),
+               "the function or its arguments")).decode()
+    workdir = None
+    if len(payload) > _ARGV_LIMIT:
+        # Too long for a command line: a file, which ranks on other hosts
+        # see only on a shared file system.
+        workdir = tempfile.mkdtemp(prefix="kerasdist-run-")
+        path = os.path.join(workdir, "call.b64")
+        with open(path, "w") as f:
+            f.write(payload)
+        payload = "@" + path
+    cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n)]
+    if hosts is not None:
+        cmd += ["-H", str(hosts)]
+    if hostfile is not None:
+        cmd += ["--hostfile", os.fspath(hostfile)]
+    if verbose:
+        cmd.append("--verbose")
+    cmd += [str(a) for a in launcher_args]
+    cmd += [executable or sys.executable, "-m", "kerasdist.run.function",
+            payload]
+    child_env = dict(os.environ)
+    child_env.update({k: str(v) for k, v in (env or {}).items()})
+    # The ranks import kerasdist, and the caller's modules that `fn`
+    # refers to, from where this process found them.
+    package_root = os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__))))
+    script_dir = os.path.abspath(sys.path[0]) if sys.path[0] else os.getcwd()
+    extra = [p for p in (script_dir, package_root)
+             if p not in child_env.get("PYTHONPATH", "").split(os.pathsep)]
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        extra + [p for p in [child_env.get("PYTHONPATH")] if p])
+    results = {}
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=child_env,
+                                text=True, errors="replace")
+        try:
+            for line in proc.stdout:
+                line = _take_result(line, results)
+                if line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    finally:
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if code != 0:
+        raise RuntimeError(f"kerasdist.run: the job failed (exit code "
+                           f"{code}); the ranks' output above says why.")
+    missing = [r for r in range(n) if r not in results]
+    if missing:
+        raise RuntimeError(f"kerasdist.run: rank(s) {missing} returned no "
+                           "result although the job succeeded (an "
+                           "os._exit in fn?).")
+    return [pickle.loads(base64.b64decode(results[r])) for r in range(n)]
+
+
+def _take_result(line, results):
+    """Records a result marked in `line` (a launcher output line) and
+    returns the rest of the line to print ('' for none)."""
+    m = _PREFIXED.match(line.rstrip("\n"))
+    if not m or _MARKER not in m.group(2):
+        return line
+    before, _, encoded = m.group(2).partition(_MARKER)
+    results[int(m.group(1))] = encoded.strip()
+    return f"[{m.group(1)}]<stdout>:{before}\n" if before else ""
+
+
+def _rank_main(argv):
+    """A rank: runs the pickled call and prints its marked result."""
+    if len(argv) != 1:
+        sys.exit("usage: python -m kerasdist.run.function PAYLOAD (started "
+                 "by kerasdist.run(fn, ...), not by hand)")
+    payload = argv[0]
+    if payload.startswith("@"):
+        with open(payload[1:]) as f:
+            payload = f.read()
+    fn, args, kwargs = pickle.loads(base64.b64decode(payload))
+    result = fn(*args, **kwargs)
+    encoded = base64.b64encode(_dumps(result, "the result")).decode()
+    sys.stdout.flush()
+    sys.stdout.write(_MARKER + encoded + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

@@ -1,0 +1,96 @@
+"""`kerasdist.run(fn, np=...)`, Horovod's `horovod.run`: real launches of a
+function defined in a script (so it travels by value), no framework.
+
+Every launch has a timeout that kills the whole tree.
+"""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.support.helpers import REPO_ROOT, kill_tree, launcher_env
+from kerasdist.run import function
+
+pytestmark = pytest.mark.parallel
+
+
+def _driver(tmp_path, body, timeout=120):
+    """Runs `body` as a script (its functions live in __main__)."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(body))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        env=launcher_env(), cwd=REPO_ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc)
+        proc.wait()
+        raise
+    return proc.returncode, out
+
+
+def test_returns_each_ranks_result_in_rank_order(tmp_path):
+    code, out = _driver(tmp_path, """
+        import kerasdist as kd
+        import kerasdist as horovod   # Horovod: import horovod
+
+        def work(scale, offset=0):
+            kd.init()
+            total = kd.allgather_object(kd.rank())
+            print("rank", kd.rank(), "of", kd.size(), end="")
+            return kd.rank() * scale + offset, total
+
+        print("RESULT", kd.run(work, args=(10,), kwargs={"offset": 1}, np=2))
+        print("HOROVOD", horovod.run(work, args=(1,), num_proc=2))
+    """)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "RESULT [(1, [0, 1]), (11, [0, 1])]" in lines, out
+    assert "HOROVOD [(0, [0, 1]), (1, [0, 1])]" in lines, out
+    # The ranks' own output passes through, prefixed; the results do not.
+    assert lines.count("[1]<stdout>:rank 1 of 2") == 2, out
+    assert "kerasdist-run-result" not in out, out
+
+
+def test_a_failing_rank_raises_after_its_traceback(tmp_path):
+    code, out = _driver(tmp_path, """
+        import kerasdist as kd
+
+        def work():
+            kd.init()
+            if kd.rank() == 1:
+                raise ValueError("rank one has no data")
+            kd.barrier()
+
+        try:
+            kd.run(work, np=2)
+        except RuntimeError as e:
+            print("RAISED", e)
+    """)
+    assert code == 0, out
+    assert "[1]<stderr>:ValueError: rank one has no data" in out, out
+    assert ("RAISED kerasdist.run: the job failed (exit code 1); the ranks' "
+            "output above says why.") in out, out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "np (Horovod's num_proc) must be a positive int"),
+    ({"np": 0}, "np (Horovod's num_proc) must be a positive int"),
+    ({"np": 2, "num_proc": 3}, "disagree"),
+    ({"np": 2, "hosts": "a:2", "hostfile": "h"}, "not both"),
+    ({"np": 2, "launcher_args": ["--no-prefix"]}, "--no-prefix"),
+])
+def test_bad_arguments_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        function.run(print, **kwargs)
+
+
+def test_unpicklable_arguments_say_so():
+    import threading
+    with pytest.raises(TypeError, match="cannot pickle the function"):
+        function.run(print, args=(threading.Lock(),), np=1)
