@@ -327,6 +327,137 @@ struct Pending {
   std::string theirs;  // the worker's
 };
 
+// Rank 0's side of the workers' handshakes, side by side: each worker
+// sends a hello and its nonce, rank 0 answers with its nonce and proof,
+// the worker proves the key. Connections that stall past Liveness::kHandshakeS,
+// send garbage or fail the proof are dropped; at most Liveness::kMaxPending
+// wait.
+class Handshakes {
+ public:
+  explicit Handshakes(const LivenessOptions& opt)
+      : opt_(opt), seen_(opt.size, false), missing_(opt.size - 1) {}
+  ~Handshakes() {
+    for (Pending& p : pending_) close(p.fd);
+  }
+
+  int missing() const { return missing_; }
+  int unproven() const { return unproven_; }
+  bool seen(int rank) const { return seen_[rank]; }
+
+  // Waits up to 100 ms, then steps the ready handshakes and accepts a new
+  // connection; appends the workers that proved the key to `proven`
+  // (rank, fd).
+  void Poll(int listen_fd, std::vector<std::pair<int, int>>* proven) {
+    std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
+    for (const Pending& p : pending_) fds.push_back({p.fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), 100) <= 0) return;
+    const double now = Now();
+    // From the last, as they may go.
+    for (size_t i = pending_.size(); i-- > 0;) {
+      if (!fds[i + 1].revents) {
+        if (now - pending_[i].since > Liveness::kHandshakeS) Drop(i);
+        continue;
+      }
+      Step(i, now, proven);
+    }
+    if (fds[0].revents) Accept(listen_fd, now);
+  }
+
+ private:
+  void Drop(size_t i) {
+    close(pending_[i].fd);
+    pending_.erase(pending_.begin() + i);
+  }
+
+  void Step(size_t i, double now, std::vector<std::pair<int, int>>* proven) {
+    Pending& p = pending_[i];
+    const size_t want =
+        p.nonce.empty() ? sizeof(Frame) + kNonceBytes : kMacBytes;
+    char buf[64];
+    ssize_t n = recv(p.fd, buf, want - p.inbox.size(), MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+      Drop(i);
+      return;
+    }
+    if (n > 0) p.inbox.append(buf, n);
+    if (p.inbox.size() < want) {
+      if (now - p.since > Liveness::kHandshakeS) Drop(i);
+      return;
+    }
+    if (p.nonce.empty()) {
+      if (!Answer(p)) Drop(i);
+      return;
+    }
+    if (!EqualInConstantTime(p.inbox, Proof(opt_.key, "kdhb worker", p.nonce,
+                                            p.theirs, p.rank)) ||
+        seen_[p.rank]) {
+      ++unproven_;
+      Drop(i);
+      return;
+    }
+    seen_[p.rank] = true;
+    --missing_;
+    proven->emplace_back(p.rank, p.fd);
+    pending_.erase(pending_.begin() + i);
+  }
+
+  // The hello and the worker's nonce are in: rank 0's nonce and proof.
+  bool Answer(Pending& p) {
+    Frame f;
+    std::memcpy(&f, p.inbox.data(), sizeof(f));
+    if (f.magic != kMagic || f.type != kHello || f.rank <= 0 ||
+        f.rank >= opt_.size || seen_[f.rank]) {
+      return false;
+    }
+    p.rank = f.rank;
+    p.theirs = p.inbox.substr(sizeof(f));
+    p.nonce = RandomBytes(kNonceBytes);
+    p.inbox.clear();
+    return !p.nonce.empty() &&
+           SendAll(p.fd, p.nonce + Proof(opt_.key, "kdhb rank 0", p.theirs,
+                                         p.nonce, p.rank));
+  }
+
+  void Accept(int listen_fd, double now) {
+    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      SetNonBlocking(fd);
+      if (pending_.size() >= static_cast<size_t>(Liveness::kMaxPending))
+        Drop(0);
+      pending_.push_back(Pending{fd, now});
+    } else if (errno == EMFILE || errno == ENFILE) {
+      // Out of descriptors: the oldest handshakes make room.
+      for (int k = 0; k < Liveness::kMaxPending / 2 && !pending_.empty(); ++k)
+        Drop(0);
+    }
+  }
+
+  const LivenessOptions& opt_;
+  std::vector<bool> seen_;
+  int missing_;
+  int unproven_ = 0;  // handshakes that failed their proof
+  std::vector<Pending> pending_;
+};
+
+// The error of a coordinator whose workers did not all arrive in time.
+Status MissingWorkers(const Handshakes& hs, int size) {
+  std::vector<int> absent;
+  for (int r = 1; r < size; ++r) {
+    if (!hs.seen(r)) absent.push_back(r);
+  }
+  std::string why =
+      " never reached rank 0's heartbeat port; allow TCP between the "
+      "hosts, name the interface they reach each other on with "
+      "--network-interface, or turn the heartbeat off with "
+      "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
+  if (hs.unproven() > 0) {
+    why += " (" + std::to_string(hs.unproven()) +
+           " connection(s) did not prove the job's key: check that every "
+           "rank has the same KERASDIST_JOB_SECRET)";
+  }
+  return Status::Internal(RankList(absent) + why);
+}
+
 }  // namespace
 
 Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
@@ -335,102 +466,17 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
   l->opt_ = opt;
   // Each worker tries rank 0's addresses in turn, kConnectTimeoutS each.
   const double until = Now() + opt.timeout_s + 10.0;
-  std::vector<bool> seen(opt.size, false);
-  int missing = opt.size - 1;
-  int unproven = 0;  // handshakes that failed their proof
-  std::vector<Pending> pending;
-  const size_t want_hello = sizeof(Frame) + kNonceBytes;
-  auto drop = [&](size_t i) {
-    close(pending[i].fd);
-    pending.erase(pending.begin() + i);
-  };
-  while (missing > 0 && Now() < until) {
-    std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
-    for (const Pending& p : pending) fds.push_back({p.fd, POLLIN, 0});
-    if (poll(fds.data(), fds.size(), 100) <= 0) continue;
-    const double now = Now();
-    // Steps of the handshakes under way; from the last, as they may go.
-    for (size_t i = pending.size(); i-- > 0;) {
-      Pending& p = pending[i];
-      if (!fds[i + 1].revents) {
-        if (now - p.since > kHandshakeS) drop(i);
-        continue;
-      }
-      const size_t want = p.nonce.empty() ? want_hello : kMacBytes;
-      char buf[64];
-      ssize_t n = recv(p.fd, buf, want - p.inbox.size(), MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        drop(i);
-        continue;
-      }
-      if (n > 0) p.inbox.append(buf, n);
-      if (p.inbox.size() < want) {
-        if (now - p.since > kHandshakeS) drop(i);
-        continue;
-      }
-      if (p.nonce.empty()) {  // the hello and the worker's nonce
-        Frame f;
-        std::memcpy(&f, p.inbox.data(), sizeof(f));
-        if (f.magic != kMagic || f.type != kHello || f.rank <= 0 ||
-            f.rank >= opt.size || seen[f.rank]) {
-          drop(i);
-          continue;
-        }
-        p.rank = f.rank;
-        p.theirs = p.inbox.substr(sizeof(f));
-        p.nonce = RandomBytes(kNonceBytes);
-        p.inbox.clear();
-        if (p.nonce.empty() ||
-            !SendAll(p.fd, p.nonce + Proof(opt.key, "kdhb rank 0", p.theirs,
-                                           p.nonce, p.rank))) {
-          drop(i);
-        }
-        continue;
-      }
-      if (!EqualInConstantTime(p.inbox, Proof(opt.key, "kdhb worker", p.nonce,
-                                              p.theirs, p.rank)) ||
-          seen[p.rank]) {
-        ++unproven;
-        drop(i);
-        continue;
-      }
-      seen[p.rank] = true;
-      --missing;
-      l->peers_.push_back(Peer{p.rank, p.fd, now});
-      pending.erase(pending.begin() + i);
-    }
-    if (fds[0].revents) {
-      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        SetNonBlocking(fd);
-        if (pending.size() >= static_cast<size_t>(kMaxPending)) drop(0);
-        pending.push_back(Pending{fd, now});
-      } else if (errno == EMFILE || errno == ENFILE) {
-        // Out of descriptors: the oldest handshakes make room.
-        for (int k = 0; k < kMaxPending / 2 && !pending.empty(); ++k) drop(0);
-      }
-    }
-  }
-  for (Pending& p : pending) close(p.fd);
+  Handshakes hs(l->opt_);
+  std::vector<std::pair<int, int>> proven;
+  while (hs.missing() > 0 && Now() < until) hs.Poll(listen_fd, &proven);
   close(listen_fd);
-  if (missing > 0) {
-    std::vector<int> absent;
-    for (int r = 1; r < opt.size; ++r) {
-      if (!seen[r]) absent.push_back(r);
-    }
-    std::string why =
-        " never reached rank 0's heartbeat port; allow TCP between the "
-        "hosts, name the interface they reach each other on with "
-        "--network-interface, or turn the heartbeat off with "
-        "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=0";
-    if (unproven > 0) {
-      why += " (" + std::to_string(unproven) +
-             " connection(s) did not prove the job's key: check that every "
-             "rank has the same KERASDIST_JOB_SECRET)";
-    }
+  for (const auto& [rank, fd] : proven) {
+    l->peers_.push_back(Peer{rank, fd, Now()});
+  }
+  if (hs.missing() > 0) {
     for (Peer& p : l->peers_) close(p.fd);
     l->peers_.clear();
-    return Status::Internal(RankList(absent) + why);
+    return MissingWorkers(hs, opt.size);
   }
   if (pipe2(l->wake_, O_CLOEXEC) != 0) return Status::Internal(Errno("pipe"));
   l->thread_ = std::thread(&Liveness::Loop, l.get());
