@@ -259,9 +259,12 @@ def shard_of(framework, layout, variable, i, rank):
     import keras
 
     ops = keras.ops
-    rows = _rows(ops, framework.value(variable), layout.numels[i],
-                 layout.chunks[i], layout.size)
-    return rows[rank]
+    chunk = layout.chunks[i]
+    lo, hi = owned(layout.numels[i], chunk, rank)
+    piece = ops.reshape(framework.value(variable), (-1,))[lo:hi]
+    if hi - lo < chunk:  # the last ranks' shards end in padding
+        piece = ops.pad(piece, [[0, chunk - (hi - lo)]])
+    return piece
 
 
 def global_square_sums(framework, grads, prefix):

@@ -80,14 +80,19 @@ def my_part(a):
     return g[:, R].reshape(STEPS * B, *a.shape[1:])
 
 
-def dense_model(seed=1):
-    model = keras.Sequential([keras.Input((4,)),
-                              keras.layers.Dense(3, activation="tanh"),
-                              keras.layers.Dense(1)])
+def seeded(model, seed, scale=0.5):
+    """`model` with normal(0, scale) weights from `seed`, alike on every
+    rank and backend."""
     rng = np.random.default_rng(seed)
-    model.set_weights([(rng.normal(size=w.shape) * 0.5).astype("float32")
+    model.set_weights([(rng.normal(size=w.shape) * scale).astype("float32")
                        for w in model.get_weights()])
     return model
+
+
+def dense_model(seed=1):
+    return seeded(keras.Sequential([keras.Input((4,)),
+                                    keras.layers.Dense(3, activation="tanh"),
+                                    keras.layers.Dense(1)]), seed)
 
 
 def fit(model, opt, x, y, batch, callbacks=(), **compile_args):
@@ -647,14 +652,10 @@ def shard_fit_adam():
 def wide_model(seed=1):
     # A 256 x 256 kernel: its shards are over _sharding.ALONE_BYTES, so it
     # is reduced and gathered alone; the rest share a bucket.
-    model = keras.Sequential([keras.Input((4,)),
-                              keras.layers.Dense(256, activation="tanh"),
-                              keras.layers.Dense(256, activation="tanh"),
-                              keras.layers.Dense(1)])
-    rng = np.random.default_rng(seed)
-    model.set_weights([(rng.normal(size=w.shape) * 0.1).astype("float32")
-                       for w in model.get_weights()])
-    return model
+    return seeded(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(256, activation="tanh"),
+        keras.layers.Dense(256, activation="tanh"), keras.layers.Dense(1)]),
+        seed, scale=0.1)
 
 
 @check("shard_fit_adam_large_and_small_shards")
@@ -727,14 +728,10 @@ def shard_fit_clipnorm_gradients_buckets():
 
 
 def embedding_model(seed=1):
-    model = keras.Sequential([keras.Input((3,), dtype="int32"),
-                              keras.layers.Embedding(10, 4),
-                              keras.layers.Flatten(),
-                              keras.layers.Dense(1)])
-    rng = np.random.default_rng(seed)
-    model.set_weights([(rng.normal(size=w.shape) * 0.5).astype("float32")
-                       for w in model.get_weights()])
-    return model
+    return seeded(keras.Sequential([keras.Input((3,), dtype="int32"),
+                                    keras.layers.Embedding(10, 4),
+                                    keras.layers.Flatten(),
+                                    keras.layers.Dense(1)]), seed)
 
 
 def int_data():
