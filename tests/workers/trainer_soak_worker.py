@@ -80,7 +80,12 @@ class Fault(keras.callbacks.Callback):
         elif self.kind == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "exception":
-            raise RuntimeError(f"an injected error on rank {kd.rank()}")
+            # Each attempt's error names its attempt: two faults are two
+            # events, and `kerasdist run` stops restarting when an attempt
+            # fails with the same last line as the one before (a start-up
+            # error that a restart would repeat).
+            raise RuntimeError(f"an injected error on rank {kd.rank()} in "
+                               f"attempt {ATTEMPT}")
         else:
             host_faults.drop_this_hosts_packets()
 
