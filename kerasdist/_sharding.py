@@ -1,9 +1,11 @@
 """The sharded optimizer (`DistributedOptimizer(opt, shard=...)`): each
 rank keeps the optimizer state of its shard of every variable only
 (ZeRO-1, `shard="optimizer_state"`), and with `shard="gradients"` the
-averaged gradients too, reduced in buckets as backprop produces them
-(ZeRO-2). Written once for every Keras backend over `keras.ops` and the
-running framework's collectives (`kerasdist._framework`).
+averaged gradients too: the whole gradients a framework keeps between
+steps (PyTorch's `.grad`) are dropped once reduced (ZeRO-2). Both reduce
+in buckets as backprop produces them. Written once for every Keras
+backend over `keras.ops` and the running framework's collectives
+(`kerasdist._framework`).
 
 The layout (`Layout`, a pure function of the variables' shapes and dtypes
 and the number of ranks): variable i of n_i elements is padded to

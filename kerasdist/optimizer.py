@@ -137,12 +137,12 @@ def DistributedOptimizer(optimizer, name=None,
         shard: None (default): every rank holds the whole optimizer state.
             "optimizer_state" (ZeRO-1): each rank keeps the optimizer state
             (Adam's moments, momentum, EMA, accumulators) of 1/size() of
-            every variable only; the gradients are reduce-scattered, each
-            rank updates its shard, and the weights are allgathered back,
-            the same bytes on the wire as an allreduce.
-            "gradients" (ZeRO-2): the same, reduced in buckets of
-            `bucket_bytes` in backprop order, and the whole gradients that
-            a framework keeps between steps (PyTorch's `.grad`) are dropped
+            every variable only; the gradients are reduce-scattered (in
+            buckets of `bucket_bytes`, in backprop order), each rank
+            updates its shard, and the weights are allgathered back, the
+            same bytes on the wire as an allreduce.
+            "gradients" (ZeRO-2): the same, and the whole gradients that a
+            framework keeps between steps (PyTorch's `.grad`) are dropped
             once reduced. The result equals the replicated optimizer's.
             Needs an elementwise update (SGD, Adam, AdamW, RMSprop, ...;
             not Lamb, Adafactor or Muon), no Adasum and no local
