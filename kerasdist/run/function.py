@@ -14,8 +14,11 @@ launcher; never imports a framework.
 """
 
 import base64
+import hashlib
+import hmac
 import os
 import pickle
+import secrets
 import re
 import shutil
 import subprocess
@@ -28,6 +31,11 @@ __all__ = ["run"]
 # (the function's last print without a newline).
 _MARKER = "\x1ekerasdist-run-result:"
 _PREFIXED = re.compile(r"^\[(\d+)\]<stdout>:(.*)$")
+# A random key per call, handed to the ranks in their environment only:
+# the call and each result carry its HMAC and are unpickled only when it
+# holds, so neither a file in the shared directory nor a line another
+# program printed into a rank's output can run code here or on a rank.
+_KEY_ENV = "KERASDIST_RUN_FUNCTION_KEY"
 # Payloads up to this many base64 characters travel on the command line
 # (Linux takes 128 KiB per argument); larger ones in a file.
 _ARGV_LIMIT = 64 * 1024
@@ -46,6 +54,22 @@ def _dumps(obj, what):
                 "script or a notebook)")
         raise TypeError(f"kerasdist.run: cannot pickle {what}: "
                         f"{type(e).__name__}: {e}{hint}.") from None
+
+
+def _sign(key, encoded):
+    """`encoded` (base64 text) preceded by its HMAC-SHA256 under `key`."""
+    mac = hmac.new(key, encoded.encode(), hashlib.sha256).hexdigest()
+    return f"{mac}.{encoded}"
+
+
+def _unpickle(key, signed, what):
+    """The object in `signed` (from `_sign`), if its HMAC holds."""
+    mac, _, encoded = signed.partition(".")
+    want = hmac.new(key, encoded.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(mac, want):
+        raise RuntimeError(f"kerasdist.run: {what} does not carry this "
+                           "call's key (not written by it); refused.")
+    return pickle.loads(base64.b64decode(encoded))
 
 
 def _check_np(np, num_proc):
@@ -117,9 +141,10 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
         raise ValueError("kerasdist.run: launcher_args cannot hold "
                          "--no-prefix: the results are told apart by the "
                          "ranks' prefixes.")
-    payload = base64.b64encode(
+    key = secrets.token_bytes(32)
+    payload = _sign(key, base64.b64encode(
         _dumps((fn, tuple(args), dict(kwargs or {})),
-               "the function or its arguments")).decode()
+               "the function or its arguments")).decode())
     workdir = None
     if len(payload) > _ARGV_LIMIT:
         # Too long for a command line: a file, which ranks on other hosts
@@ -141,6 +166,7 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
             payload]
     child_env = dict(os.environ)
     child_env.update({k: str(v) for k, v in (env or {}).items()})
+    child_env[_KEY_ENV] = key.hex()
     # The ranks import kerasdist, and the caller's modules that `fn`
     # refers to, from where this process found them.
     package_root = os.path.dirname(os.path.dirname(
@@ -176,7 +202,8 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
         raise RuntimeError(f"kerasdist.run: rank(s) {missing} returned no "
                            "result although the job succeeded (an "
                            "os._exit in fn?).")
-    return [pickle.loads(base64.b64decode(results[r])) for r in range(n)]
+    return [_unpickle(key, results[r], f"rank {r}'s result")
+            for r in range(n)]
 
 
 def _take_result(line, results):
@@ -196,14 +223,19 @@ def _rank_main(argv):
         sys.exit("usage: python -m kerasdist.run.function PAYLOAD (started "
                  "by kerasdist.run(fn, ...), not by hand)")
     payload = argv[0]
+    key = bytes.fromhex(os.environ.pop(_KEY_ENV, ""))
+    if not key:
+        sys.exit(f"kerasdist.run.function: no {_KEY_ENV} (started by "
+                 "kerasdist.run(fn, ...), not by hand)")
     if payload.startswith("@"):
         with open(payload[1:]) as f:
             payload = f.read()
-    fn, args, kwargs = pickle.loads(base64.b64decode(payload))
+    fn, args, kwargs = _unpickle(key, payload, "the call")
     result = fn(*args, **kwargs)
-    encoded = base64.b64encode(_dumps(result, "the result")).decode()
+    signed = _sign(key, base64.b64encode(_dumps(result, "the result"))
+                   .decode())
     sys.stdout.flush()
-    sys.stdout.write(_MARKER + encoded + "\n")
+    sys.stdout.write(_MARKER + signed + "\n")
     sys.stdout.flush()
 
 

@@ -94,3 +94,45 @@ def test_unpicklable_arguments_say_so():
     import threading
     with pytest.raises(TypeError, match="cannot pickle the function"):
         function.run(print, args=(threading.Lock(),), np=1)
+
+
+class _Plant:
+    """Unpickling it writes a file: proof that code ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (_touch, (self.path,))
+
+
+def _touch(path):
+    with open(path, "w") as f:
+        f.write("ran")
+
+
+def test_a_call_or_result_without_the_calls_key_is_never_unpickled(
+        tmp_path):
+    # What a rank's output or the shared payload file could carry from
+    # elsewhere: a pickle whose unpickling runs code, signed with another
+    # key or not at all. Refused before pickle.loads sees it.
+    import base64
+    import pickle
+    ran = tmp_path / "ran"
+    encoded = base64.b64encode(pickle.dumps(_Plant(str(ran)))).decode()
+    key = b"k" * 32
+    for forged in (function._sign(b"x" * 32, encoded), encoded,
+                   "0" * 64 + "." + encoded):
+        with pytest.raises(RuntimeError, match="does not carry this call's"):
+            function._unpickle(key, forged, "rank 0's result")
+    assert not ran.exists()
+    assert function._unpickle(key, function._sign(key, encoded), "x") is None
+    assert ran.read_text() == "ran"  # the signed one is what runs
+    # A rank started by hand, without the key, refuses the call.
+    out = subprocess.run(
+        [sys.executable, "-m", "kerasdist.run.function",
+         function._sign(key, encoded)], capture_output=True, text=True,
+        env=dict(launcher_env(), **{function._KEY_ENV: ""}), cwd=REPO_ROOT,
+        timeout=60)
+    assert out.returncode != 0 and "KERASDIST_RUN_FUNCTION_KEY" in \
+        out.stderr, out.stderr
