@@ -22,6 +22,7 @@ any real mistake (a missing average changes weights at the 1e-2 level).
 import functools
 import os
 import tempfile
+import time
 import warnings
 
 import numpy as np
@@ -588,8 +589,23 @@ def overlap_timeline():
     bucket, i.e. while every rank was still computing that bucket's
     gradients. A fact of order in rank 0's timeline (one clock), not a
     timing threshold: with one group for all gradients nothing is
-    submitted before the last gradient exists."""
+    submitted before the last gradient exists. The backward pass waits
+    0.3 s before the first layer's gradients, as a long backprop would,
+    so that a loaded machine cannot make the other buckets' reduction
+    outlast the rest of backprop."""
     rng = np.random.default_rng(5)
+
+    @tf.custom_gradient
+    def slow_backward(h):
+        def grad(dy):
+            def wait(t):
+                time.sleep(0.3)
+                return t
+            out = tf.py_function(wait, [dy], dy.dtype)
+            out.set_shape(dy.shape)
+            return out
+        return tf.identity(h), grad
+
     model = keras.Sequential([keras.Input((512,)),
                               keras.layers.Dense(512, activation="tanh"),
                               keras.layers.Dense(64, activation="tanh"),
@@ -602,7 +618,10 @@ def overlap_timeline():
     @tf.function
     def step():
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            h = slow_backward(model.layers[0](x, training=True))
+            for layer in model.layers[1:]:
+                h = layer(h, training=True)
+            loss = tf.reduce_mean(tf.square(h - y))
         tape = kd.DistributedGradientTape(tape, name="ovl",
                                           bucket_bytes=64 * 1024)
         grads = tape.gradient(loss, model.trainable_variables)
