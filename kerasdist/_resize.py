@@ -22,6 +22,8 @@ import threading
 ELASTIC_ENV = "KERASDIST_ELASTIC"
 RESIZE_EXIT_CODE = 76
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+PROGRESS_MARKER = b"\x1ekerasdist-progress"
+MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
 
 _state = {"installed": False, "requested": False, "announced": False}
 
@@ -86,5 +88,22 @@ def announce(rank):
     try:
         sys.stderr.flush()
         os.write(2, RESIZABLE_MARKER + f" rank={rank}\n".encode())
+    except OSError:
+        pass
+
+
+def report_progress():
+    """Tells the launcher that this rank saved progress the job's next
+    attempt resumes from (a checkpoint, an elastic commit): one marker line
+    on stderr, which the launcher removes. An attempt that fails after it
+    is restarted at once, and its error is not taken for one a restart
+    would only repeat. Outside `kerasdist run` nothing reads the line, so
+    it is written only where the launcher's per-rank wrapper says it reads
+    markers."""
+    if os.environ.get(MARKERS_READ_ENV) != "1":
+        return
+    try:
+        sys.stderr.flush()
+        os.write(2, PROGRESS_MARKER + b"\n")
     except OSError:
         pass

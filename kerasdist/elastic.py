@@ -340,6 +340,7 @@ class State:
             return
         _write_record(path, {"format": _FORMAT, "size": basics.size(),
                              "saved": self._saved()})
+        _resize.report_progress()
 
     def load_committed(self):
         """Rank 0: takes the committed state in `path` as the saved state

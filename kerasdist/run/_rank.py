@@ -73,6 +73,13 @@ ELASTIC_ENV = "KERASDIST_ELASTIC"
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+# The line a rank writes on stderr each time it saved progress the next
+# attempt resumes from (a Trainer checkpoint, an elastic commit): a failure
+# after it is restarted without the backoff, and its error is not compared
+# with the next attempt's (see kerasdist/run/launch.py's Attempts).
+PROGRESS_MARKER = b"\x1ekerasdist-progress"
+# Set for the command ("1"): the launcher reads the rank's markers.
+MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
 # Where `hvd.elastic` states are committed for the job's next attempt
 # (kerasdist/elastic.py keeps its own copy).
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
@@ -639,6 +646,7 @@ def main(argv=None):
     die_with_parent(signal.SIGTERM, os.getppid())
     token = os.environ.pop(MARKER_TOKEN_ENV, "")
     os.environ[HOSTNAME_ENV] = socket.gethostname()
+    os.environ[MARKERS_READ_ENV] = "1"
     if huge:
         os.environ[TUNABLES_ENV] = with_huge_pages(os.environ.get(TUNABLES_ENV))
     if bind:

@@ -98,6 +98,8 @@ class Outcome:
             lines), or None when one of them was killed by a signal or
             said nothing: a relaunch that fails with the same error met a
             deterministic one (a missing script, a TypeError).
+        progressed: a rank saved progress the next attempt resumes from
+            (kerasdist/_resize.py's report_progress).
     """
 
     def __init__(self, exit_code, failure=None, timed_out=False, signum=None,
@@ -110,6 +112,7 @@ class Outcome:
         self.final = final
         self.resized = resized
         self.error = error
+        self.progressed = False
 
     @property
     def retryable(self):
@@ -270,6 +273,7 @@ class Findings:
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
+        self.progressed = False  # a rank saved progress (a checkpoint)
         self.deadlock = None  # the runtime's deadlock message (text)
         self.last_error = {}  # rank -> its last stderr line (text)
 
@@ -396,6 +400,9 @@ class _Relay(threading.Thread):
         for line in self._pieces():
             if _rank.RESIZABLE_MARKER in line:
                 self.findings.resizable = True
+                continue
+            if _rank.PROGRESS_MARKER in line:
+                self.findings.progressed = True
                 continue
             start = line.find(_rank.MARKER)
             if start < 0:
@@ -568,6 +575,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
                        reason="the ranks stopped for a resize")
     outcome = _outcome(rc, stopper.reason, findings, interrupts, timeout,
                        log, manager, ranks)
+    outcome.progressed = findings.progressed
     if findings.deadlock is not None:
         log.line(findings.deadlock)
     return outcome

@@ -773,12 +773,16 @@ class Attempts:
         if outcome.resized:
             self.resizes += 1
             return "resize"
-        last, self._last_error = self._last_error, outcome.error
+        # An attempt that saved progress (a checkpoint) is compared with
+        # neither neighbour: it did not repeat the one before, and the next
+        # one starts from a later point.
+        last, self._last_error = self._last_error, (
+            None if outcome.progressed else outcome.error)
         if not outcome.retryable or self.restarts >= self.max_restarts:
             return None
-        if outcome.error is not None and outcome.error == last:
-            # The same ranks failed with the same words again: a relaunch
-            # would only repeat it.
+        if self._last_error is not None and self._last_error == last:
+            # The same ranks failed with the same words again, with no
+            # progress saved in between: a relaunch would only repeat it.
             self.repeated = outcome.error
             return None
         self.restarts += 1
@@ -849,8 +853,10 @@ def _run(args, mpiexec, log, workdir=None):
             if then is None:
                 break
             if then == "restart":
+                # An attempt that saved progress (a checkpoint) is no
+                # start-up failure, however short it was.
                 quick = (quick + 1 if time.monotonic() - began < _QUICK_S
-                         else 0)
+                         and not outcome.progressed else 0)
                 stopped = _back_off(quick, deadline, args.timeout,
                                     interrupts, log)
                 if stopped is not None:
@@ -868,7 +874,7 @@ def _run(args, mpiexec, log, workdir=None):
 # Restarts back off: an attempt that failed within _QUICK_S seconds is
 # followed by a pause, doubling from _BACKOFF_S up to _BACKOFF_MOST_S while
 # they keep failing that fast (a job that cannot start must not restart
-# ten times a second).
+# ten times a second). An attempt that saved progress resets the count.
 _QUICK_S = 60.0
 _BACKOFF_S = 0.5
 _BACKOFF_MOST_S = 30.0

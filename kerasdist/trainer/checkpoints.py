@@ -37,6 +37,8 @@ import tempfile
 import time
 import warnings
 
+from kerasdist import _resize
+
 MANIFEST_VERSION = 1
 _WEIGHTS_SUFFIX = ".weights.h5"
 _TMP_PREFIX = ".tmp-"
@@ -163,6 +165,7 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0):
     _fsync_directory(directory)
     _fault("committed", path)
     prune(directory, keep)
+    _resize.report_progress()  # the launcher restarts a failure at once
     return path
 
 

@@ -272,6 +272,22 @@ def test_max_restarts_does_not_repeat_a_deterministic_error():
         "restart repeats."), out.stdout
 
 
+def test_an_attempt_that_saved_progress_restarts_at_once():
+    # Each attempt reports a checkpoint (as the Trainer and elastic commits
+    # do), then fails at once with the same words: no backoff, and the
+    # error is not taken for one a restart repeats.
+    code = ("from kerasdist import _resize\n"
+            "_resize.report_progress()\n"
+            "raise RuntimeError('a node went away')\n")
+    out = launch(1, python_cmd(code), timeout=60,
+                 launcher_args=("--max-restarts", "2"))
+    assert out.returncode == 1, out.stdout
+    assert "attempt 3 of 3" in out.stdout, out.stdout
+    assert "giving up after 3 attempts" in out.stdout, out.stdout
+    assert "before the next" not in out.stdout, out.stdout
+    assert "kerasdist-progress" not in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
 def test_tensorflow_start_up_lines_are_quiet_unless_asked(given, seen):
     env = dict(os.environ)

@@ -512,6 +512,8 @@ def test_rank_side_names_are_the_launchers():
     assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
     assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
     assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
+    assert _resize.PROGRESS_MARKER == _rank.PROGRESS_MARKER
+    assert _resize.MARKERS_READ_ENV == _rank.MARKERS_READ_ENV
     from kerasdist import elastic
     assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
         "KERASDIST_ELASTIC_DIR"
@@ -586,6 +588,18 @@ def test_an_error_that_repeats_is_not_restarted_again():
     assert attempts.repeated is None
     assert attempts.after(_outcome(error=other)) is None
     assert attempts.repeated == other and attempts.restarts == 4
+
+
+def test_an_error_after_saved_progress_is_not_a_repeat():
+    said = (("0", 1, "RuntimeError: lost"),)
+    attempts = launch.Attempts(max_restarts=5)
+    progressed = _outcome(error=said)
+    progressed.progressed = True
+    assert attempts.after(_outcome(error=said)) == "restart"
+    assert attempts.after(progressed) == "restart"   # a checkpoint between
+    assert attempts.after(_outcome(error=said)) == "restart"
+    assert attempts.after(_outcome(error=said)) is None
+    assert attempts.repeated == said
 
 
 def test_findings_error_needs_every_culprits_last_line():
