@@ -61,9 +61,9 @@ def _peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _model(keras, kind, params):
+def _model(keras, kind, params, width=2048):
     if kind == "mlp":
-        width, depth = 2048, max(1, round(params / (2048 * 2049)))
+        depth = max(1, round(params / (width * (width + 1))))
         layers = [keras.Input((width,))]
         layers += [keras.layers.Dense(width, activation="relu")
                    for _ in range(depth)]
@@ -80,6 +80,14 @@ def _model(keras, kind, params):
     return keras.Model(inputs, out), (seq, d)
 
 
+def join_cgroup(prefix):
+    """Moves this rank into `prefix`_r<rank> (benchmarks/memory_cap.py's
+    per-rank memory cap), before it imports anything large."""
+    rank = os.environ.get("PMI_RANK", "0")
+    with open(os.path.join(f"{prefix}_r{rank}", "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 def rank_main(args):
     import numpy as np
     import keras
@@ -88,7 +96,7 @@ def rank_main(args):
     kd.init()
     base = _rss_bytes()
     keras.utils.set_random_seed(0)
-    model, shape = _model(keras, args.model, args.params)
+    model, shape = _model(keras, args.model, args.params, args.width)
     shard = None if args.mode == "replicated" else args.mode
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
     model.compile(optimizer=opt, loss="mse")
@@ -137,7 +145,8 @@ def drive(args):
             cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
                    sys.executable, os.path.abspath(__file__), "--rank",
                    "--mode", mode, "--model", args.model, "--params",
-                   str(args.params), "--steps", str(args.steps)]
+                   str(args.params), "--width", str(args.width),
+                   "--steps", str(args.steps)]
             env = dict(os.environ, KERAS_BACKEND=args.backend,
                        TF_CPP_MIN_LOG_LEVEL="3",
                        PYTHONPATH=REPO_ROOT + os.pathsep +
@@ -177,11 +186,16 @@ def main():
     p.add_argument("--sizes", default="1,2,4")
     p.add_argument("--params", type=float, default=100e6)
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    p.add_argument("--width", type=int, default=2048,
+                   help="the MLP's layer width")
+    p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json")
     args = p.parse_args()
     args.params = int(args.params)
     if args.rank:
+        if args.cgroup:
+            join_cgroup(args.cgroup)
         rank_main(args)
     else:
         drive(args)
