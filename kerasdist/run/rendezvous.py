@@ -176,23 +176,23 @@ def _connect(address, deadline):
         time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _start_server(port, size, timeout, job, key):
-    """Starts rank 0's server on `port` (0: any free one); returns the port
-    once it listens. A port in use is waited for, up to `timeout`: after a
-    platform restarted the job, the server of its previous run may still
-    be ending there. A port that another job's server holds is an error at
-    once."""
+def _start_server(port, size, timeout, job, key, address=""):
+    """Starts rank 0's server on `address`:`port` (port 0: any free one;
+    address "": every interface); returns the port once it listens. A port
+    in use is waited for, up to `timeout`: after a platform restarted the
+    job, the server of its previous run may still be ending there. A port
+    that another job's server holds is an error at once."""
     global _server
     env = dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
                _KERASDIST_RENDEZVOUS_JOB=job)
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
-         str(port), str(size), repr(timeout)],
+         str(port), str(size), repr(timeout), address],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         close_fds=True, env=env)
     line = proc.stdout.readline().strip()
     if line.startswith("waiting "):
-        other = _whose(("127.0.0.1", port), job, key)
+        other = _whose((address or "127.0.0.1", port), job, key)
         if other is not None:
             proc.kill()
             proc.wait()
@@ -276,6 +276,47 @@ def _address_toward(ip):
         return s.getsockname()[0]
 
 
+def _is_address(host):
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    return host.count(".") == 3
+
+
+def _can_bind(ip):
+    """Whether `ip` is an address of this host (of its network namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def listen_address(launch, host, ip):
+    """The address rank 0's server listens on: the one the ranks reach it
+    at, so that no other interface of rank 0's host exposes it. `host` is
+    the coordinator's host as the platform names it, `ip` what it resolves
+    to on rank 0's host.
+
+    A loopback address where every rank is on this host (the coordinator
+    is localhost or a loopback literal, or the platform says that all the
+    ranks are local); the coordinator's address where it is one of this
+    host's; else (a Kubernetes Service's address, a NAT, a host name that
+    resolves to loopback here but to the host's address elsewhere) "":
+    every interface, as nothing better is known.
+    """
+    if ip.startswith("127."):
+        everyone_here = (launch.local_size is not None and
+                         launch.size is not None and
+                         launch.local_size >= launch.size)
+        if host == "localhost" or _is_address(host) or everyone_here:
+            return ip
+        return ""
+    return ip if _can_bind(ip) else ""
+
+
 def join(launch, timeout, environ=None, watch=True):
     """Meets the other ranks at `launch.coordinator`.
 
@@ -316,8 +357,10 @@ def join(launch, timeout, environ=None, watch=True):
         try:
             store = _agent_store(ip, port, timeout)
             if launch.rank == 0:
-                own = _start_server(0, launch.size, timeout, job, key)
-                store.set(entry, f"{_address_toward(ip)}:{own}")
+                # The ranks reach this server at the address published.
+                local = _address_toward(ip)
+                own = _start_server(0, launch.size, timeout, job, key, local)
+                store.set(entry, f"{local}:{own}")
             ip, _, served = store.get(entry).decode().rpartition(":")
         except RendezvousError:
             raise
@@ -328,9 +371,11 @@ def join(launch, timeout, environ=None, watch=True):
                 f"{timeout:g} s ({TIMEOUT_ENV}): {e}") from None
         port, where = int(served), f"{ip}:{served}"
     elif launch.rank == 0:
-        _start_server(port, launch.size, timeout, job, key)
+        local = listen_address(launch, host, ip)
+        _start_server(port, launch.size, timeout, job, key, local)
     if launch.rank == 0:
-        ip = "127.0.0.1"
+        # Its own server, on the address it listens on.
+        ip = local or "127.0.0.1"
     kept = []
     while True:
         reply = _hello((ip, port), where, launch, timeout, deadline, job,
@@ -853,17 +898,17 @@ def _watch_parent(server):
         server.cv.notify_all()
 
 
-def _listen(port, size, timeout):
-    """The listening socket on `port`; while the port is in use (the server
-    of an earlier run still ending), says "waiting" once and retries until
-    `timeout`."""
+def _listen(port, size, timeout, address=""):
+    """The listening socket on `address`:`port` ("": every interface);
+    while the port is in use (the server of an earlier run still ending),
+    says "waiting" once and retries until `timeout`."""
     deadline = time.monotonic() + timeout
     said = False
     while True:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            listener.bind(("", port))
+            listener.bind((address, port))
             listener.listen(min(max(size, 128), 4096))
             return listener
         except OSError as e:
@@ -877,11 +922,11 @@ def _listen(port, size, timeout):
         time.sleep(_RETRY_S)
 
 
-def _serve(port, size, timeout):
+def _serve(port, size, timeout, address=""):
     job = os.environ.get("_KERASDIST_RENDEZVOUS_JOB", "unnamed")
     key = bytes.fromhex(os.environ.get("_KERASDIST_RENDEZVOUS_KEY", ""))
     try:
-        listener = _listen(port, size, timeout)
+        listener = _listen(port, size, timeout, address)
     except OSError as e:
         print(f"{e.strerror or e} (the coordinator's port must be free on "
               f"rank 0's host)", flush=True)
@@ -928,7 +973,8 @@ def _serve(port, size, timeout):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "serve":
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "serve":
         sys.exit(_serve(int(sys.argv[2]), int(sys.argv[3]),
-                        float(sys.argv[4])))
-    sys.exit("usage: rendezvous.py serve PORT SIZE TIMEOUT_SECONDS")
+                        float(sys.argv[4]), *sys.argv[5:]))
+    sys.exit("usage: rendezvous.py serve PORT SIZE TIMEOUT_SECONDS "
+             "[ADDRESS]")
