@@ -71,6 +71,9 @@ _OTHER_JOB = 3
 _NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE")
+# For MPI_Init too: the descriptor of this process's connection to the
+# server (ops/core/transport/mpi_context.cc).
+PMI_WATCH_ENV = "_KERASDIST_PMI_WATCH_FD"
 # Bounds on what any connection may send or hold (hostile input): a line
 # (MPICH's longest is a put of a 1024-byte value), the seconds a connection
 # has to prove the secret, the connections that have not proved it yet (the
@@ -402,15 +405,22 @@ def join(launch, timeout, environ=None, watch=True):
     if not reply.startswith("cmd=kd_ready rc=0 "):
         msg = reply.partition(" msg=")[2]
         raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
+    variables = {}
     if kept and watch:
         _start_watch(*kept[-1], launch)
+        # The core learns from this connection's end that the server has
+        # gone, and then skips MPI_Finalize (whose PMI barrier would crash
+        # MPICH): a copy of its descriptor that nothing here closes.
+        variables[PMI_WATCH_ENV] = str(os.dup(kept[-1][0].fileno()))
     for sock, _ in kept[:-1] if watch else kept:
         sock.close()
     # MPICH's client proves itself to the server with PMI_ID, the one-time
     # number the server gave this rank.
     pmiid = _tokens(reply).get("pmiid", "")
-    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": pmiid,
-            "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
+    variables.update({"PMI_PORT": f"{ip}:{port}", "PMI_ID": pmiid,
+                      "PMI_RANK": str(launch.rank),
+                      "PMI_SIZE": str(launch.size)})
+    return variables
 
 
 _watching = []  # the hello's connection, kept while this process lives

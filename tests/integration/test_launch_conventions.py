@@ -75,6 +75,24 @@ def test_torchrun_variables_form_one_job():
     assert f"coordinator 127.0.0.1:{port}" in results[0][1]
 
 
+@pytest.mark.timeout(120)
+def test_a_gone_rendezvous_server_is_one_line_not_a_segfault():
+    # The server killed after the job formed: MPICH's MPI_Finalize would
+    # crash (SIGSEGV) in its PMI barrier; each rank instead says why it
+    # skips it, and keeps its own exit status.
+    port = free_port()
+    worker = [sys.executable, os.path.join(WORKERS,
+                                           "rendezvous_gone_worker.py")]
+    results = start_processes(worker, [_env(r, 2, port) for r in range(2)],
+                              timeout=90)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {r} (rc {rc}):\n{out}"
+        assert f"done {r}" in out, out
+        assert (f"kerasdist: rank {r}: the job's rendezvous server (rank "
+                f"0's, on the coordinator's port) has gone, so MPI cannot "
+                f"finalize; this process ends without MPI_Finalize") in out
+
+
 @pytest.mark.timeout(150)
 def test_keras_distribution_variables_form_one_job():
     port = free_port()

@@ -1,10 +1,17 @@
 #include "mpi_context.h"
 
+#include <poll.h>
 #include <sched.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "../half_kernels.h"
@@ -23,10 +30,58 @@ int g_generation = 0;
 
 bool g_we_initialized_mpi = false;
 
+// A job that a platform started (kerasdist/run/rendezvous.py): MPICH's PMI
+// server is rank 0's rendezvous server, and this is this process's hello
+// connection to it (_KERASDIST_PMI_WATCH_FD, set for MPI_Init), whose end
+// closes when the server goes. -1 otherwise.
+int g_pmi_watch_fd = -1;
+int g_world_rank = -1;
+
+void TakePmiWatch() {
+  const char* text = std::getenv("_KERASDIST_PMI_WATCH_FD");
+  if (text == nullptr || *text == '\0') return;
+  char* end = nullptr;
+  const long fd = std::strtol(text, &end, 10);
+  struct stat st;
+  if (*end != '\0' || fd < 0 || fd > INT_MAX ||
+      fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return;
+  }
+  g_pmi_watch_fd = static_cast<int>(fd);
+}
+
+// Whether the rendezvous server has gone (its process ended, or was
+// killed): MPI_Finalize's PMI barrier would then fail, and MPICH crashes
+// there (SIGSEGV) rather than return an error.
+bool PmiServerGone() {
+  if (g_pmi_watch_fd < 0) return false;
+  pollfd p{g_pmi_watch_fd, POLLIN, 0};
+  if (poll(&p, 1, 0) != 1) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return true;
+  char c;
+  const ssize_t n = recv(g_pmi_watch_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
+}
+
 void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (PmiServerGone()) {
+    // The process's own exit status stands; MPI's finalize is skipped.
+    const std::string line =
+        "kerasdist: rank " + std::to_string(g_world_rank) +
+        ": the job's rendezvous server (rank 0's, on the coordinator's "
+        "port) has gone, so MPI cannot finalize; this process ends without "
+        "MPI_Finalize. Its work up to here is done; the server is killed "
+        "only from outside the job (the OOM killer, a signal to its "
+        "process), or after rank 0 ended 30 s before.\n";
+    std::fflush(nullptr);
+    ssize_t ignored = write(2, line.data(), line.size());
+    (void)ignored;
+    return;
+  }
+  MPI_Finalize();
 }
 
 // ---- MPI has no float16 / bfloat16: reduction functions of our own -------
@@ -306,6 +361,8 @@ Status MpiContext::Create(bool has_parent, int parent_f,
         MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
         "MPI_Init_thread"));
     g_we_initialized_mpi = true;
+    TakePmiWatch();
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank);
     std::atexit(FinalizeAtExit);
   }
   int level = 0;
