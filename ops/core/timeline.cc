@@ -166,11 +166,10 @@ void Timeline::Phases(const std::vector<const std::string*>& tensors,
       continue;
     }
     // The shared row: each event names its tensor.
-    events_.push_back(Event{
-        row, phase, ts, dur,
-        std::make_shared<const std::string>(
-            "\"tensor\":\"" + JsonEscape(*tensor) + "\"" +
-            (args.empty() ? "" : "," + args))});
+    events_.push_back(Event{row, phase, ts, dur,
+                            std::make_shared<const std::string>(
+                                "\"tensor\":\"" + JsonEscape(*tensor) + "\"" +
+                                (args.empty() ? "" : "," + args))});
   }
 }
 

@@ -54,8 +54,9 @@ KD_TEST(TimelineRowsAreBoundedForUniqueNames) {
   CHECK_CONTAINS(text, "other tensors (a row each for the first 8");
   CHECK_CONTAINS(text, "\"tid\":9,\"ts\":");
   // Each of their events still names its tensor, with its own args.
-  CHECK_CONTAINS(text, "\"args\":{\"tensor\":\"allreduce.noname.999\","
-                       "\"bytes\":4}");
+  CHECK_CONTAINS(text,
+                 "\"args\":{\"tensor\":\"allreduce.noname.999\","
+                 "\"bytes\":4}");
   CHECK_CONTAINS(text, "\"args\":{\"tensor\":\"allreduce.noname.999\"}");
   CHECK(Count(text, "\"ph\":\"X\"") == 2000);
   CHECK(text.size() > 2 && text.substr(text.size() - 2) == "\n]");

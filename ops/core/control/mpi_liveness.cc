@@ -45,8 +45,7 @@ std::string NetworkNamespace() {
   if (!read || stat("/proc/self/ns/net", &st) != 0) return "";
   std::string id(boot);
   id.erase(id.find_last_not_of("\n") + 1);
-  return id + ":" + std::to_string(st.st_dev) + ":" +
-         std::to_string(st.st_ino);
+  return id + ":" + std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
 }
 
 // Whether this rank shares rank 0's network namespace (*mine), and whether
@@ -79,9 +78,9 @@ Status ShareEndpoint(MPI_Comm comm, int rank, const std::string& interface,
     listened = Liveness::Listen(where, listen_fd, port);
     std::ostringstream s;
     s << (listened.ok() ? *port : -1);
-    const std::vector<std::string> all =
-        where.empty() ? Liveness::Addresses(interface)
-                      : std::vector<std::string>{where};
+    const std::vector<std::string> all = where.empty()
+                                             ? Liveness::Addresses(interface)
+                                             : std::vector<std::string>{where};
     for (const std::string& a : all) {
       if (s.str().size() + a.size() + 2 < sizeof(text)) s << ' ' << a;
     }
@@ -124,7 +123,8 @@ Status Connect(const LivenessOptions& opt, std::vector<std::string> addresses,
   // In rank 0's network namespace, loopback first (where rank 0 listens on
   // it): it needs no route.
   auto lo = std::find(addresses.begin(), addresses.end(), "127.0.0.1");
-  if (local && lo != addresses.end()) std::rotate(addresses.begin(), lo, lo + 1);
+  if (local && lo != addresses.end())
+    std::rotate(addresses.begin(), lo, lo + 1);
   return Liveness::StartWorker(opt, addresses, port, out);
 }
 

@@ -11,8 +11,8 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -137,7 +137,7 @@ Status CheckSharedMemory() {
                 "most likely ran out (%s free of %s before it); %s.\n",
                 kShmDir, MiB(free_bytes).c_str(), MiB(size).c_str(),
                 ShmAdvice().c_str());
-  struct sigaction sa {};
+  struct sigaction sa{};
   sa.sa_handler = SigbusInMpiInit;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGBUS, &sa, &g_previous_sigbus);
