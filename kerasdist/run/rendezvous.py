@@ -67,6 +67,8 @@ _RETRY_S = 0.25
 _FORMED = 2
 # The reply code of a server of another job.
 _OTHER_JOB = 3
+# Its message's start where the jobs differ in having a secret.
+_NEEDS_SECRET, _HAS_NO_SECRET = "needs-secret:", "no-secret:"
 # What a hello that got no answer returns (the server closed, or ended).
 _NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
@@ -179,7 +181,8 @@ def _connect(address, deadline):
         time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _start_server(port, size, timeout, job, key, address=""):
+def _start_server(port, size, timeout, job, key, address="",
+                  proven=False):
     """Starts rank 0's server on `address`:`port` (port 0: any free one;
     address "": every interface); returns the port once it listens. A port
     in use is waited for, up to `timeout`: after a platform restarted the
@@ -187,7 +190,8 @@ def _start_server(port, size, timeout, job, key, address=""):
     that another job's server holds is an error at once."""
     global _server
     env = dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
-               _KERASDIST_RENDEZVOUS_JOB=job)
+               _KERASDIST_RENDEZVOUS_JOB=job,
+               _KERASDIST_RENDEZVOUS_SECRET="1" if proven else "0")
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
          str(port), str(size), repr(timeout), address],
@@ -362,7 +366,8 @@ def join(launch, timeout, environ=None, watch=True):
             if launch.rank == 0:
                 # The ranks reach this server at the address published.
                 local = _address_toward(ip)
-                own = _start_server(0, launch.size, timeout, job, key, local)
+                own = _start_server(0, launch.size, timeout, job, key, local,
+                                    proven)
                 store.set(entry, f"{local}:{own}")
             ip, _, served = store.get(entry).decode().rpartition(":")
         except RendezvousError:
@@ -375,18 +380,35 @@ def join(launch, timeout, environ=None, watch=True):
         port, where = int(served), f"{ip}:{served}"
     elif launch.rank == 0:
         local = listen_address(launch, host, ip)
-        _start_server(port, launch.size, timeout, job, key, local)
+        _start_server(port, launch.size, timeout, job, key, local, proven)
     if launch.rank == 0:
         # Its own server, on the address it listens on.
         ip = local or "127.0.0.1"
     kept = []
     while True:
         reply = _hello((ip, port), where, launch, timeout, deadline, job,
-                       key, kept)
+                       key, kept, proven)
         if reply.startswith(f"cmd=kd_ready rc={_OTHER_JOB} "):
+            other = reply.partition(" msg=")[2]
+            if other.startswith(_NEEDS_SECRET):
+                raise RendezvousError(
+                    f"rank {launch.rank} of {launch.size}: the coordinator's "
+                    f"port {port} serves job {other[len(_NEEDS_SECRET):]}, "
+                    f"which requires the job's secret ({SECRET_ENV}), and "
+                    f"this process has none; give every process of the job "
+                    f"the same {SECRET_ENV} (a process of another job: give "
+                    f"that job a port of its own)")
+            if other.startswith(_HAS_NO_SECRET):
+                raise RendezvousError(
+                    f"rank {launch.rank} of {launch.size}: the coordinator's "
+                    f"port {port} serves job {other[len(_HAS_NO_SECRET):]}, "
+                    f"which has no secret, and this process has one "
+                    f"({SECRET_ENV}); give every process of the job the same "
+                    f"{SECRET_ENV} (a process of another job: give that job "
+                    f"a port of its own)")
             raise RendezvousError(
                 f"rank {launch.rank} of {launch.size}: "
-                f"{_other_job_line(port, reply.partition(' msg=')[2], job)}")
+                f"{_other_job_line(port, other, job)}")
         # A server whose job formed without this process, or one that
         # closes without an answer: the previous run of a job that a
         # platform restarted, still ending. Its successor listens once it
@@ -454,7 +476,8 @@ def _start_watch(sock, check, launch):
                      name="kerasdist-rendezvous-watch").start()
 
 
-def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
+def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
+           proven=None):
     """Connects (retrying until `deadline`), proves the job's secret, says
     hello; returns the server's reply line once its proof is checked. A
     connection whose hello formed the job is left open and added to
@@ -474,6 +497,13 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
         if t.get("cmd") != "kd_challenge":
             return (f"{_NO_ANSWER} msg=the coordinator at {where} did not "
                     f"answer as a kerasdist rendezvous")
+        # A server that says whether its job has a secret (secret=1/0):
+        # where this process differs, that is the error to name.
+        theirs_proven = t.get("secret")
+        if proven is not None and theirs_proven == str(int(not proven)):
+            why = _HAS_NO_SECRET if proven else _NEEDS_SECRET
+            return (f"cmd=kd_ready rc={_OTHER_JOB} msg={why}"
+                    f"{t.get('job')}")
         if t.get("rc") == str(_OTHER_JOB) or t.get("job") != job:
             return f"cmd=kd_ready rc={_OTHER_JOB} msg=job {t.get('job')}"
         theirs = t.get("nonce", "")
@@ -564,10 +594,11 @@ class _Bad(Exception):
 
 
 class _Server:
-    def __init__(self, size, timeout, job="unnamed", key=b""):
+    def __init__(self, size, timeout, job="unnamed", key=b"", secret=False):
         self.size = size
         self.timeout = timeout
         self.job = job
+        self.secret = secret
         self.key = key or identity({})[1]
         self.kvsname = f"kerasdist_{os.getpid()}_{int(time.time())}"
         self.cv = threading.Condition()
@@ -594,15 +625,19 @@ class _Server:
     # this server gave its rank in the hello's reply.
     def on_auth(self, conn, t):
         job = t.get("job", "")
+        # secret=: whether this job has one, so that a rank that differs
+        # hears that rather than "another job" (it proves nothing: the
+        # proof below does).
         if job != self.job:
             self._send(conn, f"cmd=kd_challenge rc={_OTHER_JOB} "
-                       f"job={self.job}")
+                       f"job={self.job} secret={int(self.secret)}")
             raise _Bad("another job")
         conn.theirs = t.get("nonce", "")[:64]
         conn.nonce = secrets.token_hex(16)
         proof = _mac(self.key, "server", conn.theirs, conn.nonce, self.job)
         self._send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
-                   f"nonce={conn.nonce} proof={proof}")
+                   f"secret={int(self.secret)} nonce={conn.nonce} "
+                   f"proof={proof}")
 
     def _reply(self, conn, line):
         """A hello's reply, with its proof."""
@@ -941,7 +976,8 @@ def _serve(port, size, timeout, address=""):
         print(f"{e.strerror or e} (the coordinator's port must be free on "
               f"rank 0's host)", flush=True)
         return 1
-    server = _Server(size, timeout, job, key)
+    server = _Server(size, timeout, job, key,
+                     os.environ.get("_KERASDIST_RENDEZVOUS_SECRET") == "1")
     threading.Thread(target=_watch_parent, args=(server,),
                      daemon=True).start()
 

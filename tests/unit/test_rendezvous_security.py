@@ -28,7 +28,7 @@ def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
     env = {rendezvous.JOB_ID_ENV: job}
     if secret:
         env[rendezvous.SECRET_ENV] = secret
-    job, key, _ = rendezvous.identity(env)
+    job, key, proven = rendezvous.identity(env)
     preexec = None
     if limit:
         def preexec():
@@ -38,7 +38,9 @@ def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
          str(size), str(timeout)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
-                 _KERASDIST_RENDEZVOUS_JOB=job), preexec_fn=preexec)
+                 _KERASDIST_RENDEZVOUS_JOB=job,
+                 _KERASDIST_RENDEZVOUS_SECRET=str(int(proven))),
+        preexec_fn=preexec)
     line = proc.stdout.readline().split()
     assert line[0] == "ready", line
     return proc, int(line[1])
@@ -267,6 +269,39 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
         _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "jobA"})
     finally:
         _end(proc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("named", [False, True])
+def test_a_rank_without_the_secret_is_refused_naming_it(named):
+    # A server whose job has a secret refuses a rank without one (and the
+    # other way round) with a line that says so, named jobs or not.
+    ids = {rendezvous.JOB_ID_ENV: "jobS"} if named else {}
+    for server_secret, rank_env, want in [
+            (SECRET, dict(ids), "which requires the job's secret "
+             "(KERASDIST_JOB_SECRET), and this process has none; give "
+             "every process of the job the same KERASDIST_JOB_SECRET"),
+            ("", dict(ids, KERASDIST_JOB_SECRET=SECRET), "which has no "
+             "secret, and this process has one (KERASDIST_JOB_SECRET)")]:
+        proc, port = _serve(2, 20, "jobS" if named else "unnamed",
+                            secret=server_secret)
+        if not named and server_secret:
+            proc.kill()  # its name must be the secret's fingerprint
+            _end(proc)
+            env = {rendezvous.SECRET_ENV: SECRET}
+            proc, port = _serve(2, 20, rendezvous.identity(env)[0],
+                                secret=SECRET)
+        try:
+            launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+            start = time.monotonic()
+            with pytest.raises(rendezvous.RendezvousError) as e:
+                rendezvous.join(launch, 20, environ=rank_env)
+            assert time.monotonic() - start < 5
+            assert str(e.value).startswith(
+                f"rank 1 of 2: the coordinator's port {port} serves job ")
+            assert want in str(e.value), str(e.value)
+        finally:
+            _end(proc)
 
 
 def test_job_identity():
