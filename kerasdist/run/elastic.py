@@ -67,11 +67,16 @@ def answering(hosts, shell, iface=None, timeout=PROBE_TIMEOUT_S):
     remote_hosts = [h for h, _ in hosts if not remote.is_local(h)]
     if not remote_hosts or shell is None:
         return list(hosts), []
+    address = launcher_address(iface)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("0.0.0.0", 0))
+        # The probes connect to `address`: no other interface exposes this.
+        try:
+            listener.bind((address, 0))
+        except OSError:  # not this host's (a NAT): every interface
+            listener.bind(("0.0.0.0", 0))
         listener.listen(len(remote_hosts))
         command = [sys.executable, "-I", "-S", _PROBE,
-                   launcher_address(iface), str(listener.getsockname()[1]),
+                   address, str(listener.getsockname()[1]),
                    str(max(1.0, timeout / 2))]
         failed = dict(remote.check_hosts(remote_hosts, shell, timeout,
                                          command=command))

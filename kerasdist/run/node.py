@@ -34,6 +34,7 @@ The pure part (`plan`, `rank_env`) is imported by the launcher.
 import collections
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -180,6 +181,9 @@ def describe(p, port=None):
             f"coordinator {p.master_addr}:{port}")
 
 
+SECRET_ENV = "KERASDIST_JOB_SECRET"  # rendezvous.SECRET_ENV (stdlib only)
+
+
 def _free_port():
     import socket
     with socket.socket() as s:
@@ -205,6 +209,12 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(DROPPED_PREFIXES)}
     env.update(settings_env)
+    if p.nnodes == 1 and not env.get(SECRET_ENV):
+        # Every rank is this launcher's: the job gets a secret of its own,
+        # as under mpiexec (launch.py), so that no other job on the port
+        # can join it. Agents on several hosts share none unless it is set
+        # (SECURITY.md).
+        env[SECRET_ENV] = secrets.token_hex(32)
     if verbose:
         log.line(describe(p, port))
     return job.run_attempt(argv, env, interrupts, deadline, timeout, log,

@@ -67,10 +67,15 @@ _RETRY_S = 0.25
 _FORMED = 2
 # The reply code of a server of another job.
 _OTHER_JOB = 3
+# Its message's start where the jobs differ in having a secret.
+_NEEDS_SECRET, _HAS_NO_SECRET = "needs-secret:", "no-secret:"
 # What a hello that got no answer returns (the server closed, or ended).
 _NO_ANSWER = "cmd=kd_ready rc=-1"
 # The variables MPICH's PMI-1 client reads at MPI_Init.
 PMI_VARIABLES = ("PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE")
+# For MPI_Init too: the descriptor of this process's connection to the
+# server (ops/core/transport/mpi_context.cc).
+PMI_WATCH_ENV = "_KERASDIST_PMI_WATCH_FD"
 # Bounds on what any connection may send or hold (hostile input): a line
 # (MPICH's longest is a put of a 1024-byte value), the seconds a connection
 # has to prove the secret, the connections that have not proved it yet (the
@@ -176,23 +181,25 @@ def _connect(address, deadline):
         time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _start_server(port, size, timeout, job, key):
-    """Starts rank 0's server on `port` (0: any free one); returns the port
-    once it listens. A port in use is waited for, up to `timeout`: after a
-    platform restarted the job, the server of its previous run may still
-    be ending there. A port that another job's server holds is an error at
-    once."""
+def _start_server(port, size, timeout, job, key, address="",
+                  proven=False):
+    """Starts rank 0's server on `address`:`port` (port 0: any free one;
+    address "": every interface); returns the port once it listens. A port
+    in use is waited for, up to `timeout`: after a platform restarted the
+    job, the server of its previous run may still be ending there. A port
+    that another job's server holds is an error at once."""
     global _server
     env = dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
-               _KERASDIST_RENDEZVOUS_JOB=job)
+               _KERASDIST_RENDEZVOUS_JOB=job,
+               _KERASDIST_RENDEZVOUS_SECRET="1" if proven else "0")
     proc = subprocess.Popen(
         [sys.executable, "-I", os.path.abspath(__file__), "serve",
-         str(port), str(size), repr(timeout)],
+         str(port), str(size), repr(timeout), address],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         close_fds=True, env=env)
     line = proc.stdout.readline().strip()
     if line.startswith("waiting "):
-        other = _whose(("127.0.0.1", port), job, key)
+        other = _whose((address or "127.0.0.1", port), job, key)
         if other is not None:
             proc.kill()
             proc.wait()
@@ -276,6 +283,47 @@ def _address_toward(ip):
         return s.getsockname()[0]
 
 
+def _is_address(host):
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    return host.count(".") == 3
+
+
+def _can_bind(ip):
+    """Whether `ip` is an address of this host (of its network namespace)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def listen_address(launch, host, ip):
+    """The address rank 0's server listens on: the one the ranks reach it
+    at, so that no other interface of rank 0's host exposes it. `host` is
+    the coordinator's host as the platform names it, `ip` what it resolves
+    to on rank 0's host.
+
+    A loopback address where every rank is on this host (the coordinator
+    is localhost or a loopback literal, or the platform says that all the
+    ranks are local); the coordinator's address where it is one of this
+    host's; else (a Kubernetes Service's address, a NAT, a host name that
+    resolves to loopback here but to the host's address elsewhere) "":
+    every interface, as nothing better is known.
+    """
+    if ip.startswith("127."):
+        everyone_here = (launch.local_size is not None and
+                         launch.size is not None and
+                         launch.local_size >= launch.size)
+        if host == "localhost" or _is_address(host) or everyone_here:
+            return ip
+        return ""
+    return ip if _can_bind(ip) else ""
+
+
 def join(launch, timeout, environ=None, watch=True):
     """Meets the other ranks at `launch.coordinator`.
 
@@ -316,8 +364,11 @@ def join(launch, timeout, environ=None, watch=True):
         try:
             store = _agent_store(ip, port, timeout)
             if launch.rank == 0:
-                own = _start_server(0, launch.size, timeout, job, key)
-                store.set(entry, f"{_address_toward(ip)}:{own}")
+                # The ranks reach this server at the address published.
+                local = _address_toward(ip)
+                own = _start_server(0, launch.size, timeout, job, key, local,
+                                    proven)
+                store.set(entry, f"{local}:{own}")
             ip, _, served = store.get(entry).decode().rpartition(":")
         except RendezvousError:
             raise
@@ -328,17 +379,36 @@ def join(launch, timeout, environ=None, watch=True):
                 f"{timeout:g} s ({TIMEOUT_ENV}): {e}") from None
         port, where = int(served), f"{ip}:{served}"
     elif launch.rank == 0:
-        _start_server(port, launch.size, timeout, job, key)
+        local = listen_address(launch, host, ip)
+        _start_server(port, launch.size, timeout, job, key, local, proven)
     if launch.rank == 0:
-        ip = "127.0.0.1"
+        # Its own server, on the address it listens on.
+        ip = local or "127.0.0.1"
     kept = []
     while True:
         reply = _hello((ip, port), where, launch, timeout, deadline, job,
-                       key, kept)
+                       key, kept, proven)
         if reply.startswith(f"cmd=kd_ready rc={_OTHER_JOB} "):
+            other = reply.partition(" msg=")[2]
+            if other.startswith(_NEEDS_SECRET):
+                raise RendezvousError(
+                    f"rank {launch.rank} of {launch.size}: the coordinator's "
+                    f"port {port} serves job {other[len(_NEEDS_SECRET):]}, "
+                    f"which requires the job's secret ({SECRET_ENV}), and "
+                    f"this process has none; give every process of the job "
+                    f"the same {SECRET_ENV} (a process of another job: give "
+                    f"that job a port of its own)")
+            if other.startswith(_HAS_NO_SECRET):
+                raise RendezvousError(
+                    f"rank {launch.rank} of {launch.size}: the coordinator's "
+                    f"port {port} serves job {other[len(_HAS_NO_SECRET):]}, "
+                    f"which has no secret, and this process has one "
+                    f"({SECRET_ENV}); give every process of the job the same "
+                    f"{SECRET_ENV} (a process of another job: give that job "
+                    f"a port of its own)")
             raise RendezvousError(
                 f"rank {launch.rank} of {launch.size}: "
-                f"{_other_job_line(port, reply.partition(' msg=')[2], job)}")
+                f"{_other_job_line(port, other, job)}")
         # A server whose job formed without this process, or one that
         # closes without an answer: the previous run of a job that a
         # platform restarted, still ending. Its successor listens once it
@@ -357,15 +427,22 @@ def join(launch, timeout, environ=None, watch=True):
     if not reply.startswith("cmd=kd_ready rc=0 "):
         msg = reply.partition(" msg=")[2]
         raise RendezvousError(f"rank {launch.rank} of {launch.size}: {msg}")
+    variables = {}
     if kept and watch:
         _start_watch(*kept[-1], launch)
+        # The core learns from this connection's end that the server has
+        # gone, and then skips MPI_Finalize (whose PMI barrier would crash
+        # MPICH): a copy of its descriptor that nothing here closes.
+        variables[PMI_WATCH_ENV] = str(os.dup(kept[-1][0].fileno()))
     for sock, _ in kept[:-1] if watch else kept:
         sock.close()
     # MPICH's client proves itself to the server with PMI_ID, the one-time
     # number the server gave this rank.
     pmiid = _tokens(reply).get("pmiid", "")
-    return {"PMI_PORT": f"{ip}:{port}", "PMI_ID": pmiid,
-            "PMI_RANK": str(launch.rank), "PMI_SIZE": str(launch.size)}
+    variables.update({"PMI_PORT": f"{ip}:{port}", "PMI_ID": pmiid,
+                      "PMI_RANK": str(launch.rank),
+                      "PMI_SIZE": str(launch.size)})
+    return variables
 
 
 _watching = []  # the hello's connection, kept while this process lives
@@ -399,7 +476,8 @@ def _start_watch(sock, check, launch):
                      name="kerasdist-rendezvous-watch").start()
 
 
-def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
+def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
+           proven=None):
     """Connects (retrying until `deadline`), proves the job's secret, says
     hello; returns the server's reply line once its proof is checked. A
     connection whose hello formed the job is left open and added to
@@ -419,6 +497,13 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None):
         if t.get("cmd") != "kd_challenge":
             return (f"{_NO_ANSWER} msg=the coordinator at {where} did not "
                     f"answer as a kerasdist rendezvous")
+        # A server that says whether its job has a secret (secret=1/0):
+        # where this process differs, that is the error to name.
+        theirs_proven = t.get("secret")
+        if proven is not None and theirs_proven == str(int(not proven)):
+            why = _HAS_NO_SECRET if proven else _NEEDS_SECRET
+            return (f"cmd=kd_ready rc={_OTHER_JOB} msg={why}"
+                    f"{t.get('job')}")
         if t.get("rc") == str(_OTHER_JOB) or t.get("job") != job:
             return f"cmd=kd_ready rc={_OTHER_JOB} msg=job {t.get('job')}"
         theirs = t.get("nonce", "")
@@ -509,10 +594,11 @@ class _Bad(Exception):
 
 
 class _Server:
-    def __init__(self, size, timeout, job="unnamed", key=b""):
+    def __init__(self, size, timeout, job="unnamed", key=b"", secret=False):
         self.size = size
         self.timeout = timeout
         self.job = job
+        self.secret = secret
         self.key = key or identity({})[1]
         self.kvsname = f"kerasdist_{os.getpid()}_{int(time.time())}"
         self.cv = threading.Condition()
@@ -539,15 +625,19 @@ class _Server:
     # this server gave its rank in the hello's reply.
     def on_auth(self, conn, t):
         job = t.get("job", "")
+        # secret=: whether this job has one, so that a rank that differs
+        # hears that rather than "another job" (it proves nothing: the
+        # proof below does).
         if job != self.job:
             self._send(conn, f"cmd=kd_challenge rc={_OTHER_JOB} "
-                       f"job={self.job}")
+                       f"job={self.job} secret={int(self.secret)}")
             raise _Bad("another job")
         conn.theirs = t.get("nonce", "")[:64]
         conn.nonce = secrets.token_hex(16)
         proof = _mac(self.key, "server", conn.theirs, conn.nonce, self.job)
         self._send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
-                   f"nonce={conn.nonce} proof={proof}")
+                   f"secret={int(self.secret)} nonce={conn.nonce} "
+                   f"proof={proof}")
 
     def _reply(self, conn, line):
         """A hello's reply, with its proof."""
@@ -853,17 +943,17 @@ def _watch_parent(server):
         server.cv.notify_all()
 
 
-def _listen(port, size, timeout):
-    """The listening socket on `port`; while the port is in use (the server
-    of an earlier run still ending), says "waiting" once and retries until
-    `timeout`."""
+def _listen(port, size, timeout, address=""):
+    """The listening socket on `address`:`port` ("": every interface);
+    while the port is in use (the server of an earlier run still ending),
+    says "waiting" once and retries until `timeout`."""
     deadline = time.monotonic() + timeout
     said = False
     while True:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            listener.bind(("", port))
+            listener.bind((address, port))
             listener.listen(min(max(size, 128), 4096))
             return listener
         except OSError as e:
@@ -877,16 +967,17 @@ def _listen(port, size, timeout):
         time.sleep(_RETRY_S)
 
 
-def _serve(port, size, timeout):
+def _serve(port, size, timeout, address=""):
     job = os.environ.get("_KERASDIST_RENDEZVOUS_JOB", "unnamed")
     key = bytes.fromhex(os.environ.get("_KERASDIST_RENDEZVOUS_KEY", ""))
     try:
-        listener = _listen(port, size, timeout)
+        listener = _listen(port, size, timeout, address)
     except OSError as e:
         print(f"{e.strerror or e} (the coordinator's port must be free on "
               f"rank 0's host)", flush=True)
         return 1
-    server = _Server(size, timeout, job, key)
+    server = _Server(size, timeout, job, key,
+                     os.environ.get("_KERASDIST_RENDEZVOUS_SECRET") == "1")
     threading.Thread(target=_watch_parent, args=(server,),
                      daemon=True).start()
 
@@ -928,7 +1019,8 @@ def _serve(port, size, timeout):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "serve":
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "serve":
         sys.exit(_serve(int(sys.argv[2]), int(sys.argv[3]),
-                        float(sys.argv[4])))
-    sys.exit("usage: rendezvous.py serve PORT SIZE TIMEOUT_SECONDS")
+                        float(sys.argv[4]), *sys.argv[5:]))
+    sys.exit("usage: rendezvous.py serve PORT SIZE TIMEOUT_SECONDS "
+             "[ADDRESS]")

@@ -70,7 +70,17 @@ std::string RowArgs(const std::string& tensor) {
 
 void SetTensorLabel(const std::string& tensor, const std::string& label) {
   std::lock_guard<std::mutex> lock(LabelsMutex());
-  Labels()[tensor] = label;
+  auto it = Labels().find(tensor);
+  if (it != Labels().end()) {
+    it->second = label;
+  } else if (Labels().size() < kMaxTensorLabels) {
+    Labels().emplace(tensor, label);
+  }
+}
+
+size_t TensorLabelCount() {
+  std::lock_guard<std::mutex> lock(LabelsMutex());
+  return Labels().size();
 }
 
 Status Timeline::Open(const std::string& path, bool mark_cycles,
@@ -109,9 +119,25 @@ int64_t Timeline::Micros(Clock::time_point t) const {
       .count();
 }
 
+size_t Timeline::rows() {
+  std::lock_guard<std::mutex> l(mu_);
+  return rows_.size() + (overflow_row_ ? 1 : 0);
+}
+
 int Timeline::Row(const std::string& tensor) {
   auto it = rows_.find(tensor);
   if (it != rows_.end()) return it->second;
+  if (static_cast<int>(rows_.size()) >= max_rows_) {
+    if (overflow_row_ == 0) {
+      overflow_row_ = max_rows_ + 1;
+      meta_.push_back(
+          "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
+          std::to_string(overflow_row_) +
+          ",\"args\":{\"name\":\"other tensors (a row each for the first " +
+          std::to_string(max_rows_) + "; args.tensor names each)\"}}");
+    }
+    return overflow_row_;
+  }
   int row = static_cast<int>(rows_.size()) + 1;  // row 0 holds cycle markers
   rows_.emplace(tensor, row);
   meta_.push_back("{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":0,\"tid\":" +
@@ -134,7 +160,16 @@ void Timeline::Phases(const std::vector<const std::string*>& tensors,
   if (!args.empty()) shared = std::make_shared<const std::string>(args);
   std::lock_guard<std::mutex> l(mu_);
   for (const std::string* tensor : tensors) {
-    events_.push_back(Event{Row(*tensor), phase, ts, dur, shared});
+    const int row = Row(*tensor);
+    if (row != overflow_row_) {
+      events_.push_back(Event{row, phase, ts, dur, shared});
+      continue;
+    }
+    // The shared row: each event names its tensor.
+    events_.push_back(Event{row, phase, ts, dur,
+                            std::make_shared<const std::string>(
+                                "\"tensor\":\"" + JsonEscape(*tensor) + "\"" +
+                                (args.empty() ? "" : "," + args))});
   }
 }
 

@@ -63,6 +63,16 @@ class Timeline {
               const std::string& args);
   void Cycle(Clock::time_point t);
   bool mark_cycles() const { return mark_cycles_; }
+  // The rows named so far (the overflow row included).
+  size_t rows();
+
+  // A long job may name a new tensor at every step (unnamed eager calls):
+  // the first kMaxRows tensors get a row each, the later ones share one
+  // more, "other tensors", each event naming its tensor in args.tensor,
+  // so that memory stays bounded.
+  static constexpr int kMaxRows = 4096;
+  // Tests: a smaller bound, before any event.
+  void set_max_rows(int n) { max_rows_ = n; }
 
  private:
   Timeline() = default;
@@ -87,6 +97,8 @@ class Timeline {
   std::vector<Event> events_;
   std::vector<std::string> meta_;  // formatted row names
   std::unordered_map<std::string, int> rows_;
+  int max_rows_ = kMaxRows;
+  int overflow_row_ = 0;  // 0 until needed
   bool wrote_any_ = false;
   std::thread writer_;
 };
@@ -97,8 +109,12 @@ std::string JsonEscape(const std::string& s);
 // name of its timeline row; the tensor's own name moves to the row's
 // args.tensor. Any thread may set one, at any time: a row takes the label
 // its tensor has when the row is first written. Labels are per process;
-// rank 0's name the rows, since rank 0 writes the file.
+// rank 0's name the rows, since rank 0 writes the file. At most
+// kMaxTensorLabels tensors have one (a new tensor past that keeps its own
+// name).
+inline constexpr size_t kMaxTensorLabels = 65536;
 void SetTensorLabel(const std::string& tensor, const std::string& label);
+size_t TensorLabelCount();
 
 }  // namespace kerasdist::core
 

@@ -84,7 +84,7 @@ KD_TEST(DescribeLostNamesAWholeHostOrEachRank) {
 
 KD_TEST(LivenessFindsASilentWorkerAndTellsTheOthers) {
   int listen_fd = -1, port = -1;
-  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  CHECK_OK(Liveness::Listen("127.0.0.1", &listen_fd, &port));
   Said said0, said1;
   std::unique_ptr<Liveness> worker;
   int silent = -1;
@@ -107,7 +107,7 @@ KD_TEST(LivenessFindsASilentWorkerAndTellsTheOthers) {
 
 KD_TEST(LivenessTellsAGoodbyeFromADeath) {
   int listen_fd = -1, port = -1;
-  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  CHECK_OK(Liveness::Listen("127.0.0.1", &listen_fd, &port));
   Said said0, said1;
   std::unique_ptr<Liveness> worker, coordinator;
   int dying = -1;
@@ -136,7 +136,7 @@ KD_TEST(LivenessTellsAGoodbyeFromADeath) {
 // with a wrong proof. None counts as a rank, none delays the real ones.
 KD_TEST(LivenessCountsOnlyConnectionsThatProveTheKey) {
   int listen_fd = -1, port = -1;
-  CHECK_OK(Liveness::Listen(&listen_fd, &port));
+  CHECK_OK(Liveness::Listen("127.0.0.1", &listen_fd, &port));
   std::vector<int> foreign;
   for (int i = 0; i < Liveness::kMaxPending + 10; ++i) {
     foreign.push_back(Connected(port));  // idle, half-open
@@ -179,6 +179,35 @@ KD_TEST(LivenessCountsOnlyConnectionsThatProveTheKey) {
   worker1->Stop();
   worker2->Stop();
   coordinator->Stop();
+}
+
+std::string BoundAddress(int fd) {
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  CHECK(getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0);
+  char text[INET_ADDRSTRLEN] = {0};
+  inet_ntop(AF_INET, &sa.sin_addr, text, sizeof(text));
+  return text;
+}
+
+// Rank 0's heartbeat port listens where the ranks reach it: loopback when
+// they all share its network namespace, the --network-interface's address
+// when it has one, else every interface.
+KD_TEST(LivenessListensWhereTheRanksReachIt) {
+  CHECK(Liveness::ListenAddress(true, "") == "127.0.0.1");
+  CHECK(Liveness::ListenAddress(true, "no-such-if0") == "127.0.0.1");
+  CHECK(Liveness::ListenAddress(false, "lo") == "127.0.0.1");
+  CHECK(Liveness::ListenAddress(false, "no-such-if0") == "");
+  CHECK(Liveness::ListenAddress(false, "") == "");
+  int fd = -1, port = -1;
+  CHECK_OK(Liveness::Listen("127.0.0.1", &fd, &port));
+  CHECK(BoundAddress(fd) == "127.0.0.1" && port > 0);
+  close(fd);
+  CHECK_OK(Liveness::Listen("", &fd, &port));
+  CHECK(BoundAddress(fd) == "0.0.0.0");
+  close(fd);
+  CHECK_CONTAINS(Liveness::Listen("eth0", &fd, &port).message(),
+                 "'eth0' is not an IPv4 address");
 }
 
 }  // namespace

@@ -75,6 +75,66 @@ def test_torchrun_variables_form_one_job():
     assert f"coordinator 127.0.0.1:{port}" in results[0][1]
 
 
+@pytest.mark.timeout(120)
+def test_a_gone_rendezvous_server_is_one_line_not_a_segfault():
+    # The server killed after the job formed: MPICH's MPI_Finalize would
+    # crash (SIGSEGV) in its PMI barrier; each rank instead says why it
+    # skips it, and keeps its own exit status.
+    port = free_port()
+    worker = [sys.executable, os.path.join(WORKERS,
+                                           "rendezvous_gone_worker.py")]
+    results = start_processes(worker, [_env(r, 2, port) for r in range(2)],
+                              timeout=90)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {r} (rc {rc}):\n{out}"
+        assert f"done {r}" in out, out
+        assert (f"kerasdist: rank {r}: the job's rendezvous server (rank "
+                f"0's, on the coordinator's port) has gone, so MPI cannot "
+                f"finalize; this process ends without MPI_Finalize") in out
+
+
+# Starts `args` once per environment in a mount namespace of its own whose
+# /dev/shm is a tmpfs of SIZE; prints start_processes' results as JSON.
+_IN_SMALL_SHM = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tests.support.helpers import start_processes
+with open(sys.argv[2]) as f:
+    args, envs = json.load(f)
+print(json.dumps(start_processes(args, envs, timeout=60)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_full_dev_shm_is_named_not_a_sigbus(tmp_path):
+    # MPICH's MPI_Init would die of SIGBUS on a /dev/shm too small for its
+    # segment (a full one: Docker's 64 MB default after ~30 killed jobs).
+    import json
+    import shutil
+    import subprocess
+    from tests.support.helpers import REPO_ROOT
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and unshare for a /dev/shm of its own")
+    port = free_port()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps([WORKER, [_env(r, 2, port)
+                                         for r in range(2)]]))
+    p = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'mount -t tmpfs -o size=256k tmpfs /dev/shm && exec "$0" "$@"',
+         sys.executable, "-c", _IN_SMALL_SHM, REPO_ROOT, str(spec)],
+        capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for r, (rc, out) in enumerate(json.loads(p.stdout)):
+        assert rc == 1, f"process {r} (rc {rc}):\n{out}"
+        assert ("kerasdist.init() failed: /dev/shm has 0.2 MiB free of 0.2 "
+                "MiB, and MPI's shared memory for the 2 rank(s) on this "
+                "host needs about 2.0 MiB (MPI_Init would die of SIGBUS); "
+                "free space in /dev/shm") in out, out
+        assert "--shm-size" in out
+
+
 @pytest.mark.timeout(150)
 def test_keras_distribution_variables_form_one_job():
     port = free_port()

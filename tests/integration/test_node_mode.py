@@ -166,6 +166,8 @@ def test_one_node_needs_no_master_flags():
     for r in (0, 1):
         assert any(line.startswith(f"node-ok {r} 2 {r} 2 ")
                    for line in rank_lines(out.stdout, r)), out.stdout
+    # All its ranks are the launcher's: it made the job a secret.
+    assert "the rendezvous is unauthenticated" not in out.stdout
 
 
 def _failing_job(tmp_path, nproc, fail_rank):

@@ -146,3 +146,27 @@ def test_a_proxy_that_cannot_connect_back_ends_the_job(capfdbinary):
                    "this machine at head:4242; give the interface the hosts "
                    "reach this machine on with --network-interface (hydra's "
                    "-iface)."]
+
+
+def test_the_host_check_listens_only_where_the_hosts_connect(tmp_path):
+    # The check before a restart (elastic.answering) listens for the
+    # hosts' probes on the address it gives them, not on every interface.
+    # The "remote shell" runs the probe here, after noting its argv and
+    # which sockets listen then (as `ss -ltn` would).
+    from kerasdist.run import elastic
+    seen, argv = tmp_path / "tcp", tmp_path / "argv"
+    shell = ["sh", "-c", f'shift; cat /proc/net/tcp > {seen}; '
+             f'echo "$@" > {argv}; exec "$@"', "fake-ssh"]
+    ok, failed = elastic.answering([("far-host", 2)], shell, iface="lo",
+                                   timeout=10)
+    assert ok == [("far-host", 2)] and failed == []
+    # The probe's argv ends ADDRESS PORT TIMEOUT.
+    address, port = argv.read_text().split()[-3:-1]
+    assert address == elastic.launcher_address("lo") == "127.0.0.1"
+    listening = []
+    for row in seen.read_text().splitlines()[1:]:
+        fields = row.split()
+        local_ip, local_port = fields[1].split(":")
+        if fields[3] == "0A" and int(local_port, 16) == int(port):  # LISTEN
+            listening.append(socket.inet_ntoa(bytes.fromhex(local_ip)[::-1]))
+    assert listening == ["127.0.0.1"]

@@ -28,7 +28,7 @@ def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
     env = {rendezvous.JOB_ID_ENV: job}
     if secret:
         env[rendezvous.SECRET_ENV] = secret
-    job, key, _ = rendezvous.identity(env)
+    job, key, proven = rendezvous.identity(env)
     preexec = None
     if limit:
         def preexec():
@@ -38,7 +38,9 @@ def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
          str(size), str(timeout)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
-                 _KERASDIST_RENDEZVOUS_JOB=job), preexec_fn=preexec)
+                 _KERASDIST_RENDEZVOUS_JOB=job,
+                 _KERASDIST_RENDEZVOUS_SECRET=str(int(proven))),
+        preexec_fn=preexec)
     line = proc.stdout.readline().split()
     assert line[0] == "ready", line
     return proc, int(line[1])
@@ -269,6 +271,39 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
         _end(proc)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("named", [False, True])
+def test_a_rank_without_the_secret_is_refused_naming_it(named):
+    # A server whose job has a secret refuses a rank without one (and the
+    # other way round) with a line that says so, named jobs or not.
+    ids = {rendezvous.JOB_ID_ENV: "jobS"} if named else {}
+    for server_secret, rank_env, want in [
+            (SECRET, dict(ids), "which requires the job's secret "
+             "(KERASDIST_JOB_SECRET), and this process has none; give "
+             "every process of the job the same KERASDIST_JOB_SECRET"),
+            ("", dict(ids, KERASDIST_JOB_SECRET=SECRET), "which has no "
+             "secret, and this process has one (KERASDIST_JOB_SECRET)")]:
+        proc, port = _serve(2, 20, "jobS" if named else "unnamed",
+                            secret=server_secret)
+        if not named and server_secret:
+            proc.kill()  # its name must be the secret's fingerprint
+            _end(proc)
+            env = {rendezvous.SECRET_ENV: SECRET}
+            proc, port = _serve(2, 20, rendezvous.identity(env)[0],
+                                secret=SECRET)
+        try:
+            launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+            start = time.monotonic()
+            with pytest.raises(rendezvous.RendezvousError) as e:
+                rendezvous.join(launch, 20, environ=rank_env)
+            assert time.monotonic() - start < 5
+            assert str(e.value).startswith(
+                f"rank 1 of 2: the coordinator's port {port} serves job ")
+            assert want in str(e.value), str(e.value)
+        finally:
+            _end(proc)
+
+
 def test_job_identity():
     assert rendezvous.identity({})[0] == "unnamed"
     assert rendezvous.identity({"TORCHELASTIC_RUN_ID": "r 1"})[0] == "r_1"
@@ -475,3 +510,131 @@ def test_fuzzing_the_server_while_a_job_forms_changes_nothing():
             t.join(10)
         _end(proc)
     assert len(sent) > 20
+
+
+# ---- where rank 0's server listens ------------------------------------------
+
+def listening(pid):
+    """[(address, port)] of the TCP sockets process `pid` listens on (from
+    /proc, as `ss -ltnp` shows them)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            if width == 8:
+                ip = socket.inet_ntoa(bytes.fromhex(hex_ip)[::-1])
+            else:
+                raw = bytes.fromhex(hex_ip)
+                ip = socket.inet_ntop(socket.AF_INET6, b"".join(
+                    raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+            out.append((ip, int(hex_port, 16)))
+    return out
+
+
+def _this_hosts_address():
+    """A non-loopback IPv4 address of this host, or None."""
+    with open("/proc/net/route") as f:
+        next(f)
+        for row in f:
+            if row.split()[0] != "lo":
+                try:
+                    return rendezvous._address_toward("192.0.2.123")
+                except OSError:
+                    return None
+    return None
+
+
+def _serve_through_join(coordinator, local_size):
+    """Forms a 2-rank job with join() itself (rank 0 starts its server);
+    returns (where the server listens, rank 1's PMI_PORT, rank 0's)."""
+    out = {}
+
+    def one(rank):
+        launch = Launch("torchrun", rank, 2, rank, local_size, coordinator)
+        out[rank] = rendezvous.join(launch, 20, environ={
+            rendezvous.JOB_ID_ENV: "where", rendezvous.SECRET_ENV: SECRET},
+            watch=False)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    server = rendezvous._server
+    rendezvous._server = None
+    try:
+        assert set(out) == {0, 1}, out
+        return (listening(server.pid), out[1]["PMI_PORT"],
+                out[0]["PMI_PORT"])
+    finally:
+        server.stdin.close()
+        server.wait(20)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_single_host_jobs_server_listens_on_loopback_only():
+    port = _free_port()
+    where, pmi1, pmi0 = _serve_through_join(("127.0.0.1", port), 2)
+    assert where == [("127.0.0.1", port)]
+    assert pmi0 == pmi1 == f"127.0.0.1:{port}"
+    # A host's own name that resolves to loopback here: loopback when the
+    # platform says every rank is on this host.
+    port = _free_port()
+    where, _, _ = _serve_through_join(("localhost", port), None)
+    assert where == [("127.0.0.1", port)]
+
+
+@pytest.mark.timeout(60)
+def test_a_multi_host_jobs_server_listens_on_the_coordinators_address():
+    address = _this_hosts_address()
+    if address is None or address.startswith("127."):
+        pytest.skip("this host has no address but loopback")
+    port = _free_port()
+    where, pmi1, pmi0 = _serve_through_join((address, port), 1)
+    assert where == [(address, port)]
+    assert pmi0 == pmi1 == f"{address}:{port}"
+    # Nothing answers on loopback: no other interface exposes it.
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_listen_address():
+    la = rendezvous.listen_address
+    one_host = Launch("torchrun", 0, 2, 0, 2, None)
+    unknown = Launch("keras", 0, 2, None, None, None)
+    spread = Launch("torchrun", 0, 4, 0, 2, None)
+    assert la(unknown, "127.0.0.1", "127.0.0.1") == "127.0.0.1"
+    assert la(spread, "localhost", "127.0.0.1") == "127.0.0.1"
+    # A name that is loopback here alone (Debian's 127.0.1.1 for the host's
+    # name) may be the host's address on the others: every interface,
+    # unless the platform says that every rank is here.
+    assert la(spread, "myhost", "127.0.1.1") == ""
+    assert la(unknown, "myhost", "127.0.1.1") == ""
+    assert la(one_host, "myhost", "127.0.1.1") == "127.0.1.1"
+    # Not this host's (a Service's address, a NAT): every interface.
+    assert la(spread, "svc", "203.0.113.9") == ""
+    address = _this_hosts_address()
+    if address and not address.startswith("127."):
+        assert la(spread, "me", address) == address

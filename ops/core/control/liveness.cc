@@ -203,12 +203,17 @@ std::string DescribeLost(const std::vector<std::string>& hosts,
   return s.str();
 }
 
-Status Liveness::Listen(int* fd, int* port) {
-  int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return Status::Internal(Errno("heartbeat socket"));
+Status Liveness::Listen(const std::string& address, int* fd, int* port) {
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (!address.empty() &&
+      inet_pton(AF_INET, address.c_str(), &sa.sin_addr) != 1) {
+    return Status::InvalidArgument("heartbeat listen: '" + address +
+                                   "' is not an IPv4 address");
+  }
+  int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) return Status::Internal(Errno("heartbeat socket"));
   socklen_t len = sizeof(sa);
   if (bind(s, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
       listen(s, 1024) != 0 ||
@@ -220,6 +225,32 @@ Status Liveness::Listen(int* fd, int* port) {
   *fd = s;
   *port = ntohs(sa.sin_port);
   return Status::OK();
+}
+
+std::string Liveness::InterfaceAddress(const std::string& name) {
+  std::string out;
+  ifaddrs* list = nullptr;
+  if (name.empty() || getifaddrs(&list) != 0) return out;
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET ||
+        name != a->ifa_name) {
+      continue;
+    }
+    char text[INET_ADDRSTRLEN];
+    auto* in = reinterpret_cast<sockaddr_in*>(a->ifa_addr);
+    if (inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text))) {
+      out = text;
+      break;
+    }
+  }
+  freeifaddrs(list);
+  return out;
+}
+
+std::string Liveness::ListenAddress(bool all_local,
+                                    const std::string& interface) {
+  if (all_local) return "127.0.0.1";
+  return InterfaceAddress(interface);
 }
 
 std::vector<std::string> Liveness::Addresses(const std::string& prefer) {

@@ -62,8 +62,17 @@ struct LivenessOptions {
 
 class Liveness {
  public:
-  // Rank 0's listening socket, on every interface, port chosen by the OS.
-  static Status Listen(int* fd, int* port);
+  // Rank 0's listening socket on `address` ("": every interface), port
+  // chosen by the OS.
+  static Status Listen(const std::string& address, int* fd, int* port);
+  // Where rank 0 listens: loopback when every rank shares its network
+  // namespace (one host); else the IPv4 address of `interface` (the one
+  // the hosts reach each other on, --network-interface) where rank 0 has
+  // it; else "" (every interface: nothing better is known).
+  static std::string ListenAddress(bool all_local,
+                                   const std::string& interface);
+  // The IPv4 address of interface `name` ("a.b.c.d"), "" if it has none.
+  static std::string InterfaceAddress(const std::string& name);
   // This machine's IPv4 addresses that are up, `prefer`'s interface first,
   // loopback last, as "a.b.c.d" strings.
   static std::vector<std::string> Addresses(const std::string& prefer);

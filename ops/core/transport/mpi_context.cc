@@ -1,10 +1,21 @@
 #include "mpi_context.h"
 
+#include <poll.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <thread>
 
 #include "../half_kernels.h"
@@ -23,10 +34,137 @@ int g_generation = 0;
 
 bool g_we_initialized_mpi = false;
 
+// A job that a platform started (kerasdist/run/rendezvous.py): MPICH's PMI
+// server is rank 0's rendezvous server, and this is this process's hello
+// connection to it (_KERASDIST_PMI_WATCH_FD, set for MPI_Init), whose end
+// closes when the server goes. -1 otherwise.
+int g_pmi_watch_fd = -1;
+int g_world_rank = -1;
+
+void TakePmiWatch() {
+  const char* text = std::getenv("_KERASDIST_PMI_WATCH_FD");
+  if (text == nullptr || *text == '\0') return;
+  char* end = nullptr;
+  const long fd = std::strtol(text, &end, 10);
+  struct stat st;
+  if (*end != '\0' || fd < 0 || fd > INT_MAX ||
+      fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    return;
+  }
+  g_pmi_watch_fd = static_cast<int>(fd);
+}
+
+// Whether the rendezvous server has gone (its process ended, or was
+// killed): MPI_Finalize's PMI barrier would then fail, and MPICH crashes
+// there (SIGSEGV) rather than return an error.
+bool PmiServerGone() {
+  if (g_pmi_watch_fd < 0) return false;
+  pollfd p{g_pmi_watch_fd, POLLIN, 0};
+  if (poll(&p, 1, 0) != 1) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return true;
+  char c;
+  const ssize_t n = recv(g_pmi_watch_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
+}
+
+// ---- /dev/shm: MPICH's shared memory --------------------------------------
+//
+// MPI_Init maps a file in /dev/shm, about 1 MiB for each rank on the host,
+// sized with ftruncate and touched at once: on a full /dev/shm (Docker's
+// 64 MB default, filled by the segments of killed jobs) the process dies of
+// SIGBUS with no word of why. So init checks the space first, and a SIGBUS
+// during MPI_Init still says what it most likely is.
+
+constexpr char kShmDir[] = "/dev/shm";
+constexpr uint64_t kShmPerLocalRank = uint64_t{1} << 20;
+
+// The ranks on this host, as the launcher or platform says (1 if none).
+int LocalRanksFromEnvironment() {
+  for (const char* name : {"MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                           "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"}) {
+    const char* text = std::getenv(name);
+    if (text == nullptr) continue;
+    char* end = nullptr;
+    const long n = std::strtol(text, &end, 10);
+    if (end != text && *end == '\0' && n > 0 && n <= 65536)
+      return static_cast<int>(n);
+  }
+  return 1;
+}
+
+std::string MiB(uint64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f MiB", bytes / 1048576.0);
+  return text;
+}
+
+std::string ShmAdvice() {
+  return std::string("free space in ") + kShmDir +
+         " (remove the mpich_shm_* files of jobs that have ended; `kerasdist "
+         "run` removes those of its own failed attempts) or make it larger "
+         "(Docker: --shm-size=1g; Kubernetes: an emptyDir with medium: "
+         "Memory mounted at /dev/shm)";
+}
+
+char g_sigbus_line[1024];
+struct sigaction g_previous_sigbus;
+
+void SigbusInMpiInit(int) {
+  ssize_t ignored = write(2, g_sigbus_line, std::strlen(g_sigbus_line));
+  (void)ignored;
+  // Dies of the signal as it would have: the faulting access runs again.
+  signal(SIGBUS, SIG_DFL);
+}
+
+// An error when /dev/shm cannot hold MPICH's segment; else arms the SIGBUS
+// line for MPI_Init (DisarmSigbus after it).
+Status CheckSharedMemory() {
+  struct statvfs vfs;
+  if (statvfs(kShmDir, &vfs) != 0) return Status::OK();  // MPI's own affair
+  const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  const uint64_t size = uint64_t{vfs.f_blocks} * vfs.f_frsize;
+  const int local = LocalRanksFromEnvironment();
+  const uint64_t need = kShmPerLocalRank * static_cast<uint64_t>(local);
+  if (free_bytes < need) {
+    return Status::Precondition(
+        std::string(kShmDir) + " has " + MiB(free_bytes) + " free of " +
+        MiB(size) + ", and MPI's shared memory for the " +
+        std::to_string(local) + " rank(s) on this host needs about " +
+        MiB(need) + " (MPI_Init would die of SIGBUS); " + ShmAdvice());
+  }
+  std::snprintf(g_sigbus_line, sizeof(g_sigbus_line),
+                "kerasdist: SIGBUS in MPI_Init: MPI's shared memory in %s "
+                "most likely ran out (%s free of %s before it); %s.\n",
+                kShmDir, MiB(free_bytes).c_str(), MiB(size).c_str(),
+                ShmAdvice().c_str());
+  struct sigaction sa{};
+  sa.sa_handler = SigbusInMpiInit;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  return Status::OK();
+}
+
+void DisarmSigbus() { sigaction(SIGBUS, &g_previous_sigbus, nullptr); }
+
 void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (PmiServerGone()) {
+    // The process's own exit status stands; MPI's finalize is skipped.
+    const std::string line =
+        "kerasdist: rank " + std::to_string(g_world_rank) +
+        ": the job's rendezvous server (rank 0's, on the coordinator's "
+        "port) has gone, so MPI cannot finalize; this process ends without "
+        "MPI_Finalize. Its work up to here is done; the server is killed "
+        "only from outside the job (the OOM killer, a signal to its "
+        "process), or after rank 0 ended 30 s before.\n";
+    std::fflush(nullptr);
+    ssize_t ignored = write(2, line.data(), line.size());
+    (void)ignored;
+    return;
+  }
+  MPI_Finalize();
 }
 
 // ---- MPI has no float16 / bfloat16: reduction functions of our own -------
@@ -302,10 +440,14 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   }
   if (!initialized) {
     int provided = 0;
-    KD_RETURN_IF_ERROR(MpiStatus(
-        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
-        "MPI_Init_thread"));
+    KD_RETURN_IF_ERROR(CheckSharedMemory());
+    const int rc =
+        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    DisarmSigbus();
+    KD_RETURN_IF_ERROR(MpiStatus(rc, "MPI_Init_thread"));
     g_we_initialized_mpi = true;
+    TakePmiWatch();
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank);
     std::atexit(FinalizeAtExit);
   }
   int level = 0;
