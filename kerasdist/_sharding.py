@@ -98,6 +98,45 @@ def owned(numel, chunk, rank):
     return lo, min(lo + chunk, numel)
 
 
+def pieces(numel, chunk, lo, hi):
+    """Where elements [lo, hi) of a variable of `numel` elements lie in
+    shards of length `chunk` (rank k's shard holds elements
+    [k * chunk, (k + 1) * chunk)): a list of (k, start, stop, at), element
+    `at + j` of the range being element `start + j` of rank k's shard.
+    Re-partitioning a checkpoint written at one size for another reads
+    only these pieces (a pure function of the two layouts)."""
+    if not 0 <= lo <= hi <= numel:
+        raise ValueError(f"pieces: bad range [{lo}, {hi}) of {numel}.")
+    if chunk < 1:
+        raise ValueError(f"pieces: chunk must be >= 1; got {chunk}.")
+    out = []
+    at = lo
+    while at < hi:
+        k = at // chunk
+        stop = min(hi, (k + 1) * chunk)
+        out.append((k, at - k * chunk, stop - k * chunk, at - lo))
+        at = stop
+    return out
+
+
+def flat_range(dataset, lo, hi):
+    """Elements [lo, hi) of `dataset` (an array-like with a shape, such as
+    an h5py dataset) flattened in C order, reading only the rows of its
+    first axis that hold them: a rank loads its shard of a whole saved
+    variable without reading the rest."""
+    import numpy as np
+
+    shape = tuple(dataset.shape)
+    if len(shape) <= 1:
+        return np.asarray(dataset[lo:hi]).reshape(-1)
+    row = math.prod(shape[1:])
+    if row == 0 or hi <= lo:
+        return np.zeros((0,), dataset.dtype)
+    first, last = lo // row, -(-hi // row)
+    block = np.asarray(dataset[first:last]).reshape(-1)
+    return block[lo - first * row:hi - first * row]
+
+
 class Layout:
     """Where each variable's shard lies, for `size` ranks.
 
