@@ -257,10 +257,14 @@ def _state(trainer):
                            trainer.model.weights + trainer.optimizer.variables])
 
 
-@pytest.mark.parametrize("every", [{"checkpoint_every_steps": 2},
-                                   {"checkpoint_every_seconds": 1e-9}],
-                         ids=["steps", "seconds"])
+@pytest.mark.parametrize("every", [
+    {"checkpoint_every_steps": 2}, {"checkpoint_every_seconds": 1e-9},
+    {"checkpoint_every_steps": 2, "shard": "optimizer_state"}],
+    ids=["steps", "seconds", "steps_sharded"])
 def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
+    # Sharded: the optimizer's slots go to shard files (one at size one),
+    # which the manifest names; tests/parallel/test_trainer_shard.py has
+    # them at np 2, 3 and 1.
     kwargs = dict(epochs=3, batch_size=8, learning_rate=0.05, verbose=0,
                   warmup_epochs=1, **every)
     straight = Dropping(checkpoint_dir=tmp_path / "a", **kwargs)
@@ -273,6 +277,10 @@ def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
     newest = checkpoints.latest(tmp_path / "b")
     assert newest["epoch"] == 1 and 0 < newest["samples"] < 40, newest
     assert newest["samples"] == 8 * (newest["step"] - 5)
+    if "shard" in every:
+        assert [f["name"] for f in newest["optimizer_shards"]["files"]] == [
+            "epoch-000001-sample-%09d.shard-00000-of-00001.h5"
+            % newest["samples"]]
     # from_checkpoint continues that run too, into another directory.
     copy = Dropping.from_checkpoint(tmp_path / "b",
                                     checkpoint_dir=tmp_path / "c")

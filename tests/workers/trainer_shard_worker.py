@@ -201,7 +201,9 @@ def mode_np2(root):
     save_state(state, os.path.join(root, "a.npz"))
 
     directory = os.path.join(root, "b")
-    b = Toy(**settings(checkpoint_dir=directory, checkpoint_every_steps=2))
+    # Whenever every rank's writer is free: the ranks agree at each step.
+    b = Toy(**settings(checkpoint_dir=directory,
+                       checkpoint_every_seconds=1e-9))
     b.stop_at = (1, 4)  # a step checkpoint of epoch 2 is the newest
     try:
         b.fit()
@@ -210,9 +212,9 @@ def mode_np2(root):
         pass
     if kd.rank() == 0:
         manifest = check_shard_files(directory, 2)
-        # After batch 1 or 3 (or 4, if a write was in flight at batch 3).
-        assert manifest["epoch"] == 1 and manifest["samples"] in (
-            32, 64, 80), manifest
+        # After one of batches 0 to 4 of epoch 2 (the one it stopped at).
+        assert manifest["epoch"] == 1 and 0 < manifest["samples"] <= 80, \
+            manifest
     kd.barrier(name="test.b_checked")
     resumed = Toy(**settings(checkpoint_dir=directory))
     resumed.fit()
