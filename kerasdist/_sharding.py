@@ -667,6 +667,16 @@ def sharded_in(optimizer):
     return None
 
 
+def shard_state(optimizer):
+    """The state of the sharded optimizer in `optimizer` (its `layout`,
+    `rank` and `slot_index(variable)`), or None where there is none or it
+    is not built yet."""
+    sharded = sharded_in(optimizer)
+    if sharded is None or not sharded.built:
+        return None
+    return sharded._kerasdist_shard
+
+
 class whole_state:
     """A context in which a sharded optimizer in `optimizer` saves its
     state whole, in the plain optimizer's layout (`model.save`,

@@ -67,6 +67,12 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
+def stem(epoch, samples=0):
+    """The name shared by the files of the checkpoint after `epoch`
+    epochs (and `samples` examples of the next one)."""
+    return _stem(epoch, samples)
+
+
 def _stem(epoch, samples=0):
     if samples:
         return f"epoch-{epoch:06d}-sample-{samples:09d}"
@@ -103,6 +109,13 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def atomic_write(path, write):
+    """Calls `write(tmp_path)` for a temporary file beside `path`, fsyncs
+    it, then renames it over `path` (a crash leaves the old file or the
+    new one, never a torn one)."""
+    _atomic_write(path, write)
 
 
 def _atomic_write(path, write):

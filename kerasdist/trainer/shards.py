@@ -56,10 +56,9 @@ def slot_variables(optimizer):
     """[(i, variable, j)] for each optimizer variable (index i in
     `optimizer.variables`) that holds only this rank's shard of model
     variable j; [] for a replicated optimizer."""
-    sharded = _sharding.sharded_in(optimizer)
-    if sharded is None or not sharded.built:
+    state = _sharding.shard_state(optimizer)
+    if state is None:
         return []
-    state = sharded._kerasdist_shard
     out = []
     for i, v in enumerate(optimizer.variables):
         j = state.slot_index(v)
@@ -71,8 +70,7 @@ def slot_variables(optimizer):
 def index(optimizer):
     """The layout part of a sharded checkpoint's `optimizer_shards`
     record (the files are added by rank 0 once written)."""
-    sharded = _sharding.sharded_in(optimizer)
-    layout = sharded._kerasdist_shard.layout
+    layout = _sharding.shard_state(optimizer).layout
     return {
         "format": 1,
         "size": int(layout.size),
@@ -110,7 +108,7 @@ def write(path, values, token, rank, size):
                 else:
                     f.create_dataset(str(i), data=value)
 
-    checkpoints._atomic_write(path, put)
+    checkpoints.atomic_write(path, put)
 
 
 def _token_of(path):
@@ -263,10 +261,9 @@ def load_slots(optimizer, source, numels):
     PlainFile): a sharded optimizer's rank takes its own shard only, a
     replicated optimizer each slot whole. `numels`: {optimizer variable
     index: element count} of the checkpoint's slots."""
-    sharded = _sharding.sharded_in(optimizer)
-    if sharded is not None:
-        layout = sharded._kerasdist_shard.layout
-        rank = sharded._kerasdist_shard.rank
+    state = _sharding.shard_state(optimizer)
+    if state is not None:
+        layout, rank = state.layout, state.rank
         slots = slot_variables(optimizer)
         if sorted(i for i, _, _ in slots) != sorted(numels):
             raise ValueError(
@@ -311,10 +308,10 @@ class ShardWriter:
     from those an earlier attempt left."""
 
     def __init__(self, optimizer, directory, nonce):
-        sharded = _sharding.sharded_in(optimizer)
+        state = _sharding.shard_state(optimizer)
         self.optimizer = optimizer
-        self.rank = sharded._kerasdist_shard.rank
-        self.size = sharded._kerasdist_shard.layout.size
+        self.rank = state.rank
+        self.size = state.layout.size
         self.directory = directory
         self.nonce = int(nonce)
 
@@ -330,7 +327,7 @@ class ShardWriter:
     def write(self, epoch, samples, values):
         """Writes this rank's shard file of the checkpoint (epoch,
         samples) from `values` (`take()`)."""
-        stem = checkpoints._stem(epoch, samples)
+        stem = checkpoints.stem(epoch, samples)
         os.makedirs(self.directory, exist_ok=True)
         write(os.path.join(self.directory,
                            shard_name(stem, self.rank, self.size)),

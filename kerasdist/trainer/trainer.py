@@ -512,7 +512,8 @@ class Trainer:
             if _optimizer_variables_in(path) < len(self.optimizer.variables):
                 return  # fresh_optimizer: nothing to read
             source = _tshards.PlainFile(path)
-            numels = {i: self._sharded._kerasdist_shard.layout.numels[j]
+            layout = _sharding.shard_state(self.model.optimizer).layout
+            numels = {i: layout.numels[j]
                       for i, _, j in
                       _tshards.slot_variables(self.model.optimizer)}
         try:

@@ -126,7 +126,7 @@ def test_collect_waits_for_this_writes_token(tmp_path):
 
 
 def _save(directory, epoch, values, size, samples=0, keep=3):
-    stem = checkpoints._stem(epoch, samples)
+    stem = checkpoints.stem(epoch, samples)
 
     def record(name):
         assert name == stem
