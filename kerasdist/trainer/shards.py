@@ -36,8 +36,6 @@ import contextlib
 import os
 import time
 
-import numpy as np
-
 from kerasdist import _sharding
 from kerasdist.trainer import checkpoints
 
@@ -52,63 +50,20 @@ def shard_name(stem, rank, size):
     return f"{stem}.shard-{rank:05d}-of-{size:05d}.h5"
 
 
-def slot_variables(optimizer):
-    """[(i, variable, j)] for each optimizer variable (index i in
-    `optimizer.variables`) that holds only this rank's shard of model
-    variable j; [] for a replicated optimizer."""
-    state = _sharding.shard_state(optimizer)
-    if state is None:
-        return []
-    out = []
-    for i, v in enumerate(optimizer.variables):
-        j = state.slot_index(v)
-        if j is not None:
-            out.append((i, v, j))
-    return out
-
-
-def index(optimizer):
-    """The layout part of a sharded checkpoint's `optimizer_shards`
-    record (the files are added by rank 0 once written)."""
-    layout = _sharding.shard_state(optimizer).layout
-    return {
-        "format": 1,
-        "size": int(layout.size),
-        "optimizer_variables": len(optimizer.variables),
-        "variables": [
-            {"index": i, "path": str(getattr(v, "path", v.name)),
-             "shape": list(layout.shapes[j]), "numel": layout.numels[j],
-             "chunk": layout.chunks[j], "dtype": layout.dtypes[j]}
-            for i, v, j in slot_variables(optimizer)],
-    }
-
-
-def take(optimizer):
-    """This rank's shard of every slot, copied to host memory:
-    {optimizer variable index: 1-D array}."""
-    import keras
-
-    return {i: np.array(keras.ops.convert_to_numpy(v), copy=True)
-            for i, v, _ in slot_variables(optimizer)}
+slot_variables = _sharding.slot_variables
+take = _sharding.take_shard
+ShardFiles = _sharding.ShardFiles
+PlainFile = _sharding.PlainFile
+load_slots = _sharding.load_slots
 
 
 def write(path, values, token, rank, size):
     """Writes this rank's shard file atomically."""
-    import h5py
+    checkpoints.atomic_write(path, lambda tmp: _sharding.write_shard_file(
+        tmp, values, token=token, rank=rank, size=size))
 
-    def put(tmp):
-        with h5py.File(tmp, "w") as f:
-            f.attrs["token"] = token
-            f.attrs["rank"] = rank
-            f.attrs["size"] = size
-            for i, value in values.items():
-                if value.dtype.name == "bfloat16":
-                    f.create_dataset(str(i), data=value.view(np.uint16))
-                    f[str(i)].attrs["dtype"] = "bfloat16"
-                else:
-                    f.create_dataset(str(i), data=value)
 
-    checkpoints.atomic_write(path, put)
+index = _sharding.shard_index
 
 
 def _token_of(path):
@@ -183,120 +138,6 @@ def shared_only(optimizer, record=None):
     finally:
         del optimizer.save_own_variables
         del optimizer.load_own_variables
-
-
-# ---- reading slots ------------------------------------------------------
-
-
-class ShardFiles:
-    """The slots of a sharded checkpoint, read piece by piece from its
-    shard files."""
-
-    def __init__(self, directory, record):
-        self.directory = directory
-        self.record = record
-        self.entries = {int(e["index"]): e for e in record["variables"]}
-        self._open = {}
-
-    def _file(self, k):
-        import h5py
-        f = self._open.get(k)
-        if f is None:
-            name = self.record["files"][k]["name"]
-            path = os.path.join(self.directory, name)
-            try:
-                f = h5py.File(path, "r")
-            except OSError as e:
-                raise checkpoints.CheckpointError(
-                    f"checkpoint shard file {path} is unreadable: {e}"
-                ) from None
-            self._open[k] = f
-        return f
-
-    def read(self, i, lo, hi):
-        """Elements [lo, hi) of optimizer variable i, flattened."""
-        e = self.entries[i]
-        out = None
-        for k, start, stop, at in _sharding.pieces(int(e["numel"]),
-                                                   int(e["chunk"]), lo, hi):
-            dataset = self._file(k)[str(i)]
-            part = _decode(dataset, np.asarray(dataset[start:stop]))
-            if out is None:
-                out = np.zeros(hi - lo, part.dtype)
-            out[at:at + stop - start] = part
-        return np.zeros(0) if out is None else out
-
-    def close(self):
-        for f in self._open.values():
-            f.close()
-        self._open = {}
-
-
-class PlainFile:
-    """The slots of a replicated checkpoint (a Keras weight file holding
-    the whole optimizer state), read by slices."""
-
-    def __init__(self, path):
-        import h5py
-        self._file = h5py.File(path, "r")
-        self._vars = self._file["optimizer/vars"]
-
-    def read(self, i, lo, hi):
-        dataset = self._vars[str(i)]
-        return _decode(dataset, _sharding.flat_range(dataset, lo, hi))
-
-    def close(self):
-        self._file.close()
-
-
-def _decode(dataset, values):
-    if dataset.attrs.get("dtype") == "bfloat16":
-        import ml_dtypes
-        return np.asarray(values).view(ml_dtypes.bfloat16)
-    return values
-
-
-def load_slots(optimizer, source, numels):
-    """Assigns each slot of `optimizer` from `source` (ShardFiles or
-    PlainFile): a sharded optimizer's rank takes its own shard only, a
-    replicated optimizer each slot whole. `numels`: {optimizer variable
-    index: element count} of the checkpoint's slots."""
-    state = _sharding.shard_state(optimizer)
-    if state is not None:
-        layout, rank = state.layout, state.rank
-        slots = slot_variables(optimizer)
-        if sorted(i for i, _, _ in slots) != sorted(numels):
-            raise ValueError(
-                "the checkpoint's optimizer state is laid out for other "
-                "variables than this optimizer's: another optimizer.")
-        for i, v, j in slots:
-            n, c = layout.numels[j], layout.chunks[j]
-            _check_numel(v, numels[i], n)
-            lo, hi = _sharding.owned(n, c, rank)
-            value = np.zeros(c, _numpy_dtype(layout.dtypes[j]))
-            value[:hi - lo] = source.read(i, lo, hi)
-            v.assign(value)
-        return
-    variables = optimizer.variables
-    for i, n in numels.items():
-        v = variables[i]
-        _check_numel(v, n, int(np.prod(v.shape)))
-        v.assign(source.read(i, 0, n).reshape(tuple(v.shape)))
-
-
-def _numpy_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _check_numel(variable, saved, wanted):
-    if saved != wanted:
-        raise ValueError(
-            f"the checkpoint's value of optimizer variable "
-            f"{getattr(variable, 'path', variable.name)} has {saved} "
-            f"elements, this one {wanted}: another model.")
 
 
 class ShardWriter:

@@ -51,19 +51,26 @@ def _job(np_, mode, root, checks):
 
 def test_shard_checkpoints_np2(root):
     _job(2, "np2", root, ["shard_files_per_rank_named_in_manifest",
-                          "step_checkpoint_resume_equals_straight_run"])
+                          "step_checkpoint_resume_equals_straight_run",
+                          "elastic_commit_writes_a_shard_file_per_rank"])
 
 
 def test_shard_resume_np3(root):
     _job(3, "np3", root, ["resume_2_to_3_sharded_exact",
                           "resume_sharded_to_replicated_exact",
-                          "continues_like_replicated"])
+                          "continues_like_replicated",
+                          "elastic_resume_2_to_3_sharded_exact"])
 
 
 def test_shard_resume_np1(root):
     out = _job(1, "np1", root, ["resume_3_to_1_and_replicated_sharded_exact",
                                 "damaged_shard_file_falls_back",
-                                "missing_shard_file_names_it"])
+                                "missing_shard_file_names_it",
+                                "elastic_resume_3_to_1_replicated_and_"
+                                "damaged_shard_file_falls_back"])
     errors = "\n".join(rank_lines(out.stdout, 0, "stderr"))
     assert "skipping damaged checkpoint: checkpoint shard file " in errors
     assert "epoch-000004.shard-00001-of-00003.h5" in errors
+    text = "\n".join(rank_lines(out.stdout, 0, "stdout")) + errors
+    assert "the last commit cannot be read" in text and \
+        "shard-00002-of-00003.h5 is damaged" in text, text[-3000:]

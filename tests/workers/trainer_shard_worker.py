@@ -118,13 +118,16 @@ def settings(**kw):
 def whole_state(trainer):
     """{name: array}: the weights and the optimizer's variables, whole
     (gathered from the shards for a sharded optimizer; a collective)."""
-    opt = trainer.optimizer
+    return whole_of(trainer.model, trainer.optimizer)
+
+
+def whole_of(model, opt):
     if _sharding.sharded_in(opt) is not None:
         values = opt.kerasdist_gather_whole()
     else:
         values = [keras.ops.convert_to_numpy(v) for v in opt.variables]
     out = {f"w{i}": np.asarray(w)
-           for i, w in enumerate(trainer.model.get_weights())}
+           for i, w in enumerate(model.get_weights())}
     out.update({f"o{i}": np.asarray(v) for i, v in enumerate(values)})
     return out
 
@@ -185,6 +188,41 @@ def check_shard_files(directory, size):
     return manifest
 
 
+# ---- hvd.elastic commits of a sharded optimizer --------------------------
+
+
+def elastic_model(root, shard):
+    """A compiled model with DistributedOptimizer(shard=shard), built,
+    and its KerasState committing to ROOT/elastic."""
+    os.environ[kd.elastic.ELASTIC_DIR_ENV] = os.path.join(root, "elastic")
+    keras.utils.set_random_seed(5)
+    model = Toy(**settings()).build_model()
+    opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard=shard)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    opt.build(model.trainable_variables)
+    return model, opt, kd.elastic.KerasState(model, epoch=0)
+
+
+def elastic_steps(model, steps, seed):
+    x, y = make_data(BATCH * steps * kd.size(), seed)
+    x, y = x[kd.rank()::kd.size()], y[kd.rank()::kd.size()]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+@kd.elastic.run
+def resumed(state):
+    return whole_of(state.model, state.optimizer)
+
+
+def shard_commit_files(root, size):
+    names = sorted(n for n in os.listdir(os.path.join(root, "elastic"))
+                   if ".shard-" in n)
+    stems = sorted({n.split(".shard-")[0] for n in names})
+    assert names == sorted(f"{s}.shard-{r:05d}-of-{size:05d}.h5"
+                           for s in stems for r in range(size)), names
+    return stems
+
+
 def mode_np2(root):
     a = Toy(**settings(checkpoint_dir=os.path.join(root, "a"),
                        checkpoint_every_steps=2))
@@ -222,6 +260,19 @@ def mode_np2(root):
     assert_state(whole_state(resumed), state, 1e-12, "step resume")
     ok("step_checkpoint_resume_equals_straight_run")
 
+    model, opt, el = elastic_model(root, "optimizer_state")
+    elastic_steps(model, 3, 11)
+    el.commit()
+    elastic_steps(model, 2, 12)
+    el.commit()
+    state = whole_of(model, opt)
+    if kd.rank() == 0:
+        # Each commit: one file a rank; the newest two are kept (.prev).
+        assert len(shard_commit_files(root, 2)) == 2
+    kd.barrier(name="test.elastic2")
+    save_state(state, os.path.join(root, "el2.npz"))
+    ok("elastic_commit_writes_a_shard_file_per_rank")
+
 
 def mode_np3(root):
     a = load_state(os.path.join(root, "a.npz"))
@@ -247,6 +298,20 @@ def mode_np3(root):
     ok("continues_like_replicated")
     save_state(s, os.path.join(root, "s3.npz"))
     save_state(r, os.path.join(root, "r3.npz"))
+
+    model, opt, el = elastic_model(root, "gradients")
+    assert_state(resumed(el), load_state(os.path.join(root, "el2.npz")),
+                 0.0, "elastic 2 -> 3 sharded")
+    elastic_steps(model, 2, 13)
+    el.commit()
+    save_state(whole_of(model, opt), os.path.join(root, "el3a.npz"))
+    elastic_steps(model, 2, 14)
+    el.commit()
+    save_state(whole_of(model, opt), os.path.join(root, "el3b.npz"))
+    if kd.rank() == 0:
+        assert len(shard_commit_files(root, 3)) == 2
+    kd.barrier(name="test.elastic3")
+    ok("elastic_resume_2_to_3_sharded_exact")
 
 
 def mode_np1(root):
@@ -292,6 +357,25 @@ def mode_np1(root):
         assert "epoch-000004.shard-00002-of-00003.h5 is missing" in str(e)
         assert "epoch-000003.shard-00002-of-00003.h5 is missing" in str(e)
     ok("missing_shard_file_names_it")
+
+    intact = os.path.join(root, "elastic")
+    damaged = os.path.join(root, "elastic_damaged")
+    shutil.copytree(intact, damaged)
+    model, opt, el = elastic_model(root, None)
+    assert_state(resumed(el), load_state(os.path.join(root, "el3b.npz")),
+                 0.0, "elastic 3 sharded -> 1 replicated")
+    newest = shard_commit_files(root, 3)
+    with np.load(os.path.join(damaged, "state-0.npz")) as f:
+        header = bytes(f["header"]).decode()
+    stem = [s for s in newest if s in header][0]
+    victim = os.path.join(damaged, f"{stem}.shard-00002-of-00003.h5")
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) - 8)
+        f.write(b"\x00damaged")
+    os.environ[kd.elastic.ELASTIC_DIR_ENV] = damaged
+    assert_state(resumed(el), load_state(os.path.join(root, "el3a.npz")),
+                 0.0, "elastic fallback to .prev")
+    ok("elastic_resume_3_to_1_replicated_and_damaged_shard_falls_back")
 
 
 def main():
