@@ -25,6 +25,10 @@ state to a file that the next attempt starts from:
   order; written to a temporary file and renamed, so a crash never leaves a
   half-written one), then `check_host_updates()`. Without
   KERASDIST_ELASTIC_DIR (a job that is never restarted) nothing is written.
+  A sharded optimizer's slots (`DistributedOptimizer(shard=...)` in a
+  KerasState) are never gathered: each rank writes its shard to a file of
+  its own beside the commit, which names them (`_ShardCommits`), and a
+  restart at another size reads each rank's part of them.
 * `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
   committed state if there is one (a restarted attempt); if it was
   committed at another number of ranks, the reset callbacks run

@@ -67,7 +67,7 @@ def test_shard_resume_np1(root):
                                 "damaged_shard_file_falls_back",
                                 "missing_shard_file_names_it",
                                 "elastic_resume_3_to_1_replicated_and_"
-                                "damaged_shard_file_falls_back"])
+                                "damaged_shard_falls_back"])
     errors = "\n".join(rank_lines(out.stdout, 0, "stderr"))
     assert "skipping damaged checkpoint: checkpoint shard file " in errors
     assert "epoch-000004.shard-00001-of-00003.h5" in errors
