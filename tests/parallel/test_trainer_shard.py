@@ -59,6 +59,7 @@ def test_shard_resume_np3(root):
     _job(3, "np3", root, ["resume_2_to_3_sharded_exact",
                           "resume_sharded_to_replicated_exact",
                           "continues_like_replicated",
+                          "resume_replicated_to_sharded_exact",
                           "elastic_resume_2_to_3_sharded_exact"])
 
 

@@ -9,14 +9,20 @@ np2  trains 2 epochs sharded (Adam, float64) with step checkpoints
      (ROOT/a), and the same job stopped in epoch 2 after a step
      checkpoint then resumed (ROOT/b): it ends where ROOT/a's ended. Saves
      ROOT/a.npz: the whole state (weights, optimizer variables gathered).
+     Commits an hvd.elastic KerasState of a sharded optimizer twice
+     (ROOT/elastic; el2.npz).
 np3  loads ROOT/a (written by 2 ranks) sharded and replicated: both hold
-     a.npz's state; trains on 2 epochs each (ROOT/s3 sharded, ROOT/r3
-     replicated): the same weights and optimizer state (1e-5 of 1e-2-size
-     values; float64). Saves s3.npz and r3.npz.
+     a.npz's state exactly; trains on 2 epochs each (ROOT/s3 sharded,
+     ROOT/r3 replicated): the same weights and optimizer state (1e-9,
+     float64); ROOT/r3 loads sharded with r3's state exactly. Saves
+     s3.npz and r3.npz. The elastic commit of np 2 resumes sharded
+     (shard="gradients") with el2's state; commits twice more.
 np1  loads ROOT/s3 (3 ranks) sharded and replicated, ROOT/r3 (replicated)
      with shard="gradients": each holds what was saved; a damaged or
      missing shard file makes the checkpoint be skipped with a warning
-     naming it, and a resume falls back to the one before.
+     naming it, and a resume falls back to the one before. The elastic
+     commit of np 3 resumes replicated; with its newest shard file
+     damaged, from the commit before (.prev).
 
 Prints `OK <check>` per passed check, `DONE` at the end; a failed check
 raises (exit != 0). Truths: the state gathered by allgather
@@ -296,6 +302,11 @@ def mode_np3(root):
         check_shard_files(os.path.join(root, "s3"), 3)
     kd.barrier(name="test.s3_checked")
     ok("continues_like_replicated")
+    back = Toy.from_checkpoint(os.path.join(root, "r3"), **settings(
+        epochs=4, checkpoint_dir=os.path.join(root, "unused")))
+    prepare(back, x, y)  # each of 3 ranks reads its slices of r3's file
+    assert_state(whole_state(back), r, 0.0, "3 replicated -> 3 sharded")
+    ok("resume_replicated_to_sharded_exact")
     save_state(s, os.path.join(root, "s3.npz"))
     save_state(r, os.path.join(root, "r3.npz"))
 
