@@ -399,7 +399,16 @@ def sharded_class(base, settings):
             state = self._kerasdist_shard
             variables = (state.variables if trainable_variables is None
                          else list(trainable_variables))
-            state.check_variables(variables)
+            active = state.positions(variables)
+            if len(active) < len(state.variables):
+                if settings.backward_passes_per_step > 1:
+                    state.check_variables(variables)  # raises
+                # Some of its variables (the Trainer's fine_tune(freeze=),
+                # layers made untrainable): the others take no update.
+                full = [None] * len(state.variables)
+                for k, i in enumerate(active):
+                    full[i] = grads[k]
+                return self._kerasdist_step(full, active)
             if self._kerasdist_local.ids():
                 raise ValueError(
                     "DistributedOptimizer(shard=...) cannot keep local "
@@ -414,7 +423,7 @@ def sharded_class(base, settings):
                 settings.average_aggregated_gradients,
                 lambda summed: summed, self._kerasdist_step)
 
-        def _kerasdist_step(self, grads):
+        def _kerasdist_step(self, grads, active=None):
             from kerasdist._core import capi as _capi
             from kerasdist.compression import Compression
 
@@ -432,7 +441,12 @@ def sharded_class(base, settings):
                         s.assign(shard_of(framework, state.layout, v, i,
                                           state.rank))
                 # The user's optimizer class's own apply, on the shards.
-                super(base, self).apply(chunks, state.shadows)
+                if active is None:
+                    super(base, self).apply(chunks, state.shadows)
+                else:
+                    super(base, self).apply(
+                        [chunks[i] for i in active],
+                        [state.shadows[i] for i in active])
                 gather(framework, state.layout,
                        [s.value for s in state.shadows], state.variables,
                        settings.prefix)
@@ -626,13 +640,23 @@ class _Shard:
     def model_variable(self, shadow):
         return self._model_of.get(id(shadow))
 
+    def positions(self, variables):
+        """The indices of `variables` among the optimizer's, which they
+        must be all of or some of, in the same order."""
+        where = {vid: i for i, vid in enumerate(self._ids)}
+        out = [where.get(id(v)) for v in variables]
+        if None in out or out != sorted(set(out)):
+            self.check_variables(variables)  # raises
+        return out
+
     def check_variables(self, variables):
         if [id(v) for v in variables] != self._ids:
             raise ValueError(
                 "DistributedOptimizer(shard=...): apply() got other "
                 f"variables ({len(variables)}) than the optimizer was built "
                 f"with ({len(self._ids)}); a sharded optimizer updates the "
-                "variables it was built with, all together, in one order.")
+                "variables it was built with (all or some of them, with "
+                "backward_passes_per_step=1), in one order.")
 
     def release(self, grads, mode):
         """With shard="gradients", drops the whole gradients the framework

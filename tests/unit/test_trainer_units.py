@@ -131,6 +131,32 @@ def test_build_optimizer_not_an_optimizer():
         Bad().fit()
 
 
+def test_fine_tune_freeze_with_a_sharded_optimizer(tmp_path):
+    # The sharded optimizer built on every variable updates the unfrozen
+    # ones only, as the replicated one does.
+    class TwoLayers(Tiny):
+        def build_model(self):
+            return keras.Sequential([
+                keras.Input((4,)), keras.layers.Dense(3, name="h"),
+                keras.layers.Dense(2, activation="softmax", name="o")])
+
+    final = {}
+    for shard in (None, "optimizer_state"):
+        t = TwoLayers(epochs=1, batch_size=8, verbose=0, shard=shard,
+                      checkpoint_dir=tmp_path / str(shard))
+        t.fit()
+        hidden = t.model.get_layer("h").get_weights()
+        out = t.model.get_layer("o").get_weights()
+        t.fine_tune((X, Y), epochs=2, freeze=["h"])
+        for a, b in zip(t.model.get_layer("h").get_weights(), hidden):
+            np.testing.assert_array_equal(a, b)
+        assert any(np.any(a != b) for a, b in
+                   zip(t.model.get_layer("o").get_weights(), out))
+        final[shard] = t.model.get_weights()
+    for a, b in zip(final[None], final["optimizer_state"]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_bad_fine_tune_arguments():
     trainer = Tiny()
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):
