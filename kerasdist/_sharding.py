@@ -40,6 +40,9 @@ Adafactor's factored moments, Muon's matrices) are refused.
 """
 
 import math
+import os
+
+import numpy as np
 
 from kerasdist import _buckets
 from kerasdist import basics
@@ -96,6 +99,45 @@ def owned(numel, chunk, rank):
     where its shard is all padding)."""
     lo = min(rank * chunk, numel)
     return lo, min(lo + chunk, numel)
+
+
+def pieces(numel, chunk, lo, hi):
+    """Where elements [lo, hi) of a variable of `numel` elements lie in
+    shards of length `chunk` (rank k's shard holds elements
+    [k * chunk, (k + 1) * chunk)): a list of (k, start, stop, at), element
+    `at + j` of the range being element `start + j` of rank k's shard.
+    Re-partitioning a checkpoint written at one size for another reads
+    only these pieces (a pure function of the two layouts)."""
+    if not 0 <= lo <= hi <= numel:
+        raise ValueError(f"pieces: bad range [{lo}, {hi}) of {numel}.")
+    if chunk < 1:
+        raise ValueError(f"pieces: chunk must be >= 1; got {chunk}.")
+    out = []
+    at = lo
+    while at < hi:
+        k = at // chunk
+        stop = min(hi, (k + 1) * chunk)
+        out.append((k, at - k * chunk, stop - k * chunk, at - lo))
+        at = stop
+    return out
+
+
+def flat_range(dataset, lo, hi):
+    """Elements [lo, hi) of `dataset` (an array-like with a shape, such as
+    an h5py dataset) flattened in C order, reading only the rows of its
+    first axis that hold them: a rank loads its shard of a whole saved
+    variable without reading the rest."""
+    import numpy as np
+
+    shape = tuple(dataset.shape)
+    if len(shape) <= 1:
+        return np.asarray(dataset[lo:hi]).reshape(-1)
+    row = math.prod(shape[1:])
+    if row == 0 or hi <= lo:
+        return np.zeros((0,), dataset.dtype)
+    first, last = lo // row, -(-hi // row)
+    block = np.asarray(dataset[first:last]).reshape(-1)
+    return block[lo - first * row:hi - first * row]
 
 
 class Layout:
@@ -357,7 +399,16 @@ def sharded_class(base, settings):
             state = self._kerasdist_shard
             variables = (state.variables if trainable_variables is None
                          else list(trainable_variables))
-            state.check_variables(variables)
+            active = state.positions(variables)
+            if len(active) < len(state.variables):
+                if settings.backward_passes_per_step > 1:
+                    state.check_variables(variables)  # raises
+                # Some of its variables (the Trainer's fine_tune(freeze=),
+                # layers made untrainable): the others take no update.
+                full = [None] * len(state.variables)
+                for k, i in enumerate(active):
+                    full[i] = grads[k]
+                return self._kerasdist_step(full, active)
             if self._kerasdist_local.ids():
                 raise ValueError(
                     "DistributedOptimizer(shard=...) cannot keep local "
@@ -372,7 +423,7 @@ def sharded_class(base, settings):
                 settings.average_aggregated_gradients,
                 lambda summed: summed, self._kerasdist_step)
 
-        def _kerasdist_step(self, grads):
+        def _kerasdist_step(self, grads, active=None):
             from kerasdist._core import capi as _capi
             from kerasdist.compression import Compression
 
@@ -390,7 +441,12 @@ def sharded_class(base, settings):
                         s.assign(shard_of(framework, state.layout, v, i,
                                           state.rank))
                 # The user's optimizer class's own apply, on the shards.
-                super(base, self).apply(chunks, state.shadows)
+                if active is None:
+                    super(base, self).apply(chunks, state.shadows)
+                else:
+                    super(base, self).apply(
+                        [chunks[i] for i in active],
+                        [state.shadows[i] for i in active])
                 gather(framework, state.layout,
                        [s.value for s in state.shadows], state.variables,
                        settings.prefix)
@@ -584,13 +640,23 @@ class _Shard:
     def model_variable(self, shadow):
         return self._model_of.get(id(shadow))
 
+    def positions(self, variables):
+        """The indices of `variables` among the optimizer's, which they
+        must be all of or some of, in the same order."""
+        where = {vid: i for i, vid in enumerate(self._ids)}
+        out = [where.get(id(v)) for v in variables]
+        if None in out or out != sorted(set(out)):
+            self.check_variables(variables)  # raises
+        return out
+
     def check_variables(self, variables):
         if [id(v) for v in variables] != self._ids:
             raise ValueError(
                 "DistributedOptimizer(shard=...): apply() got other "
                 f"variables ({len(variables)}) than the optimizer was built "
                 f"with ({len(self._ids)}); a sharded optimizer updates the "
-                "variables it was built with, all together, in one order.")
+                "variables it was built with (all or some of them, with "
+                "backward_passes_per_step=1), in one order.")
 
     def release(self, grads, mode):
         """With shard="gradients", drops the whole gradients the framework
@@ -628,6 +694,16 @@ def sharded_in(optimizer):
     return None
 
 
+def shard_state(optimizer):
+    """The state of the sharded optimizer in `optimizer` (its `layout`,
+    `rank` and `slot_index(variable)`), or None where there is none or it
+    is not built yet."""
+    sharded = sharded_in(optimizer)
+    if sharded is None or not sharded.built:
+        return None
+    return sharded._kerasdist_shard
+
+
 class whole_state:
     """A context in which a sharded optimizer in `optimizer` saves its
     state whole, in the plain optimizer's layout (`model.save`,
@@ -648,3 +724,182 @@ class whole_state:
         if self.sharded is not None and self.sharded.built:
             self.sharded._kerasdist_shard.whole = None
         return False
+
+
+# ---- saving and loading the shards (Trainer checkpoints, hvd.elastic) ----
+
+
+def slot_variables(optimizer):
+    """[(i, variable, j)] for each optimizer variable (index i in
+    `optimizer.variables`) that holds only this rank's shard of model
+    variable j; [] for a replicated optimizer."""
+    state = shard_state(optimizer)
+    if state is None:
+        return []
+    out = []
+    for i, v in enumerate(optimizer.variables):
+        j = state.slot_index(v)
+        if j is not None:
+            out.append((i, v, j))
+    return out
+
+
+def take_shard(optimizer):
+    """This rank's shard of every slot, copied to host memory:
+    {optimizer variable index: 1-D array}."""
+    import keras
+    import numpy as np
+
+    return {i: np.array(keras.ops.convert_to_numpy(v), copy=True)
+            for i, v, _ in slot_variables(optimizer)}
+
+
+def write_shard_file(path, values, **attrs):
+    """Writes a shard file (HDF5): one 1-D dataset a slot, named by its
+    index in the optimizer's variables (`values`, from `take_shard`), and
+    `attrs` (the write's token, rank, size). Not atomic: the caller
+    writes a temporary file and renames it."""
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "w") as f:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        for i, value in values.items():
+            if value.dtype.name == "bfloat16":
+                f.create_dataset(str(i), data=value.view(np.uint16))
+                f[str(i)].attrs["dtype"] = "bfloat16"
+            else:
+                f.create_dataset(str(i), data=value)
+
+
+# ---- a sharded optimizer's saved slots, read at another size ----------
+
+
+class ShardFiles:
+    """The slots of a sharded checkpoint, read piece by piece from its
+    shard files."""
+
+    def __init__(self, directory, record):
+        self.directory = directory
+        self.record = record
+        self.entries = {int(e["index"]): e for e in record["variables"]}
+        self._open = {}
+
+    def _file(self, k):
+        import h5py
+        f = self._open.get(k)
+        if f is None:
+            name = self.record["files"][k]["name"]
+            path = os.path.join(self.directory, name)
+            try:
+                f = h5py.File(path, "r")
+            except OSError as e:
+                raise ValueError(
+                    f"shard file {path} is unreadable: {e}") from None
+            self._open[k] = f
+        return f
+
+    def read(self, i, lo, hi):
+        """Elements [lo, hi) of optimizer variable i, flattened."""
+        e = self.entries[i]
+        out = None
+        for k, start, stop, at in pieces(int(e["numel"]),
+                                                   int(e["chunk"]), lo, hi):
+            dataset = self._file(k)[str(i)]
+            part = _decode(dataset, np.asarray(dataset[start:stop]))
+            if out is None:
+                out = np.zeros(hi - lo, part.dtype)
+            out[at:at + stop - start] = part
+        return np.zeros(0) if out is None else out
+
+    def close(self):
+        for f in self._open.values():
+            f.close()
+        self._open = {}
+
+
+class PlainFile:
+    """The slots of a replicated checkpoint (a Keras weight file holding
+    the whole optimizer state), read by slices."""
+
+    def __init__(self, path):
+        import h5py
+        self._file = h5py.File(path, "r")
+        self._vars = self._file["optimizer/vars"]
+
+    def read(self, i, lo, hi):
+        dataset = self._vars[str(i)]
+        return _decode(dataset, flat_range(dataset, lo, hi))
+
+    def close(self):
+        self._file.close()
+
+
+def _decode(dataset, values):
+    if dataset.attrs.get("dtype") == "bfloat16":
+        import ml_dtypes
+        return np.asarray(values).view(ml_dtypes.bfloat16)
+    return values
+
+
+def load_slots(optimizer, source, numels):
+    """Assigns each slot of `optimizer` from `source` (ShardFiles or
+    PlainFile): a sharded optimizer's rank takes its own shard only, a
+    replicated optimizer each slot whole. `numels`: {optimizer variable
+    index: element count} of the checkpoint's slots."""
+    state = shard_state(optimizer)
+    if state is not None:
+        layout, rank = state.layout, state.rank
+        slots = slot_variables(optimizer)
+        if sorted(i for i, _, _ in slots) != sorted(numels):
+            raise ValueError(
+                "the checkpoint's optimizer state is laid out for other "
+                "variables than this optimizer's: another optimizer.")
+        for i, v, j in slots:
+            n, c = layout.numels[j], layout.chunks[j]
+            _check_numel(v, numels[i], n)
+            lo, hi = owned(n, c, rank)
+            value = np.zeros(c, _numpy_dtype(layout.dtypes[j]))
+            value[:hi - lo] = source.read(i, lo, hi)
+            v.assign(value)
+        return
+    variables = optimizer.variables
+    for i, n in numels.items():
+        v = variables[i]
+        _check_numel(v, n, int(np.prod(v.shape)))
+        v.assign(source.read(i, 0, n).reshape(tuple(v.shape)))
+
+
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _check_numel(variable, saved, wanted):
+    if saved != wanted:
+        raise ValueError(
+            f"the checkpoint's value of optimizer variable "
+            f"{getattr(variable, 'path', variable.name)} has {saved} "
+            f"elements, this one {wanted}: another model.")
+
+
+def shard_index(optimizer):
+    """The layout of a sharded optimizer's saved slots, for an index
+    (a Trainer checkpoint's `optimizer_shards`, an hvd.elastic commit's
+    `shards`; the writer adds the files): the number of ranks, and each
+    slot's index in `optimizer.variables`, shape, element count and
+    shard length."""
+    layout = shard_state(optimizer).layout
+    return {
+        "format": 1,
+        "size": int(layout.size),
+        "optimizer_variables": len(optimizer.variables),
+        "variables": [
+            {"index": i, "path": str(getattr(v, "path", v.name)),
+             "shape": list(layout.shapes[j]), "numel": layout.numels[j],
+             "chunk": layout.chunks[j], "dtype": layout.dtypes[j]}
+            for i, v, j in slot_variables(optimizer)],
+    }

@@ -25,6 +25,10 @@ state to a file that the next attempt starts from:
   order; written to a temporary file and renamed, so a crash never leaves a
   half-written one), then `check_host_updates()`. Without
   KERASDIST_ELASTIC_DIR (a job that is never restarted) nothing is written.
+  A sharded optimizer's slots (`DistributedOptimizer(shard=...)` in a
+  KerasState) are never gathered: each rank writes its shard to a file of
+  its own beside the commit, which names them (`_ShardCommits`), and a
+  restart at another size reads each rank's part of them.
 * `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
   committed state if there is one (a restarted attempt); if it was
   committed at another number of ranks, the reset callbacks run
@@ -323,6 +327,16 @@ class State:
     def _load_saved(self, saved):
         """Takes a dict of _saved()'s as the saved state."""
 
+    def _check_record(self, record, directory):
+        """Rank 0, before taking a commit: raises ValueError if what it
+        names besides itself (a sharded optimizer's shard files) is not
+        intact, so that the commit before it is taken instead."""
+
+    def _load_parts(self, committed):
+        """Every rank, once rank 0 has taken a commit (`committed`: the
+        ranks it was made at, the same on every rank): loads what each
+        rank reads for itself (its shard of a sharded optimizer)."""
+
     @property
     def path(self):
         """The file rank 0 writes the committed state to, or None (no
@@ -357,6 +371,7 @@ class State:
                 continue
             try:
                 record = _read_record(candidate)
+                self._check_record(record, os.path.dirname(candidate))
             except ValueError as e:
                 errors.append(f"{candidate}: {e}")
                 continue
@@ -493,6 +508,9 @@ class TensorFlowKerasState(_VariablesState):
         self.model = model
         self.optimizer = optimizer or model.optimizer
         self.backend = backend
+        # A sharded optimizer's slots (shard=...): this rank's shard, kept
+        # and committed by each rank itself (_ShardCommits).
+        self._shards = _ShardCommits(self.optimizer)
         super().__init__(**kwargs)
 
     def _variables(self):
@@ -502,6 +520,60 @@ class TensorFlowKerasState(_VariablesState):
             variables += [v for v in _sharding.whole_variables(
                 self.optimizer) if id(v) not in seen]
         return variables
+
+    def save(self):
+        self._shards.save()
+        super().save()
+
+    def restore(self):
+        self._shards.restore()
+        super().restore()
+
+    def persist(self):
+        """Without a sharded optimizer, State.persist. With one, every
+        rank writes its shard of the slots to a file of its own beside
+        `path`, and rank 0 then writes the commit naming them (their
+        layout, sizes and SHA-256) as `path`: no rank gathers the slots."""
+        path = self.path
+        if path is None or not self._shards.sharded():
+            return super().persist()
+        files, index = self._shards.write(path, self._number)
+        if self._rank() != 0:
+            return
+        _write_record(path, {"format": _FORMAT, "size": basics.size(),
+                             "saved": self._saved(),
+                             "shards": dict(index, files=files)})
+        self._shards.remove_unused(path, self._number)
+        _resize.report_progress()
+
+    def _check_record(self, record, directory):
+        self._shards.check(record.get("shards"), directory)
+
+    def _load_saved(self, saved):
+        # A commit of a sharded optimizer holds only the variables every
+        # rank shares; a replicated state takes its slots from the shard
+        # files (_load_parts) and keeps its own values for them here.
+        record = self._shards.pending
+        if record is not None and not self._shards.sharded():
+            saved = dict(saved, values=self._with_slots(saved["values"],
+                                                        record))
+        super()._load_saved(saved)
+
+    def _with_slots(self, values, record):
+        slots = {int(e["index"]) for e in record["variables"]}
+        model = len(self.model.variables)
+        shared = iter(values[model:])
+        out = list(values[:model])
+        seen = {id(v) for v in self.model.variables}
+        for i, v in enumerate(self.optimizer.variables):
+            if id(v) in seen:
+                continue
+            out.append(_to_numpy(v) if i in slots else next(shared))
+        return out
+
+    def _load_parts(self, committed):
+        self._shards.load(self._bcast_object(self._shards.pending),
+                          os.path.dirname(self.path))
 
 
 class KerasState(TensorFlowKerasState):
@@ -517,6 +589,7 @@ def _resume(state):
     committed = state.load_committed() if _rank() == 0 else None
     committed = _broadcast_object(committed)
     if committed is not None:
+        state._load_parts(committed)
         if _rank() == 0:
             where = ", ".join(f"{k}={getattr(state, k)!r}" for k in
                               ("epoch", "batch") if hasattr(state, k))
@@ -719,3 +792,146 @@ __all__ = ["CommitStateCallback", "HorovodInternalError",
            "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
            "TensorFlowKerasState", "TensorFlowState",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
+
+
+class _ShardCommits:
+    """A sharded optimizer's slots in an elastic state: this rank's shard
+    in memory (save/restore), written by each rank to its own file at a
+    commit (`state-N.<commit>.shard-R-of-S.h5`, named with a token that
+    is new for every commit of every attempt), and read back at any size
+    (each rank of a sharded optimizer reads only its elements; a
+    replicated one reads them whole on rank 0)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.values = _sharding.take_shard(optimizer) if optimizer else {}
+        self.pending = None  # rank 0: the shards of the commit it took
+        self._nonce = None
+        self._count = 0
+        self._stems = []  # this state's newest commits' stems, oldest first
+
+    def sharded(self):
+        return self.optimizer is not None and \
+            _sharding.shard_state(self.optimizer) is not None
+
+    def save(self):
+        if self.sharded():
+            self.values = _sharding.take_shard(self.optimizer)
+
+    def restore(self):
+        for i, v, _ in _sharding.slot_variables(self.optimizer) \
+                if self.sharded() else ():
+            if i in self.values:
+                v.assign(self.values[i])
+
+    def write(self, path, number):
+        """Every rank: writes its shard file of a commit beside `path`;
+        returns (files, index) of the commit, the same on every rank."""
+        from kerasdist._core import host as _host
+
+        state = _sharding.shard_state(self.optimizer)
+        rank, size = state.rank, state.layout.size
+        if self._nonce is None:
+            nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
+            self._nonce = int(_host.host_broadcast(
+                nonce, 0, "kerasdist.elastic.shard_nonce")[0])
+        self._count += 1
+        stem = f"state-{number}.{self._nonce:x}-{self._count}"
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        mine = os.path.join(directory, _shard_name(stem, rank, size))
+        _atomic_file(mine, lambda tmp: _sharding.write_shard_file(
+            tmp, self.values, token=stem, rank=rank, size=size))
+        digest = _sha256(mine)
+        row = np.array([[os.path.getsize(mine)] + list(np.frombuffer(
+            bytes.fromhex(digest), np.int64))], np.int64)
+        table = _host.host_allgather(row, "kerasdist.elastic.shard_files")
+        files = [{"name": _shard_name(stem, k, size),
+                  "bytes": int(table[k][0]),
+                  "sha256": np.asarray(table[k][1:], np.int64).tobytes().hex()}
+                 for k in range(size)]
+        self._stems = (self._stems + [stem])[-2:]
+        return files, _sharding.shard_index(self.optimizer)
+
+    def remove_unused(self, path, number):
+        """Rank 0, after a commit: deletes this state's shard files that
+        neither the commit nor the one before it (`.prev`) names."""
+        directory = os.path.dirname(path)
+        prefix = f"state-{number}."
+        for name in os.listdir(directory):
+            if name.startswith(prefix) and ".shard-" in name and \
+                    name.split(".shard-")[0] not in self._stems:
+                try:
+                    os.remove(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
+
+    def check(self, record, directory):
+        """Rank 0: raises ValueError unless every shard file `record`
+        names is intact; notes it as the commit's shards."""
+        self.pending = None
+        if record is None:
+            if self.sharded():
+                raise ValueError(
+                    "a commit of a replicated optimizer: a state with a "
+                    "sharded one (shard=...) cannot take it")
+            return
+        for entry in record["files"]:
+            shard = os.path.join(directory, entry["name"])
+            if not os.path.exists(shard):
+                raise ValueError(f"shard file {shard} is missing")
+            if os.path.getsize(shard) != entry["bytes"] or \
+                    _sha256(shard) != entry["sha256"]:
+                raise ValueError(f"shard file {shard} is damaged (its size "
+                                 "or SHA-256 is not the commit's)")
+        self.pending = record
+
+    def load(self, record, directory):
+        """Every rank, with the shards rank 0 took (None: none): reads
+        this rank's part of the slots."""
+        self.pending = None
+        if record is None:
+            return
+        stem = record["files"][0]["name"].split(".shard-")[0]
+        self._stems = [stem]
+        if self.sharded() or basics.rank() == 0:
+            source = _sharding.ShardFiles(directory, record)
+            try:
+                _sharding.load_slots(
+                    self.optimizer, source,
+                    {int(e["index"]): int(e["numel"])
+                     for e in record["variables"]})
+            finally:
+                source.close()
+        self.save()
+
+
+def _shard_name(stem, rank, size):
+    return f"{stem}.shard-{rank:05d}-of-{size:05d}.h5"
+
+
+def _sha256(path):
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_file(path, write):
+    """`write(tmp)`, fsync, rename over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-state-",
+                               dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

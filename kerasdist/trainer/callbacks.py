@@ -135,10 +135,13 @@ class StepCheckpointCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, save, busy, is_last, every_steps=None,
-                 every_seconds=None):
+                 every_seconds=None, agree=False):
         super().__init__()
         self._save = save
         self._busy = busy
+        # A sharded optimizer's checkpoints: every rank has one, and they
+        # agree on each save (`agree_all`), so all save at the same steps.
+        self._agree = agree
         self._is_last = is_last  # is_last(epoch, batch)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -163,7 +166,17 @@ class StepCheckpointCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
-        if not self._due() or self._busy() or \
+        if self._agree:
+            if self._is_last(self._epoch, batch):
+                return
+            if self.every_seconds is None:
+                # Whether it is due is the same on every rank; whether
+                # its writer is free is not.
+                if not self._due() or not agree_all(not self._busy()):
+                    return
+            elif not agree_all(self._due() and not self._busy()):
+                return
+        elif not self._due() or self._busy() or \
                 self._is_last(self._epoch, batch):
             return
         self._save(self._epoch, batch)
@@ -171,6 +184,13 @@ class StepCheckpointCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._reset()  # the epoch checkpoint was just written
+
+
+def agree_all(flag):
+    """Whether `flag` is true on every rank (one 8-byte allreduce, min)."""
+    value = np.array([1 if flag else 0], np.int64)
+    return bool(_host.host_allreduce(value, basics.Min,
+                                     "kerasdist.trainer.step_agree")[0])
 
 
 def resize_agreed():
@@ -232,11 +252,16 @@ class CheckpointCallback(keras.callbacks.Callback):
     averaged logs.
     """
 
-    def __init__(self, save):
+    def __init__(self, save, save_shard=None):
         super().__init__()
         self._save = save  # save(epochs_done, logs) on rank 0
+        # A sharded optimizer's: save_shard(epochs_done) on every rank
+        # writes its shard file (rank 0's save waits for them all).
+        self._save_shard = save_shard
 
     def on_epoch_end(self, epoch, logs=None):
+        if self._save_shard is not None:
+            self._save_shard(epoch + 1)
         if basics.rank() == 0:
             self._save(epoch + 1, dict(logs or {}))
         _host.host_barrier(f"kerasdist.trainer.checkpoint.{epoch}")

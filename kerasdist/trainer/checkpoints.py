@@ -5,6 +5,12 @@ A directory holds one pair of files per checkpoint:
     epoch-000002.weights.h5   model weights and the whole optimizer state
     epoch-000002.json         the manifest, written last
 
+and, for a sharded optimizer (`Trainer(shard=...)`), one shard file per
+rank, written by that rank, which the manifest names with their sizes and
+checksums (`epoch-000002.shard-00001-of-00002.h5`; the weight file then
+holds only the optimizer variables every rank shares; see
+kerasdist/trainer/shards.py).
+
 An epoch checkpoint is named after the epochs it completed. A step
 checkpoint, written in the middle of an epoch, also names how many examples
 of the next epoch were trained: `epoch-000002-sample-000000480` holds the
@@ -42,6 +48,8 @@ from kerasdist import _resize
 MANIFEST_VERSION = 1
 _WEIGHTS_SUFFIX = ".weights.h5"
 _TMP_PREFIX = ".tmp-"
+_SHARD_RE = re.compile(r"^epoch-(\d{6,})(?:-sample-(\d{9,}))?"
+                       r"\.shard-\d{5,}-of-\d{5,}\.h5$")
 _NAME_RE = re.compile(r"^epoch-(\d{6,})(?:-sample-(\d{9,}))?\.json$")
 _WEIGHTS_RE = re.compile(r"^epoch-(\d{6,})(?:-sample-(\d{9,}))?"
                          + re.escape(_WEIGHTS_SUFFIX) + "$")
@@ -57,6 +65,12 @@ _fault_hook = None
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
+
+
+def stem(epoch, samples=0):
+    """The name shared by the files of the checkpoint after `epoch`
+    epochs (and `samples` examples of the next one)."""
+    return _stem(epoch, samples)
 
 
 def _stem(epoch, samples=0):
@@ -97,6 +111,13 @@ def _umask():
     return mask
 
 
+def atomic_write(path, write):
+    """Calls `write(tmp_path)` for a temporary file beside `path`, fsyncs
+    it, then renames it over `path` (a crash leaves the old file or the
+    new one, never a torn one)."""
+    _atomic_write(path, write)
+
+
 def _atomic_write(path, write):
     """Calls `write(tmp_path)`, fsyncs, then renames tmp over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -129,7 +150,8 @@ def check_directory(directory):
                          "if missing).")
 
 
-def save(directory, epoch, save_weights, info, keep=3, samples=0):
+def save(directory, epoch, save_weights, info, keep=3, samples=0,
+         shards=None):
     """Writes a checkpoint; returns its manifest path.
 
     Args:
@@ -142,6 +164,10 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0):
         keep: how many of the newest epoch checkpoints to keep (>= 1).
         samples: for a step checkpoint, the examples of epoch `epoch + 1`
             already trained (> 0); 0 for an epoch checkpoint.
+        shards: for a sharded optimizer, `shards(stem)` returns the
+            manifest's `optimizer_shards` record once every rank's shard
+            file of the checkpoint `stem` is in place (after the weight
+            file is written, before the manifest).
 
     Returns:
         The path of the manifest written.
@@ -149,6 +175,8 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0):
     os.makedirs(directory, exist_ok=True)
     weights = os.path.join(directory, weights_name(epoch, samples))
     _atomic_write(weights, save_weights)
+    if shards is not None:
+        info = dict(info, optimizer_shards=shards(_stem(epoch, samples)))
     manifest = dict(info, format=MANIFEST_VERSION, epoch=int(epoch),
                     samples=int(samples),
                     weights=os.path.basename(weights),
@@ -164,6 +192,11 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0):
     _atomic_write(path, write_manifest)
     _fsync_directory(directory)
     _fault("committed", path)
+    if shards is not None:  # another attempt's files of this name
+        named = {f["name"] for f in info["optimizer_shards"]["files"]}
+        _remove(directory, [n for n in _shard_files(directory,
+                                                    (epoch, samples))
+                            if n not in named])
     prune(directory, keep)
     _resize.report_progress()  # the launcher restarts a failure at once
     return path
@@ -228,6 +261,7 @@ def prune(directory, keep):
         doomed.append(steps[0])
     for key in doomed:
         _remove(directory, [manifest_name(*key), weights_name(*key)])
+        _remove(directory, _shard_files(directory, key))
     if found:
         kept = [key for key in found if key not in doomed]
         _remove_orphans(directory, found[0], kept)
@@ -244,6 +278,20 @@ def _remove_orphans(directory, newest, kept):
         key = _parse(_WEIGHTS_RE, name)
         if key is not None and key < newest and name not in keep:
             _remove(directory, [name])
+    for path in glob.glob(os.path.join(glob.escape(directory),
+                                       "epoch-*.shard-*.h5")):
+        name = os.path.basename(path)
+        key = _parse(_SHARD_RE, name)
+        if key is not None and key < newest and key not in kept:
+            _remove(directory, [name])
+
+
+def _shard_files(directory, key):
+    """Names of the shard files of checkpoint `key` in `directory`."""
+    pattern = glob.escape(_stem(*key)) + ".shard-*.h5"
+    return [os.path.basename(p) for p in
+            glob.glob(os.path.join(glob.escape(directory), pattern))
+            if _parse(_SHARD_RE, os.path.basename(p)) == tuple(key)]
 
 
 def remove_temporaries(directory):
@@ -258,8 +306,15 @@ def remove_temporaries(directory):
     return names
 
 
-def read_manifest(path):
-    """Reads and verifies one checkpoint.
+def manifest_path(manifest):
+    """The path of the manifest `read_manifest` returned."""
+    weights = manifest["weights_path"]
+    return weights[:-len(_WEIGHTS_SUFFIX)] + ".json"
+
+
+def read_manifest(path, verify=True):
+    """Reads and verifies one checkpoint (with `verify=False`, reads the
+    manifest only: for a checkpoint another rank verified).
 
     Returns:
         The manifest dict with `weights_path` added (absolute).
@@ -280,6 +335,9 @@ def read_manifest(path):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"unreadable checkpoint manifest {path}: "
                               f"{e}") from None
+    if not verify:
+        manifest["weights_path"] = weights
+        return manifest
     if not os.path.exists(weights):
         raise CheckpointError(f"checkpoint weight file {weights} is missing")
     size = os.path.getsize(weights)
@@ -291,8 +349,41 @@ def read_manifest(path):
     if file_sha256(weights) != manifest.get("weights_sha256"):
         raise CheckpointError(f"checkpoint weight file {weights} does not "
                               "match the checksum in its manifest")
+    _verify_shards(path, manifest)
     manifest["weights_path"] = weights
     return manifest
+
+
+def _verify_shards(path, manifest):
+    """Checks the shard files a sharded optimizer's checkpoint names
+    (kerasdist/trainer/shards.py): present, of the recorded size and
+    SHA-256."""
+    record = manifest.get("optimizer_shards")
+    if record is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        files = list(record["files"])
+        if len(files) != int(record["size"]):
+            raise ValueError("not one shard file a rank")
+        for entry in record["variables"]:
+            int(entry["index"]), int(entry["numel"]), int(entry["chunk"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable shard index in checkpoint "
+                              f"manifest {path}: {e}") from None
+    for entry in files:
+        shard = os.path.join(directory, entry["name"])
+        if not os.path.exists(shard):
+            raise CheckpointError(f"checkpoint shard file {shard} is "
+                                  "missing")
+        size = os.path.getsize(shard)
+        if size != entry.get("bytes"):
+            raise CheckpointError(
+                f"checkpoint shard file {shard} is truncated or damaged: "
+                f"{size} bytes, the manifest recorded {entry.get('bytes')}")
+        if file_sha256(shard) != entry.get("sha256"):
+            raise CheckpointError(f"checkpoint shard file {shard} does not "
+                                  "match the checksum in its manifest")
 
 
 def latest(directory, warn=True):

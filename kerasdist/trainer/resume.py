@@ -61,14 +61,14 @@ class ResumeProtocol:
         """What a checkpoint written now records for a later resume."""
         return {"phase": self.phase, "fine_tune_of": self.fine_tune_key}
 
-    def load_source(self, load, rng_count=0):
+    def load_source(self, load, rng_count=0, load_all=None):
         """Loads `source` on rank 0 with `load(manifest)`; every rank
         learns whether it worked, and where it stands (a `Resumed`)."""
         source = self.source
         return resume_on_rank0(lambda: source, load, source["weights_path"],
-                               rng_count)
+                               rng_count, load_all)
 
-    def load_latest(self, directory, load, rng_count=0):
+    def load_latest(self, directory, load, rng_count=0, load_all=None):
         """Loads the newest checkpoint in `directory` (rank 0), after
         removing what killed writes left there.
 
@@ -80,9 +80,10 @@ class ResumeProtocol:
             return checkpoints.latest(directory)
 
         return resume_on_rank0(find, load, f"the checkpoints in {directory}",
-                               rng_count)
+                               rng_count, load_all)
 
-    def load_latest_fine_tune(self, directory, load, rng_count=0):
+    def load_latest_fine_tune(self, directory, load, rng_count=0,
+                              load_all=None):
         """Loads the newest checkpoint in `directory` if it belongs to the
         fine-tuning in progress (same key). Returns a `Resumed` or None.
         """
@@ -96,7 +97,7 @@ class ResumeProtocol:
             return None
 
         return resume_on_rank0(find, load, f"the checkpoints in {directory}",
-                               rng_count)
+                               rng_count, load_all)
 
 
 def describe(point, end, size, scale_lr):
@@ -138,13 +139,16 @@ def _position(manifest, rng_count):
             int(manifest.get("world_size") or 0), *rng]
 
 
-def resume_on_rank0(find, load, what, rng_count=0):
+def resume_on_rank0(find, load, what, rng_count=0, load_all=None):
     """Rank 0 finds a checkpoint with `find()` (a manifest or None) and
     loads it with `load(manifest)`; every rank learns the outcome.
 
     Args:
         rng_count: the number of seed generators of the model (the same on
             every rank), whose counters the checkpoint may record.
+        load_all: None, or (the same on every rank) `load_all(manifest)`,
+            which every rank then runs with the manifest rank 0 chose (a
+            sharded optimizer's ranks each read their shard).
 
     Returns:
         A `Resumed` of the loaded checkpoint, or None when there was none
@@ -155,6 +159,7 @@ def resume_on_rank0(find, load, what, rng_count=0):
             damaged checkpoints or could not load one.
     """
     row, message = [0] + [0] * (3 + rng_count), ""
+    manifest = None
     if basics.rank() == 0:
         try:
             manifest = find()
@@ -172,5 +177,38 @@ def resume_on_rank0(find, load, what, rng_count=0):
             message or f"rank 0 could not load {what}; see its error.")
     if status[0] != 1:
         return None
+    if load_all is not None:
+        _load_everywhere(manifest if basics.rank() == 0 else None, load_all,
+                         rng_count)
     return Resumed(int(status[1]), int(status[2]), int(status[3]),
                    [int(c) for c in status[4:]])
+
+
+def _load_everywhere(manifest, load_all, rng_count):
+    """Every rank runs `load_all` on the manifest rank 0 loaded (rank 0
+    passes it; the others read the file it names, which rank 0 verified);
+    any rank's failure raises CheckpointError on every rank."""
+    path = b""
+    if manifest is not None:
+        path = os.fsencode(checkpoints.manifest_path(manifest))
+    tag = f"kerasdist.trainer.resume_all.{rng_count}"
+    length = _host.host_broadcast(np.array([len(path)], np.int64), 0,
+                                  tag + ".n")
+    raw = np.zeros(int(length[0]), np.uint8)
+    if manifest is not None:
+        raw[:] = np.frombuffer(path, np.uint8)
+    raw = _host.host_broadcast(raw, 0, tag + ".path")
+    message = ""
+    try:
+        if manifest is None:
+            manifest = checkpoints.read_manifest(os.fsdecode(raw.tobytes()),
+                                                 verify=False)
+        load_all(manifest)
+    except Exception as e:  # the other ranks must hear about it
+        message = f"rank {basics.rank()}: {type(e).__name__}: {e}"
+    failed = _host.host_allreduce(np.array([1 if message else 0], np.int64),
+                                  basics.Max, tag + ".failed")
+    if failed[0]:
+        raise checkpoints.CheckpointError(
+            message or "another rank could not load its part of the "
+            "checkpoint; see its error.")

@@ -21,6 +21,7 @@ fraction of a `save_weights`) but stays correct.
 """
 
 import concurrent.futures
+import contextlib
 
 import keras
 import numpy as np
@@ -99,13 +100,16 @@ def _as_variables(model, path, items):
     if all(isinstance(v, keras.Variable) for _, v in items):
         return items
     variables = getattr(_resolve(model, path), "variables", None)
-    if not isinstance(variables, (list, tuple)) or \
-            len(variables) != len(items):
+    if not isinstance(variables, (list, tuple)):
         return None
     out = []
-    for i, ((key, value), var) in enumerate(zip(items, variables)):
+    for key, value in items:
         if not isinstance(value, keras.Variable):
-            if key != str(i) or not isinstance(var, keras.Variable) or \
+            # Key i for variables[i] (all of them, or, for a sharded
+            # optimizer's checkpoint, those every rank shares).
+            var = variables[int(key)] if key.isdigit() and \
+                int(key) < len(variables) else None
+            if not isinstance(var, keras.Variable) or \
                     tuple(np.shape(value)) != tuple(var.shape):
                 return None
             value = var
@@ -120,11 +124,16 @@ class Snapshotter:
     step boundary returns records for `write_weights`.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, io=None):
         check_supported()
         self._model = model
+        # A context for Keras's walk (shards.shared_only for a sharded
+        # optimizer: its weight file holds the shared variables only).
+        self._io = io or contextlib.nullcontext
         self._layout = []
-        for path, metadata, items in _walk(model, lambda value: value):
+        with self._io():
+            records = _walk(model, lambda value: value)
+        for path, metadata, items in records:
             items = _as_variables(model, path, items)
             if items is None:  # something other than variables: walk
                 self._layout = None  # at every snapshot
@@ -138,7 +147,8 @@ class Snapshotter:
     def take(self):
         """The model's state now, as records that own their arrays."""
         if self._layout is None:
-            return _walk(self._model, _copy)
+            with self._io():
+                return _walk(self._model, _copy)
         arrays = iter([np.array(t, copy=True) for t in self._read()])
         return [(path, metadata, [(key, next(arrays)) for key, _ in items])
                 for path, metadata, items in self._layout]
@@ -192,10 +202,19 @@ class BackgroundWriter:
 class StepCheckpoints:
     """Rank 0's step checkpoints during one training run: `save` takes a
     snapshot and has it written to `directory` in the background, then
-    calls `written(manifest_path)` on the writer's thread."""
+    calls `written(manifest_path)` on the writer's thread.
 
-    def __init__(self, model, directory, keep, written=None):
-        self._snapshotter = Snapshotter(model)
+    With a sharded optimizer (`sharded`, a ShardWriter) every rank has
+    one and saves at the same steps: each snapshots its shard of the
+    optimizer's slots and writes its shard file; rank 0 also the weights,
+    and commits the manifest once every rank's file is in place."""
+
+    def __init__(self, model, directory, keep, written=None, sharded=None):
+        self._sharded = sharded
+        self._snapshotter = None
+        if sharded is None or sharded.rank == 0:
+            self._snapshotter = Snapshotter(
+                model, io=None if sharded is None else sharded.weights_io)
         self._writer = BackgroundWriter()
         self._directory = directory
         self._keep = keep
@@ -208,13 +227,22 @@ class StepCheckpoints:
     def save(self, epoch, samples, info):
         """Snapshots the state after `epoch` epochs and `samples` examples
         of the next; `info` goes into the manifest."""
+        sharded = self._sharded
+        mine = None if sharded is None else sharded.take()
+        if self._snapshotter is None:  # a sharded optimizer's rank > 0
+            self._writer.submit(sharded.write, epoch, samples, mine)
+            return
         records = self._snapshotter.take()
 
         def write():
+            shards = None
+            if sharded is not None:
+                sharded.write(epoch, samples, mine)
+                shards = sharded.collect
             self._written(checkpoints.save(
                 self._directory, epoch,
                 lambda path: write_weights(records, path), info,
-                keep=self._keep, samples=samples))
+                keep=self._keep, samples=samples, shards=shards))
 
         self._writer.submit(write)
 

@@ -17,11 +17,13 @@ import tensorflow as tf
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import data as _tdata
 from kerasdist.trainer import resume as _tresume
+from kerasdist.trainer import shards as _tshards
 from kerasdist.trainer import snapshot as _tsnap
 from kerasdist.trainer import state as _tstate
 from kerasdist._core import host as _host
 from kerasdist import _framework
 from kerasdist import _resize
+from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist.trainer import checkpoints
 from kerasdist import callbacks as kd_callbacks
@@ -36,7 +38,7 @@ _RESERVED_FIT_KWARGS = frozenset({
 _CONFIG_KEYS = ("epochs", "batch_size", "learning_rate", "scale_lr",
                 "warmup_epochs", "seed", "data_is_sharded", "shuffle",
                 "shuffle_buffer", "checkpoint_every_steps",
-                "checkpoint_every_seconds")
+                "checkpoint_every_seconds", "shard")
 
 
 class Trainer:
@@ -106,6 +108,14 @@ class Trainer:
             set (an exact permutation).
         fit_kwargs: further keyword arguments for `keras.Model.fit`
             (e.g. `class_weight`).
+        shard: None (default), "optimizer_state" or "gradients": passed to
+            `DistributedOptimizer(shard=...)` (each rank keeps only its
+            shard of the optimizer state; docs/keras.md, "Models that do
+            not fit"). Its checkpoints are then written in parallel: every
+            rank writes its shard file into `checkpoint_dir` (which every
+            rank must see: a shared file system on several hosts), rank 0
+            the weights and the manifest naming them; a resume at another
+            size, or with another `shard`, reads each rank's part.
 
     Raises:
         ValueError: for an invalid setting, such as `batch_size=0` or a
@@ -137,7 +147,7 @@ class Trainer:
                  checkpoint_every_seconds=None, auto_resume=True, seed=0,
                  verbose=1, tensorboard_dir=None, data_is_sharded=False,
                  shuffle=True, shuffle_buffer=None, fit_kwargs=None,
-                 fresh_optimizer=False):
+                 fresh_optimizer=False, shard=None):
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
@@ -164,6 +174,10 @@ class Trainer:
             raise ValueError(f"fit_kwargs may not set {clash}: the Trainer "
                              "sets them (use the constructor arguments or "
                              "override train_data/val_data).")
+        if shard not in _sharding.SHARD_MODES:
+            raise ValueError(f"shard must be None, 'optimizer_state' or "
+                             f"'gradients'; got {shard!r}.")
+        self.shard = shard
         self.learning_rate = float(learning_rate)
         self.scale_lr = bool(scale_lr)
         self.warmup_epochs = warmup_epochs
@@ -191,6 +205,7 @@ class Trainer:
         self._steps = None  # rank 0's StepCheckpoints, during _train
         self._plan = None  # the EpochPlan of the _train in progress
         self._step_saved = None  # (epoch, batch) of the last step snapshot
+        self._shard_writer = None  # a sharded optimizer's, during _train
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -401,13 +416,13 @@ class Trainer:
             raise ValueError("warmup_epochs > 0 needs a float learning rate; "
                              "build_optimizer() returned a schedule (use "
                              "kerasdist.schedules.WarmupSchedule instead).")
-        self.optimizer = DistributedOptimizer(optimizer)
+        self.optimizer = DistributedOptimizer(optimizer, shard=self.shard)
         self.model = model
         self._compile()
         self.optimizer.build(model.trainable_variables)
         if self._resume.source is not None:
             self._source_point = self._resume.load_source(
-                self._load_on_rank0, self._rng_count())
+                self._load_on_rank0, self._rng_count(), self._load_all)
             _tcb.sync_state(model)
             source = self._resume.source
             self._log(f"loaded checkpoint {source['weights_path']} (after "
@@ -435,17 +450,32 @@ class Trainer:
         if basics.rank() != 0:
             return
         path = manifest["weights_path"]
-        if not self.fresh_optimizer:
+        record = manifest.get("optimizer_shards")
+        if record is not None:
+            # A sharded optimizer's checkpoint: the weight file holds the
+            # shared optimizer variables, the shard files the slots.
+            with _tshards.shared_only(self.model.optimizer, record):
+                self.model.load_weights(path)
+            if self._sharded is None:  # replicated: rank 0 reads them whole
+                self._load_slots(manifest)
+        else:
             held = _optimizer_variables_in(path)
-            wanted = len(self.optimizer.variables)
-            if held < wanted:
-                raise ValueError(
-                    f"{path} holds {held} of the optimizer's {wanted} "
-                    f"variables (weights saved without their optimizer): "
-                    f"resuming from it would train on with a fresh "
-                    f"optimizer, not where the run stopped; pass "
-                    f"fresh_optimizer=True to the Trainer to do that.")
-        self.model.load_weights(path)
+            if not self.fresh_optimizer:
+                wanted = len(self.optimizer.variables)
+                if held < wanted:
+                    raise ValueError(
+                        f"{path} holds {held} of the optimizer's {wanted} "
+                        f"variables (weights saved without their "
+                        f"optimizer): resuming from it would train on "
+                        f"with a fresh optimizer, not where the run "
+                        f"stopped; pass fresh_optimizer=True to the "
+                        f"Trainer to do that.")
+            if self._sharded is None or \
+                    held < len(self.optimizer.variables):
+                self.model.load_weights(path)
+            else:  # every rank reads its slice of each slot (_load_all)
+                with _tshards.shared_only(self.model.optimizer):
+                    self.model.load_weights(path)
         old, new = manifest.get("world_size"), basics.size()
         if old and old != new and self.scale_lr:
             # Written at another world size: its learning rate was scaled
@@ -454,6 +484,42 @@ class Trainer:
                 self.optimizer.learning_rate))
             self._set_learning_rate(lr * new / old)
         self.resumed_from = manifest["weights_path"]
+
+    @property
+    def _sharded(self):
+        """The sharded optimizer (shard=...), or None."""
+        if self.optimizer is None:
+            return None
+        return _sharding.sharded_in(self.optimizer)
+
+    @property
+    def _load_all(self):
+        """What every rank loads of a checkpoint (after rank 0's
+        `_load_on_rank0`): a sharded optimizer's ranks each read their
+        shard of the slots. None for a replicated optimizer."""
+        return None if self._sharded is None else self._load_slots
+
+    def _load_slots(self, manifest):
+        """Reads the optimizer's slots of a checkpoint: a sharded
+        optimizer's rank its own shard, a replicated optimizer all."""
+        record = manifest.get("optimizer_shards")
+        path = manifest["weights_path"]
+        if record is not None:
+            source = _tshards.ShardFiles(os.path.dirname(path), record)
+            numels = {int(e["index"]): int(e["numel"])
+                      for e in record["variables"]}
+        else:
+            if _optimizer_variables_in(path) < len(self.optimizer.variables):
+                return  # fresh_optimizer: nothing to read
+            source = _tshards.PlainFile(path)
+            layout = _sharding.shard_state(self.model.optimizer).layout
+            numels = {i: layout.numels[j]
+                      for i, _, j in
+                      _tshards.slot_variables(self.model.optimizer)}
+        try:
+            _tshards.load_slots(self.model.optimizer, source, numels)
+        finally:
+            source.close()
 
     def _resume_fit(self):
         """Finds and loads the newest checkpoint on rank 0; every rank gets
@@ -464,7 +530,8 @@ class Trainer:
         point = None
         if self.checkpoint_dir and self.auto_resume:
             point = self._resume.load_latest(
-                self.checkpoint_dir, self._load_on_rank0, self._rng_count())
+                self.checkpoint_dir, self._load_on_rank0, self._rng_count(),
+                self._load_all)
         if point is not None:
             _tcb.sync_state(self.model)
             self._log_resume(point, self.epochs)
@@ -485,7 +552,8 @@ class Trainer:
         if not (self.checkpoint_dir and self.auto_resume):
             return start, None
         point = self._resume.load_latest_fine_tune(
-            self.checkpoint_dir, self._load_on_rank0, self._rng_count())
+            self.checkpoint_dir, self._load_on_rank0, self._rng_count(),
+            self._load_all)
         if point is None:
             return start, None
         _tcb.sync_state(self.model)
@@ -534,10 +602,18 @@ class Trainer:
         val_local = None if val is None else self._val_pipeline(val)
         self._plan = plan
         self._step_saved = None
-        if rank == 0 and self.checkpoint_dir and self.step_checkpoints:
+        self._shard_writer = None
+        if self.checkpoint_dir and self._sharded is not None:
+            nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
+            nonce = _host.host_broadcast(nonce, 0,
+                                         "kerasdist.trainer.shard_nonce")
+            self._shard_writer = _tshards.ShardWriter(
+                self.model.optimizer, self.checkpoint_dir, int(nonce[0]))
+        if self.checkpoint_dir and self.step_checkpoints and (
+                rank == 0 or self._shard_writer is not None):
             self._steps = _tsnap.StepCheckpoints(
                 self.model, self.checkpoint_dir, self.keep_checkpoints,
-                written=self._step_written)
+                written=self._step_written, sharded=self._shard_writer)
         if self._resizable:
             _resize.announce(rank)
         try:
@@ -591,11 +667,14 @@ class Trainer:
         else:
             cbs.append(_tcb.ReseedCallback(self.seed, rank))
         if self.checkpoint_dir:
-            cbs.append(_tcb.CheckpointCallback(self._save))
+            cbs.append(_tcb.CheckpointCallback(
+                self._save, None if self._shard_writer is None
+                else self._save_shard))
         if self._steps is not None:
             cbs.append(_tcb.StepCheckpointCallback(
                 self._save_step, self._steps.busy, plan.is_last,
-                self.checkpoint_every_steps, self.checkpoint_every_seconds))
+                self.checkpoint_every_steps, self.checkpoint_every_seconds,
+                agree=self._shard_writer is not None))
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
@@ -620,7 +699,7 @@ class Trainer:
         None) where they agreed to stop for a resize: rank 0 writes the
         step checkpoint the next attempt resumes from, then every rank
         ends the process (exit code _resize.RESIZE_EXIT_CODE)."""
-        if batch is not None and basics.rank() == 0:
+        if batch is not None and self._steps is not None:
             self._steps.wait()
             if self._step_saved != (epoch, batch):
                 self._save_step(epoch, batch)
@@ -640,9 +719,25 @@ class Trainer:
         self.epochs_done = epochs_done
         info = _tstate.manifest_info(self, logs, _CONFIG_KEYS,
                                      self._resume.manifest_fields())
-        self.last_checkpoint = checkpoints.save(
-            self.checkpoint_dir, epochs_done, self.model.save_weights, info,
-            keep=self.keep_checkpoints)
+        writer = self._shard_writer
+        if writer is None:
+            self.last_checkpoint = checkpoints.save(
+                self.checkpoint_dir, epochs_done, self.model.save_weights,
+                info, keep=self.keep_checkpoints)
+            return
+        with writer.weights_io():
+            self.last_checkpoint = checkpoints.save(
+                self.checkpoint_dir, epochs_done, self.model.save_weights,
+                info, keep=self.keep_checkpoints, shards=writer.collect)
+
+    def _save_shard(self, epochs_done):
+        """Every rank of a sharded optimizer, at an epoch end: writes its
+        shard file of the epoch checkpoint (rank 0's `_save` then waits
+        for every rank's)."""
+        if self._steps is not None:
+            self._steps.wait()
+        writer = self._shard_writer
+        writer.write(epochs_done, 0, writer.take())
 
     def _step_written(self, path):
         # On the writer's thread; an epoch checkpoint waits for it first.

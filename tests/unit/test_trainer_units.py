@@ -131,6 +131,32 @@ def test_build_optimizer_not_an_optimizer():
         Bad().fit()
 
 
+def test_fine_tune_freeze_with_a_sharded_optimizer(tmp_path):
+    # The sharded optimizer built on every variable updates the unfrozen
+    # ones only, as the replicated one does.
+    class TwoLayers(Tiny):
+        def build_model(self):
+            return keras.Sequential([
+                keras.Input((4,)), keras.layers.Dense(3, name="h"),
+                keras.layers.Dense(2, activation="softmax", name="o")])
+
+    final = {}
+    for shard in (None, "optimizer_state"):
+        t = TwoLayers(epochs=1, batch_size=8, verbose=0, shard=shard,
+                      checkpoint_dir=tmp_path / str(shard))
+        t.fit()
+        hidden = t.model.get_layer("h").get_weights()
+        out = t.model.get_layer("o").get_weights()
+        t.fine_tune((X, Y), epochs=2, freeze=["h"])
+        for a, b in zip(t.model.get_layer("h").get_weights(), hidden):
+            np.testing.assert_array_equal(a, b)
+        assert any(np.any(a != b) for a, b in
+                   zip(t.model.get_layer("o").get_weights(), out))
+        final[shard] = t.model.get_weights()
+    for a, b in zip(final[None], final["optimizer_state"]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_bad_fine_tune_arguments():
     trainer = Tiny()
     with pytest.raises(ValueError, match="epochs must be an int >= 1"):
@@ -257,10 +283,14 @@ def _state(trainer):
                            trainer.model.weights + trainer.optimizer.variables])
 
 
-@pytest.mark.parametrize("every", [{"checkpoint_every_steps": 2},
-                                   {"checkpoint_every_seconds": 1e-9}],
-                         ids=["steps", "seconds"])
+@pytest.mark.parametrize("every", [
+    {"checkpoint_every_steps": 2}, {"checkpoint_every_seconds": 1e-9},
+    {"checkpoint_every_steps": 2, "shard": "optimizer_state"}],
+    ids=["steps", "seconds", "steps_sharded"])
 def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
+    # Sharded: the optimizer's slots go to shard files (one at size one),
+    # which the manifest names; tests/parallel/test_trainer_shard.py has
+    # them at np 2, 3 and 1.
     kwargs = dict(epochs=3, batch_size=8, learning_rate=0.05, verbose=0,
                   warmup_epochs=1, **every)
     straight = Dropping(checkpoint_dir=tmp_path / "a", **kwargs)
@@ -273,6 +303,10 @@ def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
     newest = checkpoints.latest(tmp_path / "b")
     assert newest["epoch"] == 1 and 0 < newest["samples"] < 40, newest
     assert newest["samples"] == 8 * (newest["step"] - 5)
+    if "shard" in every:
+        assert [f["name"] for f in newest["optimizer_shards"]["files"]] == [
+            "epoch-000001-sample-%09d.shard-00000-of-00001.h5"
+            % newest["samples"]]
     # from_checkpoint continues that run too, into another directory.
     copy = Dropping.from_checkpoint(tmp_path / "b",
                                     checkpoint_dir=tmp_path / "c")

@@ -1,0 +1,183 @@
+"""The Trainer's checkpoints of a sharded optimizer (private;
+`Trainer(shard=...)`, `DistributedOptimizer(opt, shard=...)`).
+
+A sharded optimizer's slots (moments, momentum...) exist only as each
+rank's shard. A checkpoint of it is written in parallel and never
+gathered: every rank writes its own shard file
+
+    epoch-000002.shard-00001-of-00003.h5    rank 1's slots, one dataset
+                                            per optimizer variable index
+
+and rank 0 writes the weight file as for a replicated optimizer, except
+that of the optimizer it holds only the variables every rank shares (the
+step, the learning rate), then the manifest last. The manifest's
+`optimizer_shards` (`index`) names the shard files with their size and
+SHA-256, and the layout they were written in: the number of ranks, and
+for each sharded optimizer variable its index, shape, element count and
+shard length (`chunk`: rank k's file holds elements
+[k * chunk, (k + 1) * chunk) of the variable flattened and zero-padded).
+
+Every rank writes its file atomically (a temporary file renamed); rank 0
+waits until each file of this write is in place (each file carries the
+write's token, so a file left by an earlier attempt is never taken), then
+hashes them and commits the manifest. A crash before the manifest leaves
+the previous checkpoint the newest; `checkpoints.read_manifest` checks
+every shard file named, so a damaged one makes the checkpoint be skipped
+like a damaged weight file.
+
+Loading re-partitions for the size and mode of the job reading it: each
+rank of a sharded optimizer reads, from the files (or from a replicated
+checkpoint's weight file), only the elements of its own shard
+(`_sharding.pieces`, `_sharding.flat_range`); a replicated optimizer (on
+rank 0, which then broadcasts) reads each slot whole.
+"""
+
+import contextlib
+import os
+import time
+
+from kerasdist import _sharding
+from kerasdist.trainer import checkpoints
+
+# How long rank 0 waits for the other ranks' shard files of one write.
+WAIT_SECONDS = 600.0
+_POLL = 0.02
+
+
+def shard_name(stem, rank, size):
+    """File name of rank `rank`'s shard file of the checkpoint `stem`
+    ("epoch-000002") written by `size` ranks."""
+    return f"{stem}.shard-{rank:05d}-of-{size:05d}.h5"
+
+
+slot_variables = _sharding.slot_variables
+take = _sharding.take_shard
+ShardFiles = _sharding.ShardFiles
+PlainFile = _sharding.PlainFile
+load_slots = _sharding.load_slots
+
+
+def write(path, values, token, rank, size):
+    """Writes this rank's shard file atomically."""
+    checkpoints.atomic_write(path, lambda tmp: _sharding.write_shard_file(
+        tmp, values, token=token, rank=rank, size=size))
+
+
+index = _sharding.shard_index
+
+
+def _token_of(path):
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            token = f.attrs.get("token")
+    except OSError:
+        return None
+    return token.decode() if isinstance(token, bytes) else token
+
+
+def collect(directory, stem, size, token, wait=WAIT_SECONDS):
+    """Rank 0: waits until every rank's shard file of the write `token` is
+    in place; returns the manifest's list of files (name, bytes,
+    sha256)."""
+    files = []
+    deadline = time.monotonic() + wait
+    for r in range(size):
+        name = shard_name(stem, r, size)
+        path = os.path.join(directory, name)
+        while _token_of(path) != token:
+            if time.monotonic() > deadline:
+                raise checkpoints.CheckpointError(
+                    f"rank {r}'s shard file {path} of this checkpoint did "
+                    f"not appear within {wait:.0f} s; the checkpoint is "
+                    "not committed.")
+            time.sleep(_POLL)
+        files.append({"name": name, "bytes": os.path.getsize(path),
+                      "sha256": checkpoints.file_sha256(path)})
+    return files
+
+
+# ---- the weight file: only the optimizer variables every rank shares ----
+
+
+@contextlib.contextmanager
+def shared_only(optimizer, record=None):
+    """A context in which `optimizer` saves (in a Keras weight file) only
+    the variables that are not slots of the sharded optimizer, under their
+    index in `optimizer.variables`, and loads only those. `record`: the
+    manifest's `optimizer_shards` of the checkpoint being loaded (its
+    slots are skipped: the shard files hold them)."""
+    skip = {id(v) for _, v, _ in slot_variables(optimizer)}
+    if record is not None:
+        skip = {int(e["index"]) for e in record["variables"]}
+        keep = [i for i in range(len(optimizer.variables)) if i not in skip]
+    else:
+        keep = [i for i, v in enumerate(optimizer.variables)
+                if id(v) not in skip]
+
+    def save_own_variables(store):
+        for i in keep:
+            store[str(i)] = optimizer.variables[i]
+
+    def load_own_variables(store):
+        if record is not None and \
+                len(optimizer.variables) != record["optimizer_variables"]:
+            raise ValueError(
+                f"the checkpoint's optimizer has "
+                f"{record['optimizer_variables']} variables, this one "
+                f"{len(optimizer.variables)}: it is another optimizer.")
+        wanted = set(keep)
+        for key in store.keys():
+            if int(key) in wanted:
+                optimizer.variables[int(key)].assign(store[key])
+
+    optimizer.save_own_variables = save_own_variables
+    optimizer.load_own_variables = load_own_variables
+    try:
+        yield
+    finally:
+        del optimizer.save_own_variables
+        del optimizer.load_own_variables
+
+
+class ShardWriter:
+    """One rank's part of writing a sharded optimizer's checkpoints: its
+    shard file, and on rank 0 the weight file's optimizer entry (the
+    shared variables, `weights_io`) and the manifest's index (`collect`).
+    `nonce`: the same on every rank, new for each training run; with the
+    checkpoint's name it makes the token that tells this write's files
+    from those an earlier attempt left."""
+
+    def __init__(self, optimizer, directory, nonce):
+        state = _sharding.shard_state(optimizer)
+        self.optimizer = optimizer
+        self.rank = state.rank
+        self.size = state.layout.size
+        self.directory = directory
+        self.nonce = int(nonce)
+
+    def weights_io(self):
+        return shared_only(self.optimizer)
+
+    def take(self):
+        return take(self.optimizer)
+
+    def _token(self, stem):
+        return f"{self.nonce}:{stem}"
+
+    def write(self, epoch, samples, values):
+        """Writes this rank's shard file of the checkpoint (epoch,
+        samples) from `values` (`take()`)."""
+        stem = checkpoints.stem(epoch, samples)
+        os.makedirs(self.directory, exist_ok=True)
+        write(os.path.join(self.directory,
+                           shard_name(stem, self.rank, self.size)),
+              values, self._token(stem), self.rank, self.size)
+
+    def collect(self, stem):
+        """Rank 0: the manifest's `optimizer_shards` once every file of
+        the checkpoint `stem` is in place."""
+        record = index(self.optimizer)
+        record["files"] = collect(self.directory, stem, self.size,
+                                  self._token(stem))
+        return record

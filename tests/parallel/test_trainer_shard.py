@@ -1,0 +1,77 @@
+"""Trainer(shard=...) checkpoints with real ranks
+(tests/workers/trainer_shard_worker.py): each rank writes its shard file,
+rank 0 the manifest naming them; a job at np 2 is resumed at np 3 and that
+one's checkpoints at np 1, sharded and replicated either way, each holding
+exactly the state that was saved; a step-checkpoint resume ends where the
+straight run ended; a damaged or missing shard file is named and skipped.
+
+One launch a size; each reads what the one before wrote, so the tests run
+in this order and a failure skips those after it.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import worker_cmd  # noqa: E402
+from tests.support.helpers import worker_env  # noqa: E402
+
+pytestmark = [pytest.mark.parallel, pytest.mark.slow,
+              pytest.mark.timeout(600)]
+
+_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("shard_ckpt")
+
+
+def _job(np_, mode, root, checks):
+    before = {"np3": "np2", "np1": "np3"}.get(mode)
+    if before and not (root / f"{before}.ok").exists():
+        pytest.skip(f"the {before} job before it failed")
+    out = launch(np_, worker_cmd("trainer_shard_worker.py", mode, str(root)),
+                 timeout=_TIMEOUT, env=worker_env())
+    assert out.returncode == 0, out.stdout[-6000:]
+    for r in range(np_):
+        lines = rank_lines(out.stdout, r)
+        done = [line[3:] for line in lines if line.startswith("OK ")]
+        assert done == checks, (r, done, out.stdout[-6000:])
+        assert lines[-1] == "DONE", out.stdout[-3000:]
+    (root / f"{mode}.ok").write_text("")
+    return out
+
+
+def test_shard_checkpoints_np2(root):
+    _job(2, "np2", root, ["shard_files_per_rank_named_in_manifest",
+                          "step_checkpoint_resume_equals_straight_run",
+                          "elastic_commit_writes_a_shard_file_per_rank"])
+
+
+def test_shard_resume_np3(root):
+    _job(3, "np3", root, ["resume_2_to_3_sharded_exact",
+                          "resume_sharded_to_replicated_exact",
+                          "continues_like_replicated",
+                          "resume_replicated_to_sharded_exact",
+                          "elastic_resume_2_to_3_sharded_exact"])
+
+
+def test_shard_resume_np1(root):
+    out = _job(1, "np1", root, ["resume_3_to_1_and_replicated_sharded_exact",
+                                "damaged_shard_file_falls_back",
+                                "missing_shard_file_names_it",
+                                "elastic_resume_3_to_1_replicated_and_"
+                                "damaged_shard_falls_back"])
+    errors = "\n".join(rank_lines(out.stdout, 0, "stderr"))
+    assert "skipping damaged checkpoint: checkpoint shard file " in errors
+    assert "epoch-000004.shard-00001-of-00003.h5" in errors
+    text = "\n".join(rank_lines(out.stdout, 0, "stdout")) + errors
+    assert "the last commit cannot be read" in text and \
+        "shard-00002-of-00003.h5 is damaged" in text, text[-3000:]
