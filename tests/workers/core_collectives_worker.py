@@ -460,6 +460,10 @@ def check_reducescatter_ops_and_scaling():
                         postscale=0.25)
     if not np.allclose(avg, total[mine] / n, rtol=1e-12):
         raise AssertionError(f"reducescatter average: {avg.ravel()[:5]}")
+    ints = [p.astype(np.int32) for p in per]
+    expect(reducescatter(ints[r], "rs.avg.int32", op=kd.Average),
+           np.trunc(total[mine] / n).astype(np.int32),
+           "reducescatter average int32")  # C division
 
 
 @check("barrier")

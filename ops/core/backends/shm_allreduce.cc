@@ -161,21 +161,24 @@ Status ShmAllreduce::Publish() {
 }
 
 void ShmAllreduce::ReduceInto(int64_t first, int64_t n, DataType dt,
-                              ReduceOp op, void* dst, double factor,
-                              int64_t divisor) const {
+                              ReduceOp op, const void* own, void* dst,
+                              double factor, int64_t divisor) const {
   const int64_t off = first * DataTypeSize(dt);
+  auto src = [&](int k) -> const void* {
+    return k == rank_ && own != nullptr ? own : slots_[k] + off;
+  };
   if (size_ == 1) {
-    ScaleCopy(dst, slots_[0] + off, n, dt, factor, divisor);
+    ScaleCopy(dst, src(0), n, dt, factor, divisor);
     return;
   }
   // Slot 0 (op) slot 1 (op) ... slot size-1, the last step scaled: the
   // same order, so the same bits, whichever rank reduces.
-  const void* acc = slots_[0] + off;
+  const void* acc = src(0);
   for (int k = 1; k + 1 < size_; ++k) {
-    Combine(dst, acc, slots_[k] + off, n, dt, op);
+    Combine(dst, acc, src(k), n, dt, op);
     acc = dst;
   }
-  CombineScaled(dst, acc, slots_[size_ - 1] + off, n, dt, op, factor, divisor);
+  CombineScaled(dst, acc, src(size_ - 1), n, dt, op, factor, divisor);
 }
 
 Status ShmAllreduce::Reduce(int64_t count, DataType dt, ReduceOp op) {

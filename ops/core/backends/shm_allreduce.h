@@ -70,9 +70,11 @@ class ShmAllreduce {
   // barrier after which every rank's slot may be read.
   Status Publish();
   // After Publish: elements [first, first + n) of every slot combined in
-  // rank order (op is never Average) into `dst`, scaled as CopyOut.
-  void ReduceInto(int64_t first, int64_t n, DataType dt, ReduceOp op, void* dst,
-                  double factor, int64_t divisor) const;
+  // rank order (op is never Average) into `dst`, scaled as CopyOut; `own`,
+  // if not null, is read in place of this rank's slot (the same elements).
+  void ReduceInto(int64_t first, int64_t n, DataType dt, ReduceOp op,
+                  const void* own, void* dst, double factor,
+                  int64_t divisor) const;
   // After Publish: rank k's slot.
   const char* slot(int k) const { return slots_[k]; }
   int rank() const { return rank_; }

@@ -70,9 +70,10 @@ class ShmBackend : public Backend {
     return Status::OK();
   }
 
-  // Each rank copies its whole input (prescaled) into its slot, a slot's
-  // worth at a time, then combines its own part of that piece from every
-  // slot straight into its output: one barrier a piece besides Begin's.
+  // Each rank copies its input into its slot, a slot's worth at a time,
+  // then combines its own part of that piece from every slot straight into
+  // its output: one barrier a piece besides Begin's. Its own part, which
+  // only it reads, stays in its input unless a prescale applies.
   Status Reducescatter(CollectiveBatch& b, uint64_t tag) override {
     const BatchTensor& t = b.tensors[0];
     const int64_t esize = DataTypeSize(b.dtype);
@@ -82,18 +83,33 @@ class ShmBackend : public Backend {
     for (int k = 0; k < me; ++k) lo += b.counts[k];
     const int64_t hi = lo + b.counts[me];
     const char* in = static_cast<const char*>(t.input);
-    char* out = static_cast<char*>(t.output);
+    const bool own_in_input = b.prescale == 1.0;
     for (int64_t first = 0; first < t.count; first += piece) {
       const int64_t m = std::min(piece, t.count - first);
       char* slot = nullptr;
       KD_RETURN_IF_ERROR(Slot(m * esize, first, &slot));
       if (slot == nullptr) return fallback_->Run(b, tag);
-      ScaleCopy(slot, in + first * esize, m, b.dtype, b.prescale);
+      // This rank's part of the piece: [a, z), empty where a >= z.
+      const int64_t a = std::clamp(lo, first, first + m);
+      const int64_t z = std::clamp(hi, a, first + m);
+      auto fill = [&](int64_t from, int64_t to) {
+        if (from < to) {
+          ScaleCopy(slot + (from - first) * esize, in + from * esize, to - from,
+                    b.dtype, b.prescale);
+        }
+      };
+      if (own_in_input) {
+        fill(first, a);
+        fill(z, first + m);
+      } else {
+        fill(first, first + m);
+      }
       KD_RETURN_IF_ERROR(shm_->Publish());
-      const int64_t a = std::max(lo, first), z = std::min(hi, first + m);
       if (a < z) {
         shm_->ReduceInto(a - first, z - a, b.dtype, b.reduce_op,
-                         out + (a - lo) * esize, b.postscale, b.divisor);
+                         own_in_input ? in + a * esize : nullptr,
+                         static_cast<char*>(t.output) + (a - lo) * esize,
+                         b.postscale, b.divisor);
       }
     }
     return Status::OK();
