@@ -14,9 +14,10 @@
 // overwriting its slot while another still reads it.
 //
 // Reducescatter and allgather use the same slots with one barrier less
-// (shm_backend.cc): every rank fills its slot (its whole input, or its part
-// of the gather), Publish, then each rank combines its own part of the
-// result from every slot (ReduceInto) or copies every rank's part out.
+// (shm_backend.cc): every rank fills its slot (its input but for its own
+// part, which it reads in place; or its part of the gather), Publish, then
+// each rank combines its own part of the result from every slot
+// (ReduceInto) or copies every rank's part out.
 //
 // The slots are POSIX shared memory made by each rank, mapped by the others
 // and unlinked at once, so nothing is left behind if a job dies, and tearing
