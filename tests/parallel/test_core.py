@@ -62,6 +62,7 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
     # 2 ranks x 48 MiB cannot be reserved in 40 MiB: with the in-place reads
     # off, every rank must agree on MPI for that size, and go back to the
     # slots for smaller ones; with them on, /dev/shm is not needed at all.
+    # Reducescatter and allgather fall back alike, in-place reads or not.
     import subprocess
     import sys
     prefix = _small_dev_shm_prefix()
@@ -78,6 +79,9 @@ def test_shm_allreduce_falls_back_to_mpi_when_dev_shm_is_small():
     _assert_all_ranks(out, 2, "OK fallback")
     assert "OK 48 MiB (MPI)" in out.stdout, out.stdout[-3000:]
     assert "OK 48 MiB (in place)" in out.stdout, out.stdout[-3000:]
+    # reducescatter and allgather: the slots, MPI, the slots, each time
+    assert out.stdout.count("OK rs/ag 48 MiB (MPI)") == 4, out.stdout[-3000:]
+    assert out.stdout.count("OK rs/ag 2 MiB (slots)") == 8, out.stdout[-3000:]
 
 
 # The TF ops eagerly, in tf.function, under GradientTape and out of order:

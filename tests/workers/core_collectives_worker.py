@@ -16,11 +16,12 @@ average) goes through the slots, one of larger tensors is read in place.
 
 Named checks (tests/support/checks.py): group "collectives", one or more
 per collective (allreduce, allreduce_product, grouped_allreduce, allgather,
-broadcast, alltoall, reducescatter, barrier, ...) and last allreduce_path,
-the check of the path taken; group "ranks" (-np 2 or more: in-place
-allreduces); group "pieces" (shm and cma at -np 2 or more: tensors bigger
-than a shared slot); group "choice" (cma-choice only). Default: collectives
-and ranks. A failed check raises, which fails the rank and the job.
+broadcast, alltoall, reducescatter, barrier, ...) and last allreduce_path
+and reducescatter_allgather_path, the checks of the paths taken; group
+"ranks" (-np 2 or more: in-place allreduces); group "pieces" (shm and cma at
+-np 2 or more: tensors bigger than a shared slot, allreduced,
+reduce-scattered and gathered); group "choice" (cma-choice only). Default:
+collectives and ranks. A failed check raises, which fails the rank and the job.
 
     core_collectives_worker.py MODE [--only CHECK,...] [--group G]
 
@@ -237,6 +238,39 @@ def check_allreduce_in_pieces():
     del big, want, avg
 
 
+@check("reducescatter_allgather_in_pieces")
+def check_reducescatter_allgather_in_pieces():
+    # A reducescatter input over one 64 MiB slot (reduced a slot's worth at a
+    # time; the ranks' parts straddle the pieces), and an allgather whose
+    # parts differ by rank and the largest is over a slot.
+    from kerasdist._core import capi as _capi
+
+    before = _capi.backend_runs("shm")
+    rows = (16 << 20) + 2 * n + 1
+    big = np.arange(rows, dtype=np.float32) % 1000 + r
+    counts = [rows // n + (k < rows % n) for k in range(n)]
+    start = sum(counts[:r])
+    want = (np.arange(start, start + counts[r], dtype=np.float32) % 1000
+            ) * n + n * (n - 1) / 2
+    expect(reducescatter(big, "rs.pieces", op=kd.Sum), want,
+           "reducescatter in pieces")
+    del big, want
+    parts = [(16 << 20) + 5 * k if k == n - 1 else 1000 + k
+             for k in range(n)]
+    mine = (np.arange(parts[r], dtype=np.float32) % 977 + r).reshape(-1, 1)
+    got = allgather(mine, "ag.pieces")
+    off = 0
+    for k in range(n):
+        part = np.arange(parts[k], dtype=np.float32) % 977 + k
+        expect(got[off:off + parts[k], 0], part, f"allgather piece of {k}")
+        off += parts[k]
+    if off != got.shape[0]:
+        raise AssertionError(f"allgather in pieces: {got.shape[0]} rows")
+    used = _capi.backend_runs("shm") - before
+    if MODE in ("shm", "cma") and used != 2:
+        raise AssertionError(f"in pieces: {used} batches on the slots")
+
+
 # -- -np 2 or more: in place ---------------------------------------------------
 checks.group("ranks")
 
@@ -380,7 +414,9 @@ def check_alltoall():
 # -- reducescatter: rows not divisible by size ---------------------------------
 @check("reducescatter")
 def check_reducescatter():
-    for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
+    # Every reducible dtype (the slots take them all in "shm"), uneven counts
+    # (2n + 1 rows) and ranks with no row (1 row).
+    for dt in REDUCIBLE:
         dname = np.dtype(dt).name
         for rows in (n, 2 * n + 1, 1):
             per = [values(rows * 3, k, dt).reshape(rows, 3)
@@ -391,6 +427,43 @@ def check_reducescatter():
             got = reducescatter(per[r], f"rs.{dname}.{rows}", op=kd.Sum)
             expect(got, total[start:start + counts[r]].astype(dt),
                    f"reducescatter {dname} {rows}")
+
+
+@check("reducescatter_ops_and_scaling")
+def check_reducescatter_ops_and_scaling():
+    # Min, Max, Product, and Average with factors (exact in float64 and
+    # int32: the factors are powers of two), larger than the fusion
+    # threshold and uneven.
+    rows = 2 * n + 1
+    counts = [rows // n + (k < rows % n) for k in range(n)]
+    start = sum(counts[:r])
+    mine = slice(start, start + counts[r])
+    for dt in (np.float64, np.int32, np.float16):
+        dname = np.dtype(dt).name
+        per = [values(rows * 301, k, dt).reshape(rows, 301)
+               for k in range(n)]
+        small = [(np.arange(rows * 301) % 2 + 1 + (k % 2)).astype(dt).reshape(
+            rows, 301) for k in range(n)]
+        stack = np.stack([p.astype(np.float64) for p in per])
+        for op, want in ((kd.Min, stack.min(0)), (kd.Max, stack.max(0))):
+            expect(reducescatter(per[r], f"rs.op{op}.{dname}", op=op),
+                   want[mine].astype(dt), f"reducescatter op {op} {dname}")
+        prod = np.prod(np.stack([s.astype(np.float64) for s in small]), 0)
+        expect(reducescatter(small[r], f"rs.prod.{dname}", op=kd.Product),
+               prod[mine].astype(dt), f"reducescatter product {dname}")
+    per = [values((2 * n + 1) * 301, k, np.float64).reshape(-1, 301)
+           for k in range(n)]
+    total = np.stack(per).sum(0)
+    expect(reducescatter(per[r], "rs.scaled", op=kd.Sum, prescale=2.0,
+                         postscale=0.5), total[mine], "reducescatter scaled")
+    avg = reducescatter(per[r], "rs.avg", op=kd.Average, prescale=4.0,
+                        postscale=0.25)
+    if not np.allclose(avg, total[mine] / n, rtol=1e-12):
+        raise AssertionError(f"reducescatter average: {avg.ravel()[:5]}")
+    ints = [p.astype(np.int32) for p in per]
+    expect(reducescatter(ints[r], "rs.avg.int32", op=kd.Average),
+           np.trunc(total[mine] / n).astype(np.int32),
+           "reducescatter average int32")  # C division
 
 
 @check("barrier")
@@ -429,6 +502,31 @@ def check_allreduce_path():
                 f"({shm_used} single-node, {cma_used} in place)")
     print(f"OK path {MODE}: {shm_used} single-node allreduces, {cma_used} of "
           "them in place", flush=True)
+
+
+@check("reducescatter_allgather_path")
+def check_reducescatter_allgather_path():
+    """Whether a reducescatter of n x 16 KiB and an allgather of n x n x 16
+    KiB ran on the slots (backend "shm", which takes both, also beside the
+    in-place reads): on one node at np > 1 in every mode but "mpi" and
+    "mixed" ("default": above its 16 KiB minimum)."""
+    from kerasdist._core import capi as _capi
+
+    want = n > 1 and MODE not in ("mpi", "mixed")
+    if MODE == "hosts":
+        want = n > 1 and kd.local_size() == n
+    x = values(n * 4096, r, np.float32).reshape(n * 4, 1024)
+    for what, run in (
+            ("reducescatter", lambda: reducescatter(x, "path.rs", op=kd.Sum)),
+            ("allgather", lambda: allgather(x, "path.ag"))):
+        before = _capi.backend_runs("shm")
+        run()
+        used = _capi.backend_runs("shm") - before
+        if used != int(want):
+            raise AssertionError(f"mode {MODE} at np={n}: {what} of "
+                                 f"{x.nbytes} B ran {used} times on the "
+                                 "slots")
+    print(f"OK rs/ag path {MODE}: slots {want}", flush=True)
 
 
 if __name__ == "__main__":

@@ -153,16 +153,41 @@ Status ShmAllreduce::Begin(int64_t bytes, char** slot) {
   return Status::OK();
 }
 
+Status ShmAllreduce::Publish() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return Status::OK();
+}
+
+void ShmAllreduce::ReduceInto(int64_t first, int64_t n, DataType dt,
+                              ReduceOp op, const void* own, void* dst,
+                              double factor, int64_t divisor) const {
+  const int64_t off = first * DataTypeSize(dt);
+  auto src = [&](int k) -> const void* {
+    return k == rank_ && own != nullptr ? own : slots_[k] + off;
+  };
+  if (size_ == 1) {
+    ScaleCopy(dst, src(0), n, dt, factor, divisor);
+    return;
+  }
+  // Slot 0 (op) slot 1 (op) ... slot size-1, the last step scaled: the
+  // same order, so the same bits, whichever rank reduces.
+  const void* acc = src(0);
+  for (int k = 1; k + 1 < size_; ++k) {
+    Combine(dst, acc, src(k), n, dt, op);
+    acc = dst;
+  }
+  CombineScaled(dst, acc, src(size_ - 1), n, dt, op, factor, divisor);
+}
+
 Status ShmAllreduce::Reduce(int64_t count, DataType dt, ReduceOp op) {
   esize_ = DataTypeSize(dt);
   op_ = op;
   if (size_ == 2) {
     // Two ranks: each sums both slots straight into its outputs in CopyOut
     // (one pass less than reduce-in-place, then copy out, and one barrier).
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    return Status::OK();
+    return Publish();
   }
   // Pieces start on 64-byte boundaries (no two ranks write one cache line).
   const int64_t grain = std::max<int64_t>(1, 64 / esize_);
@@ -171,19 +196,14 @@ Status ShmAllreduce::Reduce(int64_t count, DataType dt, ReduceOp op) {
     int64_t b = count * k / size_;
     bounds_[k] = b - b % grain;
   }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  KD_RETURN_IF_ERROR(Publish());
   const int64_t first = bounds_[rank_], n = bounds_[rank_ + 1] - first;
   char* mine = slots_[rank_] + first * esize_;
   for (int k = 0; k < size_; ++k) {
     if (k != rank_ && n > 0)
       Combine(mine, mine, slots_[k] + first * esize_, n, dt, op);
   }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  return Status::OK();
+  return Publish();
 }
 
 void ShmAllreduce::CopyOut(int64_t first, int64_t n, DataType dt, void* dst,

@@ -13,6 +13,12 @@
 // A third barrier, at the start of the next call, keeps a rank from
 // overwriting its slot while another still reads it.
 //
+// Reducescatter and allgather use the same slots with one barrier less
+// (shm_backend.cc): every rank fills its slot (its input but for its own
+// part, which it reads in place; or its part of the gather), Publish, then
+// each rank combines its own part of the result from every slot
+// (ReduceInto) or copies every rank's part out.
+//
 // The slots are POSIX shared memory made by each rank, mapped by the others
 // and unlinked at once, so nothing is left behind if a job dies, and tearing
 // down is local (no collective at shutdown, which could hang after a failure).
@@ -60,6 +66,20 @@ class ShmAllreduce {
   // (times `factor`, integers first divided by `divisor`).
   void CopyOut(int64_t first, int64_t n, DataType dt, void* dst, double factor,
                int64_t divisor) const;
+
+  // Instead of Reduce: once every rank has filled its slot (Begin), a
+  // barrier after which every rank's slot may be read.
+  Status Publish();
+  // After Publish: elements [first, first + n) of every slot combined in
+  // rank order (op is never Average) into `dst`, scaled as CopyOut; `own`,
+  // if not null, is read in place of this rank's slot (the same elements).
+  void ReduceInto(int64_t first, int64_t n, DataType dt, ReduceOp op,
+                  const void* own, void* dst, double factor,
+                  int64_t divisor) const;
+  // After Publish: rank k's slot.
+  const char* slot(int k) const { return slots_[k]; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
 
  private:
   ShmAllreduce() = default;
