@@ -93,10 +93,11 @@ std::vector<Setting> DataPathSettings() {
   return {
       {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
        &C::shm_allreduce, 0, {},
-       "1: when every rank runs on one node, allreduce host tensors through "
-       "shared memory (POSIX shm in `/dev/shm`, up to 64 MiB a rank, space "
-       "reserved up front; if any rank cannot get it, all use MPI); 0: always "
-       "MPI. The ranks agree: one rank's 0 turns it off for all"},
+       "1: when every rank runs on one node, allreduce, reducescatter and "
+       "allgather host tensors through shared memory (POSIX shm in "
+       "`/dev/shm`, up to 64 MiB a rank, space reserved up front; if any "
+       "rank cannot get it, all use MPI); 0: always MPI. The ranks agree: "
+       "one rank's 0 turns it off for all"},
       {"KERASDIST_CMA_ALLREDUCE", "cma_allreduce", true,
        &C::cma_allreduce, 0, {},
        "1: the single-node allreduce reads the other ranks' tensors in place "
@@ -113,8 +114,9 @@ std::vector<Setting> DataPathSettings() {
        "given"},
       {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES", "shm_allreduce_min_bytes", true,
        &C::shm_allreduce_min_bytes, 0, {},
-       "smallest allreduce, in bytes after fusion, that takes the "
-       "shared-memory path (the ranks use the largest value given)"},
+       "smallest allreduce, reducescatter or allgather, in bytes after "
+       "fusion, that takes the shared-memory path (the ranks use the "
+       "largest value given)"},
       {"KERASDIST_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true,
        &C::hierarchical_allreduce, 0, {},
        "1: when the job spans several hosts and some host runs more than "
