@@ -191,6 +191,7 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0,
 
     _atomic_write(path, write_manifest)
     _fsync_directory(directory)
+    _resize.report_progress()  # the launcher restarts a failure at once
     _fault("committed", path)
     if shards is not None:  # another attempt's files of this name
         named = {f["name"] for f in info["optimizer_shards"]["files"]}
@@ -198,7 +199,6 @@ def save(directory, epoch, save_weights, info, keep=3, samples=0,
                                                     (epoch, samples))
                             if n not in named])
     prune(directory, keep)
-    _resize.report_progress()  # the launcher restarts a failure at once
     return path
 
 

@@ -37,6 +37,14 @@ LAYER = {b: WorkerChecks("keras_backend_worker.py", np=NP, groups=(b,),
 tensorflow_job = LAYER["tensorflow"].fixture("tensorflow_job")
 jax_job = LAYER["jax"].fixture("jax_job")
 torch_job = LAYER["torch"].fixture("torch_job")
+# The sharded optimizer at three ranks (shards that do not divide evenly)
+# on JAX and PyTorch; TensorFlow's are keras_optimizer_worker.py's "odd".
+LAYER3 = {b: WorkerChecks("keras_backend_worker.py", np=3,
+                          groups=(f"{b}_np3",), args=("{tmp}",), timeout=450,
+                          requires=(b,), env={"KERAS_BACKEND": b})
+          for b in ("jax", "torch")}
+jax_np3_job = LAYER3["jax"].fixture("jax_np3_job")
+torch_np3_job = LAYER3["torch"].fixture("torch_np3_job")
 
 
 def _needs(backend):
@@ -61,6 +69,16 @@ def test_keras_layer_jax(check, jax_job):
 @LAYER["torch"].parametrize
 def test_keras_layer_torch(check, torch_job):
     torch_job.assert_passed(check)
+
+
+@LAYER3["jax"].parametrize
+def test_keras_layer_jax_np3(check, jax_np3_job):
+    jax_np3_job.assert_passed(check)
+
+
+@LAYER3["torch"].parametrize
+def test_keras_layer_torch_np3(check, torch_np3_job):
+    torch_np3_job.assert_passed(check)
 
 
 def _accuracies(out, pattern):

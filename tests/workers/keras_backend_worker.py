@@ -639,12 +639,14 @@ def check_shard(label, make_opt, shard="optimizer_state", model=dense_model,
 
 
 @check("shard_fit_sgd_momentum")
+@check("shard_fit_sgd_momentum_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_sgd_momentum():
     check_shard("shard_fit_sgd_momentum",
                 lambda: keras.optimizers.SGD(0.05, momentum=0.9))
 
 
 @check("shard_fit_adam")
+@check("shard_fit_adam_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_adam():
     check_shard("shard_fit_adam", lambda: keras.optimizers.Adam(0.01))
 
@@ -709,6 +711,7 @@ def shard_backward_passes_per_step():
 
 
 @check("shard_fit_adamw_global_clipnorm")
+@check("shard_fit_adamw_global_clipnorm_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_adamw_global_clipnorm():
     # A clip norm small enough to clip every step: the norm must be the
     # whole gradient's, summed over the ranks' shards.
@@ -743,6 +746,7 @@ def int_data():
 
 
 @check("shard_fit_embedding")
+@check("shard_fit_embedding_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_embedding():
     # On TensorFlow the embedding's gradient is a tf.IndexedSlices, which
     # the sharded optimizer reduces dense (as sparse_as_dense=True). SGD
@@ -765,6 +769,7 @@ def shard_fit_embedding():
 
 
 @check("shard_fit_mixed_bfloat16")
+@check("shard_fit_mixed_bfloat16_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_mixed_bfloat16():
     # bfloat16 activations round differently on a batch of B than on one of
     # N * B: against one process 1e-2; against the replicated optimizer,

@@ -228,6 +228,12 @@ def shard_fit_sgd_momentum_np3():
               shard="optimizer_state")
 
 
+@check("shard_fit_adam_np3", groups=("odd",))
+def shard_fit_adam_np3():
+    check_fit("shard_fit_adam_np3", lambda: keras.optimizers.Adam(0.05),
+              shard="gradients")
+
+
 @check("shard_fit_adamw_global_clipnorm_np3", groups=("odd",))
 def shard_fit_adamw_global_clipnorm_np3():
     check_fit("shard_fit_adamw_global_clipnorm_np3",

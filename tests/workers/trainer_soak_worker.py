@@ -70,6 +70,11 @@ class Fault(keras.callbacks.Callback):
             return
         if _step_checkpoints() <= self.before:
             return  # nothing new on disk yet: wait for progress
+        # The manifest is on disk a moment before rank 0 has told the
+        # launcher of the progress (after the directory's fsync): a fault
+        # in that moment would be a restart with the backoff, which the
+        # test asserts never happens after progress.
+        time.sleep(1.0)
         with open(os.path.join(STATE, f"fault.{ATTEMPT}"), "w") as f:
             f.write(f"{time.time()} {self.kind} {kd.rank()} "
                     f"{socket.gethostname()}\n")
