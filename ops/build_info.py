@@ -20,6 +20,8 @@ Fields it cannot learn are null. Imports TensorFlow or JAX only for
 TF=1 or JAX=1.
 """
 
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -100,15 +102,27 @@ def mpi_record(core, launcher_dir, relocatable, compile_command):
     return record
 
 
+def _build_check():
+    """kerasdist/_build_check.py (standard library only), loaded from its
+    file: importing the package would load the libraries being built."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                        "kerasdist", "_build_check.py")
+    spec = importlib.util.spec_from_file_location("_build_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv):
     out, tf, jax, core, launcher_dir, relocatable = argv[1:7]
     info = {"python": sys.version.split()[0]}
-    if tf == "1":
-        import tensorflow
-        info["tensorflow"] = tensorflow.__version__
-    if jax == "1":
-        import jax as jax_module
-        info["jax"] = jax_module.__version__
+    # From the packages' metadata, as kerasdist/_build_check.py compares
+    # them (an import of TensorFlow costs seconds of CPU a build).
+    check = _build_check()
+    for framework, wanted in (("tensorflow", tf), ("jax", jax)):
+        if wanted == "1":
+            info[framework] = check.installed(framework)[1] or \
+                importlib.import_module(framework).__version__
     info["mpi"] = mpi_record(core, launcher_dir, relocatable,
                              argv[argv.index("--") + 1:])
     with open(out, "w") as f:

@@ -1,5 +1,8 @@
 #include "c_api.h"
 
+#ifdef KERASDIST_NO_MPI  // ops/Makefile: a source in CORE_PLAIN_SRCS
+#error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
+#endif
 #include <mpi.h>
 
 #include <algorithm>

@@ -4,7 +4,10 @@
 the in-process communicator, so negotiation, fusion planning, the backends'
 reduce logic and their error paths run in milliseconds, without MPI
 processes. The build goes to build/core-tests in the repository (make
-rebuilds only what changed) or to $KERASDIST_CORE_TESTS_DIR.
+rebuilds only what changed) or to $KERASDIST_CORE_TESTS_DIR; the core's
+MPI-free objects are the package build's (kerasdist/.kerasdist_obj, where
+`pip install -e .` compiled them with the same flags), so only the tests
+compile.
 """
 
 import functools
@@ -36,6 +39,7 @@ def _build():
     p = subprocess.run(
         ["make", "--no-print-directory", f"-j{jobs}", "-C",
          os.path.join(REPO_ROOT, "ops"), "core-tests", f"OUT={OUT}",
+         "OBJ_DIR=" + os.path.join(REPO_ROOT, "kerasdist", ".kerasdist_obj"),
          f"PYTHON={sys.executable}"],
         capture_output=True, text=True, timeout=1200)
     if p.returncode != 0:

@@ -27,6 +27,9 @@
 #ifndef KERASDIST_CORE_BACKENDS_SHM_ALLREDUCE_H_
 #define KERASDIST_CORE_BACKENDS_SHM_ALLREDUCE_H_
 
+#ifdef KERASDIST_NO_MPI  // ops/Makefile: a source in CORE_PLAIN_SRCS
+#error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
+#endif
 #include <mpi.h>
 
 #include <climits>
