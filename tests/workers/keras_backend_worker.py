@@ -102,6 +102,16 @@ def fit(model, opt, x, y, batch, callbacks=(), **compile_args):
     return model.get_weights()
 
 
+def truth_fit(model, opt, x, y, batch):
+    """One process's fit without kerasdist, a truth to compare with. On
+    TensorFlow it runs eagerly: tracing a step costs more CPU than the few
+    small steps it runs, and the weights agree with a traced fit's to well
+    within ATOL. (JAX's eager ops cost more than its one compile; PyTorch
+    runs eagerly anyway.)"""
+    return fit(model, opt, x, y, batch,
+               run_eagerly=keras.backend.backend() == "tensorflow")
+
+
 def assert_close(got, truth, what, atol=ATOL):
     diff = np.max(np.abs(flat(got) - flat(truth)))
     assert diff <= atol, f"{what}: max abs diff {diff} > {atol}"
@@ -129,7 +139,7 @@ def check_apply_averages():
 def check_fit(label, make_opt, atol=ATOL, **kd_args):
     """Distributed fit on my part == single-process fit on everything."""
     x, y = data()
-    truth = fit(dense_model(), make_opt(), x, y, N * B)
+    truth = truth_fit(dense_model(), make_opt(), x, y, N * B)
     got = fit(dense_model(), kd.DistributedOptimizer(make_opt(), **kd_args),
               my_part(x), my_part(y), B)
     diff = assert_close(got, truth, label, atol)
@@ -138,7 +148,7 @@ def check_fit(label, make_opt, atol=ATOL, **kd_args):
     # wrapper that skipped the average would fail the comparison above.
     assert np.max(np.abs(flat(truth) - flat(dense_model().get_weights()))) \
         > 100 * atol, f"{label}: the truth did not train"
-    alone = fit(dense_model(), make_opt(), my_part(x), my_part(y), B)
+    alone = truth_fit(dense_model(), make_opt(), my_part(x), my_part(y), B)
     miss = np.max(np.abs(flat(alone) - flat(truth)))
     assert miss > 100 * atol, f"{label}: unaveraged training is too close"
     print(f"{label}: max diff {diff:.2e}, unaveraged {miss:.2e}", flush=True)
@@ -197,7 +207,8 @@ def fit_fp16():
 def fit_adam_eager():
     # The jitted step is the default on JAX: also eagerly.
     x, y = data()
-    truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, N * B)
+    truth = truth_fit(dense_model(), keras.optimizers.Adam(0.01), x, y,
+                      N * B)
     got = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.Adam(0.01)), my_part(x), my_part(y), B,
         jit_compile=False)
@@ -608,9 +619,9 @@ def check_shard(label, make_opt, shard="optimizer_state", model=dense_model,
     without clipping). Training without the average misses these truths
     by far more than ATOL: check_fit shows it for the same data."""
     x, y = x_y or data()
-    truth = fit(model(), make_opt(), x, y, N * B)
+    truth = truth_fit(model(), make_opt(), x, y, N * B)
     if unlike is not None:
-        other = fit(model(), unlike(), x, y, N * B)
+        other = truth_fit(model(), unlike(), x, y, N * B)
         assert np.max(np.abs(flat(other) - flat(truth))) > 100 * atol, \
             f"{label}: the option made no difference"
     opt = kd.DistributedOptimizer(make_opt(), shard=shard, **kd_args)
@@ -780,7 +791,8 @@ def shard_fit_mixed_bfloat16():
         opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.01),
                                       shard="optimizer_state")
         got = fit(dense_model(), opt, my_part(x), my_part(y), B)
-        truth = fit(dense_model(), keras.optimizers.Adam(0.01), x, y, N * B)
+        truth = truth_fit(dense_model(), keras.optimizers.Adam(0.01), x, y,
+                          N * B)
         replicated = fit(dense_model(), kd.DistributedOptimizer(
             keras.optimizers.Adam(0.01)), my_part(x), my_part(y), B)
     finally:
