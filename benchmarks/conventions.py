@@ -14,7 +14,7 @@ alternating rounds:
 (b) per host, by a plain starter script inside the host (no mpiexec, no
     ssh), each process with exactly torchrun's variables (RANK WORLD_SIZE
     LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR=kdt0 MASTER_PORT): kd.init()
-    forms the job through rank 0's rendezvous (docs/launcher.md, "Without
+    forms the job through rank 0's rendezvous (docs/platforms.md, "Without
     `kerasdist run`").
 
 Each process runs the same measurement (this file's `_rank` mode):

@@ -51,10 +51,10 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     Processes started by a platform (torchrun's `RANK`, `WORLD_SIZE`,
     `MASTER_ADDR`, `MASTER_PORT`, or Keras' `KERAS_DISTRIBUTION_*`) first
     meet at the coordinator and then start MPI as one job (see
-    docs/launcher.md, "Without `kerasdist run`"). In a job that grows and
+    docs/platforms.md, "Without `kerasdist run`"). In a job that grows and
     shrinks (`kerasdist run --host-discovery-script`) it also installs a
     SIGUSR1 handler that notes the launcher's resize request, for the
-    Trainer (docs/launcher.md, "Growing and shrinking").
+    Trainer (docs/failures-and-elastic.md, "Growing and shrinking").
 
     Args:
         comm: an mpi4py communicator whose ranks form the job (default: all
@@ -434,7 +434,7 @@ def ccl_built():
 
 def gloo_built():
     """False: kerasdist has no Gloo backend; jobs without an MPI launcher
-    meet at a coordinator and then run on MPI (docs/launcher.md)."""
+    meet at a coordinator and then run on MPI (docs/platforms.md)."""
     return _built("gloo")
 
 

@@ -25,7 +25,7 @@ workers), ``KERASDIST_RANK`` (Ray's world rank), ``KERASDIST_COORDINATOR``
 (host:port) and ``KERASDIST_RESTART_ATTEMPT`` (0 for the run's first worker
 group, 1 after Ray restarted it once, ...). `kd.init()` in the loop then
 forms one MPI job of the workers, as for any platform that starts the
-processes itself (docs/launcher.md, "Without `kerasdist run`"); rank and
+processes itself (docs/platforms.md, "Without `kerasdist run`"); rank and
 size are Ray's world rank and size, and `kd.local_rank()` is Ray's local
 rank (Ray numbers the workers of a node consecutively, as MPI does), so
 `gpus[kd.local_rank()]` is the worker's own GPU under ``use_gpu=True``

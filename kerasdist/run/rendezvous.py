@@ -48,7 +48,7 @@ import time
 
 TIMEOUT_ENV = "KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_S = 300.0
-# The job's secret (docs/launcher.md, "The control plane's secret"): every
+# The job's secret (docs/platforms.md, "The control plane's secret"): every
 # connection to the rendezvous proves it before anything it says counts.
 SECRET_ENV = "KERASDIST_JOB_SECRET"
 # The job's name, where the platform gives none of its own (below).

@@ -60,7 +60,7 @@ PROTOCOL_LAUNCHERS = {
     "pmi": "MPICH's mpiexec (hydra), srun --mpi=pmi2, or kerasdist run of "
            "an MPICH build",
 }
-GUIDE = "docs/launcher.md, \"Your cluster's MPI\""
+GUIDE = "docs/mpi.md, \"Your cluster's MPI\""
 
 _NATIVE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

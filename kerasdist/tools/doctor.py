@@ -219,7 +219,7 @@ def selftest():
     from kerasdist.run import conventions
 
     lib = _capi.lib()
-    # kd.init(): under any launch convention (docs/launcher.md), not only
+    # kd.init(): under any launch convention (docs/platforms.md), not only
     # under the launcher.
     launch = conventions.detect(os.environ)
     basics.init()
@@ -391,7 +391,7 @@ def mpi_checks(info, rec, environ):
 
 def launch_check(environ):
     """The launch convention line: what kd.init() would find in `environ`
-    (docs/launcher.md, "Without `kerasdist run`")."""
+    (docs/platforms.md, "Without `kerasdist run`")."""
     from kerasdist.run import conventions
     try:
         launch = conventions.detect(environ)

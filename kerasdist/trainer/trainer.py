@@ -70,7 +70,8 @@ class Trainer:
     stops at the same step checkpoint boundary, rank 0 writes that step's
     checkpoint, and `fit()` ends the process with exit code 76 (a
     `SystemExit`); the launcher starts the job again at the new size, and
-    it resumes there as above (docs/launcher.md, "Growing and shrinking").
+    it resumes there as above (docs/failures-and-elastic.md, "Growing and
+    shrinking").
     This needs a `checkpoint_dir`.
 
     Args:

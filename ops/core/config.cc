@@ -41,7 +41,8 @@ std::vector<Setting> CoordinatorSettings() {
        "the job after this long with nothing submitted meanwhile: every "
        "rank's pending collectives fail with one line naming each rank's "
        "collectives and the likely cause (rank 0's value holds; 0 = never). "
-       "See [launcher.md](launcher.md#when-things-fail)"},
+       "See [failures-and-elastic.md]"
+       "(failures-and-elastic.md#when-things-fail)"},
   };
   // clang-format on
 }
@@ -56,7 +57,8 @@ std::vector<Setting> RuntimeSettings() {
        "of it prints one line naming the lost ranks and their host and ends "
        "with exit code 75, so the job never hangs on a dead host, a cut link "
        "or a frozen rank (rank 0's value holds for all; 0 turns the "
-       "heartbeat off). See [launcher.md](launcher.md#when-things-fail)"},
+       "heartbeat off). See [failures-and-elastic.md]"
+       "(failures-and-elastic.md#when-things-fail)"},
       {"KERASDIST_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds",
        true, &C::heartbeat_interval_s, 0, {},
        "how often each rank and rank 0 send each other a heartbeat, from a "

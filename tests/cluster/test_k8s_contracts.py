@@ -1,4 +1,4 @@
-"""The Kubernetes recipes of docs/launcher.md ("Kubernetes"), each held to
+"""The Kubernetes recipes of docs/kubernetes.md, each held to
 what its platform gives the processes, on the namespace test cluster: one
 test host per pod, with the pod's host name, the DNS names the platform
 makes for it (in the cluster's hosts file), and exactly the platform's
