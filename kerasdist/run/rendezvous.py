@@ -24,6 +24,11 @@ differs between ranks is one clear error instead of a hang in `MPI_Init`.
 The others wait for the coordinator (retrying the connection) until that
 same deadline, so it may start late.
 
+The hello also names the rank's node (`node_identity`: the host name and
+what shared memory needs in common, so that two containers given one host
+name are two nodes), and the server answers MPICH's PMI_process_mapping
+from them (`process_mapping`): MPICH shares memory only within a node.
+
 A platform that restarts a failed job (a Kubernetes Job's pods, torchrun's
 `--max-restarts`) may start the next run while the previous run's server
 is still ending on the same port (it ends once that run's processes are
@@ -85,6 +90,12 @@ AUTH_DEADLINE_S = 5.0
 MAX_UNPROVEN = 64
 MAX_KEYS_PER_RANK = 1024
 _KEY_MAX, _VALUE_MAX = 64, 1024
+# The key under which MPICH asks its process manager which ranks share a
+# node (PMI_process_mapping); the server answers it from the hellos.
+PROCESS_MAPPING_KEY = "PMI_process_mapping"
+# A node identity's parts in the hello: the host name's first characters,
+# and a digest of what a node's shared memory needs in common.
+_HOST_CHARS, _NODE_MAX = 64, 96
 
 _server = None  # rank 0's server process, kept for this process's life
 _said_unauthenticated = False
@@ -148,6 +159,39 @@ def identity(environ):
 def _mac(key, *parts):
     return hmac.new(key, "|".join(map(str, parts)).encode(),
                     hashlib.sha256).hexdigest()
+
+
+def _ns_id(path):
+    """"device:inode" of `path` (a namespace's /proc/self/ns entry, a
+    directory); "" where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def node_identity():
+    """Which node this process is on, as MPI's shared memory needs it:
+    "HOST/DIGEST", the host name and a digest of what two processes need
+    in common to share memory: one kernel (its boot id), one IPC namespace
+    (System V segments), one PID namespace (MPICH's and kerasdist's
+    single-copy transfers name a peer by its pid) and one /dev/shm (where
+    MPICH's segments are files). Two containers given one host name differ
+    in these, so their ranks are different nodes to MPI (which then uses
+    its network between them) instead of waiting for each other's shared
+    memory. Where /proc is not readable, the host name decides alone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    parts = [boot] + [_ns_id(p) for p in ("/proc/self/ns/ipc",
+                                          "/proc/self/ns/pid", "/dev/shm")]
+    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    host = "".join(c if c.isalnum() or c in "-_." else "_"
+                   for c in socket.gethostname())[:_HOST_CHARS]
+    return f"{host or 'unknown'}/{digest}"
 
 
 # --------------------------------------------------------------- client
@@ -511,9 +555,13 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
                                    _mac(key, "server", nonce, theirs, job)):
             return (f"cmd=kd_ready rc={_OTHER_JOB} msg=job {job} with "
                     f"another secret ({SECRET_ENV} differs)")
-        proof = _mac(key, "hello", theirs, nonce, launch.rank, launch.size)
+        # The node this process is on (node_identity): the server tells
+        # MPI which ranks share one from these.
+        node = node_identity()
+        proof = _mac(key, "hello", theirs, nonce, launch.rank, launch.size,
+                     node)
         sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size} "
-                     f"proof={proof}\n".encode())
+                     f"node={node} proof={proof}\n".encode())
         reply = _read_line(sock)
         if not reply:
             return (f"{_NO_ANSWER} msg=the coordinator at {where} closed "
@@ -577,6 +625,7 @@ class _Conn:
         self.proven = False  # proved the secret (hello) or a PMI_ID (PMI)
         self.rank = None     # a PMI connection's rank
         self.hello_rank = None
+        self.node = ""       # the node its hello named (node_identity)
         self.dropped = False
 
     def drop(self):
@@ -614,6 +663,7 @@ class _Server:
         self.pmi_done = set()  # ranks whose MPI finalized or went
         self.dead = set()      # ranks whose MPI went without finalizing
         self.watchers = {}     # rank -> its hello's _Conn, once formed
+        self.mapping = None    # PMI_process_mapping, once formed
         self.conns = set()
         self.parent_gone_at = None
         self.started = time.monotonic()
@@ -652,12 +702,20 @@ class _Server:
             rank, size = int(t.get("rank")), int(t.get("size"))
         except (TypeError, ValueError):
             raise _Bad("malformed hello") from None
+        # The rank's node (node_identity), under the proof with rank and
+        # size; a hello without one (an older client) proves those alone,
+        # and MPI then tells nodes apart by host name.
+        node = t.get("node", "")
+        if len(node) > _NODE_MAX:
+            raise _Bad("a node beyond the bound")
+        said = (rank, size, node) if node else (rank, size)
         if not hmac.compare_digest(
                 t.get("proof", ""),
-                _mac(self.key, "hello", conn.nonce, conn.theirs, rank, size)):
+                _mac(self.key, "hello", conn.nonce, conn.theirs, *said)):
             raise _Bad("no proof of the secret")
         conn.proven = True
         conn.hello_rank = rank
+        conn.node = node
         with self.cv:
             if self.hello_done:
                 return self._reply(
@@ -678,6 +736,8 @@ class _Server:
             if len(self.hello) == self.size:
                 self.hello_done = True
                 self.formed_at = time.monotonic()
+                nodes = [self.hello[r].node for r in range(self.size)]
+                self.mapping = process_mapping(nodes)
                 for r, c in self.hello.items():
                     token = 0
                     while token == 0 or token in self.tokens:
@@ -750,10 +810,14 @@ class _Server:
                 self.kvs[key] = value
             send("cmd=put_result rc=0")
         elif cmd == "get":
-            # No PMI_process_mapping: MPICH then learns which ranks share a
-            # host from their host names, which it exchanges here.
+            # PMI_process_mapping: which ranks share a node, from the nodes
+            # the hellos named (process_mapping). Without it (a hello
+            # named none) MPICH groups the ranks by host name, which it
+            # exchanges here.
+            key = t.get("key", "")
             with self.cv:
-                value = self.kvs.get(t.get("key", ""))
+                value = (self.mapping if key == PROCESS_MAPPING_KEY
+                         else self.kvs.get(key))
             send("cmd=get_result rc=1 msg=key_not_found" if value is None
                  else f"cmd=get_result rc=0 value={value}")
         elif cmd == "barrier_in":
@@ -934,6 +998,43 @@ def _first_missing(size, present):
                 break
     return ", ".join(map(str, missing[:16])) + (
         ", ..." if len(missing) > 16 else "")
+
+
+def node_ids(nodes):
+    """Each rank's node number from the node identities of the ranks, in
+    rank order (node_identity()): 0 for rank 0's node, then 1, 2, ... in
+    the order of each node's first rank."""
+    number = {}
+    return [number.setdefault(n, len(number)) for n in nodes]
+
+
+def process_mapping(nodes):
+    """PMI_process_mapping (MPICH's "(vector,(node,nodes,ranks),...)")
+    for ranks whose node identities are `nodes`, in rank order: which ranks
+    MPI takes to share memory. Consecutive ranks on one node are one
+    block; blocks of consecutive nodes with as many ranks each are one
+    triple: 2 hosts of 4 ranks each are "(vector,(0,2,4))". None (MPICH
+    then groups by host name) where a rank named no node, or where the
+    mapping would not fit in one PMI value (ranks spread over nodes in no
+    order that triples say briefly)."""
+    if not nodes or not all(nodes):
+        return None
+    runs = []  # [node, ranks], consecutive ranks
+    for n in node_ids(nodes):
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    triples = []  # [first node, nodes, ranks each]
+    for n, count in runs:
+        last = triples[-1] if triples else None
+        if last and last[2] == count and last[0] + last[1] == n:
+            last[1] += 1
+        else:
+            triples.append([n, 1, count])
+    text = "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in triples) \
+        + ")"
+    return text if len(text) < _VALUE_MAX else None
 
 
 def _watch_parent(server):

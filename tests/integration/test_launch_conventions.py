@@ -93,6 +93,32 @@ def test_a_gone_rendezvous_server_is_one_line_not_a_segfault():
                 f"finalize; this process ends without MPI_Finalize") in out
 
 
+_OWN_IPC = ('[ "$RANK" != 1 ] || exec unshare --ipc --mount sh -c '
+            '\'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"\' "$@"; '
+            'exec "$@"')
+
+
+@pytest.mark.timeout(120)
+def test_one_host_name_two_ipc_namespaces_are_two_nodes():
+    # Two containers given one host name: rank 1 in an IPC and mount
+    # namespace of its own, with a /dev/shm of its own. MPI must not take
+    # them for one node (it would wait in init() for shared memory they
+    # cannot share): each is a node of one, and the job computes.
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(
+            ["unshare", "--ipc", "--mount", "true"],
+            capture_output=True).returncode:
+        pytest.skip("needs root and unshare for namespaces of its own")
+    port = free_port()
+    results = start_processes(["sh", "-c", _OWN_IPC, "sh"] + WORKER,
+                              [_env(r, 2, port) for r in range(2)],
+                              timeout=90)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {r}:\n{out}"
+        assert f"ok {r} 2 0 1" in out, f"process {r}:\n{out}"
+
+
 # Starts `args` once per environment in a mount namespace of its own whose
 # /dev/shm is a tmpfs of SIZE; prints start_processes' results as JSON.
 _IN_SMALL_SHM = """

@@ -386,6 +386,87 @@ def test_every_rank_hears_who_is_missing_and_ends():
                    "finalizing); ending the job's MPI\n"), err
 
 
+@pytest.mark.timeout(60)
+def test_the_server_tells_mpi_which_ranks_share_a_node():
+    # Every hello here names this process's node: one node.
+    proc, port = _serve(3, 30)
+    try:
+        joined = _join_all(port, 3, {})
+        p = Pmi(joined[0])
+        assert p.ask("cmd=get kvsname=k key=PMI_process_mapping") == \
+            "cmd=get_result rc=0 value=(vector,(0,1,3))"
+        p.close()
+    finally:
+        _end(proc)
+
+
+def test_node_mapping_for_mpi():
+    ids, mapping = rendezvous.node_ids, rendezvous.process_mapping
+    assert ids(["a/1", "b/1", "a/1", "a/2"]) == [0, 1, 0, 2]
+    assert mapping(["h/x"] * 4) == "(vector,(0,1,4))"
+    # torchrun's and node mode's order: node-major blocks.
+    assert mapping(["h0/x"] * 2 + ["h1/x"] * 2) == "(vector,(0,2,2))"
+    # One host name, two IPC namespaces (two containers): two nodes.
+    assert mapping(["h/ipc1", "h/ipc2"]) == "(vector,(0,2,1))"
+    assert mapping(["a/1", "b/1", "a/1", "b/1", "b/1"]) == \
+        "(vector,(0,2,1),(0,1,1),(1,1,2))"
+    # A rank that named no node (an older client): MPI decides by host
+    # name alone. Too many blocks for one PMI value: the same.
+    assert mapping(["a/1", ""]) is None
+    assert mapping([]) is None
+    rng = random.Random(5)
+    assert mapping([f"h{rng.randrange(50)}/x" for _ in range(2000)]) is None
+    # Whatever it says, MPICH's reading of it (MPL_rankmap_str_to_array)
+    # gives each rank its node's number.
+    for _ in range(200):
+        nodes = [f"h{rng.randrange(5)}/x" for _ in range(rng.randint(1, 40))]
+        text = mapping(nodes)
+        assert _mpich_reads(text, len(nodes)) == ids(nodes), (nodes, text)
+
+
+def _mpich_reads(text, size):
+    """The node of each rank as MPICH reads "(vector,(a,b,c),...)": c
+    ranks on each of the nodes a .. a+b-1, in rank order."""
+    import re
+    assert re.fullmatch(r"\(vector(,\(\d+,\d+,\d+\))+\)", text), text
+    out = []
+    for a, b, c in re.findall(r"\((\d+),(\d+),(\d+)\)", text):
+        for node in range(int(a), int(a) + int(b)):
+            out += [node] * int(c)
+    assert len(out) == size, (text, size)
+    return out
+
+
+_PRINT_NODE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("r", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(module.node_identity())
+"""
+
+
+def test_node_identity_tells_ipc_namespaces_apart():
+    import shutil
+    me = rendezvous.node_identity()
+    assert me == rendezvous.node_identity()
+    assert me.partition("/")[0] == socket.gethostname()[:64]
+    assert len(me) <= rendezvous._NODE_MAX
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare for namespaces of its own")
+    for flags, other_node in ((["--ipc"], True), (["--mount"], False)):
+        p = subprocess.run(["unshare", *flags, sys.executable, "-I", "-c",
+                            _PRINT_NODE, rendezvous.__file__],
+                           capture_output=True, text=True, timeout=30)
+        if p.returncode:
+            pytest.skip(f"unshare {flags}: {p.stderr.strip()}")
+        other = p.stdout.strip()
+        # The same host name; another IPC namespace is another node for
+        # MPI, another mount namespace with the same /dev/shm is not.
+        assert other.partition("/")[0] == me.partition("/")[0]
+        assert (other != me) == other_node, (flags, other, me)
+
+
 def _join_all_but(port, size, absent):
     """join() of every rank but `absent` (which joins elsewhere)."""
     out = {}
