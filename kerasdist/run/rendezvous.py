@@ -28,6 +28,13 @@ The hello also names the rank's node (`node_identity`: the host name and
 what shared memory needs in common, so that two containers given one host
 name are two nodes), and the server answers MPICH's PMI_process_mapping
 from them (`process_mapping`): MPICH shares memory only within a node.
+Each rank's hello connection stays open: through it the server ends every
+rank with one line when the job cannot start. One such case is a rank
+whose MPI's PMI connection closes without MPI_Finalize before every rank
+has said that its kd.init() finished (`started`): past MPI_Init's PMI
+exchange the others would wait for it for ever, and the heartbeat that
+reports a lost rank later (ops/core/control/liveness.cc) starts only in
+init, after MPI_Init.
 
 A platform that restarts a failed job (a Kubernetes Job's pods, torchrun's
 `--max-restarts`) may start the next run while the previous run's server
@@ -90,6 +97,9 @@ AUTH_DEADLINE_S = 5.0
 MAX_UNPROVEN = 64
 MAX_KEYS_PER_RANK = 1024
 _KEY_MAX, _VALUE_MAX = 64, 1024
+# The exit code of a rank that ends because it lost another (the heartbeat's,
+# ops/core/control/liveness.cc): the launcher reads the rank's "lost" line.
+EXIT_PEER_LOST = 75
 # The key under which MPICH asks its process manager which ranks share a
 # node (PMI_process_mapping); the server answers it from the hellos.
 PROCESS_MAPPING_KEY = "PMI_process_mapping"
@@ -478,7 +488,7 @@ def join(launch, timeout, environ=None, watch=True):
         # gone, and then skips MPI_Finalize (whose PMI barrier would crash
         # MPICH): a copy of its descriptor that nothing here closes.
         variables[PMI_WATCH_ENV] = str(os.dup(kept[-1][0].fileno()))
-    for sock, _ in kept[:-1] if watch else kept:
+    for sock, *_ in kept[:-1] if watch else kept:
         sock.close()
     # MPICH's client proves itself to the server with PMI_ID, the one-time
     # number the server gave this rank.
@@ -489,16 +499,20 @@ def join(launch, timeout, environ=None, watch=True):
     return variables
 
 
-_watching = []  # the hello's connection, kept while this process lives
+_watching = []  # (the hello's connection, its signer), kept for life
 
 
-def _start_watch(sock, check, launch):
+def _start_watch(sock, check, sign, launch):
     """Keeps the hello's connection open: if the server ends the job's MPI
-    start (a rank missing from MPI's barrier), it says so here, and this
-    rank prints that one line and ends instead of waiting in MPI_Init
-    (MPI's own error says nothing of who is missing)."""
+    start (a rank missing from MPI's barrier, or a rank's process gone
+    while the job starts), it says so here, and this rank prints that one
+    line and ends instead of waiting in MPI_Init (MPI's own error says
+    nothing of who is missing; inside MPI_Init, past its PMI exchange,
+    MPI says nothing at all and waits for ever). The server's line gives
+    the exit code where it is not 1: EXIT_PEER_LOST, with the heartbeat's
+    line ("kerasdist: rank 0: lost rank 1 ...; ending this rank.")."""
     sock.settimeout(None)
-    _watching.append(sock)
+    _watching.append((sock, sign))
 
     def watch():
         try:
@@ -507,17 +521,38 @@ def _start_watch(sock, check, launch):
             return
         body, _, mac = line.rpartition(" mac=")
         if body.startswith("cmd=kd_fail ") and check(body, mac):
-            msg = body.partition(" msg=")[2]
+            head, _, msg = body.partition(" msg=")
+            code = _tokens(head).get("code", "")
+            if code.isdigit() and 0 < int(code) < 256:
+                status, who = int(code), f"rank {launch.rank}"
+            else:
+                status, who = 1, f"rank {launch.rank} of {launch.size}"
             try:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
-            os.write(2, f"kerasdist: rank {launch.rank} of {launch.size}: "
-                        f"{msg}\n".encode(errors="replace"))
-            os._exit(1)
+            os.write(2, f"kerasdist: {who}: {msg}\n".encode(
+                errors="replace"))
+            os._exit(status)
 
     threading.Thread(target=watch, daemon=True,
                      name="kerasdist-rendezvous-watch").start()
+
+
+def started():
+    """Tells rank 0's server that this rank's `kd.init()` has finished:
+    from here on its heartbeat (which init started, every rank connected)
+    reports a rank that ends, so the server stops doing so once every rank
+    has said this. Until then a rank whose process ends (its MPI's PMI
+    connection closes without MPI_Finalize) ends the others with one line
+    naming it: they would wait for it inside MPI_Init, or in init's first
+    collectives, for ever. Nothing where this process met no coordinator,
+    or the server has gone."""
+    for sock, sign in _watching:
+        try:
+            sock.sendall((sign("cmd=kd_up") + "\n").encode())
+        except OSError:
+            pass
 
 
 def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
@@ -525,7 +560,8 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
     """Connects (retrying until `deadline`), proves the job's secret, says
     hello; returns the server's reply line once its proof is checked. A
     connection whose hello formed the job is left open and added to
-    `keep` (a list) as (socket, check of the server's later lines)."""
+    `keep` (a list) as (socket, check of the server's later lines,
+    signer of this process's later lines)."""
     sock, error = _connect(address, deadline)
     if sock is None:
         raise RendezvousError(
@@ -570,12 +606,15 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
             return hmac.compare_digest(mac, _mac(key, "ready", nonce, theirs,
                                                  body))
 
+        def sign(line):
+            return f"{line} mac={_mac(key, 'up', nonce, theirs, line)}"
+
         body, _, mac = reply.rpartition(" mac=")
         if not check(body, mac):
             return (f"{_NO_ANSWER} msg=the coordinator at {where} answered "
                     f"without proving the job's secret")
         if keep is not None and body.startswith("cmd=kd_ready rc=0 "):
-            keep.append((sock, check))
+            keep.append((sock, check, sign))
             sock = None
         return body
     except (OSError, ValueError) as e:
@@ -663,6 +702,8 @@ class _Server:
         self.pmi_done = set()  # ranks whose MPI finalized or went
         self.dead = set()      # ranks whose MPI went without finalizing
         self.watchers = {}     # rank -> its hello's _Conn, once formed
+        self.up = set()        # ranks whose kd.init() finished (kd_up)
+        self.nodes = []        # rank -> its node's host name, once formed
         self.mapping = None    # PMI_process_mapping, once formed
         self.conns = set()
         self.parent_gone_at = None
@@ -738,6 +779,7 @@ class _Server:
                 self.formed_at = time.monotonic()
                 nodes = [self.hello[r].node for r in range(self.size)]
                 self.mapping = process_mapping(nodes)
+                self.nodes = [n.partition("/")[0] for n in nodes]
                 for r, c in self.hello.items():
                     token = 0
                     while token == 0 or token in self.tokens:
@@ -868,12 +910,45 @@ class _Server:
         self.barrier_since = None
         self.failed = True
 
-    def tell_watchers(self, line):  # with self.cv held
+    def tell_watchers(self, line, code=None):  # with self.cv held
         """Every rank whose MPI has not finalized hears `line` on its
-        hello's connection, prints it and ends (_start_watch)."""
+        hello's connection, prints it and ends (_start_watch): with exit
+        code `code`, else 1."""
+        head = "cmd=kd_fail" + (f" code={code}" if code else "")
         for r, c in self.watchers.items():
             if r not in self.pmi_done or r in self.dead:
-                self._reply(c, f"cmd=kd_fail msg={line}")
+                self._reply(c, f"{head} msg={line}")
+
+    def fail_start(self):  # with self.cv held
+        """Ends the job when a rank's process ended while it started
+        (before every rank's kd.init() had finished, see started()): the
+        others wait for it in MPI_Init, past its PMI exchange, or in
+        init's first collectives, where MPI waits for ever and the
+        heartbeat does not watch yet. Each of them prints the heartbeat's
+        kind of line, naming the rank, and ends with EXIT_PEER_LOST."""
+        lost = sorted(self.dead)
+        hosts = {self.nodes[r] for r in lost if r < len(self.nodes)}
+        where = f" on host {hosts.pop()}" if len(hosts) == 1 else ""
+        which = (f"rank {lost[0]}{where}: its process" if len(lost) == 1
+                 else f"ranks {_ranks(lost)}{where}: their processes")
+        self.tell_watchers(
+            f"lost {which} ended while the job was starting (its MPI's "
+            f"connection to the rendezvous closed without MPI_Finalize "
+            f"before every rank's kd.init() had finished, where MPI would "
+            f"wait for it for ever); ending this rank.",
+            code=EXIT_PEER_LOST)
+        self.failed = True
+
+    def on_up(self, conn, line):
+        """kd_up on a hello's connection: that rank's kd.init() finished
+        (started())."""
+        body, _, mac = line.rpartition(" mac=")
+        if body != "cmd=kd_up" or not hmac.compare_digest(
+                mac, _mac(self.key, "up", conn.theirs, conn.nonce, body)):
+            raise _Bad("kd_up without the hello's proof")
+        with self.cv:
+            if self.watchers.get(conn.hello_rank) is conn:
+                self.up.add(conn.hello_rank)
 
     def serve(self, conn):
         try:
@@ -895,6 +970,8 @@ class _Server:
                 cmd = t.get("cmd", "")
                 if conn.rank is not None:
                     self.on_pmi(conn, cmd, t)
+                elif cmd == "kd_up" and conn.hello_rank is not None:
+                    self.on_up(conn, line)
                 elif cmd == "kd_auth" and conn.nonce is None:
                     self.on_auth(conn, t)
                 elif cmd == "kd_hello":
@@ -921,6 +998,11 @@ class _Server:
                             self.fail_barrier(
                                 f"the MPI of rank {rank} ended without "
                                 f"finalizing")
+                        elif not self.failed and len(self.up) < self.size:
+                            # Its process ended while the job started:
+                            # the others wait for it where nothing else
+                            # would tell them. Later, the heartbeat does.
+                            self.fail_start()
                 for r, c in list(self.hello.items()):
                     if c is conn:
                         del self.hello[r]
