@@ -127,6 +127,10 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
+        if pmi_env:
+            # Started, the heartbeat watching: from here on it, not the
+            # rendezvous, reports a rank that ends (rendezvous.started).
+            rendezvous.started()
         if launch is not None:
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)

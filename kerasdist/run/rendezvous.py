@@ -24,6 +24,18 @@ differs between ranks is one clear error instead of a hang in `MPI_Init`.
 The others wait for the coordinator (retrying the connection) until that
 same deadline, so it may start late.
 
+The hello also names the rank's node (`node_identity`: the host name and
+what shared memory needs in common, so that two containers given one host
+name are two nodes), and the server answers MPICH's PMI_process_mapping
+from them (`process_mapping`): MPICH shares memory only within a node.
+Each rank's hello connection stays open: through it the server ends every
+rank with one line when the job cannot start. One such case is a rank
+whose MPI's PMI connection closes without MPI_Finalize before every rank
+has said that its kd.init() finished (`started`): past MPI_Init's PMI
+exchange the others would wait for it for ever, and the heartbeat that
+reports a lost rank later (ops/core/control/liveness.cc) starts only in
+init, after MPI_Init.
+
 A platform that restarts a failed job (a Kubernetes Job's pods, torchrun's
 `--max-restarts`) may start the next run while the previous run's server
 is still ending on the same port (it ends once that run's processes are
@@ -85,6 +97,15 @@ AUTH_DEADLINE_S = 5.0
 MAX_UNPROVEN = 64
 MAX_KEYS_PER_RANK = 1024
 _KEY_MAX, _VALUE_MAX = 64, 1024
+# The exit code of a rank that ends because it lost another (the heartbeat's,
+# ops/core/control/liveness.cc): the launcher reads the rank's "lost" line.
+EXIT_PEER_LOST = 75
+# The key under which MPICH asks its process manager which ranks share a
+# node (PMI_process_mapping); the server answers it from the hellos.
+PROCESS_MAPPING_KEY = "PMI_process_mapping"
+# A node identity's parts in the hello: the host name's first characters,
+# and a digest of what a node's shared memory needs in common.
+_HOST_CHARS, _NODE_MAX = 64, 96
 
 _server = None  # rank 0's server process, kept for this process's life
 _said_unauthenticated = False
@@ -148,6 +169,39 @@ def identity(environ):
 def _mac(key, *parts):
     return hmac.new(key, "|".join(map(str, parts)).encode(),
                     hashlib.sha256).hexdigest()
+
+
+def _ns_id(path):
+    """"device:inode" of `path` (a namespace's /proc/self/ns entry, a
+    directory); "" where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def node_identity():
+    """Which node this process is on, as MPI's shared memory needs it:
+    "HOST/DIGEST", the host name and a digest of what two processes need
+    in common to share memory: one kernel (its boot id), one IPC namespace
+    (System V segments), one PID namespace (MPICH's and kerasdist's
+    single-copy transfers name a peer by its pid) and one /dev/shm (where
+    MPICH's segments are files). Two containers given one host name differ
+    in these, so their ranks are different nodes to MPI (which then uses
+    its network between them) instead of waiting for each other's shared
+    memory. Where /proc is not readable, the host name decides alone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    parts = [boot] + [_ns_id(p) for p in ("/proc/self/ns/ipc",
+                                          "/proc/self/ns/pid", "/dev/shm")]
+    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    host = "".join(c if c.isalnum() or c in "-_." else "_"
+                   for c in socket.gethostname())[:_HOST_CHARS]
+    return f"{host or 'unknown'}/{digest}"
 
 
 # --------------------------------------------------------------- client
@@ -434,7 +488,7 @@ def join(launch, timeout, environ=None, watch=True):
         # gone, and then skips MPI_Finalize (whose PMI barrier would crash
         # MPICH): a copy of its descriptor that nothing here closes.
         variables[PMI_WATCH_ENV] = str(os.dup(kept[-1][0].fileno()))
-    for sock, _ in kept[:-1] if watch else kept:
+    for sock, *_ in kept[:-1] if watch else kept:
         sock.close()
     # MPICH's client proves itself to the server with PMI_ID, the one-time
     # number the server gave this rank.
@@ -445,16 +499,20 @@ def join(launch, timeout, environ=None, watch=True):
     return variables
 
 
-_watching = []  # the hello's connection, kept while this process lives
+_watching = []  # (the hello's connection, its signer), kept for life
 
 
-def _start_watch(sock, check, launch):
+def _start_watch(sock, check, sign, launch):
     """Keeps the hello's connection open: if the server ends the job's MPI
-    start (a rank missing from MPI's barrier), it says so here, and this
-    rank prints that one line and ends instead of waiting in MPI_Init
-    (MPI's own error says nothing of who is missing)."""
+    start (a rank missing from MPI's barrier, or a rank's process gone
+    while the job starts), it says so here, and this rank prints that one
+    line and ends instead of waiting in MPI_Init (MPI's own error says
+    nothing of who is missing; inside MPI_Init, past its PMI exchange,
+    MPI says nothing at all and waits for ever). The server's line gives
+    the exit code where it is not 1: EXIT_PEER_LOST, with the heartbeat's
+    line ("kerasdist: rank 0: lost rank 1 ...; ending this rank.")."""
     sock.settimeout(None)
-    _watching.append(sock)
+    _watching.append((sock, sign))
 
     def watch():
         try:
@@ -463,17 +521,38 @@ def _start_watch(sock, check, launch):
             return
         body, _, mac = line.rpartition(" mac=")
         if body.startswith("cmd=kd_fail ") and check(body, mac):
-            msg = body.partition(" msg=")[2]
+            head, _, msg = body.partition(" msg=")
+            code = _tokens(head).get("code", "")
+            if code.isdigit() and 0 < int(code) < 256:
+                status, who = int(code), f"rank {launch.rank}"
+            else:
+                status, who = 1, f"rank {launch.rank} of {launch.size}"
             try:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
-            os.write(2, f"kerasdist: rank {launch.rank} of {launch.size}: "
-                        f"{msg}\n".encode(errors="replace"))
-            os._exit(1)
+            os.write(2, f"kerasdist: {who}: {msg}\n".encode(
+                errors="replace"))
+            os._exit(status)
 
     threading.Thread(target=watch, daemon=True,
                      name="kerasdist-rendezvous-watch").start()
+
+
+def started():
+    """Tells rank 0's server that this rank's `kd.init()` has finished:
+    from here on its heartbeat (which init started, every rank connected)
+    reports a rank that ends, so the server stops doing so once every rank
+    has said this. Until then a rank whose process ends (its MPI's PMI
+    connection closes without MPI_Finalize) ends the others with one line
+    naming it: they would wait for it inside MPI_Init, or in init's first
+    collectives, for ever. Nothing where this process met no coordinator,
+    or the server has gone."""
+    for sock, sign in _watching:
+        try:
+            sock.sendall((sign("cmd=kd_up") + "\n").encode())
+        except OSError:
+            pass
 
 
 def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
@@ -481,7 +560,8 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
     """Connects (retrying until `deadline`), proves the job's secret, says
     hello; returns the server's reply line once its proof is checked. A
     connection whose hello formed the job is left open and added to
-    `keep` (a list) as (socket, check of the server's later lines)."""
+    `keep` (a list) as (socket, check of the server's later lines,
+    signer of this process's later lines)."""
     sock, error = _connect(address, deadline)
     if sock is None:
         raise RendezvousError(
@@ -511,9 +591,13 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
                                    _mac(key, "server", nonce, theirs, job)):
             return (f"cmd=kd_ready rc={_OTHER_JOB} msg=job {job} with "
                     f"another secret ({SECRET_ENV} differs)")
-        proof = _mac(key, "hello", theirs, nonce, launch.rank, launch.size)
+        # The node this process is on (node_identity): the server tells
+        # MPI which ranks share one from these.
+        node = node_identity()
+        proof = _mac(key, "hello", theirs, nonce, launch.rank, launch.size,
+                     node)
         sock.sendall(f"cmd=kd_hello rank={launch.rank} size={launch.size} "
-                     f"proof={proof}\n".encode())
+                     f"node={node} proof={proof}\n".encode())
         reply = _read_line(sock)
         if not reply:
             return (f"{_NO_ANSWER} msg=the coordinator at {where} closed "
@@ -522,12 +606,15 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
             return hmac.compare_digest(mac, _mac(key, "ready", nonce, theirs,
                                                  body))
 
+        def sign(line):
+            return f"{line} mac={_mac(key, 'up', nonce, theirs, line)}"
+
         body, _, mac = reply.rpartition(" mac=")
         if not check(body, mac):
             return (f"{_NO_ANSWER} msg=the coordinator at {where} answered "
                     f"without proving the job's secret")
         if keep is not None and body.startswith("cmd=kd_ready rc=0 "):
-            keep.append((sock, check))
+            keep.append((sock, check, sign))
             sock = None
         return body
     except (OSError, ValueError) as e:
@@ -577,6 +664,7 @@ class _Conn:
         self.proven = False  # proved the secret (hello) or a PMI_ID (PMI)
         self.rank = None     # a PMI connection's rank
         self.hello_rank = None
+        self.node = ""       # the node its hello named (node_identity)
         self.dropped = False
 
     def drop(self):
@@ -614,6 +702,9 @@ class _Server:
         self.pmi_done = set()  # ranks whose MPI finalized or went
         self.dead = set()      # ranks whose MPI went without finalizing
         self.watchers = {}     # rank -> its hello's _Conn, once formed
+        self.up = set()        # ranks whose kd.init() finished (kd_up)
+        self.nodes = []        # rank -> its node's host name, once formed
+        self.mapping = None    # PMI_process_mapping, once formed
         self.conns = set()
         self.parent_gone_at = None
         self.started = time.monotonic()
@@ -652,12 +743,20 @@ class _Server:
             rank, size = int(t.get("rank")), int(t.get("size"))
         except (TypeError, ValueError):
             raise _Bad("malformed hello") from None
+        # The rank's node (node_identity), under the proof with rank and
+        # size; a hello without one (an older client) proves those alone,
+        # and MPI then tells nodes apart by host name.
+        node = t.get("node", "")
+        if len(node) > _NODE_MAX:
+            raise _Bad("a node beyond the bound")
+        said = (rank, size, node) if node else (rank, size)
         if not hmac.compare_digest(
                 t.get("proof", ""),
-                _mac(self.key, "hello", conn.nonce, conn.theirs, rank, size)):
+                _mac(self.key, "hello", conn.nonce, conn.theirs, *said)):
             raise _Bad("no proof of the secret")
         conn.proven = True
         conn.hello_rank = rank
+        conn.node = node
         with self.cv:
             if self.hello_done:
                 return self._reply(
@@ -678,6 +777,9 @@ class _Server:
             if len(self.hello) == self.size:
                 self.hello_done = True
                 self.formed_at = time.monotonic()
+                nodes = [self.hello[r].node for r in range(self.size)]
+                self.mapping = process_mapping(nodes)
+                self.nodes = [n.partition("/")[0] for n in nodes]
                 for r, c in self.hello.items():
                     token = 0
                     while token == 0 or token in self.tokens:
@@ -750,10 +852,14 @@ class _Server:
                 self.kvs[key] = value
             send("cmd=put_result rc=0")
         elif cmd == "get":
-            # No PMI_process_mapping: MPICH then learns which ranks share a
-            # host from their host names, which it exchanges here.
+            # PMI_process_mapping: which ranks share a node, from the nodes
+            # the hellos named (process_mapping). Without it (a hello
+            # named none) MPICH groups the ranks by host name, which it
+            # exchanges here.
+            key = t.get("key", "")
             with self.cv:
-                value = self.kvs.get(t.get("key", ""))
+                value = (self.mapping if key == PROCESS_MAPPING_KEY
+                         else self.kvs.get(key))
             send("cmd=get_result rc=1 msg=key_not_found" if value is None
                  else f"cmd=get_result rc=0 value={value}")
         elif cmd == "barrier_in":
@@ -804,12 +910,45 @@ class _Server:
         self.barrier_since = None
         self.failed = True
 
-    def tell_watchers(self, line):  # with self.cv held
+    def tell_watchers(self, line, code=None):  # with self.cv held
         """Every rank whose MPI has not finalized hears `line` on its
-        hello's connection, prints it and ends (_start_watch)."""
+        hello's connection, prints it and ends (_start_watch): with exit
+        code `code`, else 1."""
+        head = "cmd=kd_fail" + (f" code={code}" if code else "")
         for r, c in self.watchers.items():
             if r not in self.pmi_done or r in self.dead:
-                self._reply(c, f"cmd=kd_fail msg={line}")
+                self._reply(c, f"{head} msg={line}")
+
+    def fail_start(self):  # with self.cv held
+        """Ends the job when a rank's process ended while it started
+        (before every rank's kd.init() had finished, see started()): the
+        others wait for it in MPI_Init, past its PMI exchange, or in
+        init's first collectives, where MPI waits for ever and the
+        heartbeat does not watch yet. Each of them prints the heartbeat's
+        kind of line, naming the rank, and ends with EXIT_PEER_LOST."""
+        lost = sorted(self.dead)
+        hosts = {self.nodes[r] for r in lost if r < len(self.nodes)}
+        where = f" on host {hosts.pop()}" if len(hosts) == 1 else ""
+        which = (f"rank {lost[0]}{where}: its process" if len(lost) == 1
+                 else f"ranks {_ranks(lost)}{where}: their processes")
+        self.tell_watchers(
+            f"lost {which} ended while the job was starting (its MPI's "
+            f"connection to the rendezvous closed without MPI_Finalize "
+            f"before every rank's kd.init() had finished, where MPI would "
+            f"wait for it for ever); ending this rank.",
+            code=EXIT_PEER_LOST)
+        self.failed = True
+
+    def on_up(self, conn, line):
+        """kd_up on a hello's connection: that rank's kd.init() finished
+        (started())."""
+        body, _, mac = line.rpartition(" mac=")
+        if body != "cmd=kd_up" or not hmac.compare_digest(
+                mac, _mac(self.key, "up", conn.theirs, conn.nonce, body)):
+            raise _Bad("kd_up without the hello's proof")
+        with self.cv:
+            if self.watchers.get(conn.hello_rank) is conn:
+                self.up.add(conn.hello_rank)
 
     def serve(self, conn):
         try:
@@ -831,6 +970,8 @@ class _Server:
                 cmd = t.get("cmd", "")
                 if conn.rank is not None:
                     self.on_pmi(conn, cmd, t)
+                elif cmd == "kd_up" and conn.hello_rank is not None:
+                    self.on_up(conn, line)
                 elif cmd == "kd_auth" and conn.nonce is None:
                     self.on_auth(conn, t)
                 elif cmd == "kd_hello":
@@ -857,6 +998,11 @@ class _Server:
                             self.fail_barrier(
                                 f"the MPI of rank {rank} ended without "
                                 f"finalizing")
+                        elif not self.failed and len(self.up) < self.size:
+                            # Its process ended while the job started:
+                            # the others wait for it where nothing else
+                            # would tell them. Later, the heartbeat does.
+                            self.fail_start()
                 for r, c in list(self.hello.items()):
                     if c is conn:
                         del self.hello[r]
@@ -934,6 +1080,43 @@ def _first_missing(size, present):
                 break
     return ", ".join(map(str, missing[:16])) + (
         ", ..." if len(missing) > 16 else "")
+
+
+def node_ids(nodes):
+    """Each rank's node number from the node identities of the ranks, in
+    rank order (node_identity()): 0 for rank 0's node, then 1, 2, ... in
+    the order of each node's first rank."""
+    number = {}
+    return [number.setdefault(n, len(number)) for n in nodes]
+
+
+def process_mapping(nodes):
+    """PMI_process_mapping (MPICH's "(vector,(node,nodes,ranks),...)")
+    for ranks whose node identities are `nodes`, in rank order: which ranks
+    MPI takes to share memory. Consecutive ranks on one node are one
+    block; blocks of consecutive nodes with as many ranks each are one
+    triple: 2 hosts of 4 ranks each are "(vector,(0,2,4))". None (MPICH
+    then groups by host name) where a rank named no node, or where the
+    mapping would not fit in one PMI value (ranks spread over nodes in no
+    order that triples say briefly)."""
+    if not nodes or not all(nodes):
+        return None
+    runs = []  # [node, ranks], consecutive ranks
+    for n in node_ids(nodes):
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    triples = []  # [first node, nodes, ranks each]
+    for n, count in runs:
+        last = triples[-1] if triples else None
+        if last and last[2] == count and last[0] + last[1] == n:
+            last[1] += 1
+        else:
+            triples.append([n, 1, count])
+    text = "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in triples) \
+        + ")"
+    return text if len(text) < _VALUE_MAX else None
 
 
 def _watch_parent(server):

@@ -93,6 +93,72 @@ def test_a_gone_rendezvous_server_is_one_line_not_a_segfault():
                 f"finalize; this process ends without MPI_Finalize") in out
 
 
+LOSS_WORKER = [sys.executable, os.path.join(WORKERS,
+                                            "startup_loss_worker.py")]
+# The PMI commands of MPICH's MPI_Init on one host with kerasdist's
+# rendezvous (initack, init, get_maxes, get_appnum, get_my_kvsname, and
+# three gets: PMI_process_mapping, which the server answers, so MPICH
+# exchanges no host names and enters no PMI barrier, PMI_hwloc_xmlfile,
+# PMI_mpi_memory_alloc_kinds). Rank 1 dies once the last is answered,
+# inside MPI_Init, where rank 0 then waits for its shared memory.
+# (`startup_loss_worker.py log 1` shows them.)
+MPI_INIT_COMMANDS = 8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["mpi_init", "after"])
+def test_a_rank_lost_while_or_after_the_job_starts_ends_the_other(when):
+    # Inside MPI_Init after its last PMI command, rank 0 would wait for
+    # rank 1's shared memory for ever with nothing to say: the rendezvous
+    # ends it at once, with the heartbeat's kind of line and code. After
+    # kd.init(), the heartbeat itself does, as before (and the rendezvous
+    # says nothing).
+    port = free_port()
+    ended = []
+    results = start_processes(
+        LOSS_WORKER + [when, "1", str(MPI_INIT_COMMANDS)],
+        [_env(r, 2, port, KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=30)
+         for r in range(2)], timeout=90, ended=ended)
+    (rc0, out0), (rc1, out1) = results
+    assert rc1 == (1 if when == "mpi_init" else 3), out1
+    assert rc0 == 75, out0
+    assert "ok 0" not in out0, out0
+    lost = [line for line in out0.splitlines() if "lost rank 1" in line]
+    assert len(lost) == 1, out0
+    assert lost[0].startswith("kerasdist: rank 0: lost rank 1 on host ")
+    assert lost[0].endswith("; ending this rank."), lost[0]
+    starting = "its process ended while the job was starting" in lost[0]
+    assert starting == (when == "mpi_init"), lost[0]
+    # From rank 1's end to rank 0's (each seen to 0.05 s).
+    assert -0.5 < ended[0] - ended[1] < 10, (ended, out0)
+
+
+_OWN_IPC = ('[ "$RANK" != 1 ] || exec unshare --ipc --mount sh -c '
+            '\'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"\' "$@"; '
+            'exec "$@"')
+
+
+@pytest.mark.timeout(120)
+def test_one_host_name_two_ipc_namespaces_are_two_nodes():
+    # Two containers given one host name: rank 1 in an IPC and mount
+    # namespace of its own, with a /dev/shm of its own. MPI must not take
+    # them for one node (it would wait in init() for shared memory they
+    # cannot share): each is a node of one, and the job computes.
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(
+            ["unshare", "--ipc", "--mount", "true"],
+            capture_output=True).returncode:
+        pytest.skip("needs root and unshare for namespaces of its own")
+    port = free_port()
+    results = start_processes(["sh", "-c", _OWN_IPC, "sh"] + WORKER,
+                              [_env(r, 2, port) for r in range(2)],
+                              timeout=90)
+    for r, (rc, out) in enumerate(results):
+        assert rc == 0, f"process {r}:\n{out}"
+        assert f"ok {r} 2 0 1" in out, f"process {r}:\n{out}"
+
+
 # Starts `args` once per environment in a mount namespace of its own whose
 # /dev/shm is a tmpfs of SIZE; prints start_processes' results as JSON.
 _IN_SMALL_SHM = """

@@ -386,6 +386,187 @@ def test_every_rank_hears_who_is_missing_and_ends():
                    "finalizing); ending the job's MPI\n"), err
 
 
+def _hello_kept(port, size, rank):
+    """rank's hello as join() says it, its connection kept: (its PMI
+    variables, the socket, the signer of its later lines)."""
+    job, key, _ = rendezvous.identity({})
+    launch = Launch("torchrun", rank, size, rank, size, ("127.0.0.1", port))
+    kept = []
+    reply = rendezvous._hello(("127.0.0.1", port), "here", launch, 20,
+                              time.monotonic() + 20, job, key, kept)
+    assert reply.startswith("cmd=kd_ready rc=0 "), reply
+    sock, _, sign = kept[0]
+    return ({"PMI_PORT": f"127.0.0.1:{port}",
+             "PMI_ID": rendezvous._tokens(reply)["pmiid"]}, sock, sign)
+
+
+def _kept_all(port, size, ranks):
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.update(
+        {r: _hello_kept(port, size, r)})) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_lost_after_mpi_inits_last_barrier_ends_the_others():
+    # Past MPI_Init's PMI barrier, a rank whose process ends leaves the
+    # others waiting inside MPI_Init (for its shared memory) or init's
+    # first collectives, with no barrier to fail and no heartbeat yet: the
+    # server ends them at once, naming it, as the heartbeat would (75). A
+    # kd_up without the hello's proof does not count: rank 2 is not up.
+    import json
+    proc, port = _serve(3, 30)
+    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
+                              str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=launcher_env())
+    try:
+        kept = _kept_all(port, 3, (0, 2))
+        joined = {r: kept[r][0] for r in kept}
+        joined[1] = json.loads(rank1.stdout.readline())
+        pmi = {r: Pmi(joined[r]) for r in range(3)}
+        for r in range(3):
+            pmi[r].send("cmd=barrier_in")
+        for r in range(3):
+            assert pmi[r].read() == "cmd=barrier_out rc=0"
+        kept[0][1].sendall((kept[0][2]("cmd=kd_up") + "\n").encode())
+        kept[2][1].sendall(b"cmd=kd_up mac=" + b"0" * 64 + b"\n")
+        time.sleep(0.3)
+        start = time.monotonic()
+        pmi[2].sock.close()
+        pmi[2].file.close()
+        assert rank1.wait(timeout=10) == rendezvous.EXIT_PEER_LOST
+        assert time.monotonic() - start < 5
+        err = rank1.stderr.read()
+        # Rank 0's own connection hears it too (its process would end).
+        kept[0][1].settimeout(10)
+        said = rendezvous._read_line(kept[0][1])
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+        _end(proc)
+    host = rendezvous.node_identity().partition("/")[0]
+    line = (f"lost rank 2 on host {host}: its process ended while the job "
+            f"was starting (its MPI's connection to the rendezvous closed "
+            f"without MPI_Finalize before every rank's kd.init() had "
+            f"finished, where MPI would wait for it for ever); ending this "
+            f"rank.")
+    assert err == f"kerasdist: rank 1: {line}\n", err
+    assert said.startswith(f"cmd=kd_fail code=75 msg={line} mac="), said
+
+
+@pytest.mark.timeout(60)
+def test_once_every_rank_is_up_a_lost_rank_is_the_heartbeats():
+    # Every rank's kd.init() finished (kd_up): a rank that ends then is
+    # the heartbeat's to report (75, "lost rank ..."); the server says
+    # nothing, and the others still finalize.
+    proc, port = _serve(3, 30)
+    try:
+        kept = _kept_all(port, 3, range(3))
+        pmi = {r: Pmi(kept[r][0]) for r in range(3)}
+        for r in range(3):
+            kept[r][1].sendall((kept[r][2]("cmd=kd_up") + "\n").encode())
+        time.sleep(0.3)
+        pmi[2].sock.close()
+        pmi[2].file.close()
+        kept[0][1].settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            kept[0][1].recv(1)
+        assert proc.poll() is None
+        for r in (0, 1):
+            assert pmi[r].ask("cmd=finalize") == "cmd=finalize_ack rc=0"
+        assert proc.wait(timeout=10) == 0
+    finally:
+        err = _end(proc)
+    assert err == "", err
+
+
+@pytest.mark.timeout(60)
+def test_the_server_tells_mpi_which_ranks_share_a_node():
+    # Every hello here names this process's node: one node.
+    proc, port = _serve(3, 30)
+    try:
+        joined = _join_all(port, 3, {})
+        p = Pmi(joined[0])
+        assert p.ask("cmd=get kvsname=k key=PMI_process_mapping") == \
+            "cmd=get_result rc=0 value=(vector,(0,1,3))"
+        p.close()
+    finally:
+        _end(proc)
+
+
+def test_node_mapping_for_mpi():
+    ids, mapping = rendezvous.node_ids, rendezvous.process_mapping
+    assert ids(["a/1", "b/1", "a/1", "a/2"]) == [0, 1, 0, 2]
+    assert mapping(["h/x"] * 4) == "(vector,(0,1,4))"
+    # torchrun's and node mode's order: node-major blocks.
+    assert mapping(["h0/x"] * 2 + ["h1/x"] * 2) == "(vector,(0,2,2))"
+    # One host name, two IPC namespaces (two containers): two nodes.
+    assert mapping(["h/ipc1", "h/ipc2"]) == "(vector,(0,2,1))"
+    assert mapping(["a/1", "b/1", "a/1", "b/1", "b/1"]) == \
+        "(vector,(0,2,1),(0,1,1),(1,1,2))"
+    # A rank that named no node (an older client): MPI decides by host
+    # name alone. Too many blocks for one PMI value: the same.
+    assert mapping(["a/1", ""]) is None
+    assert mapping([]) is None
+    rng = random.Random(5)
+    assert mapping([f"h{rng.randrange(50)}/x" for _ in range(2000)]) is None
+    # Whatever it says, MPICH's reading of it (MPL_rankmap_str_to_array)
+    # gives each rank its node's number.
+    for _ in range(200):
+        nodes = [f"h{rng.randrange(5)}/x" for _ in range(rng.randint(1, 40))]
+        text = mapping(nodes)
+        assert _mpich_reads(text, len(nodes)) == ids(nodes), (nodes, text)
+
+
+def _mpich_reads(text, size):
+    """The node of each rank as MPICH reads "(vector,(a,b,c),...)": c
+    ranks on each of the nodes a .. a+b-1, in rank order."""
+    import re
+    assert re.fullmatch(r"\(vector(,\(\d+,\d+,\d+\))+\)", text), text
+    out = []
+    for a, b, c in re.findall(r"\((\d+),(\d+),(\d+)\)", text):
+        for node in range(int(a), int(a) + int(b)):
+            out += [node] * int(c)
+    assert len(out) == size, (text, size)
+    return out
+
+
+_PRINT_NODE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("r", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(module.node_identity())
+"""
+
+
+def test_node_identity_tells_ipc_namespaces_apart():
+    import shutil
+    me = rendezvous.node_identity()
+    assert me == rendezvous.node_identity()
+    assert me.partition("/")[0] == socket.gethostname()[:64]
+    assert len(me) <= rendezvous._NODE_MAX
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare for namespaces of its own")
+    for flags, other_node in ((["--ipc"], True), (["--mount"], False)):
+        p = subprocess.run(["unshare", *flags, sys.executable, "-I", "-c",
+                            _PRINT_NODE, rendezvous.__file__],
+                           capture_output=True, text=True, timeout=30)
+        if p.returncode:
+            pytest.skip(f"unshare {flags}: {p.stderr.strip()}")
+        other = p.stdout.strip()
+        # The same host name; another IPC namespace is another node for
+        # MPI, another mount namespace with the same /dev/shm is not.
+        assert other.partition("/")[0] == me.partition("/")[0]
+        assert (other != me) == other_node, (flags, other, me)
+
+
 def _join_all_but(port, size, absent):
     """join() of every rank but `absent` (which joins elsewhere)."""
     out = {}
