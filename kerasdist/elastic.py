@@ -61,6 +61,7 @@ import zipfile
 
 import numpy as np
 
+from kerasdist import _files
 from kerasdist import _resize
 from kerasdist import _sharding
 from kerasdist import basics
@@ -840,9 +841,10 @@ class _ShardCommits:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         mine = os.path.join(directory, _shard_name(stem, rank, size))
-        _atomic_file(mine, lambda tmp: _sharding.write_shard_file(
-            tmp, self.values, token=stem, rank=rank, size=size))
-        digest = _sha256(mine)
+        _files.atomic_write(mine, lambda tmp: _sharding.write_shard_file(
+            tmp, self.values, token=stem, rank=rank, size=size),
+            prefix=".tmp-state-")
+        digest = _files.sha256(mine)
         row = np.array([[os.path.getsize(mine)] + list(np.frombuffer(
             bytes.fromhex(digest), np.int64))], np.int64)
         table = _host.host_allgather(row, "kerasdist.elastic.shard_files")
@@ -881,7 +883,7 @@ class _ShardCommits:
             if not os.path.exists(shard):
                 raise ValueError(f"shard file {shard} is missing")
             if os.path.getsize(shard) != entry["bytes"] or \
-                    _sha256(shard) != entry["sha256"]:
+                    _files.sha256(shard) != entry["sha256"]:
                 raise ValueError(f"shard file {shard} is damaged (its size "
                                  "or SHA-256 is not the commit's)")
         self.pending = record
@@ -910,28 +912,3 @@ def _shard_name(stem, rank, size):
     return f"{stem}.shard-{rank:05d}-of-{size:05d}.h5"
 
 
-def _sha256(path):
-    import hashlib
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _atomic_file(path, write):
-    """`write(tmp)`, fsync, rename over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-state-",
-                               dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

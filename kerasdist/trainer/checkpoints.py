@@ -35,14 +35,13 @@ writes (rank 0) and broadcasts what rank 0 read.
 """
 
 import glob
-import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import warnings
 
+from kerasdist import _files
 from kerasdist import _resize
 
 MANIFEST_VERSION = 1
@@ -96,19 +95,7 @@ def _fault(point, path):
         _fault_hook(point, path)
 
 
-def file_sha256(path):
-    """Hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+file_sha256 = _files.sha256
 
 
 def atomic_write(path, write):
@@ -120,23 +107,7 @@ def atomic_write(path, write):
 
 def _atomic_write(path, write):
     """Calls `write(tmp_path)`, fsyncs, then renames tmp over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory,
-                               suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        _fault("written", tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; give the file the mode open() would.
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-        _fault("renamed", path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    _files.atomic_write(path, write, prefix=_TMP_PREFIX, fault=_fault)
 
 
 def check_directory(directory):
