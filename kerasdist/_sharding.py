@@ -403,6 +403,13 @@ def sharded_class(base, settings):
         def build(self, variables):
             from kerasdist import _framework
 
+            if self.built and getattr(self, "_kerasdist_shard", None):
+                # Built once, as Keras' optimizers: a LossScaleOptimizer
+                # builds its inner optimizer again when it is built itself
+                # (the Trainer builds this one before a mixed_float16
+                # model's fit builds the wrapper). New shadows would not
+                # be the variables the slots were made for.
+                return
             variables = list(variables)
             size, rank = _size_and_rank(settings.process_set_id)
             if rank < 0:
