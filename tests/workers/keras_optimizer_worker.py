@@ -248,6 +248,50 @@ def shard_fit_embedding_np3():
               embed_model, xy=embed_data(), shard="optimizer_state")
 
 
+# The sharded and the replicated optimizer average the same float32
+# gradients (on CPU bit for bit; another summation order moves float32 by
+# ~1e-7 a step). One process rounds its bfloat16 activations on another
+# batch (8 significant bits; measured 7e-4 after 12 steps, weights of
+# order 1 that move by ~1).
+TOL_BF16 = 1e-5
+TOL_BF16_ONE_PROCESS = 5e-3
+
+
+@check("shard_fit_mixed_bfloat16_np3", groups=("odd",))
+def shard_fit_mixed_bfloat16_np3():
+    """The mixed_bfloat16 policy (float32 weights and gradients, bfloat16
+    activations, no loss scaling) with shards of unequal real length.
+    Against the replicated optimizer, which reduces the same float32
+    gradients, and against one process on the concatenated batch: see
+    TOL_BF16."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        x, y = data()
+        got = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            shard="optimizer_state"), my_part(x), my_part(y), B)
+        replicated = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9)), my_part(x),
+            my_part(y), B)
+        truth = fit(dense_model(), keras.optimizers.SGD(0.05, momentum=0.9),
+                    x, y, SIZE * B)
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    assert all(w.dtype == np.float32 for w in got), [w.dtype for w in got]
+    moved = np.max(np.abs(flat(truth) - flat(dense_model().get_weights())))
+    print(f"mixed_bfloat16 np3: max diff against replicated "
+          f"{np.max(np.abs(flat(got) - flat(replicated))):.2e}, against "
+          f"one process {np.max(np.abs(flat(got) - flat(truth))):.2e}; "
+          f"the truth moved {moved:.2e}", flush=True)
+    close(got, replicated, "mixed_bfloat16 np3: against replicated",
+          rtol=0, atol=TOL_BF16)
+    close(got, truth, "mixed_bfloat16 np3: against one process", rtol=0,
+          atol=TOL_BF16_ONE_PROCESS)
+    same_on_all_ranks(got, "mixed_bfloat16 np3")
+    assert moved > 100 * TOL_BF16_ONE_PROCESS, moved
+
+
 @functools.cache
 def uncompressed_ref():
     """The uncompressed weights fit_fp16 compares with (checked once)."""
