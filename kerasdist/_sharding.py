@@ -23,7 +23,10 @@ A step, in the sharded class's `apply`:
    shard; one `reducescatter` leaves each rank its row of the average.
    Gradients of the same bucket (`bucket_bytes`, in backprop order, one
    dtype) whose shards are small (under `ALONE_BYTES`) go side by side in
-   one matrix and one `reducescatter`.
+   one matrix and one `reducescatter`. A gradient that a
+   DistributedGradientTape returned, reduced over the same ranks
+   (`kerasdist._reduced` knows it by identity), is the same on every rank
+   already: each rank slices its row (`own_shard`), with no collective.
 2. The rank's shard of each weight is copied into a 1-D "shadow"
    variable, and the wrapped Keras optimizer, built on the shadows, runs
    its usual `apply` on them: clipping (norms summed over the ranks with
@@ -302,13 +305,74 @@ def shard_of(framework, layout, variable, i, rank):
     """This rank's shard of `variable` (index i), padded."""
     import keras
 
-    ops = keras.ops
-    chunk = layout.chunks[i]
-    lo, hi = owned(layout.numels[i], chunk, rank)
-    piece = ops.reshape(framework.value(variable), (-1,))[lo:hi]
+    return own_shard(keras.ops, framework.value(variable),
+                     layout.numels[i], layout.chunks[i], rank)
+
+
+def own_shard(ops, tensor, numel, chunk, rank):
+    """Rank `rank`'s shard of `tensor` (`numel` elements, shards of
+    `chunk`), padded: row `rank` of `_rows(ops, tensor, numel, chunk,
+    size)`, which a reducescatter of identical tensors would give it,
+    sliced without padding the rest."""
+    lo, hi = owned(numel, chunk, rank)
+    piece = ops.reshape(tensor, (-1,))[lo:hi]
     if hi - lo < chunk:  # the last ranks' shards end in padding
         piece = ops.pad(piece, [[0, chunk - (hi - lo)]])
     return piece
+
+
+def reduced_already(grads, process_set_id, op):
+    """The indices of `grads` that need no reduction: the tensors a
+    DistributedGradientTape returned reduced over the optimizer's process
+    set (the same ranks; `kerasdist._reduced`), identical on every rank,
+    so each rank slices its shard. A gradient reduced over another set
+    is not one of them: reduced again, with a warning (a rank outside the
+    tape's set cannot know, and every rank must take the same path).
+
+    Raises:
+        ValueError: for such gradients with `op` not Average: an
+            optimizer with op=Sum would sum the tape's result again.
+    """
+    from kerasdist import _reduced
+    from kerasdist._core import capi as _capi
+
+    mine, other = [], None
+    for i, g in enumerate(grads):
+        ps = _reduced.process_set_of(g)
+        if ps is None:
+            continue
+        if _reduced.same_set(ps, process_set_id, _capi.process_set_ranks):
+            mine.append(i)
+        else:
+            other = ps
+    if other is not None:
+        _warn_other_set_once(other, process_set_id)
+    if mine and op != basics.Average:
+        raise ValueError(
+            "DistributedOptimizer(shard=..., op=Sum) got gradients that a "
+            "DistributedGradientTape has already reduced over the same "
+            "ranks; summing them again would multiply them by the number "
+            "of ranks. The tape's op decides the reduction: give the "
+            "optimizer op=Average (the default), which then uses them as "
+            "they are, or hand it a plain tf.GradientTape's gradients.")
+    return mine
+
+
+_warned_sets = []
+
+
+def _warn_other_set_once(tape_set, optimizer_set):
+    if _warned_sets:
+        return
+    _warned_sets.append(True)
+    import warnings
+    warnings.warn(
+        f"kerasdist: a DistributedGradientTape reduced these gradients over "
+        f"process set {tape_set}, but the sharded DistributedOptimizer "
+        f"reduces over process set {optimizer_set}: it reduce-scatters "
+        "them again (the communication twice over). Give both the same "
+        "process_set to skip the second reduction.", UserWarning,
+        stacklevel=4)
 
 
 def global_square_sums(framework, grads, prefix):
@@ -339,6 +403,13 @@ def sharded_class(base, settings):
         def build(self, variables):
             from kerasdist import _framework
 
+            if self.built and getattr(self, "_kerasdist_shard", None):
+                # Built once, as Keras' optimizers: a LossScaleOptimizer
+                # builds its inner optimizer again when it is built itself
+                # (the Trainer builds this one before a mixed_float16
+                # model's fit builds the wrapper). New shadows would not
+                # be the variables the slots were made for.
+                return
             variables = list(variables)
             size, rank = _size_and_rank(settings.process_set_id)
             if rank < 0:
@@ -430,10 +501,23 @@ def sharded_class(base, settings):
             state = self._kerasdist_shard
             framework = state.framework
             compression = settings.compression or Compression.none
+            layout = state.layout
             with _capi.process_set_scope(settings.process_set_id):
-                chunks = scatter(framework, state.layout, grads,
+                # What a DistributedGradientTape reduced over these ranks
+                # each rank slices (no wire, so no compression); the rest
+                # is reduce-scattered.
+                local = reduced_already(grads, settings.process_set_id,
+                                        settings.op)
+                rest = list(grads)
+                for i in local:
+                    rest[i] = None
+                chunks = scatter(framework, layout, rest,
                                  settings.prefix, compression, settings.op,
                                  settings.gradient_predivide_factor)
+                for i in local:
+                    chunks[i] = own_shard(ops, framework.dense(grads[i]),
+                                          layout.numels[i], layout.chunks[i],
+                                          state.rank)
                 state.release(grads, settings.shard)
                 with framework.no_grad():
                     for i, (v, s) in enumerate(zip(state.variables,

@@ -146,7 +146,10 @@ def DistributedOptimizer(optimizer, name=None,
             once reduced. The result equals the replicated optimizer's.
             Needs an elementwise update (SGD, Adam, AdamW, RMSprop, ...;
             not Lamb, Adafactor or Muon), no Adasum and no local
-            variables; see kerasdist/_sharding.py and docs/keras.md.
+            variables. The gradients a `DistributedGradientTape` returned
+            over the same ranks (TensorFlow) are averaged already: each
+            rank slices its shard of them instead of reduce-scattering
+            (see the tape). See kerasdist/_sharding.py and docs/keras.md.
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless

@@ -7,6 +7,7 @@ from kerasdist import _buckets
 from kerasdist import _gradient_reduction
 from kerasdist import basics
 from kerasdist import _local_gradients
+from kerasdist import _reduced
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
@@ -65,6 +66,28 @@ class DistributedGradientTape:
     `tape.register_local_source(variable)` keeps that source's gradient on
     its rank (not reduced), as Horovod's; every rank must register the
     same sources.
+
+    With a sharded optimizer (`DistributedOptimizer(opt, shard=...)`),
+    hand its `apply` the gradients this tape returned, as they are: they
+    are identical on every rank, so the optimizer takes its shard of each
+    by slicing it, with no second reduction, and allgathers the updated
+    weights (an allreduce and an allgather a step, as PyTorch's
+    `ZeroRedundancyOptimizer` behind DDP). The tape remembers the tensors
+    it returned (by identity, while they live), so:
+
+    - a gradient changed on the way (scaled, clipped, summed: a new
+      tensor), and a local source's, is reduce-scattered by the optimizer
+      as usual: correct, at the cost of a second reduction;
+    - the tape's `op` decides the reduction (Sum gives summed gradients,
+      as the replicated optimizer would after it); an optimizer with
+      `op=Sum` refuses them with a ValueError (it would sum them again);
+      the optimizer's compression and predivide factor do not apply to
+      them (nothing goes on the wire);
+    - over another `process_set` than the optimizer's, they are
+      reduce-scattered again, with a warning: give both the same set.
+
+    A plain `tf.GradientTape`'s gradients cost the sharded optimizer less
+    still: its reduce-scatter moves half an allreduce's bytes.
 
     Raises:
         TypeError: if `tape` is not a `tf.GradientTape`.
@@ -150,13 +173,17 @@ class DistributedGradientTape:
         flat_grads = tf.nest.flatten(grads)
 
         def reduce(grads, sources):
-            return _gradient_reduction.reduce_gradients(
+            reduced = _gradient_reduction.reduce_gradients(
                 grads, sources, self._prefix, _keras_layer.FRAMEWORK,
                 compression=self._compression, op=self._op,
                 sparse_as_dense=self._sparse_as_dense,
                 gradient_predivide_factor=self._predivide,
                 num_groups=self._num_groups,
                 bucket_bytes=self._bucket_bytes)
+            # Identical on every rank of the set: a sharded optimizer
+            # handed exactly these slices them (no second reduction).
+            _reduced.note(reduced, self._process_set)
+            return reduced
 
         if self._process_set and _capi.process_set_rank(self._process_set) < 0:
             return grads

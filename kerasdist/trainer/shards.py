@@ -131,13 +131,25 @@ def shared_only(optimizer, record=None):
             if int(key) in wanted:
                 optimizer.variables[int(key)].assign(store[key])
 
-    optimizer.save_own_variables = save_own_variables
-    optimizer.load_own_variables = load_own_variables
+    def nothing(store):
+        pass
+
+    patched = [(optimizer, save_own_variables, load_own_variables)]
+    inner = _sharding.sharded_in(optimizer)
+    if inner is not None and inner is not optimizer:
+        # A LossScaleOptimizer around it (mixed_float16): Keras' walk
+        # visits the inner optimizer too, whose variables are the
+        # wrapper's already (above).
+        patched.append((inner, nothing, nothing))
+    for target, save, load in patched:
+        target.save_own_variables = save
+        target.load_own_variables = load
     try:
         yield
     finally:
-        del optimizer.save_own_variables
-        del optimizer.load_own_variables
+        for target, _, _ in patched:
+            del target.save_own_variables
+            del target.load_own_variables
 
 
 class ShardWriter:

@@ -420,7 +420,10 @@ class Trainer:
         self.optimizer = DistributedOptimizer(optimizer, shard=self.shard)
         self.model = model
         self._compile()
-        self.optimizer.build(model.trainable_variables)
+        # The optimizer compile chose: under the mixed_float16 policy a
+        # LossScaleOptimizer around this one (building it builds both),
+        # whose loss scale a checkpoint holds too.
+        model.optimizer.build(model.trainable_variables)
         if self._resume.source is not None:
             self._source_point = self._resume.load_source(
                 self._load_on_rank0, self._rng_count(), self._load_all)

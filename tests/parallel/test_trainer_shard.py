@@ -3,7 +3,9 @@
 rank 0 the manifest naming them; a job at np 2 is resumed at np 3 and that
 one's checkpoints at np 1, sharded and replicated either way, each holding
 exactly the state that was saved; a step-checkpoint resume ends where the
-straight run ended; a damaged or missing shard file is named and skipped.
+straight run ended; a damaged or missing shard file is named and skipped;
+under the mixed_float16 policy (a LossScaleOptimizer around the sharded
+one) training equals the replicated Trainer's and resumes exactly.
 
 One launch a size; each reads what the one before wrote, so the tests run
 in this order and a failure skips those after it.
@@ -52,7 +54,8 @@ def _job(np_, mode, root, checks):
 def test_shard_checkpoints_np2(root):
     _job(2, "np2", root, ["shard_files_per_rank_named_in_manifest",
                           "step_checkpoint_resume_equals_straight_run",
-                          "elastic_commit_writes_a_shard_file_per_rank"])
+                          "elastic_commit_writes_a_shard_file_per_rank",
+                          "mixed_float16_sharded_like_replicated"])
 
 
 def test_shard_resume_np3(root):

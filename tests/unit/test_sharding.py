@@ -1,7 +1,9 @@
 """The sharded optimizer's layout (kerasdist/_sharding.py): a pure function
-of the variables' shapes and dtypes and the number of ranks. The training
-itself runs on real ranks in tests/workers/keras_backend_worker.py
-(`pytest -k shard_`)."""
+of the variables' shapes and dtypes and the number of ranks; the shard a
+rank slices from a gradient that is already reduced, and the record of
+such gradients (kerasdist/_reduced.py). The training itself runs on real
+ranks in tests/workers/keras_backend_worker.py and
+keras_optimizer_worker.py (`pytest -k shard_`)."""
 
 import numpy as np
 import pytest
@@ -56,3 +58,64 @@ def test_same_layout_for_the_same_model_and_size():
     a = _sharding.Layout(shapes, ["float32"] * 4, 3, bucket_bytes=4096)
     b = _sharding.Layout(list(shapes), ("float32",) * 4, 3, bucket_bytes=4096)
     assert (a.chunks, a.buckets) == (b.chunks, b.buckets)
+
+
+class _NumpyOps:
+    """The two keras.ops functions the slicing uses, on numpy."""
+    reshape = staticmethod(np.reshape)
+    pad = staticmethod(np.pad)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_own_shard_is_the_row_a_reducescatter_gives(size):
+    # A gradient a DistributedGradientTape reduced is the same on every
+    # rank: the reduce-scatter's row r of it is what rank r slices.
+    ops = _NumpyOps
+    for shape in [(7,), (4, 3), (1,), (2, 2, 2), (3, 1)]:
+        tensor = np.arange(1, np.prod(shape) + 1, dtype=np.float64)
+        tensor = tensor.reshape(shape)
+        numel = tensor.size
+        (chunk,) = _sharding.partition([numel], size)
+        rows = _sharding._rows(ops, tensor, numel, chunk, size)
+        for rank in range(size):
+            np.testing.assert_array_equal(
+                _sharding.own_shard(ops, tensor, numel, chunk, rank),
+                rows[rank])
+
+
+class _Tensor:
+    """A stand-in for a framework tensor (weakly referenceable)."""
+
+
+def test_reduced_gradients_are_known_while_they_live():
+    import gc
+
+    from kerasdist import _reduced
+
+    a, b, c = _Tensor(), _Tensor(), _Tensor()
+    _reduced.note([a, None, b], 0)
+    _reduced.note([c], 3)
+    assert [_reduced.process_set_of(t) for t in (a, b, c)] == [0, 0, 3]
+    assert _reduced.process_set_of(_Tensor()) is None
+    assert _reduced.process_set_of(None) is None
+    # Not weakly referenceable: never known (its consumer reduces it).
+    _reduced.note([1.5], 0)
+    assert _reduced.process_set_of(1.5) is None
+    # Freed: forgotten, so an object that reuses its id is not taken for it.
+    live = _reduced.count()
+    del a
+    gc.collect()
+    assert _reduced.count() == live - 1
+    assert all(_reduced.process_set_of(_Tensor()) is None
+               for _ in range(1000))
+
+
+def test_same_set_by_id_or_by_ranks():
+    from kerasdist import _reduced
+
+    ranks = {0: [0, 1, 2], 1: [0, 2], 2: [0, 1, 2], 3: [0, 2]}.get
+    assert _reduced.same_set(1, 1, ranks)
+    assert _reduced.same_set(0, 2, ranks)   # the job's ranks, added again
+    assert _reduced.same_set(1, 3, ranks)
+    assert not _reduced.same_set(0, 1, ranks)
+    assert not _reduced.same_set(7, 8, ranks)  # unknown ids

@@ -257,6 +257,50 @@ def shard_fit_embedding_np3():
               embed_model, xy=embed_data(), shard="optimizer_state")
 
 
+# The sharded and the replicated optimizer average the same float32
+# gradients (on CPU bit for bit; another summation order moves float32 by
+# ~1e-7 a step). One process rounds its bfloat16 activations on another
+# batch (8 significant bits; measured 7e-4 after 12 steps, weights of
+# order 1 that move by ~1).
+TOL_BF16 = 1e-5
+TOL_BF16_ONE_PROCESS = 5e-3
+
+
+@check("shard_fit_mixed_bfloat16_np3", groups=("odd",))
+def shard_fit_mixed_bfloat16_np3():
+    """The mixed_bfloat16 policy (float32 weights and gradients, bfloat16
+    activations, no loss scaling) with shards of unequal real length.
+    Against the replicated optimizer, which reduces the same float32
+    gradients, and against one process on the concatenated batch: see
+    TOL_BF16."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        x, y = data()
+        got = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9),
+            shard="optimizer_state"), my_part(x), my_part(y), B)
+        replicated = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9)), my_part(x),
+            my_part(y), B)
+        truth = fit(dense_model(), keras.optimizers.SGD(0.05, momentum=0.9),
+                    x, y, SIZE * B)
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    assert all(w.dtype == np.float32 for w in got), [w.dtype for w in got]
+    moved = np.max(np.abs(flat(truth) - flat(dense_model().get_weights())))
+    print(f"mixed_bfloat16 np3: max diff against replicated "
+          f"{np.max(np.abs(flat(got) - flat(replicated))):.2e}, against "
+          f"one process {np.max(np.abs(flat(got) - flat(truth))):.2e}; "
+          f"the truth moved {moved:.2e}", flush=True)
+    close(got, replicated, "mixed_bfloat16 np3: against replicated",
+          rtol=0, atol=TOL_BF16)
+    close(got, truth, "mixed_bfloat16 np3: against one process", rtol=0,
+          atol=TOL_BF16_ONE_PROCESS)
+    same_on_all_ranks(got, "mixed_bfloat16 np3")
+    assert moved > 100 * TOL_BF16_ONE_PROCESS, moved
+
+
 @functools.cache
 def uncompressed_ref():
     """The uncompressed weights fit_fp16 compares with (checked once)."""
@@ -317,6 +361,182 @@ def check_tape(mode, num_groups=0, bucket_bytes=None):
         + (f"_buckets{bucket_bytes}" if bucket_bytes else "")
     close(model.get_weights(), truth, what)
     same_on_all_ranks(model.get_weights(), what)
+
+
+# DistributedGradientTape in front of a sharded optimizer: the tape's
+# gradients are averaged already, so the optimizer slices its shard of
+# each (no reduce-scatter) and allgathers the weights; a gradient the loop
+# changed is reduce-scattered as before. Counted on the real program: the
+# collectives the step calls (a spy that passes each call on) eagerly, the
+# collective ops in the traced graph in a tf.function.
+
+
+class CountCalls:
+    """Counts the calls of the TF collectives kerasdist's gradient code
+    makes (`kerasdist.collectives.bound("tensorflow")`), each passed on to
+    the real collective."""
+
+    NAMES = ("grouped_allreduce", "reducescatter", "allgather")
+
+    def __enter__(self):
+        from kerasdist import collectives
+        self.api = collectives.bound("tensorflow")
+        self.real = {n: getattr(self.api, n) for n in self.NAMES}
+        self.calls = dict.fromkeys(self.NAMES, 0)
+        for n in self.NAMES:
+            setattr(self.api, n, self._spy(n))
+        return self.calls
+
+    def _spy(self, name):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return self.real[name](*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        for n in self.NAMES:
+            setattr(self.api, n, self.real[n])
+
+
+def collective_ops(fn, *specs):
+    """{op type: count} of the kerasdist collective ops in `fn`'s traced
+    graph, nested functions included."""
+    graph_def = fn.get_concrete_function(*specs).graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes.extend(f.node_def)
+    out = {}
+    for node in nodes:
+        if node.op.startswith("Kerasdist"):
+            out[node.op] = out.get(node.op, 0) + 1
+    return out
+
+
+def tape_loop(opt, function, change=None, make_model=dense_model, xy=None,
+              **tape_args):
+    """STEPS steps of a custom loop on this rank's part: a
+    DistributedGradientTape's gradients (passed through `change`) to
+    `opt.apply`. Returns the weights and the step function."""
+    x, y = xy if xy is not None else data()
+    xs, ys = my_part(x), my_part(y)
+    model = make_model()
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        tape = kd.DistributedGradientTape(tape, **tape_args)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if change is not None:
+            grads = change(grads)
+        opt.apply(grads, model.trainable_variables)
+
+    if function:
+        step = tf.function(step)
+    for s in range(STEPS):
+        step(tf.constant(xs[s * B:(s + 1) * B]),
+             tf.constant(ys[s * B:(s + 1) * B]))
+    return model.get_weights(), step
+
+
+STEP_SPECS = (tf.TensorSpec([B, 4], tf.float64),
+              tf.TensorSpec([B, 1], tf.float64))
+
+
+def momentum(lr=0.05):
+    return keras.optimizers.SGD(lr, momentum=0.9)
+
+
+@functools.cache
+def momentum_truth(lr=0.05):
+    """One process on the concatenated batches, SGD with momentum (fit
+    once for the checks below)."""
+    x, y = data()
+    return fit(dense_model(), momentum(lr), x, y, SIZE * B)
+
+
+def second_reductions(function, shard, change=None, **loop_args):
+    """(weights, reduce-scatters of the sharded optimizer, the tape's
+    allreduces, allgathers) of a tape loop: eagerly calls of the
+    collectives, in a tf.function ops of the graph."""
+    opt = kd.DistributedOptimizer(momentum(), shard=shard)
+    with CountCalls() as calls:
+        got, step = tape_loop(opt, function, change, **loop_args)
+    if function:
+        ops = collective_ops(step, *STEP_SPECS)
+        return (got, ops.get("KerasdistReducescatter", 0),
+                ops.get("KerasdistGroupedAllreduce", 0),
+                ops.get("KerasdistAllgather", 0))
+    return (got, calls["reducescatter"], calls["grouped_allreduce"],
+            calls["allgather"])
+
+
+@check("shard_tape_eager", groups=("equiv",), function=False,
+       shard="optimizer_state")
+@check("shard_tape_function", groups=("equiv",), function=True,
+       shard="gradients")
+def shard_tape(function, shard):
+    """The tape's gradients to a sharded optimizer: one process on the
+    concatenated batch, and the replicated optimizer behind the same tape;
+    no reduce-scatter, eagerly or traced (a changed gradient is
+    reduce-scattered, and still right)."""
+    what = f"shard_tape_{tag_of(function)}"
+    truth = momentum_truth()
+    got, scatters, allreduces, gathers = second_reductions(function, shard)
+    close(got, truth, f"{what}: against one process")
+    same_on_all_ranks(got, what)
+    # Eagerly one call a step; traced, one op in the graph.
+    calls = 1 if function else STEPS
+    assert (scatters, allreduces) == (0, calls), (scatters, allreduces)
+    assert gathers >= calls, gathers
+    replicated, _ = tape_loop(kd.DistributedOptimizer(momentum()), function)
+    close(got, replicated, f"{what}: against replicated")
+    changed, scatters, _, _ = second_reductions(
+        function, shard, change=lambda grads: [g * 1.0 for g in grads])
+    assert scatters >= calls, scatters
+    close(changed, truth, f"{what}: changed gradients")
+    assert not np.allclose(flat(got), flat(dense_model().get_weights()))
+
+
+@check("shard_tape_sum_process_sets_refusal", groups=("equiv",))
+def shard_tape_sum_process_sets_refusal():
+    """The tape's op decides: Sum gives a step of SIZE times the average
+    (the truth with SIZE times the learning rate), sliced all the same; an
+    optimizer with op=Sum refuses the tape's gradients; a tape over
+    another process set is reduced again (rank 1 is outside it, so it
+    gets its own gradients back), with a warning on rank 0. An
+    Embedding's gradient (a tf.IndexedSlices the tape allgathers) is
+    sliced from its dense form."""
+    sparse, scatters, _, _ = second_reductions(
+        False, "gradients", make_model=embed_model, xy=embed_data())
+    assert scatters == 0, scatters
+    close(sparse, fit(embed_model(), momentum(), *embed_data(), SIZE * B),
+          "tape Embedding")
+    summed, scatters, _, _ = second_reductions(False, "optimizer_state",
+                                               op=kd.Sum)
+    assert scatters == 0, scatters
+    close(summed, momentum_truth(0.05 * SIZE), "tape op=Sum")
+    opt = kd.DistributedOptimizer(momentum(), shard="optimizer_state",
+                                  op=kd.Sum)
+    try:
+        tape_loop(opt, False)
+    except ValueError as e:
+        assert "op=Average" in str(e) and "DistributedGradientTape" in \
+            str(e), e
+    else:
+        raise AssertionError("op=Sum took the tape's gradients")
+    first = kd.add_process_set([0])
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, scatters, _, _ = second_reductions(
+                False, "gradients", process_set=first)
+        warned = [w for w in caught if "process_set" in str(w.message)]
+        assert len(warned) == (1 if RANK == 0 else 0), \
+            [str(w.message) for w in caught]
+    finally:
+        kd.remove_process_set(first)
+    assert scatters == STEPS, scatters
+    close(got, momentum_truth(), "tape over another process set")
 
 
 # ---- hand-computed updates -------------------------------------------------

@@ -10,7 +10,9 @@ np2  trains 2 epochs sharded (Adam, float64) with step checkpoints
      checkpoint then resumed (ROOT/b): it ends where ROOT/a's ended. Saves
      ROOT/a.npz: the whole state (weights, optimizer variables gathered).
      Commits an hvd.elastic KerasState of a sharded optimizer twice
-     (ROOT/elastic; el2.npz).
+     (ROOT/elastic; el2.npz). Under the mixed_float16 policy trains an
+     epoch sharded (ROOT/mixed) and replicated: the same weights and
+     loss scale; ROOT/mixed loads with its state exactly.
 np3  loads ROOT/a (written by 2 ranks) sharded and replicated: both hold
      a.npz's state exactly; trains on 2 epochs each (ROOT/s3 sharded,
      ROOT/r3 replicated): the same weights and optimizer state (1e-9,
@@ -278,6 +280,71 @@ def mode_np2(root):
     kd.barrier(name="test.elastic2")
     save_state(state, os.path.join(root, "el2.npz"))
     ok("elastic_commit_writes_a_shard_file_per_rank")
+
+    mixed_float16_like_replicated(root)
+    ok("mixed_float16_sharded_like_replicated")
+
+
+# Both average the same float32 gradients (bit for bit on CPU; another
+# summation order moves float32 by ~1e-7 a step, which float16
+# activations may round up to ~1e-3 relative in a gradient, rarely).
+TOL_F16 = 1e-5
+
+
+def mixed_float16_like_replicated(root):
+    """Trainer(shard=...) under the mixed_float16 policy: Keras wraps the
+    sharded DistributedOptimizer in its LossScaleOptimizer (whose
+    finiteness check is agreed over the ranks). Against the replicated
+    Trainer, which reduces the same float32 gradients: the weights within
+    TOL_F16 and the same loss scale. Its checkpoint (one shard file a
+    rank) loads with the state it saved exactly, loss scale included."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        directory = os.path.join(root, "mixed")
+        s = Toy(**settings(epochs=1, checkpoint_dir=directory,
+                           shard="gradients"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s.fit()
+        # The checkpoints hold the inner optimizer's shared variables once,
+        # in the wrapper's entry: no warning of slots left out.
+        assert not [str(w.message) for w in caught
+                    if "optimizer" in str(w.message)], caught
+        r = Toy(**settings(epochs=1, shard=None))
+        r.fit()
+        lso = s.model.optimizer
+        assert isinstance(lso, keras.optimizers.LossScaleOptimizer), lso
+        assert _sharding.sharded_in(lso) is s.optimizer
+        assert all(w.dtype == np.float32 for w in s.model.get_weights())
+        got, want = s.model.get_weights(), r.model.get_weights()
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+        keras.utils.set_random_seed(settings()["seed"])  # as fit() starts
+        start = Toy(**settings()).build_model().get_weights()
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(got, start))
+        print(f"mixed_float16: sharded vs replicated {diff:.2e}, moved "
+              f"{moved:.2e}", flush=True)
+        assert diff <= TOL_F16 < moved / 100, (diff, moved)
+        scale = float(lso.dynamic_scale.numpy())
+        assert scale == float(r.model.optimizer.dynamic_scale.numpy())
+        state = whole_state(s)
+        if kd.rank() == 0:
+            record = checkpoints.latest(directory)["optimizer_shards"]
+            assert record["size"] == 2 and len(record["files"]) == 2, record
+        kd.barrier(name="test.mixed_checked")
+        back = Toy.from_checkpoint(directory, **settings(
+            epochs=2, shard="gradients",
+            checkpoint_dir=os.path.join(root, "mixed_unused")))
+        x, y = make_data(N, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepare(back, x, y)
+        assert not [str(w.message) for w in caught
+                    if "optimizer" in str(w.message)], caught
+        assert_state(whole_state(back), state, 0.0, "mixed_float16 resume")
+        assert float(back.model.optimizer.dynamic_scale.numpy()) == scale
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
 
 
 def mode_np3(root):
