@@ -26,7 +26,8 @@ def seed_counters(model):
     """How many draws each seed generator has made since its epoch began
     (the second half of its state; the first comes from seed, epoch and
     rank). The same on every rank: all run the same steps."""
-    return [int(g.state.value.numpy()[1]) for g in seed_generators(model)]
+    return [int(keras.ops.convert_to_numpy(g.state.value)[1])
+            for g in seed_generators(model)]
 
 
 class ReseedCallback(keras.callbacks.Callback):
@@ -179,11 +180,24 @@ class StepCheckpointCallback(keras.callbacks.Callback):
         elif not self._due() or self._busy() or \
                 self._is_last(self._epoch, batch):
             return
+        sync_model_state(self)
         self._save(self._epoch, batch)
         self._reset()
 
     def on_epoch_end(self, epoch, logs=None):
         self._reset()  # the epoch checkpoint was just written
+
+
+def sync_model_state(callback):
+    """Puts the training state back on the model's variables before the
+    Trainer reads them in the middle of an epoch (a step checkpoint, a
+    resize). On JAX, Keras keeps that state apart while it trains and syncs
+    it back only when a callback asks for its `model`
+    (`keras.callbacks.Callback.model` calls `jax_state_sync()`); elsewhere
+    the variables always hold it and this does nothing."""
+    sync = getattr(callback.model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
 
 
 def agree_all(flag):
@@ -236,6 +250,7 @@ class ResizeCallback(keras.callbacks.Callback):
                 self._is_last(self._epoch, batch):
             return
         if resize_agreed():
+            sync_model_state(self)
             self._stop_job(self._epoch, batch)
 
     def on_epoch_end(self, epoch, logs=None):

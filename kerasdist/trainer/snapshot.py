@@ -8,7 +8,9 @@ The weight file is the one `model.save_weights` writes: Keras's own
 walk over the model (`saving_lib._save_state`) runs once against a
 recording store, which notes where each variable goes. A snapshot then
 reads every variable in one `tf.function` call, and the writer thread
-replays the noted layout into Keras's `H5IOStore` with those values. So
+replays the noted layout into Keras's `H5IOStore` with those values. (On
+JAX and PyTorch, whose variables a `tf.function` would only capture as
+constants when traced, a snapshot reads them one by one.) So
 `model.load_weights` (and `Trainer.from_checkpoint`) read a step
 checkpoint like an epoch checkpoint.
 
@@ -140,9 +142,13 @@ class Snapshotter:
                 return
             self._layout.append((path, metadata, items))
         values = [v for _, _, items in self._layout for _, v in items]
-        self._read = tf.function(
-            lambda: [tf.identity(v.value) for v in values])
-        self._read.get_concrete_function()  # trace now, not in a step
+        if keras.backend.backend() == "tensorflow":
+            self._read = tf.function(
+                lambda: [tf.identity(v.value) for v in values])
+            self._read.get_concrete_function()  # trace now, not in a step
+        else:
+            self._read = lambda: [keras.ops.convert_to_numpy(v.value)
+                                  for v in values]
 
     def take(self):
         """The model's state now, as records that own their arrays."""

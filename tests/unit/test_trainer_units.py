@@ -272,8 +272,13 @@ class Dropping(Tiny):
             keras.layers.Dense(2, activation="softmax")])
 
     def callbacks(self):
+        # The steps counted here, not read from the optimizer: on JAX its
+        # variables hold the state mid-epoch only once a callback syncs it.
+        steps = [0]
+
         def crash(batch, logs):
-            if int(self.optimizer.iterations) == self.crash_at:
+            steps[0] += 1
+            if steps[0] == self.crash_at:
                 raise _Crash()
         return [keras.callbacks.LambdaCallback(on_train_batch_end=crash)]
 
@@ -321,6 +326,25 @@ def test_step_checkpoint_resume_at_size_one_is_exact(tmp_path, every):
     # At the end only epoch checkpoints are left.
     assert sorted(os.listdir(tmp_path / "b")) == sorted(
         os.listdir(tmp_path / "a"))
+
+
+def test_step_checkpoint_resume_is_exact_on_jax(tmp_path):
+    # The test above, on the JAX backend (the backend is chosen once a
+    # process): Keras keeps JAX's training state off the variables in an
+    # epoch, and a step snapshot must read the state of that step.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "--basetemp", str(tmp_path), __file__, "-k",
+         "test_step_checkpoint_resume_at_size_one_is_exact and steps]"],
+        capture_output=True, text=True, timeout=240, env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+    assert p.returncode == 0 and "1 passed" in p.stdout, \
+        p.stdout[-4000:] + p.stderr[-2000:]
 
 
 def test_snapshot_is_the_keras_weight_file(tmp_path):
