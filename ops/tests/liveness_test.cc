@@ -6,9 +6,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "../core/control/liveness.h"
@@ -208,6 +210,71 @@ KD_TEST(LivenessListensWhereTheRanksReachIt) {
   close(fd);
   CHECK_CONTAINS(Liveness::Listen("eth0", &fd, &port).message(),
                  "'eth0' is not an IPv4 address");
+}
+
+// A bounded fuzz of the heartbeat port's parser: for as long as the job
+// forms, clients send it random bytes and mutated hellos (flipped bytes of
+// a real one, a real one cut short) and hang up. The job forms within its
+// bound, no line of a lost rank is said anywhere, and the workers beat on.
+KD_TEST(LivenessShrugsOffRandomAndMutatedBytes) {
+  int listen_fd = -1, port = -1;
+  CHECK_OK(Liveness::Listen("127.0.0.1", &listen_fd, &port));
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread fuzz([&] {
+    std::mt19937 rng(20261203);
+    const uint32_t hello[4] = {1, 3, 0, 0x6b646862};
+    while (!stop.load()) {
+      int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_port = htons(port);
+      inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+      if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0) {
+        std::string bytes;
+        switch (rng() % 3) {
+          case 0:  // random bytes
+            bytes.resize(1 + rng() % 256);
+            for (char& c : bytes) c = static_cast<char>(rng());
+            break;
+          case 1:  // a hello with flipped bytes
+            bytes.assign(reinterpret_cast<const char*>(hello), sizeof(hello));
+            for (int k = 0; k < 3; ++k) bytes[rng() % bytes.size()] ^= rng();
+            break;
+          default:  // a hello cut short
+            bytes.assign(reinterpret_cast<const char*>(hello),
+                         1 + rng() % (sizeof(hello) - 1));
+        }
+        if (send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) > 0) ++sent;
+      }
+      close(fd);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  Said said0, said1, said2;
+  std::unique_ptr<Liveness> worker1, worker2, coordinator;
+  std::thread t([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port,
+                                   &worker1));
+    CHECK_OK(Liveness::StartWorker(Options(2, 3, &said2), {"127.0.0.1"}, port,
+                                   &worker2));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
+                                      &coordinator));
+  t.join();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
+  // The fuzz goes on while the job beats, past the heartbeat's timeout.
+  CHECK(said0.Wait(1.0).empty());
+  stop = true;
+  fuzz.join();
+  CHECK(sent.load() > 50);
+  CHECK(said0.Wait(0.6).empty());
+  CHECK(said1.line.empty() && said2.line.empty());
+  worker1->Stop();
+  worker2->Stop();
+  coordinator->Stop();
 }
 
 }  // namespace
