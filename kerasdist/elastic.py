@@ -28,7 +28,9 @@ state to a file that the next attempt starts from:
   A sharded optimizer's slots (`DistributedOptimizer(shard=...)` in a
   KerasState) are never gathered: each rank writes its shard to a file of
   its own beside the commit, which names them (`_ShardCommits`), and a
-  restart at another size reads each rank's part of them.
+  restart at another size reads each rank's part of them. A replicated
+  optimizer's commit resumes a sharded one: rank 0 broadcasts each slot
+  whole and every rank keeps its shard.
 * `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
   committed state if there is one (a restarted attempt); if it was
   committed at another number of ranks, the reset callbacks run
@@ -554,10 +556,15 @@ class TensorFlowKerasState(_VariablesState):
         # A commit of a sharded optimizer holds only the variables every
         # rank shares; a replicated state takes its slots from the shard
         # files (_load_parts) and keeps its own values for them here.
+        # A commit of a replicated optimizer holds its slots whole; a
+        # sharded state notes them (rank 0) for _load_parts to give each
+        # rank its shard of.
         record = self._shards.pending
         if record is not None and not self._shards.sharded():
             saved = dict(saved, values=self._with_slots(saved["values"],
                                                         record))
+        elif record is None and self._shards.sharded():
+            saved = dict(saved, values=self._without_slots(saved["values"]))
         super()._load_saved(saved)
 
     def _with_slots(self, values, record):
@@ -572,9 +579,42 @@ class TensorFlowKerasState(_VariablesState):
             out.append(_to_numpy(v) if i in slots else next(shared))
         return out
 
+    def _without_slots(self, values):
+        # `values`: the model's variables, then the replicated optimizer's
+        # (as _variables() lists them); the slots' whole values go to
+        # self._shards.whole, the rest stay (their shapes are checked
+        # by _VariablesState._load_saved).
+        model = len(self.model.variables)
+        seen = {id(v) for v in self.model.variables}
+        mine = [i for i, v in enumerate(self.optimizer.variables)
+                if id(v) not in seen]
+        if len(values) != model + len(mine):
+            return values  # another model: _load_saved says so
+        state = _sharding.shard_state(self.optimizer)
+        slots = {i: j for i, _, j in
+                 _sharding.slot_variables(self.optimizer)}
+        out, whole = list(values[:model]), {}
+        for i, value in zip(mine, values[model:]):
+            if i not in slots:
+                out.append(value)
+                continue
+            value = np.asarray(value)
+            if value.size != state.layout.numels[slots[i]]:
+                raise ValueError(
+                    f"kerasdist.elastic: the committed optimizer variable "
+                    f"{i} has {value.size} elements, this optimizer's "
+                    f"{state.layout.numels[slots[i]]}: the model changed. "
+                    f"Remove {self.path} to start afresh.")
+            whole[i] = value
+        self._shards.whole = whole
+        return out
+
     def _load_parts(self, committed):
         self._shards.load(self._bcast_object(self._shards.pending),
                           os.path.dirname(self.path))
+        if self._shards.sharded() and \
+                self._bcast_object(self._shards.whole is not None):
+            self._shards.load_whole()
 
 
 class KerasState(TensorFlowKerasState):
@@ -807,6 +847,9 @@ class _ShardCommits:
         self.optimizer = optimizer
         self.values = _sharding.take_shard(optimizer) if optimizer else {}
         self.pending = None  # rank 0: the shards of the commit it took
+        # Rank 0, after taking a replicated optimizer's commit: its slots,
+        # whole ({optimizer variable index: value}).
+        self.whole = None
         self._nonce = None
         self._count = 0
         self._stems = []  # this state's newest commits' stems, oldest first
@@ -872,11 +915,8 @@ class _ShardCommits:
         """Rank 0: raises ValueError unless every shard file `record`
         names is intact; notes it as the commit's shards."""
         self.pending = None
-        if record is None:
-            if self.sharded():
-                raise ValueError(
-                    "a commit of a replicated optimizer: a state with a "
-                    "sharded one (shard=...) cannot take it")
+        self.whole = None
+        if record is None:  # none, or a replicated optimizer's slots whole
             return
         for entry in record["files"]:
             shard = os.path.join(directory, entry["name"])
@@ -905,6 +945,26 @@ class _ShardCommits:
                      for e in record["variables"]})
             finally:
                 source.close()
+        self.save()
+
+    def load_whole(self):
+        """Every rank of a sharded optimizer, once rank 0 took a commit of
+        a replicated one (its slots in `self.whole`): each slot's whole
+        value is broadcast from rank 0, one slot at a time, and every rank
+        keeps its own shard of it (`_sharding.own_shard`, the optimizer's
+        own slicing)."""
+        state = _sharding.shard_state(self.optimizer)
+        layout = state.layout
+        for i, v, j in _sharding.slot_variables(self.optimizer):
+            dtype = _sharding._numpy_dtype(layout.dtypes[j])
+            if self.whole is not None:
+                flat = np.asarray(self.whole[i]).astype(dtype).reshape(-1)
+            else:
+                flat = np.zeros(layout.numels[j], dtype)
+            flat = _broadcast_arrays([flat], "whole_slots")[0]
+            v.assign(_sharding.own_shard(np, flat, layout.numels[j],
+                                         layout.chunks[j], state.rank))
+        self.whole = None
         self.save()
 
 

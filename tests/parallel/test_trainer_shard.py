@@ -63,7 +63,8 @@ def test_shard_resume_np3(root):
                           "resume_sharded_to_replicated_exact",
                           "continues_like_replicated",
                           "resume_replicated_to_sharded_exact",
-                          "elastic_resume_2_to_3_sharded_exact"])
+                          "elastic_resume_2_to_3_sharded_exact",
+                          "elastic_replicated_commit_resumes_sharded_exact"])
 
 
 def test_shard_resume_np1(root):

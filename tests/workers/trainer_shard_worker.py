@@ -18,7 +18,10 @@ np3  loads ROOT/a (written by 2 ranks) sharded and replicated: both hold
      ROOT/r3 replicated): the same weights and optimizer state (1e-9,
      float64); ROOT/r3 loads sharded with r3's state exactly. Saves
      s3.npz and r3.npz. The elastic commit of np 2 resumes sharded
-     (shard="gradients") with el2's state; commits twice more.
+     (shard="gradients") with el2's state; commits twice more. A commit
+     of a replicated optimizer (ROOT/elastic_r) resumes sharded: each
+     rank holds its slices of the committed slots, and a further step
+     equals the replicated state's.
 np1  loads ROOT/s3 (3 ranks) sharded and replicated, ROOT/r3 (replicated)
      with shard="gradients": each holds what was saved; a damaged or
      missing shard file makes the checkpoint be skipped with a warning
@@ -199,10 +202,10 @@ def check_shard_files(directory, size):
 # ---- hvd.elastic commits of a sharded optimizer --------------------------
 
 
-def elastic_model(root, shard):
+def elastic_model(root, shard, directory="elastic"):
     """A compiled model with DistributedOptimizer(shard=shard), built,
-    and its KerasState committing to ROOT/elastic."""
-    os.environ[kd.elastic.ELASTIC_DIR_ENV] = os.path.join(root, "elastic")
+    and its KerasState committing to ROOT/directory."""
+    os.environ[kd.elastic.ELASTIC_DIR_ENV] = os.path.join(root, directory)
     keras.utils.set_random_seed(5)
     model = Toy(**settings()).build_model()
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard=shard)
@@ -390,6 +393,41 @@ def mode_np3(root):
         assert len(shard_commit_files(root, 3)) == 2
     kd.barrier(name="test.elastic3")
     ok("elastic_resume_2_to_3_sharded_exact")
+
+    elastic_replicated_to_sharded(root)
+    ok("elastic_replicated_commit_resumes_sharded_exact")
+
+
+def elastic_replicated_to_sharded(root):
+    """A replicated optimizer's commit (slots whole) taken by a state of
+    a sharded one at 3 ranks: each rank's slots are its slices of the
+    committed values, and a step after equals the replicated one's."""
+    model_r, opt_r, el_r = elastic_model(root, None, "elastic_r")
+    elastic_steps(model_r, 2, 15)
+    el_r.commit()
+    whole = [keras.ops.convert_to_numpy(v) for v in opt_r.variables]
+    model_s, opt_s, el_s = elastic_model(root, "optimizer_state",
+                                         "elastic_r")
+    directory = os.path.join(root, "elastic_r")
+    if kd.rank() == 0:  # the same commit, for the state numbered after it
+        shutil.copy(os.path.join(directory, f"state-{el_r._number}.npz"),
+                    os.path.join(directory, f"state-{el_s._number}.npz"))
+    kd.barrier(name="test.elastic_r")
+    assert_state(resumed(el_s), whole_of(model_r, opt_r), 0.0,
+                 "elastic replicated -> 3 sharded")
+    layout = _sharding.shard_state(opt_s).layout
+    slots = _sharding.slot_variables(opt_s)
+    assert len(slots) == 8, slots
+    for i, v, j in slots:
+        n, c = layout.numels[j], layout.chunks[j]
+        lo, hi = kd.rank() * c, min((kd.rank() + 1) * c, n)
+        want = np.zeros(c)
+        want[:max(hi - lo, 0)] = whole[i].ravel()[lo:hi]
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), want)
+    elastic_steps(model_s, 1, 16)
+    elastic_steps(model_r, 1, 16)
+    assert_state(whole_of(model_s, opt_s), whole_of(model_r, opt_r), 1e-9,
+                 "elastic replicated -> sharded, a step on")
 
 
 def mode_np1(root):
