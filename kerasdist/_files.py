@@ -17,6 +17,14 @@ def sha256(path):
     return digest.hexdigest()
 
 
+def discard(path):
+    """Removes `path` if it is there (what a failed write left)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)
@@ -47,8 +55,5 @@ def atomic_write(path, write, prefix=".tmp-", fault=None):
         if fault is not None:
             fault("renamed", path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        discard(tmp)
         raise

@@ -159,10 +159,7 @@ def _write_record(path, record):
             os.replace(path, path + ".prev")
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _files.discard(tmp)
         raise
 
 

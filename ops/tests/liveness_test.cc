@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -60,6 +61,25 @@ int Connected(int port) {
   inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
   CHECK(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0);
   return fd;
+}
+
+// A job of three on `port`: rank 0's coordinator on this thread, workers 1
+// and 2 on another after `first` ran there; formed within 4 s.
+void FormJob(int listen_fd, int port, Said said[3],
+             std::unique_ptr<Liveness> live[3],
+             const std::function<void()>& first) {
+  std::thread t([&] {
+    first();
+    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said[1]), {"127.0.0.1"}, port,
+                                   &live[1]));
+    CHECK_OK(Liveness::StartWorker(Options(2, 3, &said[2]), {"127.0.0.1"}, port,
+                                   &live[2]));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_OK(
+      Liveness::StartCoordinator(Options(0, 3, &said[0]), listen_fd, &live[0]));
+  t.join();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
 }
 
 // A worker that says hello and then nothing: frozen from the start.
@@ -146,27 +166,19 @@ KD_TEST(LivenessCountsOnlyConnectionsThatProveTheKey) {
   int forged = Connected(port);
   uint32_t hello[4] = {1, 2, 0, 0x6b646862};
   CHECK(send(forged, hello, sizeof(hello), 0) == sizeof(hello));
-  Said said0, said1, said2;
-  std::unique_ptr<Liveness> worker1, worker2, coordinator;
+  Said said[3];
+  std::unique_ptr<Liveness> live[3];
   int wrong = -1;
   Status wrong_key = Status::OK();
-  std::thread t([&] {
+  FormJob(listen_fd, port, said, live, [&] {
     // Another job's key: rank 0 does not prove itself to it, nor it to
     // rank 0.
     wrong = Connected(port);
-    LivenessOptions other = Options(2, 3, &said2);
+    Said unused;
+    LivenessOptions other = Options(2, 3, &unused);
     other.key = "another job's key";
     wrong_key = Liveness::Handshake(wrong, other, 5.0);
-    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port,
-                                   &worker1));
-    CHECK_OK(Liveness::StartWorker(Options(2, 3, &said2), {"127.0.0.1"}, port,
-                                   &worker2));
   });
-  const auto start = std::chrono::steady_clock::now();
-  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
-                                      &coordinator));
-  t.join();
-  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
   CHECK_CONTAINS(wrong_key.message(),
                  "did not prove the job's key (another job's, or not "
                  "kerasdist's); check that every rank of the job has the "
@@ -176,11 +188,9 @@ KD_TEST(LivenessCountsOnlyConnectionsThatProveTheKey) {
   for (int fd : foreign) close(fd);
   close(forged);
   close(wrong);
-  CHECK(said0.Wait(1.5).empty());
-  CHECK(said1.line.empty() && said2.line.empty());
-  worker1->Stop();
-  worker2->Stop();
-  coordinator->Stop();
+  CHECK(said[0].Wait(1.5).empty());
+  CHECK(said[1].line.empty() && said[2].line.empty());
+  for (auto& l : live) l->Stop();
 }
 
 std::string BoundAddress(int fd) {
@@ -251,30 +261,18 @@ KD_TEST(LivenessShrugsOffRandomAndMutatedBytes) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   });
-  Said said0, said1, said2;
-  std::unique_ptr<Liveness> worker1, worker2, coordinator;
-  std::thread t([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    CHECK_OK(Liveness::StartWorker(Options(1, 3, &said1), {"127.0.0.1"}, port,
-                                   &worker1));
-    CHECK_OK(Liveness::StartWorker(Options(2, 3, &said2), {"127.0.0.1"}, port,
-                                   &worker2));
-  });
-  const auto start = std::chrono::steady_clock::now();
-  CHECK_OK(Liveness::StartCoordinator(Options(0, 3, &said0), listen_fd,
-                                      &coordinator));
-  t.join();
-  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
+  Said said[3];
+  std::unique_ptr<Liveness> live[3];
+  FormJob(listen_fd, port, said, live,
+          [] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
   // The fuzz goes on while the job beats, past the heartbeat's timeout.
-  CHECK(said0.Wait(1.0).empty());
+  CHECK(said[0].Wait(1.0).empty());
   stop = true;
   fuzz.join();
   CHECK(sent.load() > 50);
-  CHECK(said0.Wait(0.6).empty());
-  CHECK(said1.line.empty() && said2.line.empty());
-  worker1->Stop();
-  worker2->Stop();
-  coordinator->Stop();
+  CHECK(said[0].Wait(0.6).empty());
+  CHECK(said[1].line.empty() && said[2].line.empty());
+  for (auto& l : live) l->Stop();
 }
 
 }  // namespace

@@ -400,15 +400,20 @@ def _hello_kept(port, size, rank):
              "PMI_ID": rendezvous._tokens(reply)["pmiid"]}, sock, sign)
 
 
-def _kept_all(port, size, ranks):
+def _on_threads(fn, ranks):
+    """{rank: fn(rank)} for each of `ranks`, each on a thread of its own."""
     out = {}
-    threads = [threading.Thread(target=lambda r=r: out.update(
-        {r: _hello_kept(port, size, r)})) for r in ranks]
+    threads = [threading.Thread(target=lambda r=r: out.update({r: fn(r)}))
+               for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     return out
+
+
+def _kept_all(port, size, ranks):
+    return _on_threads(lambda r: _hello_kept(port, size, r), ranks)
 
 
 @pytest.mark.timeout(60)
@@ -569,22 +574,13 @@ def test_node_identity_tells_ipc_namespaces_apart():
 
 def _join_all_but(port, size, absent):
     """join() of every rank but `absent` (which joins elsewhere)."""
-    out = {}
-
     def one(rank):
         if rank == 0:
-            out[0] = _hello0(port, size, {}, 20)
-            return
+            return _hello0(port, size, {}, 20)
         launch = Launch("torchrun", rank, size, rank, size,
                         ("127.0.0.1", port))
-        out[rank] = rendezvous.join(launch, 20, environ={}, watch=False)
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)
-               if r != absent]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
+        return rendezvous.join(launch, 20, environ={}, watch=False)
+    return _on_threads(one, [r for r in range(size) if r != absent])
 
 
 @pytest.mark.timeout(60)
