@@ -353,17 +353,24 @@ time.sleep(60)  # as if in MPI_Init, waiting in its barrier
 """
 
 
+def _serve_with_watching_rank1():
+    """A server for 3 ranks, and rank 1 as a process of its own that joins
+    (its hello's connection kept open), prints its variables and waits."""
+    proc, port = _serve(3, 30)
+    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
+                              str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=launcher_env())
+    return proc, port, rank1
+
+
 @pytest.mark.timeout(60)
 def test_every_rank_hears_who_is_missing_and_ends():
     # Rank 1 is a process of its own that joined (its hello's connection
     # kept open) and then waits, as in MPI_Init; rank 2's MPI dies before
     # the barrier: rank 1 prints the server's line naming rank 2 and ends.
     import json
-    proc, port = _serve(3, 30)
-    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
-                              str(port)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env=launcher_env())
+    proc, port, rank1 = _serve_with_watching_rank1()
     try:
         joined = _join_all_but(port, 3, 1)
         joined[1] = json.loads(rank1.stdout.readline())
@@ -424,11 +431,7 @@ def test_a_rank_lost_after_mpi_inits_last_barrier_ends_the_others():
     # server ends them at once, naming it, as the heartbeat would (75). A
     # kd_up without the hello's proof does not count: rank 2 is not up.
     import json
-    proc, port = _serve(3, 30)
-    rank1 = subprocess.Popen([sys.executable, "-c", _WATCHING_RANK,
-                              str(port)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env=launcher_env())
+    proc, port, rank1 = _serve_with_watching_rank1()
     try:
         kept = _kept_all(port, 3, (0, 2))
         joined = {r: kept[r][0] for r in kept}
