@@ -944,7 +944,7 @@ def load_slots(optimizer, source, numels):
             n, c = layout.numels[j], layout.chunks[j]
             _check_numel(v, numels[i], n)
             lo, hi = owned(n, c, rank)
-            value = np.zeros(c, _numpy_dtype(layout.dtypes[j]))
+            value = np.zeros(c, numpy_dtype(layout.dtypes[j]))
             value[:hi - lo] = source.read(i, lo, hi)
             v.assign(value)
         return
@@ -955,7 +955,8 @@ def load_slots(optimizer, source, numels):
         v.assign(source.read(i, 0, n).reshape(tuple(v.shape)))
 
 
-def _numpy_dtype(name):
+def numpy_dtype(name):
+    """The numpy dtype of a layout's dtype name (bfloat16: ml_dtypes')."""
     if name == "bfloat16":
         import ml_dtypes
         return ml_dtypes.bfloat16

@@ -953,7 +953,7 @@ class _ShardCommits:
         state = _sharding.shard_state(self.optimizer)
         layout = state.layout
         for i, v, j in _sharding.slot_variables(self.optimizer):
-            dtype = _sharding._numpy_dtype(layout.dtypes[j])
+            dtype = _sharding.numpy_dtype(layout.dtypes[j])
             if self.whole is not None:
                 flat = np.asarray(self.whole[i]).astype(dtype).reshape(-1)
             else:
