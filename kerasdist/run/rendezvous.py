@@ -885,9 +885,13 @@ class _Server:
                     self.barrier = {}
                     self.barrier_since = None
         elif cmd == "finalize":
+            # The ack goes first: once every rank is done the server ends
+            # and drops its connections. This thread reads this rank's
+            # next bytes, so its close cannot count as a death before it.
+            send("cmd=finalize_ack rc=0")
             with self.cv:
                 self.pmi_done.add(rank)
-            send("cmd=finalize_ack rc=0")
+                self.cv.notify_all()
         elif cmd == "abort":
             sys.stderr.write(f"kerasdist rendezvous: rank {rank} aborted: "
                              f"{t.get('message', '')[:200]}\n")
