@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/backends/gpu/on_device.h"
 #include "core/c_api.h"
 #include "core/types.h"
 #include "jax/ffi_common.h"
@@ -27,6 +28,7 @@
 
 namespace ffi = xla::ffi;
 using kerasdist::core::DataType;
+using kerasdist::core::OnDevice;
 using kerasdist::core::OpType;
 
 namespace {
@@ -54,24 +56,6 @@ int DeviceOf(const void* ptr) {
   cudaGetDevice(&device);
   return device;
 }
-
-// Makes `device` current on this thread for its lifetime, then restores
-// the thread's previous one (XLA's thread may expect its own).
-class OnDevice {
- public:
-  explicit OnDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
-  }
-  ~OnDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
 
 // The collectives one handler call enqueued: the core's callback counts
 // them down, the handler's thread waits for the last.

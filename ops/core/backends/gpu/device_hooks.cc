@@ -7,6 +7,7 @@
 
 #include "device_hooks.h"
 #include "gpu_util.h"
+#include "on_device.h"
 
 namespace kerasdist::core {
 
@@ -17,24 +18,6 @@ namespace {
 // it was made on) have their own lock.
 std::mutex front_events_mu;
 std::map<int, std::vector<cudaEvent_t>> front_events;
-
-// Makes `device` current on this thread for its lifetime, then restores the
-// thread's previous device (a framework thread may expect its own).
-class OnDevice {
- public:
-  explicit OnDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
-  }
-  ~OnDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
 
 Status RecordFrontEvent(void* stream, int device, void** event) {
   OnDevice on(device);
