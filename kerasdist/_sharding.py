@@ -40,6 +40,11 @@ The optimizer's slots are shaped like the shards; its `iterations` and
 learning rate are whole, as in the plain optimizer. The update must be
 elementwise: optimizers that look at a whole variable (Lamb's trust ratio,
 Adafactor's factored moments, Muon's matrices) are refused.
+
+Over 500 lines: the layout, the reduction into shards, the sharded optimizer
+class and its shard files all rest on one invariant (which elements each rank
+owns, `Layout`); each part is a few short functions, and the class is the one
+place Keras' `apply` meets them.
 """
 
 import math

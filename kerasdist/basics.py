@@ -15,15 +15,11 @@ from kerasdist.run import rendezvous
 from kerasdist.run import site_mpi
 
 # Reduction ops: the core's values (ops/core/types.h; Horovod's numbering),
-# asked from the library.
-Average = _capi.reduce_ops()["Average"]
-Sum = _capi.reduce_ops()["Sum"]
-# Horovod's Adasum: allreduce of float16/32/64 on a power-of-two number of
-# ranks (ops/core/backends/adasum_backend.cc).
-Adasum = _capi.reduce_ops()["Adasum"]
-Min = _capi.reduce_ops()["Min"]
-Max = _capi.reduce_ops()["Max"]
-Product = _capi.reduce_ops()["Product"]
+# asked from the library. Adasum is Horovod's: allreduce of float16/32/64 on
+# a power-of-two number of ranks (ops/core/backends/adasum_backend.cc).
+_reduce_ops = _capi.reduce_ops()
+Average, Sum, Adasum = (_reduce_ops[k] for k in ("Average", "Sum", "Adasum"))
+Min, Max, Product = (_reduce_ops[k] for k in ("Min", "Max", "Product"))
 
 _atexit_registered = False
 _lock = threading.Lock()

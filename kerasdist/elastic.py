@@ -50,6 +50,10 @@ Whatever was trained after the last commit is trained again after a
 restart. The data's position is not part of the state (as in Horovod, where
 `fit` starts a new iterator after a reset); `UpdateBatchStateCallback`
 shortens the first epoch after a resume by the batches already done.
+
+Over 500 lines: it is Horovod's `hvd.elastic` whole (the state classes, `run`,
+the callbacks and the commits a restart resumes from), where a Horovod user
+looks for it; files are written through `kerasdist/_files.py`.
 """
 
 import base64

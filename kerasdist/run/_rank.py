@@ -45,6 +45,10 @@ rank whatever the rank's sys.path is. `python -m kerasdist.run._rank` works too.
 
 Usage: _rank.py [--no-prefix] [--bind] [--report-bind] [--huge-pages]
                 -- command [args...]
+
+Over 500 lines: the launcher runs it by path on every rank (`python -I -S
+_rank.py`), so it may import nothing of its own package: output relay, signal
+forwarding and exit markers live in this one file.
 """
 
 import os

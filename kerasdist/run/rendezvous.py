@@ -45,6 +45,10 @@ as such and retried, both within the same deadline.
 
 `join(launch, timeout)` does the client side and returns the variables to
 put in the environment before `MPI_Init`.
+
+Over 500 lines: the launcher runs it by path as a standalone server (`python -I
+rendezvous.py serve`), so the server and the client speaking its one wire
+protocol live in one file that imports nothing of kerasdist.
 """
 
 import errno

@@ -8,6 +8,9 @@
 nonzero when a check failed. Its self-test runs every collective through the
 launcher (`python -m kerasdist.run -np N python -m kerasdist.tools.doctor
 --selftest`) from numpy via the C API, so it needs neither TensorFlow nor a GPU.
+
+Over 500 lines: one command, whose checks (a few lines each) read in the order
+their lines print.
 """
 
 import argparse

@@ -5,6 +5,10 @@ Subclass it, say how to build the model and where the data is, and call
 the scaled learning rate with an optional warmup, the
 `DistributedOptimizer`, the broadcast at start, averaged metrics, rank-0
 logging, atomic checkpoints and an exact resume after a restart.
+
+Over 500 lines: one class, whose overridable hooks and `fit`'s steps read in
+the order they run; its checkpoints (`checkpoints.py`) and metrics live in
+modules of their own.
 """
 
 import importlib.util
