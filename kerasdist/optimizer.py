@@ -290,7 +290,10 @@ def _distributed_class(base, settings):
 
         def build(self, variables):
             super().build(variables)
-            if settings.backward_passes_per_step > 1:
+            # Once, as Keras' own state: a LossScaleOptimizer builds its
+            # inner optimizer again, and new sums would drop a partial one.
+            if (settings.backward_passes_per_step > 1
+                    and self._kerasdist_accum is None):
                 self._kerasdist_accum = _framework.get().accumulators(
                     self._trainable_variables)
 

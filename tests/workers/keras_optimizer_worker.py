@@ -602,6 +602,22 @@ def backward_passes(avg, function):
     assert int(opt.iterations.numpy()) == 2, opt.iterations
 
 
+@check("backward_passes_survive_a_second_build")
+def backward_passes_second_build():
+    """A LossScaleOptimizer builds its inner optimizer again (the Trainer
+    builds the inner one first): a partial accumulation survives it."""
+    base, mean_r = BASE, MEAN_R
+    inner = kd.DistributedOptimizer(keras.optimizers.SGD(1.0),
+                                    backward_passes_per_step=2)
+    var = keras.Variable(np.zeros(3), name="bpps_rebuilt")
+    inner.apply([tf.constant(base * (RANK + 1))], [var])  # builds; 1 of 2
+    opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=4.0)
+    opt.build([var])  # builds `inner` a second time
+    opt.apply([tf.constant(base * (RANK + 1) * 2 * 4.0)], [var])
+    close(var.numpy(), -base * mean_r * (1 + 2), "bpps second build")
+    assert int(inner.iterations.numpy()) == 1, inner.iterations
+
+
 @check("num_groups_eager", function=False)
 @check("num_groups_function", function=True)
 def num_groups(function):
