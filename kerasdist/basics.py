@@ -22,6 +22,9 @@ Average, Sum, Adasum = (_reduce_ops[k] for k in ("Average", "Sum", "Adasum"))
 Min, Max, Product = (_reduce_ops[k] for k in ("Min", "Max", "Product"))
 
 _atexit_registered = False
+# The job this process joined at a coordinator (_join_launch): MPI, once
+# started, serves every later init() of this process.
+_joined = None
 _lock = threading.Lock()
 _uncaught = False  # the main thread ended with an uncaught exception
 
@@ -85,7 +88,7 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     >>> kd.init()
     >>> print(kd.rank(), kd.size())
     """
-    global _atexit_registered
+    global _atexit_registered, _joined
     keywords = _keywords()
     unknown = sorted(set(settings) - set(keywords))
     if unknown:
@@ -127,6 +130,7 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
             # Started, the heartbeat watching: from here on it, not the
             # rendezvous, reports a rank that ends (rendezvous.started).
             rendezvous.started()
+            _joined = launch
         if launch is not None:
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)
@@ -135,7 +139,8 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
         if starting:
             _learn_homogeneity()
         if launch is not None and (verbose or (
-                launch.coordinator is not None and rank() == 0)):
+                pmi_env and launch.coordinator is not None
+                and rank() == 0)):
             sys.stderr.write(f"kerasdist: {started_line(launch)}\n")
             sys.stderr.flush()
         elif (starting and launch is not None
@@ -201,6 +206,18 @@ def _join_launch(lib):
         _ray_worker.check_no_convention()
     if launch.coordinator is None:
         return launch, {}
+    if _joined is not None:
+        # init() after shutdown(): MPI still runs the job this process
+        # joined (MPI starts once a process), so there is nothing to meet.
+        if launch == _joined:
+            return launch, {}
+        raise RuntimeError(
+            f"kerasdist.init(): this process already joined the "
+            f"{_joined.convention} job of {_joined.size} as rank "
+            f"{_joined.rank} (coordinator {_joined.coordinator}); MPI "
+            f"starts once a process, so it cannot join the "
+            f"{launch.convention} job of {launch.size} as rank "
+            f"{launch.rank}. Start a new process for the other job.")
     mpi_started = ctypes.c_int(0)
     lib.MPI_Initialized(ctypes.byref(mpi_started))
     if mpi_started.value:
