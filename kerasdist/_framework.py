@@ -144,8 +144,6 @@ class KerasFramework:
 
     def nbytes(self, x):
         """A dense tensor's size in bytes, or None if not known yet."""
-        if hasattr(x, "element_size"):  # torch
-            return x.numel() * x.element_size()
         return int(np.prod(x.shape, dtype=np.int64)) * \
             np.dtype(x.dtype).itemsize
 

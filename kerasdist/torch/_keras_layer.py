@@ -29,6 +29,9 @@ class Torch(_framework.KerasFramework):
     def overlap(self):
         return Overlap()
 
+    def nbytes(self, x):
+        return x.numel() * x.element_size()
+
 
 class Overlap:
     """An optimizer's PyTorch overlap state: `buckets`, the
