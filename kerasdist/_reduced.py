@@ -48,6 +48,31 @@ def _forget(key):
     return forget
 
 
+# What a LossScaleOptimizer passes on (pass_on), per thread.
+_passed = threading.local()
+
+
+def pass_on(sets):
+    """A LossScaleOptimizer hands its inner optimizer its gradients divided
+    by the scale, which every rank agrees on: new tensors, reduced as the
+    ones it got. `sets` (per gradient, its `process_set_of` or None) are
+    noted for the gradients its inner optimizer's `take_passed` next
+    gets; None forgets them."""
+    _passed.sets = sets
+
+
+def take_passed(tensors):
+    """Notes `tensors` as `pass_on` said, once; nothing if the count
+    differs or nothing was passed on."""
+    sets = getattr(_passed, "sets", None)
+    _passed.sets = None
+    if sets is None or len(sets) != len(tensors):
+        return
+    for tensor, ps in zip(tensors, sets):
+        if ps is not None:
+            note([tensor], ps)
+
+
 def process_set_of(tensor):
     """The process set id `tensor` was recorded as reduced over, or None
     (not recorded, or None)."""

@@ -53,6 +53,7 @@ import os
 import numpy as np
 
 from kerasdist import _buckets
+from kerasdist import _reduced
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 
@@ -338,7 +339,6 @@ def reduced_already(grads, process_set_id, op):
         ValueError: for such gradients with `op` not Average: an
             optimizer with op=Sum would sum the tape's result again.
     """
-    from kerasdist import _reduced
     from kerasdist._core import capi as _capi
 
     mine, other = [], None
@@ -468,6 +468,8 @@ def sharded_class(base, settings):
             framework = _framework.get()
             framework.check_apply()
             grads = list(grads)
+            # A LossScaleOptimizer's unscaled tape gradients (pass_on).
+            _reduced.take_passed(grads)
             if not self.built:
                 if trainable_variables is None:
                     return super().apply(grads, trainable_variables)

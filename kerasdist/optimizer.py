@@ -42,6 +42,7 @@ from kerasdist import _buckets
 from kerasdist import _framework
 from kerasdist import _gradient_reduction
 from kerasdist import _local_gradients
+from kerasdist import _reduced
 from kerasdist import _sharding
 from kerasdist.compression import Compression
 
@@ -481,6 +482,20 @@ def _synced_loss_scale_class(base):
 
     class _SyncedLossScaleOptimizer(base):
         _kerasdist_synced = True
+
+        def apply(self, grads, trainable_variables=None):
+            # A DistributedGradientTape's gradients stay known as reduced
+            # once unscaled, so a sharded inner optimizer slices them
+            # rather than reducing them again (kerasdist._reduced).
+            grads = list(grads)
+            sets = [_reduced.process_set_of(g) for g in grads]
+            if all(s is None for s in sets):
+                return super().apply(grads, trainable_variables)
+            _reduced.pass_on(sets)
+            try:
+                return super().apply(grads, trainable_variables)
+            finally:
+                _reduced.pass_on(None)
 
         def check_finite(self, grads):
             finite = super().check_finite(grads)

@@ -424,6 +424,7 @@ def tape_loop(opt, function, change=None, make_model=dense_model, xy=None,
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            loss = opt.scale_loss(loss)  # a LossScaleOptimizer's scale
         tape = kd.DistributedGradientTape(tape, **tape_args)
         grads = tape.gradient(loss, model.trainable_variables)
         if change is not None:
@@ -454,11 +455,15 @@ def momentum_truth(lr=0.05):
     return fit(dense_model(), momentum(lr), x, y, SIZE * B)
 
 
-def second_reductions(function, shard, change=None, **loop_args):
+def second_reductions(function, shard, change=None, loss_scale=False,
+                      **loop_args):
     """(weights, reduce-scatters of the sharded optimizer, the tape's
     allreduces, allgathers) of a tape loop: eagerly calls of the
-    collectives, in a tf.function ops of the graph."""
+    collectives, in a tf.function ops of the graph. loss_scale: behind a
+    LossScaleOptimizer (scale 16, exact in float64)."""
     opt = kd.DistributedOptimizer(momentum(), shard=shard)
+    if loss_scale:
+        opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=16.0)
     with CountCalls() as calls:
         got, step = tape_loop(opt, function, change, **loop_args)
     if function:
@@ -477,8 +482,8 @@ def second_reductions(function, shard, change=None, **loop_args):
 def shard_tape(function, shard):
     """The tape's gradients to a sharded optimizer: one process on the
     concatenated batch, and the replicated optimizer behind the same tape;
-    no reduce-scatter, eagerly or traced (a changed gradient is
-    reduce-scattered, and still right)."""
+    no reduce-scatter, eagerly or traced, also behind a LossScaleOptimizer
+    (a changed gradient is reduce-scattered, and still right)."""
     what = f"shard_tape_{tag_of(function)}"
     truth = momentum_truth()
     got, scatters, allreduces, gathers = second_reductions(function, shard)
@@ -495,6 +500,11 @@ def shard_tape(function, shard):
     assert scatters >= calls, scatters
     close(changed, truth, f"{what}: changed gradients")
     assert not np.allclose(flat(got), flat(dense_model().get_weights()))
+    # Unscaled by a LossScaleOptimizer, still the tape's: sliced.
+    scaled, scatters, _, _ = second_reductions(function, shard,
+                                               loss_scale=True)
+    assert scatters == 0, scatters
+    close(scaled, truth, f"{what}: behind a LossScaleOptimizer")
 
 
 @check("shard_tape_sum_process_sets_refusal", groups=("equiv",))
