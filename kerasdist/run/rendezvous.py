@@ -517,6 +517,12 @@ def _start_watch(sock, check, sign, launch):
     line ("kerasdist: rank 0: lost rank 1 ...; ending this rank.")."""
     sock.settimeout(None)
     _watching.append((sock, sign))
+    # The server now knows that this connection lasts as long as this
+    # process: its end before kd_up is this process's end.
+    try:
+        sock.sendall((sign("cmd=kd_watch") + "\n").encode())
+    except OSError:
+        pass
 
     def watch():
         try:
@@ -669,6 +675,7 @@ class _Conn:
         self.rank = None     # a PMI connection's rank
         self.hello_rank = None
         self.node = ""       # the node its hello named (node_identity)
+        self.watching = False  # a hello's, open for its process's life
         self.dropped = False
 
     def drop(self):
@@ -927,21 +934,22 @@ class _Server:
             if r not in self.pmi_done or r in self.dead:
                 self._reply(c, f"{head} msg={line}")
 
-    def fail_start(self):  # with self.cv held
+    def fail_start(self, how="its MPI's connection to the rendezvous "
+                   "closed without MPI_Finalize"):  # with self.cv held
         """Ends the job when a rank's process ended while it started
         (before every rank's kd.init() had finished, see started()): the
         others wait for it in MPI_Init, past its PMI exchange, or in
         init's first collectives, where MPI waits for ever and the
         heartbeat does not watch yet. Each of them prints the heartbeat's
-        kind of line, naming the rank, and ends with EXIT_PEER_LOST."""
+        kind of line, naming the rank, and ends with EXIT_PEER_LOST. `how`:
+        what showed that the process ended."""
         lost = sorted(self.dead)
         hosts = {self.nodes[r] for r in lost if r < len(self.nodes)}
         where = f" on host {hosts.pop()}" if len(hosts) == 1 else ""
         which = (f"rank {lost[0]}{where}: its process" if len(lost) == 1
                  else f"ranks {_ranks(lost)}{where}: their processes")
         self.tell_watchers(
-            f"lost {which} ended while the job was starting (its MPI's "
-            f"connection to the rendezvous closed without MPI_Finalize "
+            f"lost {which} ended while the job was starting ({how} "
             f"before every rank's kd.init() had finished, where MPI would "
             f"wait for it for ever); ending this rank.",
             code=EXIT_PEER_LOST)
@@ -949,14 +957,20 @@ class _Server:
 
     def on_up(self, conn, line):
         """kd_up on a hello's connection: that rank's kd.init() finished
-        (started())."""
+        (started()). kd_watch: the connection stays open for as long as
+        that rank's process lives (_start_watch)."""
         body, _, mac = line.rpartition(" mac=")
-        if body != "cmd=kd_up" or not hmac.compare_digest(
-                mac, _mac(self.key, "up", conn.theirs, conn.nonce, body)):
-            raise _Bad("kd_up without the hello's proof")
+        if body not in ("cmd=kd_up", "cmd=kd_watch") or not \
+                hmac.compare_digest(mac, _mac(self.key, "up", conn.theirs,
+                                              conn.nonce, body)):
+            raise _Bad("kd_up or kd_watch without the hello's proof")
         with self.cv:
-            if self.watchers.get(conn.hello_rank) is conn:
+            if self.watchers.get(conn.hello_rank) is not conn:
+                return
+            if body == "cmd=kd_up":
                 self.up.add(conn.hello_rank)
+            else:
+                conn.watching = True
 
     def serve(self, conn):
         try:
@@ -978,7 +992,8 @@ class _Server:
                 cmd = t.get("cmd", "")
                 if conn.rank is not None:
                     self.on_pmi(conn, cmd, t)
-                elif cmd == "kd_up" and conn.hello_rank is not None:
+                elif (cmd in ("kd_up", "kd_watch")
+                      and conn.hello_rank is not None):
                     self.on_up(conn, line)
                 elif cmd == "kd_auth" and conn.nonce is None:
                     self.on_auth(conn, t)
@@ -1011,6 +1026,20 @@ class _Server:
                             # the others wait for it where nothing else
                             # would tell them. Later, the heartbeat does.
                             self.fail_start()
+                watched = conn.hello_rank
+                if (conn.watching and self.watchers.get(watched) is conn
+                        and watched not in self.up
+                        and watched not in self.pmi_done
+                        and not self.failed):
+                    # Its process ended before its kd.init() finished,
+                    # perhaps before its MPI ever came: the others would
+                    # wait for it in MPI_Init until the deadline.
+                    # (A barrier it was missing from fails as the server
+                    # ends, which drops every connection.)
+                    self.dead.add(watched)
+                    self.pmi_done.add(watched)
+                    self.fail_start("its hello's connection to the "
+                                    "rendezvous closed")
                 for r, c in list(self.hello.items()):
                     if c is conn:
                         del self.hello[r]

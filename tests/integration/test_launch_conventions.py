@@ -106,11 +106,13 @@ MPI_INIT_COMMANDS = 8
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("when", ["mpi_init", "after"])
+@pytest.mark.parametrize("when", ["joined", "mpi_init", "after"])
 def test_a_rank_lost_while_or_after_the_job_starts_ends_the_other(when):
     # Inside MPI_Init after its last PMI command, rank 0 would wait for
     # rank 1's shared memory for ever with nothing to say: the rendezvous
-    # ends it at once, with the heartbeat's kind of line and code. After
+    # ends it at once, with the heartbeat's kind of line and code; so too
+    # when rank 1 ends between meeting and its MPI's start (rank 0 would
+    # wait at MPI's barrier until the rendezvous deadline). After
     # kd.init(), the heartbeat itself does, as before (and the rendezvous
     # says nothing).
     port = free_port()
@@ -120,7 +122,7 @@ def test_a_rank_lost_while_or_after_the_job_starts_ends_the_other(when):
         [_env(r, 2, port, KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=30)
          for r in range(2)], timeout=90, ended=ended)
     (rc0, out0), (rc1, out1) = results
-    assert rc1 == (1 if when == "mpi_init" else 3), out1
+    assert rc1 == (3 if when == "after" else 1), out1
     assert rc0 == 75, out0
     assert "ok 0" not in out0, out0
     lost = [line for line in out0.splitlines() if "lost rank 1" in line]
@@ -128,7 +130,9 @@ def test_a_rank_lost_while_or_after_the_job_starts_ends_the_other(when):
     assert lost[0].startswith("kerasdist: rank 0: lost rank 1 on host ")
     assert lost[0].endswith("; ending this rank."), lost[0]
     starting = "its process ended while the job was starting" in lost[0]
-    assert starting == (when == "mpi_init"), lost[0]
+    assert starting == (when != "after"), lost[0]
+    hello = "its hello's connection to the rendezvous closed" in lost[0]
+    assert hello == (when == "joined"), lost[0]
     # From rank 1's end to rank 0's (each seen to 0.05 s).
     assert -0.5 < ended[0] - ended[1] < 10, (ended, out0)
 

@@ -8,6 +8,8 @@ argv: WHEN RANK [COMMANDS]
        last, after which the others wait for this rank's shared memory.
        "log": that relay only writes each PMI line ("> " from MPI, "< "
        to it) on stderr, to count MPI_Init's commands.
+       "joined": rank RANK ends (os._exit(1)) once it has met the
+       others at the coordinator, before its MPI starts.
        "after": rank RANK ends (os._exit(3)) half a second after the
        first allreduce, while the others are inside the second: the
        heartbeat's affair.
@@ -71,6 +73,15 @@ if ME == RANK and WHEN in ("mpi_init", "log"):
                          daemon=True).start()
         variables["PMI_PORT"] = f"127.0.0.1:{listener.getsockname()[1]}"
         return variables
+    rendezvous.join = join
+
+if ME == RANK and WHEN == "joined":
+    from kerasdist.run import rendezvous
+    _join_then = rendezvous.join
+
+    def join(*args, **kwargs):
+        _join_then(*args, **kwargs)
+        os._exit(1)
     rendezvous.join = join
 
 import kerasdist as kd  # noqa: E402
