@@ -44,7 +44,8 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     """Starts kerasdist on this process.
 
     Every rank of the job calls it once, before any collective. Calling it
-    again while running does nothing; after `shutdown()` it starts afresh.
+    again while running does nothing; after `shutdown()` it starts afresh,
+    on the same job (MPI starts once a process).
 
     Under an MPI launcher (`kerasdist run`, `mpiexec`) MPI starts from it.
     Processes started by a platform (torchrun's `RANK`, `WORLD_SIZE`,
