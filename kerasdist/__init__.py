@@ -16,6 +16,9 @@ without Keras, and never import TensorFlow.
 
 import importlib
 
+# Imports nothing itself: its __all__ names the collectives.
+from kerasdist import collectives as _collectives
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -34,16 +37,7 @@ _EXPORTS = {
     "Product": "basics", "Adasum": "basics",
     "_executing_eagerly": "util",
     # The collectives of the framework the Keras backend runs on.
-    "allreduce": "collectives", "grouped_allreduce": "collectives",
-    "allgather": "collectives", "broadcast": "collectives",
-    "broadcast_variables": "collectives", "alltoall": "collectives",
-    "reducescatter": "collectives", "barrier": "collectives",
-    "join": "collectives",
-    "grouped_allgather": "collectives",
-    "grouped_reducescatter": "collectives", "broadcast_": "collectives",
-    "broadcast_global_variables": "collectives",
-    "rank_op": "collectives", "local_rank_op": "collectives",
-    "size_op": "collectives", "local_size_op": "collectives",
+    **dict.fromkeys(_collectives.__all__, "collectives"),
     # Python objects, the same on every framework.
     "broadcast_object": "objects", "broadcast_object_fn": "objects",
     "allgather_object": "objects",
@@ -57,7 +51,6 @@ _EXPORTS = {
     "SyncBatchNormalization": "sync_batch_norm",
     "ProcessSet": "process_sets", "global_process_set": "process_sets",
     "add_process_set": "process_sets", "remove_process_set": "process_sets",
-    "process_set_included_op": "collectives",
 }
 
 # Submodules reachable as attributes after `import kerasdist`. `run`, the

@@ -38,18 +38,47 @@ def _forms(name):
     return forms
 
 
-def _public(module_name):
-    """The module's public names, read from its source (kerasdist's own
-    __all__ from the module, which imports nothing on its own)."""
+def _names(value, tree):
+    """The names of an `__all__` expression: a list, or lists and other
+    kerasdist modules' `__all__` (`[...] + _collectives.__all__`, the
+    alias imported `from kerasdist import collectives as _collectives`),
+    added; None for anything else."""
+    if isinstance(value, (ast.List, ast.Tuple)):
+        return [ast.literal_eval(e) for e in value.elts]
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+        left, right = _names(value.left, tree), _names(value.right, tree)
+        return None if left is None or right is None else left + right
+    if (isinstance(value, ast.Attribute) and value.attr == "__all__"
+            and isinstance(value.value, ast.Name)):
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.split(".")[0] == "kerasdist":
+                for a in node.names:
+                    if (a.asname or a.name) == value.value.id:
+                        return _all(f"{node.module}.{a.name}")
+    return None
+
+
+def _all(module_name):
+    """The module's `__all__`, read from its source; None without one."""
     spec = importlib.util.find_spec(module_name)
     with open(spec.origin) as f:
         tree = ast.parse(f.read(), spec.origin)
     names = None
     for node in tree.body:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and getattr(node.targets[0], "id", None) == "__all__"
-                and isinstance(node.value, (ast.List, ast.Tuple))):
-            names = [ast.literal_eval(e) for e in node.value.elts]
+                and getattr(node.targets[0], "id", None) == "__all__"):
+            names = _names(node.value, tree)
+    return names
+
+
+def _public(module_name):
+    """The module's public names, read from its source (kerasdist's own
+    __all__ from the module, which imports nothing on its own)."""
+    spec = importlib.util.find_spec(module_name)
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read(), spec.origin)
+    names = _all(module_name)
     if names is None and module_name == "kerasdist":
         names = importlib.import_module(module_name).__all__
     if names is None:
