@@ -80,7 +80,7 @@ RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 # The line a rank writes on stderr each time it saved progress the next
 # attempt resumes from (a Trainer checkpoint, an elastic commit): a failure
 # after it is restarted without the backoff, and its error is not compared
-# with the next attempt's (see kerasdist/run/launch.py's Attempts).
+# with the next attempt's (see kerasdist/run/attempt_loop.py's Attempts).
 PROGRESS_MARKER = b"\x1ekerasdist-progress"
 # Set for the command ("1"): the launcher reads the rank's markers.
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"

@@ -1,10 +1,12 @@
+# Over 500 lines: 8 parsers in one start-up module (imports no kerasdist).
 """Which launch convention started this process, read from its environment.
 
 `detect(environ)` looks at the variables a platform sets for each process it
 starts and returns a `Launch`: the convention's name, this process's rank,
 the job's size, its local rank and local size where known, and the
 coordinator's address for the rendezvous (kerasdist/run/rendezvous.py).
-The conventions, in the order they are tried:
+The conventions, in the order they are tried (CONVENTIONS, the table of
+their names, variables and parsers that `detect` walks):
 
 1. ``mpi``: an MPI launcher started the process (``kerasdist run``,
    ``mpiexec``, ``srun --mpi=pmi2``/``pmix``, Open MPI): one of
@@ -150,7 +152,9 @@ def _rank_and_size(environ, rank_name, size_name, what):
     return rank, size
 
 
-def _mpi(environ):
+def _mpi(environ, full=True):
+    """The MPI launcher's rank and size where it gives them (`full` is
+    unused: MPI needs no coordinator)."""
     local = None
     for rank_name, size_name in (("PMI_RANK", "PMI_SIZE"),
                                  ("OMPI_COMM_WORLD_RANK",
@@ -176,6 +180,7 @@ def _mpi(environ):
 
 
 def _torchrun(environ, full=True):
+    """torchrun's variables, checked against Kubeflow's node variables."""
     rank, size = _rank_and_size(environ, "RANK", "WORLD_SIZE",
                                 "torchrun's env:// convention")
     present = _present(environ, ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
@@ -199,13 +204,15 @@ def _torchrun(environ, full=True):
                     f"free port there (the same on every process).")
         coordinator = (environ["MASTER_ADDR"].strip(),
                        _port(environ["MASTER_PORT"].strip(), "MASTER_PORT"))
-    return Launch("torchrun", rank, size, local_rank, local_size,
-                  coordinator)
+    launch = Launch("torchrun", rank, size, local_rank, local_size,
+                    coordinator)
+    return _pet(environ, launch), ("RANK", "WORLD_SIZE")
 
 
 def _keras(environ, full=True):
-    rank, size = _rank_and_size(environ, "KERAS_DISTRIBUTION_PROCESS_ID",
-                                "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    names = ("KERAS_DISTRIBUTION_PROCESS_ID",
+             "KERAS_DISTRIBUTION_NUM_PROCESSES")
+    rank, size = _rank_and_size(environ, *names,
                                 "Keras' distribution convention")
     coordinator = None
     if full and size > 1:
@@ -218,7 +225,7 @@ def _keras(environ, full=True):
                 f"host:port; set it to the processes' addresses, "
                 f"comma-separated, rank 0's first.")
         coordinator = (host.strip("[]"), _port(port, name))
-    return Launch("keras", rank, size, None, None, coordinator)
+    return Launch("keras", rank, size, None, None, coordinator), names
 
 
 JAX_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
@@ -298,7 +305,8 @@ def _jax(environ, full=True):
                 f"every process).")
         coordinator = _host_port(environ[name], name,
                                  "process 0's host:port")
-    return Launch("jax", rank, size, None, None, coordinator)
+    return (Launch("jax", rank, size, None, None, coordinator),
+            ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES"))
 
 
 def _per_host(environ, host_index, hosts, hosts_name):
@@ -374,8 +382,8 @@ def _kerasdist(environ, full=True):
                 f"{size_name} is set but {name} is not; set {name} to rank "
                 f"0's host:port, e.g. <jobset>-<job>-0-0.<subdomain>:29500.")
         coordinator = _host_port(environ[name], name, "rank 0's host:port")
-    return Launch("kerasdist", rank, size, local_rank, local_size,
-                  coordinator)
+    return (Launch("kerasdist", rank, size, local_rank, local_size,
+                   coordinator), (rank_name, size_name))
 
 
 # TF_CONFIG's task types (and Vertex's worker pools) that are workers, in
@@ -427,7 +435,7 @@ def _tf_config(environ, name):
     return Launch("tf_config", rank, len(everyone), None, None, coordinator)
 
 
-def _tf(environ):
+def _tf(environ, full=True):
     names = [n for n in ("TF_CONFIG", "CLUSTER_SPEC")
              if environ.get(n, "").strip()]
     launches = [_tf_config(environ, n) for n in names]
@@ -436,10 +444,10 @@ def _tf(environ):
             f"TF_CONFIG says rank {launches[0].rank} of {launches[0].size} "
             f"but CLUSTER_SPEC says rank {launches[1].rank} of "
             f"{launches[1].size}; unset one of them.")
-    return launches[0]
+    return launches[0], None
 
 
-def _sagemaker(environ):
+def _sagemaker(environ, full=True):
     try:
         hosts = json.loads(environ["SM_HOSTS"])
         if not (isinstance(hosts, list) and hosts and
@@ -457,8 +465,8 @@ def _sagemaker(environ):
     rank, size, local_rank, local_size = _per_host(
         environ, hosts.index(current), len(hosts), "SM_HOSTS")
     coordinator = (hosts[0], SAGEMAKER_PORT) if size > 1 else None
-    return Launch("sagemaker", rank, size, local_rank, local_size,
-                  coordinator)
+    return (Launch("sagemaker", rank, size, local_rank, local_size,
+                   coordinator), None)
 
 
 def _expand_first(nodelist):
@@ -507,7 +515,7 @@ def _slurm_tasks_per_node(text, node):
     return counts[node] if 0 <= node < len(counts) else None
 
 
-def _slurm(environ):
+def _slurm(environ, full=True):
     size_name = ("SLURM_STEP_NUM_TASKS" if environ.get(
         "SLURM_STEP_NUM_TASKS", "").strip() else "SLURM_NTASKS")
     rank, size = _rank_and_size(environ, "SLURM_PROCID", size_name,
@@ -545,7 +553,8 @@ def _slurm(environ):
             "SLURM_JOB_ID", "").strip() else 0
         step = _int(environ, "SLURM_STEP_ID", "the step's id")
         coordinator = (host, 10000 + (job * 64 + step) % 20000)
-    return Launch("slurm", rank, size, local_rank, local_size, coordinator)
+    return (Launch("slurm", rank, size, local_rank, local_size, coordinator),
+            None)
 
 
 def _with_port(environ, launch):
@@ -557,57 +566,82 @@ def _with_port(environ, launch):
                                         _port(text, PORT_ENV)))
 
 
+Convention = collections.namedtuple(
+    "Convention", ["name", "variables", "match", "parse", "per_process",
+                   "port_setting"])
+Convention.__doc__ = """One launch convention, as `detect` looks for it.
+
+name: the Launch's convention.
+variables: the variables that mark it; `match` (any or all) of them set.
+parse: (environ, full) -> (Launch, (rank variable, size variable)), the
+    variables named when two conventions disagree (None for the host-wide
+    conventions, which are never compared); `full` is False where an
+    earlier convention was found, whose coordinator is the job's.
+per_process: set per process (conventions 1-5), or host- or container-wide
+    (6-8), which count only where no per-process one is present.
+port_setting: KERASDIST_COORDINATOR_PORT replaces its coordinator's port.
+"""
+
+# The conventions in the order `detect` tries them (the module docstring's).
+CONVENTIONS = (
+    Convention("mpi", MPI_VARIABLES, any, _mpi, True, False),
+    Convention("torchrun", ("RANK", "WORLD_SIZE"), any, _torchrun, True,
+               False),
+    Convention("keras", ("KERAS_DISTRIBUTION_PROCESS_ID",
+                         "KERAS_DISTRIBUTION_NUM_PROCESSES"), any, _keras,
+               True, True),
+    Convention("jax", ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES"), any, _jax,
+               True, True),
+    Convention("kerasdist", ("KERASDIST_NUM_PROCESSES", "KERASDIST_RANK"),
+               any, _kerasdist, True, True),
+    Convention("tf_config", ("TF_CONFIG", "CLUSTER_SPEC"), any, _tf, False,
+               True),
+    Convention("sagemaker", ("SM_HOSTS",), any, _sagemaker, False, True),
+    Convention("slurm", ("SLURM_PROCID", "SLURM_STEP_ID"), all, _slurm,
+               False, True),
+)
+
+
 def detect(environ):
-    """Returns the `Launch` that `environ` (a mapping) describes.
+    """Returns the `Launch` that `environ` (a mapping) describes: the first
+    convention of CONVENTIONS present, which the other per-process ones
+    present must agree with.
 
     Raises:
         ValueError: a convention's variable is missing, malformed or out of
             range, or two conventions disagree on rank or size; the message
             is one line naming the variable and what to set.
     """
-    found = []  # (Launch, (rank variable, size variable))
-    if _present(environ, MPI_VARIABLES):
-        found.append(_mpi(environ))
-    if _present(environ, ("RANK", "WORLD_SIZE")):
-        found.append((_pet(environ, _torchrun(environ, full=not found)),
-                      ("RANK", "WORLD_SIZE")))
-    if _present(environ, ("KERAS_DISTRIBUTION_PROCESS_ID",
-                          "KERAS_DISTRIBUTION_NUM_PROCESSES")):
-        found.append((_keras(environ, full=not found),
-                      ("KERAS_DISTRIBUTION_PROCESS_ID",
-                       "KERAS_DISTRIBUTION_NUM_PROCESSES")))
-    if _present(environ, ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES")):
-        found.append((_jax(environ, full=not found),
-                      ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES")))
-    if _present(environ, ("KERASDIST_NUM_PROCESSES", "KERASDIST_RANK")):
-        launch = _kerasdist(environ, full=not found)
-        found.append((launch, ("KERASDIST_RANK" if environ.get(
-            "KERASDIST_RANK", "").strip() else "JOB_COMPLETION_INDEX",
-            "KERASDIST_NUM_PROCESSES")))
+    found = []  # (Convention, Launch, (rank variable, size variable))
+    for convention in CONVENTIONS:
+        if found and not convention.per_process:
+            break  # host-wide ones count only where no per-process one is
+        if convention.match(environ.get(n, "") != ""
+                            for n in convention.variables):
+            found.append((convention, *convention.parse(environ, not found)))
+            if not convention.per_process:
+                break  # the first host-wide one present
     if not found:
-        # Host- or container-wide conventions: the first one present.
-        if _present(environ, ("TF_CONFIG", "CLUSTER_SPEC")):
-            return _with_port(environ, _tf(environ))
-        if _present(environ, ("SM_HOSTS",)):
-            return _with_port(environ, _sagemaker(environ))
-        if (_present(environ, ("SLURM_PROCID",)) and
-                _present(environ, ("SLURM_STEP_ID",))):
-            return _with_port(environ, _slurm(environ))
         return Launch("single", 0, 1, 0, 1, None)
-    first, (first_rank, first_size) = found[0]
-    for other, (rank_name, size_name) in found[1:]:
+    _check_agreement(found)
+    convention, first, _ = found[0]
+    return _with_port(environ, first) if convention.port_setting else first
+
+
+def _check_agreement(found):
+    """Two per-process conventions must give the same rank and size."""
+    _, first, first_names = found[0]
+    for _, other, (rank_name, size_name) in found[1:]:
         if first.rank is None:
             continue
         if (first.rank, first.size) != (other.rank, other.size):
+            first_rank, first_size = first_names
             raise ValueError(
                 f"{first.convention} says rank {first.rank} of {first.size} "
                 f"({first_rank}, {first_size}) but {other.convention} says "
                 f"rank {other.rank} of {other.size} ({rank_name}, "
                 f"{size_name}); unset the variables of the launcher that "
                 f"did not start this process.")
-    if first.convention in ("torchrun", "mpi"):
-        return first
-    return _with_port(environ, first)
 
 
 def describe(launch):

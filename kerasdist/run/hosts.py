@@ -1,4 +1,5 @@
-"""Host lists for `kerasdist run`: `-H host1:2,host2:2` and hostfiles.
+"""Host lists for `kerasdist run`: `-H host1:2,host2:2` and hostfiles,
+also the hostfile a platform names for its MPI launcher.
 
 Pure functions; a malformed entry raises ValueError with a message that says
 what was expected and what was given.
@@ -133,3 +134,22 @@ def total_slots(hosts):
 def hydra_hosts_arg(hosts):
     """Formats hosts for hydra's `-hosts`: "host1:2,host2:2"."""
     return ",".join(f"{host}:{slots}" for host, slots in hosts)
+
+
+# The hostfile an MPI platform names for its launcher, in the order looked
+# at: MPICH's hydra (Kubeflow's MPIJob with mpiImplementation MPICH), Intel
+# MPI's hydra (Intel), Open MPI (OpenMPI, and Kubeflow Trainer's MPI
+# runtime). The MPIJob operator mounts the file at /etc/mpi/hostfile.
+PLATFORM_HOSTFILES = ("HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE",
+                      "OMPI_MCA_orte_default_hostfile",
+                      "OMPI_MCA_prte_default_hostfile")
+
+
+def platform_hostfile(environ):
+    """(variable, path) of the first hostfile a platform names in
+    `environ` (PLATFORM_HOSTFILES), or None."""
+    for name in PLATFORM_HOSTFILES:
+        path = environ.get(name, "").strip()
+        if path:
+            return name, path
+    return None

@@ -352,8 +352,8 @@ def install_checks(np_ranks):
         _version(backend)[0] if backend in _DISTRIBUTIONS else None))
     out += mpi_checks(info, site_mpi.record(), os.environ)
     try:
-        from kerasdist.run import launch
-        out.append((OK, f"launcher: {launch.find_mpiexec()}"))
+        from kerasdist.run import mpi_command
+        out.append((OK, f"launcher: {mpi_command.find_mpiexec()}"))
     except Exception as e:  # noqa: BLE001 - its message says what to do
         out.append((FAIL, f"launcher: {e}"))
     out.append(launch_check(os.environ))

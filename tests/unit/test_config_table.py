@@ -13,7 +13,7 @@ from tests.support.helpers import REPO_ROOT
 from kerasdist._core import capi as _capi
 from kerasdist.tools import settings_doc as _settings_doc
 from kerasdist.tools import doctor
-from kerasdist.run import launch
+from kerasdist.run import launch_config
 from kerasdist.run import settings as launcher_settings
 
 
@@ -159,7 +159,7 @@ def test_every_launcher_flag_exists():
     for key, flag in launcher_settings.LAUNCHER_FLAGS.items():
         _capi.setting_name(key)  # a KeyError names a setting the core lacks
         argv = [flag] if flag == "--autotune" else [flag, "1"]
-        launch.parse_args(["-np", "1"] + argv + ["true"])
+        launch_config.parse_args(["-np", "1"] + argv + ["true"])
 
 
 def test_doctor_reads_booleans_through_the_core():

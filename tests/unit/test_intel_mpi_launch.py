@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from kerasdist.run import intel_mpi  # noqa: E402
-from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import mpi_command  # noqa: E402
 
 
 def _bindir(path, *names):
@@ -35,14 +35,15 @@ def test_hosts_go_in_a_machine_file_in_order(tmp_path):
     hosts = [("node1", 1), ("node2", 2), ("node0", 1)]
     path = intel_mpi.write_machinefile(hosts, str(tmp_path))
     assert open(path).read() == "node1:1\nnode2:2\nnode0:1\n"
-    argv = launch.build_mpiexec_argv("/i/mpiexec", 4, ["c"], {}, hosts=hosts,
-                                     python="/py", machinefile=path)
+    argv = mpi_command.build_mpiexec_argv("/i/mpiexec", 4, ["c"], {},
+                                          hosts=hosts, python="/py",
+                                          machinefile=path)
     assert "-hosts" not in argv
     assert argv[argv.index("-machinefile") + 1] == path
     assert argv.index("-machinefile") < argv.index("-n")
     # On this machine alone there are no hosts to name.
-    argv = launch.build_mpiexec_argv("/i/mpiexec", 2, ["c"], {}, python="/py",
-                                     machinefile=None)
+    argv = mpi_command.build_mpiexec_argv("/i/mpiexec", 2, ["c"], {},
+                                          python="/py", machinefile=None)
     assert "-machinefile" not in argv and "-hosts" not in argv
 
 

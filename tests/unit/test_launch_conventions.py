@@ -238,6 +238,32 @@ def test_first_host_of_a_slurm_node_list(nodelist, first):
     assert conventions._expand_first(nodelist) == first
 
 
+def test_detect_walks_one_ordered_table_of_conventions():
+    table = conventions.CONVENTIONS
+    assert [c.name for c in table] == [
+        "mpi", "torchrun", "keras", "jax", "kerasdist", "tf_config",
+        "sagemaker", "slurm"]
+    # The per-process conventions (1-5) come before the host-wide ones.
+    assert [c.per_process for c in table] == [True] * 5 + [False] * 3
+    assert [c.name for c in table if not c.port_setting] == ["mpi",
+                                                              "torchrun"]
+    samples = {"mpi": HYDRA, "torchrun": TORCHRUN, "keras": KERAS,
+               "jax": JAX, "kerasdist": INDEXED,
+               "tf_config": tf_config("chief", 0), "sagemaker": SAGEMAKER,
+               "slurm": SLURM}
+    for convention in table:
+        env = samples[convention.name]
+        # Each is marked by its variables, and its parser names it.
+        assert convention.match(env.get(n, "") != ""
+                                for n in convention.variables)
+        launch, names = convention.parse(env, True)
+        assert launch.convention == convention.name
+        assert detect(env) == launch
+        assert (names is None) == (not convention.per_process)
+    # Slurm needs a step as well as a task (an sbatch script is neither).
+    assert detect(with_(SLURM, SLURM_STEP_ID=None)).convention == "single"
+
+
 def test_host_wide_conventions_yield_to_per_process_ones():
     # torchrun started under srun, in a Vertex or SageMaker container.
     env = {**SLURM, **tf_config("worker", 0), **SAGEMAKER, **TORCHRUN}

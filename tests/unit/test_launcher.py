@@ -1,5 +1,6 @@
 """Unit tests of the launcher's pure parts: no processes, no MPI."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,9 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 from kerasdist.tools import cli  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
+from kerasdist.run import attempt_loop  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
 from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import launch_config  # noqa: E402
+from kerasdist.run import mpi_command  # noqa: E402
 from kerasdist.run import resize  # noqa: E402
 from kerasdist.run import settings  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
@@ -105,11 +109,13 @@ def test_with_huge_pages_keeps_the_users_tunables(value, expected):
 
 
 def test_wrapper_argv_asks_for_huge_pages_only_when_told():
-    assert "--huge-pages" in launch.rank_wrapper_argv(huge_pages=True)
-    assert "--huge-pages" not in launch.rank_wrapper_argv()
-    args = launch.parse_args(["--no-huge-pages", "-np", "2", "python", "x.py"])
+    assert "--huge-pages" in mpi_command.rank_wrapper_argv(huge_pages=True)
+    assert "--huge-pages" not in mpi_command.rank_wrapper_argv()
+    args = launch_config.parse_args(["--no-huge-pages", "-np", "2", "python",
+                                     "x.py"])
     assert args.no_huge_pages
-    assert not launch.parse_args(["-np", "2", "python", "x.py"]).no_huge_pages
+    assert not launch_config.parse_args(["-np", "2", "python",
+                                         "x.py"]).no_huge_pages
 
 
 def test_build_env_minimal():
@@ -146,40 +152,55 @@ def test_build_env_timeline_is_absolute():
 # --- arguments -------------------------------------------------------------
 
 def test_parse_args_basic():
-    args = launch.parse_args(["-np", "2", "python", "x.py", "--verbose"])
+    args = launch_config.parse_args(["-np", "2", "python", "x.py",
+                                     "--verbose"])
     assert args.np == 2
-    assert args.command == ["python", "x.py", "--verbose"]
+    assert args.command == ("python", "x.py", "--verbose")
     assert not args.verbose
     assert args.hosts is None
     assert args.max_restarts == 0
 
 
+def test_parse_args_ends_in_a_frozen_launch_config():
+    config = launch_config.parse_args(["-np", "2", "-H", "a:2", "--ssh-command",
+                                       "ssh -p 2", "cmd", "x"])
+    assert isinstance(config, launch_config.LaunchConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.np = 3
+    # Nothing in it changes afterwards: every field is immutable.
+    hash(config)
+    assert dataclasses.replace(config) == config
+    assert (config.command, config.hosts, config.ssh_argv) == (
+        ("cmd", "x"), (("a", 2),), ("ssh", "-p", "2"))
+
+
 def test_parse_args_all_flags():
-    args = launch.parse_args([
+    args = launch_config.parse_args([
         "-np", "4", "-H", "a:2,b:2", "--fusion-threshold-mb", "8",
         "--cycle-time-ms", "2.5", "--timeline-filename", "t.json",
         "--autotune", "--max-restarts", "3", "--timeout", "10",
         "--no-prefix", "--verbose", "--", "cmd", "-x"])
-    assert args.hosts == [("a", 2), ("b", 2)]
+    assert args.hosts == (("a", 2), ("b", 2))
     assert args.fusion_threshold_mb == 8.0
     assert args.cycle_time_ms == 2.5
     assert args.autotune and args.no_prefix and args.verbose
     assert args.max_restarts == 3 and args.timeout == 10.0
-    assert args.command == ["cmd", "-x"]
+    assert args.command == ("cmd", "-x")
 
 
 def test_parse_args_np_written_together():
     for flag in ("-np2", "-n2", "-np=2"):
-        assert launch.parse_args([flag, "cmd"]).np == 2, flag
-    with pytest.raises(launch.UsageError, match="got 'px'"):
-        launch.parse_args(["-npx", "cmd"])
+        assert launch_config.parse_args([flag, "cmd"]).np == 2, flag
+    with pytest.raises(launch_config.UsageError, match="got 'px'"):
+        launch_config.parse_args(["-npx", "cmd"])
 
 
 def test_parse_args_hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("a slots=2\n")
-    args = launch.parse_args(["-np", "2", "--hostfile", str(path), "cmd"])
-    assert args.hosts == [("a", 2)]
+    args = launch_config.parse_args(["-np", "2", "--hostfile", str(path),
+                                     "cmd"])
+    assert args.hosts == (("a", 2),)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -210,8 +231,8 @@ def test_parse_args_hostfile(tmp_path):
       "cmd"], "not an executable file"),
 ])
 def test_parse_args_rejects(argv, message):
-    with pytest.raises(launch.UsageError, match=message):
-        launch.parse_args(argv)
+    with pytest.raises(launch_config.UsageError, match=message):
+        launch_config.parse_args(argv)
 
 
 def test_main_usage_error_is_one_line_exit_2(capfdbinary):
@@ -236,25 +257,27 @@ def test_find_mpiexec_order(tmp_path):
     prefix = _fake_mpiexec(tmp_path / "prefix")
     never = lambda *a, **k: None  # noqa: E731
     env = {"KERASDIST_MPI_HOME": str(tmp_path / "home")}
-    assert launch.find_mpiexec(env, str(tmp_path / "prefix"), never) == home
-    assert launch.find_mpiexec({}, str(tmp_path / "prefix"), never) == prefix
-    found = launch.find_mpiexec({}, str(tmp_path / "none"),
-                                lambda *a, **k: "/x/mpiexec")
+    assert mpi_command.find_mpiexec(env, str(tmp_path / "prefix"),
+                                    never) == home
+    assert mpi_command.find_mpiexec({}, str(tmp_path / "prefix"),
+                                    never) == prefix
+    found = mpi_command.find_mpiexec({}, str(tmp_path / "none"),
+                                     lambda *a, **k: "/x/mpiexec")
     assert found == "/x/mpiexec"
 
 
 def test_find_mpiexec_errors(tmp_path):
     never = lambda *a, **k: None  # noqa: E731
     with pytest.raises(FileNotFoundError, match="no mpiexec found"):
-        launch.find_mpiexec({}, str(tmp_path), never)
+        mpi_command.find_mpiexec({}, str(tmp_path), never)
     with pytest.raises(FileNotFoundError, match="KERASDIST_MPI_HOME"):
-        launch.find_mpiexec({"KERASDIST_MPI_HOME": str(tmp_path)},
-                            str(tmp_path), never)
+        mpi_command.find_mpiexec({"KERASDIST_MPI_HOME": str(tmp_path)},
+                                 str(tmp_path), never)
 
 
 def test_build_mpiexec_argv():
     env = {"KERASDIST_AUTOTUNE": "1", "KERASDIST_RESTART_ATTEMPT": "0"}
-    argv = launch.build_mpiexec_argv(
+    argv = mpi_command.build_mpiexec_argv(
         "/m/mpiexec", 4, ["python", "t.py"], env, hosts=[("a", 2), ("b", 2)],
         python="/py")
     wrapper = argv[argv.index("/py") + 3]
@@ -269,23 +292,25 @@ def test_build_mpiexec_argv():
 
 
 def test_build_mpiexec_argv_local_no_prefix():
-    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, python="/py")
+    argv = mpi_command.build_mpiexec_argv("mpiexec", 2, ["c"], {},
+                                          python="/py")
     assert "-hosts" not in argv
     assert argv[-2:] == ["--", "c"] and "--no-prefix" not in argv
-    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, no_prefix=True,
-                                     python="/py")
+    argv = mpi_command.build_mpiexec_argv("mpiexec", 2, ["c"], {},
+                                          no_prefix=True, python="/py")
     assert argv[-3:] == ["--no-prefix", "--", "c"]
 
 
 def test_build_mpiexec_argv_bind():
-    argv = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, python="/py",
-                                     bind=True, report_bind=True)
+    argv = mpi_command.build_mpiexec_argv("mpiexec", 2, ["c"], {},
+                                          python="/py", bind=True,
+                                          report_bind=True)
     assert argv[-4:] == ["--bind", "--report-bind", "--", "c"]
-    assert launch.parse_args(["-np", "2", "c"]).bind_to == "core"
-    assert launch.parse_args(["-np", "2", "--bind-to", "none", "c"]
-                             ).bind_to == "none"
-    with pytest.raises(launch.UsageError, match="bind-to"):
-        launch.parse_args(["-np", "2", "--bind-to", "socket", "c"])
+    assert launch_config.parse_args(["-np", "2", "c"]).bind_to == "core"
+    assert launch_config.parse_args(["-np", "2", "--bind-to", "none", "c"]
+                                    ).bind_to == "none"
+    with pytest.raises(launch_config.UsageError, match="bind-to"):
+        launch_config.parse_args(["-np", "2", "--bind-to", "socket", "c"])
 
 
 # --- CPU binding -------------------------------------------------------------
@@ -416,8 +441,9 @@ def test_launcher_imports_no_tensorflow():
 
 
 def test_min_np_defaults_to_np():
-    assert launch.parse_args(["-np", "3", "cmd"]).min_np == 3
-    assert launch.parse_args(["-np", "3", "--min-np", "1", "cmd"]).min_np == 1
+    assert launch_config.parse_args(["-np", "3", "cmd"]).min_np == 3
+    assert launch_config.parse_args(["-np", "3", "--min-np", "1",
+                                     "cmd"]).min_np == 1
 
 
 def test_ranks_for_takes_what_fits_between_min_np_and_np():
@@ -460,16 +486,16 @@ def _discovery(tmp_path, text="a:1\n"):
 
 def test_max_np_and_discovery_interval_defaults(tmp_path):
     script = _discovery(tmp_path)
-    args = launch.parse_args(["-np", "2", "--host-discovery-script", script,
-                              "cmd"])
+    args = launch_config.parse_args(["-np", "2", "--host-discovery-script",
+                                     script, "cmd"])
     assert args.max_np == 2 and args.min_np == 2
     assert args.discovery_interval == resize.DEFAULT_INTERVAL_S == 5.0
-    args = launch.parse_args(["-np", "2", "--host-discovery-script", script,
-                              "--max-np", "4", "--min-np", "1",
-                              "--discovery-interval", "0.5", "cmd"])
+    args = launch_config.parse_args(["-np", "2", "--host-discovery-script",
+                                     script, "--max-np", "4", "--min-np", "1",
+                                     "--discovery-interval", "0.5", "cmd"])
     assert (args.min_np, args.np, args.max_np) == (1, 2, 4)
     assert args.discovery_interval == 0.5
-    assert launch.parse_args(["-np", "3", "cmd"]).max_np == 3
+    assert launch_config.parse_args(["-np", "3", "cmd"]).max_np == 3
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -483,27 +509,27 @@ def test_max_np_and_discovery_interval_defaults(tmp_path):
 def test_resize_flags_reject_bad_values(tmp_path, extra, message):
     argv = ["-np", "2", "--host-discovery-script", _discovery(tmp_path),
             *extra, "cmd"]
-    with pytest.raises(launch.UsageError, match=message):
-        launch.parse_args(argv)
+    with pytest.raises(launch_config.UsageError, match=message):
+        launch_config.parse_args(argv)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-np", "4"),
                                          ("--discovery-interval", "2")])
 def test_resize_flags_need_a_discovery_script(flag, value):
-    with pytest.raises(launch.UsageError,
+    with pytest.raises(launch_config.UsageError,
                        match=f"{flag} needs --host-discovery-script"):
-        launch.parse_args(["-np", "2", flag, value, "cmd"])
-    with pytest.raises(launch.UsageError,
+        launch_config.parse_args(["-np", "2", flag, value, "cmd"])
+    with pytest.raises(launch_config.UsageError,
                        match=f"{flag} does not go with node mode"):
-        launch.parse_args(["--nnodes", "1", flag, value, "cmd"])
+        launch_config.parse_args(["--nnodes", "1", flag, value, "cmd"])
 
 
 def test_elastic_jobs_tell_their_ranks(tmp_path):
-    args = launch.parse_args(["-np", "1", "--host-discovery-script",
-                              _discovery(tmp_path), "cmd"])
-    assert launch._rank_env(args, 0)[_rank.ELASTIC_ENV] == "1"
-    args = launch.parse_args(["-np", "1", "cmd"])
-    assert _rank.ELASTIC_ENV not in launch._rank_env(args, 0)
+    args = launch_config.parse_args(["-np", "1", "--host-discovery-script",
+                                     _discovery(tmp_path), "cmd"])
+    assert attempt_loop.rank_env(args, 0)[_rank.ELASTIC_ENV] == "1"
+    args = launch_config.parse_args(["-np", "1", "cmd"])
+    assert _rank.ELASTIC_ENV not in attempt_loop.rank_env(args, 0)
 
 
 def test_rank_side_names_are_the_launchers():
@@ -556,7 +582,7 @@ def _outcome(**kw):
 
 
 def test_a_resize_is_not_counted_as_a_restart():
-    attempts = launch.Attempts(max_restarts=1)
+    attempts = attempt_loop.Attempts(max_restarts=1)
     assert attempts.start() == 0
     resized = _outcome(exit_code=_rank.RESIZE_EXIT_CODE, resized=True)
     assert not resized.retryable
@@ -573,12 +599,12 @@ def test_a_resize_is_not_counted_as_a_restart():
     # A failure that a relaunch would repeat, a timeout, Ctrl-C: no retry.
     for final in (_outcome(final=True), _outcome(timed_out=True),
                   _outcome(signum=signal.SIGINT)):
-        assert launch.Attempts(3).after(final) is None
+        assert attempt_loop.Attempts(3).after(final) is None
 
 
 def test_an_error_that_repeats_is_not_restarted_again():
     said = (("1", 1, "TypeError: bad"),)
-    attempts = launch.Attempts(max_restarts=5)
+    attempts = attempt_loop.Attempts(max_restarts=5)
     # Killed or silent (error None): always restarted; a new error too.
     assert attempts.after(_outcome()) == "restart"
     assert attempts.after(_outcome()) == "restart"
@@ -592,7 +618,7 @@ def test_an_error_that_repeats_is_not_restarted_again():
 
 def test_an_error_after_saved_progress_is_not_a_repeat():
     said = (("0", 1, "RuntimeError: lost"),)
-    attempts = launch.Attempts(max_restarts=5)
+    attempts = attempt_loop.Attempts(max_restarts=5)
     progressed = _outcome(error=said)
     progressed.progressed = True
     assert attempts.after(_outcome(error=said)) == "restart"
@@ -740,7 +766,7 @@ def test_jobs_that_may_be_relaunched_get_an_elastic_dir(tmp_path,
                          (["-np", "1", "--max-restarts", "1", "cmd"], True),
                          (["-np", "1", "--host-discovery-script",
                            _discovery(tmp_path), "cmd"], True)):
-        with launch._elastic_dir(launch.parse_args(argv)) as d:
+        with launch._elastic_dir(launch_config.parse_args(argv)) as d:
             path = os.environ.get(_rank.ELASTIC_DIR_ENV)
             assert (path is not None) == wanted, argv
             assert path is None or os.path.isdir(path)
@@ -749,7 +775,7 @@ def test_jobs_that_may_be_relaunched_get_an_elastic_dir(tmp_path,
         assert d.path == path
     # One set already (storage every host sees) is kept.
     monkeypatch.setenv(_rank.ELASTIC_DIR_ENV, str(tmp_path))
-    with launch._elastic_dir(launch.parse_args(
+    with launch._elastic_dir(launch_config.parse_args(
             ["-np", "1", "--max-restarts", "1", "cmd"])):
         assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)
     assert os.environ[_rank.ELASTIC_DIR_ENV] == str(tmp_path)

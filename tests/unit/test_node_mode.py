@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import conventions  # noqa: E402
-from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import node  # noqa: E402
 
 
@@ -64,20 +64,22 @@ def test_rank_env_is_torchruns_convention():
 
 
 def test_parse_args_node_mode_and_torchrun_spellings():
-    args = launch.parse_args(
+    args = launch_config.parse_args(
         ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "2",
          "--master_addr", "h0", "--master_port", "29600", "python", "t.py"],
         environ={})
     assert args.node == node.Plan(2, 1, 2, "h0", 29600, 4)
-    assert args.np == 4 and args.command == ["python", "t.py"]
+    assert args.np == 4 and args.command == ("python", "t.py")
     # No node flag: the mpiexec path, as before.
-    assert launch.parse_args(["-np", "2", "x"], environ={}).node is None
+    assert launch_config.parse_args(["-np", "2", "x"],
+                                    environ={}).node is None
 
 
 def test_parse_args_node_mode_ignores_slurm():
     environ = {"SLURM_JOB_NODELIST": "a", "SLURM_TASKS_PER_NODE": "1",
                "SLURM_NTASKS": "1", "SLURM_JOB_ID": "1"}
-    args = launch.parse_args(["--nproc-per-node", "4", "x"], environ=environ)
+    args = launch_config.parse_args(["--nproc-per-node", "4", "x"],
+                                    environ=environ)
     assert args.np == 4 and args.slurm is None
 
 
@@ -87,9 +89,9 @@ def test_parse_args_node_mode_ignores_slurm():
     (["--min-np", "1"], "--min-np"),
 ])
 def test_parse_args_node_mode_rejects_mpiexec_flags(flags, name):
-    with pytest.raises(launch.UsageError, match=f"^{name} does not go with "
-                       "node mode"):
-        launch.parse_args([*flags, "--nnodes", "1", "x"], environ={})
+    with pytest.raises(launch_config.UsageError,
+                       match=f"^{name} does not go with node mode"):
+        launch_config.parse_args([*flags, "--nnodes", "1", "x"], environ={})
 
 
 def test_wrapper_reads_node_modes_variables():

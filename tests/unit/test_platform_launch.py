@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import node  # noqa: E402
 
 WORKERS = ["train-worker-0.train.default.svc",
@@ -33,31 +34,32 @@ def _hostfile(tmp_path, fmt, slots=2):
 ])
 def test_the_platforms_hostfile_gives_hosts_and_np(tmp_path, name, fmt):
     path = _hostfile(tmp_path, fmt)
-    args = launch.parse_args(["python", "t.py"], environ={name: path})
+    args = launch_config.parse_args(["python", "t.py"], environ={name: path})
     assert args.platform_hostfile == (name, path)
-    assert args.hosts == [(h, 2) for h in WORKERS]
+    assert args.hosts == tuple((h, 2) for h in WORKERS)
     assert args.np == 4
-    args = launch.parse_args(["-np", "3", "python", "t.py"],
-                             environ={name: path})
-    assert args.np == 3 and args.hosts == [(h, 2) for h in WORKERS]
+    args = launch_config.parse_args(["-np", "3", "python", "t.py"],
+                                    environ={name: path})
+    assert args.np == 3 and args.hosts == tuple((h, 2) for h in WORKERS)
 
 
 def test_flags_win_over_the_platforms_hostfile(tmp_path):
     environ = {"HYDRA_HOST_FILE": _hostfile(tmp_path, "{}:{}")}
-    args = launch.parse_args(["-np", "1", "-H", "a:1", "x"], environ=environ)
-    assert args.hosts == [("a", 1)] and args.platform_hostfile is None
+    args = launch_config.parse_args(["-np", "1", "-H", "a:1", "x"],
+                                    environ=environ)
+    assert args.hosts == (("a", 1),) and args.platform_hostfile is None
     other = tmp_path / "other"
     other.write_text("b slots=3\n")
-    args = launch.parse_args(["-np", "1", "--hostfile", str(other), "x"],
-                             environ=environ)
-    assert args.hosts == [("b", 3)] and args.platform_hostfile is None
+    args = launch_config.parse_args(["-np", "1", "--hostfile", str(other),
+                                     "x"], environ=environ)
+    assert args.hosts == (("b", 3),) and args.platform_hostfile is None
 
 
 def test_hydras_variable_is_taken_before_open_mpis(tmp_path):
     hydra = _hostfile(tmp_path, "{}:{}", slots=1)
     environ = {"OMPI_MCA_orte_default_hostfile": "/nonexistent",
                "HYDRA_HOST_FILE": hydra}
-    args = launch.parse_args(["x"], environ=environ)
+    args = launch_config.parse_args(["x"], environ=environ)
     assert args.platform_hostfile == ("HYDRA_HOST_FILE", hydra)
     assert args.np == 2
 
@@ -74,8 +76,8 @@ def test_a_bad_platform_hostfile_is_one_error(tmp_path, argv, text, message):
         path = str(tmp_path / "hostfile")
         with open(path, "w") as f:
             f.write(text)
-    with pytest.raises(launch.UsageError) as e:
-        launch.parse_args(argv, environ={"HYDRA_HOST_FILE": path})
+    with pytest.raises(launch_config.UsageError) as e:
+        launch_config.parse_args(argv, environ={"HYDRA_HOST_FILE": path})
     assert message in str(e.value)
 
 
@@ -106,24 +108,27 @@ PET = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "2",
 
 
 def test_node_mode_from_the_pet_variables():
-    args = launch.parse_args(["python", "t.py"], environ=PET)
+    args = launch_config.parse_args(["python", "t.py"], environ=PET)
     assert args.node == node.Plan(2, 1, 2, "train-node-0-0.train", 29500, 4)
     assert args.np == 4
     # A flag of the command line: the PET_* variables are not read.
-    assert launch.parse_args(["-np", "2", "x"], environ=PET).node is None
-    args = launch.parse_args(["--nproc-per-node", "1", "x"], environ=PET)
+    assert launch_config.parse_args(["-np", "2", "x"],
+                                    environ=PET).node is None
+    args = launch_config.parse_args(["--nproc-per-node", "1", "x"],
+                                    environ=PET)
     assert args.node == node.Plan(1, 0, 1, "127.0.0.1", None, 1)
 
 
 def test_pet_variables_without_a_node_rank_are_not_node_mode():
     environ = {"PET_NNODES": "2"}
-    with pytest.raises(launch.UsageError, match="-np N is required"):
-        launch.parse_args(["x"], environ=environ)
+    with pytest.raises(launch_config.UsageError, match="-np N is required"):
+        launch_config.parse_args(["x"], environ=environ)
 
 
 def test_a_bad_pet_variable_names_it():
-    with pytest.raises(launch.UsageError) as e:
-        launch.parse_args(["x"], environ=dict(PET, PET_NPROC_PER_NODE="auto"))
+    with pytest.raises(launch_config.UsageError) as e:
+        launch_config.parse_args(["x"], environ=dict(
+            PET, PET_NPROC_PER_NODE="auto"))
     text = str(e.value)
     assert text.startswith("node mode from the PET_* variables (PET_NNODES=2 "
                            "PET_NODE_RANK=1 PET_NPROC_PER_NODE=auto "), text

@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import launch_config  # noqa: E402
+from kerasdist.run import mpi_command  # noqa: E402
 from kerasdist.run import remote  # noqa: E402
 
 # Called like ssh: [-x] HOST COMMAND. "bad" does not resolve, "slow" never
@@ -38,36 +40,37 @@ def shell(tmp_path):
 
 
 def test_build_mpiexec_argv_remote_shell_and_interface():
-    argv = launch.build_mpiexec_argv(
+    argv = mpi_command.build_mpiexec_argv(
         "mpiexec", 4, ["c"], {}, hosts=[("a", 2), ("b", 2)], python="/py",
         launcher_exec="/bin/rsh-like", iface="eth1")
     i = argv.index("-launcher")
     assert argv[i:i + 6] == ["-launcher", "ssh", "-launcher-exec",
                              "/bin/rsh-like", "-iface", "eth1"]
     assert argv.index("-hosts") < i < argv.index("-n")
-    plain = launch.build_mpiexec_argv("mpiexec", 2, ["c"], {}, python="/py")
+    plain = mpi_command.build_mpiexec_argv("mpiexec", 2, ["c"], {},
+                                           python="/py")
     assert "-launcher" not in plain and "-iface" not in plain
 
 
 def test_ssh_command_from_flag_or_environment(monkeypatch):
-    args = launch.parse_args(["-np", "2", "--ssh-command",
-                              "ssh -p 2222 -o 'A=b c'", "cmd"])
-    assert args.ssh_argv == ["ssh", "-p", "2222", "-o", "A=b c"]
+    args = launch_config.parse_args(["-np", "2", "--ssh-command",
+                                     "ssh -p 2222 -o 'A=b c'", "cmd"])
+    assert args.ssh_argv == ("ssh", "-p", "2222", "-o", "A=b c")
     monkeypatch.setenv(remote.SSH_COMMAND, "my-rsh --fast")
-    assert launch.parse_args(["-np", "2", "cmd"]).ssh_argv == [
-        "my-rsh", "--fast"]
-    assert launch.parse_args(["-np", "2", "--ssh-command", "x", "cmd"]
-                             ).ssh_argv == ["x"]
+    assert launch_config.parse_args(["-np", "2", "cmd"]).ssh_argv == (
+        "my-rsh", "--fast")
+    assert launch_config.parse_args(["-np", "2", "--ssh-command", "x", "cmd"]
+                                    ).ssh_argv == ("x",)
     monkeypatch.delenv(remote.SSH_COMMAND)
-    assert launch.parse_args(["-np", "2", "cmd"]).ssh_argv is None
+    assert launch_config.parse_args(["-np", "2", "cmd"]).ssh_argv is None
 
 
 @pytest.mark.parametrize("value, message", [
     ("", "expected a command"), ("   ", "expected a command"),
     ("ssh 'unclosed", "cannot split")])
 def test_ssh_command_rejects(value, message):
-    with pytest.raises(launch.UsageError, match=message):
-        launch.parse_args(["-np", "2", "--ssh-command", value, "cmd"])
+    with pytest.raises(launch_config.UsageError, match=message):
+        launch_config.parse_args(["-np", "2", "--ssh-command", value, "cmd"])
 
 
 def test_launcher_exec_wraps_a_command_with_arguments(tmp_path):

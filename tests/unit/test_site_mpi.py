@@ -6,7 +6,7 @@ import os
 import sys
 
 from kerasdist._core import capi
-from kerasdist.run import conventions, launch, site_mpi
+from kerasdist.run import conventions, mpi_command, site_mpi
 
 MPICH = {"vendor": "mpich", "version": "5.0.2", "library": "libmpi.so.12",
          "pmix": False, "launcher_dir": None}
@@ -69,7 +69,7 @@ def test_check_loaded_names_another_vendors_libmpi():
 
 
 def test_openmpi_argv_exports_the_environment_and_places_the_ranks():
-    argv = launch.build_openmpi_argv(
+    argv = mpi_command.build_openmpi_argv(
         "/opt/ompi/bin/mpirun", 4, ["python", "t.py"], {"KERASDIST_X": "1"},
         hosts=[("a", 2), ("b", 2)], launcher_exec="/x/ssh", iface="lo",
         environ={"HOME": "/root", "PMIX_RANK": "0", "BASH_FUNC_f%%": "()"})

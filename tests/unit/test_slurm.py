@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist.run import launch  # noqa: E402
+from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import slurm  # noqa: E402
 
 
@@ -70,23 +70,25 @@ def test_allocation():
 
 
 def test_np_defaults_to_the_allocation_and_may_not_exceed_it():
-    args = launch.parse_args(["python", "t.py"], environ=ENV)
+    args = launch_config.parse_args(["python", "t.py"], environ=ENV)
     assert args.np == 4 and args.hosts is None
-    assert args.slurm == [("kdt0", 2), ("kdt1", 2)]
-    assert launch.parse_args(["-np", "3", "cmd"], environ=ENV).np == 3
-    with pytest.raises(launch.UsageError,
+    assert args.slurm == (("kdt0", 2), ("kdt1", 2))
+    assert launch_config.parse_args(["-np", "3", "cmd"], environ=ENV).np == 3
+    with pytest.raises(launch_config.UsageError,
                        match=r"-np 5 is more than the 4 task\(s\) of this "
                        r"Slurm allocation \(SLURM_TASKS_PER_NODE=2\(x2\)\)"):
-        launch.parse_args(["-np", "5", "cmd"], environ=ENV)
-    with pytest.raises(launch.UsageError, match="required outside a Slurm"):
-        launch.parse_args(["cmd"], environ={})
+        launch_config.parse_args(["-np", "5", "cmd"], environ=ENV)
+    with pytest.raises(launch_config.UsageError,
+                       match="required outside a Slurm"):
+        launch_config.parse_args(["cmd"], environ={})
 
 
 def test_hosts_given_inside_an_allocation_win_but_must_belong_to_it():
-    args = launch.parse_args(["-H", "kdt1:2", "cmd"], environ=ENV)
-    assert args.hosts == [("kdt1", 2)] and args.np == 2
-    with pytest.raises(launch.UsageError,
+    args = launch_config.parse_args(["-H", "kdt1:2", "cmd"], environ=ENV)
+    assert args.hosts == (("kdt1", 2),) and args.np == 2
+    with pytest.raises(launch_config.UsageError,
                        match="host other is not in this Slurm allocation"):
-        launch.parse_args(["-H", "kdt0:2,other:2", "cmd"], environ=ENV)
-    with pytest.raises(launch.UsageError, match="SLURM_JOB_NODELIST"):
-        launch.parse_args(["cmd"], environ=dict(ENV, SLURM_JOB_NODELIST="n["))
+        launch_config.parse_args(["-H", "kdt0:2,other:2", "cmd"], environ=ENV)
+    with pytest.raises(launch_config.UsageError, match="SLURM_JOB_NODELIST"):
+        launch_config.parse_args(["cmd"], environ=dict(
+            ENV, SLURM_JOB_NODELIST="n["))
