@@ -26,13 +26,15 @@ _EXPORTS = {
     "init": "basics", "shutdown": "basics", "is_initialized": "basics",
     "rank": "basics", "size": "basics", "local_rank": "basics",
     "local_size": "basics", "cross_rank": "basics", "cross_size": "basics",
-    "mpi_built": "basics", "nccl_built": "basics", "build_info": "basics",
     "current_settings": "basics",
-    # Horovod's build and job probes.
-    "ccl_built": "basics", "cuda_built": "basics", "ddl_built": "basics",
-    "gloo_built": "basics", "gloo_enabled": "basics",
-    "is_homogeneous": "basics", "mpi_enabled": "basics",
-    "mpi_threads_supported": "basics", "rocm_built": "basics",
+    # What the library was built with, and Horovod's build probes.
+    "build_info": "build_probes", "mpi_built": "build_probes",
+    "nccl_built": "build_probes", "ccl_built": "build_probes",
+    "cuda_built": "build_probes", "ddl_built": "build_probes",
+    "gloo_built": "build_probes", "rocm_built": "build_probes",
+    # Horovod's job probes.
+    "gloo_enabled": "basics", "is_homogeneous": "basics",
+    "mpi_enabled": "basics", "mpi_threads_supported": "basics",
     "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
     "Product": "basics", "Adasum": "basics",
     "_executing_eagerly": "util",

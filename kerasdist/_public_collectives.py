@@ -1,4 +1,3 @@
-# Over 500 lines: one class, the 18 public collectives, mostly docstrings.
 """The code of the public collectives: `Collectives`, one instance per
 framework, whose methods check their arguments, name the collective and
 hand the framework's tensors to the instance's implementation module
@@ -9,6 +8,9 @@ public names (`kerasdist.allreduce`, `kerasdist.jax.allreduce`...) are its
 methods, each bound once: `help()` shows their signatures without `self`.
 Importing this module loads the core library (`basics`), never a
 framework.
+
+Over 500 lines: one class, the 18 public collectives, mostly their docstrings
+(each the whole contract of its collective).
 """
 
 import inspect

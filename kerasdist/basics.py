@@ -381,23 +381,6 @@ def cross_size():
     return _query("cross_size")
 
 
-def mpi_built():
-    """True: the MPI backend is always built."""
-    return bool(_capi.lib().kerasdist_mpi_built())
-
-
-def nccl_built():
-    """True if the library was built with the NCCL (GPU) backend."""
-    return bool(_capi.lib().kerasdist_nccl_built())
-
-
-def build_info():
-    """Versions and backends the native library was built with, as a dict."""
-    info = dict(line.split("=", 1) for line in
-                _capi.text("build_info").splitlines() if "=" in line)
-    return info
-
-
 def current_settings():
     """The running runtime's effective settings, as a dict of strings.
 
@@ -407,7 +390,7 @@ def current_settings():
     return _capi.current_settings()
 
 
-# ---- Horovod's build and job probes ------------------------------------------
+# ---- Horovod's job probes (build probes: kerasdist/build_probes.py) ---------
 
 # MPI_THREAD_MULTIPLE in mpi.h: 3 in MPICH (which the core links) and Open MPI.
 _MPI_THREAD_MULTIPLE = 3
@@ -439,39 +422,6 @@ def _learn_homogeneity():
 def _int64():
     import numpy as np
     return np.dtype(np.int64)
-
-
-def _built(key):
-    return build_info().get(key, "0") not in ("", "0")
-
-
-def ccl_built():
-    """False: kerasdist has no oneCCL backend (Horovod's `ccl_built`)."""
-    return _built("ccl")
-
-
-def gloo_built():
-    """False: kerasdist has no Gloo backend; jobs without an MPI launcher
-    meet at a coordinator and then run on MPI (docs/platforms.md)."""
-    return _built("gloo")
-
-
-def ddl_built():
-    """False: kerasdist has no IBM DDL backend."""
-    return _built("ddl")
-
-
-def cuda_built():
-    """True if the library was built with the GPU backend on CUDA (its
-    build info then names the CUDA runtime: `build_info()["gpu_backend"]`,
-    for example "NCCL 2.27.3, CUDA 13.0")."""
-    return "CUDA" in build_info().get("gpu_backend", "")
-
-
-def rocm_built():
-    """False unless the GPU backend was built on ROCm, which kerasdist's
-    build does not offer (read from `build_info()["gpu_backend"]`)."""
-    return "ROCm" in build_info().get("gpu_backend", "")
 
 
 def mpi_enabled():

@@ -7,12 +7,13 @@
 """
 
 from kerasdist.basics import (Adasum, Average, Max, Min, Product, Sum,
-                              ccl_built, cross_rank, cross_size, cuda_built,
-                              ddl_built,
-                              gloo_built, gloo_enabled, init, is_homogeneous,
-                              is_initialized, local_rank, local_size,
-                              mpi_built, mpi_enabled, mpi_threads_supported,
-                              nccl_built, rank, rocm_built, shutdown, size)
+                              cross_rank, cross_size, gloo_enabled, init,
+                              is_homogeneous, is_initialized, local_rank,
+                              local_size, mpi_enabled, mpi_threads_supported,
+                              rank, shutdown, size)
+from kerasdist.build_probes import (ccl_built, cuda_built, ddl_built,
+                                    gloo_built, mpi_built, nccl_built,
+                                    rocm_built)
 from kerasdist import collectives as _collectives
 from kerasdist.objects import (allgather_object, broadcast_object,
                                broadcast_object_fn)

@@ -1,4 +1,3 @@
-# Over 500 lines: 8 parsers in one start-up module (imports no kerasdist).
 """Which launch convention started this process, read from its environment.
 
 `detect(environ)` looks at the variables a platform sets for each process it
@@ -61,6 +60,10 @@ processes started on each host or pod, each with ``KERASDIST_LOCAL_RANK``
 0..N-1; rank = host index x N + local rank).
 
 Standard library only: imported before the runtime starts.
+
+Over 500 lines: the table of launch conventions and their parsers, in a start-
+up module that may import no other kerasdist module
+(tests/unit/test_import_direction.py), so the parsers cannot live elsewhere.
 """
 
 import collections

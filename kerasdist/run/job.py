@@ -17,6 +17,10 @@ child may have left the session or its parent's tree).
 An elastic job (kerasdist/run/resize.py) may instead be asked to stop for a
 resize: once asked, ranks that exit with the resize code are not a failure;
 when every rank has, the attempt's Outcome is `resized`.
+
+Over 500 lines: one attempt's life (relaying mpiexec's output, reading the
+ranks' exit markers, stopping the job's whole tree, and the outcome), whose
+parts share the attempt's state and read in the order they happen.
 """
 
 import os

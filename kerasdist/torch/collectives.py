@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kerasdist import basics
+from kerasdist import build_probes
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 
@@ -51,7 +52,7 @@ def _device(t, what):
     if t.device.type != "cuda":
         raise ValueError(f"kerasdist {what}: tensors on {t.device.type} are "
                          "not supported; use CPU or CUDA tensors.")
-    if not basics.nccl_built():
+    if not build_probes.nccl_built():
         raise RuntimeError(f"kerasdist {what}: a CUDA tensor needs kerasdist "
                            "built with KERASDIST_WITH_NCCL=1 (this build has "
                            "no GPU backend); move the tensor to the CPU.")
