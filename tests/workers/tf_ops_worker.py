@@ -589,9 +589,10 @@ def xla_errors():
     def gather(x):
         return kd.allgather(x, name="xe.gather")
 
-    # A first dimension that differs: the shape XLA sized does not hold
-    # what the ranks gathered.
-    expect_raises(tf.errors.OpError, lambda: gather(tf.ones([1 + r, 2])),
+    # A first dimension that differs (2 rows on rank 0, 1 elsewhere): the
+    # shape XLA sized (n times its own) holds what was gathered on no rank.
+    expect_raises(tf.errors.OpError,
+                  lambda: gather(tf.ones([1 + (r == 0), 2])),
                   "'xe.gather'", "jit_compile=True")
 
     @tf.function(jit_compile=True)
