@@ -7,12 +7,7 @@
 // file needs only the FFI's.
 
 #define KERASDIST_FFI_TRACE "tf.function(jit_compile=True)"
-// TensorFlow's copy of the FFI headers has switches gcc thinks may fall off
-// the end (jaxlib's, included with -isystem, are not warned about).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wreturn-type"
 #include "jax/ffi_handlers.h"
-#pragma GCC diagnostic pop
 #include "tf/xla_targets.h"
 
 namespace xla::ffi {

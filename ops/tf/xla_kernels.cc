@@ -25,16 +25,12 @@
 #include <vector>
 
 #include "core/c_api.h"
-// TensorFlow's headers, not ours: their ASCII-art comments trip -Wcomment.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wcomment"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tf/xla_targets.h"
 #include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
-#pragma GCC diagnostic pop
 
 namespace kerasdist::tf {
 namespace {
