@@ -171,13 +171,17 @@ def DistributedOptimizer(optimizer, name=None,
     `gradient_accumulation_steps` to the Keras optimizer) and that only
     TensorFlow has `tf.IndexedSlices` gradients (`sparse_as_dense`).
 
-    XLA (TensorFlow): the TF ops have no XLA kernel. When `model.fit` (or
-    `train_on_batch`) is about to build the train function of a model
-    compiled with `jit_compile=True` (or "auto" resolved to XLA, as on a
-    GPU) and this optimizer, kerasdist sets `model.jit_compile = False`
-    and warns once per model; compile with `jit_compile=False` to silence
-    it. A custom train step in `tf.function(jit_compile=True)` cannot be
-    intercepted and raises a RuntimeError that says so.
+    XLA (TensorFlow): on the CPU the TF ops have XLA kernels (custom
+    calls into the runtime), so a model compiled with `jit_compile=True`
+    keeps XLA, as does a custom step in `tf.function(jit_compile=True)`.
+    On a GPU (or in a build without them, TF_XLA=0) they have none: when
+    `model.fit` (or `train_on_batch`) is about to build the train function
+    of a model compiled with `jit_compile=True` (or "auto" resolved to XLA,
+    as on a GPU) and this optimizer, kerasdist sets
+    `model.jit_compile = False` and warns once per model; compile with
+    `jit_compile=False` to silence it. A custom train step in
+    `tf.function(jit_compile=True)` cannot be intercepted there and raises
+    a RuntimeError that says so.
 
     Mixed precision: wrap a `LossScaleOptimizer`
     (`DistributedOptimizer(LossScaleOptimizer(opt))`) and the finiteness

@@ -2,7 +2,8 @@
 `kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
 names, `tf.IndexedSlices`, shapes known only when traced), the gradient
 accumulation of `backward_passes_per_step > 1` in TF variables, and XLA
-(the TF ops have no XLA kernel). Imported only when the Keras backend is
+(the TF ops have XLA kernels for TensorFlow's XLA on the CPU, not yet on a
+GPU: there XLA is turned off). Imported only when the Keras backend is
 TensorFlow, or by DistributedGradientTape."""
 
 import warnings
@@ -15,9 +16,10 @@ from kerasdist._core.gradients import source_label
 
 XLA_MESSAGE = (
     "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
-    "function: its collectives have no XLA kernel. Drop `jit_compile=True` "
-    "from the tf.function around a custom train step, or compile the model "
-    "with `model.compile(..., jit_compile=False)` (model.fit and "
+    "function here: its collectives have no XLA kernel {why}. Drop "
+    "`jit_compile=True` from the tf.function around a custom train step, "
+    "or compile the model with `model.compile(..., jit_compile=False)` "
+    "(model.fit and "
     "train_on_batch turn XLA off by themselves, with a warning).")
 
 
@@ -35,10 +37,25 @@ def in_xla_context():
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
+def xla_unsupported():
+    """Why the collectives cannot run inside XLA here, or None when they
+    can: the op library has XLA kernels (ops/tf/xla_kernels.cc) for
+    TensorFlow's XLA on the CPU, none yet for a GPU."""
+    from kerasdist.tensorflow import _native
+    if not _native.xla_kernels():
+        return "in this build (built with TF_XLA=0)"
+    if tf.config.list_physical_devices("GPU"):
+        return "for GPUs yet"
+    return None
+
+
 def check_not_xla():
-    """Raises RuntimeError while tracing an XLA-compiled function."""
+    """Raises RuntimeError while tracing an XLA-compiled function the
+    collectives cannot run in (xla_unsupported)."""
     if in_xla_context():
-        raise RuntimeError(XLA_MESSAGE)
+        why = xla_unsupported()
+        if why:
+            raise RuntimeError(XLA_MESSAGE.format(why=why))
 
 
 def _unique_in_graph(name):
@@ -215,21 +232,26 @@ def accumulate(slots, count, grads, k, average, reduce, apply):
 _XLA_WARNING = (
     "kerasdist: XLA was turned off for the train step of model {name!r} "
     "(model.jit_compile is now False): kerasdist's collectives have no XLA "
-    "kernel. Compile the model with jit_compile=False to silence this "
+    "kernel {why}. Compile the model with jit_compile=False to silence this "
     "warning.")
 
 
 def _turn_off_xla(model, is_distributed):
-    """Before Keras builds a train function: no XLA with kerasdist inside."""
+    """Before Keras builds a train function: no XLA with kerasdist inside,
+    where the collectives have no XLA kernel (xla_unsupported)."""
     if model.run_eagerly or not is_distributed(model.optimizer):
         return
     if not model.jit_compile:  # resolves "auto"
         return
+    why = xla_unsupported()
+    if why is None:
+        return  # XLA stays on: the collectives compile
     model.jit_compile = False
     model.train_function = None  # rebuilt without XLA
     if not getattr(model, "_kerasdist_xla_warned", False):
         model._kerasdist_xla_warned = True
-        warnings.warn(_XLA_WARNING.format(name=model.name), UserWarning,
+        warnings.warn(_XLA_WARNING.format(name=model.name, why=why),
+                      UserWarning,
                       stacklevel=3)
 
 

@@ -87,3 +87,19 @@ def _let_collectives_run_concurrently():
             "2.21.")
     acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = frozenset(
         current | _CONCURRENT_OPS)
+
+
+_xla = None
+
+
+def xla_kernels():
+    """True when the op library has XLA kernels for the collectives
+    (ops/tf/xla_kernels.cc; a build with TF_XLA=0 has none), so that they
+    run inside `tf.function(jit_compile=True)` on the CPU."""
+    global _xla
+    if _xla is None:
+        import ctypes
+        ops()
+        lib = ctypes.CDLL(os.path.join(_capi.NATIVE_DIR, "_kerasdist_ops.so"))
+        _xla = hasattr(lib, "kerasdist_tf_xla_kernels")
+    return _xla

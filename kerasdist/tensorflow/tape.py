@@ -165,10 +165,13 @@ class DistributedGradientTape:
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients)
         if _keras_layer.in_xla_context():
-            raise RuntimeError(
-                "DistributedGradientTape cannot reduce gradients inside an "
-                "XLA-compiled function (the collectives have no XLA kernel); "
-                "drop jit_compile=True from the enclosing tf.function.")
+            why = _keras_layer.xla_unsupported()
+            if why:
+                raise RuntimeError(
+                    "DistributedGradientTape cannot reduce gradients inside "
+                    "an XLA-compiled function here (the collectives have no "
+                    f"XLA kernel {why}); drop jit_compile=True from the "
+                    "enclosing tf.function.")
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
 

@@ -438,9 +438,10 @@ class Trainer:
                       f"{int(self.optimizer.iterations)})")
 
     def _compile(self):
-        # TensorFlow: no XLA, kerasdist's TF ops have no XLA kernel (Keras's
-        # "auto" turns XLA on when a GPU is present). JAX: the jitted step
-        # calls them as XLA custom calls. PyTorch: eager, Keras's default.
+        # TensorFlow: no XLA; kerasdist's TF ops have XLA kernels on the CPU
+        # only, none for GPUs yet (Keras's "auto" turns XLA on when a GPU
+        # is present). JAX: the jitted step calls them as XLA custom calls.
+        # PyTorch: eager, Keras's default.
         self.model.compile(optimizer=self.optimizer, loss=self.build_loss(),
                            metrics=self.build_metrics(),
                            jit_compile=_framework.get().jit_compile)

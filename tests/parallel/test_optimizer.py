@@ -28,10 +28,15 @@ def test_distributed_optimizer_np2(check, np2_job):
     np2_job.assert_passed(check)
     if check == "jit_compile":
         lines = np2_job.rank_output(0)
+        mode = [line for line in lines if line.startswith("XLA mode: ")]
         xla = [line for line in lines if line.startswith("XLA message: ")]
-        assert len(xla) == 1 and "jit_compile=False" in xla[0], xla
         warned = [line for line in lines if line.startswith("XLA warning: ")]
-        assert len(warned) == 1 and "turned off" in warned[0], warned
+        assert len(mode) == 1, mode
+        if mode[0] == "XLA mode: kernels":  # XLA stays on: nothing said
+            assert not xla and not warned, (xla, warned)
+        else:
+            assert len(xla) == 1 and "jit_compile=False" in xla[0], xla
+            assert len(warned) == 1 and "turned off" in warned[0], warned
 
 
 @NP1.parametrize

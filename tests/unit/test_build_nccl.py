@@ -139,14 +139,15 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     # collective with tensors (alltoall's split sizes in host memory) when the
     # core has its NCCL backend, and none without it. On CPU-only TensorFlow
     # they are registered but never instantiated: this checks that they
-    # compile, link and register, not that they run.
+    # compile, link and register, not that they run. With the XLA kernels
+    # (TF_XLA), every collective with tensors also has one for XLA_CPU_JIT.
     code = (
         "import json\n"
         "import kerasdist as kd\n"
         "from kerasdist.tensorflow import _native\n"
         "from tensorflow.python.framework import kernels\n"
         "_native.ops()\n"
-        "out = {'nccl': kd.nccl_built()}\n"
+        "out = {'nccl': kd.nccl_built(), 'xla': _native.xla_kernels()}\n"
         "for op in " + repr(_GPU_OPS + _HOST_OPS) + ":\n"
         "    out[op] = sorted([k.device_type, sorted(k.host_memory_arg)]\n"
         "                     for k in "
@@ -169,4 +170,8 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
             host = (["received_splits", "splits"]
                     if op == "KerasdistAlltoall" else [])
             want.append(["GPU", host])
+        # The XLA kernels (ops/tf/xla_kernels.cc), on the CPU's XLA only.
+        if got["xla"]:
+            want.append(["XLA_CPU_JIT",
+                         ["splits"] if op == "KerasdistAlltoall" else []])
         assert got[op] == want, (op, got[op])

@@ -1016,9 +1016,40 @@ def kerasdist_warnings(caught):
 
 @check("jit_compile")
 def check_xla():
-    """jit_compile=True: XLA off with one warning, same training as without
-    it; a custom XLA-compiled step still gets the clear error."""
+    """jit_compile=True on the CPU: the collectives have XLA kernels, so XLA
+    stays on (no warning) and trains as one process on the whole batch; a
+    custom step in tf.function(jit_compile=True) runs too. Where they have
+    none (a GPU, a TF_XLA=0 build): XLA off with one warning, same
+    training as without it, and the clear error for a custom step."""
+    from kerasdist.tensorflow import _keras_layer
+    why = _keras_layer.xla_unsupported()
     x, y = data()
+    if why is None:
+        print("XLA mode: kernels", flush=True)
+        truth = truth_fit(dense_model(), keras.optimizers.SGD(0.1), x, y,
+                          SIZE * B)
+        model = dense_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fit(model, kd.DistributedOptimizer(
+                keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B,
+                jit_compile=True)
+        assert not kerasdist_warnings(caught), [str(w.message)
+                                                for w in caught]
+        assert model.jit_compile is True
+        close(got, truth, "xla == one process", rtol=1e-5, atol=1e-8)
+        same_on_all_ranks(got, "jit_compile_true")
+        assert not np.allclose(flat(got), flat(dense_model().get_weights()))
+
+        # A custom step compiled with XLA: the gradients are averaged.
+        var = keras.Variable(np.zeros(3), name="xla_v")
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        step = tf.function(lambda g: opt.apply([g], [var]), jit_compile=True)
+        step(tf.constant(np.ones(3) * (RANK + 1)))
+        close(np.asarray(var), np.full(3, -0.1 * (SIZE + 1) / 2),
+              "xla custom step")
+        return
+    print(f"XLA mode: off ({why})", flush=True)
     plain = fit(dense_model(), kd.DistributedOptimizer(
         keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B)
     model = dense_model()
@@ -1056,15 +1087,24 @@ def check_xla():
         print("XLA message: " + " ".join(str(e).split()), flush=True)
     else:
         raise AssertionError("an XLA-compiled apply ran without an error")
-    # "auto" resolves to no XLA on a CPU-only machine: trains, no warning.
-    if not tf.config.list_physical_devices("GPU"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = fit(dense_model(), kd.DistributedOptimizer(
-                keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B,
-                jit_compile="auto")
-        assert not kerasdist_warnings(caught)
-        close(got, plain, "auto", rtol=0, atol=0)
+
+
+@check("jit_compile_auto")
+def check_xla_auto():
+    """jit_compile="auto": no warning on a CPU-only machine (it resolves to
+    no XLA there), and the same training."""
+    if tf.config.list_physical_devices("GPU"):
+        return
+    x, y = data()
+    plain = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1)), my_part(x), my_part(y), B,
+            jit_compile="auto")
+    assert not kerasdist_warnings(caught)
+    close(got, plain, "auto", rtol=0, atol=0)
 
 
 @check("fit_mixed_float16")

@@ -196,6 +196,55 @@ def tf_gradients():
         expect(g, 2 * x.numpy(), f"allgather gradient {ps}", 1e-5)
 
 
+@check("tf_xla")
+def tf_xla():
+    """The collectives on a set inside tf.function(jit_compile=True), through
+    the XLA kernels (ops/tf/xla_kernels.cc): the set, fixed at compile time,
+    fixes the shapes too (its size and this rank's place in it)."""
+    import tensorflow as tf
+    import kerasdist.tensorflow as kdt
+    from kerasdist.tensorflow import _keras_layer
+    if _keras_layer.xla_unsupported():
+        return
+    for ps in mine():
+        n, me = len(ps.ranks), ps.ranks.index(RANK)
+        rows = 2 * n + 1
+
+        @tf.function(jit_compile=True)
+        def step(x, y, z):
+            name = f"xla.{ps.process_set_id}"
+            return (kdt.allreduce(x, op=kd.Sum, process_set=ps,
+                                  name=name + ".sum"),
+                    kdt.allgather(x[None], process_set=ps,
+                                  name=name + ".gather"),
+                    kdt.broadcast(x, ps.ranks[-1], process_set=ps,
+                                  name=name + ".bcast"),
+                    kdt.alltoall(y, process_set=ps, name=name + ".a2a"),
+                    kdt.reducescatter(z, op=kd.Sum, process_set=ps,
+                                      name=name + ".rs"))
+
+        x = data(RANK, (3,), np.float32)
+        y = data(RANK, (2 * n, 2), np.float32, 1)
+        z = data(RANK, (rows, 2), np.float32, 2)
+        total = sum(data(r, (rows, 2), np.float32, 2) for r in ps.ranks)
+        counts = [rows // n + (k < rows % n) for k in range(n)]
+        start = sum(counts[:me])
+        for _ in range(2):
+            s, g, b, a, rs = step(tf.constant(x), tf.constant(y),
+                                  tf.constant(z))
+            expect(s, sum(data(r, (3,), np.float32) for r in ps.ranks),
+                   f"xla allreduce on {ps}")
+            expect(g, np.stack([data(r, (3,), np.float32) for r in ps.ranks]),
+                   f"xla allgather on {ps}")
+            expect(b, data(ps.ranks[-1], (3,), np.float32),
+                   f"xla broadcast on {ps}")
+            expect(a, np.concatenate([
+                data(r, (2 * n, 2), np.float32, 1)[2 * me:2 * me + 2]
+                for r in ps.ranks]), f"xla alltoall on {ps}")
+            expect(rs, total[start:start + counts[me]],
+                   f"xla reducescatter on {ps}")
+
+
 @check("interleaved_orders")
 def interleaved_orders():
     """Each rank enqueues its sets' allreduces in its own order (rank 0

@@ -12,8 +12,9 @@ then tf_function and gradients; then what Horovod's own TF tests expect
 (horovod_dtypes_allreduce, horovod_dtypes_moved,
 horovod_dtypes_reducescatter, average_keyword, alltoall_horovod_returns,
 gradient_conventions, integer_scaling, indexed_slices_horovod,
-error_types); then out_of_order. A failed check raises, which fails the
-rank and the job."""
+error_types); inside tf.function(jit_compile=True), through the XLA
+kernels (xla_collectives, xla_gradients, xla_errors); then out_of_order.
+A failed check raises, which fails the rank and the job."""
 
 import numpy as np
 import tensorflow as tf
@@ -495,6 +496,113 @@ def error_types():
         tf.ones([n + 1]), name="et.a2a"), "divisible")
     # The runtime goes on after each.
     expect(kd.allreduce(tf.ones([2]), op=kd.Sum, name="et.after"), [n, n],
+           "after the errors")
+
+
+# ---- XLA: tf.function(jit_compile=True) (ops/tf/xla_kernels.cc) ----------
+
+
+def xla_targets(fn, *args):
+    """The kerasdist custom calls in the HLO XLA compiles `fn` to: proof
+    that the collectives were lowered, not run some other way."""
+    hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo")
+    return {t for t in ("allreduce", "grouped_allreduce", "allgather",
+                        "broadcast", "alltoall", "reducescatter")
+            if f'custom_call_target="kerasdist_{t}"' in hlo}
+
+
+# Every rank must compile the same program: XLA runs the collectives of a
+# step one after another in the order it scheduled them, so a rank whose
+# program differs (a Python constant of its rank folded into the step) may
+# order them differently and wait (the runtime's deadlock check then ends
+# the job). Hence the rank comes in as a tensor here, as data do in a step.
+@check("xla_collectives")
+def xla_collectives():
+    @tf.function(jit_compile=True)
+    def fn(x, i, rank):
+        y = x * 1.0  # a computation of XLA's own around the calls
+        rows = tf.fill([2 * n, 1], rank)
+        return (kd.allreduce(y, op=kd.Sum, name="x.sum"),
+                kd.allreduce(y, name="x.avg", prescale_factor=2.0),
+                kd.grouped_allreduce([y, y[:2] * 2.0, i], op=kd.Sum,
+                                     name="x.group"),
+                kd.allgather(tf.reshape(y, [1, 5]), name="x.gather"),
+                kd.broadcast(y + 1.0, n - 1, name="x.bcast"),
+                kd.alltoall(rows, name="x.a2a"),
+                kd.reducescatter(tf.ones([2 * n + 1, 2], tf.float64)
+                                 * (rank + 1.0), op=kd.Sum, name="x.rs"))
+
+    args = (tf.constant(vals(r)), tf.constant([r], tf.int32),
+            tf.constant(float(r), tf.float64))
+    lowered = xla_targets(fn, *args)
+    if lowered != {"allreduce", "grouped_allreduce", "allgather", "broadcast",
+                   "alltoall", "reducescatter"}:
+        raise AssertionError(f"not lowered to custom calls: {lowered}")
+    for rep in range(2):  # the second call runs the compiled program again
+        s, avg, group, gathered, b, a2a, rs = fn(*args)
+        expect(s, stack.sum(0), "xla sum")
+        expect(avg, 2.0 * stack.mean(0), "xla prescaled average", 1e-12)
+        expect(group[0], stack.sum(0), "xla group 0")
+        expect(group[1], 2.0 * stack[:, :2].sum(0), "xla group 1")
+        expect(group[2], [n * (n - 1) // 2], "xla group int")
+        expect(gathered, stack, "xla allgather")
+        expect(b, vals(n - 1) + 1.0, "xla broadcast")
+        expect(a2a, np.repeat(np.arange(n, dtype=np.float64), 2)[:, None],
+               "xla alltoall")
+        # 2n+1 rows: rank 0 keeps 3, the others 2.
+        expect(rs, np.full([2 + (r == 0), 2], n * (n + 1) / 2),
+               "xla reducescatter")
+
+
+@check("xla_gradients")
+def xla_gradients():
+    x = tf.Variable(vals(r))
+
+    @tf.function(jit_compile=True)
+    def grads(rank):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(kd.allreduce(x * x, op=kd.Sum, name="xg.sum"))
+        plain = tape.gradient(y, x)
+        with kd.DistributedGradientTape(tf.GradientTape()) as tape:
+            loss = tf.reduce_sum(x * x) * (rank + 1.0)
+        return plain, tape.gradient(loss, x)
+
+    plain, averaged = grads(tf.constant(float(r), tf.float64))
+    expect(plain, n * 2 * vals(r), "xla grad allreduce sum")
+    # The average over ranks of 2 (k+1) x_k.
+    expect(averaged, np.mean([2 * (k + 1) * vals(k) for k in range(n)], 0),
+           "xla DistributedGradientTape", 1e-12)
+
+
+@check("xla_errors")
+def xla_errors():
+    """A rank that disagrees inside a compiled step: a TF error on every
+    rank, never a hang; the runtime goes on."""
+    @tf.function(jit_compile=True)
+    def uneven(x):
+        return kd.allreduce(x, op=kd.Sum, name="xe.shape")
+
+    expect_raises(tf.errors.OpError, lambda: uneven(tf.ones([2 + (r == 0)])),
+                  "Mismatched shape", "'xe.shape'")
+
+    @tf.function(jit_compile=True)
+    def gather(x):
+        return kd.allgather(x, name="xe.gather")
+
+    # A first dimension that differs (2 rows on rank 0, 1 elsewhere): the
+    # shape XLA sized (n times its own) holds what was gathered on no rank.
+    expect_raises(tf.errors.OpError,
+                  lambda: gather(tf.ones([1 + (r == 0), 2])),
+                  "'xe.gather'", "jit_compile=True")
+
+    @tf.function(jit_compile=True)
+    def uneven_split(x):
+        return kd.alltoall(x, splits=[n] + [0] * (n - 1), name="xe.a2a")
+
+    expect_raises((tf.errors.UnimplementedError,
+                   tf.errors.InvalidArgumentError),
+                  lambda: uneven_split(tf.ones([n, 1])), "even split")
+    expect(kd.allreduce(tf.ones([2]), op=kd.Sum, name="xe.after"), [n, n],
            "after the errors")
 
 
