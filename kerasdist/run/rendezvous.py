@@ -77,6 +77,10 @@ _JOB_ID_VARIABLES = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
 # After rank 0 has gone: how long the server still serves the other ranks'
 # finalize (they are a barrier's reply away from it).
 _GRACE_S = 30.0
+# A rank's hello closed while its MPI's connection is open: how long the
+# server waits for that one to close too (the same death), to say the rank
+# died inside MPI_Init rather than before its MPI started.
+_HELLO_BEFORE_MPI_S = 2.0
 _RETRY_S = 0.25
 # The hello's reply code of a server whose job has formed (or failed) already:
 # the hello came too late for it, and may be meant for the next one.
@@ -714,6 +718,7 @@ class _Server:
         self.dead = set()      # ranks whose MPI went without finalizing
         self.watchers = {}     # rank -> its hello's _Conn, once formed
         self.up = set()        # ranks whose kd.init() finished (kd_up)
+        self.hello_gone = {}   # rank -> when its hello closed, MPI's open
         self.nodes = []        # rank -> its node's host name, once formed
         self.mapping = None    # PMI_process_mapping, once formed
         self.conns = set()
@@ -1035,11 +1040,15 @@ class _Server:
                     # perhaps before its MPI ever came: the others would
                     # wait for it in MPI_Init until the deadline.
                     # (A barrier it was missing from fails as the server
-                    # ends, which drops every connection.)
-                    self.dead.add(watched)
-                    self.pmi_done.add(watched)
-                    self.fail_start("its hello's connection to the "
-                                    "rendezvous closed")
+                    # ends, which drops every connection.) Where its MPI's
+                    # connection is open, the same death closes that one
+                    # too, and that is the line to give (its MPI was
+                    # inside MPI_Init): check_deadlines waits a moment
+                    # for it.
+                    if watched in self.pmi:
+                        self.hello_gone[watched] = time.monotonic()
+                    else:
+                        self.hello_lost(watched)
                 for r, c in list(self.hello.items()):
                     if c is conn:
                         del self.hello[r]
@@ -1047,6 +1056,11 @@ class _Server:
                 self.cv.notify_all()
             conn.drop()
             conn.sock.close()
+
+    def hello_lost(self, rank):  # with self.cv held
+        self.dead.add(rank)
+        self.pmi_done.add(rank)
+        self.fail_start("its hello's connection to the rendezvous closed")
 
     def admit(self, conn):
         """Counts a new connection in; drops the oldest that has not proved
@@ -1081,6 +1095,14 @@ class _Server:
                 if (not (c.proven or c.dropped) and
                         now > c.since + AUTH_DEADLINE_S):
                     c.drop()
+            for rank, when in list(self.hello_gone.items()):
+                if rank in self.pmi_done or self.failed:
+                    del self.hello_gone[rank]
+                elif now > when + _HELLO_BEFORE_MPI_S:
+                    del self.hello_gone[rank]
+                    self.hello_lost(rank)
+            if self.failed:
+                return
             if not self.hello_done and now > self.started + self.timeout:
                 self.fail_hello()
             elif (self.formed_at is not None and

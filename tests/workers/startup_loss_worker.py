@@ -38,7 +38,8 @@ def _pump(src, dst, mark):
         if not data:
             dst.shutdown(socket.SHUT_WR)
             return
-        dst.sendall(data)
+        # MPI's commands are counted before they go on: the answer to the
+        # last must never be relayed before its command was counted.
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
@@ -46,6 +47,7 @@ def _pump(src, dst, mark):
                 os.write(2, mark + line + b"\n")
             if mark == b"> ":
                 _asked.append(line)
+        dst.sendall(data)
         if (WHEN == "mpi_init" and mark == b"< " and not buf and
                 len(_asked) >= COMMANDS):
             os._exit(1)
