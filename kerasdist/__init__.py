@@ -16,33 +16,21 @@ without Keras, and never import TensorFlow.
 
 import importlib
 
-# Imports nothing itself: its __all__ names the collectives.
+# Neither imports anything itself: their names are the process API and
+# the collectives.
+from kerasdist import _process_api
 from kerasdist import collectives as _collectives
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it: the process API every namespace
+# shares (kerasdist/_process_api.py), and the Keras layer's own.
 _EXPORTS = {
-    "init": "basics", "shutdown": "basics", "is_initialized": "basics",
-    "rank": "basics", "size": "basics", "local_rank": "basics",
-    "local_size": "basics", "cross_rank": "basics", "cross_size": "basics",
-    "current_settings": "basics",
-    # What the library was built with, and Horovod's build probes.
-    "build_info": "build_probes", "mpi_built": "build_probes",
-    "nccl_built": "build_probes", "ccl_built": "build_probes",
-    "cuda_built": "build_probes", "ddl_built": "build_probes",
-    "gloo_built": "build_probes", "rocm_built": "build_probes",
-    # Horovod's job probes.
-    "gloo_enabled": "basics", "is_homogeneous": "basics",
-    "mpi_enabled": "basics", "mpi_threads_supported": "basics",
-    "Average": "basics", "Sum": "basics", "Min": "basics", "Max": "basics",
-    "Product": "basics", "Adasum": "basics",
+    **_process_api.PROCESS_API,
+    "current_settings": "basics", "build_info": "build_probes",
     "_executing_eagerly": "util",
     # The collectives of the framework the Keras backend runs on.
     **dict.fromkeys(_collectives.__all__, "collectives"),
-    # Python objects, the same on every framework.
-    "broadcast_object": "objects", "broadcast_object_fn": "objects",
-    "allgather_object": "objects",
     "DistributedOptimizer": "optimizer", "Compression": "compression",
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
     "PartialDistributedOptimizer": "optimizer",
@@ -51,8 +39,6 @@ _EXPORTS = {
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
     "SyncBatchNormalization": "sync_batch_norm",
-    "ProcessSet": "process_sets", "global_process_set": "process_sets",
-    "add_process_set": "process_sets", "remove_process_set": "process_sets",
 }
 
 # Submodules reachable as attributes after `import kerasdist`. `run`, the

@@ -11,39 +11,17 @@ is TensorFlow; this module is for TensorFlow code that does not go through
 Keras' backend choice.
 """
 
-from kerasdist.basics import (Adasum, Average, Max, Min, Product, Sum,
-                              cross_rank, cross_size, gloo_enabled, init,
-                              is_homogeneous, is_initialized, local_rank,
-                              local_size, mpi_enabled, mpi_threads_supported,
-                              rank, shutdown, size)
-from kerasdist.build_probes import (ccl_built, cuda_built, ddl_built,
-                                    gloo_built, mpi_built, nccl_built,
-                                    rocm_built)
+from kerasdist import _process_api
 from kerasdist import collectives as _collectives
-from kerasdist.process_sets import (ProcessSet, add_process_set,
-                                    global_process_set, remove_process_set)
-from kerasdist.objects import (allgather_object, broadcast_object,
-                               broadcast_object_fn)
 from kerasdist.tensorflow.tape import (DistributedGradientTape,
                                       PartialDistributedGradientTape)
 
-# The public collectives on TF tensors: each name of
-# `kerasdist.collectives.__all__`, bound to this framework.
-_api = _collectives.bound("tensorflow")
-globals().update({name: getattr(_api, name)
-                  for name in _collectives.__all__})
+# The process API and the public collectives on TF tensors (each name of
+# `kerasdist.collectives.__all__`, bound to this framework).
+globals().update(_process_api.namespace("tensorflow"))
 
-__all__ = [
-    "Adasum", "Average", "DistributedGradientTape", "Max", "Min",
-    "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum",
-    "add_process_set", "allgather_object", "broadcast_object",
-    "broadcast_object_fn", "ccl_built", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "global_process_set", "gloo_built",
-    "gloo_enabled", "init", "is_homogeneous", "is_initialized", "local_rank",
-    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "nccl_built", "rank", "remove_process_set", "rocm_built", "shutdown",
-    "size",
-] + _collectives.__all__
+__all__ = (["DistributedGradientTape", "PartialDistributedGradientTape"]
+           + _process_api.__all__ + _collectives.__all__)
 
 
 def __getattr__(name):

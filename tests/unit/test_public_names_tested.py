@@ -39,12 +39,25 @@ def _forms(name):
 
 
 def _names(value, tree):
-    """The names of an `__all__` expression: a list, or lists and other
-    kerasdist modules' `__all__` (`[...] + _collectives.__all__`, the
-    alias imported `from kerasdist import collectives as _collectives`),
-    added; None for anything else."""
+    """The names of an `__all__` expression: a list, the sorted keys of a
+    dict literal of the module, or lists and other kerasdist modules'
+    `__all__` (`[...] + _collectives.__all__`, the alias imported `from
+    kerasdist import collectives as _collectives`), added; None for
+    anything else."""
     if isinstance(value, (ast.List, ast.Tuple)):
         return [ast.literal_eval(e) for e in value.elts]
+    if (isinstance(value, ast.Call) and getattr(value.func, "id", None)
+            in ("sorted", "list") and len(value.args) == 1
+            and isinstance(value.args[0], ast.Name)):
+        # sorted(TABLE): the keys of the module's dict literal TABLE.
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and getattr(node.targets[0], "id", None)
+                    == value.args[0].id and isinstance(node.value, ast.Dict)):
+                keys = node.value.keys  # None for a `**` entry
+                return (None if None in keys
+                        else [ast.literal_eval(k) for k in keys])
+        return None
     if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
         left, right = _names(value.left, tree), _names(value.right, tree)
         return None if left is None or right is None else left + right
