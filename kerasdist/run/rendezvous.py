@@ -858,7 +858,8 @@ class _Server:
             with self.cv:
                 mine = self.keys_of.setdefault(rank, set())
                 if (len(key) > _KEY_MAX or len(value) > _VALUE_MAX or
-                        len(mine) >= MAX_KEYS_PER_RANK):
+                        (key not in mine and
+                         len(mine) >= MAX_KEYS_PER_RANK)):
                     raise _Bad("a put beyond the bounds")
                 if key in self.kvs and key not in mine:
                     # One rank's key is never another's to change.

@@ -73,6 +73,7 @@ def test_torchrun_variables_form_one_job():
     _assert_formed(results, 2, "torchrun")
     assert "ok 1 2 1 2" in results[1][1]  # local rank from MPI, same host
     assert f"coordinator 127.0.0.1:{port}" in results[0][1]
+    assert "unauthenticated" not in results[0][1] + results[1][1]
 
 
 @pytest.mark.timeout(120)
@@ -91,6 +92,12 @@ def test_a_gone_rendezvous_server_is_one_line_not_a_segfault():
         assert (f"kerasdist: rank {r}: the job's rendezvous server (rank "
                 f"0's, on the coordinator's port) has gone, so MPI cannot "
                 f"finalize; this process ends without MPI_Finalize") in out
+    # Without a secret, rank 0 says once that the control plane is
+    # unauthenticated, naming what sets one.
+    notice = "kerasdist: rank 0: the rendezvous is unauthenticated (no "
+    assert results[0][1].count(notice) == 1, results[0][1]
+    assert "KERASDIST_JOB_SECRET" in results[0][1].partition(notice)[2]
+    assert "unauthenticated" not in results[1][1], results[1][1]
 
 
 LOSS_WORKER = [sys.executable, os.path.join(WORKERS,

@@ -628,6 +628,25 @@ def test_a_rank_may_not_use_another_ranks_pmi_id_or_key():
         _end(proc)
 
 
+def test_a_rank_holds_a_bounded_number_of_pmi_keys():
+    # At most MAX_KEYS_PER_RANK keys a rank (rewriting its own costs
+    # none); the next one drops its connection.
+    proc, port = _serve(2, 20)
+    try:
+        p0 = Pmi(_join_all(port, 2, {})[0])
+        for i in range(rendezvous.MAX_KEYS_PER_RANK):
+            p0.send(f"cmd=put kvsname=k key=k{i} value={i}")
+        p0.send("cmd=put kvsname=k key=k0 value=again")
+        replies = [p0.read()
+                   for _ in range(rendezvous.MAX_KEYS_PER_RANK + 1)]
+        assert replies == ["cmd=put_result rc=0"] * len(replies)
+        p0.send("cmd=put kvsname=k key=one_more value=x")
+        assert p0.read() == ""
+        p0.close()
+    finally:
+        _end(proc)
+
+
 # ---- fuzz -------------------------------------------------------------------
 
 def _mutations(rng):
