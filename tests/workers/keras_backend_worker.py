@@ -732,13 +732,18 @@ def shard_fit_adamw_global_clipnorm():
                 unlike=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1))
 
 
-@check("shard_fit_clipnorm_gradients_buckets", groups=("tensorflow",))
-def shard_fit_clipnorm_gradients_buckets():
-    # ZeRO-2 in three buckets; clipnorm is per variable.
+@check("shard_fit_clipnorm_clipvalue_gradients_buckets",
+       groups=("tensorflow",))
+def shard_fit_clipnorm_clipvalue_gradients_buckets():
+    # ZeRO-2 in three buckets; clipnorm is per variable, clipvalue per
+    # element (of the averaged gradient, so on the shards).
     check_shard("shard_fit_clipnorm_gradients_buckets",
                 lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
                 shard="gradients", replicated=True,
                 unlike=lambda: keras.optimizers.Adam(0.01), **TINY_BUCKETS)
+    check_shard("shard_fit_clipvalue",
+                lambda: keras.optimizers.SGD(0.1, clipvalue=0.02),
+                unlike=lambda: keras.optimizers.SGD(0.1))
 
 
 def embedding_model(seed=1):

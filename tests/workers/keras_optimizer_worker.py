@@ -257,6 +257,40 @@ def shard_fit_embedding_np3():
               embed_model, xy=embed_data(), shard="optimizer_state")
 
 
+@check("shard_fit_adam_process_set_np3", groups=("odd",))
+def shard_fit_adam_process_set_np3():
+    """shard= over a process set of two of the three ranks: the shards are
+    cut over the set's two ranks, which equal one process on the set's
+    batch of 2 B; rank 2 only takes part in creating the set."""
+    pair = kd.add_process_set([0, 1])
+    try:
+        if RANK > 1:
+            return
+        x, y = data()
+        n = 2 * B * STEPS
+        x, y = x[:n], y[:n]
+        truth = truth_fit(dense_model(), keras.optimizers.Adam(0.05), x, y,
+                          2 * B)
+        opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.05),
+                                      shard="gradients", process_set=pair)
+        mine = x.reshape(STEPS, 2, B, -1)[:, RANK].reshape(STEPS * B, -1)
+        ys = y.reshape(STEPS, 2, B, -1)[:, RANK].reshape(STEPS * B, -1)
+        got = fit(dense_model(), opt, mine, ys, B)
+        close(got, truth, "shard_fit_adam_process_set_np3")
+        assert not np.allclose(flat(got), flat(dense_model().get_weights()))
+        both = kd.allgather(tf.constant(flat(got)[None, :]),
+                            name="check.shard_process_set",
+                            process_set=pair).numpy()
+        assert np.array_equal(both[0], both[1]), "the pair's ranks differ"
+        # The optimizer's variables hold half of each variable (padded).
+        sizes = [int(np.prod(v.shape))
+                 for v in opt.kerasdist_sharded_variables]
+        whole, slots = sum(w.size for w in got), len(sizes) // len(got)
+        assert sum(sizes) <= slots * (whole / 2 + len(got)), (sizes, whole)
+    finally:
+        kd.remove_process_set(pair)
+
+
 # The sharded and the replicated optimizer average the same float32
 # gradients (on CPU bit for bit; another summation order moves float32 by
 # ~1e-7 a step). One process rounds its bfloat16 activations on another
