@@ -13,6 +13,7 @@ import tensorflow as tf
 from kerasdist import basics
 from kerasdist import _framework
 from kerasdist._core.gradients import source_label
+from kerasdist.tensorflow import collectives as _tf_collectives
 
 XLA_MESSAGE = (
     "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
@@ -23,18 +24,7 @@ XLA_MESSAGE = (
     "train_on_batch turn XLA off by themselves, with a warning).")
 
 
-def in_xla_context():
-    """True while tracing a function compiled with XLA (jit_compile=True)."""
-    if tf.executing_eagerly():
-        return False
-    # Private, but the only way to ask; guarded so a TF change degrades to
-    # TF's own (cryptic) error instead of breaking every graph trace.
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover
-        return False
-    graph = tf.compat.v1.get_default_graph()
-    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+in_xla_context = _tf_collectives.in_xla_context
 
 
 def xla_unsupported():

@@ -31,6 +31,31 @@ def _set_rank(process_set):
     return process_sets.set_rank(process_set)
 
 
+def in_xla_context():
+    """True while tracing a function compiled with XLA (jit_compile=True)."""
+    if tf.executing_eagerly():
+        return False
+    # Private, but the only way to ask; guarded so a TF change degrades to
+    # TF's own error instead of breaking every graph trace.
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def refuse_in_xla(what, why, instead):
+    """Raises tf.errors.UnimplementedError while tracing an XLA-compiled
+    function: `what` has no XLA kernel (`why`), `instead` says what to do.
+    TF's own error there names an op kernel, not the call or the fix."""
+    if in_xla_context():
+        raise tf.errors.UnimplementedError(
+            None, None,
+            f"kerasdist: {what} cannot run inside "
+            f"tf.function(jit_compile=True): {why}. {instead}")
+
+
 require_init = _host.require_init
 check_op = _host.check_op
 
@@ -158,6 +183,12 @@ def barrier(name):
 
 
 def join(name):
+    refuse_in_xla(
+        "join()", "it has no XLA kernel (a joined rank answers the other "
+        "ranks' allreduces for as long as they go on, which a compiled "
+        "program cannot)",
+        "Call it outside the compiled function, e.g. after the loop over "
+        "this rank's batches.")
     last = _ops().kerasdist_join(tensor_name=name)
     if tf.executing_eagerly():
         _host.restart_names_after_join()
@@ -258,11 +289,18 @@ def _alltoall_grad(op, grad, _splits_grad):
 # ---- Horovod's process ops and in-place broadcasts (kerasdist/collectives.py)
 
 
-def topology_op(query, name):
+def topology_op(query, name, what="rank_op"):
     """A scalar int32 tensor holding `query()` (rank, size...), read when
     the op runs: eagerly at once, in a graph or `tf.function` at every
-    run, so a graph built before `init()` reads the job it runs in."""
+    run, so a graph built before `init()` reads the job it runs in. Not
+    inside XLA (`what`, the public function, names it in the error)."""
     import numpy as np
+
+    refuse_in_xla(
+        f"{what}()", "it reads the value when it runs, through a Python "
+        "call (tf.numpy_function) XLA cannot compile",
+        "Read it outside the compiled function and pass it in as a "
+        "tensor argument, or drop jit_compile=True.")
 
     def value():
         return np.int32(query())

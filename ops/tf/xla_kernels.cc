@@ -279,6 +279,17 @@ class AlltoallXla : public CollectiveXla {
   }
 };
 
+// The barrier has no result in TF; its custom call writes a scalar that
+// nothing reads (XLA keeps the call: it has a side effect).
+class BarrierXla : public CollectiveXla {
+ public:
+  using CollectiveXla::CollectiveXla;
+  void Compile(XlaOpKernelContext* ctx) override {
+    Call(ctx, xla_targets::kBarrier, {}, xla::ShapeUtil::MakeShape(xla::U8, {}),
+         "");
+  }
+};
+
 }  // namespace
 
 // TensorFlow turns the XLA op registrations into kernels of its XLA
@@ -307,6 +318,7 @@ KD_REGISTER_XLA("KerasdistGroupedAllreduce", GroupedAllreduceXla);
 KD_REGISTER_XLA("KerasdistAllgather", AllgatherXla);
 KD_REGISTER_XLA("KerasdistBroadcast", BroadcastXla);
 KD_REGISTER_XLA("KerasdistReducescatter", ReducescatterXla);
+KD_REGISTER_XLA("KerasdistBarrier", BarrierXla);
 REGISTER_XLA_OP(Name("KerasdistAlltoall")
                     .Device(::tensorflow::DEVICE_CPU_XLA_JIT)
                     .CompileTimeConstantInput("splits"),
