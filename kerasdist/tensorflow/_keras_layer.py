@@ -25,18 +25,7 @@ XLA_MESSAGE = (
 
 
 in_xla_context = _tf_collectives.in_xla_context
-
-
-def xla_unsupported():
-    """Why the collectives cannot run inside XLA here, or None when they
-    can: the op library has XLA kernels (ops/tf/xla_kernels.cc) for
-    TensorFlow's XLA on the CPU, none yet for a GPU."""
-    from kerasdist.tensorflow import _native
-    if not _native.xla_kernels():
-        return "in this build (built with TF_XLA=0)"
-    if tf.config.list_physical_devices("GPU"):
-        return "for GPUs yet"
-    return None
+xla_unsupported = _tf_collectives.xla_unsupported
 
 
 def check_not_xla():

@@ -56,6 +56,30 @@ def refuse_in_xla(what, why, instead):
             f"tf.function(jit_compile=True): {why}. {instead}")
 
 
+def xla_unsupported():
+    """Why the collectives cannot run inside XLA here, or None when they
+    can: the op library has XLA kernels (ops/tf/xla_kernels.cc) for
+    TensorFlow's XLA on the CPU, none yet for a GPU."""
+    from kerasdist.tensorflow import _native
+    if not _native.xla_kernels():
+        return "in this build (built with TF_XLA=0)"
+    if tf.config.list_physical_devices("GPU"):
+        return "for GPUs yet"
+    return None
+
+
+def _check_compiles(what):
+    """While tracing an XLA-compiled function where the collectives have
+    no XLA kernel (xla_unsupported): the error that says so, instead of
+    TF's "No registered 'KerasdistAllreduce' OpKernel for XLA_GPU_JIT"."""
+    if in_xla_context():
+        why = xla_unsupported()
+        if why:
+            refuse_in_xla(what, f"its TF op has no XLA kernel {why}",
+                          "Drop jit_compile=True from the enclosing "
+                          "tf.function.")
+
+
 require_init = _host.require_init
 check_op = _host.check_op
 
@@ -93,6 +117,7 @@ no_grad = contextlib.nullcontext
 
 
 def allreduce(tensor, op, name, prescale_factor, postscale_factor):
+    _check_compiles(f"allreduce {name!r}")
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse(op, prescale_factor, postscale_factor)
         return _allreduce_sparse(tensor, op, name)
@@ -132,6 +157,7 @@ def _allreduce_sparse(slices, op, base):
 
 
 def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
+    _check_compiles(f"grouped_allreduce {name!r}")
     # One op for the dense tensors: members are named `<name>.<i>`. Each
     # tf.IndexedSlices is allgathered (`<name>.sparse.<i>.values`, ...), as
     # allreduce does.
@@ -154,16 +180,19 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
 
 
 def allgather(tensor, name):
+    _check_compiles(f"allgather {name!r}")
     return _ops().kerasdist_allgather(tensor, tensor_name=name,
                                       process_set=_ps())
 
 
 def broadcast(tensor, root_rank, name):
+    _check_compiles(f"broadcast {name!r}")
     return _ops().kerasdist_broadcast(tensor, tensor_name=name,
                                       root_rank=root_rank, process_set=_ps())
 
 
 def alltoall(tensor, splits, name):
+    _check_compiles(f"alltoall {name!r}")
     if splits is None:
         splits = tf.zeros([0], tf.int64)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
@@ -172,6 +201,7 @@ def alltoall(tensor, splits, name):
 
 
 def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
+    _check_compiles(f"reducescatter {name!r}")
     return _ops().kerasdist_reducescatter(
         tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -179,6 +209,7 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
 
 
 def barrier(name):
+    _check_compiles(f"barrier {name!r}")
     _ops().kerasdist_barrier(tensor_name=name, process_set=_ps())
 
 

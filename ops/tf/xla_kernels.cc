@@ -16,8 +16,11 @@
 // out), never a write past XLA's buffer.
 //
 // Registered for the CPU's XLA only: TensorFlow's XLA on a GPU has no
-// handlers here yet (its device memory needs the CUDA handlers), so there a
-// compiled collective fails to compile, naming the op.
+// handlers here yet (its device memory needs the CUDA handlers), so there
+// the Python side turns Keras' XLA off with a warning and refuses a
+// collective traced into tf.function(jit_compile=True), naming it
+// (kerasdist/tensorflow/collectives.py). join has no XLA kernel anywhere:
+// a joined rank answers allreduces for as long as the others go on.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>

@@ -648,6 +648,21 @@ def xla_errors():
                           tf.constant(1)),
                       f"kerasdist: {what} cannot run inside "
                       "tf.function(jit_compile=True)", "outside the compiled")
+    # Where the op library has no XLA kernels (a TF_XLA=0 build, or a GPU,
+    # neither of which this job has: the library's answer is overridden),
+    # a collective inside XLA is refused the same way, naming it.
+    from kerasdist.tensorflow import _native
+    kept, _native._xla = _native._xla, False
+    try:
+        expect_raises(tf.errors.UnimplementedError,
+                      lambda: tf.function(
+                          lambda x: kd.allreduce(x, name="xe.none"),
+                          jit_compile=True)(tf.ones([2])),
+                      "kerasdist: allreduce 'xe.none' cannot run inside",
+                      "no XLA kernel in this build (built with TF_XLA=0)",
+                      "Drop jit_compile=True")
+    finally:
+        _native._xla = kept
     expect(kd.allreduce(tf.ones([2]), op=kd.Sum, name="xe.after"), [n, n],
            "after the errors")
 
