@@ -2,9 +2,9 @@
 `kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
 names, `tf.IndexedSlices`, shapes known only when traced), the gradient
 accumulation of `backward_passes_per_step > 1` in TF variables, and XLA
-(the TF ops have XLA kernels for TensorFlow's XLA on the CPU, not yet on a
-GPU: there XLA is turned off). Imported only when the Keras backend is
-TensorFlow, or by DistributedGradientTape."""
+(turned off, with a warning, where the TF ops have no XLA kernel:
+`xla_unsupported`). Imported only when the Keras backend is TensorFlow, or
+by DistributedGradientTape."""
 
 import warnings
 
@@ -47,10 +47,18 @@ def _unique_in_graph(name):
     return graph.unique_name(name, mark_as_used=True)
 
 
+_DENSE_IN_XLA = (
+    "kerasdist: the tf.IndexedSlices gradient of {label!r} (and any other) "
+    "is allreduced as a dense tensor inside this XLA-compiled step: "
+    "allgather has no XLA kernel {why}. Pass sparse_as_dense=True to "
+    "silence this.")
+
+
 class TensorFlow(_framework.KerasFramework):
     """The Keras layer on TensorFlow (see kerasdist/_framework.py)."""
 
     name = "tensorflow"
+    _said_dense = False
 
     def executing_eagerly(self):
         return tf.executing_eagerly()
@@ -85,6 +93,19 @@ class TensorFlow(_framework.KerasFramework):
 
     def dense(self, grad):
         return tf.convert_to_tensor(grad)
+
+    def gathers_sparse(self, label):
+        # Inside XLA where allgather has no kernel (a GPU): dense, said once.
+        if not in_xla_context():
+            return True
+        why = _tf_collectives.xla_unsupported("allgather")
+        if why is None:
+            return True
+        if not self._said_dense:
+            self._said_dense = True
+            warnings.warn(_DENSE_IN_XLA.format(label=label, why=why),
+                          UserWarning, stacklevel=2)
+        return False
 
     def nbytes(self, x):
         n = x.shape.num_elements()

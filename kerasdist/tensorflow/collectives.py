@@ -56,28 +56,44 @@ def refuse_in_xla(what, why, instead):
             f"tf.function(jit_compile=True): {why}. {instead}")
 
 
-def xla_unsupported():
-    """Why the collectives cannot run inside XLA here, or None when they
-    can: the op library has XLA kernels (ops/tf/xla_kernels.cc) for
-    TensorFlow's XLA on the CPU, none yet for a GPU."""
+# The collectives with XLA kernels on a GPU (CUDA handlers): those whose
+# result has the input's shape.
+_GPU_XLA = ("allreduce", "grouped_allreduce", "broadcast", "barrier")
+
+
+def xla_unsupported(collective=None):
+    """Why `collective` ("allreduce", ...; None: what the gradients need, a
+    grouped allreduce) cannot run inside XLA here, or None when it can.
+    The op library has XLA kernels (ops/tf/xla_kernels.cc) for TensorFlow's
+    XLA on the CPU, and, built with the core's GPU backend, on a GPU for
+    `_GPU_XLA`."""
     from kerasdist.tensorflow import _native
     if not _native.xla_kernels():
         return "in this build (built with TF_XLA=0)"
     if tf.config.list_physical_devices("GPU"):
-        return "for GPUs yet"
+        if not _native.xla_gpu_kernels():
+            return ("for GPUs in this build (built without the GPU "
+                    "backend)")
+        if collective is not None and collective not in _GPU_XLA:
+            return ("for GPUs yet (there " + ", ".join(_GPU_XLA[:-1])
+                    + f" and {_GPU_XLA[-1]} have one)")
     return None
 
 
-def _check_compiles(what):
-    """While tracing an XLA-compiled function where the collectives have
-    no XLA kernel (xla_unsupported): the error that says so, instead of
-    TF's "No registered 'KerasdistAllreduce' OpKernel for XLA_GPU_JIT"."""
+def _check_compiles(collective, name):
+    """While tracing an XLA-compiled function where `collective` has no
+    XLA kernel (xla_unsupported): the error that says so, instead of TF's
+    "No registered 'KerasdistAllgather' OpKernel for XLA_GPU_JIT"."""
     if in_xla_context():
-        why = xla_unsupported()
+        why = xla_unsupported(collective)
         if why:
-            refuse_in_xla(what, f"its TF op has no XLA kernel {why}",
+            hint = (" (a tf.IndexedSlices gradient is allgathered: "
+                    "sparse_as_dense=True allreduces it instead)"
+                    if collective == "allgather" else "")
+            refuse_in_xla(f"{collective} {name!r}",
+                          f"its TF op has no XLA kernel {why}",
                           "Drop jit_compile=True from the enclosing "
-                          "tf.function.")
+                          f"tf.function{hint}.")
 
 
 require_init = _host.require_init
@@ -117,7 +133,7 @@ no_grad = contextlib.nullcontext
 
 
 def allreduce(tensor, op, name, prescale_factor, postscale_factor):
-    _check_compiles(f"allreduce {name!r}")
+    _check_compiles("allreduce", name)
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse(op, prescale_factor, postscale_factor)
         return _allreduce_sparse(tensor, op, name)
@@ -157,7 +173,7 @@ def _allreduce_sparse(slices, op, base):
 
 
 def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
-    _check_compiles(f"grouped_allreduce {name!r}")
+    _check_compiles("grouped_allreduce", name)
     # One op for the dense tensors: members are named `<name>.<i>`. Each
     # tf.IndexedSlices is allgathered (`<name>.sparse.<i>.values`, ...), as
     # allreduce does.
@@ -180,19 +196,19 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
 
 
 def allgather(tensor, name):
-    _check_compiles(f"allgather {name!r}")
+    _check_compiles("allgather", name)
     return _ops().kerasdist_allgather(tensor, tensor_name=name,
                                       process_set=_ps())
 
 
 def broadcast(tensor, root_rank, name):
-    _check_compiles(f"broadcast {name!r}")
+    _check_compiles("broadcast", name)
     return _ops().kerasdist_broadcast(tensor, tensor_name=name,
                                       root_rank=root_rank, process_set=_ps())
 
 
 def alltoall(tensor, splits, name):
-    _check_compiles(f"alltoall {name!r}")
+    _check_compiles("alltoall", name)
     if splits is None:
         splits = tf.zeros([0], tf.int64)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
@@ -201,7 +217,7 @@ def alltoall(tensor, splits, name):
 
 
 def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
-    _check_compiles(f"reducescatter {name!r}")
+    _check_compiles("reducescatter", name)
     return _ops().kerasdist_reducescatter(
         tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -209,7 +225,7 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
 
 
 def barrier(name):
-    _check_compiles(f"barrier {name!r}")
+    _check_compiles("barrier", name)
     _ops().kerasdist_barrier(tensor_name=name, process_set=_ps())
 
 

@@ -124,10 +124,10 @@ class Trainer:
         jit_compile: `model.compile`'s `jit_compile` (True, False or
             "auto"). None (default): what suits the backend, False on
             TensorFlow and PyTorch, True on JAX. On TensorFlow, True keeps
-            the train step compiled with XLA on the CPU (kerasdist's
-            collectives have XLA kernels there); where they have none (a
-            GPU, a build with TF_XLA=0) the `DistributedOptimizer` turns
-            XLA off with one warning.
+            the train step compiled with XLA where kerasdist's collectives
+            have XLA kernels (the CPU; a GPU in a build with the GPU
+            backend); elsewhere the `DistributedOptimizer` turns XLA off
+            with one warning.
 
     Raises:
         ValueError: for an invalid setting, such as `batch_size=0` or a
@@ -449,10 +449,10 @@ class Trainer:
                       f"{int(self.optimizer.iterations)})")
 
     def _compile(self):
-        # By default: TensorFlow, no XLA (kerasdist's TF ops have XLA
-        # kernels on the CPU only, none for GPUs yet, where Keras's "auto"
-        # would turn XLA on); JAX: the jitted step calls them as XLA custom
-        # calls; PyTorch: eager, Keras's default. `jit_compile` overrides.
+        # By default: TensorFlow, no XLA (as before XLA kernels existed;
+        # Keras's "auto" would turn it on on a GPU); JAX: the jitted step
+        # calls them as XLA custom calls; PyTorch: eager, Keras's default.
+        # `jit_compile` overrides.
         jit_compile = self.jit_compile
         if jit_compile is None:
             jit_compile = _framework.get().jit_compile
