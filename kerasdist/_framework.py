@@ -142,6 +142,12 @@ class KerasFramework:
         """`grad` as a dense tensor of this framework."""
         return grad
 
+    def gathers_sparse(self, label):
+        """Whether a sparse gradient (of the source `label`) can be
+        allgathered here; False: it is allreduced dense instead (the
+        framework says so once)."""
+        return True
+
     def nbytes(self, x):
         """A dense tensor's size in bytes, or None if not known yet."""
         return int(np.prod(x.shape, dtype=np.int64)) * \

@@ -71,7 +71,9 @@ def reduce_gradients(grads, sources, prefix, framework=None,
     for i, grad in enumerate(grads):
         if grad is None:
             continue
-        if framework.is_sparse(grad) and not sparse_as_dense:
+        if (framework.is_sparse(grad) and not sparse_as_dense
+                and framework.gathers_sparse(
+                    source_label(sources[i], i) if sources else str(i))):
             if sparse_names is None:
                 sparse_names = framework.gradient_names(
                     prefix, sources or [None] * len(grads))

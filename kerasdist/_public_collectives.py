@@ -637,7 +637,7 @@ class Collectives:
                             f"{type(name).__name__}.")
         op = getattr(impl, "topology_op", None)
         if op is not None:
-            return op(query, name)
+            return op(query, name, what)
         return impl.tensor(np.int32(query()), what)
 
     def rank_op(self, name=None, process_set_id=0):

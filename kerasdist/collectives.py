@@ -19,7 +19,7 @@ An implementation module provides `require_init()`, `check_op(op, what)`,
 `tensor(x, what)` (its framework's tensor), one function per collective
 taking converted tensors and a resolved name, and `variable_value(v)` and
 `no_grad()` for `broadcast_variables`. Optionally (TensorFlow):
-`topology_op(query, name)` for `rank_op` & co (elsewhere an array of the
+`topology_op(query, name, what)` for `rank_op` & co (elsewhere an array of the
 value), `assign(variables, values)` for `broadcast_` (elsewhere each
 variable's `assign`), and `global_variables()` and `group(tensors)` for
 `broadcast_global_variables` (elsewhere it raises).

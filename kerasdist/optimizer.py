@@ -171,10 +171,11 @@ def DistributedOptimizer(optimizer, name=None,
     `gradient_accumulation_steps` to the Keras optimizer) and that only
     TensorFlow has `tf.IndexedSlices` gradients (`sparse_as_dense`).
 
-    XLA (TensorFlow): on the CPU the TF ops have XLA kernels (custom
-    calls into the runtime), so a model compiled with `jit_compile=True`
-    keeps XLA, as does a custom step in `tf.function(jit_compile=True)`.
-    On a GPU (or in a build without them, TF_XLA=0) they have none: when
+    XLA (TensorFlow): the TF ops have XLA kernels (custom calls into the
+    runtime) on the CPU, and on a GPU in a build with the core's GPU
+    backend, so a model compiled with `jit_compile=True` keeps XLA, as
+    does a custom step in `tf.function(jit_compile=True)`. In a build
+    without them (TF_XLA=0; on a GPU, without the GPU backend): when
     `model.fit` (or `train_on_batch`) is about to build the train function
     of a model compiled with `jit_compile=True` (or "auto" resolved to XLA,
     as on a GPU) and this optimizer, kerasdist sets

@@ -2,9 +2,9 @@
 `kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
 names, `tf.IndexedSlices`, shapes known only when traced), the gradient
 accumulation of `backward_passes_per_step > 1` in TF variables, and XLA
-(the TF ops have XLA kernels for TensorFlow's XLA on the CPU, not yet on a
-GPU: there XLA is turned off). Imported only when the Keras backend is
-TensorFlow, or by DistributedGradientTape."""
+(turned off, with a warning, where the TF ops have no XLA kernel:
+`xla_unsupported`). Imported only when the Keras backend is TensorFlow, or
+by DistributedGradientTape."""
 
 import warnings
 
@@ -13,6 +13,7 @@ import tensorflow as tf
 from kerasdist import basics
 from kerasdist import _framework
 from kerasdist._core.gradients import source_label
+from kerasdist.tensorflow import collectives as _tf_collectives
 
 XLA_MESSAGE = (
     "kerasdist.DistributedOptimizer cannot run inside an XLA-compiled "
@@ -23,30 +24,8 @@ XLA_MESSAGE = (
     "train_on_batch turn XLA off by themselves, with a warning).")
 
 
-def in_xla_context():
-    """True while tracing a function compiled with XLA (jit_compile=True)."""
-    if tf.executing_eagerly():
-        return False
-    # Private, but the only way to ask; guarded so a TF change degrades to
-    # TF's own (cryptic) error instead of breaking every graph trace.
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover
-        return False
-    graph = tf.compat.v1.get_default_graph()
-    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
-
-
-def xla_unsupported():
-    """Why the collectives cannot run inside XLA here, or None when they
-    can: the op library has XLA kernels (ops/tf/xla_kernels.cc) for
-    TensorFlow's XLA on the CPU, none yet for a GPU."""
-    from kerasdist.tensorflow import _native
-    if not _native.xla_kernels():
-        return "in this build (built with TF_XLA=0)"
-    if tf.config.list_physical_devices("GPU"):
-        return "for GPUs yet"
-    return None
+in_xla_context = _tf_collectives.in_xla_context
+xla_unsupported = _tf_collectives.xla_unsupported
 
 
 def check_not_xla():
@@ -68,10 +47,18 @@ def _unique_in_graph(name):
     return graph.unique_name(name, mark_as_used=True)
 
 
+_DENSE_IN_XLA = (
+    "kerasdist: the tf.IndexedSlices gradient of {label!r} (and any other) "
+    "is allreduced as a dense tensor inside this XLA-compiled step: "
+    "allgather has no XLA kernel {why}. Pass sparse_as_dense=True to "
+    "silence this.")
+
+
 class TensorFlow(_framework.KerasFramework):
     """The Keras layer on TensorFlow (see kerasdist/_framework.py)."""
 
     name = "tensorflow"
+    _said_dense = False
 
     def executing_eagerly(self):
         return tf.executing_eagerly()
@@ -106,6 +93,19 @@ class TensorFlow(_framework.KerasFramework):
 
     def dense(self, grad):
         return tf.convert_to_tensor(grad)
+
+    def gathers_sparse(self, label):
+        # Inside XLA where allgather has no kernel (a GPU): dense, said once.
+        if not in_xla_context():
+            return True
+        why = _tf_collectives.xla_unsupported("allgather")
+        if why is None:
+            return True
+        if not self._said_dense:
+            self._said_dense = True
+            warnings.warn(_DENSE_IN_XLA.format(label=label, why=why),
+                          UserWarning, stacklevel=2)
+        return False
 
     def nbytes(self, x):
         n = x.shape.num_elements()

@@ -90,6 +90,7 @@ def _let_collectives_run_concurrently():
 
 
 _xla = None
+_xla_gpu = None
 
 
 def xla_kernels():
@@ -103,3 +104,16 @@ def xla_kernels():
         lib = ctypes.CDLL(os.path.join(_capi.NATIVE_DIR, "_kerasdist_ops.so"))
         _xla = hasattr(lib, "kerasdist_tf_xla_kernels")
     return _xla
+
+
+def xla_gpu_kernels():
+    """True when the op library's XLA kernels also serve TensorFlow's XLA
+    on a GPU (ops/tf/xla_ffi_cuda.cc, built with the core's GPU backend):
+    allreduce, grouped allreduce, broadcast and the barrier."""
+    global _xla_gpu
+    if _xla_gpu is None:
+        import ctypes
+        ops()
+        lib = ctypes.CDLL(os.path.join(_capi.NATIVE_DIR, "_kerasdist_ops.so"))
+        _xla_gpu = hasattr(lib, "kerasdist_tf_xla_gpu_kernels")
+    return _xla_gpu

@@ -31,6 +31,71 @@ def _set_rank(process_set):
     return process_sets.set_rank(process_set)
 
 
+def in_xla_context():
+    """True while tracing a function compiled with XLA (jit_compile=True)."""
+    if tf.executing_eagerly():
+        return False
+    # Private, but the only way to ask; guarded so a TF change degrades to
+    # TF's own error instead of breaking every graph trace.
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+
+
+def refuse_in_xla(what, why, instead):
+    """Raises tf.errors.UnimplementedError while tracing an XLA-compiled
+    function: `what` has no XLA kernel (`why`), `instead` says what to do.
+    TF's own error there names an op kernel, not the call or the fix."""
+    if in_xla_context():
+        raise tf.errors.UnimplementedError(
+            None, None,
+            f"kerasdist: {what} cannot run inside "
+            f"tf.function(jit_compile=True): {why}. {instead}")
+
+
+# The collectives with XLA kernels on a GPU (CUDA handlers): those whose
+# result has the input's shape.
+_GPU_XLA = ("allreduce", "grouped_allreduce", "broadcast", "barrier")
+
+
+def xla_unsupported(collective=None):
+    """Why `collective` ("allreduce", ...; None: what the gradients need, a
+    grouped allreduce) cannot run inside XLA here, or None when it can.
+    The op library has XLA kernels (ops/tf/xla_kernels.cc) for TensorFlow's
+    XLA on the CPU, and, built with the core's GPU backend, on a GPU for
+    `_GPU_XLA`."""
+    from kerasdist.tensorflow import _native
+    if not _native.xla_kernels():
+        return "in this build (built with TF_XLA=0)"
+    if tf.config.list_physical_devices("GPU"):
+        if not _native.xla_gpu_kernels():
+            return ("for GPUs in this build (built without the GPU "
+                    "backend)")
+        if collective is not None and collective not in _GPU_XLA:
+            return ("for GPUs yet (there " + ", ".join(_GPU_XLA[:-1])
+                    + f" and {_GPU_XLA[-1]} have one)")
+    return None
+
+
+def _check_compiles(collective, name):
+    """While tracing an XLA-compiled function where `collective` has no
+    XLA kernel (xla_unsupported): the error that says so, instead of TF's
+    "No registered 'KerasdistAllgather' OpKernel for XLA_GPU_JIT"."""
+    if in_xla_context():
+        why = xla_unsupported(collective)
+        if why:
+            hint = (" (a tf.IndexedSlices gradient is allgathered: "
+                    "sparse_as_dense=True allreduces it instead)"
+                    if collective == "allgather" else "")
+            refuse_in_xla(f"{collective} {name!r}",
+                          f"its TF op has no XLA kernel {why}",
+                          "Drop jit_compile=True from the enclosing "
+                          f"tf.function{hint}.")
+
+
 require_init = _host.require_init
 check_op = _host.check_op
 
@@ -68,6 +133,7 @@ no_grad = contextlib.nullcontext
 
 
 def allreduce(tensor, op, name, prescale_factor, postscale_factor):
+    _check_compiles("allreduce", name)
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse(op, prescale_factor, postscale_factor)
         return _allreduce_sparse(tensor, op, name)
@@ -107,6 +173,7 @@ def _allreduce_sparse(slices, op, base):
 
 
 def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
+    _check_compiles("grouped_allreduce", name)
     # One op for the dense tensors: members are named `<name>.<i>`. Each
     # tf.IndexedSlices is allgathered (`<name>.sparse.<i>.values`, ...), as
     # allreduce does.
@@ -129,16 +196,19 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
 
 
 def allgather(tensor, name):
+    _check_compiles("allgather", name)
     return _ops().kerasdist_allgather(tensor, tensor_name=name,
                                       process_set=_ps())
 
 
 def broadcast(tensor, root_rank, name):
+    _check_compiles("broadcast", name)
     return _ops().kerasdist_broadcast(tensor, tensor_name=name,
                                       root_rank=root_rank, process_set=_ps())
 
 
 def alltoall(tensor, splits, name):
+    _check_compiles("alltoall", name)
     if splits is None:
         splits = tf.zeros([0], tf.int64)
     splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
@@ -147,6 +217,7 @@ def alltoall(tensor, splits, name):
 
 
 def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
+    _check_compiles("reducescatter", name)
     return _ops().kerasdist_reducescatter(
         tensor, tensor_name=name, reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -154,10 +225,17 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
 
 
 def barrier(name):
+    _check_compiles("barrier", name)
     _ops().kerasdist_barrier(tensor_name=name, process_set=_ps())
 
 
 def join(name):
+    refuse_in_xla(
+        "join()", "it has no XLA kernel (a joined rank answers the other "
+        "ranks' allreduces for as long as they go on, which a compiled "
+        "program cannot)",
+        "Call it outside the compiled function, e.g. after the loop over "
+        "this rank's batches.")
     last = _ops().kerasdist_join(tensor_name=name)
     if tf.executing_eagerly():
         _host.restart_names_after_join()
@@ -258,11 +336,18 @@ def _alltoall_grad(op, grad, _splits_grad):
 # ---- Horovod's process ops and in-place broadcasts (kerasdist/collectives.py)
 
 
-def topology_op(query, name):
+def topology_op(query, name, what="rank_op"):
     """A scalar int32 tensor holding `query()` (rank, size...), read when
     the op runs: eagerly at once, in a graph or `tf.function` at every
-    run, so a graph built before `init()` reads the job it runs in."""
+    run, so a graph built before `init()` reads the job it runs in. Not
+    inside XLA (`what`, the public function, names it in the error)."""
     import numpy as np
+
+    refuse_in_xla(
+        f"{what}()", "it reads the value when it runs, through a Python "
+        "call (tf.numpy_function) XLA cannot compile",
+        "Read it outside the compiled function and pass it in as a "
+        "tensor argument, or drop jit_compile=True.")
 
     def value():
         return np.int32(query())

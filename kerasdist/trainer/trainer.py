@@ -121,6 +121,13 @@ class Trainer:
             rank must see: a shared file system on several hosts), rank 0
             the weights and the manifest naming them; a resume at another
             size, or with another `shard`, reads each rank's part.
+        jit_compile: `model.compile`'s `jit_compile` (True, False or
+            "auto"). None (default): what suits the backend, False on
+            TensorFlow and PyTorch, True on JAX. On TensorFlow, True keeps
+            the train step compiled with XLA where kerasdist's collectives
+            have XLA kernels (the CPU; a GPU in a build with the GPU
+            backend); elsewhere the `DistributedOptimizer` turns XLA off
+            with one warning.
 
     Raises:
         ValueError: for an invalid setting, such as `batch_size=0` or a
@@ -152,7 +159,7 @@ class Trainer:
                  checkpoint_every_seconds=None, auto_resume=True, seed=0,
                  verbose=1, tensorboard_dir=None, data_is_sharded=False,
                  shuffle=True, shuffle_buffer=None, fit_kwargs=None,
-                 fresh_optimizer=False, shard=None):
+                 fresh_optimizer=False, shard=None, jit_compile=None):
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
@@ -183,6 +190,10 @@ class Trainer:
             raise ValueError(f"shard must be None, 'optimizer_state' or "
                              f"'gradients'; got {shard!r}.")
         self.shard = shard
+        if jit_compile not in (None, True, False, "auto"):
+            raise ValueError(f"jit_compile must be None, True, False or "
+                             f"'auto'; got {jit_compile!r}.")
+        self.jit_compile = jit_compile
         self.learning_rate = float(learning_rate)
         self.scale_lr = bool(scale_lr)
         self.warmup_epochs = warmup_epochs
@@ -438,13 +449,16 @@ class Trainer:
                       f"{int(self.optimizer.iterations)})")
 
     def _compile(self):
-        # TensorFlow: no XLA; kerasdist's TF ops have XLA kernels on the CPU
-        # only, none for GPUs yet (Keras's "auto" turns XLA on when a GPU
-        # is present). JAX: the jitted step calls them as XLA custom calls.
-        # PyTorch: eager, Keras's default.
+        # By default: TensorFlow, no XLA (as before XLA kernels existed;
+        # Keras's "auto" would turn it on on a GPU); JAX: the jitted step
+        # calls them as XLA custom calls; PyTorch: eager, Keras's default.
+        # `jit_compile` overrides.
+        jit_compile = self.jit_compile
+        if jit_compile is None:
+            jit_compile = _framework.get().jit_compile
         self.model.compile(optimizer=self.optimizer, loss=self.build_loss(),
                            metrics=self.build_metrics(),
-                           jit_compile=_framework.get().jit_compile)
+                           jit_compile=jit_compile)
 
     def _set_learning_rate(self, value):
         if not isinstance(self.optimizer._learning_rate,

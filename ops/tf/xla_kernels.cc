@@ -15,9 +15,15 @@
 // disagree gets an error from the handler (the shape check before its copy
 // out), never a write past XLA's buffer.
 //
-// Registered for the CPU's XLA only: TensorFlow's XLA on a GPU has no
-// handlers here yet (its device memory needs the CUDA handlers), so there a
-// compiled collective fails to compile, naming the op.
+// Registered for the CPU's XLA; for a GPU's too in a build with the core's
+// GPU backend (KERASDIST_TF_XLA_GPU), for the collectives with CUDA
+// handlers (tf/xla_ffi_cuda.cc): allreduce, grouped allreduce, broadcast
+// and the barrier. Where a collective has no XLA kernel (the other three on
+// a GPU, everything in a build without these kernels) the Python side
+// turns Keras' XLA off with a warning, or refuses the collective traced
+// into tf.function(jit_compile=True), naming it
+// (kerasdist/tensorflow/collectives.py). join has no XLA kernel anywhere:
+// a joined rank answers allreduces for as long as the others go on.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -279,6 +285,17 @@ class AlltoallXla : public CollectiveXla {
   }
 };
 
+// The barrier has no result in TF; its custom call writes a scalar that
+// nothing reads (XLA keeps the call: it has a side effect).
+class BarrierXla : public CollectiveXla {
+ public:
+  using CollectiveXla::CollectiveXla;
+  void Compile(XlaOpKernelContext* ctx) override {
+    Call(ctx, xla_targets::kBarrier, {}, xla::ShapeUtil::MakeShape(xla::U8, {}),
+         "");
+  }
+};
+
 }  // namespace
 
 // TensorFlow turns the XLA op registrations into kernels of its XLA
@@ -307,6 +324,22 @@ KD_REGISTER_XLA("KerasdistGroupedAllreduce", GroupedAllreduceXla);
 KD_REGISTER_XLA("KerasdistAllgather", AllgatherXla);
 KD_REGISTER_XLA("KerasdistBroadcast", BroadcastXla);
 KD_REGISTER_XLA("KerasdistReducescatter", ReducescatterXla);
+KD_REGISTER_XLA("KerasdistBarrier", BarrierXla);
+
+#ifdef KERASDIST_TF_XLA_GPU
+// The same kernels on a GPU's XLA, whose custom calls reach the CUDA
+// handlers: the call's target is the same, XLA picks the handler of the
+// platform it compiles for.
+#define KD_REGISTER_XLA_GPU(NAME, CLASS)                                       \
+  REGISTER_XLA_OP(Name(NAME).Device(::tensorflow::DEVICE_GPU_XLA_JIT), CLASS); \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(::tensorflow::DEVICE_GPU_XLA_JIT), \
+                          CLASS)
+
+KD_REGISTER_XLA_GPU("KerasdistAllreduce", AllreduceXla);
+KD_REGISTER_XLA_GPU("KerasdistGroupedAllreduce", GroupedAllreduceXla);
+KD_REGISTER_XLA_GPU("KerasdistBroadcast", BroadcastXla);
+KD_REGISTER_XLA_GPU("KerasdistBarrier", BarrierXla);
+#endif  // KERASDIST_TF_XLA_GPU
 REGISTER_XLA_OP(Name("KerasdistAlltoall")
                     .Device(::tensorflow::DEVICE_CPU_XLA_JIT)
                     .CompileTimeConstantInput("splits"),

@@ -2,7 +2,7 @@
 # The GPU check: on a machine with an NVIDIA GPU and the CUDA toolkit (nvcc),
 # no TensorFlow needed. From the repository root:
 #
-#   tests/gpu/run_on_gpu.sh [all|core|keras-jax]
+#   tests/gpu/run_on_gpu.sh [all|core|keras-jax|tf-xla]
 #
 # 1. installs what is missing of numpy, mpich, cupy-cuda13x, nvidia-nccl-cu13
 #    (from wheels in .whl/ when that folder exists: offline machines; see
@@ -21,7 +21,14 @@
 #    and np=2 on the one GPU host-staged (KERASDIST_GPU_OPERATIONS=MPI),
 #    each with a timeline that must show the device path. Needs jax with
 #    CUDA and keras (missing ones come from .whl/: tests/gpu/fetch_wheels.sh).
-# `core` runs 1-3, `keras-jax` only 4, `all` (default) both.
+# 5. (tf-xla) TensorFlow's XLA: builds kerasdist with NCCL and TF's XLA
+#    kernels' CUDA handlers (JAX=0) into a scratch copy, then runs
+#    tests/gpu/tf_xla_check.py (tests/gpu/tf_xla.sh): the collectives inside
+#    tf.function(jit_compile=True) on GPU tensors, and model.fit with
+#    jit_compile=True against one process, at np=1 (NCCL) and np=2
+#    (host-staged). Needs tensorflow with CUDA and keras.
+# `core` runs 1-3, `keras-jax` only 4, `tf-xla` only 5, `all` (default)
+# 1-4 (5 when TensorFlow sees a GPU).
 # KD_GPU_DRY_RUN=1 with keras-jax: the dry run on a machine without a GPU
 # (installs nothing, runs the check on JAX's CPU devices).
 # Exit status 0 when every check passed. A few minutes at most.
@@ -29,7 +36,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 WHAT=${1:-all}
-case "$WHAT" in all|core|keras-jax) ;; *) echo "usage: $0 [all|core|keras-jax]"; exit 2;; esac
+case "$WHAT" in all|core|keras-jax|tf-xla) ;; *) echo "usage: $0 [all|core|keras-jax|tf-xla]"; exit 2;; esac
 OUT=${KD_GPU_OUT:-$(mktemp -d)}
 STEP_TIMEOUT=${KD_GPU_STEP_TIMEOUT:-240}
 DRY=${KD_GPU_DRY_RUN:-0}
@@ -63,7 +70,7 @@ fi
 "$PY" -c 'import cupy, numpy; print("cupy", cupy.__version__, "numpy", numpy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion())'
 fi
 
-if [ "$WHAT" != keras-jax ]; then
+if [ "$WHAT" = all ] || [ "$WHAT" = core ]; then
 say "build (make gpu-check, TF=0)"
 start=$(date +%s)
 if ! make -C ops -j"$(nproc)" gpu-check OUT="$OUT" PYTHON="$PY" VERSION=gpu-check; then
@@ -112,8 +119,11 @@ fi
 
 fi
 
-if [ "$WHAT" != core ]; then
+if [ "$WHAT" = all ] || [ "$WHAT" = keras-jax ]; then
   . tests/gpu/keras_jax.sh
+fi
+if [ "$WHAT" = tf-xla ] || { [ "$WHAT" = all ] && "$PY" -c 'import tensorflow as tf, sys; sys.exit(not tf.config.list_physical_devices("GPU"))' 2>/dev/null; }; then
+  . tests/gpu/tf_xla.sh
 fi
 
 say "result"

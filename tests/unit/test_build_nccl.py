@@ -129,6 +129,9 @@ def test_gpu_check_scripts_parse():
 
 # Ops without tensors: registered on the host only.
 _HOST_OPS = ("KerasdistBarrier", "KerasdistJoin")
+# The collectives with CUDA handlers for TF's XLA (ops/tf/xla_ffi_cuda.cc).
+_XLA_GPU_OPS = ("KerasdistAllreduce", "KerasdistGroupedAllreduce",
+                "KerasdistBroadcast")
 _GPU_OPS = ("KerasdistAllreduce", "KerasdistGroupedAllreduce",
             "KerasdistAllgather", "KerasdistBroadcast", "KerasdistAlltoall",
             "KerasdistReducescatter")
@@ -140,14 +143,17 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     # core has its NCCL backend, and none without it. On CPU-only TensorFlow
     # they are registered but never instantiated: this checks that they
     # compile, link and register, not that they run. With the XLA kernels
-    # (TF_XLA), every collective with tensors also has one for XLA_CPU_JIT.
+    # (TF_XLA), every collective with tensors, and the barrier, also has one
+    # for XLA_CPU_JIT (join has none: it is refused inside XLA); with the
+    # NCCL backend too, those with CUDA handlers one for XLA_GPU_JIT.
     code = (
         "import json\n"
         "import kerasdist as kd\n"
         "from kerasdist.tensorflow import _native\n"
         "from tensorflow.python.framework import kernels\n"
         "_native.ops()\n"
-        "out = {'nccl': kd.nccl_built(), 'xla': _native.xla_kernels()}\n"
+        "out = {'nccl': kd.nccl_built(), 'xla': _native.xla_kernels(),\n"
+        "       'xla_gpu': _native.xla_gpu_kernels()}\n"
         "for op in " + repr(_GPU_OPS + _HOST_OPS) + ":\n"
         "    out[op] = sorted([k.device_type, sorted(k.host_memory_arg)]\n"
         "                     for k in "
@@ -162,8 +168,16 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
     import json
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
     got = json.loads(line[len("RESULT "):])
+    # The XLA kernels on a GPU come with the GPU backend and the XLA ones.
+    assert got["xla_gpu"] == (got["nccl"] and got["xla"]), got
     for op in _HOST_OPS:
-        assert got.pop(op) == [["CPU", []]], op
+        want = [["CPU", []]]
+        if got["xla"] and op == "KerasdistBarrier":
+            want.append(["XLA_CPU_JIT", []])
+        if got["xla_gpu"] and op == "KerasdistBarrier":
+            want.append(["XLA_GPU_JIT", []])
+        kernels = got.pop(op)
+        assert kernels == want, (op, kernels)
     for op in _GPU_OPS:
         want = [["CPU", []]]
         if got["nccl"]:
@@ -174,4 +188,6 @@ def test_tf_gpu_kernels_registered_exactly_when_nccl_built():
         if got["xla"]:
             want.append(["XLA_CPU_JIT",
                          ["splits"] if op == "KerasdistAlltoall" else []])
+        if got["xla_gpu"] and op in _XLA_GPU_OPS:
+            want.append(["XLA_GPU_JIT", []])
         assert got[op] == want, (op, got[op])

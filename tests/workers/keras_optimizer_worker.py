@@ -1123,6 +1123,56 @@ def check_xla():
         raise AssertionError("an XLA-compiled apply ran without an error")
 
 
+@check("trainer_jit_compile")
+def check_trainer_xla():
+    """kerasdist.Trainer(jit_compile=True): where the collectives have XLA
+    kernels, XLA stays on, nothing is said, and an unshuffled epoch trains
+    as one process on the concatenated batches (rank r takes examples r,
+    r + size, ..., so a step's ranks hold one global batch between them).
+    Elsewhere XLA goes off with the optimizer's one warning, same result.
+    rtol 1e-5: XLA may fuse and reorder the float64 arithmetic."""
+    from kerasdist.tensorflow import _keras_layer
+    why = _keras_layer.xla_unsupported()
+    x, y = data()
+
+    class Linear(kd.Trainer):
+        def build_model(self):
+            return dense_model()
+
+        def train_data(self):
+            return x, y
+
+        def build_optimizer(self, learning_rate):
+            return keras.optimizers.SGD(learning_rate)
+
+        def build_loss(self):
+            return "mse"
+
+        def build_metrics(self):
+            return []
+
+    truth = truth_fit(dense_model(), keras.optimizers.SGD(0.1), x, y,
+                      SIZE * B)
+    trainer = Linear(epochs=1, batch_size=B, learning_rate=0.1,
+                     scale_lr=False, shuffle=False, verbose=0,
+                     jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit()
+    said = kerasdist_warnings(caught)
+    got = trainer.model.get_weights()
+    close(got, truth, "Trainer(jit_compile=True) == one process", rtol=1e-5,
+          atol=1e-8)
+    same_on_all_ranks(got, "trainer_jit_compile")
+    assert not np.allclose(flat(got), flat(dense_model().get_weights()))
+    if why is None:
+        assert trainer.model.jit_compile is True
+        assert not said, [str(w.message) for w in said]
+    else:
+        assert trainer.model.jit_compile is False
+        assert len(said) == 1, [str(w.message) for w in said]
+
+
 @check("jit_compile_auto")
 def check_xla_auto():
     """jit_compile="auto": no warning on a CPU-only machine (it resolves to

@@ -507,7 +507,7 @@ def xla_targets(fn, *args):
     that the collectives were lowered, not run some other way."""
     hlo = fn.experimental_get_compiler_ir(*args)(stage="hlo")
     return {t for t in ("allreduce", "grouped_allreduce", "allgather",
-                        "broadcast", "alltoall", "reducescatter")
+                        "broadcast", "alltoall", "reducescatter", "barrier")
             if f'custom_call_target="kerasdist_{t}"' in hlo}
 
 
@@ -522,6 +522,7 @@ def xla_collectives():
     def fn(x, i, rank):
         y = x * 1.0  # a computation of XLA's own around the calls
         rows = tf.fill([2 * n, 1], rank)
+        kd.barrier(name="x.barrier")
         return (kd.allreduce(y, op=kd.Sum, name="x.sum"),
                 kd.allreduce(y, name="x.avg", prescale_factor=2.0),
                 kd.grouped_allreduce([y, y[:2] * 2.0, i], op=kd.Sum,
@@ -536,7 +537,7 @@ def xla_collectives():
             tf.constant(float(r), tf.float64))
     lowered = xla_targets(fn, *args)
     if lowered != {"allreduce", "grouped_allreduce", "allgather", "broadcast",
-                   "alltoall", "reducescatter"}:
+                   "alltoall", "reducescatter", "barrier"}:
         raise AssertionError(f"not lowered to custom calls: {lowered}")
     for rep in range(2):  # the second call runs the compiled program again
         s, avg, group, gathered, b, a2a, rs = fn(*args)
@@ -572,6 +573,43 @@ def xla_gradients():
     # The average over ranks of 2 (k+1) x_k.
     expect(averaged, np.mean([2 * (k + 1) * vals(k) for k in range(n)], 0),
            "xla DistributedGradientTape", 1e-12)
+    xla_tape_buckets_and_sparse()
+
+
+def xla_tape_buckets_and_sparse():
+    """DistributedGradientTape in tf.function(jit_compile=True) with its
+    buckets (one grouped allreduce custom call each) and a tf.IndexedSlices
+    gradient (an Embedding's: allgathered values and indices), against the
+    average of every rank's gradients worked out here."""
+    ws = [tf.Variable(np.full([64, 64], 1.0 + i)) for i in range(4)]
+    table = tf.Variable(np.arange(12.0).reshape(6, 2))
+
+    @tf.function(jit_compile=True)
+    def step(rank, ids):
+        with tf.GradientTape() as t:
+            loss = (sum(tf.reduce_sum(w * w) for w in ws)
+                    + tf.reduce_sum(tf.gather(table, ids))) * (rank + 1.0)
+        # 32 KiB a weight, buckets of at most 40 KiB: one a weight.
+        tape = kd.DistributedGradientTape(t, overlap=True, bucket_bytes=40000)
+        return tape.gradient(loss, ws + [table])
+
+    args = (tf.constant(float(r), tf.float64), tf.constant([r % 6, 5]))
+    hlo = step.experimental_get_compiler_ir(*args)(stage="hlo")
+    calls = hlo.count('custom_call_target="kerasdist_grouped_allreduce"')
+    if calls != 4 or 'custom_call_target="kerasdist_allgather"' not in hlo:
+        raise AssertionError(f"expected 4 buckets and an allgather, got "
+                             f"{calls} grouped allreduces")
+    got = step(*args)
+    scale = np.mean([k + 1.0 for k in range(n)])
+    for i in range(4):
+        expect(got[i], np.full([64, 64], 2 * (1.0 + i) * scale),
+               f"xla tape bucket {i}", 1e-12)
+    dense = np.zeros([6, 2])
+    for k in range(n):
+        for row in (k % 6, 5):
+            dense[row] += (k + 1.0) / n
+    expect(tf.convert_to_tensor(got[4]), dense, "xla tape IndexedSlices",
+           1e-12)
 
 
 @check("xla_errors")
@@ -602,6 +640,29 @@ def xla_errors():
     expect_raises((tf.errors.UnimplementedError,
                    tf.errors.InvalidArgumentError),
                   lambda: uneven_split(tf.ones([n, 1])), "even split")
+    # No XLA kernel: refused while tracing, naming the call and the fix.
+    for what, fn in (("join()", lambda x: kd.join() + x),
+                     ("rank_op()", lambda x: kd.rank_op() + x)):
+        expect_raises(tf.errors.UnimplementedError,
+                      lambda: tf.function(fn, jit_compile=True)(
+                          tf.constant(1)),
+                      f"kerasdist: {what} cannot run inside "
+                      "tf.function(jit_compile=True)", "outside the compiled")
+    # Where the op library has no XLA kernels (a TF_XLA=0 build, or a GPU,
+    # neither of which this job has: the library's answer is overridden),
+    # a collective inside XLA is refused the same way, naming it.
+    from kerasdist.tensorflow import _native
+    kept, _native._xla = _native._xla, False
+    try:
+        expect_raises(tf.errors.UnimplementedError,
+                      lambda: tf.function(
+                          lambda x: kd.allreduce(x, name="xe.none"),
+                          jit_compile=True)(tf.ones([2])),
+                      "kerasdist: allreduce 'xe.none' cannot run inside",
+                      "no XLA kernel in this build (built with TF_XLA=0)",
+                      "Drop jit_compile=True")
+    finally:
+        _native._xla = kept
     expect(kd.allreduce(tf.ones([2]), op=kd.Sum, name="xe.after"), [n, n],
            "after the errors")
 
