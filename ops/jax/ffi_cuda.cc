@@ -231,10 +231,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistAllreduceCuda, AllreduceImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name")
+                                  .Attr<std::string_view>("tensor_name")
                                   .Attr<int32_t>("reduce_op")
-                                  .Attr<double>("prescale")
-                                  .Attr<double>("postscale")
+                                  .Attr<double>("prescale_factor")
+                                  .Attr<double>("postscale_factor")
                                   .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduceCuda,
@@ -243,10 +243,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistGroupedAllreduceCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<std::string_view>("name")
+                                  .Attr<std::string_view>("tensor_name")
                                   .Attr<int32_t>("reduce_op")
-                                  .Attr<double>("prescale")
-                                  .Attr<double>("postscale")
+                                  .Attr<double>("prescale_factor")
+                                  .Attr<double>("postscale_factor")
                                   .Attr<int32_t>("process_set"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBroadcastCuda, BroadcastImpl,
@@ -254,7 +254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBroadcastCuda, BroadcastImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name")
+                                  .Attr<std::string_view>("tensor_name")
                                   .Attr<int32_t>("root_rank")
                                   .Attr<int32_t>("process_set"));
 
@@ -262,5 +262,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KerasdistBarrierCuda, BarrierImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("name")
+                                  .Attr<std::string_view>("tensor_name")
                                   .Attr<int32_t>("process_set"));
