@@ -1,10 +1,10 @@
 """Horovod's process sets: collectives over a subset of the job's ranks.
 
-Each set runs on a runtime of its own in the core (ops/core/c_api.cc): its
-own communicator, background thread, negotiation, fusion and response
-cache, so collectives of different sets never wait for each other and may
-be issued in different orders on different ranks. The whole job is
-`global_process_set` (id 0).
+Each set runs on a runtime of its own in the core
+(ops/core/process_sets.cc): its own communicator, background thread,
+negotiation, fusion and response cache, so collectives of different sets
+never wait for each other and may be issued in different orders on
+different ranks. The whole job is `global_process_set` (id 0).
 
     even = kd.ProcessSet([0, 2])
     kd.init(process_sets=[even])          # or kd.add_process_set([0, 2])

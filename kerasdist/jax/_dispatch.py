@@ -149,15 +149,15 @@ def call(target, out_types, *args, **attrs):
 
 
 def _run_eager(target, out_types, args, attrs):
-    name = attrs.pop("name")
+    name = attrs.pop("tensor_name")
     if target == "barrier":
         _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
                      (), None, None).wait()
         return jnp.zeros((), jnp.int32)
     op, owned = _HOST_OPS[target]
     kwargs = {"reduce_op": int(attrs.get("reduce_op", basics.Sum)),
-              "prescale": float(attrs.get("prescale", 1.0)),
-              "postscale": float(attrs.get("postscale", 1.0)),
+              "prescale": float(attrs.get("prescale_factor", 1.0)),
+              "postscale": float(attrs.get("postscale_factor", 1.0)),
               "root_rank": int(attrs.get("root_rank", 0))}
     if "splits" in attrs:
         kwargs["splits"] = [int(s) for s in attrs["splits"]]

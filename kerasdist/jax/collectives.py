@@ -60,8 +60,9 @@ def _like(x, rows=None):
 
 
 def _reduce_attrs(op, prescale, postscale):
-    return dict(reduce_op=np.int32(op), prescale=np.float64(prescale),
-                postscale=np.float64(postscale))
+    return dict(reduce_op=np.int32(op),
+                prescale_factor=np.float64(prescale),
+                postscale_factor=np.float64(postscale))
 
 
 def _set_size():
@@ -95,7 +96,7 @@ def _differentiable(op):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _allreduce(x, name, op, prescale, postscale, ps=0):
     with _on_set(ps):
-        return call("allreduce", _like(x), x, name=name,
+        return call("allreduce", _like(x), x, tensor_name=name,
                     **_reduce_attrs(op, prescale, postscale))
 
 
@@ -120,7 +121,8 @@ def allreduce(tensor, op, name, prescale_factor, postscale_factor):
 def _grouped(xs, name, op, prescale, postscale, ps=0):
     with _on_set(ps):
         return tuple(call("grouped_allreduce", [_like(x) for x in xs], *xs,
-                          name=name, **_reduce_attrs(op, prescale, postscale)))
+                          tensor_name=name,
+                          **_reduce_attrs(op, prescale, postscale)))
 
 
 def _grouped_fwd(xs, name, op, prescale, postscale, ps):
@@ -148,7 +150,7 @@ def grouped_allreduce(tensors, op, name, prescale_factor, postscale_factor):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _allgather(x, name, rows, ps=0):
     with _on_set(ps):
-        return call("allgather", _like(x, sum(rows)), x, name=name)
+        return call("allgather", _like(x, sum(rows)), x, tensor_name=name)
 
 
 def _allgather_fwd(x, name, rows, ps):
@@ -186,7 +188,7 @@ def allgather(tensor, name):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _broadcast(x, name, root, ps=0):
     with _on_set(ps):
-        return call("broadcast", _like(x), x, name=name,
+        return call("broadcast", _like(x), x, tensor_name=name,
                     root_rank=np.int32(root))
 
 
@@ -212,7 +214,7 @@ def broadcast(tensor, root_rank, name):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _alltoall(x, name, splits, recv, ps=0):
     with _on_set(ps):
-        return call("alltoall", _like(x, sum(recv)), x, name=name,
+        return call("alltoall", _like(x, sum(recv)), x, tensor_name=name,
                     splits=np.asarray(splits, np.int64))
 
 
@@ -270,7 +272,7 @@ def alltoall(tensor, splits, name):
 def _reducescatter(x, name, op, prescale, postscale, counts, ps=0):
     with _on_set(ps):
         return call("reducescatter", _like(x, counts[_set_rank()]), x,
-                    name=name, **_reduce_attrs(op, prescale, postscale))
+                    tensor_name=name, **_reduce_attrs(op, prescale, postscale))
 
 
 def _reducescatter_fwd(x, name, op, prescale, postscale, counts, ps):
@@ -298,7 +300,8 @@ def reducescatter(tensor, op, name, prescale_factor, postscale_factor):
 
 
 def barrier(name):
-    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32), name=name)
+    token = call("barrier", jax.ShapeDtypeStruct((), jnp.int32),
+                 tensor_name=name)
     if program_trace() is None:
         token.block_until_ready()
 

@@ -95,21 +95,19 @@ int kerasdist_set_tunables(int64_t fusion_threshold_bytes, double cycle_time_ms,
 int kerasdist_get_tunables(int64_t* fusion_threshold_bytes,
                            double* cycle_time_ms, int* cache_enabled);
 
-/* Completion callbacks: the seam for every front end outside the TF op
- * library (JAX's FFI handlers, and the handle API below, which is built on
- * it). A C function pointer, not frontend.h's C++ Entry, because it crosses
- * library and language boundaries unchanged (ctypes, an XLA plugin built
- * without TensorFlow's flags) and needs none of the core's headers; a
- * callback, not a wait, so that a front end completes its own future when
- * the core is done instead of parking a thread per call. The TF kernels
- * stay on frontend.h: they are compiled with the core's ABI and let the core
- * allocate TF outputs once negotiation knows their shape. Both end in the
- * same Entry and its `done`.
+/* Enqueueing: the one seam of every front end (the TF kernels, JAX's FFI
+ * handlers, the PyTorch ops and Python through the handle API below, which
+ * is built on it), as Horovod has one EnqueueTensorAllreduce for every
+ * framework. C function pointers, not the core's C++ types, because they
+ * cross library and language boundaries unchanged (ctypes, an XLA plugin
+ * built without TensorFlow's flags) and need none of the core's headers;
+ * callbacks, not a wait, so that a front end completes its own future or
+ * op when the core is done instead of parking a thread per call.
  *
  * What `done` receives, valid only during the call: the StatusCode (0 = OK)
  * and its message ("" when OK), the result's shape, the result itself when
- * the core allocated it (`output` was NULL; else NULL), and for alltoall the
- * rows received from each rank. */
+ * the core allocated it (`output` and `allocate` were NULL; else NULL), and
+ * for alltoall the rows received from each rank. */
 typedef struct {
   int32_t status;
   const char* message;
@@ -121,13 +119,48 @@ typedef struct {
 } kerasdist_result;
 typedef void (*kerasdist_done_fn)(void* arg, const kerasdist_result* result);
 
-/* Enqueues one tensor as kerasdist_enqueue does; `done(arg, result)` is then
- * called exactly once, on the core's background thread, when it finishes or
- * fails: it must not block (it may enqueue more). `ready_event`, for device
- * tensors only, optional: a cudaEvent_t recorded on the stream that
- * produces `input`, valid until `done`; the core's communication stream
- * waits on it (NULL: the input is complete already). Returns 0, or -1 with
- * kerasdist_last_error() and `done` is not called. */
+/* Allocates a result whose size only negotiation knows (allgather, alltoall,
+ * reducescatter enqueued with `output` NULL), so that the collective writes
+ * straight into the front end's own tensor: called at most once, on the
+ * core's background thread, before the collective writes the result and
+ * before `done`. Sets *data to `ndim` dims `shape` of the request's dtype,
+ * in the request's memory (host, or its device), and returns 0; or returns
+ * a StatusCode (> 0) and sets *message to why, text valid until `done`. */
+typedef int32_t (*kerasdist_allocate_fn)(void* arg, int32_t ndim,
+                                         const int64_t* shape, void** data,
+                                         const char** message);
+
+/* One tensor to enqueue and how it ends. `output`: the preallocated result
+ * (it may equal `input`), or NULL for the results whose size only
+ * negotiation knows: then `allocate` provides it, or, when `allocate` is
+ * NULL too, the core allocates host memory that `done` receives.
+ * `ready_event`, for device tensors only, optional: a cudaEvent_t recorded
+ * on the stream that produces `input` (and last used `output`), valid until
+ * `done`; the core's communication stream waits on it (NULL: the input is
+ * complete already). `done(arg, result)` is called exactly once, on the
+ * core's background thread, when the tensor finishes or fails: it must not
+ * block (it may enqueue more). `allocate` and `done` both get `arg`. */
+typedef struct {
+  const kerasdist_request* request;
+  const void* input;
+  void* output;
+  void* ready_event;
+  kerasdist_allocate_fn allocate;
+  kerasdist_done_fn done;
+  void* arg;
+} kerasdist_tensor;
+
+/* Enqueues `n` tensors in order, under one lock and with one wake-up of the
+ * core's thread (a grouped allreduce's members; all of one process set).
+ * *queued (optional) says how many were queued: their `done` will be
+ * called. Returns 0 when all were; else the StatusCode (> 0) of the first
+ * that was not, with kerasdist_last_error() its message, and neither its
+ * `done` nor any later one's is called. */
+int kerasdist_enqueue_tensors(const kerasdist_tensor* tensors, int32_t n,
+                              int32_t* queued);
+
+/* kerasdist_enqueue_tensors of one tensor without `allocate`. Returns 0, or
+ * -1 with kerasdist_last_error() and `done` is not called. */
 int kerasdist_enqueue_cb(const kerasdist_request* request, const void* input,
                          void* output, void* ready_event,
                          kerasdist_done_fn done, void* arg);

@@ -1,5 +1,6 @@
-// One tensor handed to the runtime by a front end, and how it ends. Part of
-// the front-end seam (frontend.h): no MPI, no runtime internals.
+// One tensor handed to the runtime, and how it ends: what the C API
+// (c_api.cc) makes of a front end's kerasdist_tensor. No MPI, no runtime
+// internals.
 #ifndef KERASDIST_CORE_ENTRY_H_
 #define KERASDIST_CORE_ENTRY_H_
 
@@ -31,7 +32,8 @@ struct Entry {
   // Device tensors (req.device >= 0) only, optional: a cudaEvent_t recorded
   // on the stream that produces `input` (TF's compute stream), owned by the
   // front end and valid until `done`. The communication stream waits on it;
-  // null means the input is already complete (e.g. the C API after a sync).
+  // null means the input is already complete (e.g. a front end after a
+  // sync).
   void* ready_event = nullptr;
 };
 

@@ -1,8 +1,9 @@
 // The runtime: one background thread per process owns all communication.
-// Front ends (the TF kernels, the C API) call Enqueue and return at once; the
-// thread negotiates with the other ranks, runs the collectives in the
-// coordinator's order through the first enabled backend of its list
-// (backends/backends.h) and completes each entry through its callback.
+// Front ends enqueue through the C API (c_api.h), which calls Enqueue and
+// returns at once; the thread negotiates with the other ranks, runs the
+// collectives in the coordinator's order through the first enabled backend
+// of its list (backends/backends.h) and completes each entry through its
+// callback.
 #ifndef KERASDIST_CORE_RUNTIME_H_
 #define KERASDIST_CORE_RUNTIME_H_
 

@@ -237,10 +237,10 @@ inline auto AllreduceBinding() {
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("reduce_op")
-      .Attr<double>("prescale")
-      .Attr<double>("postscale")
+      .Attr<double>("prescale_factor")
+      .Attr<double>("postscale_factor")
       .Attr<int32_t>("process_set");
 }
 
@@ -249,10 +249,10 @@ inline auto GroupedAllreduceBinding() {
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .RemainingArgs()
       .RemainingRets()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("reduce_op")
-      .Attr<double>("prescale")
-      .Attr<double>("postscale")
+      .Attr<double>("prescale_factor")
+      .Attr<double>("postscale_factor")
       .Attr<int32_t>("process_set");
 }
 
@@ -261,7 +261,7 @@ inline auto BroadcastBinding() {
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("root_rank")
       .Attr<int32_t>("process_set");
 }
@@ -270,7 +270,7 @@ inline auto BarrierBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("process_set");
 }
 

@@ -359,10 +359,10 @@ inline auto AllreduceBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("reduce_op")
-      .Attr<double>("prescale")
-      .Attr<double>("postscale")
+      .Attr<double>("prescale_factor")
+      .Attr<double>("postscale_factor")
       .Attr<int32_t>("process_set");
 }
 
@@ -370,10 +370,10 @@ inline auto GroupedAllreduceBinding() {
   return ffi::Ffi::Bind()
       .RemainingArgs()
       .RemainingRets()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("reduce_op")
-      .Attr<double>("prescale")
-      .Attr<double>("postscale")
+      .Attr<double>("prescale_factor")
+      .Attr<double>("postscale_factor")
       .Attr<int32_t>("process_set");
 }
 
@@ -381,7 +381,7 @@ inline auto AllgatherBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("process_set");
 }
 
@@ -389,7 +389,7 @@ inline auto BroadcastBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("root_rank")
       .Attr<int32_t>("process_set");
 }
@@ -398,7 +398,7 @@ inline auto AlltoallBinding() {
   return ffi::Ffi::Bind()
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<ffi::Span<const int64_t>>("splits")
       .Attr<int32_t>("process_set");
 }
@@ -408,7 +408,7 @@ inline auto ReducescatterBinding() { return AllreduceBinding(); }
 inline auto BarrierBinding() {
   return ffi::Ffi::Bind()
       .Ret<ffi::AnyBuffer>()
-      .Attr<std::string_view>("name")
+      .Attr<std::string_view>("tensor_name")
       .Attr<int32_t>("process_set");
 }
 

@@ -1,5 +1,6 @@
-// AsyncOpKernels: each wraps its tensors, enqueues one Entry with the core
-// runtime and returns; the runtime's background thread completes the op.
+// AsyncOpKernels: each describes its tensors as the core's C API takes them
+// (c_api.h, the one seam of every front end), enqueues them and returns; the
+// core's background thread completes the op through the C callbacks below.
 //
 // Built with KERASDIST_TF_GPU (the core has its NCCL backend), the same
 // kernels are also registered for GPUs. There the tensors stay in device
@@ -10,8 +11,10 @@
 // stream's order). The op completes when the backend has seen the work
 // finish on the device; nothing waits for the whole device. Outputs whose
 // size only negotiation knows (allgather, alltoall, reducescatter) are
-// allocated on the background thread, after the event: there the thread
-// waits for TF's stream once before the collective may write them.
+// allocated by TF through the C API's allocate callback, on the background
+// thread, after the event (so the collective writes TF's own tensor, no copy
+// between): there the thread waits for TF's stream once before the
+// collective may write them.
 #include <array>
 #include <atomic>
 #include <memory>
@@ -19,7 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "../core/frontend.h"
+#include "../core/c_api.h"
+#include "../core/device_hooks.h"
+#include "../core/host_buffer.h"
+#include "../core/types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #ifdef KERASDIST_TF_GPU
@@ -38,23 +44,29 @@ using ::tensorflow::TensorShape;
 
 namespace {
 
-::tensorflow::Status ToTf(const core::Status& s) {
+// The core's StatusCode `code` (as the C API gives it) and its message as
+// TF's error.
+::tensorflow::Status ToTf(int32_t code, const std::string& message) {
   namespace errors = ::tensorflow::errors;
-  switch (s.code()) {
+  switch (static_cast<core::StatusCode>(code)) {
     case core::StatusCode::kOk:
       return ::tensorflow::Status();
     case core::StatusCode::kInvalidArgument:
-      return errors::InvalidArgument(s.message());
+      return errors::InvalidArgument(message);
     // Ranks that disagree about a tensor: Horovod's error type.
     case core::StatusCode::kMismatch:
     case core::StatusCode::kPrecondition:
-      return errors::FailedPrecondition(s.message());
+      return errors::FailedPrecondition(message);
     case core::StatusCode::kAborted:
-      return errors::Aborted(s.message());
+      return errors::Aborted(message);
     case core::StatusCode::kInternal:
-      return errors::Internal(s.message());
+      return errors::Internal(message);
   }
-  return errors::Unknown(s.message());
+  return errors::Unknown(message);
+}
+
+::tensorflow::Status ToTf(const core::Status& s) {
+  return ToTf(static_cast<int32_t>(s.code()), s.message());
 }
 
 bool ToCore(::tensorflow::DataType dt, core::DataType* out) {
@@ -229,15 +241,111 @@ struct ReduceAttrs {
     TF_RETURN_IF_ERROR(c->GetAttr("prescale_factor", &prescale));
     return c->GetAttr("postscale_factor", &postscale);
   }
-  void Apply(core::Request* req) const {
-    req->reduce_op = static_cast<core::ReduceOp>(reduce_op);
+  void Apply(kerasdist_request* req) const {
+    req->reduce_op = reduce_op;
     req->prescale = prescale;
     req->postscale = postscale;
   }
 };
 
-// Shared by every kernel: the tensor name (attr, else the node name) and the
-// enqueue with error handling.
+// The request for `in` (absent: an op without tensors) named `name`; `name`
+// and `dims` must outlive it.
+kerasdist_request MakeRequest(core::OpType op, const std::string& name,
+                              core::DataType dtype,
+                              const std::vector<int64_t>& dims, int process_set,
+                              int device) {
+  kerasdist_request r{};
+  r.name = name.c_str();
+  r.op = static_cast<int32_t>(op);
+  r.reduce_op = static_cast<int32_t>(core::ReduceOp::kSum);
+  r.dtype = static_cast<int32_t>(dtype);
+  r.ndim = static_cast<int32_t>(dims.size());
+  r.shape = dims.data();
+  r.prescale = 1.0;
+  r.postscale = 1.0;
+  r.device = device;
+  r.process_set = process_set;
+  return r;
+}
+
+// One single-tensor op in flight: what the core's callbacks need. Owned by
+// the core from a successful enqueue until OpDone, which deletes it.
+struct OpCall {
+  OpKernelContext* ctx;
+  AsyncOpKernel::DoneCallback done;
+  Placement where;
+  void* ready = nullptr;  // the GPU ready event, released when done
+  bool alltoall = false;  // outputs the received splits too
+  std::string error;      // an allocation failure, for the core to copy
+};
+
+// Completes the op: its error, or for alltoall the received splits.
+void Complete(OpCall& c, int32_t status, const char* message, int32_t nsplits,
+              const int64_t* recv_splits) {
+  ReleaseReady(c.ready, c.where.device);
+  if (status != 0) {
+    c.ctx->SetStatus(ToTf(status, message));
+  } else if (c.alltoall) {
+    Tensor* out = nullptr;
+    ::tensorflow::Status s =
+        c.ctx->allocate_output(1, TensorShape({int64_t{nsplits}}), &out);
+    if (s.ok()) {
+      auto o = out->flat<int64_t>();
+      for (int32_t i = 0; i < nsplits; ++i) o(i) = recv_splits[i];
+    } else {
+      c.ctx->SetStatus(s);
+    }
+  }
+  c.done();
+}
+
+// kerasdist_done_fn of a single-tensor op.
+void OpDone(void* arg, const kerasdist_result* r) {
+  std::unique_ptr<OpCall> c(static_cast<OpCall*>(arg));
+  Complete(*c, r->status, r->message, r->nsplits, r->recv_splits);
+}
+
+// kerasdist_allocate_fn: TF allocates output 0 once negotiation knows its
+// shape, and the collective writes it in place. On a GPU the memory TF hands
+// out may still be in use by work queued on its stream after the ready
+// event, so the (background) thread waits for that stream first.
+int32_t AllocateOutput(void* arg, int32_t ndim, const int64_t* dims,
+                       void** data, const char** message) {
+  OpCall& c = *static_cast<OpCall*>(arg);
+  TensorShape shape;
+  for (int32_t i = 0; i < ndim; ++i) shape.AddDim(dims[i]);
+  Tensor* out = nullptr;
+  ::tensorflow::Status s = c.ctx->allocate_output(0, shape, &out);
+  if (!s.ok()) {
+    c.error = "could not allocate the output: " + std::string(s.message());
+    *message = c.error.c_str();
+    return static_cast<int32_t>(core::StatusCode::kInternal);
+  }
+#ifdef KERASDIST_TF_GPU
+  if (c.where.device >= 0) {
+    core::Status synced =
+        core::DeviceHooks()->sync_stream(c.where.stream, c.where.device);
+    if (!synced.ok()) {
+      c.error = synced.message();
+      *message = c.error.c_str();
+      return static_cast<int32_t>(synced.code());
+    }
+  }
+#endif
+  *data = Data(*out);
+  return 0;
+}
+
+// A failure before the op reached the core: "not initialized" comes first,
+// as the op could not have run anyway.
+::tensorflow::Status EarlyFailure(const ::tensorflow::Status& s) {
+  if (s.ok() || kerasdist_is_initialized()) return s;
+  return ::tensorflow::errors::FailedPrecondition(
+      "kerasdist is not initialized; call kerasdist.init() first.");
+}
+
+// Shared by every single-tensor kernel: the tensor name (attr, else the node
+// name), the request from the op's input and the enqueue with its errors.
 class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c)
@@ -252,103 +360,58 @@ class CollectiveKernel : public AsyncOpKernel {
   bool IsExpensive() override { return false; }
 
  protected:
-  // Fills the parts of the request every op has, and *where.
+  // Where the op runs and its request for input 0 (if any) into *r; *dims
+  // holds the shape *r points to. False (the op failed) on an error.
   bool Begin(OpKernelContext* ctx, DoneCallback& done, core::OpType op,
-             core::Entry* e, core::RuntimeRef* rt, Placement* where) {
-    *rt = core::RuntimeRef::Current(process_set_);
-    if (!*rt) {
-      ctx->SetStatus(::tensorflow::errors::FailedPrecondition(
-          "kerasdist is not initialized; call kerasdist.init() first."));
-      done();
-      return false;
-    }
+             std::vector<int64_t>* dims, kerasdist_request* r,
+             Placement* where) {
     ::tensorflow::Status placed = GetPlacement(ctx, on_gpu_, where);
     if (!placed.ok()) {
-      ctx->SetStatus(placed);
+      ctx->SetStatus(EarlyFailure(placed));
       done();
       return false;
     }
-    e->req.device = where->device;
-    e->req.name = tensor_name_;
-    e->req.op = op;
+    core::DataType dtype = core::DataType::kUInt8;
     if (ctx->num_inputs() > 0) {
       const Tensor& in = ctx->input(0);
-      if (!ToCore(in.dtype(), &e->req.dtype)) {
-        ctx->SetStatus(::tensorflow::errors::InvalidArgument(
+      if (!ToCore(in.dtype(), &dtype)) {
+        ctx->SetStatus(EarlyFailure(::tensorflow::errors::InvalidArgument(
             "kerasdist: unsupported dtype ",
             ::tensorflow::DataTypeString(in.dtype()), " for '", tensor_name_,
-            "'."));
+            "'.")));
         done();
         return false;
       }
-      e->req.shape = Dims(in.shape());
-      e->input = in.tensor_data().data();
+      *dims = Dims(in.shape());
     }
+    *r = MakeRequest(op, tensor_name_, dtype, *dims, process_set_,
+                     where->device);
     return true;
   }
 
   // Call once the op's own outputs are allocated (on a GPU the ready event
-  // is recorded here).
-  void Submit(OpKernelContext* ctx, DoneCallback done, core::RuntimeRef& rt,
-              core::Entry e, const Placement& where) {
+  // is recorded here). `output` null: AllocateOutput provides output 0.
+  void Submit(OpKernelContext* ctx, DoneCallback done,
+              const kerasdist_request& r, void* output, const Placement& where,
+              bool alltoall = false) {
     void* ready = nullptr;
-    ::tensorflow::Status recorded = RecordReady(where, &ready);
-    if (!recorded.ok()) {
-      ctx->SetStatus(recorded);
-      done();
-      return;
+    OP_REQUIRES_OK_ASYNC(ctx, RecordReady(where, &ready), done);
+    auto* c = new OpCall{ctx, std::move(done), where, ready, alltoall, {}};
+    const void* input =
+        ctx->num_inputs() > 0 ? ctx->input(0).tensor_data().data() : nullptr;
+    kerasdist_tensor t{&r,
+                       input,
+                       output,
+                       ready,
+                       output == nullptr ? &AllocateOutput : nullptr,
+                       &OpDone,
+                       c};
+    const int code = kerasdist_enqueue_tensors(&t, 1, nullptr);
+    // Not queued: the core will not call back; end the op here.
+    if (code != 0) {
+      std::unique_ptr<OpCall> own(c);
+      Complete(*own, code, kerasdist_last_error(), 0, nullptr);
     }
-    // From here on every ending goes through e.done (moved, not copied:
-    // one allocation fewer per call), a failed enqueue included.
-    if (!e.done) {
-      e.done = [ctx, done = std::move(done)](const core::Result& r) {
-        if (!r.status.ok()) ctx->SetStatus(ToTf(r.status));
-        done();
-      };
-    }
-    if (ready != nullptr) {
-      e.ready_event = ready;
-      e.done = [ready, device = where.device,
-                inner = std::move(e.done)](const core::Result& r) {
-        ReleaseReady(ready, device);
-        inner(r);
-      };
-    }
-    std::vector<core::Entry> one;
-    one.push_back(std::move(e));
-    size_t queued = 0;
-    core::Status s = rt.EnqueueMany(one, &queued);
-    // Entries not queued stay in `one`, their callbacks untouched.
-    if (queued == 0)
-      one[0].done(core::Result{
-          s.ok() ? core::Status::Internal("kerasdist: the op was not queued.")
-                 : s,
-          {}});
-  }
-
-  // For results whose shape only negotiation knows. On a GPU the memory TF
-  // hands out may still be in use by work queued on its stream after the
-  // ready event, so the (background) thread waits for that stream first.
-  static std::function<core::Status(const std::vector<int64_t>&, void**)>
-  Allocator(OpKernelContext* ctx, int index, const Placement& where) {
-    return [ctx, index, where](const std::vector<int64_t>& dims, void** data) {
-      TensorShape shape;
-      for (int64_t d : dims) shape.AddDim(d);
-      Tensor* out = nullptr;
-      ::tensorflow::Status s = ctx->allocate_output(index, shape, &out);
-      if (!s.ok()) {
-        return core::Status::Internal("could not allocate the output: " +
-                                      std::string(s.message()));
-      }
-#ifdef KERASDIST_TF_GPU
-      if (where.device >= 0) {
-        KD_RETURN_IF_ERROR(
-            core::DeviceHooks()->sync_stream(where.stream, where.device));
-      }
-#endif
-      *data = Data(*out);
-      return core::Status::OK();
-    };
   }
 
   const bool on_gpu_;
@@ -364,18 +427,16 @@ class AllreduceOp : public CollectiveKernel {
     OP_REQUIRES_OK(c, c->GetAttr("group_size", &group_size_));
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kAllreduce, &e, &rt, &where)) return;
+    if (!Begin(ctx, done, core::OpType::kAllreduce, &dims, &r, &where)) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, outputs_.Get(ctx, 0, &out), done);
-    e.input = ctx->input(0).tensor_data().data();
-    e.output = Data(*out);
-    reduce_.Apply(&e.req);
-    e.req.group = group_;
-    e.req.group_size = group_size_;
-    Submit(ctx, done, rt, std::move(e), where);
+    reduce_.Apply(&r);
+    r.group = group_.c_str();
+    r.group_size = group_size_;
+    Submit(ctx, std::move(done), r, Data(*out), where);
   }
 
  private:
@@ -411,41 +472,43 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   bool IsExpensive() override { return false; }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::RuntimeRef rt = core::RuntimeRef::Current(process_set_);
-    OP_REQUIRES_ASYNC(
-        ctx, static_cast<bool>(rt),
-        ::tensorflow::errors::FailedPrecondition(
-            "kerasdist is not initialized; call kerasdist.init() first."),
-        done);
     const int n = ctx->num_inputs();
     if (n == 0) {
+      OP_REQUIRES_ASYNC(
+          ctx, kerasdist_is_initialized() != 0,
+          ::tensorflow::errors::FailedPrecondition(
+              "kerasdist is not initialized; call kerasdist.init() first."),
+          done);
       done();
       return;
     }
     Placement where;
-    OP_REQUIRES_OK_ASYNC(ctx, GetPlacement(ctx, on_gpu_, &where), done);
-    std::vector<core::Entry> entries(n);
+    OP_REQUIRES_OK_ASYNC(ctx, EarlyFailure(GetPlacement(ctx, on_gpu_, &where)),
+                         done);
+    Members m(n);
     // A failure here fails the op before anything is enqueued.
-    OP_REQUIRES_OK_ASYNC(ctx, MakeEntries(ctx, where, &entries), done);
+    OP_REQUIRES_OK_ASYNC(ctx, EarlyFailure(MakeMembers(ctx, where, &m)), done);
     // Every output is allocated: the ready point for the whole group.
     void* ready = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, RecordReady(where, &ready), done);
-    // The members' callbacks hold only this (one pointer: no allocation per
+    // The members' callbacks share this one object (no allocation per
     // member); the op's own `done` is moved here once.
-    auto state = std::make_shared<Countdown>(ctx, std::move(done), n, ready,
-                                             where.device);
-    for (core::Entry& e : entries) {
-      e.ready_event = ready;
-      e.done = [state](const core::Result& r) { state->Finish(r.status); };
+    auto* count = new Countdown(ctx, std::move(done), n, ready, where.device);
+    for (kerasdist_tensor& t : m.tensors) {
+      t.ready_event = ready;
+      t.arg = count;
     }
-    size_t queued = 0;
-    core::Status s = rt.EnqueueMany(entries, &queued);
-    for (size_t i = queued; i < entries.size(); ++i) state->Finish(s);
+    int32_t queued = 0;
+    const int code = kerasdist_enqueue_tensors(m.tensors.data(), n, &queued);
+    if (queued == n) return;
+    const std::string message = kerasdist_last_error();
+    for (int i = queued; i < n; ++i) count->Finish(code, message.c_str());
   }
 
  private:
-  // Completes the op when the last member finishes; keeps the first error.
-  // On a GPU the members share one ready event, released with the last.
+  // Completes the op when the last member finishes, then deletes itself;
+  // keeps the first error. On a GPU the members share one ready event,
+  // released with the last.
   class Countdown {
    public:
     Countdown(OpKernelContext* ctx, DoneCallback done, int n, void* ready,
@@ -456,50 +519,70 @@ class GroupedAllreduceOp : public AsyncOpKernel {
           ready_(ready),
           device_(device) {}
 
-    void Finish(const core::Status& s) {
-      if (!s.ok()) {
+    // kerasdist_done_fn of every member.
+    static void Done(void* arg, const kerasdist_result* r) {
+      static_cast<Countdown*>(arg)->Finish(r->status, r->message);
+    }
+
+    void Finish(int32_t status, const char* message) {
+      if (status != 0) {
         std::lock_guard<std::mutex> l(mu_);
-        if (first_error_.ok()) first_error_ = s;
+        if (first_code_ == 0) {
+          first_code_ = status;
+          first_message_ = message;
+        }
       }
       if (--left_ != 0) return;
       ReleaseReady(ready_, device_);
-      if (!first_error_.ok()) ctx_->SetStatus(ToTf(first_error_));
-      done_();
+      if (first_code_ != 0) ctx_->SetStatus(ToTf(first_code_, first_message_));
+      DoneCallback done = std::move(done_);
+      delete this;
+      done();
     }
 
    private:
     OpKernelContext* const ctx_;
-    const DoneCallback done_;
+    DoneCallback done_;
     std::atomic<int> left_;
     std::mutex mu_;
-    core::Status first_error_;
+    int32_t first_code_ = 0;
+    std::string first_message_;
     void* const ready_;
     const int device_;
   };
 
-  // One entry per input, its output allocated; `done` is left to the caller.
-  ::tensorflow::Status MakeEntries(OpKernelContext* ctx, const Placement& where,
-                                   std::vector<core::Entry>* entries) {
-    const int n = static_cast<int>(entries->size());
+  // The members' requests and what they point to.
+  struct Members {
+    explicit Members(int n) : dims(n), requests(n), tensors(n) {}
+    std::vector<std::vector<int64_t>> dims;
+    std::vector<kerasdist_request> requests;
+    std::vector<kerasdist_tensor> tensors;
+  };
+
+  // One tensor per input, its output allocated; the callbacks' `arg` is left
+  // to the caller.
+  ::tensorflow::Status MakeMembers(OpKernelContext* ctx, const Placement& where,
+                                   Members* m) {
+    const int n = static_cast<int>(m->tensors.size());
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
-      core::Entry& e = (*entries)[i];
       Tensor* out = nullptr;
       TF_RETURN_IF_ERROR(outputs_.Get(ctx, i, &out));
-      if (!ToCore(in.dtype(), &e.req.dtype)) {
+      core::DataType dtype;
+      if (!ToCore(in.dtype(), &dtype)) {
         return ::tensorflow::errors::InvalidArgument(
             "kerasdist: unsupported dtype ",
             ::tensorflow::DataTypeString(in.dtype()));
       }
-      e.req.name = names_[i];
-      e.req.op = core::OpType::kAllreduce;
-      e.req.shape = Dims(in.shape());
-      reduce_.Apply(&e.req);
-      e.req.group = base_;
-      e.req.group_size = n;
-      e.req.device = where.device;
-      e.input = in.tensor_data().data();
-      e.output = Data(*out);
+      m->dims[i] = Dims(in.shape());
+      kerasdist_request& r = m->requests[i];
+      r = MakeRequest(core::OpType::kAllreduce, names_[i], dtype, m->dims[i],
+                      process_set_, where.device);
+      reduce_.Apply(&r);
+      r.group = base_.c_str();
+      r.group_size = n;
+      m->tensors[i] = {&r,      in.tensor_data().data(), Data(*out), nullptr,
+                       nullptr, &Countdown::Done,        nullptr};
     }
     return ::tensorflow::Status();
   }
@@ -516,12 +599,11 @@ class AllgatherOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kAllgather, &e, &rt, &where)) return;
-    e.allocate = Allocator(ctx, 0, where);
-    Submit(ctx, done, rt, std::move(e), where);
+    if (!Begin(ctx, done, core::OpType::kAllgather, &dims, &r, &where)) return;
+    Submit(ctx, std::move(done), r, nullptr, where);
   }
 };
 
@@ -531,16 +613,14 @@ class BroadcastOp : public CollectiveKernel {
     OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kBroadcast, &e, &rt, &where)) return;
+    if (!Begin(ctx, done, core::OpType::kBroadcast, &dims, &r, &where)) return;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, outputs_.Get(ctx, 0, &out), done);
-    e.input = ctx->input(0).tensor_data().data();
-    e.output = Data(*out);
-    e.req.root_rank = root_rank_;
-    Submit(ctx, done, rt, std::move(e), where);
+    r.root_rank = root_rank_;
+    Submit(ctx, std::move(done), r, Data(*out), where);
   }
 
  private:
@@ -552,32 +632,14 @@ class AlltoallOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kAlltoall, &e, &rt, &where)) return;
-    const Tensor& splits = ctx->input(1);
-    auto flat = splits.flat<int64_t>();
-    e.req.splits.assign(flat.data(), flat.data() + flat.size());
-    e.allocate = Allocator(ctx, 0, where);
-    e.done = [ctx, done](const core::Result& r) {
-      if (!r.status.ok()) {
-        ctx->SetStatus(ToTf(r.status));
-      } else {
-        Tensor* out = nullptr;
-        TensorShape shape({static_cast<int64_t>(r.recv_splits.size())});
-        ::tensorflow::Status s = ctx->allocate_output(1, shape, &out);
-        if (s.ok()) {
-          auto o = out->flat<int64_t>();
-          for (size_t i = 0; i < r.recv_splits.size(); ++i)
-            o(i) = r.recv_splits[i];
-        } else {
-          ctx->SetStatus(s);
-        }
-      }
-      done();
-    };
-    Submit(ctx, done, rt, std::move(e), where);
+    if (!Begin(ctx, done, core::OpType::kAlltoall, &dims, &r, &where)) return;
+    auto splits = ctx->input(1).flat<int64_t>();
+    r.nsplits = static_cast<int32_t>(splits.size());
+    r.splits = splits.data();
+    Submit(ctx, std::move(done), r, nullptr, where, /*alltoall=*/true);
   }
 };
 
@@ -587,14 +649,13 @@ class ReducescatterOp : public CollectiveKernel {
     OP_REQUIRES_OK(c, reduce_.Read(c));
   }
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kReducescatter, &e, &rt, &where))
+    if (!Begin(ctx, done, core::OpType::kReducescatter, &dims, &r, &where))
       return;
-    reduce_.Apply(&e.req);
-    e.allocate = Allocator(ctx, 0, where);
-    Submit(ctx, done, rt, std::move(e), where);
+    reduce_.Apply(&r);
+    Submit(ctx, std::move(done), r, nullptr, where);
   }
 
  private:
@@ -605,12 +666,11 @@ class BarrierOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kBarrier, &e, &rt, &where)) return;
-    e.req.dtype = core::DataType::kUInt8;
-    Submit(ctx, done, rt, std::move(e), where);
+    if (!Begin(ctx, done, core::OpType::kBarrier, &dims, &r, &where)) return;
+    Submit(ctx, std::move(done), r, nullptr, where);
   }
 };
 
@@ -620,19 +680,19 @@ class JoinOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    core::Entry e;
-    core::RuntimeRef rt;
+    std::vector<int64_t> dims;
+    kerasdist_request r;
     Placement where;
-    if (!Begin(ctx, done, core::OpType::kJoin, &e, &rt, &where)) return;
-    e.req.dtype = core::DataType::kInt32;
-    e.req.shape.clear();
-    e.req.device = -1;
+    if (!Begin(ctx, done, core::OpType::kJoin, &dims, &r, &where)) return;
+    r.dtype = static_cast<int32_t>(core::DataType::kInt32);
+    r.ndim = 0;
+    r.device = -1;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out),
         done);
-    e.output = out->flat<::tensorflow::int32>().data();
-    Submit(ctx, done, rt, std::move(e), Placement());
+    Submit(ctx, std::move(done), r, out->flat<::tensorflow::int32>().data(),
+           Placement());
   }
 };
 

@@ -1,6 +1,14 @@
 // Op registrations: attributes, shape functions and docs. The kernels are in
 // kernels.cc. Every op is stateful: two collectives must never be merged or
 // pruned by graph optimisations, since other ranks are waiting for them.
+//
+// The attributes (tensor_name, process_set, reduce_op, prescale_factor,
+// postscale_factor, root_rank, group, group_size) are the vocabulary of
+// every front end's compiled collectives: the XLA FFI handlers that JAX and
+// TF's XLA kernels call bind theirs by the same names (jax/ffi_handlers.h).
+// They are also what a saved graph records, so they keep their names. The
+// scale factors are float here, as a TF attribute has no 64-bit float; the
+// handlers take them as double, which holds every float exactly.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"

@@ -3,7 +3,9 @@
 // API, whose handler (tf/xla_ffi.cc, JAX's handler bodies) enqueues into the
 // core and completes asynchronously, as the JAX front end does. The
 // collective's name, process set and reduction travel in the call's backend
-// config, fixed at compile time: the name is the op's tensor_name (the
+// config under the op's own attribute names (tensor_name, process_set,
+// reduce_op, prescale_factor, ...: the handlers' bindings, ffi_handlers.h),
+// fixed at compile time: the name is the op's tensor_name (the
 // graph's unique name inside a tf.function), so negotiation by name does not
 // depend on the order XLA runs the calls in. Every call has a side effect:
 // XLA must neither drop nor merge a collective other ranks wait for.
@@ -107,8 +109,8 @@ class CollectiveXla : public XlaOpKernel {
  protected:
   // The config's attributes every collective has, then `more`.
   std::string Config(const std::string& more) const {
-    std::string c =
-        "{name = " + Quoted(name_) + ", process_set = " + I32(process_set_);
+    std::string c = "{tensor_name = " + Quoted(name_) +
+                    ", process_set = " + I32(process_set_);
     if (!more.empty()) c += ", " + more;
     return c + "}";
   }
@@ -147,8 +149,9 @@ class CollectiveXla : public XlaOpKernel {
 };
 
 std::string ReduceConfig(int reduce_op, float prescale, float postscale) {
-  return "reduce_op = " + I32(reduce_op) + ", prescale = " + F64(prescale) +
-         ", postscale = " + F64(postscale);
+  return "reduce_op = " + I32(reduce_op) +
+         ", prescale_factor = " + F64(prescale) +
+         ", postscale_factor = " + F64(postscale);
 }
 
 class ReduceXla : public CollectiveXla {

@@ -201,6 +201,65 @@ elif mode == "callback":
         assert got["status"] != 0, got
         for needle in ("Mismatched shape", "'cb.shape'", "[2]", "[3]"):
             assert needle in got["message"], got
+    # kerasdist_enqueue_tensors with an allocate callback, as the TF kernels
+    # use it: the result lands in the caller's buffer, sized by negotiation;
+    # a refused allocation fails the tensor with the caller's message.
+    alloc_fn_t = ctypes.CFUNCTYPE(
+        ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_char_p))
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("request", ctypes.POINTER(c._Request)),
+                    ("input", ctypes.c_void_p), ("output", ctypes.c_void_p),
+                    ("ready_event", ctypes.c_void_p),
+                    ("allocate", alloc_fn_t), ("done", c.DONE_FN),
+                    ("arg", ctypes.c_void_p)]
+
+    lib.kerasdist_enqueue_tensors.argtypes = [
+        ctypes.POINTER(Tensor), ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int32)]
+
+    def enqueue_alloc(name, x, refuse=False):
+        shape = (ctypes.c_int64 * max(x.ndim, 1))(*x.shape)
+        req = c._Request(name=name.encode(), op=c.OP_ALLGATHER,
+                         reduce_op=kd.Sum, dtype=c.DTYPES[x.dtype],
+                         ndim=x.ndim, shape=shape, prescale=1.0,
+                         postscale=1.0, group=b"", device=-1)
+        got, done = {"allocs": []}, threading.Event()
+        reason = ctypes.c_char_p(b"no room for it here")
+
+        def on_alloc(arg, ndim, dims, data, message):
+            got["allocs"].append([dims[i] for i in range(ndim)])
+            if refuse:
+                message[0] = reason
+                return 4  # StatusCode kAborted
+            got["out"] = np.empty(got["allocs"][-1], x.dtype)
+            data[0] = got["out"].ctypes.data
+            return 0
+
+        def on_done(arg, res):
+            res = res.contents
+            got["status"], got["message"] = res.status, res.message.decode()
+            got["data"] = res.data
+            done.set()
+
+        fns = (alloc_fn_t(on_alloc), c.DONE_FN(on_done))
+        t = Tensor(ctypes.pointer(req), x.ctypes.data, None, None, *fns,
+                   None)
+        queued = ctypes.c_int32(-1)
+        rc = lib.kerasdist_enqueue_tensors(ctypes.byref(t), 1,
+                                           ctypes.byref(queued))
+        assert rc == 0 and queued.value == 1, (rc, c.last_error())
+        assert done.wait(60), f"{name}: no callback"
+        return got
+
+    x2 = np.full((r + 1, 2), r, np.int64)
+    got = enqueue_alloc("cb.alloc", x2)
+    assert got["status"] == 0 and got["allocs"] == [list(want.shape)], got
+    assert got["data"] is None and (got["out"] == want).all(), got
+    got = enqueue_alloc("cb.refused", x2, refuse=True)
+    assert got["status"] == 4 and "no room for it here" in got["message"], got
     # refused at once, and then never called back
     err = enqueue_cb(c.OP_ALLREDUCE, "cb.bad", x, out, dtype=99)
     assert "invalid request" in err, err

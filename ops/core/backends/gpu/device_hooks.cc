@@ -1,11 +1,11 @@
-// CUDA for framework front ends (DeviceStreamHooks in device_hooks.h):
+// CUDA for framework front ends (DeviceStreamHooks, ops/core/device_hooks.h):
 // events recorded on the framework's stream, and stream synchronisation.
 // Compiled only with KERASDIST_WITH_NCCL; its last lines register the hooks.
 #include <map>
 #include <mutex>
 #include <vector>
 
-#include "device_hooks.h"
+#include "../../device_hooks.h"
 #include "gpu_util.h"
 #include "on_device.h"
 

@@ -1,0 +1,165 @@
+// The handle API of c_api.h (kerasdist_enqueue, kerasdist_wait, ...), for
+// callers with no thread of their own to call back (Python through ctypes).
+// Built on kerasdist_enqueue_tensors like every other front end: a handle's
+// `allocate` puts a result whose size only negotiation knows into memory the
+// handle owns, and its `done` records the result for the waiters.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "c_api.h"
+#include "status.h"
+#include "types.h"
+
+namespace kerasdist::core {
+
+namespace {
+
+// One enqueued tensor and, once `done` is set, how it ended (mu guards what
+// follows it). `self` keeps the handle alive while the core holds it, even
+// after kerasdist_release.
+struct Handle {
+  std::shared_ptr<Handle> self;
+  int64_t element_size = 1;
+  bool on_device = false;
+  std::vector<char> owned;  // a result the handle allocated
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int32_t status = 0;
+  std::string message;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> recv_splits;
+};
+
+std::mutex g_mu;  // guards g_handles and g_next
+std::map<int64_t, std::shared_ptr<Handle>> g_handles;
+int64_t g_next = 1;
+thread_local std::string t_text;
+
+std::shared_ptr<Handle> Find(int64_t h) {
+  std::lock_guard<std::mutex> l(g_mu);
+  auto it = g_handles.find(h);
+  return it == g_handles.end() ? nullptr : it->second;
+}
+
+int32_t Allocate(void* arg, int32_t ndim, const int64_t* shape, void** data,
+                 const char** message) {
+  Handle& h = *static_cast<Handle*>(arg);
+  if (h.on_device) {
+    *message =
+        "a device tensor needs a preallocated output of the result's size "
+        "(the C API allocates host memory only).";
+    return static_cast<int32_t>(StatusCode::kInvalidArgument);
+  }
+  const std::vector<int64_t> dims(shape, shape + ndim);
+  h.owned.resize(std::max<int64_t>(NumElements(dims) * h.element_size, 1));
+  *data = h.owned.data();
+  return 0;
+}
+
+void Done(void* arg, const kerasdist_result* r) {
+  Handle& h = *static_cast<Handle*>(arg);
+  std::shared_ptr<Handle> keep = std::move(h.self);  // released on return
+  std::lock_guard<std::mutex> l(h.mu);
+  h.status = r->status;
+  h.message = r->message;
+  h.shape.assign(r->shape, r->shape + r->ndim);
+  h.recv_splits.assign(r->recv_splits, r->recv_splits + r->nsplits);
+  h.done = true;
+  h.cv.notify_all();
+}
+
+}  // namespace
+
+}  // namespace kerasdist::core
+
+using namespace kerasdist::core;
+
+extern "C" {
+
+int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
+                          void* output) {
+  auto h = std::make_shared<Handle>();
+  if (r != nullptr && IsValidDataType(r->dtype)) {
+    h->element_size = DataTypeSize(static_cast<DataType>(r->dtype));
+    h->on_device = r->device >= 0;
+  }
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> l(g_mu);
+    id = g_next++;
+    g_handles[id] = h;
+  }
+  h->self = h;
+  kerasdist_tensor t{r, input, output, nullptr, &Allocate, &Done, h.get()};
+  if (kerasdist_enqueue_tensors(&t, 1, nullptr) != 0) {
+    h->self.reset();
+    std::lock_guard<std::mutex> l(g_mu);
+    g_handles.erase(id);
+    return 0;
+  }
+  return id;
+}
+
+int kerasdist_wait(int64_t handle, double timeout_s) {
+  auto h = Find(handle);
+  if (!h) return 1;
+  std::unique_lock<std::mutex> l(h->mu);
+  if (timeout_s < 0) {
+    h->cv.wait(l, [&] { return h->done; });
+    return 1;
+  }
+  return h->cv.wait_for(l, std::chrono::duration<double>(timeout_s),
+                        [&] { return h->done; })
+             ? 1
+             : 0;
+}
+
+int kerasdist_handle_status(int64_t handle) {
+  auto h = Find(handle);
+  if (!h) return static_cast<int>(StatusCode::kInvalidArgument);
+  std::lock_guard<std::mutex> l(h->mu);
+  return h->status;
+}
+
+const char* kerasdist_handle_message(int64_t handle) {
+  auto h = Find(handle);
+  if (!h) {
+    t_text = "unknown handle";
+  } else {
+    std::lock_guard<std::mutex> l(h->mu);
+    t_text = h->message;
+  }
+  return t_text.c_str();
+}
+
+const void* kerasdist_handle_output(int64_t handle, int32_t* ndim,
+                                    int64_t* shape) {
+  auto h = Find(handle);
+  if (!h) return nullptr;
+  std::lock_guard<std::mutex> l(h->mu);
+  *ndim = static_cast<int32_t>(h->shape.size());
+  for (size_t i = 0; i < h->shape.size() && i < 32; ++i) shape[i] = h->shape[i];
+  return h->owned.empty() ? nullptr : h->owned.data();
+}
+
+int kerasdist_handle_recv_splits(int64_t handle, int64_t* splits) {
+  auto h = Find(handle);
+  if (!h) return 0;
+  std::lock_guard<std::mutex> l(h->mu);
+  std::copy(h->recv_splits.begin(), h->recv_splits.end(), splits);
+  return static_cast<int>(h->recv_splits.size());
+}
+
+void kerasdist_release(int64_t handle) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_handles.erase(handle);
+}
+
+}  // extern "C"
