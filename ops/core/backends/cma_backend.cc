@@ -1,6 +1,5 @@
 // The in-place single-node backend (cma_allreduce.h): peers read each
 // other's tensors where they lie.
-#include "../transport/mpi_context.h"
 #include "backends.h"
 #include "cma_allreduce.h"
 #include "shm_allreduce.h"
@@ -60,12 +59,12 @@ Status MakeCmaBackend(const Config& config, const NodeContext& ctx,
   out->reset();
   std::unique_ptr<CmaAllreduce> cma;
   KD_RETURN_IF_ERROR(CmaAllreduce::Create(
-      ctx.comm, config.shm_allreduce && config.cma_allreduce,
+      ctx.comm, ctx.one_node(), config.shm_allreduce && config.cma_allreduce,
       config.cma_min_tensor_bytes, &cma));
   if (!cma) return Status::OK();
   int64_t shm_min_bytes = 0;
   KD_RETURN_IF_ERROR(
-      AgreeLargest(ctx.comm, config.shm_allreduce_min_bytes, &shm_min_bytes));
+      AgreeLargest(*ctx.comm, config.shm_allreduce_min_bytes, &shm_min_bytes));
   *out = std::make_unique<CmaBackend>(std::move(cma), shm_min_bytes);
   return Status::OK();
 }
