@@ -32,13 +32,29 @@ BackendList MakeList(const Config& config, const HostRanks& r) {
   return list;
 }
 
-// Every size: the single-node minimums at 0, so that small batches take the
-// paths under test too.
-Config AllSizes() {
+// The defaults, then `lines` ("NAME=value" each) as the runtime parses them
+// (not the environment's).
+Config Parsed(const std::string& lines) {
   Config c;
-  c.shm_allreduce_min_bytes = 0;
-  c.cma_min_tensor_bytes = 0;
+  size_t at = 0;
+  while (at < lines.size()) {
+    size_t end = lines.find('\n', at), eq = lines.find('=', at);
+    if (end == std::string::npos) end = lines.size();
+    CHECK(eq < end);
+    CHECK_OK(ApplySetting(lines.substr(at, eq - at),
+                          lines.substr(eq + 1, end - eq - 1), &c));
+    at = end + 1;
+  }
   return c;
+}
+
+// Every size: the single-node minimums at 0, so that small batches take the
+// paths under test too; `more`: further settings.
+Config AllSizes(const std::string& more = "") {
+  return Parsed(
+      "KERASDIST_SHM_ALLREDUCE_MIN_BYTES=0\n"
+      "KERASDIST_CMA_MIN_TENSOR_BYTES=0\n" +
+      more);
 }
 
 // The reference's cases, and larger ones: odd counts past the in-place
@@ -50,12 +66,10 @@ std::vector<ReduceCase> Cases(int n) {
     const bool fl = IsFloat(dt);
     for (const std::vector<int64_t>& counts :
          std::vector<std::vector<int64_t>>{{100003}, {70001, 3, 40013}}) {
-      ReduceCase sum{dt, ReduceOp::kSum};
-      sum.counts = counts;
-      cases.push_back(sum);
-      ReduceCase avg{dt, ReduceOp::kSum, 1.0, fl ? 1.0 / n : 1.0, fl ? 1 : n};
-      avg.counts = counts;
-      avg.in_place = true;
+      cases.push_back({dt, ReduceOp::kSum, 1.0, 1.0, 1, false, counts});
+      const ReduceCase avg{
+          dt,         ReduceOp::kSum, 1.0,   fl ? 1.0 / n : 1.0,
+          fl ? 1 : n, true,           counts};
       cases.push_back(avg);
     }
   }
@@ -103,8 +117,7 @@ KD_TEST(CmaAllreduceMatchesTheReference) {
 }
 
 KD_TEST(ShmAllreduceMatchesTheReference) {
-  Config config = AllSizes();
-  config.cma_allreduce = false;
+  const Config config = AllSizes("KERASDIST_CMA_ALLREDUCE=0");
   for (int n : {2, 3, 4}) {
     RunHosts({n}, [&](HostRanks& r) {
       const BackendList list = MakeList(config, r);
@@ -118,15 +131,17 @@ KD_TEST(ShmAllreduceMatchesTheReference) {
 // path off for all), and a job on several hosts has no single-node path.
 KD_TEST(SingleNodeBackendsNeedEveryRankAndOneNode) {
   RunHosts({3}, [&](HostRanks& r) {
-    Config config = AllSizes();
-    config.cma_allreduce = r.comm->rank() != 1;
+    const Config config =
+        AllSizes(r.comm->rank() == 1 ? "KERASDIST_CMA_ALLREDUCE=0"
+                                     : "KERASDIST_CMA_ALLREDUCE=1");
     std::vector<std::string> names;
     for (const auto& b : MakeList(config, r)) names.push_back(b->Name());
     CHECK(names == (std::vector<std::string>{"self", "adasum", "shm", "mpi"}));
   });
   RunHosts({2, 2}, [&](HostRanks& r) {
-    Config config = AllSizes();
-    config.hierarchical_allreduce = config.hierarchical_allgather = false;
+    const Config config = AllSizes(
+        "KERASDIST_HIERARCHICAL_ALLREDUCE=0\n"
+        "KERASDIST_HIERARCHICAL_ALLGATHER=0");
     std::vector<std::string> names;
     for (const auto& b : MakeList(config, r)) names.push_back(b->Name());
     CHECK(names == (std::vector<std::string>{"self", "adasum", "mpi"}));
@@ -135,8 +150,7 @@ KD_TEST(SingleNodeBackendsNeedEveryRankAndOneNode) {
 
 // The shared-memory slots' reducescatter and allgather.
 KD_TEST(ShmReducescatterAndAllgather) {
-  Config config = AllSizes();
-  config.cma_allreduce = false;
+  const Config config = AllSizes("KERASDIST_CMA_ALLREDUCE=0");
   for (int n : {2, 3}) {
     RunHosts({n}, [&](HostRanks& r) {
       const BackendList list = MakeList(config, r);
@@ -194,8 +208,8 @@ KD_TEST(ShmReducescatterAndAllgather) {
 
 KD_TEST(HierarchicalAllreduceMatchesTheReference) {
   for (bool cma : {true, false}) {
-    Config config = AllSizes();
-    config.cma_allreduce = cma;
+    const Config config = AllSizes(cma ? "KERASDIST_CMA_ALLREDUCE=1"
+                                       : "KERASDIST_CMA_ALLREDUCE=0");
     for (const std::vector<int>& hosts :
          std::vector<std::vector<int>>{{2, 2}, {3, 1}, {1, 2}}) {
       int n = 0;

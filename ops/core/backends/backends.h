@@ -4,9 +4,11 @@
 // To add a backend: write one file with a class implementing Backend
 // (backend.h) and a factory (BackendFactory below), and add one line for it
 // to the list in backends.cc, before the backends it should win over. Its
-// settings, if it has any, are Config members with a row each in config.cc's
-// table. The runtime counts the batches every backend runs, by name
-// (kerasdist_backend_runs).
+// settings, if it has any, are a row each in config.cc's table
+// (Setting::Int or Setting::Flag: no Config member), read by name
+// (config.Int("KERASDIST_...")). The runtime counts the batches every
+// backend runs, by name (kerasdist_backend_runs). docs/architecture.md,
+// "Adding a backend", walks through one with its thread test.
 //
 // A factory that finds its backend unusable here (the ranks do not share a
 // node, a setting is off, a probe failed) leaves *out null and returns OK.

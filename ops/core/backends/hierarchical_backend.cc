@@ -238,14 +238,14 @@ Status MakeHierarchicalBackend(const Config& config, const NodeContext& ctx,
   if (ctx.within_node) return Status::OK();
   // Every rank must agree whether to build it and what it takes: the
   // settings may differ between ranks.
-  int32_t agreed[2] = {config.hierarchical_allreduce ? 1 : 0,
-                       config.hierarchical_allgather ? 1 : 0};
+  int32_t agreed[2] = {config.Flag("KERASDIST_HIERARCHICAL_ALLREDUCE"),
+                       config.Flag("KERASDIST_HIERARCHICAL_ALLGATHER")};
   KD_RETURN_IF_ERROR(
       ctx.comm->Allreduce(agreed, 2, DataType::kInt32, ReduceOp::kMin));
   if (!agreed[0] && !agreed[1]) return Status::OK();
   int64_t min_bytes = 0;
-  KD_RETURN_IF_ERROR(
-      AgreeLargest(*ctx.comm, config.hierarchical_min_bytes, &min_bytes));
+  KD_RETURN_IF_ERROR(AgreeLargest(
+      *ctx.comm, config.Int("KERASDIST_HIERARCHICAL_MIN_BYTES"), &min_bytes));
   // How many hosts, and the most ranks on one.
   int32_t hosts = ctx.node->rank() == 0 ? 1 : 0, largest = ctx.node->size();
   KD_RETURN_IF_ERROR(

@@ -369,11 +369,11 @@ class MpiCommunicator : public Communicator {
           std::max<int64_t>(0, std::min(kPiece, send_bytes - off)));
       const int rn = static_cast<int>(
           std::max<int64_t>(0, std::min(kPiece, recv_bytes - off)));
-      KD_RETURN_IF_ERROR(
-          MpiStatus(MPI_Sendrecv(s + (sn ? off : 0), sn, MPI_BYTE, peer,
-                                 kSendRecvTag, r + (rn ? off : 0), rn, MPI_BYTE,
-                                 peer, kSendRecvTag, comm_, MPI_STATUS_IGNORE),
-                    "MPI_Sendrecv"));
+      KD_RETURN_IF_ERROR(MpiStatus(
+          MPI_Sendrecv(s + (sn ? off : 0), sn, MPI_BYTE, dest, kSendRecvTag,
+                       r + (rn ? off : 0), rn, MPI_BYTE, source, kSendRecvTag,
+                       comm_, MPI_STATUS_IGNORE),
+          "MPI_Sendrecv"));
     }
     return Status::OK();
   }
@@ -444,6 +444,39 @@ Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
   return Status::OK();
 }
 
+namespace {
+
+// Collective over `comm`: *t's ranks; *node holds this node's ranks and
+// *leaders (MPI_COMM_NULL but on each node's local rank 0) those ranks in
+// rank order, one leader per node, for the backends.
+Status SplitByNode(MPI_Comm comm, Topology* t, MPI_Comm* node,
+                   MPI_Comm* leaders) {
+  MPI_Comm_rank(comm, &t->rank);
+  MPI_Comm_size(comm, &t->size);
+  MPI_Comm local, cross;
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, t->rank,
+                                    MPI_INFO_NULL, &local),
+                "MPI_Comm_split_type"));
+  MPI_Comm_rank(local, &t->local_rank);
+  MPI_Comm_size(local, &t->local_size);
+  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
+  *node = local;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split(comm, t->local_rank, t->rank, &cross), "MPI_Comm_split"));
+  MPI_Comm_rank(cross, &t->cross_rank);
+  MPI_Comm_size(cross, &t->cross_size);
+  if (t->local_rank == 0) {
+    MPI_Comm_set_errhandler(cross, MPI_ERRORS_RETURN);
+    *leaders = cross;
+  } else {
+    MPI_Comm_free(&cross);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status MpiContext::Create(bool has_parent, int parent_f,
                           std::unique_ptr<MpiContext>* out) {
   int initialized = 0, finalized = 0;
@@ -484,31 +517,8 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   // different numbers of contexts.
   KD_RETURN_IF_ERROR(MpiStatus(
       MPI_Bcast(&ctx->control_tag_, 1, MPI_INT, 0, ctx->comm_), "MPI_Bcast"));
-  Topology& t = ctx->topo_;
-  MPI_Comm_rank(ctx->comm_, &t.rank);
-  MPI_Comm_size(ctx->comm_, &t.size);
-  MPI_Comm local, cross;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Comm_split_type(ctx->comm_, MPI_COMM_TYPE_SHARED, t.rank,
-                                    MPI_INFO_NULL, &local),
-                "MPI_Comm_split_type"));
-  MPI_Comm_rank(local, &t.local_rank);
-  MPI_Comm_size(local, &t.local_size);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Comm_split(ctx->comm_, t.local_rank, t.rank, &cross),
-                "MPI_Comm_split"));
-  MPI_Comm_rank(cross, &t.cross_rank);
-  MPI_Comm_size(cross, &t.cross_size);
-  // Kept for the backends: this node's ranks, and (the ranks of local rank
-  // 0, in rank order) one leader per node.
-  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
-  ctx->node_comm_ = local;
-  if (t.local_rank == 0) {
-    MPI_Comm_set_errhandler(cross, MPI_ERRORS_RETURN);
-    ctx->leader_comm_ = cross;
-  } else {
-    MPI_Comm_free(&cross);
-  }
+  KD_RETURN_IF_ERROR(SplitByNode(ctx->comm_, &ctx->topo_, &ctx->node_comm_,
+                                 &ctx->leader_comm_));
   *out = std::move(ctx);
   return Status::OK();
 }
