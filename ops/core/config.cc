@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <type_traits>
@@ -89,25 +90,26 @@ std::vector<Setting> RuntimeSettings() {
   // clang-format on
 }
 
-// The data path's backends, and what the launcher sets.
+// The data path's backends (their own settings, with no Config member: each
+// backend reads its rows by name), and what the launcher sets.
 std::vector<Setting> DataPathSettings() {
   // clang-format off: one row per setting, its fields packed
   return {
       {"KERASDIST_SHM_ALLREDUCE", "shm_allreduce", true,
-       &C::shm_allreduce, 0, {},
+       Setting::Flag{true}, 0, {},
        "1: when every rank runs on one node, allreduce, reducescatter and "
        "allgather host tensors through shared memory (POSIX shm in "
        "`/dev/shm`, up to 64 MiB a rank, space reserved up front; if any "
        "rank cannot get it, all use MPI); 0: always MPI. The ranks agree: "
        "one rank's 0 turns it off for all"},
       {"KERASDIST_CMA_ALLREDUCE", "cma_allreduce", true,
-       &C::cma_allreduce, 0, {},
+       Setting::Flag{true}, 0, {},
        "1: the single-node allreduce reads the other ranks' tensors in place "
        "with `process_vm_readv` (nothing staged in `/dev/shm`, no size limit) "
        "where every rank can; 0: stage them in the shared-memory slots. The "
        "ranks agree"},
       {"KERASDIST_CMA_MIN_TENSOR_BYTES", "cma_min_tensor_bytes", true,
-       &C::cma_min_tensor_bytes, 0, {},
+       Setting::Int{4096}, 0, {},
        "with in-place reads on: a fused batch whose tensors average fewer "
        "bytes than this goes through the shared-memory slots instead, where "
        "one copy costs less than pinning each small tensor's page in the "
@@ -115,25 +117,25 @@ std::vector<Setting> DataPathSettings() {
        "over 64 MiB always read in place. The ranks use the largest value "
        "given"},
       {"KERASDIST_SHM_ALLREDUCE_MIN_BYTES", "shm_allreduce_min_bytes", true,
-       &C::shm_allreduce_min_bytes, 0, {},
+       Setting::Int{16 * 1024}, 0, {},
        "smallest allreduce, reducescatter or allgather, in bytes after "
        "fusion, that takes the shared-memory path (the ranks use the "
        "largest value given)"},
       {"KERASDIST_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", true,
-       &C::hierarchical_allreduce, 0, {},
+       Setting::Flag{true}, 0, {},
        "1: when the job spans several hosts and some host runs more than "
        "one rank, allreduce within each host over its node path, across "
        "hosts among one leader per host, then within each host again, so "
        "each host's link carries the 2(H-1)/H x size minimum; 0: every rank "
        "in one MPI allreduce. The ranks agree: one rank's 0 turns it off"},
       {"KERASDIST_HIERARCHICAL_ALLGATHER", "hierarchical_allgather", true,
-       &C::hierarchical_allgather, 0, {},
+       Setting::Flag{true}, 0, {},
        "1: on such a job, allgather by gathering each host's parts on one "
        "leader per host, allgathering the hosts' blocks among the leaders "
        "and broadcasting the result within each host; 0: one MPI allgather. "
        "The ranks agree"},
       {"KERASDIST_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", true,
-       &C::hierarchical_min_bytes, 0, {},
+       Setting::Int{0}, 0, {},
        "smallest allreduce (in bytes after fusion) or allgather (bytes of "
        "the result) that goes hierarchical; smaller ones take one MPI "
        "collective. The ranks use the largest value given"},
@@ -151,8 +153,8 @@ std::vector<Setting> DataPathSettings() {
 }  // namespace
 
 // The one list of settings. A new setting is one row in one of the lists
-// above (plus its Config member); docs/env_vars.md is regenerated from it (a
-// unit test compares).
+// above (plus its Config member, unless it is a backend's Int or Flag);
+// docs/env_vars.md is regenerated from it (a unit test compares).
 const std::vector<Setting>& Settings() {
   static const std::vector<Setting> settings = [] {
     std::vector<Setting> all = CoordinatorSettings();
@@ -250,6 +252,15 @@ Status Parse(const Setting& s, const std::string& v, Config* c) {
   if (auto f = std::get_if<bool Config::*>(&s.field)) {
     return ParseBool(name, v, &(c->**f));
   }
+  if (std::holds_alternative<Setting::Int>(s.field)) {
+    return ParseInt(name, v, s.min, &c->given[name]);
+  }
+  if (std::holds_alternative<Setting::Flag>(s.field)) {
+    bool b = false;
+    KD_RETURN_IF_ERROR(ParseBool(name, v, &b));
+    c->given[name] = b ? 1 : 0;
+    return Status::OK();
+  }
   return ParseString(s, v, &(c->*std::get<std::string Config::*>(s.field)));
 }
 
@@ -271,12 +282,32 @@ Status ApplySetting(const std::string& name, const std::string& value,
   return Parse(*s, value, config);
 }
 
+int64_t Config::Int(const std::string& name) const {
+  auto it = given.find(name);
+  if (it != given.end()) return it->second;
+  const Setting* s = Find(name);
+  if (s != nullptr) {
+    if (auto i = std::get_if<Setting::Int>(&s->field)) return i->default_value;
+    if (auto f = std::get_if<Setting::Flag>(&s->field))
+      return f->default_value ? 1 : 0;
+  }
+  std::fprintf(stderr,
+               "kerasdist bug: no setting %s of kind Setting::Int or "
+               "Setting::Flag in config.cc's table\n",
+               name.c_str());
+  std::abort();
+}
+
 std::string FormatSetting(const Setting& s, const Config& c) {
   std::ostringstream o;
   std::visit(
       [&](auto field) {
-        using T = std::decay_t<decltype(c.*field)>;
-        if constexpr (std::is_same_v<T, bool>) {
+        using F = decltype(field);
+        if constexpr (std::is_same_v<F, Setting::Int> ||
+                      std::is_same_v<F, Setting::Flag>) {
+          o << c.Int(s.name);
+        } else if constexpr (std::is_same_v<std::decay_t<decltype(c.*field)>,
+                                            bool>) {
           o << (c.*field ? 1 : 0);
         } else {
           o << c.*field;

@@ -6,10 +6,17 @@
 // its value is parsed, its default (the Config member's initial value) and a
 // doc line. Parsing, the list of names, current_settings() and
 // docs/env_vars.md all come from it (the C API hands it to Python).
+//
+// A backend's own setting needs no Config member: its row's field is a
+// Setting::Flag or Setting::Int holding the default, and the backend's
+// factory reads it by name (config.Flag("KERASDIST_SHM_ALLREDUCE")), so a
+// backend with a setting is its file, its line in the backend list and the
+// setting's row.
 #ifndef KERASDIST_CORE_CONFIG_H_
 #define KERASDIST_CORE_CONFIG_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <variant>
 #include <vector>
@@ -38,25 +45,34 @@ struct Config {
   bool autotune = false;
   std::string autotune_log;
   std::string gpu_operations = "NCCL";  // NCCL | MPI
-  bool shm_allreduce = true;            // shared-memory allreduce on one node
-  int64_t shm_allreduce_min_bytes = 16 * 1024;  // smaller ones go to MPI
-  bool cma_allreduce = true;  // ... reading peers in place (CMA)
-  int64_t cma_min_tensor_bytes =
-      4096;  // ... for batches with tensors this big on average
-  bool hierarchical_allreduce = true;  // several hosts: within, across, within
-  bool hierarchical_allgather = true;  // ... the same for allgather
-  int64_t hierarchical_min_bytes = 0;  // smaller batches go flat
-  int log_level = 1;                   // 0 quiet, 1 warnings, 2 debug
+  int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
   int64_t restart_attempt = 0;  // set by the launcher; read by the Trainer
+
+  // The value of the setting `name` whose row has no member (Setting::Int,
+  // Setting::Flag): as given, else the row's default. A name with no such
+  // row is a kerasdist bug: it aborts, naming it.
+  int64_t Int(const std::string& name) const;
+  bool Flag(const std::string& name) const { return Int(name) != 0; }
+  // Those settings' values as given, by name (booleans 0 or 1).
+  std::map<std::string, int64_t> given;
 };
 
 // One row of the settings table. `field` says which Config member the setting
-// sets and, by its type, how a value is parsed: integers (>= `min`), numbers
-// (>= 0), booleans (1/true/True/yes or 0/false/False/no/empty) and strings
-// (one of `choices` when there are any, else free text).
+// sets (or, Int and Flag, that it has none) and, by its type, how a value is
+// parsed: integers (>= `min`), numbers (>= 0), booleans (1/true/True/yes or
+// 0/false/False/no/empty) and strings (one of `choices` when there are any,
+// else free text).
 struct Setting {
+  // A setting with no Config member (a backend's own), and its default:
+  // read with Config::Int or Config::Flag.
+  struct Int {
+    int64_t default_value;
+  };
+  struct Flag {
+    bool default_value;
+  };
   using Field = std::variant<int64_t Config::*, int Config::*, double Config::*,
-                             bool Config::*, std::string Config::*>;
+                             bool Config::*, std::string Config::*, Int, Flag>;
   const char* name;  // the environment variable, KERASDIST_...
   const char* key;   // its short name (Python: init()'s keyword, if any)
   bool in_init;      // init() takes `key` as a keyword argument

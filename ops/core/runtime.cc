@@ -56,16 +56,15 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
       rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
       config.network_interface, &rt->liveness_));
   rt->host_ = rt->mpi_->MakeHostCommunicator();
+  rt->node_ = rt->mpi_->MakeNodeCommunicator();
+  rt->leaders_ = rt->mpi_->MakeLeaderCommunicator();
   bool oversubscribed = false;
   KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
   rt->spin_while_pending_ = !oversubscribed;
   NodeContext ctx;
-  ctx.comm = rt->mpi_->comm();
-  ctx.rank = rt->topology().rank;
-  ctx.size = rt->topology().size;
-  ctx.local_rank = rt->topology().local_rank;
-  ctx.local_size = rt->topology().local_size;
-  ctx.host = rt->host_.get();
+  ctx.comm = rt->host_.get();
+  ctx.node = rt->node_.get();
+  ctx.leaders = rt->leaders_.get();
   KD_RETURN_IF_ERROR(MakeBackends(config, ctx, &rt->backends_));
   rt->backend_runs_.reset(new std::atomic<int64_t>[rt->backends_.size()]());
   rt->cache_ = std::make_unique<ResponseCache>(config.cache_capacity);

@@ -146,7 +146,9 @@ class Runtime {
   std::atomic<bool> stopped_flag_{false};
   std::unique_ptr<MpiContext> mpi_;
   std::unique_ptr<Liveness> liveness_;  // the heartbeat; empty at one rank
-  std::unique_ptr<Communicator> host_;
+  // MPI over this runtime's ranks, this node's ranks, one leader per node
+  // (null but on the leaders): the backends' communicators.
+  std::unique_ptr<Communicator> host_, node_, leaders_;
   BackendList backends_;  // first enabled wins
   std::unique_ptr<std::atomic<int64_t>[]> backend_runs_;
   std::thread thread_;

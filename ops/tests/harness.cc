@@ -54,19 +54,18 @@ void Fail(const char* file, int line, const std::string& what) {
 
 void Register(const char* name, void (*fn)()) { Tests().push_back({name, fn}); }
 
-void RunRanks(
-    int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
-    double timeout_s) {
-  auto group = std::make_shared<kerasdist::core::LocalGroup>(n, timeout_s);
+namespace {
+
+// Runs body(r) on `n` threads and rethrows the first rank's failure after
+// every thread has ended.
+void RunThreads(int n, const std::function<void(int)>& body) {
   std::mutex mu;
   std::string first;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       try {
-        // Destroyed on the way out, failure or not: peers then fail, naming r.
-        kerasdist::core::LocalCommunicator comm(group, r);
-        fn(comm);
+        body(r);
       } catch (const Failure& f) {
         std::lock_guard<std::mutex> l(mu);
         if (first.empty()) first = "rank " + std::to_string(r) + ": " + f.what;
@@ -80,6 +79,48 @@ void RunRanks(
   for (auto& t : threads) t.join();
   if (!first.empty())
     throw Failure{"with " + std::to_string(n) + " ranks, " + first};
+}
+
+}  // namespace
+
+void RunRanks(
+    int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
+    double timeout_s) {
+  auto group = std::make_shared<kerasdist::core::LocalGroup>(n, timeout_s);
+  RunThreads(n, [&](int r) {
+    // Destroyed on the way out, failure or not: peers then fail, naming r.
+    kerasdist::core::LocalCommunicator comm(group, r);
+    fn(comm);
+  });
+}
+
+void RunHosts(const std::vector<int>& hosts,
+              const std::function<void(HostRanks&)>& fn, double timeout_s) {
+  using kerasdist::core::LocalCommunicator;
+  using kerasdist::core::LocalGroup;
+  std::vector<int> host_of, first_of;  // by rank; by host
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    first_of.push_back(static_cast<int>(host_of.size()));
+    for (int i = 0; i < hosts[h]; ++i) host_of.push_back(static_cast<int>(h));
+  }
+  const int n = static_cast<int>(host_of.size());
+  auto all = std::make_shared<LocalGroup>(n, timeout_s);
+  auto leaders =
+      std::make_shared<LocalGroup>(static_cast<int>(hosts.size()), timeout_s);
+  std::vector<std::shared_ptr<LocalGroup>> nodes;
+  for (int size : hosts)
+    nodes.push_back(std::make_shared<LocalGroup>(size, timeout_s));
+  RunThreads(n, [&](int r) {
+    const int h = host_of[r], node_rank = r - first_of[h];
+    LocalCommunicator comm(all, r), node(nodes[h], node_rank);
+    std::unique_ptr<LocalCommunicator> lead;
+    if (node_rank == 0) lead = std::make_unique<LocalCommunicator>(leaders, h);
+    HostRanks ranks{&comm, &node, lead.get()};
+    fn(ranks);
+    // Leaving ends the group for all: wait until every rank is done (two
+    // ranks may still exchange messages when a third has finished).
+    CHECK_OK(comm.Barrier());
+  });
 }
 
 }  // namespace kdtest

@@ -1,7 +1,8 @@
 // A small test harness for the core's C++ tests: a registry of named tests,
 // CHECK macros that fail the test (throwing out of it, so a failing rank
 // thread leaves its group and its peers fail instead of waiting), and
-// RunRanks, which runs one function per rank on threads over a LocalGroup.
+// RunRanks, which runs one function per rank on threads over a LocalGroup
+// (RunHosts: with a group per simulated host and one of the hosts' leaders).
 //
 //   kerasdist_core_tests            runs every test
 //   kerasdist_core_tests --list     prints the test names
@@ -11,6 +12,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "../core/transport/local_communicator.h"
 
@@ -33,6 +35,21 @@ struct Registrar {
 void RunRanks(
     int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
     double timeout_s = 5.0);
+
+// What a rank of RunHosts is given: a communicator over every rank, one
+// over its host's ranks and, on each host's first rank only, one over the
+// hosts' first ranks (as the runtime makes them over MPI).
+struct HostRanks {
+  kerasdist::core::LocalCommunicator* comm = nullptr;
+  kerasdist::core::LocalCommunicator* node = nullptr;
+  kerasdist::core::LocalCommunicator* leaders = nullptr;
+};
+
+// Runs fn on a thread per rank of a job whose host h holds `hosts[h]`
+// consecutive ranks; fails as RunRanks does.
+void RunHosts(const std::vector<int>& hosts,
+              const std::function<void(HostRanks&)>& fn,
+              double timeout_s = 5.0);
 
 }  // namespace kdtest
 

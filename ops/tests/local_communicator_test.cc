@@ -104,5 +104,40 @@ KD_TEST(DisagreeingCallsFailOnEveryRank) {
   });
 }
 
+KD_TEST(SendRecvAroundARingAndGatherv) {
+  for (int n = 2; n <= 4; ++n) {
+    RunRanks(n, [&](LocalCommunicator& comm) {
+      const int me = comm.rank(), right = (me + 1) % n, left = (me + n - 1) % n;
+      // Rank r sends r + 1 ints to the right.
+      std::vector<int32_t> send(me + 1, me), recv(left + 1, -1);
+      for (int round = 0; round < 3; ++round) {
+        CHECK_OK(comm.SendRecv(send.data(), send.size() * 4, right, recv.data(),
+                               recv.size() * 4, left));
+        CHECK(recv == std::vector<int32_t>(left + 1, left));
+      }
+      // Gatherv lands on the root only.
+      std::vector<int64_t> bytes;
+      for (int r = 0; r < n; ++r) bytes.push_back((r + 1) * 4);
+      std::vector<int32_t> all(n * (n + 1) / 2, -1);
+      CHECK_OK(comm.Gatherv(send.data(), all.data(), bytes, 1));
+      size_t at = 0;
+      for (int r = 0; r < n; ++r) {
+        for (int i = 0; i <= r; ++i, ++at) CHECK(all[at] == (me == 1 ? r : -1));
+      }
+    });
+  }
+}
+
+KD_TEST(SendRecvOfTheWrongSizeFailsNamingIt) {
+  RunRanks(2, [&](LocalCommunicator& comm) {
+    const int peer = 1 - comm.rank();
+    std::vector<char> buf(8);
+    Status s = comm.SendRecv(buf.data(), comm.rank() == 0 ? 8 : 4, peer,
+                             buf.data(), 8, peer);
+    CHECK(s.code() == StatusCode::kAborted);
+    CHECK_CONTAINS(s.message(), "rank 1 sends 4 bytes, 8 expected");
+  });
+}
+
 }  // namespace
 }  // namespace kdtest

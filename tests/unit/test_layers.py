@@ -4,6 +4,9 @@
   backends, their transports and the control plane) include no runtime
   header: a backend sees only its own batch type and the settings (Config,
   config.h) its factory reads.
+- The backends (ops/core/backends/) see their ranks only through the
+  Communicator interface: no MPI header, so the core's C++ tests run them
+  with ranks as threads (ops/tests/node_backends_test.cc).
 - The TF op library reaches the core through its C API (ops/core/c_api.h,
   the seam every front end uses) and the few headers beside it (the enums,
   the CUDA hooks, the huge-page advice), none of which pulls in MPI or a
@@ -111,6 +114,19 @@ def test_op_library_does_not_link_mpi():
     needed = re.findall(r"\(NEEDED\).*\[(.+)\]", out)
     assert "libkerasdist_core.so" in needed, needed
     assert not [n for n in needed if "mpi" in n.lower()], needed
+
+
+def test_backends_include_no_mpi():
+    top = os.path.join(CORE, "backends")
+    for root, _, _ in os.walk(top):
+        for name in _sources(root):
+            path = os.path.join(root, name)
+            for _, inc in _includes(path):
+                mpi = os.path.basename(inc) in ("mpi.h", "mpi_context.h")
+                assert not mpi, (
+                    f"{os.path.relpath(path, REPO_ROOT)} includes {inc}: a "
+                    "backend reaches its ranks through Communicator "
+                    "(transport/communicator.h)")
 
 
 def test_no_function_in_ops_is_longer_than_a_screen():

@@ -1,6 +1,7 @@
 // Adasum allreduce (op=kerasdist.Adasum), as Horovod computes it
 // (horovod/common/ops/adasum/adasum.h): recursive vector halving with
-// distance doubling over point-to-point messages on the job's communicator,
+// distance doubling over point-to-point messages (Communicator::SendRecv)
+// on the job's communicator,
 // for a power-of-two number of ranks (validate.cc refuses the others).
 //
 // At level L = 1, 2, 4, ... rank r pairs with r ^ L: the lower rank keeps
@@ -15,6 +16,7 @@
 // halves travel back (distance halving) until every rank holds the result.
 // The arithmetic is in double; float16 is widened and rounded once per
 // level, as Horovod's vector path does.
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 #include <cmath>
@@ -24,7 +26,6 @@
 #include "../half.h"
 #include "../host_buffer.h"
 #include "../scale.h"
-#include "../transport/mpi_context.h"  // MpiStatus
 #include "backends.h"
 
 namespace kerasdist::core {
@@ -32,9 +33,6 @@ namespace kerasdist::core {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-// The tree's messages on ctx.comm: above the control plane's tags there
-// (mpi_context.cc: kControlTagBase + generation % 16384, 17 to 16400).
-constexpr int kTag = 0x4164;
 
 double Load(DataType dt, const char* p, int64_t i) {
   switch (dt) {
@@ -72,8 +70,8 @@ void ScaledAdd(DataType dt, int64_t n, double ac, char* a, double bc,
 
 class AdasumBackend : public Backend {
  public:
-  explicit AdasumBackend(const NodeContext& ctx)
-      : comm_(ctx.comm), rank_(ctx.rank), size_(ctx.size) {}
+  explicit AdasumBackend(Communicator* comm)
+      : comm_(comm), rank_(comm->rank()), size_(comm->size()) {}
   const char* Name() const override { return "adasum"; }
   bool Enabled(const CollectiveBatch& b) const override {
     return b.op == OpType::kAllreduce && b.reduce_op == ReduceOp::kAdasum &&
@@ -84,37 +82,17 @@ class AdasumBackend : public Backend {
   Status Allreduce(CollectiveBatch& b, uint64_t tag) override;
 
  private:
-  Status SendRecv(const char* send, int64_t send_bytes, char* recv,
-                  int64_t recv_bytes, int peer) const;
   Status SumWithin(std::vector<double>& v, int level);
   Status Reduce(DataType dt, char* grad, char* recv,
                 std::vector<int64_t>& counts);
   Status Combine(DataType dt, char* a, const char* b,
                  const std::vector<int64_t>& counts, int level, bool left);
 
-  MPI_Comm comm_;
+  Communicator* comm_;
   int rank_, size_;
   HostBuffer grad_, recv_;
   std::vector<double> sums_, peer_;
 };
-
-// MPI_Sendrecv in pieces an int can count.
-Status AdasumBackend::SendRecv(const char* send, int64_t send_bytes, char* recv,
-                               int64_t recv_bytes, int peer) const {
-  constexpr int64_t kPiece = int64_t{1} << 30;
-  for (int64_t off = 0; off < send_bytes || off < recv_bytes; off += kPiece) {
-    const int s = static_cast<int>(
-        std::max<int64_t>(0, std::min(kPiece, send_bytes - off)));
-    const int r = static_cast<int>(
-        std::max<int64_t>(0, std::min(kPiece, recv_bytes - off)));
-    KD_RETURN_IF_ERROR(
-        MpiStatus(MPI_Sendrecv(send + (s ? off : 0), s, MPI_BYTE, peer, kTag,
-                               recv + (r ? off : 0), r, MPI_BYTE, peer, kTag,
-                               comm_, MPI_STATUS_IGNORE),
-                  "MPI_Sendrecv"));
-  }
-  return Status::OK();
-}
 
 // Adds `v` over the 2 * level ranks of this rank's block (those that differ
 // from it in the bits below 2 * level), by recursive doubling.
@@ -122,9 +100,8 @@ Status AdasumBackend::SumWithin(std::vector<double>& v, int level) {
   peer_.resize(v.size());
   const int64_t bytes = static_cast<int64_t>(v.size() * sizeof(double));
   for (int mask = 1; mask <= level; mask <<= 1) {
-    KD_RETURN_IF_ERROR(SendRecv(reinterpret_cast<const char*>(v.data()), bytes,
-                                reinterpret_cast<char*>(peer_.data()), bytes,
-                                rank_ ^ mask));
+    KD_RETURN_IF_ERROR(comm_->SendRecv(v.data(), bytes, rank_ ^ mask,
+                                       peer_.data(), bytes, rank_ ^ mask));
     for (size_t i = 0; i < v.size(); ++i) v[i] += peer_[i];
   }
   return Status::OK();
@@ -207,8 +184,8 @@ Status AdasumBackend::Reduce(DataType dt, char* grad, char* recv,
     // The lower rank keeps its front, the upper its back.
     char* kept = lower ? grad : grad + send * esize;
     const char* out = lower ? grad + keep * esize : grad;
-    KD_RETURN_IF_ERROR(
-        SendRecv(out, send * esize, recv, keep * esize, rank_ ^ level));
+    KD_RETURN_IF_ERROR(comm_->SendRecv(out, send * esize, rank_ ^ level, recv,
+                                       keep * esize, rank_ ^ level));
     KD_RETURN_IF_ERROR(Combine(dt, kept, recv, counts, level, lower));
     grad = kept;
     mine = keep;
@@ -222,8 +199,8 @@ Status AdasumBackend::Reduce(DataType dt, char* grad, char* recv,
     }
     given.pop_back();
     char* into = lower ? grad + mine * esize : grad - theirs * esize;
-    KD_RETURN_IF_ERROR(
-        SendRecv(grad, mine * esize, into, theirs * esize, rank_ ^ level));
+    KD_RETURN_IF_ERROR(comm_->SendRecv(grad, mine * esize, rank_ ^ level, into,
+                                       theirs * esize, rank_ ^ level));
     if (!lower) grad = into;
     mine += theirs;
   }
@@ -262,8 +239,8 @@ Status AdasumBackend::Allreduce(CollectiveBatch& b, uint64_t) {
 Status MakeAdasumBackend(const Config&, const NodeContext& ctx,
                          std::unique_ptr<Backend>* out) {
   out->reset();
-  if (ctx.within_node || ctx.size < 2) return Status::OK();
-  *out = std::make_unique<AdasumBackend>(ctx);
+  if (ctx.within_node || ctx.comm->size() < 2) return Status::OK();
+  *out = std::make_unique<AdasumBackend>(ctx.comm);
   return Status::OK();
 }
 

@@ -11,7 +11,6 @@
 #include <string>
 
 #include "../scale.h"
-#include "../transport/mpi_context.h"
 
 #ifndef PR_SET_PTRACER
 #define PR_SET_PTRACER 0x59616d61
@@ -60,43 +59,36 @@ Status Transfer(pid_t pid, const std::vector<iovec>& local,
 
 }  // namespace
 
-Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
-                            int64_t min_tensor_bytes,
+Status CmaAllreduce::Create(Communicator* comm, Communicator* node,
+                            bool enabled, int64_t min_tensor_bytes,
                             std::unique_ptr<CmaAllreduce>* out) {
   out->reset();
-  MPI_Comm local;
-  KD_RETURN_IF_ERROR(SingleNodeComm(comm, enabled, &local));
-  if (local == MPI_COMM_NULL) return Status::OK();
+  bool all = false;
+  KD_RETURN_IF_ERROR(AgreeAll(*comm, enabled, &all));
+  if (!all || node == nullptr) return Status::OK();
   std::unique_ptr<CmaAllreduce> c(new CmaAllreduce());
-  c->comm_ = local;  // freed by the destructor from here on
-  MPI_Comm_rank(local, &c->rank_);
-  MPI_Comm_size(local, &c->size_);
+  c->comm_ = node;
+  c->rank_ = node->rank();
+  c->size_ = node->size();
   const int size = c->size_;
-  int all = 0;
   // Under Yama's ptrace_scope=1 only ancestors may read a process; the
   // ranks are siblings. (EINVAL without Yama: nothing to allow.)
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   const pid_t pid = getpid();
   c->pids_.resize(size);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allgather(&pid, sizeof(pid), MPI_BYTE, c->pids_.data(),
-                              sizeof(pid), MPI_BYTE, local),
-                "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(node->Allgather(&pid, c->pids_.data(), sizeof(pid)));
   // Probe: read every other rank's word and write its mailbox (two ranks
   // write results into each other's outputs). Both stay alive until the
-  // second MPI_Allreduce below, which no rank leaves before all have
-  // written; the first one ends the writes before the mailboxes are checked.
+  // second agreement below, which no rank leaves before all have written;
+  // the first one ends the writes before the mailboxes are checked.
   constexpr uint64_t kMagic = 0x6b64636d61000000ull;
   const uint64_t probe = kMagic + c->rank_;
   volatile uint64_t mailbox = 0;
   const uint64_t where[2] = {reinterpret_cast<uintptr_t>(&probe),
                              reinterpret_cast<uintptr_t>(&mailbox)};
   std::vector<uint64_t> wheres(2 * size);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allgather(where, 2, MPI_UINT64_T, wheres.data(), 2,
-                              MPI_UINT64_T, local),
-                "MPI_Allgather"));
-  int good = 1;
+  KD_RETURN_IF_ERROR(node->Allgather(where, wheres.data(), sizeof(where)));
+  bool good = true;
   for (int k = 0; k < size && good; ++k) {
     if (k == c->rank_) continue;
     uint64_t seen = 0;
@@ -106,29 +98,19 @@ Status CmaAllreduce::Create(MPI_Comm comm, bool enabled,
     iovec wl{const_cast<uint64_t*>(&mark), sizeof(mark)};
     iovec wr{reinterpret_cast<void*>(wheres[2 * k + 1]), sizeof(mark)};
     good = process_vm_readv(c->pids_[k], &l, 1, &r, 1, 0) ==
-                       static_cast<ssize_t>(sizeof(seen)) &&
-                   seen == kMagic + k &&
-                   process_vm_writev(c->pids_[k], &wl, 1, &wr, 1, 0) ==
-                       static_cast<ssize_t>(sizeof(mark))
-               ? 1
-               : 0;
+               static_cast<ssize_t>(sizeof(seen)) &&
+           seen == kMagic + k &&
+           process_vm_writev(c->pids_[k], &wl, 1, &wr, 1, 0) ==
+               static_cast<ssize_t>(sizeof(mark));
   }
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local), "MPI_Allreduce"));
-  good = all && (size == 1 || mailbox == kMagic) ? 1 : 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, local), "MPI_Allreduce"));
-  if (!all) return Status::OK();  // c's destructor frees `local`
+  KD_RETURN_IF_ERROR(AgreeAll(*node, good, &all));
+  good = all && (size == 1 || mailbox == kMagic);
+  KD_RETURN_IF_ERROR(AgreeAll(*node, good, &all));
+  if (!all) return Status::OK();
   KD_RETURN_IF_ERROR(
-      AgreeLargest(local, min_tensor_bytes, &c->min_tensor_bytes_));
+      AgreeLargest(*node, min_tensor_bytes, &c->min_tensor_bytes_));
   *out = std::move(c);
   return Status::OK();
-}
-
-CmaAllreduce::~CmaAllreduce() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
 template <typename F>
@@ -188,10 +170,8 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
   }
   const int64_t total = starts_[nseg];
   addrs_.resize(2 * nseg * size_);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allgather(mine.data(), 2 * nseg, MPI_UINT64_T,
-                              addrs_.data(), 2 * nseg, MPI_UINT64_T, comm_),
-                "MPI_Allgather"));
+  KD_RETURN_IF_ERROR(comm_->Allgather(mine.data(), addrs_.data(),
+                                      2 * nseg * sizeof(uint64_t)));
   *mark1 = std::chrono::steady_clock::now();
 
   // Pieces start on 64-byte boundaries (no two ranks write one cache line).
@@ -249,7 +229,7 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
     });
   }
   if (size_ != 2) {
-    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+    KD_RETURN_IF_ERROR(comm_->Barrier());
   }
   *mark2 = std::chrono::steady_clock::now();
   for (int k = 0; size_ != 2 && k < size_ && failed.ok(); ++k) {
@@ -258,10 +238,8 @@ Status CmaAllreduce::Allreduce(const std::vector<Segment>& segs, DataType dt,
     }
   }
   // Nobody reads or writes this rank's memory after this.
-  int ok = failed.ok() ? 1 : 0, all_ok = 0;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm_),
-                "MPI_Allreduce"));
+  bool all_ok = false;
+  KD_RETURN_IF_ERROR(AgreeAll(*comm_, failed.ok(), &all_ok));
   if (!failed.ok()) return failed;
   if (!all_ok) {
     return Status::Internal(

@@ -5,7 +5,8 @@
 // The slot path (shm_allreduce.h) first copies every rank's input into shared
 // memory so that the others can see it. Here nothing is staged: a call goes
 //   1. every rank learns the others' input and output addresses (one small
-//      MPI_Allgather, which is also the start-line);
+//      allgather over the node's Communicator, which is also the
+//      start-line);
 //   2. rank r reduces its piece r of the batch (the tensors taken as one
 //      flat array): it reads piece r of each rank's input in order, its own
 //      from memory and the others' through the kernel, 256 KiB at a time into
@@ -28,10 +29,6 @@
 #ifndef KERASDIST_CORE_BACKENDS_CMA_ALLREDUCE_H_
 #define KERASDIST_CORE_BACKENDS_CMA_ALLREDUCE_H_
 
-#ifdef KERASDIST_NO_MPI  // ops/Makefile: a source in CORE_PLAIN_SRCS
-#error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
-#endif
-#include <mpi.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -41,6 +38,7 @@
 #include <vector>
 
 #include "../status.h"
+#include "../transport/communicator.h"
 #include "../types.h"
 
 namespace kerasdist::core {
@@ -55,13 +53,14 @@ class CmaAllreduce {
     int64_t count;
   };
 
-  // Sets *out to null (and returns OK) unless every rank of `comm` shares
-  // this node, has `enabled`, and can read every other rank's memory.
-  // Collective over `comm`.
+  // Over `node` (every rank of the list, on this node; null: not one node),
+  // which must outlive it. Sets *out to null (and returns OK) unless `node`
+  // is given, every rank of `comm` has `enabled`, and every rank can read
+  // every other rank's memory. Collective over `comm`.
   // `min_tensor_bytes`: see min_tensor_bytes(); the ranks use the largest.
-  static Status Create(MPI_Comm comm, bool enabled, int64_t min_tensor_bytes,
+  static Status Create(Communicator* comm, Communicator* node, bool enabled,
+                       int64_t min_tensor_bytes,
                        std::unique_ptr<CmaAllreduce>* out);
-  ~CmaAllreduce();
 
   // A batch whose tensors average fewer bytes than this is better staged in
   // the slots (agreed by all ranks at Create).
@@ -89,7 +88,7 @@ class CmaAllreduce {
   template <typename F>
   void ForEachPiece(int64_t lo, int64_t hi, F&& f) const;
 
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  Communicator* comm_ = nullptr;  // the node's ranks
   int rank_ = 0, size_ = 1;
   int64_t min_tensor_bytes_ = 0;
   std::vector<pid_t> pids_;

@@ -1,6 +1,5 @@
 // The in-place single-node backend (cma_allreduce.h): peers read each
 // other's tensors where they lie.
-#include "../transport/mpi_context.h"
 #include "backends.h"
 #include "cma_allreduce.h"
 #include "shm_allreduce.h"
@@ -59,13 +58,16 @@ Status MakeCmaBackend(const Config& config, const NodeContext& ctx,
                       std::unique_ptr<Backend>* out) {
   out->reset();
   std::unique_ptr<CmaAllreduce> cma;
-  KD_RETURN_IF_ERROR(CmaAllreduce::Create(
-      ctx.comm, config.shm_allreduce && config.cma_allreduce,
-      config.cma_min_tensor_bytes, &cma));
+  KD_RETURN_IF_ERROR(
+      CmaAllreduce::Create(ctx.comm, ctx.one_node(),
+                           config.Flag("KERASDIST_SHM_ALLREDUCE") &&
+                               config.Flag("KERASDIST_CMA_ALLREDUCE"),
+                           config.Int("KERASDIST_CMA_MIN_TENSOR_BYTES"), &cma));
   if (!cma) return Status::OK();
   int64_t shm_min_bytes = 0;
   KD_RETURN_IF_ERROR(
-      AgreeLargest(ctx.comm, config.shm_allreduce_min_bytes, &shm_min_bytes));
+      AgreeLargest(*ctx.comm, config.Int("KERASDIST_SHM_ALLREDUCE_MIN_BYTES"),
+                   &shm_min_bytes));
   *out = std::make_unique<CmaBackend>(std::move(cma), shm_min_bytes);
   return Status::OK();
 }

@@ -13,12 +13,12 @@
 // It is a composition of backends, not a transport of its own: the node
 // phase runs through the first enabled backend of a node-level list (the
 // same factories as the job-wide list, over the node's communicator), the
-// cross-host phase through the MPI backend over the leaders' communicator.
+// cross-host phase through the communicator backend over the leaders'
+// communicator (MPI in production; threads in the core's tests).
 #include <algorithm>
 
 #include "../host_buffer.h"
 #include "../scale.h"
-#include "../transport/mpi_context.h"
 #include "backends.h"
 #include "communicator_backend.h"
 
@@ -30,50 +30,37 @@ using Clock = std::chrono::steady_clock;
 
 class HierarchicalBackend : public Backend {
  public:
-  // `allreduce` / `allgather`: which collectives it takes (agreed by the
-  // ranks, as the minimum size is: Enabled must answer alike everywhere).
-  HierarchicalBackend(MPI_Comm node, MPI_Comm leaders, bool allreduce,
+  // `node`: this host's ranks; `leaders`: one rank per host (null but on
+  // the leaders); both outlive the backend. `allreduce` / `allgather`:
+  // which collectives it takes (agreed by the ranks, as the minimum size
+  // is: Enabled must answer alike everywhere).
+  HierarchicalBackend(Communicator* node, Communicator* leaders, bool allreduce,
                       bool allgather, int64_t min_bytes)
-      : node_comm_(node),
-        leader_comm_(leaders),
+      : node_(node),
+        leaders_(leaders),
+        node_rank_(node->rank()),
+        node_size_(node->size()),
         min_bytes_(min_bytes),
         allreduce_(allreduce),
         allgather_(allgather) {
-    MPI_Comm_rank(node, &node_rank_);
-    MPI_Comm_size(node, &node_size_);
-    node_mpi_ = MakeMpiCommunicator(node);
-    if (leaders != MPI_COMM_NULL) {
-      int leader_rank = 0;
-      MPI_Comm_rank(leaders, &leader_rank);
-      leader_mpi_ = MakeMpiCommunicator(leaders);
-      cross_ = std::make_unique<CommunicatorBackend>("mpi", leader_mpi_.get(),
-                                                     leader_rank);
+    if (leaders != nullptr) {
+      cross_ = std::make_unique<CommunicatorBackend>("mpi", leaders,
+                                                     leaders->rank());
     }
-  }
-  ~HierarchicalBackend() override {
-    node_list_.clear();
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    if (leader_comm_ != MPI_COMM_NULL) MPI_Comm_free(&leader_comm_);
-    MPI_Comm_free(&node_comm_);
   }
 
   // Collective over the node: the list's backends that work within one
   // node (the single-node ones, then MPI), over the node's communicator.
   Status MakeNodeList(const Config& config) {
     NodeContext n;
-    n.comm = node_comm_;
-    n.rank = n.local_rank = node_rank_;
-    n.size = n.local_size = node_size_;
-    n.host = node_mpi_.get();
+    n.comm = n.node = node_;
     n.within_node = true;
     return MakeBackends(config, n, &node_list_);
   }
 
-  // Collective over the job: which global ranks each host holds, in node
-  // order (every rank: its own host's; leaders: every host's).
-  Status LearnLayout(MPI_Comm comm);
+  // Collective over the job: which ranks of `comm` each host holds, in
+  // node order (every rank: its own host's; leaders: every host's).
+  Status LearnLayout(Communicator* comm);
 
   const char* Name() const override { return "hier"; }
   bool Enabled(const CollectiveBatch& b) const override {
@@ -97,14 +84,15 @@ class HierarchicalBackend : public Backend {
   Status GatherHostBlock(const CollectiveBatch& b, char* block);
   Status ExchangeHostBlocks(CollectiveBatch& b, const char* block);
 
-  MPI_Comm node_comm_, leader_comm_;
+  Communicator* node_;
+  Communicator* leaders_;
   int node_rank_ = 0, node_size_ = 1;
   int64_t min_bytes_;
   bool allreduce_, allgather_;
   std::vector<int> node_ranks_;               // this host's global ranks
+  std::vector<int64_t> gather_bytes_;         // GatherHostBlock's layout
   std::vector<std::vector<int>> host_ranks_;  // leaders: every host's
   HostBuffer block_, all_;
-  std::unique_ptr<Communicator> node_mpi_, leader_mpi_;
   BackendList node_list_;
   std::unique_ptr<Backend> cross_;  // leaders only
   HostBuffer pack_;
@@ -143,7 +131,7 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
   const int64_t esize = DataTypeSize(b.dtype);
   if (b.tensors.size() == 1) {
     BatchTensor& t = b.tensors[0];
-    return node_mpi_->Broadcast(t.output, t.count * esize, 0);
+    return node_->Broadcast(t.output, t.count * esize, 0);
   }
   char* buf = pack_.Reserve(b.bytes());
   int64_t off = 0;
@@ -154,7 +142,7 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
       off += t.count * esize;
     }
   }
-  KD_RETURN_IF_ERROR(node_mpi_->Broadcast(buf, b.bytes(), 0));
+  KD_RETURN_IF_ERROR(node_->Broadcast(buf, b.bytes(), 0));
   if (node_rank_ == 0) return Status::OK();
   off = 0;
   for (BatchTensor& t : b.tensors) {
@@ -164,32 +152,29 @@ Status HierarchicalBackend::NodeBroadcast(CollectiveBatch& b) {
   return Status::OK();
 }
 
-Status HierarchicalBackend::LearnLayout(MPI_Comm comm) {
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
+Status HierarchicalBackend::LearnLayout(Communicator* comm) {
+  const int rank = comm->rank();
   node_ranks_.resize(node_size_);
+  KD_RETURN_IF_ERROR(node_->Allgather(&rank, node_ranks_.data(), sizeof(int)));
+  if (leaders_ == nullptr) return Status::OK();
+  const int hosts = leaders_->size();
+  std::vector<int> sizes(hosts);
   KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allgather(&rank, 1, MPI_INT, node_ranks_.data(), 1, MPI_INT,
-                              node_comm_),
-                "MPI_Allgather"));
-  if (leader_comm_ == MPI_COMM_NULL) return Status::OK();
-  int hosts = 0;
-  MPI_Comm_size(leader_comm_, &hosts);
-  std::vector<int> sizes(hosts), displs(hosts, 0);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allgather(&node_size_, 1, MPI_INT, sizes.data(), 1, MPI_INT,
-                              leader_comm_),
-                "MPI_Allgather"));
-  for (int h = 1; h < hosts; ++h) displs[h] = displs[h - 1] + sizes[h - 1];
-  std::vector<int> all(displs[hosts - 1] + sizes[hosts - 1]);
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allgatherv(node_ranks_.data(), node_size_, MPI_INT, all.data(),
-                     sizes.data(), displs.data(), MPI_INT, leader_comm_),
-      "MPI_Allgatherv"));
-  host_ranks_.assign(hosts, {});
+      leaders_->Allgather(&node_size_, sizes.data(), sizeof(int)));
+  std::vector<int64_t> bytes(hosts);
+  int total = 0;
   for (int h = 0; h < hosts; ++h) {
-    host_ranks_[h].assign(all.begin() + displs[h],
-                          all.begin() + displs[h] + sizes[h]);
+    bytes[h] = sizes[h] * static_cast<int64_t>(sizeof(int));
+    total += sizes[h];
+  }
+  std::vector<int> all(total);
+  KD_RETURN_IF_ERROR(
+      leaders_->Allgatherv(node_ranks_.data(), all.data(), bytes));
+  host_ranks_.assign(hosts, {});
+  auto at = all.begin();
+  for (int h = 0; h < hosts; ++h) {
+    host_ranks_[h].assign(at, at + sizes[h]);
+    at += sizes[h];
   }
   return Status::OK();
 }
@@ -206,21 +191,16 @@ Status HierarchicalBackend::Allgather(CollectiveBatch& b, uint64_t) {
   int64_t total = 0;
   for (int64_t n : b.recv_bytes) total += n;
   if (node_size_ == 1 || total == 0) return Status::OK();
-  return node_mpi_->Broadcast(b.tensors[0].output, total, 0);
+  return node_->Broadcast(b.tensors[0].output, total, 0);
 }
 
 // This host's ranks' parts, in node order, into the leader's `block`.
 Status HierarchicalBackend::GatherHostBlock(const CollectiveBatch& b,
                                             char* block) {
-  std::vector<int> counts(node_size_), displs(node_size_, 0);
-  for (int i = 0; i < node_size_; ++i) {
-    counts[i] = static_cast<int>(b.recv_bytes[node_ranks_[i]]);
-    if (i > 0) displs[i] = displs[i - 1] + counts[i - 1];
-  }
-  return MpiStatus(
-      MPI_Gatherv(b.tensors[0].input, counts[node_rank_], MPI_BYTE, block,
-                  counts.data(), displs.data(), MPI_BYTE, 0, node_comm_),
-      "MPI_Gatherv");
+  gather_bytes_.resize(node_size_);
+  for (int i = 0; i < node_size_; ++i)
+    gather_bytes_[i] = b.recv_bytes[node_ranks_[i]];
+  return node_->Gatherv(b.tensors[0].input, block, gather_bytes_, 0);
 }
 
 Status HierarchicalBackend::ExchangeHostBlocks(CollectiveBatch& b,
@@ -236,7 +216,7 @@ Status HierarchicalBackend::ExchangeHostBlocks(CollectiveBatch& b,
   int64_t all_bytes = 0;
   for (int64_t n : block_bytes) all_bytes += n;
   char* all = all_.Reserve(std::max<int64_t>(all_bytes, 1));
-  KD_RETURN_IF_ERROR(leader_mpi_->Allgatherv(block, all, block_bytes));
+  KD_RETURN_IF_ERROR(leaders_->Allgatherv(block, all, block_bytes));
   char* out = static_cast<char*>(b.tensors[0].output);
   int64_t at = 0;
   for (int h = 0; h < hosts; ++h) {
@@ -258,23 +238,23 @@ Status MakeHierarchicalBackend(const Config& config, const NodeContext& ctx,
   if (ctx.within_node) return Status::OK();
   // Every rank must agree whether to build it and what it takes: the
   // settings may differ between ranks.
-  int mine[2] = {config.hierarchical_allreduce ? 1 : 0,
-                 config.hierarchical_allgather ? 1 : 0};
-  int agreed[2] = {0, 0};
+  int32_t agreed[2] = {config.Flag("KERASDIST_HIERARCHICAL_ALLREDUCE"),
+                       config.Flag("KERASDIST_HIERARCHICAL_ALLGATHER")};
   KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allreduce(mine, agreed, 2, MPI_INT, MPI_MIN, ctx.comm),
-                "MPI_Allreduce"));
+      ctx.comm->Allreduce(agreed, 2, DataType::kInt32, ReduceOp::kMin));
   if (!agreed[0] && !agreed[1]) return Status::OK();
   int64_t min_bytes = 0;
+  KD_RETURN_IF_ERROR(AgreeLargest(
+      *ctx.comm, config.Int("KERASDIST_HIERARCHICAL_MIN_BYTES"), &min_bytes));
+  // How many hosts, and the most ranks on one.
+  int32_t hosts = ctx.node->rank() == 0 ? 1 : 0, largest = ctx.node->size();
   KD_RETURN_IF_ERROR(
-      AgreeLargest(ctx.comm, config.hierarchical_min_bytes, &min_bytes));
-  MPI_Comm node, leaders;
-  int hosts = 1, largest = 1;
+      ctx.comm->Allreduce(&hosts, 1, DataType::kInt32, ReduceOp::kSum));
   KD_RETURN_IF_ERROR(
-      NodeAndLeaderComms(ctx.comm, &node, &leaders, &hosts, &largest));
-  auto h = std::make_unique<HierarchicalBackend>(node, leaders, agreed[0] != 0,
-                                                 agreed[1] != 0, min_bytes);
-  if (hosts < 2 || largest < 2) return Status::OK();  // h frees the comms
+      ctx.comm->Allreduce(&largest, 1, DataType::kInt32, ReduceOp::kMax));
+  if (hosts < 2 || largest < 2) return Status::OK();
+  auto h = std::make_unique<HierarchicalBackend>(
+      ctx.node, ctx.leaders, agreed[0] != 0, agreed[1] != 0, min_bytes);
   KD_RETURN_IF_ERROR(h->MakeNodeList(config));
   KD_RETURN_IF_ERROR(h->LearnLayout(ctx.comm));
   *out = std::move(h);

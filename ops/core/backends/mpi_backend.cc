@@ -8,13 +8,14 @@ namespace kerasdist::core {
 
 Status MakeMpiBackend(const Config&, const NodeContext& ctx,
                       std::unique_ptr<Backend>* out) {
-  *out = std::make_unique<CommunicatorBackend>("mpi", ctx.host, ctx.rank);
+  *out =
+      std::make_unique<CommunicatorBackend>("mpi", ctx.comm, ctx.comm->rank());
   return Status::OK();
 }
 
 Status MakeSelfBackend(const Config&, const NodeContext& ctx,
                        std::unique_ptr<Backend>* out) {
-  *out = std::make_unique<SelfBackend>(ctx.size);
+  *out = std::make_unique<SelfBackend>(ctx.comm->size());
   return Status::OK();
 }
 

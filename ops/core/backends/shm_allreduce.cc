@@ -10,7 +10,6 @@
 #include <string>
 
 #include "../scale.h"
-#include "../transport/mpi_context.h"
 
 namespace kerasdist::core {
 
@@ -53,28 +52,24 @@ char* MapSegment(const std::string& name, int64_t bytes, bool create) {
 
 }  // namespace
 
-Status ShmAllreduce::Create(MPI_Comm comm, bool enabled, int64_t min_bytes,
+Status ShmAllreduce::Create(Communicator* comm, Communicator* node,
+                            bool enabled, int64_t min_bytes,
                             std::unique_ptr<ShmAllreduce>* out) {
   out->reset();
-  MPI_Comm local;
-  KD_RETURN_IF_ERROR(SingleNodeComm(comm, enabled, &local));
-  if (local == MPI_COMM_NULL) return Status::OK();
+  bool all = false;
+  KD_RETURN_IF_ERROR(AgreeAll(*comm, enabled, &all));
+  if (!all || node == nullptr) return Status::OK();
   std::unique_ptr<ShmAllreduce> s(new ShmAllreduce());
-  s->comm_ = local;  // freed by the destructor from here on
-  MPI_Comm_rank(local, &s->rank_);
-  MPI_Comm_size(local, &s->size_);
+  s->comm_ = node;
+  s->rank_ = node->rank();
+  s->size_ = node->size();
   // The ranks agree on the largest minimum given.
-  KD_RETURN_IF_ERROR(AgreeLargest(local, min_bytes, &s->min_bytes_));
+  KD_RETURN_IF_ERROR(AgreeLargest(*node, min_bytes, &s->min_bytes_));
   *out = std::move(s);
   return Status::OK();
 }
 
-ShmAllreduce::~ShmAllreduce() {
-  Unmap();
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-}
+ShmAllreduce::~ShmAllreduce() { Unmap(); }
 
 bool ShmAllreduce::Supports(DataType dt, ReduceOp op) {
   if (op == ReduceOp::kAverage || op == ReduceOp::kAdasum) return false;
@@ -93,34 +88,30 @@ Status ShmAllreduce::Grow(int64_t bytes, bool* ok) {
   *ok = false;
   if (used_) {
     // Nobody may still read the old slots.
-    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+    KD_RETURN_IF_ERROR(comm_->Barrier());
     used_ = false;
   }
   Unmap();
   const int64_t cap = (bytes + kRound - 1) / kRound * kRound;
   if (instance_ < 0) instance_ = g_instances++;
   long job[2] = {static_cast<long>(getpid()), instance_};
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Bcast(job, 2, MPI_LONG, 0, comm_), "MPI_Bcast"));
+  KD_RETURN_IF_ERROR(comm_->Broadcast(job, sizeof(job), 0));
   ++generation_;
   const std::string mine = SegmentName(job, generation_, rank_);
   shm_unlink(mine.c_str());  // a leftover of a killed job with a reused pid
   char* own = MapSegment(mine, cap, true);
-  int good = own != nullptr ? 1 : 0, all = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_), "MPI_Allreduce"));
+  bool good = own != nullptr, all = false;
+  KD_RETURN_IF_ERROR(AgreeAll(*comm_, good, &all));
   std::vector<char*> slots(size_, nullptr);
   slots[rank_] = own;
   if (all) {
     for (int k = 0; k < size_; ++k) {
       if (k != rank_) {
         slots[k] = MapSegment(SegmentName(job, generation_, k), cap, false);
-        if (slots[k] == nullptr) good = 0;
+        if (slots[k] == nullptr) good = false;
       }
     }
-    KD_RETURN_IF_ERROR(
-        MpiStatus(MPI_Allreduce(&good, &all, 1, MPI_INT, MPI_MIN, comm_),
-                  "MPI_Allreduce"));
+    KD_RETURN_IF_ERROR(AgreeAll(*comm_, good, &all));
   }
   // Everyone has tried to map every segment: the names can go.
   if (own != nullptr) shm_unlink(mine.c_str());
@@ -146,7 +137,7 @@ Status ShmAllreduce::Begin(int64_t bytes, char** slot) {
     }
   } else if (used_) {
     // Every rank has finished reading the previous result.
-    KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+    KD_RETURN_IF_ERROR(comm_->Barrier());
   }
   used_ = true;
   *slot = slots_[rank_];
@@ -155,7 +146,7 @@ Status ShmAllreduce::Begin(int64_t bytes, char** slot) {
 
 Status ShmAllreduce::Publish() {
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  KD_RETURN_IF_ERROR(MpiStatus(MPI_Barrier(comm_), "MPI_Barrier"));
+  KD_RETURN_IF_ERROR(comm_->Barrier());
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return Status::OK();
 }

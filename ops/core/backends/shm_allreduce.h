@@ -24,13 +24,11 @@
 // down is local (no collective at shutdown, which could hang after a failure).
 // Space is reserved with posix_fallocate; if any rank cannot get it (a small
 // /dev/shm in a container) all ranks agree to use MPI instead.
+//
+// Its only traffic besides memory is barriers and agreements over the node's
+// Communicator, so the core's tests run it with ranks as threads.
 #ifndef KERASDIST_CORE_BACKENDS_SHM_ALLREDUCE_H_
 #define KERASDIST_CORE_BACKENDS_SHM_ALLREDUCE_H_
-
-#ifdef KERASDIST_NO_MPI  // ops/Makefile: a source in CORE_PLAIN_SRCS
-#error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
-#endif
-#include <mpi.h>
 
 #include <climits>
 #include <cstdint>
@@ -38,17 +36,19 @@
 #include <vector>
 
 #include "../status.h"
+#include "../transport/communicator.h"
 #include "../types.h"
 
 namespace kerasdist::core {
 
 class ShmAllreduce {
  public:
-  // Sets *out to null (and returns OK) unless every rank of `comm` shares
-  // this node's memory and every rank has `enabled`. Collective over `comm`;
+  // Over `node` (every rank of the list, on this node; null: not one node),
+  // which must outlive it. Sets *out to null (and returns OK) unless `node`
+  // is given and every rank of `comm` has `enabled`. Collective over `comm`;
   // the ranks agree on the largest `min_bytes` given.
-  static Status Create(MPI_Comm comm, bool enabled, int64_t min_bytes,
-                       std::unique_ptr<ShmAllreduce>* out);
+  static Status Create(Communicator* comm, Communicator* node, bool enabled,
+                       int64_t min_bytes, std::unique_ptr<ShmAllreduce>* out);
   // Allreduces smaller than this go to MPI (the same on every rank).
   int64_t min_bytes() const { return min_bytes_; }
   ~ShmAllreduce();
@@ -89,7 +89,7 @@ class ShmAllreduce {
   Status Grow(int64_t bytes, bool* ok);
   void Unmap();
 
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  Communicator* comm_ = nullptr;  // the node's ranks
   int rank_ = 0, size_ = 1;
   int64_t capacity_ = 0;         // bytes per slot
   int64_t refused_ = INT64_MAX;  // smallest size the ranks could not all map

@@ -200,7 +200,8 @@ Status MakeShmBackend(const Config& config, const NodeContext& ctx,
   out->reset();
   std::unique_ptr<ShmAllreduce> shm;
   KD_RETURN_IF_ERROR(ShmAllreduce::Create(
-      ctx.comm, config.shm_allreduce, config.shm_allreduce_min_bytes, &shm));
+      ctx.comm, ctx.one_node(), config.Flag("KERASDIST_SHM_ALLREDUCE"),
+      config.Int("KERASDIST_SHM_ALLREDUCE_MIN_BYTES"), &shm));
   if (shm) *out = std::make_unique<ShmBackend>(std::move(shm), ctx.fallback);
   return Status::OK();
 }

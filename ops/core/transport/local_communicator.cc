@@ -24,7 +24,11 @@ int64_t Sum(const std::vector<int64_t>& v, size_t end) {
 }  // namespace
 
 LocalGroup::LocalGroup(int size, double timeout_s)
-    : size_(size), timeout_s_(timeout_s), slots_(size), here_(size, false) {}
+    : size_(size),
+      timeout_s_(timeout_s),
+      slots_(size),
+      here_(size, false),
+      mail_(size * size) {}
 
 Status LocalGroup::BrokenLocked() const {
   return Status::Aborted("local group of " + std::to_string(size_) +
@@ -65,6 +69,56 @@ void LocalGroup::Leave(int rank, const std::string& why) {
   if (broken_.empty())
     broken_ = "rank " + std::to_string(rank) + " left the group (" + why + ").";
   cv_.notify_all();
+}
+
+template <typename Done>
+bool LocalGroup::WaitLocked(std::unique_lock<std::mutex>& l, Done done) {
+  return cv_.wait_for(l, std::chrono::duration<double>(timeout_s_),
+                      [&] { return done() || !broken_.empty(); });
+}
+
+Status LocalGroup::Exchange(int rank, const void* send, int64_t send_bytes,
+                            int dest, void* recv, int64_t recv_bytes,
+                            int source) {
+  std::unique_lock<std::mutex> l(mu_);
+  if (!broken_.empty()) return BrokenLocked();
+  const std::string what = "sendrecv of rank " + std::to_string(rank) +
+                           " (to " + std::to_string(dest) + ", from " +
+                           std::to_string(source) + ")";
+  auto fail = [&](const std::string& why) {
+    if (broken_.empty()) broken_ = what + ": " + why;
+    cv_.notify_all();
+    return BrokenLocked();
+  };
+  for (int peer : {dest, source}) {
+    if (peer < 0 || peer >= size_ || peer == rank)
+      return fail("no peer " + std::to_string(peer) + ".");
+  }
+  Mail& out = mail_[rank * size_ + dest];
+  Mail& in = mail_[source * size_ + rank];
+  out = Mail{send, send_bytes, true, false};
+  cv_.notify_all();
+  if (!WaitLocked(l, [&] { return in.posted; }) && broken_.empty()) {
+    return fail("rank " + std::to_string(source) + " sent nothing within " +
+                std::to_string(timeout_s_) + " s.");
+  }
+  if (!broken_.empty()) return BrokenLocked();
+  if (in.bytes != recv_bytes) {
+    return fail("rank " + std::to_string(source) + " sends " +
+                std::to_string(in.bytes) + " bytes, " +
+                std::to_string(recv_bytes) + " expected.");
+  }
+  if (recv_bytes > 0) std::memcpy(recv, in.data, recv_bytes);
+  in = Mail{nullptr, 0, false, true};
+  cv_.notify_all();
+  // `send` must stay valid until `dest` has copied it.
+  if (!WaitLocked(l, [&] { return out.taken; }) && broken_.empty()) {
+    return fail("rank " + std::to_string(dest) + " took nothing within " +
+                std::to_string(timeout_s_) + " s.");
+  }
+  if (!out.taken) return BrokenLocked();
+  out.taken = false;
+  return Status::OK();
 }
 
 LocalCommunicator::LocalCommunicator(std::shared_ptr<LocalGroup> group,
@@ -222,6 +276,35 @@ Status LocalCommunicator::Allgatherv(const void* in, void* out,
         return Status::OK();
       },
       [] {});
+}
+
+Status LocalCommunicator::Gatherv(const void* in, void* out,
+                                  const std::vector<int64_t>& bytes, int root) {
+  LocalSlot mine{"gather", in, out};
+  mine.sizes = &bytes;
+  mine.root = root;
+  return Collective(
+      mine,
+      [&] {
+        char* dst = static_cast<char*>(out);
+        for (int r = 0; rank_ == root && r < group_->size(); ++r) {
+          if (bytes[r] > 0) std::memcpy(dst, group_->slot(r).in, bytes[r]);
+          dst += bytes[r];
+        }
+        return Status::OK();
+      },
+      [] {});
+}
+
+Status LocalCommunicator::SendRecv(const void* send, int64_t send_bytes,
+                                   int dest, void* recv, int64_t recv_bytes,
+                                   int source) {
+  if (left_) {
+    return Status::Aborted("rank " + std::to_string(rank_) +
+                           " left its local group; it cannot run sendrecv.");
+  }
+  return group_->Exchange(rank_, send, send_bytes, dest, recv, recv_bytes,
+                          source);
 }
 
 Status LocalCommunicator::Broadcast(void* buf, int64_t bytes, int root) {

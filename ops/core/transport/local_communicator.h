@@ -54,9 +54,23 @@ class LocalGroup {
   Status Arrive(int rank, const char* what);
   // `rank` leaves: peers waiting now, and every later call, fail naming it.
   void Leave(int rank, const std::string& why);
+  // Point to point: posts `send` for `dest`, waits for `source`'s message
+  // to `rank` and copies it into `recv` (its size must be `recv_bytes`),
+  // then waits until `dest` has taken `send`. Fails as Arrive does.
+  Status Exchange(int rank, const void* send, int64_t send_bytes, int dest,
+                  void* recv, int64_t recv_bytes, int source);
 
  private:
   Status BrokenLocked() const;
+  // Waits on `cv_` until `done()` or the group breaks; false on timeout.
+  template <typename Done>
+  bool WaitLocked(std::unique_lock<std::mutex>& l, Done done);
+  // One message of Exchange, from one rank to another.
+  struct Mail {
+    const void* data = nullptr;
+    int64_t bytes = 0;
+    bool posted = false, taken = false;
+  };
 
   const int size_;
   const double timeout_s_;
@@ -66,7 +80,8 @@ class LocalGroup {
   uint64_t generation_ = 0;  // completed barriers
   std::vector<bool> here_;   // arrived at the barrier in progress
   int arrived_ = 0;
-  std::string broken_;  // non-empty: why every call fails
+  std::string broken_;      // non-empty: why every call fails
+  std::vector<Mail> mail_;  // [from * size + to]
 };
 
 class LocalCommunicator : public Communicator {
@@ -80,8 +95,8 @@ class LocalCommunicator : public Communicator {
 
   // Leaves now (an aborting rank); later calls of this rank fail too.
   void Abort(const std::string& why);
-  int rank() const { return rank_; }
-  int size() const { return group_->size(); }
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size(); }
 
   std::string Name() const override { return "local"; }
   Status Allreduce(void* buf, int64_t count, DataType dt, ReduceOp op) override;
@@ -89,6 +104,8 @@ class LocalCommunicator : public Communicator {
                        ReduceOp op) override;
   Status Allgatherv(const void* in, void* out,
                     const std::vector<int64_t>& bytes) override;
+  Status Gatherv(const void* in, void* out, const std::vector<int64_t>& bytes,
+                 int root) override;
   Status Broadcast(void* buf, int64_t bytes, int root) override;
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_bytes,
                    void* out, const std::vector<int64_t>& recv_bytes) override;
@@ -96,6 +113,8 @@ class LocalCommunicator : public Communicator {
                        const std::vector<int64_t>& counts, DataType dt,
                        ReduceOp op) override;
   Status Barrier() override;
+  Status SendRecv(const void* send, int64_t send_bytes, int dest, void* recv,
+                  int64_t recv_bytes, int source) override;
 
  private:
   // Publishes `mine`, waits for every rank, checks that they called the

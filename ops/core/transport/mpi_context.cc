@@ -8,6 +8,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -258,10 +259,20 @@ Status CheckCount(int64_t n, const char* what) {
   return Status::OK();
 }
 
+// Point-to-point messages (SendRecv, the Adasum tree) on a communicator:
+// above the control plane's tags on the runtime's (kControlTagBase +
+// generation % 16384, 17 to 16400).
+constexpr int kSendRecvTag = 0x4164;
+
 class MpiCommunicator : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {}
+  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+    MPI_Comm_rank(comm, &rank_);
+    MPI_Comm_size(comm, &size_);
+  }
   std::string Name() const override { return "MPI"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
 
   Status Allreduce(void* buf, int64_t count, DataType dt,
                    ReduceOp op) override {
@@ -286,12 +297,27 @@ class MpiCommunicator : public Communicator {
                     const std::vector<int64_t>& bytes) override {
     std::vector<int> counts, displs;
     KD_RETURN_IF_ERROR(Layout(bytes, &counts, &displs));
-    int me;
-    MPI_Comm_rank(comm_, &me);
     return MpiStatus(
-        MPI_Allgatherv(in, counts[me], MPI_BYTE, out, counts.data(),
+        MPI_Allgatherv(in, counts[rank_], MPI_BYTE, out, counts.data(),
                        displs.data(), MPI_BYTE, comm_),
         "MPI_Allgatherv");
+  }
+
+  Status Allgather(const void* in, void* out, int64_t bytes) override {
+    KD_RETURN_IF_ERROR(CheckCount(bytes * size_, "message size"));
+    return MpiStatus(MPI_Allgather(in, static_cast<int>(bytes), MPI_BYTE, out,
+                                   static_cast<int>(bytes), MPI_BYTE, comm_),
+                     "MPI_Allgather");
+  }
+
+  Status Gatherv(const void* in, void* out, const std::vector<int64_t>& bytes,
+                 int root) override {
+    std::vector<int> counts, displs;
+    KD_RETURN_IF_ERROR(Layout(bytes, &counts, &displs));
+    return MpiStatus(
+        MPI_Gatherv(in, counts[rank_], MPI_BYTE, out, counts.data(),
+                    displs.data(), MPI_BYTE, root, comm_),
+        "MPI_Gatherv");
   }
 
   Status Broadcast(void* buf, int64_t bytes, int root) override {
@@ -332,6 +358,26 @@ class MpiCommunicator : public Communicator {
     return MpiStatus(MPI_Barrier(comm_), "MPI_Barrier");
   }
 
+  // In pieces an int can count.
+  Status SendRecv(const void* send, int64_t send_bytes, int dest, void* recv,
+                  int64_t recv_bytes, int source) override {
+    constexpr int64_t kPiece = int64_t{1} << 30;
+    const char* s = static_cast<const char*>(send);
+    char* r = static_cast<char*>(recv);
+    for (int64_t off = 0; off < send_bytes || off < recv_bytes; off += kPiece) {
+      const int sn = static_cast<int>(
+          std::max<int64_t>(0, std::min(kPiece, send_bytes - off)));
+      const int rn = static_cast<int>(
+          std::max<int64_t>(0, std::min(kPiece, recv_bytes - off)));
+      KD_RETURN_IF_ERROR(MpiStatus(
+          MPI_Sendrecv(s + (sn ? off : 0), sn, MPI_BYTE, dest, kSendRecvTag,
+                       r + (rn ? off : 0), rn, MPI_BYTE, source, kSendRecvTag,
+                       comm_, MPI_STATUS_IGNORE),
+          "MPI_Sendrecv"));
+    }
+    return Status::OK();
+  }
+
  private:
   MPI_Op Op(DataType dt, ReduceOp op) {
     if (dt == DataType::kFloat16) return half_ops_.ops[0][OpIndex(op)];
@@ -350,6 +396,7 @@ class MpiCommunicator : public Communicator {
     return Status::OK();
   }
   MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
   HalfOps half_ops_;
 };
 
@@ -377,37 +424,6 @@ Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
 
 }  // namespace
 
-Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest) {
-  long long want = mine, agreed = 0;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allreduce(&want, &agreed, 1, MPI_LONG_LONG, MPI_MAX, comm),
-                "MPI_Allreduce"));
-  *largest = agreed;
-  return Status::OK();
-}
-
-Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local) {
-  *local = MPI_COMM_NULL;
-  int size = 1;
-  MPI_Comm_size(comm, &size);
-  // Settings may differ between ranks; the path must not.
-  int mine = enabled ? 1 : 0, all = 0;
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce"));
-  if (!all || size < 2) return Status::OK();
-  MPI_Comm shared;
-  KD_RETURN_IF_ERROR(NodeComm(comm, &shared));
-  int shared_size = 0;
-  MPI_Comm_size(shared, &shared_size);
-  if (shared_size != size) {  // then no rank's node holds them all
-    MPI_Comm_free(&shared);
-    return Status::OK();
-  }
-  MPI_Comm_set_errhandler(shared, MPI_ERRORS_RETURN);
-  *local = shared;
-  return Status::OK();
-}
-
 Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
   *oversubscribed = false;
   MPI_Comm node;
@@ -427,6 +443,39 @@ Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
   *oversubscribed = local_ranks > CPU_COUNT(&all);
   return Status::OK();
 }
+
+namespace {
+
+// Collective over `comm`: *t's ranks; *node holds this node's ranks and
+// *leaders (MPI_COMM_NULL but on each node's local rank 0) those ranks in
+// rank order, one leader per node, for the backends.
+Status SplitByNode(MPI_Comm comm, Topology* t, MPI_Comm* node,
+                   MPI_Comm* leaders) {
+  MPI_Comm_rank(comm, &t->rank);
+  MPI_Comm_size(comm, &t->size);
+  MPI_Comm local, cross;
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, t->rank,
+                                    MPI_INFO_NULL, &local),
+                "MPI_Comm_split_type"));
+  MPI_Comm_rank(local, &t->local_rank);
+  MPI_Comm_size(local, &t->local_size);
+  MPI_Comm_set_errhandler(local, MPI_ERRORS_RETURN);
+  *node = local;
+  KD_RETURN_IF_ERROR(MpiStatus(
+      MPI_Comm_split(comm, t->local_rank, t->rank, &cross), "MPI_Comm_split"));
+  MPI_Comm_rank(cross, &t->cross_rank);
+  MPI_Comm_size(cross, &t->cross_size);
+  if (t->local_rank == 0) {
+    MPI_Comm_set_errhandler(cross, MPI_ERRORS_RETURN);
+    *leaders = cross;
+  } else {
+    MPI_Comm_free(&cross);
+  }
+  return Status::OK();
+}
+
+}  // namespace
 
 Status MpiContext::Create(bool has_parent, int parent_f,
                           std::unique_ptr<MpiContext>* out) {
@@ -468,23 +517,8 @@ Status MpiContext::Create(bool has_parent, int parent_f,
   // different numbers of contexts.
   KD_RETURN_IF_ERROR(MpiStatus(
       MPI_Bcast(&ctx->control_tag_, 1, MPI_INT, 0, ctx->comm_), "MPI_Bcast"));
-  Topology& t = ctx->topo_;
-  MPI_Comm_rank(ctx->comm_, &t.rank);
-  MPI_Comm_size(ctx->comm_, &t.size);
-  MPI_Comm local, cross;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Comm_split_type(ctx->comm_, MPI_COMM_TYPE_SHARED, t.rank,
-                                    MPI_INFO_NULL, &local),
-                "MPI_Comm_split_type"));
-  MPI_Comm_rank(local, &t.local_rank);
-  MPI_Comm_size(local, &t.local_size);
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Comm_split(ctx->comm_, t.local_rank, t.rank, &cross),
-                "MPI_Comm_split"));
-  MPI_Comm_rank(cross, &t.cross_rank);
-  MPI_Comm_size(cross, &t.cross_size);
-  MPI_Comm_free(&local);
-  MPI_Comm_free(&cross);
+  KD_RETURN_IF_ERROR(SplitByNode(ctx->comm_, &ctx->topo_, &ctx->node_comm_,
+                                 &ctx->leader_comm_));
   *out = std::move(ctx);
   return Status::OK();
 }
@@ -492,7 +526,10 @@ Status MpiContext::Create(bool has_parent, int parent_f,
 MpiContext::~MpiContext() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (finalized) return;
+  for (MPI_Comm* c : {&leader_comm_, &node_comm_, &comm_}) {
+    if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+  }
 }
 
 Status MpiContext::SendControl(int dest, std::string bytes) {
@@ -548,31 +585,13 @@ std::unique_ptr<Communicator> MpiContext::MakeHostCommunicator() {
   return std::make_unique<MpiCommunicator>(comm_);
 }
 
-std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm) {
-  return std::make_unique<MpiCommunicator>(comm);
+std::unique_ptr<Communicator> MpiContext::MakeNodeCommunicator() {
+  return std::make_unique<MpiCommunicator>(node_comm_);
 }
 
-Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
-                          int* hosts, int* largest_node) {
-  *node = *leaders = MPI_COMM_NULL;
-  KD_RETURN_IF_ERROR(NodeComm(comm, node));
-  MPI_Comm_set_errhandler(*node, MPI_ERRORS_RETURN);
-  int node_rank = 0, node_size = 1, rank = 0;
-  MPI_Comm_rank(*node, &node_rank);
-  MPI_Comm_size(*node, &node_size);
-  MPI_Comm_rank(comm, &rank);
-  KD_RETURN_IF_ERROR(MpiStatus(
-      MPI_Comm_split(comm, node_rank == 0 ? 0 : MPI_UNDEFINED, rank, leaders),
-      "MPI_Comm_split"));
-  if (*leaders != MPI_COMM_NULL)
-    MPI_Comm_set_errhandler(*leaders, MPI_ERRORS_RETURN);
-  const int leads = node_rank == 0 ? 1 : 0;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allreduce(&leads, hosts, 1, MPI_INT, MPI_SUM, comm),
-                "MPI_Allreduce"));
-  return MpiStatus(
-      MPI_Allreduce(&node_size, largest_node, 1, MPI_INT, MPI_MAX, comm),
-      "MPI_Allreduce");
+std::unique_ptr<Communicator> MpiContext::MakeLeaderCommunicator() {
+  if (leader_comm_ == MPI_COMM_NULL) return nullptr;
+  return std::make_unique<MpiCommunicator>(leader_comm_);
 }
 
 }  // namespace kerasdist::core

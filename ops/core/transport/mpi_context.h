@@ -45,11 +45,18 @@ class MpiContext : public ControlChannel {
   // Waits (bounded) for this rank's control sends to leave, at shutdown.
   void FlushSends(double timeout_s) override;
 
+  // MPI's collectives over the runtime's ranks, over this node's ranks
+  // among them, and (null but on each node's first rank) over one leader
+  // per node: the backends' communicators (backends.h, NodeContext). The
+  // context keeps their MPI communicators; it must outlive them.
   std::unique_ptr<Communicator> MakeHostCommunicator();
+  std::unique_ptr<Communicator> MakeNodeCommunicator();
+  std::unique_ptr<Communicator> MakeLeaderCommunicator();
 
  private:
   MpiContext() = default;
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm node_comm_ = MPI_COMM_NULL, leader_comm_ = MPI_COMM_NULL;
   int control_tag_ = 0;
   Topology topo_;
   struct Pending {
@@ -69,24 +76,6 @@ Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
 
 // Turns an MPI error code into a Status naming the call.
 Status MpiStatus(int code, const char* call);
-
-// For the single-node allreduce paths. Collective over `comm`: *local is a
-// new communicator of the same ranks (errors returned, not fatal) when every
-// rank has `enabled`, there are at least two, and all share this node's
-// memory; else MPI_COMM_NULL. The answer is the same on every rank.
-Status SingleNodeComm(MPI_Comm comm, bool enabled, MPI_Comm* local);
-
-// MPI's collectives over `comm` (which the caller keeps alive).
-std::unique_ptr<Communicator> MakeMpiCommunicator(MPI_Comm comm);
-
-// Collective over `comm`: *node holds the ranks of this rank's node (the
-// node's rank 0 leads it), *leaders one rank per node (MPI_COMM_NULL on the
-// others); *hosts is the number of nodes, *largest_node the most ranks on one.
-Status NodeAndLeaderComms(MPI_Comm comm, MPI_Comm* node, MPI_Comm* leaders,
-                          int* hosts, int* largest_node);
-
-// Collective over `comm`: *largest is the largest `mine` of all ranks.
-Status AgreeLargest(MPI_Comm comm, int64_t mine, int64_t* largest);
 
 // Collective over `comm`: whether the ranks on this rank's node outnumber
 // the CPUs they may run on together (the union of their affinity masks).

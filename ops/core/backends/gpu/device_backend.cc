@@ -77,11 +77,10 @@ Status MakeDeviceBackend(const Config& config, const NodeContext& ctx,
   if (!RegisteredDeviceBackend().factory || ctx.within_node)
     return Status::OK();
   DeviceBackendOptions d;
-  d.comm = ctx.comm;
-  d.rank = ctx.rank;
-  d.size = ctx.size;
+  d.rank = ctx.comm->rank();
+  d.size = ctx.comm->size();
   d.host_staged = config.gpu_operations == "MPI";
-  d.host = ctx.host;
+  d.host = ctx.comm;
   *out = std::make_unique<LazyDeviceBackend>(d);
   return Status::OK();
 }

@@ -9,11 +9,6 @@
 #ifndef KERASDIST_CORE_BACKENDS_GPU_DEVICE_BACKEND_H_
 #define KERASDIST_CORE_BACKENDS_GPU_DEVICE_BACKEND_H_
 
-#ifdef KERASDIST_NO_MPI  // ops/Makefile: a source in CORE_PLAIN_SRCS
-#error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
-#endif
-#include <mpi.h>
-
 #include <memory>
 #include <string>
 
@@ -23,15 +18,15 @@
 namespace kerasdist::core {
 
 struct DeviceBackendOptions {
-  MPI_Comm comm =
-      MPI_COMM_NULL;  // the runtime's communicator (NCCL id exchange)
   int rank = 0, size = 1;
-  int device = 0;                // CUDA ordinal of this rank's tensors
-  bool host_staged = false;      // KERASDIST_GPU_OPERATIONS=MPI
-  Communicator* host = nullptr;  // the MPI data plane, for host staging
+  int device = 0;            // CUDA ordinal of this rank's tensors
+  bool host_staged = false;  // KERASDIST_GPU_OPERATIONS=MPI
+  // The MPI data plane over the runtime's ranks: host staging, and the set-up
+  // (the NCCL id's broadcast, the agreement that every rank succeeded).
+  Communicator* host = nullptr;
 };
 
-// Collective over o.comm: every rank makes its backend at the same batch.
+// Collective over o.host: every rank makes its backend at the same batch.
 using DeviceBackendFactory = Status (*)(const DeviceBackendOptions&,
                                         std::unique_ptr<Backend>*);
 

@@ -7,7 +7,6 @@
 #include <deque>
 #include <thread>
 
-#include "../../transport/mpi_context.h"
 #include "device_backend.h"
 #include "gpu_util.h"
 #include "nccl_communicator.h"
@@ -26,10 +25,8 @@ class GpuBackend : public Backend {
     // that one rank's bad device fails all ranks instead of hanging them in
     // ncclCommInitRank.
     Status local = b->SetUpDevice();
-    int ok = local.ok() ? 1 : 0, all_ok = 0;
-    int code = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, o.comm);
-    if (code != MPI_SUCCESS)
-      return MpiStatus(code, "MPI_Allreduce (GPU setup)");
+    bool all_ok = false;
+    KD_RETURN_IF_ERROR(AgreeAll(*o.host, local.ok(), &all_ok));
     if (!local.ok()) return local;
     if (!all_ok) {
       return Status::Internal(

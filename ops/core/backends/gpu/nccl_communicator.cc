@@ -2,8 +2,6 @@
 
 #include <cstring>
 
-#include "../../transport/mpi_context.h"
-
 namespace kerasdist::core {
 
 std::string NcclVersion() {
@@ -72,7 +70,7 @@ ncclRedOp_t NcclOp(ReduceOp op) {
   }
 }
 
-// Collective over `o.comm`: rank 0 makes the unique id, MPI_Bcast shares it.
+// Collective over `o.host`: rank 0 makes the unique id, which it broadcasts.
 Status NcclCommunicator::Create(const DeviceBackendOptions& o,
                                 cudaStream_t stream,
                                 std::unique_ptr<NcclCommunicator>* out) {
@@ -88,11 +86,8 @@ Status NcclCommunicator::Create(const DeviceBackendOptions& o,
       ok = 0;
     }
   }
-  int code = MPI_Bcast(&ok, 1, MPI_INT, 0, o.comm);
-  if (code == MPI_SUCCESS && ok) {
-    code = MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, o.comm);
-  }
-  if (code != MPI_SUCCESS) return MpiStatus(code, "MPI_Bcast (NCCL id)");
+  KD_RETURN_IF_ERROR(o.host->Broadcast(&ok, sizeof(ok), 0));
+  if (ok) KD_RETURN_IF_ERROR(o.host->Broadcast(&id, sizeof(id), 0));
   if (!ok) {
     return o.rank == 0
                ? s

@@ -54,13 +54,16 @@ inline const char* At(const void* p, int64_t off) {
 // NCCL on device pointers. Every call only enqueues work on `stream_`.
 class NcclCommunicator : public Communicator {
  public:
-  // Collective over `o.comm`: rank 0 makes the unique id, MPI_Bcast shares it.
+  // Collective over `o.host`: rank 0 makes the unique id, which it
+  // broadcasts.
   static Status Create(const DeviceBackendOptions& o, cudaStream_t stream,
                        std::unique_ptr<NcclCommunicator>* out);
   ~NcclCommunicator() override {
     if (comm_) ncclCommDestroy(comm_);
   }
   std::string Name() const override { return "NCCL " + NcclVersion(); }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
 
   Status Allreduce(void* buf, int64_t count, DataType dt,
                    ReduceOp op) override {

@@ -23,6 +23,8 @@ class HostStagedCommunicator : public Communicator {
   std::string Name() const override {
     return "MPI (host-staged) over " + host_->Name();
   }
+  int rank() const override { return rank_; }
+  int size() const override { return host_->size(); }
 
   Status Allreduce(void* buf, int64_t count, DataType dt,
                    ReduceOp op) override {
