@@ -1,5 +1,5 @@
 // One tensor handed to the runtime, and how it ends: what the C API
-// (c_api.cc) makes of a front end's kerasdist_tensor. No MPI, no runtime
+// (enqueue.cc) makes of a front end's kerasdist_tensor. No MPI, no runtime
 // internals.
 #ifndef KERASDIST_CORE_ENTRY_H_
 #define KERASDIST_CORE_ENTRY_H_

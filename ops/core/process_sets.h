@@ -3,8 +3,8 @@
 // A process set is a subset of the job's ranks whose collectives run on a
 // runtime of its own: its own communicator, negotiation, fusion and response
 // cache. Adding and removing sets is collective over every rank of the job.
-// The job's runtime is the core's one mutable global; the C API (c_api.cc)
-// reaches it only through these functions.
+// The job's runtime is the core's one mutable global; the C API (c_api.cc,
+// enqueue.cc) reaches it only through these functions.
 #ifndef KERASDIST_CORE_PROCESS_SETS_H_
 #define KERASDIST_CORE_PROCESS_SETS_H_
 
