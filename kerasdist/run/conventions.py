@@ -424,6 +424,10 @@ def _tf_config(environ, name):
         raise ValueError(f"{name} lists {len(lists[0])} {workers[0]!r} "
                          f"tasks; list at most one (it is worker 0).")
     mine = lists[workers.index(kind)]
+    if not mine:
+        raise ValueError(
+            f"{name} has task {kind!r} but cluster.{kind} lists no "
+            f"address; list every {kind!r} task's host:port there.")
     if not 0 <= index < len(mine):
         raise ValueError(
             f"{name} has task {kind!r} index {index} but cluster."
@@ -439,8 +443,10 @@ def _tf_config(environ, name):
 
 
 def _tf(environ, full=True):
+    # Present as detect() counts presence (set and not empty): a value of
+    # blanks is a malformed spec, named as such.
     names = [n for n in ("TF_CONFIG", "CLUSTER_SPEC")
-             if environ.get(n, "").strip()]
+             if environ.get(n, "") != ""]
     launches = [_tf_config(environ, n) for n in names]
     if len(launches) == 2 and launches[0][1:3] != launches[1][1:3]:
         raise ValueError(

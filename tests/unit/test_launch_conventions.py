@@ -325,6 +325,10 @@ def test_host_wide_conventions_yield_to_per_process_ones():
     (with_(INDEXED, KERASDIST_COORDINATOR_PORT="0"),
      "KERASDIST_COORDINATOR_PORT gives port '0'"),
     ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not a cluster spec"),
+    ({"TF_CONFIG": "  "}, "TF_CONFIG is not a cluster spec (JSONDecodeError"),
+    ({"TF_CONFIG": '{"cluster": {"worker": []}, "task": {"type": "worker"}}'},
+     "TF_CONFIG has task 'worker' but cluster.worker lists no address; list "
+     "every 'worker' task's host:port there."),
     ({"TF_CONFIG": '{"cluster": {}}'},
      "TF_CONFIG is not a cluster spec (KeyError: 'task')"),
     (tf_config("ps", 0),
