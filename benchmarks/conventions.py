@@ -211,7 +211,8 @@ class Local:
         return _result(out.stdout, "(a)")
 
     def run_b(self, opts, timeout):
-        from tests.support.helpers import free_port, start_processes
+        from tests.support.helpers import free_port
+        from tests.support.helpers import start_processes
         port = free_port()
         results = start_processes(
             _rank_argv(opts), [_torchrun_env(r, 2, 2, "127.0.0.1", port)

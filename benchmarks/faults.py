@@ -40,7 +40,9 @@ _RESUMED = re.compile(r"resuming from .*\(optimizer step (\d+)\)")
 
 
 def one(cluster, fault, timeout_s, workdir):
-    from tests.support.helpers import launcher_env, worker_cmd, worker_env
+    from tests.support.helpers import launcher_env
+    from tests.support.helpers import worker_cmd
+    from tests.support.helpers import worker_env
 
     how = "kill" if fault == "kill" else fault
     args = ["--max-restarts", "1"] + (
@@ -88,7 +90,8 @@ def main():
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    from tests.support.cluster import Cluster, unavailable_reason
+    from tests.support.cluster import Cluster
+    from tests.support.cluster import unavailable_reason
 
     reason = unavailable_reason()
     if reason:

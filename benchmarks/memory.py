@@ -89,8 +89,9 @@ def join_cgroup(prefix):
 
 
 def rank_main(args):
-    import numpy as np
     import keras
+    import numpy as np
+
     import kerasdist as kd
 
     kd.init()

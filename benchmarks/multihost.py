@@ -287,7 +287,8 @@ class Bench:
     """One test cluster of 2 hosts and the jobs run on it."""
 
     def __init__(self, args):
-        from tests.support.cluster import Cluster, unavailable_reason
+        from tests.support.cluster import Cluster
+        from tests.support.cluster import unavailable_reason
         reason = unavailable_reason()
         if reason:
             raise SystemExit(f"multihost.py needs a test cluster: {reason}")
@@ -306,7 +307,8 @@ class Bench:
                 self.cluster.unshape(h)
 
     def job(self, np_, hosts, mode, opts, timeout=900):
-        from tests.support.helpers import launch, rank_lines
+        from tests.support.helpers import launch
+        from tests.support.helpers import rank_lines
         c = self.cluster
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

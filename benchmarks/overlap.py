@@ -95,9 +95,8 @@ def _comm_only(kd, model, backend):
 
 
 def rank_job(opts):
-    from mpi4py import MPI
-
     import keras_scaling as ks
+    from mpi4py import MPI
     ks._threads(opts["backend"])
     import keras
     import numpy as np
@@ -163,7 +162,8 @@ def rank_job(opts):
 
 
 def job(cluster, np_, hosts, opts, env, timeout=900):
-    from tests.support.helpers import launch, rank_lines
+    from tests.support.helpers import launch
+    from tests.support.helpers import rank_lines
     argv = [sys.executable, os.path.abspath(__file__), "_rank",
             json.dumps(opts)]
     out = launch(np_, argv, timeout=timeout, env=env,
@@ -200,7 +200,8 @@ def main(argv=None):
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(HERE))
-    from tests.support.cluster import Cluster, unavailable_reason
+    from tests.support.cluster import Cluster
+    from tests.support.cluster import unavailable_reason
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"overlap.py needs a test cluster: {reason}")

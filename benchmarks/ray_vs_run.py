@@ -60,7 +60,8 @@ def _ray_loop(config):
 def driver_main(opts, out):
     """Runs in kdt0 (the head's host): one Ray Train job of 2 workers."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig
+    from ray.train import ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from kerasdist.ray import KerasdistConfig

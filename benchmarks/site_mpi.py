@@ -45,11 +45,11 @@ def rank_main(steps, warmup):
     sys.path.insert(1, HERE)
     import time
 
+    import keras_scaling
     import numpy as np
 
     import kerasdist as kd
     from kerasdist._core import capi as _capi
-    import keras_scaling
 
     keras_scaling._threads("tensorflow")  # before TensorFlow starts (W1's)
     kd.init()
@@ -108,7 +108,8 @@ def _system(text):
 
 def _job(cluster, system, steps, warmup):
     sys.path.insert(0, REPO_ROOT)
-    from tests.support.helpers import launch, worker_env
+    from tests.support.helpers import launch
+    from tests.support.helpers import worker_env
     name, home, build = system
     env = worker_env(TF_CPP_MIN_LOG_LEVEL=3)
     env.pop("KERASDIST_MPI_HOME", None)

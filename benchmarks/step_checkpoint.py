@@ -98,6 +98,7 @@ def main():
     args = p.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
+
     import kerasdist as kd
     kd.init()
     cls = make_trainer(kd, keras, args.width, args.examples)

@@ -69,9 +69,8 @@ def _slowest(kd, values, name):
 
 def w3_worker(model_name, steps, warmup, rounds):
     """One rank of a W3 launch: every system of this size, alternating."""
-    import numpy as np
-
     import keras_scaling as ks
+    import numpy as np
 
     ks._threads("tensorflow")
     import keras

@@ -14,8 +14,9 @@ decompress. With one rank nothing is communicated.
 from kerasdist import _buckets
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
-from kerasdist._core.gradients import (label_members, source_label,
-                                       split_groups)
+from kerasdist._core.gradients import label_members
+from kerasdist._core.gradients import source_label
+from kerasdist._core.gradients import split_groups
 
 
 def reduce_gradients(grads, sources, prefix, framework=None,

@@ -225,6 +225,7 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     the gradient itself, padded), one per bucket for the small ones (their
     rows side by side). None where a gradient is None."""
     import keras
+
     from kerasdist import _gradient_reduction
 
     ops = keras.ops

@@ -94,7 +94,8 @@ class _GaussianProcessSearch:
         import numpy as np
         from scipy.stats import norm
         from sklearn.gaussian_process import GaussianProcessRegressor
-        from sklearn.gaussian_process.kernels import Matern, WhiteKernel
+        from sklearn.gaussian_process.kernels import Matern
+        from sklearn.gaussian_process.kernels import WhiteKernel
 
         self._np, self._norm = np, norm
         self._rng = np.random.default_rng(seed)

@@ -6,10 +6,10 @@ import os
 import sys
 import threading
 
-from kerasdist._core import capi as _capi
 from kerasdist import _ray_worker
 from kerasdist import _resize
 from kerasdist import autotune
+from kerasdist._core import capi as _capi
 from kerasdist.run import conventions
 from kerasdist.run import rendezvous
 from kerasdist.run import site_mpi

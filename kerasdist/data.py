@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from kerasdist._core import host as _host
 from kerasdist import basics
+from kerasdist._core import host as _host
 
 
 def _rank_size(rank, size):

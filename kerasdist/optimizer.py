@@ -34,16 +34,16 @@ for every backend, is most of the rest.
 import os
 import sys
 
-from kerasdist import basics
-from kerasdist._core import capi as _capi
-from kerasdist._core import gradients as _gradients
-from kerasdist import process_sets as _process_sets
 from kerasdist import _buckets
 from kerasdist import _framework
 from kerasdist import _gradient_reduction
 from kerasdist import _local_gradients
 from kerasdist import _reduced
 from kerasdist import _sharding
+from kerasdist import basics
+from kerasdist import process_sets as _process_sets
+from kerasdist._core import capi as _capi
+from kerasdist._core import gradients as _gradients
 from kerasdist.compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]

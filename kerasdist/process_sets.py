@@ -102,6 +102,7 @@ global_process_set.process_set_id = 0
 def _comm_ranks(comm):
     """The job ranks of an mpi4py communicator's members."""
     from mpi4py import MPI
+
     from kerasdist import basics
     # Every rank of the job calls this; members tell the others.
     world = MPI.COMM_WORLD

@@ -54,7 +54,8 @@ import tempfile
 
 import ray
 import ray.train
-from ray.train.backend import Backend, BackendConfig
+from ray.train.backend import Backend
+from ray.train.backend import BackendConfig
 
 # ReportCallback too (defined on first use: see __getattr__ below).
 __all__ = ["KerasdistConfig", "worker_environment"]

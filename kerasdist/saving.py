@@ -142,7 +142,8 @@ def _load_from_root(filepath, root_rank, custom_objects):
 
     import keras
 
-    from kerasdist import basics, objects
+    from kerasdist import basics
+    from kerasdist import objects
 
     if basics.rank() == root_rank:
         try:

@@ -15,13 +15,13 @@ placed after it see averaged values.
 """
 
 from kerasdist.callbacks.broadcast import BroadcastGlobalVariablesCallback
-from kerasdist.callbacks.model_checkpoint import ModelCheckpoint
-from kerasdist.callbacks.model_checkpoint import latest_checkpoint
-from kerasdist.callbacks.model_checkpoint import load_checkpoint
 from kerasdist.callbacks.learning_rate import LearningRateScheduleCallback
 from kerasdist.callbacks.learning_rate import LearningRateWarmupCallback
 from kerasdist.callbacks.metric_average import MetricAverageCallback
 from kerasdist.callbacks.model_average import ModelAverageCallback
+from kerasdist.callbacks.model_checkpoint import ModelCheckpoint
+from kerasdist.callbacks.model_checkpoint import latest_checkpoint
+from kerasdist.callbacks.model_checkpoint import load_checkpoint
 from kerasdist.callbacks.steps import EqualizeStepsCallback
 
 __all__ = [

@@ -4,9 +4,9 @@ import hashlib
 
 import numpy as np
 
-from kerasdist._core import host as _host
 from kerasdist import _framework
 from kerasdist import _sharding
+from kerasdist._core import host as _host
 
 
 def model_is_built(model):

@@ -2,9 +2,9 @@
 
 import keras
 
-from kerasdist import basics
 from kerasdist import _framework
 from kerasdist import _sharding
+from kerasdist import basics
 from kerasdist.callbacks import _util
 
 

@@ -16,7 +16,8 @@ class Jax(_framework.KerasFramework):
     def unique_name(self, base):
         # Several collectives of one jitted step may run at once, so two
         # must never share a name; eagerly they run one after the other.
-        from kerasdist.jax._dispatch import auto_name, program_trace
+        from kerasdist.jax._dispatch import auto_name
+        from kerasdist.jax._dispatch import program_trace
         if program_trace() is None:
             return base
         return auto_name(base, None)

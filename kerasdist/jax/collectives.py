@@ -24,8 +24,8 @@ from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 from kerasdist.jax import _dispatch
-from kerasdist.jax._dispatch import call, program_trace
-
+from kerasdist.jax._dispatch import call
+from kerasdist.jax._dispatch import program_trace
 
 FRAMEWORK = "jax"
 

@@ -18,8 +18,8 @@ import hashlib
 import hmac
 import os
 import pickle
-import secrets
 import re
+import secrets
 import shutil
 import subprocess
 import sys

@@ -333,6 +333,7 @@ def _agent_store(host, port, timeout):
     listen, so it serves on a free port and says which in that store.
     torch is there whenever torchrun is."""
     import datetime
+
     from torch.distributed import TCPStore
     return TCPStore(host, port, is_master=False,
                     timeout=datetime.timedelta(seconds=timeout))

@@ -13,8 +13,8 @@ Keras' backend choice.
 
 from kerasdist import _process_api
 from kerasdist import collectives as _collectives
-from kerasdist.tensorflow.tape import (DistributedGradientTape,
-                                      PartialDistributedGradientTape)
+from kerasdist.tensorflow.tape import DistributedGradientTape
+from kerasdist.tensorflow.tape import PartialDistributedGradientTape
 
 # The process API and the public collectives on TF tensors (each name of
 # `kerasdist.collectives.__all__`, bound to this framework).

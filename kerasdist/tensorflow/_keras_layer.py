@@ -10,8 +10,8 @@ import warnings
 
 import tensorflow as tf
 
-from kerasdist import basics
 from kerasdist import _framework
+from kerasdist import basics
 from kerasdist._core.gradients import source_label
 from kerasdist.tensorflow import collectives as _tf_collectives
 

@@ -7,9 +7,9 @@ import contextlib
 
 import tensorflow as tf
 
+from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
-from kerasdist import basics
 from kerasdist.tensorflow._native import ops as _ops
 
 FRAMEWORK = "tensorflow"

@@ -5,14 +5,14 @@ import tensorflow as tf
 
 from kerasdist import _buckets
 from kerasdist import _gradient_reduction
-from kerasdist import basics
 from kerasdist import _local_gradients
 from kerasdist import _reduced
+from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
-from kerasdist.tensorflow import _keras_layer
 from kerasdist.compression import Compression
+from kerasdist.tensorflow import _keras_layer
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 

@@ -5,12 +5,12 @@ import time
 import keras
 import numpy as np
 
-from kerasdist._core import host as _host
 from kerasdist import _framework
-from kerasdist import _sharding
 from kerasdist import _resize
+from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
+from kerasdist._core import host as _host
 
 
 def seed_generators(model):

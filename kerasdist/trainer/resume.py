@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from kerasdist._core import host as _host
 from kerasdist import basics
+from kerasdist._core import host as _host
 from kerasdist.trainer import checkpoints
 
 # The core's setting the launcher sets for every attempt under

@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from kerasdist import __version__ as kerasdist_version
-from kerasdist._core import host as _host
 from kerasdist import basics
+from kerasdist._core import host as _host
 
 
 def start():

@@ -18,20 +18,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kerasdist import _framework
+from kerasdist import _resize
+from kerasdist import _sharding
+from kerasdist import basics
+from kerasdist import callbacks as kd_callbacks
+from kerasdist._core import host as _host
+from kerasdist.optimizer import DistributedOptimizer
 from kerasdist.trainer import callbacks as _tcb
+from kerasdist.trainer import checkpoints
 from kerasdist.trainer import data as _tdata
 from kerasdist.trainer import resume as _tresume
 from kerasdist.trainer import shards as _tshards
 from kerasdist.trainer import snapshot as _tsnap
 from kerasdist.trainer import state as _tstate
-from kerasdist._core import host as _host
-from kerasdist import _framework
-from kerasdist import _resize
-from kerasdist import _sharding
-from kerasdist import basics
-from kerasdist.trainer import checkpoints
-from kerasdist import callbacks as kd_callbacks
-from kerasdist.optimizer import DistributedOptimizer
 
 # fit() arguments the Trainer sets itself; fit_kwargs may not override them.
 _RESERVED_FIT_KWARGS = frozenset({

@@ -10,8 +10,11 @@ import time
 
 import pytest
 
-from tests.support.cluster import (Cluster, _anchor_pids, _links,
-                           remove_leftovers, require)
+from tests.support.cluster import Cluster
+from tests.support.cluster import _anchor_pids
+from tests.support.cluster import _links
+from tests.support.cluster import remove_leftovers
+from tests.support.cluster import require
 
 pytestmark = pytest.mark.cluster
 

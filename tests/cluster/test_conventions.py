@@ -19,8 +19,12 @@ import time
 
 import pytest
 
-from tests.support.cluster import Cluster, require, run_on
-from tests.support.helpers import kill_tree, worker_cmd, worker_env
+from tests.support.cluster import Cluster
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import kill_tree
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 pytestmark = pytest.mark.cluster
 

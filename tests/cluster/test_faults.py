@@ -16,9 +16,15 @@ import pytest
 
 from tests.support import forkserver
 from tests.support import trainer_records as tr
-from tests.support.cluster import Cluster, processes_in, require, run_on
-from tests.support.helpers import (WORKERS, launch, rank_lines, worker_cmd,
-                                   worker_env)
+from tests.support.cluster import Cluster
+from tests.support.cluster import processes_in
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import WORKERS
+from tests.support.helpers import launch
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

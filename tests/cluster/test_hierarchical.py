@@ -9,8 +9,12 @@ import os
 import numpy as np
 import pytest
 
-from tests.support.cluster import Cluster, require, run_on
-from tests.support.helpers import rank_lines, worker_cmd, worker_env
+from tests.support.cluster import Cluster
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 pytestmark = pytest.mark.cluster
 

@@ -27,9 +27,14 @@ import pytest
 
 import kerasdist
 from tests.support import slurm as slurm_lib
-from tests.support.cluster import Cluster, require
-from tests.support.helpers import (REPO_ROOT, kill_tree, launch, rank_lines,
-                                   worker_cmd, worker_env)
+from tests.support.cluster import Cluster
+from tests.support.cluster import require
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import kill_tree
+from tests.support.helpers import launch
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 pytestmark = pytest.mark.cluster
 

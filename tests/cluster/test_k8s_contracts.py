@@ -63,9 +63,15 @@ import time
 import numpy as np
 import pytest
 
-from tests.support.cluster import Cluster, processes_in, require
-from tests.support.helpers import REPO_ROOT, kill_tree, launch, rank_lines
-from tests.support.helpers import worker_cmd, worker_env
+from tests.support.cluster import Cluster
+from tests.support.cluster import processes_in
+from tests.support.cluster import require
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import kill_tree
+from tests.support.helpers import launch
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 # The module's jobs run in the first test's setup (about 200 s on a
 # machine with 2 cores and a load of 16; less where the CPUs are free).

@@ -13,8 +13,12 @@ import time
 
 import pytest
 
-from tests.support.cluster import Cluster, processes_in, require, run_on
-from tests.support.helpers import rank_lines, worker_cmd
+from tests.support.cluster import Cluster
+from tests.support.cluster import processes_in
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
 
 pytestmark = pytest.mark.cluster
 

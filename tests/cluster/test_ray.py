@@ -14,8 +14,10 @@ import os
 import pytest
 
 from tests.support import trainer_records as tr
-from tests.support.cluster import Cluster, require
-from tests.support.helpers import start_processes, worker_cmd
+from tests.support.cluster import Cluster
+from tests.support.cluster import require
+from tests.support.helpers import start_processes
+from tests.support.helpers import worker_cmd
 from tests.support.ray_cluster import RayCluster
 
 pytestmark = pytest.mark.cluster

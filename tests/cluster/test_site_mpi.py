@@ -13,7 +13,10 @@ import sys
 import pytest
 
 from tests.support import site_mpi
-from tests.support.helpers import REPO_ROOT, kill_tree, launch, launcher_env
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import kill_tree
+from tests.support.helpers import launch
+from tests.support.helpers import launcher_env
 
 pytestmark = pytest.mark.cluster
 

@@ -9,11 +9,16 @@ import time
 
 import pytest
 
-from tests.support.cluster import Cluster, require
+from tests.cluster.test_multihost import _fields
+from tests.cluster.test_multihost import layout
 from tests.support import slurm as slurm_lib
-from tests.cluster.test_multihost import _fields, layout
-from tests.support.helpers import (launch, launcher_env, rank_lines, worker_cmd,
-                                   worker_env)
+from tests.support.cluster import Cluster
+from tests.support.cluster import require
+from tests.support.helpers import launch
+from tests.support.helpers import launcher_env
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
 
 pytestmark = pytest.mark.cluster
 

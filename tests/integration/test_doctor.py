@@ -130,7 +130,10 @@ def test_gpu_lines():
 
 
 def test_shm_line_says_what_to_do():
-    from kerasdist.tools.doctor import OK, WARN, INFO, shm_check
+    from kerasdist.tools.doctor import INFO
+    from kerasdist.tools.doctor import OK
+    from kerasdist.tools.doctor import WARN
+    from kerasdist.tools.doctor import shm_check
 
     mib = 1 << 20
     assert shm_check(4096 * mib, 2, "1")[0] == OK
@@ -142,7 +145,9 @@ def test_shm_line_says_what_to_do():
 
 
 def test_huge_pages_line():
-    from kerasdist.tools.doctor import INFO, OK, huge_pages_check
+    from kerasdist.tools.doctor import INFO
+    from kerasdist.tools.doctor import OK
+    from kerasdist.tools.doctor import huge_pages_check
     assert huge_pages_check("madvise", ("glibc", "2.36"))[0] == OK
     assert huge_pages_check("always", ("glibc", "2.35"))[0] == OK
     for mode, libc, says in ((None, ("glibc", "2.36"), "absent"),

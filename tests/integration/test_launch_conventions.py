@@ -57,6 +57,7 @@ def test_torchrun_variables_form_one_job():
     # all the while (PMI commands, forged hellos, garbage, idle
     # connections): the job forms and computes as without.
     import threading
+
     from tests.support.hostile import foreigner
     port = free_port()
     stop, sent = threading.Event(), []
@@ -189,6 +190,7 @@ def test_a_full_dev_shm_is_named_not_a_sigbus(tmp_path):
     import json
     import shutil
     import subprocess
+
     from tests.support.helpers import REPO_ROOT
     if os.geteuid() != 0 or not shutil.which("unshare") or subprocess.run(
             ["unshare", "-m", "true"], capture_output=True).returncode:

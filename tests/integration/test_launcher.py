@@ -23,8 +23,8 @@ from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import launcher_env  # noqa: E402
 from tests.support.helpers import pid_file_code  # noqa: E402
 from tests.support.helpers import python_cmd  # noqa: E402
-from tests.support.helpers import recorded_pids  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
+from tests.support.helpers import recorded_pids  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 

@@ -15,7 +15,10 @@ import time
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, WORKERS, kill_tree, launcher_env
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import WORKERS
+from tests.support.helpers import kill_tree
+from tests.support.helpers import launcher_env
 
 pytestmark = pytest.mark.parallel
 

@@ -11,8 +11,10 @@ import textwrap
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, kill_tree, launcher_env
 from kerasdist.run import function
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import kill_tree
+from tests.support.helpers import launcher_env
 
 pytestmark = pytest.mark.parallel
 

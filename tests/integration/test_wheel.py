@@ -38,7 +38,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.support.helpers import REPO_ROOT, kill_tree, rank_lines  # noqa: E402
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import kill_tree  # noqa: E402
+from tests.support.helpers import rank_lines  # noqa: E402
 
 TOOLS = ("gcc", "g++", "cc", "c++", "make")
 LIBS = ("libkerasdist_core.so", "_kerasdist_ops.so", "_kerasdist_jax.so")

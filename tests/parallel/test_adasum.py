@@ -5,7 +5,8 @@ one launch per size; at -np 3 the one check is the error."""
 
 import pytest
 
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 # 600 s a test: the first test of a size launches its job (up to 400 s).
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

@@ -18,7 +18,10 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, launch, rank_lines, worker_env
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import launch
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_env
 from tests.support.worker_checks import WorkerChecks
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

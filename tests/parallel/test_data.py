@@ -25,6 +25,7 @@ def test_shard_arrays_strided_rule():
 
 def test_shard_dataset_same_rule_as_arrays():
     import tensorflow as tf
+
     from kerasdist import data
     ds = tf.data.Dataset.range(10)
     for r in range(3):

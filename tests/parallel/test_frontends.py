@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT, launcher_env
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import launcher_env
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 # 600 s a test: the first test of a job launches it (up to 400 s).
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

@@ -6,7 +6,8 @@ tests/workers/horovod_names_worker.py and backend
 
 import pytest
 
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 # 600 s a test: the first test of a backend launches its job (up to 400 s).
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

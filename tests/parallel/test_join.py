@@ -9,7 +9,8 @@ PyTorch, one check each) runs at np=2 only.
 
 import pytest
 
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 # 600 s a test: the first test of a job launches it (up to 400 s).
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,

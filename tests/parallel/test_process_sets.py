@@ -8,8 +8,11 @@ import time
 
 import pytest
 
-from tests.support.helpers import launch, worker_cmd, worker_env
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.helpers import launch
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 pytestmark = [pytest.mark.parallel, pytest.mark.timeout(600)]
 

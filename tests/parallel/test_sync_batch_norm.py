@@ -10,7 +10,8 @@ BatchNormalization, a saved model). One test per worker check
 
 import pytest
 
-from tests.support.worker_checks import WorkerChecks, add_job_tests
+from tests.support.worker_checks import WorkerChecks
+from tests.support.worker_checks import add_job_tests
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]

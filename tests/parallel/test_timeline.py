@@ -8,7 +8,10 @@ import sys
 import pytest
 
 from kerasdist.tools import timeline as timeline_tools
-from tests.support.helpers import REPO_ROOT, launch, rank_env, rank_lines
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import launch
+from tests.support.helpers import rank_env
+from tests.support.helpers import rank_lines
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow]
 

@@ -30,12 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 from tests.support import forkserver  # noqa: E402
+from tests.support import trainer_records as tr  # noqa: E402
 from tests.support.helpers import WORKERS  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
 from tests.support.helpers import worker_env  # noqa: E402
-from tests.support import trainer_records as tr  # noqa: E402
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]

@@ -44,8 +44,9 @@ import sys
 import tempfile
 import time
 
-from tests.support.helpers import launch, worker_env
 from tests.support import host_faults
+from tests.support.helpers import launch
+from tests.support.helpers import worker_env
 
 PREFIX = "kdt"
 NET_BASE = (198, 18)  # RFC 2544 benchmarking range: 198.18.0.0/15

@@ -155,6 +155,7 @@ class Servers:
     def __init__(self, name, modules, env, prefixes=((),), timeout=120):
         import subprocess
         import time
+
         from kerasdist.run import _rank
         env = dict(env)
         env[_rank.TUNABLES_ENV] = _rank.with_huge_pages(

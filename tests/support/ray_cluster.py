@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-from tests.support.helpers import kill_tree, worker_env
+from tests.support.helpers import kill_tree
+from tests.support.helpers import worker_env
 
 PORT = 6379
 # Variables of other launchers that the test session itself may run under.

@@ -33,7 +33,9 @@ import sys
 import pytest
 
 from tests.support import checks
-from tests.support.helpers import WORKERS, launch, worker_env
+from tests.support.helpers import WORKERS
+from tests.support.helpers import launch
+from tests.support.helpers import worker_env
 
 
 class WorkerChecks:

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from kerasdist import _buckets
-from kerasdist._buckets import assign_buckets, variable_buckets
+from kerasdist._buckets import assign_buckets
+from kerasdist._buckets import variable_buckets
 
 MiB = 1024 * 1024
 

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO_ROOT
-
 from kerasdist._core import capi as _capi
-from kerasdist.tools import settings_doc as _settings_doc
-from kerasdist.tools import doctor
 from kerasdist.run import launch_config
 from kerasdist.run import settings as launcher_settings
+from kerasdist.tools import doctor
+from kerasdist.tools import settings_doc as _settings_doc
+from tests.support.helpers import REPO_ROOT
 
 
 @pytest.fixture

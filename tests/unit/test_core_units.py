@@ -5,9 +5,8 @@ import re
 import subprocess
 import sys
 
-from tests.support.helpers import REPO_ROOT
-
 from kerasdist._core import capi as _capi
+from tests.support.helpers import REPO_ROOT
 
 
 def test_every_setting_is_documented():

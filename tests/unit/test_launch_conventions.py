@@ -512,6 +512,7 @@ def test_a_rendezvous_that_fails_builds_nothing_the_size_of_the_job():
     # build the set of all of them (gigabytes for a WORLD_SIZE of 10**9;
     # hundreds of megabytes for the 10**7 here).
     import tracemalloc
+
     from kerasdist.run import rendezvous
     server = rendezvous._Server(10 ** 7, 1.0)
     tracemalloc.start()

@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist.tools import cli  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import attempt_loop  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
@@ -21,8 +20,8 @@ from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import mpi_command  # noqa: E402
 from kerasdist.run import resize  # noqa: E402
 from kerasdist.run import settings  # noqa: E402
+from kerasdist.tools import cli  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
-
 
 # --- hosts -----------------------------------------------------------------
 
@@ -858,6 +857,7 @@ def test_a_resize_request_after_the_program_ended_is_ignored():
 def test_orphan_shm_segments_of_an_attempt_are_removed(tmp_path):
     import mmap
     import time
+
     from kerasdist.run import shm
     since = time.time() - 1.0
     old = tmp_path / "mpich_shm_old_0"

@@ -17,7 +17,8 @@ import os
 import re
 
 from tests.support import checks
-from tests.support.helpers import REPO_ROOT, WORKERS
+from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import WORKERS
 
 TESTS = os.path.join(REPO_ROOT, "tests")
 

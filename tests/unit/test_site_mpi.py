@@ -6,7 +6,9 @@ import os
 import sys
 
 from kerasdist._core import capi
-from kerasdist.run import conventions, mpi_command, site_mpi
+from kerasdist.run import conventions
+from kerasdist.run import mpi_command
+from kerasdist.run import site_mpi
 
 MPICH = {"vendor": "mpich", "version": "5.0.2", "library": "libmpi.so.12",
          "pmix": False, "launcher_dir": None}

@@ -13,10 +13,10 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
+from kerasdist.trainer import checkpoints  # noqa: E402
 from kerasdist.trainer import data as _trainer_data  # noqa: E402
 from kerasdist.trainer import snapshot as _trainer_snapshot  # noqa: E402
 from kerasdist.trainer import state as _trainer_state  # noqa: E402
-from kerasdist.trainer import checkpoints  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
 Y = (X[:, 0] > 0).astype("int64")

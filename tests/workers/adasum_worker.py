@@ -17,8 +17,8 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
 from kerasdist._core import capi  # noqa: E402
@@ -205,8 +205,9 @@ def gradient_tape():
 
 @check("jax_allreduce")
 def jax_allreduce():
-    import kerasdist.jax as kdj
     import jax.numpy as jnp
+
+    import kerasdist.jax as kdj
     per_rank = inputs(41, (33,), np.float32)
     got = kdj.allreduce(jnp.asarray(per_rank[R]), op=kdj.Adasum,
                         name="jax")
@@ -221,8 +222,9 @@ def jax_allreduce():
 
 @check("torch_allreduce")
 def torch_allreduce():
-    import kerasdist.torch as kdt
     import torch
+
+    import kerasdist.torch as kdt
     per_rank = inputs(51, (4, 5), np.float64)
     got = kdt.allreduce(torch.from_numpy(per_rank[R]), op=kdt.Adasum,
                         name="torch")

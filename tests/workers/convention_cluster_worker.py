@@ -8,7 +8,9 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi
-from tests.support.collectives import allgather, allreduce, broadcast
+from tests.support.collectives import allgather
+from tests.support.collectives import allreduce
+from tests.support.collectives import broadcast
 
 kd.init()
 rank, size = kd.rank(), kd.size()

@@ -39,9 +39,14 @@ import numpy as np
 import kerasdist as kd
 from tests.support import checks
 from tests.support.checks import check
-from tests.support.collectives import (BF16, allgather, allreduce,
-                                       alltoall, barrier, broadcast,
-                                       reducescatter, start_allreduce)
+from tests.support.collectives import BF16
+from tests.support.collectives import allgather
+from tests.support.collectives import allreduce
+from tests.support.collectives import alltoall
+from tests.support.collectives import barrier
+from tests.support.collectives import broadcast
+from tests.support.collectives import reducescatter
+from tests.support.collectives import start_allreduce
 
 THRESHOLD = 4096  # bytes: small, so "larger than the fusion threshold" is cheap
 MODE = (sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--")
@@ -279,8 +284,9 @@ checks.group("ranks")
 def check_allreduce_in_place():
     # In place (output == input), fused and not: another rank may still be
     # reading this rank's input while this rank writes its result.
-    from kerasdist._core import capi as _c
     import ctypes as _ct
+
+    from kerasdist._core import capi as _c
     bufs = [values(size, r, np.float32)  # big ones alone, small ones fused
             for size in (5000, 5017, 300, 301, 302, 303, 7)]
     handles = []

@@ -11,7 +11,9 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core.capi import KerasdistError
-from tests.support.collectives import allreduce, broadcast, start_allreduce
+from tests.support.collectives import allreduce
+from tests.support.collectives import broadcast
+from tests.support.collectives import start_allreduce
 
 mode = sys.argv[1]
 

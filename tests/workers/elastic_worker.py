@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from tests.support import host_faults
 import kerasdist as kd
+from tests.support import host_faults
 from tests.support.collectives import allreduce
 
 STATE = sys.argv[1]

@@ -27,9 +27,10 @@ import time
 
 import numpy as np
 
-from tests.support import host_faults
 import kerasdist as kd
-from tests.support.collectives import allreduce, broadcast
+from tests.support import host_faults
+from tests.support.collectives import allreduce
+from tests.support.collectives import broadcast
 
 WHERE, FAULT, FAULT_RANK = sys.argv[1], sys.argv[2], int(sys.argv[3])
 STATE = sys.argv[4] if len(sys.argv) > 4 else None

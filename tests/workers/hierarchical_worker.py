@@ -29,8 +29,10 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi as _capi
-from tests.support.collectives import (allgather, allreduce, barrier,
-                                       start_allreduce)
+from tests.support.collectives import allgather
+from tests.support.collectives import allreduce
+from tests.support.collectives import barrier
+from tests.support.collectives import start_allreduce
 
 INT_TYPES = (np.int32, np.int64)
 FLOAT_TYPES = (np.float32, np.float64)

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
+
 import kerasdist as hvd  # kerasdist: was `import horovod.tensorflow.keras`
 
 parser = argparse.ArgumentParser(

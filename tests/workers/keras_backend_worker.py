@@ -488,8 +488,9 @@ def overlap_starts_before_backprop_ends():
 def torch_loop(opt, model, extra, x, y, twice=False):
     """A custom loop: backward, then apply with the variables' `.grad`
     (`extra`'s layer takes no part in the loss: None gradients)."""
-    import torch
     import warnings
+
+    import torch
     variables = model.trainable_variables + extra.trainable_variables
     # Keras warns of the None gradients at every apply.
     warnings.filterwarnings("ignore", "Gradients do not exist")
@@ -570,6 +571,7 @@ def jax_bucket_custom_calls():
     their calls."""
     import jax
     import jax.numpy as jnp
+
     from kerasdist import _gradient_reduction
     shapes = [(4, 3), (3,), (3, 1), (1,)]  # dense_model's
 

@@ -18,7 +18,8 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi as _capi
-from tests.support.collectives import allreduce, barrier
+from tests.support.collectives import allreduce
+from tests.support.collectives import barrier
 
 MIB = float(sys.argv[1]) if len(sys.argv) > 1 else 16.0
 kd.init(shm_allreduce_min_bytes=1, cma_min_tensor_bytes=0)

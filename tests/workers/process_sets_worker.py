@@ -73,6 +73,7 @@ def global_process_set_and_sizes():
     assert EVEN.rank() == {0: 0, 1: -1, 2: 1}[RANK]
     assert ALL.rank() == RANK
     import tensorflow as tf  # noqa: F401
+
     import kerasdist.tensorflow as kdt
     assert int(kdt.size_op(process_set_id=1)) == 2
     if RANK in (0, 2):
@@ -92,6 +93,7 @@ def process_set_included_op():
 @check("tf_allreduce")
 def tf_allreduce():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     ops = {kd.Sum: np.sum, kd.Min: np.min, kd.Max: np.max}
     for ps in mine():
@@ -114,6 +116,7 @@ def tf_allreduce():
 @check("tf_grouped_and_function")
 def tf_grouped_and_function():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     for ps in mine():
         xs = [data(RANK, (3,), np.float32, k) for k in range(3)]
@@ -137,6 +140,7 @@ def tf_grouped_and_function():
 @check("tf_allgather_broadcast")
 def tf_allgather_broadcast():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     for ps in mine():
         x = data(RANK, (RANK + 1, 2), np.float32)
@@ -160,6 +164,7 @@ def tf_allgather_broadcast():
 @check("tf_alltoall_reducescatter")
 def tf_alltoall_reducescatter():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     for ps in mine():
         n, me = len(ps.ranks), ps.ranks.index(RANK)
@@ -185,6 +190,7 @@ def tf_alltoall_reducescatter():
 @check("tf_gradients")
 def tf_gradients():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     for ps in mine():
         x = tf.Variable(data(RANK, (RANK + 1, 2), np.float32))
@@ -202,6 +208,7 @@ def tf_xla():
     the XLA kernels (ops/tf/xla_kernels.cc): the set, fixed at compile time,
     fixes the shapes too (its size and this rank's place in it)."""
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     from kerasdist.tensorflow import _keras_layer
     if _keras_layer.xla_unsupported():
@@ -269,6 +276,7 @@ def interleaved_orders():
 @check("errors")
 def errors():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     if RANK == 1:
         expect_error(lambda: kdt.allreduce(tf.ones([2]), process_set=EVEN),
@@ -290,6 +298,7 @@ def errors():
 @check("add_process_set_remove_process_set")
 def add_process_set_remove_process_set():
     import tensorflow as tf
+
     import kerasdist.tensorflow as kdt
     ps = kd.add_process_set([1, 2])
     assert ps.process_set_id == 3, ps
@@ -361,6 +370,7 @@ checks.group("frontends", default=False)
 @check("jax_set")
 def jax_set():
     import jax.numpy as jnp
+
     import kerasdist.jax as kdj
     for ps in mine():
         x = data(RANK, (3,), np.float32)
@@ -384,6 +394,7 @@ def jax_jit_set():
 
     import jax
     import jax.numpy as jnp
+
     import kerasdist.jax as kdj
     from kerasdist._core import capi
     from kerasdist._core.host import scatter_rows
@@ -441,6 +452,7 @@ def jax_jit_set():
 @check("torch_set")
 def torch_set():
     import torch
+
     import kerasdist.torch as kdt
     for ps in mine():
         x = data(RANK, (3,), np.float32)

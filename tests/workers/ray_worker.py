@@ -32,7 +32,10 @@ import time
 
 import ray
 import ray.train
-from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint
+from ray.train import FailureConfig
+from ray.train import RunConfig
+from ray.train import ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from kerasdist.ray import KerasdistConfig

@@ -16,7 +16,9 @@ import numpy as np
 
 import kerasdist as kd
 from kerasdist._core import capi as _capi
-from tests.support.collectives import allgather, allreduce, reducescatter
+from tests.support.collectives import allgather
+from tests.support.collectives import allreduce
+from tests.support.collectives import reducescatter
 
 
 def scatter_and_gather(r, n):

@@ -59,11 +59,11 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.support import host_faults  # noqa: E402
 import kerasdist as kd  # noqa: E402
+from kerasdist.tensorflow import collectives  # noqa: E402
 from kerasdist.trainer import checkpoints  # noqa: E402
 from kerasdist.trainer import snapshot  # noqa: E402
-from kerasdist.tensorflow import collectives  # noqa: E402
+from tests.support import host_faults  # noqa: E402
 
 N = 240  # divisible by batch * size at np 1 and 2: no example dropped
 BATCH = 8

@@ -29,11 +29,12 @@ import time
 
 import keras
 import numpy as np
+from trainer_fault_worker import Toy
+from trainer_fault_worker import _Log
 
-from tests.support import host_faults
 import kerasdist as kd
 from kerasdist.trainer import checkpoints
-from trainer_fault_worker import Toy, _Log
+from tests.support import host_faults
 
 CKPT, STATE, SEED, FAULTS = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
                              int(sys.argv[4]))
