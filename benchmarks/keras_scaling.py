@@ -157,7 +157,8 @@ def setup_rank(model_name, communicate=True, backend="tensorflow",
         optimizer=(kd.DistributedOptimizer(sgd, shard=shard) if communicate
                    else sgd),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        # TF's ops have no XLA kernel; JAX's step is jitted with them.
+        # W3 compares TF without XLA (benchmarks/tf_xla.py has it on);
+        # JAX's step is jitted with the collectives inside.
         jit_compile=backend == "jax")
     kd.broadcast_variables(model.variables, root_rank=0)
     return model, data

@@ -52,10 +52,11 @@ def main():
     ])
     lr = args.lr * kd.size()  # (3) the global batch is size() times larger
     optimizer = kd.DistributedOptimizer(keras.optimizers.Adam(lr))
-    # Keras's default jit_compile fits every backend: JAX's jitted step
-    # calls the collectives as XLA custom calls; TensorFlow's ops have no
-    # XLA kernel, so where "auto" means XLA (a GPU) kerasdist turns it off
-    # with a warning (pass jit_compile=False there to silence it).
+    # Keras's default jit_compile fits every backend: the collectives are
+    # XLA custom calls inside JAX's jitted step and TensorFlow's compiled
+    # one. Where one they need has no XLA kernel (a sharded optimizer on a
+    # GPU), kerasdist turns XLA off with a warning (jit_compile=False
+    # silences it).
     model.compile(optimizer, "sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 

@@ -65,8 +65,10 @@ def main():
 
     model = cnn()
     opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9))
-    # TensorFlow: the collectives have no XLA kernel. JAX: its jitted step
-    # calls them (XLA custom calls). PyTorch: eager (Keras' default).
+    # TensorFlow: a tf.function without XLA (on this benchmark's CPU rows
+    # XLA's convolutions cost more than they save). JAX: its jitted step
+    # calls the collectives as XLA custom calls. PyTorch: eager (Keras'
+    # default).
     model.compile(optimizer=opt,
                   jit_compile=keras.backend.backend() == "jax",
                   loss=keras.losses.SparseCategoricalCrossentropy(

@@ -49,8 +49,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     layer's path (`model/sync_batch_normalization`), made unique within a
     `tf.function` or jitted JAX step: build the same model on every rank.
 
-    Backends: TensorFlow (the TF ops, eagerly and in `tf.function`; not
-    under XLA: `DistributedOptimizer` turns XLA off for `model.fit`), JAX
+    Backends: TensorFlow (the TF ops, eagerly and in `tf.function`; under
+    XLA they compile as the other collectives do, untested there), JAX
     (XLA custom calls inside the jitted train step), PyTorch (custom ops
     with autograd).
 

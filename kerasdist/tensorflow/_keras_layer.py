@@ -236,14 +236,36 @@ _XLA_WARNING = (
     "warning.")
 
 
+def _xla_blocker(optimizer):
+    """Why the collectives of `optimizer`'s step cannot compile with XLA
+    here, or None: a grouped allreduce, and for a sharded optimizer its
+    reducescatter and allgather too (no XLA kernel on a GPU yet)."""
+    shard = None
+    while optimizer is not None:
+        settings = getattr(optimizer, "_kerasdist_settings", None)
+        if settings is not None:
+            shard = getattr(settings, "shard", None)
+            break
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    why = xla_unsupported()
+    if why is None and shard is not None:
+        why = xla_unsupported("reducescatter") or \
+            xla_unsupported("allgather")
+        if why is not None:
+            why += (f"; a sharded optimizer (shard={shard!r}) needs "
+                    "reducescatter and allgather")
+    return why
+
+
 def _turn_off_xla(model, is_distributed):
     """Before Keras builds a train function: no XLA with kerasdist inside,
-    where the collectives have no XLA kernel (xla_unsupported)."""
+    where the collectives its optimizer needs have no XLA kernel
+    (xla_unsupported)."""
     if model.run_eagerly or not is_distributed(model.optimizer):
         return
     if not model.jit_compile:  # resolves "auto"
         return
-    why = xla_unsupported()
+    why = _xla_blocker(model.optimizer)
     if why is None:
         return  # XLA stays on: the collectives compile
     model.jit_compile = False

@@ -1123,6 +1123,59 @@ def check_xla():
         raise AssertionError("an XLA-compiled apply ran without an error")
 
 
+@check("shard_jit_compile")
+def check_shard_xla():
+    """A sharded optimizer in a model compiled with jit_compile=True: on the
+    CPU its reducescatter and allgather compile, XLA stays on and it trains
+    as one process on the whole batch. Where those two have no XLA kernel
+    (a GPU today, where the grouped allreduce has one): XLA off with one
+    warning naming the sharded optimizer, and the same training."""
+    from kerasdist.tensorflow import _keras_layer
+    x, y = data()
+    truth = truth_fit(dense_model(), keras.optimizers.Adam(0.05), x, y,
+                      SIZE * B)
+    if _keras_layer.xla_unsupported("reducescatter") is None:
+        model = dense_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fit(model, kd.DistributedOptimizer(
+                keras.optimizers.Adam(0.05), shard="gradients"),
+                my_part(x), my_part(y), B, jit_compile=True)
+        assert not kerasdist_warnings(caught), [str(w.message)
+                                                for w in caught]
+        assert model.jit_compile is True
+        close(got, truth, "shard xla == one process", rtol=1e-5, atol=1e-8)
+        same_on_all_ranks(got, "shard_jit_compile")
+    # What a GPU says today: the grouped allreduce compiles, the sharded
+    # optimizer's reducescatter and allgather do not.
+    real = _keras_layer.xla_unsupported
+    _keras_layer.xla_unsupported = lambda collective=None: (
+        "for GPUs yet" if collective in ("reducescatter", "allgather")
+        else None)
+    try:
+        model = dense_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fit(model, kd.DistributedOptimizer(
+                keras.optimizers.Adam(0.05), shard="optimizer_state"),
+                my_part(x), my_part(y), B, jit_compile=True)
+        mine = kerasdist_warnings(caught)
+        assert len(mine) == 1, [str(w.message) for w in caught]
+        assert "shard='optimizer_state'" in str(mine[0].message), mine[0]
+        assert model.jit_compile is False
+        # A replicated optimizer keeps XLA there.
+        plain = dense_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(plain, kd.DistributedOptimizer(keras.optimizers.Adam(0.05)),
+                my_part(x)[:B], my_part(y)[:B], B, jit_compile=True)
+        assert not kerasdist_warnings(caught) and plain.jit_compile is True
+    finally:
+        _keras_layer.xla_unsupported = real
+    close(got, truth, "shard, xla off == one process", rtol=1e-5, atol=1e-8)
+    same_on_all_ranks(got, "shard_jit_compile_off")
+
+
 @check("trainer_jit_compile")
 def check_trainer_xla():
     """kerasdist.Trainer(jit_compile=True): where the collectives have XLA
