@@ -1134,15 +1134,21 @@ def check_shard_xla():
     x, y = data()
     truth = truth_fit(dense_model(), keras.optimizers.Adam(0.05), x, y,
                       SIZE * B)
-    if _keras_layer.xla_unsupported("reducescatter") is None:
+
+    def fit_xla(rows, **kd_args):
+        """(model, weights, kerasdist's XLA warnings) of a fit on `rows`
+        of my part with jit_compile=True."""
         model = dense_model()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = fit(model, kd.DistributedOptimizer(
-                keras.optimizers.Adam(0.05), shard="gradients"),
-                my_part(x), my_part(y), B, jit_compile=True)
-        assert not kerasdist_warnings(caught), [str(w.message)
-                                                for w in caught]
+                keras.optimizers.Adam(0.05), **kd_args),
+                my_part(x)[:rows], my_part(y)[:rows], B, jit_compile=True)
+        return model, got, kerasdist_warnings(caught)
+
+    if _keras_layer.xla_unsupported("reducescatter") is None:
+        model, got, said = fit_xla(len(x), shard="gradients")
+        assert not said, [str(w.message) for w in said]
         assert model.jit_compile is True
         close(got, truth, "shard xla == one process", rtol=1e-5, atol=1e-8)
         same_on_all_ranks(got, "shard_jit_compile")
@@ -1153,23 +1159,13 @@ def check_shard_xla():
         "for GPUs yet" if collective in ("reducescatter", "allgather")
         else None)
     try:
-        model = dense_model()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = fit(model, kd.DistributedOptimizer(
-                keras.optimizers.Adam(0.05), shard="optimizer_state"),
-                my_part(x), my_part(y), B, jit_compile=True)
-        mine = kerasdist_warnings(caught)
-        assert len(mine) == 1, [str(w.message) for w in caught]
-        assert "shard='optimizer_state'" in str(mine[0].message), mine[0]
+        model, got, said = fit_xla(len(x), shard="optimizer_state")
+        assert len(said) == 1, [str(w.message) for w in said]
+        assert "shard='optimizer_state'" in str(said[0].message), said[0]
         assert model.jit_compile is False
         # A replicated optimizer keeps XLA there.
-        plain = dense_model()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fit(plain, kd.DistributedOptimizer(keras.optimizers.Adam(0.05)),
-                my_part(x)[:B], my_part(y)[:B], B, jit_compile=True)
-        assert not kerasdist_warnings(caught) and plain.jit_compile is True
+        plain, _, said = fit_xla(B)
+        assert not said and plain.jit_compile is True
     finally:
         _keras_layer.xla_unsupported = real
     close(got, truth, "shard, xla off == one process", rtol=1e-5, atol=1e-8)
