@@ -54,9 +54,9 @@ def main():
     optimizer = kd.DistributedOptimizer(keras.optimizers.Adam(lr))
     # Keras's default jit_compile fits every backend: the collectives are
     # XLA custom calls inside JAX's jitted step and TensorFlow's compiled
-    # one. Where one they need has no XLA kernel (a sharded optimizer on a
-    # GPU), kerasdist turns XLA off with a warning (jit_compile=False
-    # silences it).
+    # one. Where a collective the step needs has no XLA kernel (a sharded
+    # optimizer's on a GPU), kerasdist turns XLA off with a warning
+    # (jit_compile=False silences it).
     model.compile(optimizer, "sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 
