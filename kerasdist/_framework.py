@@ -69,9 +69,16 @@ class KerasFramework:
 
     @property
     def collectives(self):
-        """The public collectives on this framework's tensors (the
-        functions `kerasdist.allreduce`... are)."""
-        return _collectives.bound(self.name)
+        """This framework's collectives module
+        (`kerasdist/<framework>/collectives.py`): one function per
+        collective, taking this framework's tensors, the reduction op, a
+        resolved name and, where they apply, the scale factors, straight
+        into the core. The Keras layer's arguments are checked when it is
+        built (DistributedOptimizer, SyncBatchNormalization), so its
+        collectives go here directly rather than through the public ones
+        (`kerasdist.allreduce`...), which check a user's arguments and
+        then call these."""
+        return importlib.import_module(f"kerasdist.{self.name}.collectives")
 
     # ---- variables and values ------------------------------------------
 
@@ -94,21 +101,21 @@ class KerasFramework:
     def assign_broadcast(self, variables, root_rank, names):
         """Assigns `root_rank`'s value of each variable to it, on every
         rank (one broadcast per variable, named by `names`)."""
-        front = self.collectives
+        impl = self.collectives
         with self.no_grad():
             for v, n in zip(variables, names):
-                v.assign(front.broadcast(self.value(v), root_rank, name=n))
+                v.assign(impl.broadcast(self.value(v), root_rank, n))
 
     def assign_average(self, variables, name):
         """A function that replaces each variable by its average over the
         ranks: one grouped allreduce, then the assignments."""
-        front = self.collectives
+        impl = self.collectives
 
         def average():
             with self.no_grad():
-                values = front.grouped_allreduce(
-                    [self.value(v) for v in variables], op=basics.Average,
-                    name=name)
+                values = impl.grouped_allreduce(
+                    [self.value(v) for v in variables], basics.Average,
+                    name, 1.0, 1.0)
                 for v, x in zip(variables, values):
                     v.assign(x)
 
@@ -127,8 +134,8 @@ class KerasFramework:
         import keras
         flag = keras.ops.cast(finite, "int32")
         agreed = self.collectives.allreduce(
-            flag, op=basics.Min,
-            name=self.unique_name(f"{prefix}.loss_scale_finite"))
+            flag, basics.Min,
+            self.unique_name(f"{prefix}.loss_scale_finite"), 1.0, 1.0)
         return keras.ops.greater(agreed, 0)
 
     # ---- gradients (kerasdist._gradient_reduction) ---------------------
@@ -186,6 +193,7 @@ class KerasFramework:
 
     def overlap(self):
         """A new optimizer's reduction overlapped with backprop (an object
-        with `reduce`, see kerasdist/torch/_keras_layer.py), or None where
-        the buckets of the synchronous reduction serve."""
+        whose `take` gives what it reduced during backprop, see
+        kerasdist/torch/_keras_layer.py), or None where the buckets of the
+        synchronous reduction serve."""
         return None

@@ -124,8 +124,7 @@ def _grouped(framework, wires, labels, prefix, op, predivide, num_groups,
         group = framework.unique_name(base)
         label_members(group, [labels[j] for j in members])
         outs = framework.collectives.grouped_allreduce(
-            [wires[j] for j in members], op=op, name=group,
-            prescale_factor=prescale, postscale_factor=postscale)
+            [wires[j] for j in members], op, group, prescale, postscale)
         for j, r in zip(members, outs):
             reduced[j] = r
     return reduced
@@ -145,6 +144,39 @@ def _buckets_of(framework, wires, bucket_bytes, num_groups, op):
     buckets = _buckets.variable_buckets(
         sizes, [framework.dtype_name(w) for w in wires], bucket_bytes)
     return buckets if len(buckets) > 1 else None
+
+
+def accumulate(framework, slots, count, grads, k, average, reduce, apply):
+    """`backward_passes_per_step = k > 1`: adds `grads` to their `slots`
+    (the framework's `accumulators`, densified) and counts the call in
+    `count`; every k-th call reduces the sums (divided by k if `average`)
+    with `reduce` and hands the result to `apply`, then zeroes the slots.
+    In Keras ops, as Keras' own `gradient_accumulation_steps`.
+
+    Returns a boolean tensor: True when the update ran.
+    """
+    import keras
+
+    ops = keras.ops
+    for g, slot in zip(grads, slots):
+        if g is not None:
+            slot.assign_add(ops.cast(framework.dense(g), slot.dtype))
+    count = count.assign_add(1)
+
+    def communicate():
+        summed = [None if g is None else ops.copy(slot)
+                  for g, slot in zip(grads, slots)]
+        if average:
+            summed = [None if s is None else s / k for s in summed]
+        apply(reduce(summed))
+        for slot in slots:
+            slot.assign(ops.zeros_like(slot))
+        return ops.convert_to_tensor(True)
+
+    # Every rank counts the same calls, so all take the same branch and the
+    # collectives inside stay matched.
+    return ops.cond(ops.equal(count % k, 0), communicate,
+                    lambda: ops.convert_to_tensor(False))
 
 
 def _local_only(framework, grad, compression, sparse_as_dense):

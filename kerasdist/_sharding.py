@@ -53,6 +53,7 @@ import os
 import numpy as np
 
 from kerasdist import _buckets
+from kerasdist import _gradient_reduction
 from kerasdist import _reduced
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
@@ -226,8 +227,6 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     rows side by side). None where a gradient is None."""
     import keras
 
-    from kerasdist import _gradient_reduction
-
     ops = keras.ops
     op, prescale, postscale = _gradient_reduction.scales(op, predivide)
     out = [None] * len(grads)
@@ -393,8 +392,8 @@ def global_square_sums(framework, grads, prefix):
     partial = ops.stack([ops.sum(ops.square(ops.cast(g, wide)))
                          for g in grads])
     return framework.collectives.allreduce(
-        partial, op=basics.Sum,
-        name=framework.unique_name(f"{prefix}.shard_norms"))
+        partial, basics.Sum, framework.unique_name(f"{prefix}.shard_norms"),
+        1.0, 1.0)
 
 
 def sharded_class(base, settings):
@@ -496,8 +495,8 @@ def sharded_class(base, settings):
             if settings.backward_passes_per_step == 1:
                 return self._kerasdist_step(grads)
             acc = self._kerasdist_accum
-            return framework.accumulate(
-                acc.grads, acc.count, grads,
+            return _gradient_reduction.accumulate(
+                framework, acc.grads, acc.count, grads,
                 settings.backward_passes_per_step,
                 settings.average_aggregated_gradients,
                 lambda summed: summed, self._kerasdist_step)

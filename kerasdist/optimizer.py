@@ -325,7 +325,8 @@ def _distributed_class(base, settings):
             acc = self._kerasdist_accum
             # super() needs the enclosing method's frame; bind it here.
             parent_apply = super().apply
-            return framework.accumulate(
+            return _gradient_reduction.accumulate(
+                framework,
                 [acc.grads[self._get_variable_index(v)] for v in variables],
                 acc.count, grads, settings.backward_passes_per_step,
                 settings.average_aggregated_gradients,
@@ -371,11 +372,19 @@ def _distributed_class(base, settings):
             def reduce(grads, variables):
                 if overlap is None:
                     return plain(grads, variables)
-                return overlap.reduce(
-                    grads, variables, plain, settings.prefix,
+                # PyTorch: the buckets the autograd hooks started; the
+                # rest reduced here.
+                out, rest = overlap.take(
+                    grads, variables, settings.prefix,
                     settings.compression, settings.op,
                     settings.gradient_predivide_factor,
                     settings.bucket_bytes)
+                if rest:
+                    done = plain([grads[j] for j in rest],
+                                 [variables[j] for j in rest])
+                    for j, g in zip(rest, done):
+                        out[j] = g
+                return out
             with _capi.process_set_scope(
                     getattr(settings, "process_set_id", 0)):
                 return self._kerasdist_local.reduce(

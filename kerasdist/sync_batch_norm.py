@@ -144,7 +144,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         local = ops.concatenate([ops.sum(kept, axes),
                                  ops.sum(ops.square(kept), axes), count])
         total = _framework.get().collectives.allreduce(
-            local, op=basics.Sum, name=self._collective_name())
+            local, basics.Sum, self._collective_name(), 1.0, 1.0)
         s, q = total[:channels], total[channels:2 * channels]
         n = total[2 * channels:]
         if mask is None:

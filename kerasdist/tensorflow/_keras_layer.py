@@ -1,7 +1,8 @@
 """The Keras layer's TensorFlow parts: the `KerasFramework` that
 `kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
-names, `tf.IndexedSlices`, shapes known only when traced), the gradient
-accumulation of `backward_passes_per_step > 1` in TF variables, and XLA
+names, `tf.IndexedSlices`, shapes known only when traced), the TF
+variables that `backward_passes_per_step > 1` sums gradients in
+(`kerasdist._gradient_reduction.accumulate` does the summing), and XLA
 (turned off, with a warning, where the TF ops have no XLA kernel:
 `xla_unsupported`). Imported only when the Keras backend is TensorFlow, or
 by DistributedGradientTape."""
@@ -64,13 +65,11 @@ class TensorFlow(_framework.KerasFramework):
         return tf.executing_eagerly()
 
     def assign_average(self, variables, name):
-        front = self.collectives
-
         @tf.function
         def average():
-            values = front.grouped_allreduce(
-                [tf.convert_to_tensor(v) for v in variables],
-                op=basics.Average, name=name)
+            values = _tf_collectives.grouped_allreduce(
+                [tf.convert_to_tensor(v) for v in variables], basics.Average,
+                name, 1.0, 1.0)
             for v, x in zip(variables, values):
                 v.assign(x)
 
@@ -81,9 +80,9 @@ class TensorFlow(_framework.KerasFramework):
 
     def agree_finite(self, finite, prefix):
         check_not_xla()
-        agreed = self.collectives.allreduce(
-            tf.cast(finite, tf.int32), op=basics.Min,
-            name=_unique_in_graph(f"{prefix}.loss_scale_finite"))
+        agreed = _tf_collectives.allreduce(
+            tf.cast(finite, tf.int32), basics.Min,
+            _unique_in_graph(f"{prefix}.loss_scale_finite"), 1.0, 1.0)
         return tf.greater(agreed, 0)
 
     # ---- gradients -----------------------------------------------------
@@ -143,9 +142,9 @@ class TensorFlow(_framework.KerasFramework):
         """A `tf.IndexedSlices` gradient allgathered (its values
         compressed)."""
         values, ctx = compression.compress(grad.values)
-        gathered = self.collectives.allreduce(
-            tf.IndexedSlices(values, grad.indices, grad.dense_shape),
-            op=op, name=name)
+        gathered = _tf_collectives.allreduce(
+            tf.IndexedSlices(values, grad.indices, grad.dense_shape), op,
+            name, 1.0, 1.0)
         return tf.IndexedSlices(compression.decompress(gathered.values, ctx),
                                 gathered.indices, gathered.dense_shape)
 
@@ -169,9 +168,6 @@ class TensorFlow(_framework.KerasFramework):
 
     def build_optimizer(self, optimizer, variables):
         build(optimizer, variables)
-
-    def accumulate(self, *args):
-        return accumulate(*args)
 
 
 class Accumulators:
@@ -198,33 +194,6 @@ def build(optimizer, variables):
     with tf.name_scope(optimizer.name):
         optimizer.build(variables)
     optimizer.built = True
-
-
-def accumulate(slots, count, grads, k, average, reduce, apply):
-    """Adds `grads` to their `slots`; every k-th call reduces the sums
-    (divided by k if `average`) with `reduce` and hands them to `apply`.
-
-    Returns a boolean tensor: True when the update ran.
-    """
-    for g, slot in zip(grads, slots):
-        if g is not None:
-            slot.assign_add(tf.cast(tf.convert_to_tensor(g), slot.dtype))
-    count = count.assign_add(1)
-
-    def communicate():
-        summed = [None if g is None else tf.identity(slot)
-                  for g, slot in zip(grads, slots)]
-        if average:
-            summed = [None if s is None else s / k for s in summed]
-        apply(reduce(summed))
-        for slot in slots:
-            slot.assign(tf.zeros_like(slot))
-        return tf.constant(True)
-
-    # Every rank counts the same calls, so all take the same branch and the
-    # collectives inside stay matched.
-    return tf.cond(tf.equal(count % k, 0), communicate,
-                   lambda: tf.constant(False))
 
 
 # ---- XLA: turn it off for the train function, with one warning --------------

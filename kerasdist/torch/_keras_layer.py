@@ -41,46 +41,44 @@ class Overlap:
     def __init__(self):
         self.buckets = None
 
-    def reduce(self, grads, variables, plain, prefix, compression, op,
-               predivide, bucket_bytes):
-        """PyTorch: `grads` of `variables` reduced, taking the buckets that
-        the hooks started during backprop, and `plain(grads, variables)`
-        (the synchronous reduction) for the rest. At the first call, or
-        when the variables change, the hooks are (re)installed, to act from
-        the next backward pass on. Hooks are installed only where they can
-        be used: several ranks, not inside `torch.compile`, not Adasum
-        (whose result depends on what is reduced together), and gradients
-        that are the variables' `.grad` tensors (Keras' torch `fit`, or a
-        loop that calls `loss.backward()` then `apply` with them)."""
+    def take(self, grads, variables, prefix, compression, op, predivide,
+             bucket_bytes):
+        """PyTorch: what the hooks reduced of `grads` (of `variables`)
+        during backprop, as `(out, rest)`: `out` is `grads` with the
+        reduced ones in place, `rest` the positions still to reduce (the
+        optimizer reduces them synchronously; all of them at first). At
+        the first call, or when the variables change, the hooks are
+        (re)installed, to act from the next backward pass on. Hooks are
+        installed only where they can be used: several ranks, not inside
+        `torch.compile`, not Adasum (whose result depends on what is
+        reduced together), and gradients that are the variables' `.grad`
+        tensors (Keras' torch `fit`, or a loop that calls
+        `loss.backward()` then `apply` with them)."""
         if compression is None:
             from kerasdist.compression import Compression
             compression = Compression.none
+        everything = list(range(len(grads)))
         buckets = self.buckets
         if torch.compiler.is_compiling():
             if buckets is not None:
                 buckets.drain()
-            return plain(grads, variables)
+            return list(grads), everything
         key = tuple(id(v) for v in variables)
         if buckets is not None and buckets.key != key:
             buckets.remove()
             buckets = self.buckets = None
         if buckets is None:
-            out = plain(grads, variables)
             self.buckets = _install(grads, variables, key, prefix,
                                     compression, op, predivide, bucket_bytes)
-            return out
+            return list(grads), everything
         where = buckets.where
         sub, redo = buckets.collect([grads[j] for j in where])
         out = list(grads)
         for j, g in zip(where, sub):
             out[j] = g
         rest = sorted({where[i] for i in redo} | (
-            set(range(len(grads))) - set(where)))
-        if rest:
-            for j, g in zip(rest, plain([grads[j] for j in rest],
-                                        [variables[j] for j in rest])):
-                out[j] = g
-        return out
+            set(everything) - set(where)))
+        return out, rest
 
 
 def _install(grads, variables, key, prefix, compression, op, predivide,

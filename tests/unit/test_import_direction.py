@@ -173,7 +173,8 @@ def test_layers():
 # through kerasdist._framework.get(), which returns the running backend's
 # object from kerasdist/<framework>/_keras_layer.py.
 _NEUTRAL = ("kerasdist.optimizer", "kerasdist._gradient_reduction",
-            "kerasdist._framework", "kerasdist.sync_batch_norm",
+            "kerasdist._framework", "kerasdist._sharding",
+            "kerasdist.sync_batch_norm",
             "kerasdist.util", "kerasdist.callbacks.broadcast",
             "kerasdist.callbacks.model_average", "kerasdist.callbacks._util")
 _FRAMEWORK_NAMES = {"tensorflow", "jax", "torch"}
@@ -200,4 +201,35 @@ def test_the_keras_layer_never_asks_which_framework_runs():
                                      f"{side.value!r}")
         wrong += [f"{module} imports {t}" for t in targets
                   if t.split(".")[1] in _FRAMEWORK_NAMES]
+    assert not wrong, wrong
+
+
+# The public namespaces: the only modules that bind the public collectives.
+_NAMESPACES = {"kerasdist", "kerasdist.collectives", "kerasdist.tensorflow",
+               "kerasdist.jax", "kerasdist.torch"}
+
+
+def test_the_keras_layer_goes_straight_to_its_framework():
+    """From model.fit to the op a gradient passes the neutral modules
+    (optimizer, _gradient_reduction), then its framework's package
+    (`_keras_layer`, `collectives`), and never comes back: the Keras layer
+    calls the framework's collectives module, not the public collectives
+    (`kerasdist._public_collectives`, `kerasdist.collectives.bound`),
+    which are neutral code again. Only the public namespaces use those."""
+    wrong = []
+    for module, tree in MODULES.items():
+        if module in _NAMESPACES or module == "kerasdist._public_collectives":
+            continue
+        aliases, targets, names = _imports(module, tree)
+        if "kerasdist._public_collectives" in targets:
+            wrong.append(f"{module} imports kerasdist._public_collectives")
+        wrong += [f"{module} imports bound from kerasdist.collectives"
+                  for source, name in names.values()
+                  if (source, name) == ("kerasdist.collectives", "bound")]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "bound" and \
+                    isinstance(node.value, ast.Name) and \
+                    aliases.get(node.value.id) == "kerasdist.collectives":
+                wrong.append(f"{module}:{node.lineno} calls "
+                             "kerasdist.collectives.bound")
     assert not wrong, wrong
