@@ -5,8 +5,10 @@
 #                    each tier's wall time at the end (tools/tiers.sh)
 #   make test-fast   lint, the unit tests and one launch per backend of the
 #                    public collectives and DistributedOptimizer (minutes)
-#   make lint        ruff and clang-format, checking only (seconds)
-#   make fmt         apply ruff's fixes and clang-format to the tree
+#   make lint        ruff, clang-format and the public names' blocks,
+#                    checking only (seconds)
+#   make fmt         apply ruff's fixes and clang-format to the tree, and
+#                    rewrite the public names' blocks (tools/api_names.py)
 #   make test-unit   no MPI (a few minutes)
 #   make wheel       dist/kerasdist-*-manylinux_*.whl, which installs without
 #                    a compiler (see below)
@@ -36,10 +38,12 @@ test-fast-tests:
 
 lint:
 	ruff check .
+	$(PYTHON) tools/api_names.py --check
 	@clang-format --dry-run -Werror $(CXX_SOURCES) && \
 	    echo "clang-format: $(words $(CXX_SOURCES)) C++ files formatted"
 
 fmt:
+	$(PYTHON) tools/api_names.py
 	ruff check --fix .
 	clang-format -i $(CXX_SOURCES)
 

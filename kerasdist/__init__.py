@@ -15,6 +15,7 @@ without Keras, and never import TensorFlow.
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 # Neither imports anything itself: their names are the process API and
 # the collectives.
@@ -48,6 +49,93 @@ _SUBMODULES = ("callbacks", "collectives", "schedules", "data", "timeline",
                "autotune", "util", "elastic", "run")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
+
+
+# For readers and type checkers (at run time `__getattr__` loads each name
+# on first use).
+# ---- names written by tools/api_names.py from the one list
+if TYPE_CHECKING:
+    from kerasdist.autotune import start_autotune as start_autotune
+    from kerasdist.autotune import stop_autotune as stop_autotune
+    from kerasdist.basics import Adasum as Adasum
+    from kerasdist.basics import Average as Average
+    from kerasdist.basics import Max as Max
+    from kerasdist.basics import Min as Min
+    from kerasdist.basics import Product as Product
+    from kerasdist.basics import Sum as Sum
+    from kerasdist.basics import cross_rank as cross_rank
+    from kerasdist.basics import cross_size as cross_size
+    from kerasdist.basics import current_settings as current_settings
+    from kerasdist.basics import gloo_enabled as gloo_enabled
+    from kerasdist.basics import init as init
+    from kerasdist.basics import is_homogeneous as is_homogeneous
+    from kerasdist.basics import is_initialized as is_initialized
+    from kerasdist.basics import local_rank as local_rank
+    from kerasdist.basics import local_size as local_size
+    from kerasdist.basics import mpi_enabled as mpi_enabled
+    from kerasdist.basics import mpi_threads_supported as mpi_threads_supported
+    from kerasdist.basics import rank as rank
+    from kerasdist.basics import shutdown as shutdown
+    from kerasdist.basics import size as size
+    from kerasdist.build_probes import build_info as build_info
+    from kerasdist.build_probes import ccl_built as ccl_built
+    from kerasdist.build_probes import cuda_built as cuda_built
+    from kerasdist.build_probes import ddl_built as ddl_built
+    from kerasdist.build_probes import gloo_built as gloo_built
+    from kerasdist.build_probes import mpi_built as mpi_built
+    from kerasdist.build_probes import nccl_built as nccl_built
+    from kerasdist.build_probes import rocm_built as rocm_built
+    from kerasdist.collectives import allgather as allgather
+    from kerasdist.collectives import allreduce as allreduce
+    from kerasdist.collectives import alltoall as alltoall
+    from kerasdist.collectives import barrier as barrier
+    from kerasdist.collectives import broadcast as broadcast
+    from kerasdist.collectives import broadcast_ as broadcast_
+    from kerasdist.collectives import (
+        broadcast_global_variables as broadcast_global_variables,
+    )
+    from kerasdist.collectives import broadcast_variables as broadcast_variables
+    from kerasdist.collectives import grouped_allgather as grouped_allgather
+    from kerasdist.collectives import grouped_allreduce as grouped_allreduce
+    from kerasdist.collectives import (
+        grouped_reducescatter as grouped_reducescatter,
+    )
+    from kerasdist.collectives import join as join
+    from kerasdist.collectives import local_rank_op as local_rank_op
+    from kerasdist.collectives import local_size_op as local_size_op
+    from kerasdist.collectives import (
+        process_set_included_op as process_set_included_op,
+    )
+    from kerasdist.collectives import rank_op as rank_op
+    from kerasdist.collectives import reducescatter as reducescatter
+    from kerasdist.collectives import size_op as size_op
+    from kerasdist.compression import Compression as Compression
+    from kerasdist.objects import allgather_object as allgather_object
+    from kerasdist.objects import broadcast_object as broadcast_object
+    from kerasdist.objects import broadcast_object_fn as broadcast_object_fn
+    from kerasdist.optimizer import DistributedOptimizer as DistributedOptimizer
+    from kerasdist.optimizer import (
+        PartialDistributedOptimizer as PartialDistributedOptimizer,
+    )
+    from kerasdist.process_sets import ProcessSet as ProcessSet
+    from kerasdist.process_sets import add_process_set as add_process_set
+    from kerasdist.process_sets import global_process_set as global_process_set
+    from kerasdist.process_sets import remove_process_set as remove_process_set
+    from kerasdist.saving import load_model as load_model
+    from kerasdist.saving import save_model as save_model
+    from kerasdist.sync_batch_norm import (
+        SyncBatchNormalization as SyncBatchNormalization,
+    )
+    from kerasdist.tensorflow.tape import (
+        DistributedGradientTape as DistributedGradientTape,
+    )
+    from kerasdist.tensorflow.tape import (
+        PartialDistributedGradientTape as PartialDistributedGradientTape,
+    )
+    from kerasdist.timeline import start_timeline as start_timeline
+    from kerasdist.timeline import stop_timeline as stop_timeline
+    from kerasdist.trainer import Trainer as Trainer
+# ---- end of the names written by tools/api_names.py
 
 
 def __getattr__(name):

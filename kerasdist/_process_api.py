@@ -4,8 +4,6 @@ its collectives, each with the module that defines it. The one list of
 them; imports nothing on its own, so `import kerasdist` stays light.
 """
 
-import importlib
-
 # public name -> the kerasdist module that defines it
 PROCESS_API = {
     # The job, and Horovod's job probes.
@@ -32,15 +30,3 @@ PROCESS_API = {
 
 __all__ = sorted(PROCESS_API)
 
-
-def namespace(framework):
-    """The process API and the public collectives bound to `framework`
-    ("tensorflow", "jax" or "torch"): name -> object, for a framework
-    package's globals."""
-    from kerasdist import collectives
-    names = {name: getattr(importlib.import_module(f"kerasdist.{module}"),
-                           name)
-             for name, module in PROCESS_API.items()}
-    api = collectives.bound(framework)
-    names.update({name: getattr(api, name) for name in collectives.__all__})
-    return names

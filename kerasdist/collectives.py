@@ -24,9 +24,16 @@ value), `assign(variables, values)` for `broadcast_` (elsewhere each
 variable's `assign`), and `global_variables()` and `group(tensors)` for
 `broadcast_global_variables` (elsewhere it raises).
 
-Importing this module imports no other (`kerasdist/__init__.py` reads
-`__all__`): no framework, not numpy, not the core library.
+Importing this module imports no other kerasdist module
+(`kerasdist/__init__.py` reads `__all__`): no framework, not numpy, not
+the core library. Its names are written out for readers and type checkers
+under `TYPE_CHECKING` (tools/api_names.py).
 """
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kerasdist._public_collectives import Collectives
 
 __all__ = ["allgather", "allreduce", "alltoall", "barrier", "broadcast",
            "broadcast_", "broadcast_global_variables", "broadcast_variables",
@@ -51,7 +58,7 @@ def keras_framework():
     return name
 
 
-def bound(framework):
+def bound(framework) -> "Collectives":
     """The public collectives on `framework`'s tensors ("tensorflow", "jax"
     or "torch"): a `Collectives` whose attributes `__all__` names are its
     methods, each bound once; built once per framework."""
@@ -60,6 +67,33 @@ def bound(framework):
                          f"got the framework {framework!r}.")
     from kerasdist._public_collectives import for_framework
     return for_framework(framework)
+
+
+# For readers and type checkers: the collectives are the methods of
+# `kerasdist._public_collectives.Collectives`.
+# ---- names written by tools/api_names.py from the one list
+if TYPE_CHECKING:
+    # What `__getattr__` returns: the Keras backend's.
+    _api = bound(keras_framework())
+    allgather = _api.allgather
+    allreduce = _api.allreduce
+    alltoall = _api.alltoall
+    barrier = _api.barrier
+    broadcast = _api.broadcast
+    broadcast_ = _api.broadcast_
+    broadcast_global_variables = _api.broadcast_global_variables
+    broadcast_variables = _api.broadcast_variables
+    grouped_allgather = _api.grouped_allgather
+    grouped_allreduce = _api.grouped_allreduce
+    grouped_reducescatter = _api.grouped_reducescatter
+    join = _api.join
+    local_rank_op = _api.local_rank_op
+    local_size_op = _api.local_size_op
+    process_set_included_op = _api.process_set_included_op
+    rank_op = _api.rank_op
+    reducescatter = _api.reducescatter
+    size_op = _api.size_op
+# ---- end of the names written by tools/api_names.py
 
 
 def __getattr__(name):
