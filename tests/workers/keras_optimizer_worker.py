@@ -407,14 +407,14 @@ def check_tape(mode, num_groups=0, bucket_bytes=None):
 
 class CountCalls:
     """Counts the calls of the TF collectives kerasdist's gradient code
-    makes (`kerasdist.collectives.bound("tensorflow")`), each passed on to
-    the real collective."""
+    makes (the TF package's collectives module, which the Keras layer calls
+    straight), each passed on to the real collective."""
 
     NAMES = ("grouped_allreduce", "reducescatter", "allgather")
 
     def __enter__(self):
-        from kerasdist import collectives
-        self.api = collectives.bound("tensorflow")
+        import kerasdist.tensorflow.collectives
+        self.api = kerasdist.tensorflow.collectives
         self.real = {n: getattr(self.api, n) for n in self.NAMES}
         self.calls = dict.fromkeys(self.NAMES, 0)
         for n in self.NAMES:
