@@ -175,9 +175,10 @@ class KerasFramework:
 
     # ---- DistributedOptimizer ------------------------------------------
 
-    def on_wrap(self, is_distributed):
-        """Called when an optimizer is wrapped; `is_distributed(optimizer)`
-        tells a DistributedOptimizer (or a wrapper around one)."""
+    def on_wrap(self, settings_of):
+        """Called when an optimizer is wrapped; `settings_of(optimizer)`
+        gives a DistributedOptimizer's settings (also through a wrapper
+        around one), None for any other optimizer."""
 
     def check_apply(self):
         """Raises where a DistributedOptimizer cannot apply gradients."""

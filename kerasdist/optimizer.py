@@ -252,7 +252,7 @@ def DistributedOptimizer(optimizer, name=None,
         overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
         jax_buckets=overlap and overlap_asked and num_groups == 0)
     _sharding.check_shard(shard, type(optimizer), settings)
-    _framework.get().on_wrap(_is_distributed)
+    _framework.get().on_wrap(_settings_of)
     cls = _distributed_class(type(optimizer), settings)
     if shard is not None:
         cls = _sharding.sharded_class(cls, settings)
@@ -453,13 +453,15 @@ def PartialDistributedOptimizer(optimizer, name=None,
     return wrapped
 
 
-def _is_distributed(optimizer):
-    """True for a DistributedOptimizer, or any wrapper around one."""
+def _settings_of(optimizer):
+    """The settings of a DistributedOptimizer, or of the one inside a
+    wrapper (a LossScaleOptimizer); None for any other optimizer."""
     while optimizer is not None:
-        if getattr(optimizer, "_kerasdist_settings", None) is not None:
-            return True
+        settings = getattr(optimizer, "_kerasdist_settings", None)
+        if settings is not None:
+            return settings
         optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    return None
 
 
 def _check_passes(backward_passes_per_step):

@@ -154,8 +154,8 @@ class TensorFlow(_framework.KerasFramework):
 
     # ---- DistributedOptimizer ------------------------------------------
 
-    def on_wrap(self, is_distributed):
-        install_train_function_hook(is_distributed)
+    def on_wrap(self, settings_of):
+        install_train_function_hook(settings_of)
 
     def check_apply(self):
         check_not_xla()
@@ -205,17 +205,12 @@ _XLA_WARNING = (
     "warning.")
 
 
-def _xla_blocker(optimizer):
-    """Why the collectives of `optimizer`'s step cannot compile with XLA
-    here, or None: a grouped allreduce, and for a sharded optimizer its
-    reducescatter and allgather too (no XLA kernel on a GPU yet)."""
-    shard = None
-    while optimizer is not None:
-        settings = getattr(optimizer, "_kerasdist_settings", None)
-        if settings is not None:
-            shard = getattr(settings, "shard", None)
-            break
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+def _xla_blocker(settings):
+    """Why the collectives of the step of a DistributedOptimizer (its
+    `settings`) cannot compile with XLA here, or None: a grouped
+    allreduce, and for a sharded optimizer its reducescatter and allgather
+    too (no XLA kernel on a GPU yet)."""
+    shard = getattr(settings, "shard", None)
     why = xla_unsupported()
     if why is None and shard is not None:
         why = xla_unsupported("reducescatter") or \
@@ -226,15 +221,16 @@ def _xla_blocker(optimizer):
     return why
 
 
-def _turn_off_xla(model, is_distributed):
+def _turn_off_xla(model, settings_of):
     """Before Keras builds a train function: no XLA with kerasdist inside,
     where the collectives its optimizer needs have no XLA kernel
     (xla_unsupported)."""
-    if model.run_eagerly or not is_distributed(model.optimizer):
+    settings = None if model.run_eagerly else settings_of(model.optimizer)
+    if settings is None:
         return
     if not model.jit_compile:  # resolves "auto"
         return
-    why = _xla_blocker(model.optimizer)
+    why = _xla_blocker(settings)
     if why is None:
         return  # XLA stays on: the collectives compile
     model.jit_compile = False
@@ -246,7 +242,7 @@ def _turn_off_xla(model, is_distributed):
                       stacklevel=3)
 
 
-def install_train_function_hook(is_distributed):
+def install_train_function_hook(settings_of):
     """Wraps Keras's `make_train_function` (once per process).
 
     `fit` and `train_on_batch` call it before the first step is traced, so
@@ -262,7 +258,7 @@ def install_train_function_hook(is_distributed):
         return
 
     def make_train_function(self, force=False):
-        _turn_off_xla(self, is_distributed)
+        _turn_off_xla(self, settings_of)
         return original(self, force=force)
 
     make_train_function._kerasdist_hook = True
