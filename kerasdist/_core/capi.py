@@ -123,6 +123,11 @@ def lib():
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64
+        l.kerasdist_enqueue_group.argtypes = [
+            ctypes.POINTER(_Request), ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
+            ctypes.POINTER(i64)]
+        l.kerasdist_enqueue_group.restype = i
         l.kerasdist_enqueue_cb.argtypes = [
             ctypes.POINTER(_Request), ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, DONE_FN, ctypes.c_void_p]
@@ -396,32 +401,75 @@ def process_set_rank(process_set_id):
     return lib().kerasdist_process_set_rank(int(process_set_id))
 
 
+def _fill_request(req, op, name, dtype_code, shape, reduce_op=None,
+                  root_rank=0, prescale=1.0, postscale=1.0, splits=None,
+                  group=None, group_size=0, device=-1, process_set=None):
+    """Fills a `_Request`; returns the arrays it points into (keep them
+    alive until it is enqueued)."""
+    if process_set is None:
+        process_set = current_process_set()
+    if reduce_op is None:
+        reduce_op = reduce_ops()["Sum"]
+    shape_array, split_array = _i64_array(shape), _i64_array(splits or [])
+    req.name = name.encode()
+    req.op, req.reduce_op, req.dtype = op, int(reduce_op), dtype_code
+    req.ndim, req.shape = len(shape), shape_array
+    req.root_rank = int(root_rank)
+    req.prescale, req.postscale = float(prescale), float(postscale)
+    req.nsplits, req.splits = len(splits or []), split_array
+    req.group, req.group_size = (group or "").encode(), int(group_size)
+    req.device, req.process_set = int(device), int(process_set)
+    return shape_array, split_array
+
+
+def start_group(op, name, members, **kwargs):
+    """Enqueues the members of the group `name` (named `<name>.<i>`) with
+    one call into the core, which sees the group whole, as the TF op and
+    the JAX handler enqueue theirs. `members`: (dtype code, shape, input
+    pointer, output pointer or None, device: -1 for host memory) each;
+    `kwargs` as `Handle`'s. Returns a `Handle` per member; KerasdistError
+    when not all were queued."""
+    n = len(members)
+    requests = (_Request * max(n, 1))()
+    inputs = (ctypes.c_void_p * max(n, 1))()
+    outputs = (ctypes.c_void_p * max(n, 1))()
+    ids = (ctypes.c_int64 * max(n, 1))()
+    keep = []
+    for i, (dtype_code, shape, input_ptr, output_ptr,
+            device) in enumerate(members):
+        keep.append(_fill_request(
+            requests[i], op, f"{name}.{i}", dtype_code, shape, group=name,
+            group_size=n, device=device, **kwargs))
+        inputs[i], outputs[i] = input_ptr, output_ptr
+    code = lib().kerasdist_enqueue_group(requests, inputs, outputs, n, ids)
+    # Handles of the members queued, even on failure: they are released
+    # (not freed while the core holds them) when these go.
+    handles = [Handle.of(ids[i]) for i in range(n) if ids[i]]
+    if code != 0:
+        raise KerasdistError(last_error(), code=1)
+    return handles
+
+
 class Handle:
     """An enqueued collective (host or device pointers); `wait()` finishes
     it."""
 
     def __init__(self, op, name, dtype_code, shape, input_ptr, output_ptr,
-                 reduce_op=None, root_rank=0, prescale=1.0, postscale=1.0,
-                 splits=None, group=None, group_size=0, device=-1,
-                 process_set=None):
-        if process_set is None:
-            process_set = current_process_set()
-        if reduce_op is None:
-            reduce_op = reduce_ops()["Sum"]
-        self._shape = _i64_array(shape)
-        self._splits = _i64_array(splits or [])
-        req = _Request(
-            name=name.encode(), op=op, reduce_op=int(reduce_op),
-            dtype=dtype_code, ndim=len(shape), shape=self._shape,
-            root_rank=int(root_rank), prescale=float(prescale),
-            postscale=float(postscale), nsplits=len(splits or []),
-            splits=self._splits, group=(group or "").encode(),
-            group_size=int(group_size), device=int(device),
-            process_set=int(process_set))
+                 **kwargs):
+        req = _Request()
+        keep = _fill_request(req, op, name, dtype_code, shape, **kwargs)
         self.handle = lib().kerasdist_enqueue(ctypes.byref(req), input_ptr,
                                               output_ptr)
+        del keep
         if self.handle == 0:
             raise KerasdistError(last_error(), code=1)
+
+    @classmethod
+    def of(cls, handle_id):
+        """The Handle of an id the core gave (kerasdist_enqueue_group)."""
+        h = cls.__new__(cls)
+        h.handle = handle_id
+        return h
 
     def wait(self, timeout=None):
         """Blocks until done; raises KerasdistError if the collective failed."""

@@ -135,13 +135,13 @@ def run_host(op, name, inputs, out_shapes, group=False, owned=False,
     """
     inputs = [_contiguous(x) for x in inputs]
     outs = [np.empty(s, x.dtype) for s, x in zip(out_shapes, inputs)]
+    members = [(_code(x.dtype), x.shape, _ptr(x),
+                None if owned else _ptr(out)) for x, out in zip(inputs, outs)]
     if group:
-        kwargs.update(group=name, group_size=len(inputs))
-    handles = []
-    for i, (x, out) in enumerate(zip(inputs, outs)):
-        handles.append(_capi.Handle(
-            op, f"{name}.{i}" if group else name, _code(x.dtype), x.shape,
-            _ptr(x), None if owned else _ptr(out), **kwargs))
+        handles = _capi.start_group(
+            op, name, [m + (-1,) for m in members], **kwargs)
+    else:
+        handles = [_capi.Handle(op, name, *m, **kwargs) for m in members]
     for h in handles:
         h.wait()
     if owned:

@@ -112,12 +112,12 @@ class PendingAllreduce:
         for x in xs:
             _code(x)
         self._inputs, self._outputs = xs, outs
-        self._handles = [
-            _start(_capi.OP_ALLREDUCE, f"{name}.{i}", x, out, reduce_op=op,
-                   prescale=prescale, postscale=postscale, group=name,
-                   group_size=len(xs), device=device,
-                   process_set=process_set)
-            for i, (x, out, device) in enumerate(zip(xs, outs, devices))]
+        self._handles = _capi.start_group(
+            _capi.OP_ALLREDUCE, name,
+            [(_code(x), tuple(x.shape), _ptr(x), _ptr(out), device)
+             for x, out, device in zip(xs, outs, devices)],
+            reduce_op=op, prescale=prescale, postscale=postscale,
+            process_set=process_set)
 
     def wait(self):
         try:

@@ -171,6 +171,15 @@ int kerasdist_enqueue_cb(const kerasdist_request* request, const void* input,
  * result). Returns a handle > 0, or 0 with kerasdist_last_error(). */
 int64_t kerasdist_enqueue(const kerasdist_request* request, const void* input,
                           void* output);
+/* kerasdist_enqueue of `n` requests with one kerasdist_enqueue_tensors call
+ * (a grouped allreduce's members: the core sees the group whole). Sets
+ * handles[i] for each; returns 0 when all were queued, else -1 with
+ * kerasdist_last_error(), and the handles of the requests not queued are 0
+ * (those queued before them stay valid and end as usual). `outputs` may be
+ * NULL: every result owned by its handle. */
+int kerasdist_enqueue_group(const kerasdist_request* requests,
+                            const void* const* inputs, void* const* outputs,
+                            int32_t n, int64_t* handles);
 /* 1 when complete, 0 on timeout (timeout_s < 0 waits forever). */
 int kerasdist_wait(int64_t handle, double timeout_s);
 /* StatusCode of a completed handle and its message. */

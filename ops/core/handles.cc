@@ -85,26 +85,50 @@ extern "C" {
 
 int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
                           void* output) {
-  auto h = std::make_shared<Handle>();
-  if (r != nullptr && IsValidDataType(r->dtype)) {
-    h->element_size = DataTypeSize(static_cast<DataType>(r->dtype));
-    h->on_device = r->device >= 0;
+  int64_t id = 0;
+  kerasdist_enqueue_group(r, &input, &output, 1, &id);
+  return id;
+}
+
+int kerasdist_enqueue_group(const kerasdist_request* requests,
+                            const void* const* inputs, void* const* outputs,
+                            int32_t n, int64_t* handles) {
+  if (n < 0 || (n > 0 && (inputs == nullptr || handles == nullptr))) {
+    kerasdist_enqueue_tensors(nullptr, -1, nullptr);  // sets the error
+    return -1;
   }
-  int64_t id;
+  std::vector<std::shared_ptr<Handle>> hs(n);
+  std::vector<kerasdist_tensor> tensors(n);
+  for (int32_t i = 0; i < n; ++i) {
+    // A NULL request is the core's to refuse, with its message.
+    const kerasdist_request* r = requests ? &requests[i] : nullptr;
+    auto h = std::make_shared<Handle>();
+    if (r != nullptr && IsValidDataType(r->dtype)) {
+      h->element_size = DataTypeSize(static_cast<DataType>(r->dtype));
+      h->on_device = r->device >= 0;
+    }
+    h->self = h;  // the core's reference, dropped by Done
+    void* output = outputs ? outputs[i] : nullptr;
+    tensors[i] = {r, inputs[i], output, nullptr, &Allocate, &Done, h.get()};
+    hs[i] = std::move(h);
+  }
   {
     std::lock_guard<std::mutex> l(g_mu);
-    id = g_next++;
-    g_handles[id] = h;
+    for (int32_t i = 0; i < n; ++i) {
+      handles[i] = g_next++;
+      g_handles[handles[i]] = hs[i];
+    }
   }
-  h->self = h;
-  kerasdist_tensor t{r, input, output, nullptr, &Allocate, &Done, h.get()};
-  if (kerasdist_enqueue_tensors(&t, 1, nullptr) != 0) {
-    h->self.reset();
-    std::lock_guard<std::mutex> l(g_mu);
-    g_handles.erase(id);
-    return 0;
+  int32_t queued = 0;
+  if (kerasdist_enqueue_tensors(tensors.data(), n, &queued) == 0) return 0;
+  // The requests not queued are never called back: their handles go.
+  std::lock_guard<std::mutex> l(g_mu);
+  for (int32_t i = queued; i < n; ++i) {
+    hs[i]->self.reset();
+    g_handles.erase(handles[i]);
+    handles[i] = 0;
   }
-  return id;
+  return -1;
 }
 
 int kerasdist_wait(int64_t handle, double timeout_s) {

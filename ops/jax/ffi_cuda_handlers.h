@@ -110,6 +110,46 @@ struct Member {
   ffi::AnyBuffer out;
 };
 
+// Enqueues `members` (every one checked first: a group short of a member
+// would keep the other ranks waiting) with one kerasdist_enqueue_tensors
+// call, as the TF op does, so the core sees a group whole; each is added
+// to `w`. The failure's message, or "".
+std::string EnqueueMembers(const Spec& s, std::vector<Member>& members,
+                           void* ready, Waiter* w) {
+  const size_t n = members.size();
+  std::vector<std::vector<int64_t>> shapes(n);
+  std::vector<kerasdist_request> requests(n);
+  std::vector<kerasdist_tensor> tensors(n);
+  for (size_t i = 0; i < n; ++i) {
+    Member& m = members[i];
+    int32_t dtype;
+    if (!ToCore(m.in.element_type(), &dtype)) {
+      return "collective '" + m.name + "' got an unsupported dtype.";
+    }
+    auto d = m.in.dimensions();
+    shapes[i].assign(d.begin(), d.end());
+    requests[i] =
+        Request(m.name, s, dtype, shapes[i], DeviceOf(m.in.untyped_data()));
+    tensors[i] = {&requests[i],
+                  m.in.untyped_data(),
+                  m.out.untyped_data(),
+                  ready,
+                  nullptr,
+                  &Waiter::Done,
+                  w};
+  }
+  for (size_t i = 0; i < n; ++i) w->Add();  // callbacks may come at once
+  int32_t queued = 0;
+  const int32_t count = static_cast<int32_t>(n);
+  if (kerasdist_enqueue_tensors(tensors.data(), count, &queued) == 0) {
+    return "";
+  }
+  std::string failure = kerasdist_last_error();
+  kerasdist_result gone{};  // those not queued are never called back
+  for (int32_t i = queued; i < count; ++i) Waiter::Done(w, &gone);
+  return failure;
+}
+
 // Enqueues every member (all before any wait: the core sees a group whole)
 // behind one event on XLA's stream, and waits for all; the first failure's
 // message, or empty.
@@ -132,20 +172,7 @@ std::string RunMembers(cudaStream_t stream, const Spec& s,
     }
   }
   Waiter w;
-  std::string failure;
-  for (Member& m : members) {
-    int32_t dtype;
-    if (!ToCore(m.in.element_type(), &dtype)) {
-      failure = "collective '" + m.name + "' got an unsupported dtype.";
-      break;
-    }
-    auto d = m.in.dimensions();
-    std::vector<int64_t> shape(d.begin(), d.end());
-    kerasdist_request r =
-        Request(m.name, s, dtype, shape, DeviceOf(m.in.untyped_data()));
-    failure = Enqueue(r, m.in.untyped_data(), m.out.untyped_data(), ready, &w);
-    if (!failure.empty()) break;
-  }
+  const std::string failure = EnqueueMembers(s, members, ready, &w);
   std::string ended = w.Wait();
   // The core is done with the event once every collective it was handed
   // with has ended (a pending record or wait keeps it alive in CUDA).

@@ -237,6 +237,33 @@ ffi::Error Enqueue(Call* call, size_t member, const std::string& name,
   return Submit(std::move(p), s, dtype, Dims(in), in.untyped_data());
 }
 
+// Enqueues a group's members (`tensors`, whose callbacks own `pending`) with
+// one kerasdist_enqueue_tensors call, as the TF op does: one lock and one
+// wake-up of the core's thread, so the core sees the group whole. Members
+// it did not queue are counted out of `call`, and the enqueue's error comes
+// first.
+ffi::Future EnqueueGroup(Call* call,
+                         std::vector<std::unique_ptr<Pending>> pending,
+                         std::vector<kerasdist_tensor>& tensors) {
+  ffi::Future future = call->future();
+  const int32_t n = static_cast<int32_t>(tensors.size());
+  // A hold per member before the enqueue: its callback may come at once.
+  for (int32_t i = 0; i < n; ++i) {
+    call->Add();
+  }
+  int32_t queued = 0;
+  const int code = kerasdist_enqueue_tensors(tensors.data(), n, &queued);
+  for (int32_t i = 0; i < queued; ++i) pending[i].release();  // Done owns it
+  ffi::Error error = ffi::Error::Success();
+  if (code != 0) {
+    error = ffi::Error::InvalidArgument(std::string("kerasdist: ") +
+                                        kerasdist_last_error());
+    for (int32_t i = queued; i < n; ++i) call->Ended(i, "");
+  }
+  call->Enqueued(std::move(error));
+  return future;
+}
+
 // A call that failed before it enqueued anything.
 ffi::Future Failed(ffi::Error error) {
   Call* call = new Call(0);
@@ -274,13 +301,14 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
   s.group_size = static_cast<int32_t>(xs.size());
   // Every member is checked before any is enqueued: a group short of a
   // member would keep the other ranks waiting for it.
+  const size_t n = xs.size();
   std::vector<ffi::AnyBuffer> ins, outs;
-  for (size_t i = 0; i < xs.size(); ++i) {
+  std::vector<int32_t> dtypes(n);
+  for (size_t i = 0; i < n; ++i) {
     auto x = xs.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::AnyBuffer>(i);
-    int32_t dtype;
     if (!x.has_value() || !y.has_value() ||
-        !ToCore(x->element_type(), &dtype)) {
+        !ToCore(x->element_type(), &dtypes[i])) {
       return Failed(ffi::Error::InvalidArgument(
           "kerasdist: grouped allreduce '" + s.group + "': member " +
           std::to_string(i) + " is not a buffer of a supported dtype."));
@@ -288,15 +316,26 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
     ins.push_back(*x);
     outs.push_back(**y);
   }
-  Call* call = new Call(ins.size());
-  ffi::Future future = call->future();
-  ffi::Error err = ffi::Error::Success();
-  for (size_t i = 0; i < ins.size() && err.success(); ++i) {
-    err = Enqueue(call, i, s.group + "." + std::to_string(i), s, ins[i],
-                  &outs[i], false);
+  Call* call = new Call(n);
+  std::vector<std::unique_ptr<Pending>> pending(n);
+  std::vector<std::vector<int64_t>> shapes(n);
+  std::vector<kerasdist_request> requests(n);
+  std::vector<kerasdist_tensor> tensors(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto p = std::make_unique<Pending>();
+    p->call = call;
+    p->member = i;
+    p->name = s.group + "." + std::to_string(i);
+    p->out = outs[i].untyped_data();
+    p->out_bytes = outs[i].size_bytes();
+    shapes[i] = Dims(ins[i]);
+    requests[i] = Request(p->name, s, dtypes[i], shapes[i], -1);
+    tensors[i] = {
+        &requests[i], ins[i].untyped_data(), p->out, nullptr, nullptr, &Done,
+        p.get()};
+    pending[i] = std::move(p);
   }
-  call->Enqueued(std::move(err));
-  return future;
+  return EnqueueGroup(call, std::move(pending), tensors);
 }
 
 ffi::Future AllgatherImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,

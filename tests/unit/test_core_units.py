@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from kerasdist._core import capi as _capi
 from tests.support.helpers import REPO_ROOT
 
@@ -70,3 +72,28 @@ def test_rank_before_init_says_call_init():
                          text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert "call kerasdist.init()" in out.stdout, out.stdout + out.stderr
+
+
+def test_enqueue_group_before_init_queues_nothing():
+    # kerasdist_enqueue_group refuses the whole group before init: -1, and
+    # no handle left for the caller (every one 0); start_group raises the
+    # core's message.
+    import ctypes
+
+    import numpy as np
+
+    assert not _capi.lib().kerasdist_is_initialized()
+    x = np.ones(4, np.float32)
+    out = np.empty_like(x)
+    f32 = _capi.DTYPES[np.dtype(np.float32)]
+    member = (f32, x.shape, x.ctypes.data, out.ctypes.data, -1)
+    with pytest.raises(_capi.KerasdistError, match="not initialized"):
+        _capi.start_group(_capi.OP_ALLREDUCE, "g", [member, member],
+                          process_set=0)
+    requests = (_capi._Request * 2)()
+    inputs = (ctypes.c_void_p * 2)(x.ctypes.data, x.ctypes.data)
+    ids = (ctypes.c_int64 * 2)(99, 99)
+    assert _capi.lib().kerasdist_enqueue_group(requests, inputs, None, 2,
+                                               ids) == -1
+    assert list(ids) == [0, 0]
+    assert "not initialized" in _capi.last_error()
