@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -80,7 +81,7 @@ std::vector<Setting> RuntimeSettings() {
        &C::autotune_log, 0, {},
        "CSV file recording every autotune sample"},
       {"KERASDIST_GPU_OPERATIONS", "gpu_operations", false,
-       &C::gpu_operations, 0, {"NCCL", "MPI"},
+       Setting::Choice{0}, 0, {"NCCL", "MPI"},
        "`NCCL` or `MPI`: how collectives on GPU memory travel (`MPI`: staged "
        "through pinned host memory; see [gpu.md](gpu.md)); read only by a "
        "build with the GPU backend"},
@@ -261,6 +262,13 @@ Status Parse(const Setting& s, const std::string& v, Config* c) {
     c->given[name] = b ? 1 : 0;
     return Status::OK();
   }
+  if (std::holds_alternative<Setting::Choice>(s.field)) {
+    std::string text;
+    KD_RETURN_IF_ERROR(ParseString(s, v, &text));
+    c->given[name] =
+        std::find(s.choices.begin(), s.choices.end(), text) - s.choices.begin();
+    return Status::OK();
+  }
   return ParseString(s, v, &(c->*std::get<std::string Config::*>(s.field)));
 }
 
@@ -290,12 +298,26 @@ int64_t Config::Int(const std::string& name) const {
     if (auto i = std::get_if<Setting::Int>(&s->field)) return i->default_value;
     if (auto f = std::get_if<Setting::Flag>(&s->field))
       return f->default_value ? 1 : 0;
+    if (auto c = std::get_if<Setting::Choice>(&s->field))
+      return c->default_index;
   }
   std::fprintf(stderr,
-               "kerasdist bug: no setting %s of kind Setting::Int or "
-               "Setting::Flag in config.cc's table\n",
+               "kerasdist bug: no setting %s of kind Setting::Int, "
+               "Setting::Flag or Setting::Choice in config.cc's table\n",
                name.c_str());
   std::abort();
+}
+
+const std::string& Config::Choice(const std::string& name) const {
+  const Setting* s = Find(name);
+  if (s == nullptr || !std::holds_alternative<Setting::Choice>(s->field)) {
+    std::fprintf(stderr,
+                 "kerasdist bug: no setting %s of kind Setting::Choice in "
+                 "config.cc's table\n",
+                 name.c_str());
+    std::abort();
+  }
+  return s->choices.at(static_cast<size_t>(Int(name)));
 }
 
 std::string FormatSetting(const Setting& s, const Config& c) {
@@ -306,6 +328,8 @@ std::string FormatSetting(const Setting& s, const Config& c) {
         if constexpr (std::is_same_v<F, Setting::Int> ||
                       std::is_same_v<F, Setting::Flag>) {
           o << c.Int(s.name);
+        } else if constexpr (std::is_same_v<F, Setting::Choice>) {
+          o << c.Choice(s.name);
         } else if constexpr (std::is_same_v<std::decay_t<decltype(c.*field)>,
                                             bool>) {
           o << (c.*field ? 1 : 0);

@@ -44,8 +44,7 @@ struct Config {
   bool timeline_mark_cycles = false;
   bool autotune = false;
   std::string autotune_log;
-  std::string gpu_operations = "NCCL";  // NCCL | MPI
-  int log_level = 1;                    // 0 quiet, 1 warnings, 2 debug
+  int log_level = 1;            // 0 quiet, 1 warnings, 2 debug
   int64_t restart_attempt = 0;  // set by the launcher; read by the Trainer
 
   // The value of the setting `name` whose row has no member (Setting::Int,
@@ -53,26 +52,35 @@ struct Config {
   // row is a kerasdist bug: it aborts, naming it.
   int64_t Int(const std::string& name) const;
   bool Flag(const std::string& name) const { return Int(name) != 0; }
+  // The value of the setting `name` whose row is a Setting::Choice: one of
+  // its choices (aborts, as Int, for a name with no such row).
+  const std::string& Choice(const std::string& name) const;
   // Those settings' values as given, by name (booleans 0 or 1).
   std::map<std::string, int64_t> given;
 };
 
 // One row of the settings table. `field` says which Config member the setting
-// sets (or, Int and Flag, that it has none) and, by its type, how a value is
-// parsed: integers (>= `min`), numbers (>= 0), booleans (1/true/True/yes or
-// 0/false/False/no/empty) and strings (one of `choices` when there are any,
-// else free text).
+// sets (or, Int, Flag and Choice, that it has none) and, by its type, how a
+// value is parsed: integers (>= `min`), numbers (>= 0), booleans
+// (1/true/True/yes or 0/false/False/no/empty) and strings (one of `choices`
+// when there are any, else free text).
 struct Setting {
   // A setting with no Config member (a backend's own), and its default:
-  // read with Config::Int or Config::Flag.
+  // read with Config::Int, Config::Flag or Config::Choice.
   struct Int {
     int64_t default_value;
   };
   struct Flag {
     bool default_value;
   };
-  using Field = std::variant<int64_t Config::*, int Config::*, double Config::*,
-                             bool Config::*, std::string Config::*, Int, Flag>;
+  // One of the row's `choices`, the `default_index`-th unless given: read
+  // with Config::Choice (held in `given` as its index).
+  struct Choice {
+    int64_t default_index;
+  };
+  using Field =
+      std::variant<int64_t Config::*, int Config::*, double Config::*,
+                   bool Config::*, std::string Config::*, Int, Flag, Choice>;
   const char* name;  // the environment variable, KERASDIST_...
   const char* key;   // its short name (Python: init()'s keyword, if any)
   bool in_init;      // init() takes `key` as a keyword argument

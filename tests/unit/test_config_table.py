@@ -55,6 +55,7 @@ def test_resolved_defaults_are_the_table_defaults(clean_env):
     assert resolved["KERASDIST_FUSION_THRESHOLD"] == str(64 * 1024 * 1024)
     assert resolved["KERASDIST_SHM_ALLREDUCE"] == "1"
     assert resolved["KERASDIST_RESTART_ATTEMPT"] == "0"
+    assert resolved["KERASDIST_GPU_OPERATIONS"] == "NCCL"
 
 
 def test_environment_then_overrides(clean_env):
@@ -65,6 +66,9 @@ def test_environment_then_overrides(clean_env):
     assert got["KERASDIST_CYCLE_TIME"] == "0.2"  # the override wins
     assert got["KERASDIST_SHM_ALLREDUCE"] == "0"
     assert got["KERASDIST_AUTOTUNE"] == "1"
+    # A choice (no Config member) reads back as the text given.
+    clean_env.setenv("KERASDIST_GPU_OPERATIONS", "MPI")
+    assert _capi.resolve_settings()["KERASDIST_GPU_OPERATIONS"] == "MPI"
 
 
 @pytest.mark.parametrize("text,value", [

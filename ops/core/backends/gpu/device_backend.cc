@@ -79,7 +79,7 @@ Status MakeDeviceBackend(const Config& config, const NodeContext& ctx,
   DeviceBackendOptions d;
   d.rank = ctx.comm->rank();
   d.size = ctx.comm->size();
-  d.host_staged = config.gpu_operations == "MPI";
+  d.host_staged = config.Choice("KERASDIST_GPU_OPERATIONS") == "MPI";
   d.host = ctx.comm;
   *out = std::make_unique<LazyDeviceBackend>(d);
   return Status::OK();
