@@ -123,17 +123,18 @@ def stats(layer):
     return [to_np(layer.moving_mean), to_np(layer.moving_variance)]
 
 
-def train(norm, sizes, shape, distributed, seed=0):
+def train(norm, sizes, shape, distributed, seed=0, jit_compile="auto"):
     """STEPS training steps of `model(norm)` (one `train_on_batch` each,
     preceded by an eager call in training mode, which also updates the
     moving statistics); distributed: on this rank's rows with
     `DistributedOptimizer`. Returns a record per step and the inference
-    outputs on fresh data."""
+    outputs on fresh data; the compiled model's `jit_compile` after
+    training is in the last record ("jit_compile")."""
     m = model(norm, shape)
     opt = keras.optimizers.SGD(LR, momentum=0.5)
     if distributed:
         opt = kd.DistributedOptimizer(opt)
-    m.compile(optimizer=opt, loss="mse")
+    m.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     weight = sizes[R] * N / sum(sizes) if distributed else 1.0
     records = []
     for x, y in global_batches(sizes, shape, seed):
@@ -145,6 +146,7 @@ def train(norm, sizes, shape, distributed, seed=0):
                                                      "float32"))
         records.append({"out": out, "called": called, "stats": stats(norm),
                         "weights": m.get_weights()})
+    records[-1]["jit_compile"] = m.jit_compile
     (test_x, _), = global_batches(sizes, shape, seed + 100, steps=1)
     if distributed:
         test_x = mine(test_x, sizes)
@@ -153,16 +155,18 @@ def train(norm, sizes, shape, distributed, seed=0):
     return records, infer
 
 
-def check_training(label, sizes, shape, axis):
+def check_training(label, sizes, shape, axis, jit_compile="auto"):
     """SyncBatchNormalization with DistributedOptimizer on this rank's
     rows == BatchNormalization with the plain optimizer on the global
     batch: the training-mode outputs (this rank's rows), the moving
     statistics after every call and step, the weights after every step and
-    the inference outputs."""
+    the inference outputs. Returns the distributed model's `jit_compile`
+    after training."""
     truth, truth_infer = train(keras.layers.BatchNormalization(axis=axis),
-                               sizes, shape, distributed=False)
+                               sizes, shape, distributed=False,
+                               jit_compile=jit_compile)
     got, got_infer = train(kd.SyncBatchNormalization(axis=axis), sizes,
-                           shape, distributed=True)
+                           shape, distributed=True, jit_compile=jit_compile)
     worst = 0.0
     for s, (g, t) in enumerate(zip(got, truth)):
         worst = max(worst, assert_close(
@@ -188,6 +192,7 @@ def check_training(label, sizes, shape, axis):
     assert miss > 100 * ATOL, f"{label}: rank statistics are too close"
     print(f"{label}: max diff {worst:.2e}, local statistics {miss:.2e}",
           flush=True)
+    return got[-1]["jit_compile"]
 
 
 def assert_moved(records, label):
@@ -207,6 +212,15 @@ def fit_equal():
 @check("sync_batch_normalization_unequal_batches")
 def fit_unequal():
     check_training("unequal", UNEQUAL, (4,), axis=-1)
+
+
+@check("sync_batch_normalization_xla", groups=("tensorflow",))
+def fit_xla():
+    # TensorFlow with jit_compile=True: the layer's allreduce is compiled
+    # into the XLA train step (a custom call on the CPU), which keeps XLA.
+    kept = check_training("xla", UNEQUAL, (4,), axis=-1, jit_compile=True)
+    from kerasdist.tensorflow import collectives
+    assert kept == (collectives.xla_unsupported() is None), kept
 
 
 @check("sync_batch_normalization_channels_first")
