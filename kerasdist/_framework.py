@@ -24,6 +24,7 @@ running backend's package only.
 """
 
 import contextlib
+import functools
 import importlib
 
 import numpy as np
@@ -67,7 +68,7 @@ class KerasFramework:
     name = None
     jit_compile = False
 
-    @property
+    @functools.cached_property
     def collectives(self):
         """This framework's collectives module
         (`kerasdist/<framework>/collectives.py`): one function per

@@ -91,17 +91,18 @@ class Waiter {
   std::string failure_;
 };
 
-// Enqueues one request and adds it to `w`; the enqueue's error, or "".
-std::string Enqueue(const kerasdist_request& r, const void* in, void* out,
-                    void* ready, Waiter* w) {
-  w->Add();
-  if (kerasdist_enqueue_cb(&r, in, out, ready, &Waiter::Done, w) != 0) {
-    std::string failure = kerasdist_last_error();
-    kerasdist_result gone{};  // it will not be called back: count it out
-    Waiter::Done(w, &gone);
-    return failure;
-  }
-  return "";
+// Enqueues `tensors` (whose callbacks count down `w`) with one
+// kerasdist_enqueue_tensors call, as the TF op does, so the core sees a
+// group whole; each is added to `w`. The enqueue's error, or "".
+std::string Enqueue(std::vector<kerasdist_tensor>& tensors, Waiter* w) {
+  const int32_t n = static_cast<int32_t>(tensors.size());
+  for (int32_t i = 0; i < n; ++i) w->Add();  // callbacks may come at once
+  int32_t queued = 0;
+  if (kerasdist_enqueue_tensors(tensors.data(), n, &queued) == 0) return "";
+  std::string failure = kerasdist_last_error();
+  kerasdist_result gone{};  // those not queued are never called back
+  for (int32_t i = queued; i < n; ++i) Waiter::Done(w, &gone);
+  return failure;
 }
 
 struct Member {
@@ -111,9 +112,8 @@ struct Member {
 };
 
 // Enqueues `members` (every one checked first: a group short of a member
-// would keep the other ranks waiting) with one kerasdist_enqueue_tensors
-// call, as the TF op does, so the core sees a group whole; each is added
-// to `w`. The failure's message, or "".
+// would keep the other ranks waiting) together; each is added to `w`. The
+// failure's message, or "".
 std::string EnqueueMembers(const Spec& s, std::vector<Member>& members,
                            void* ready, Waiter* w) {
   const size_t n = members.size();
@@ -138,16 +138,7 @@ std::string EnqueueMembers(const Spec& s, std::vector<Member>& members,
                   &Waiter::Done,
                   w};
   }
-  for (size_t i = 0; i < n; ++i) w->Add();  // callbacks may come at once
-  int32_t queued = 0;
-  const int32_t count = static_cast<int32_t>(n);
-  if (kerasdist_enqueue_tensors(tensors.data(), count, &queued) == 0) {
-    return "";
-  }
-  std::string failure = kerasdist_last_error();
-  kerasdist_result gone{};  // those not queued are never called back
-  for (int32_t i = queued; i < count; ++i) Waiter::Done(w, &gone);
-  return failure;
+  return Enqueue(tensors, w);
 }
 
 // Enqueues every member (all before any wait: the core sees a group whole)
@@ -248,7 +239,9 @@ ffi::Error BarrierImpl(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token,
   r.device = -1;
   r.process_set = process_set;
   Waiter w;
-  std::string failure = Enqueue(r, nullptr, nullptr, nullptr, &w);
+  std::vector<kerasdist_tensor> t = {
+      {&r, nullptr, nullptr, nullptr, nullptr, &Waiter::Done, &w}};
+  std::string failure = Enqueue(t, &w);
   std::string ended = w.Wait();
   if (failure.empty()) failure = ended;
   if (!failure.empty()) {

@@ -159,12 +159,16 @@ class Call {
   std::vector<std::string> failures_;
 };
 
-// One enqueued tensor: where its result goes and, for results the core
-// owns, the shape XLA allocated for it.
+// One tensor of a call: its request's dtype, shape and input (null: a
+// barrier), where its result goes and, for results the core owns, the shape
+// XLA allocated for it.
 struct Pending {
   Call* call = nullptr;
   size_t member = 0;
   std::string name;
+  int32_t dtype = 0;
+  std::vector<int64_t> shape;
+  const void* in = nullptr;
   void* out = nullptr;
   size_t out_bytes = 0;
   bool copy_out = false;
@@ -196,87 +200,70 @@ void Done(void* arg, const kerasdist_result* r) {
   p->call->Ended(p->member, Check(*p, *r));
 }
 
-// Enqueues one tensor (`in` may be null: a barrier) of `call`.
-ffi::Error Submit(std::unique_ptr<Pending> p, const Spec& s, int32_t dtype,
-                  std::vector<int64_t> shape, const void* in) {
-  kerasdist_request r = Request(p->name, s, dtype, shape, -1);
-  Call* call = p->call;
-  void* out = p->copy_out ? nullptr : p->out;
-  call->Add();  // before the enqueue: the callback may come at once
-  if (kerasdist_enqueue_cb(&r, in, out, nullptr, &Done, p.get()) != 0) {
-    call->Ended(p->member, "");  // drops the hold taken for it
-    return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
-                                       kerasdist_last_error());
-  }
-  p.release();  // Done owns it now
-  return ffi::Error::Success();
-}
-
-// Enqueues `in` as member `member` of `call`; the result goes straight into
-// `out`, or, with `copy_out`, into core-owned memory that Check copies after
-// checking its shape.
-ffi::Error Enqueue(Call* call, size_t member, const std::string& name,
-                   const Spec& s, const ffi::AnyBuffer& in, ffi::AnyBuffer* out,
-                   bool copy_out) {
-  int32_t dtype;
-  if (!ToCore(in.element_type(), &dtype)) {
-    return ffi::Error::InvalidArgument(
-        "kerasdist: collective '" + name +
-        "' got an unsupported dtype; "
-        "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
-        "or bool.");
-  }
-  auto p = std::make_unique<Pending>();
-  p->call = call;
-  p->member = member;
-  p->name = name;
-  p->out = out->untyped_data();
-  p->out_bytes = out->size_bytes();
-  p->copy_out = copy_out;
-  p->out_dims = Dims(*out);
-  return Submit(std::move(p), s, dtype, Dims(in), in.untyped_data());
-}
-
-// Enqueues a group's members (`tensors`, whose callbacks own `pending`) with
-// one kerasdist_enqueue_tensors call, as the TF op does: one lock and one
-// wake-up of the core's thread, so the core sees the group whole. Members
-// it did not queue are counted out of `call`, and the enqueue's error comes
-// first.
-ffi::Future EnqueueGroup(Call* call,
-                         std::vector<std::unique_ptr<Pending>> pending,
-                         std::vector<kerasdist_tensor>& tensors) {
-  ffi::Future future = call->future();
-  const int32_t n = static_cast<int32_t>(tensors.size());
-  // A hold per member before the enqueue: its callback may come at once.
-  for (int32_t i = 0; i < n; ++i) {
-    call->Add();
+// Enqueues `members` (of one call) with one kerasdist_enqueue_tensors
+// call, as the TF op does: one lock and one wake-up of the core's thread, so
+// the core sees a group whole. Done owns each member queued; those not
+// queued are counted out of their call. The enqueue's error, if any.
+ffi::Error Submit(const Spec& s,
+                  std::vector<std::unique_ptr<Pending>> members) {
+  const size_t n = members.size();
+  std::vector<kerasdist_request> requests(n);
+  std::vector<kerasdist_tensor> tensors(n);
+  for (size_t i = 0; i < n; ++i) {
+    Pending& p = *members[i];
+    requests[i] = Request(p.name, s, p.dtype, p.shape, -1);
+    tensors[i] = {
+        &requests[i], p.in, p.copy_out ? nullptr : p.out, nullptr, nullptr,
+        &Done,        &p};
+    p.call->Add();  // before the enqueue: the callback may come at once
   }
   int32_t queued = 0;
-  const int code = kerasdist_enqueue_tensors(tensors.data(), n, &queued);
-  for (int32_t i = 0; i < queued; ++i) pending[i].release();  // Done owns it
-  ffi::Error error = ffi::Error::Success();
-  if (code != 0) {
-    error = ffi::Error::InvalidArgument(std::string("kerasdist: ") +
-                                        kerasdist_last_error());
-    for (int32_t i = queued; i < n; ++i) call->Ended(i, "");
+  const int code = kerasdist_enqueue_tensors(tensors.data(),
+                                             static_cast<int32_t>(n), &queued);
+  for (int32_t i = 0; i < queued; ++i) members[i].release();  // Done owns it
+  if (code == 0) return ffi::Error::Success();
+  for (size_t i = queued; i < n; ++i) {
+    members[i]->call->Ended(members[i]->member, "");  // drops its hold
   }
-  call->Enqueued(std::move(error));
-  return future;
+  return ffi::Error::InvalidArgument(std::string("kerasdist: ") +
+                                     kerasdist_last_error());
 }
 
-// A call that failed before it enqueued anything.
-ffi::Future Failed(ffi::Error error) {
-  Call* call = new Call(0);
-  ffi::Future future = call->future();
-  call->Enqueued(std::move(error));
-  return future;
+// Member `member` of `call`: `in`, its result straight into `out`, or, with
+// `copy_out`, into core-owned memory that Check copies after checking its
+// shape. Null for a dtype the core does not reduce.
+std::unique_ptr<Pending> Member(Call* call, size_t member, std::string name,
+                                const ffi::AnyBuffer& in,
+                                const ffi::AnyBuffer& out, bool copy_out) {
+  auto p = std::make_unique<Pending>();
+  if (!ToCore(in.element_type(), &p->dtype)) return nullptr;
+  p->call = call;
+  p->member = member;
+  p->name = std::move(name);
+  p->shape = Dims(in);
+  p->in = in.untyped_data();
+  p->out = out.untyped_data();
+  p->out_bytes = out.size_bytes();
+  p->copy_out = copy_out;
+  p->out_dims = Dims(out);
+  return p;
 }
 
 ffi::Future One(std::string_view name, const Spec& s, const ffi::AnyBuffer& in,
                 ffi::AnyBuffer* out, bool copy_out) {
   Call* call = new Call(1);
   ffi::Future future = call->future();
-  call->Enqueued(Enqueue(call, 0, std::string(name), s, in, out, copy_out));
+  std::vector<std::unique_ptr<Pending>> members;
+  members.push_back(Member(call, 0, std::string(name), in, *out, copy_out));
+  if (!members[0]) {
+    call->Enqueued(ffi::Error::InvalidArgument(
+        "kerasdist: collective '" + std::string(name) +
+        "' got an unsupported dtype; "
+        "expected float16, bfloat16, float32, float64, int32, int64, uint8 "
+        "or bool."));
+    return future;
+  }
+  call->Enqueued(Submit(s, std::move(members)));
   return future;
 }
 
@@ -301,41 +288,25 @@ ffi::Future GroupedAllreduceImpl(ffi::RemainingArgs xs, ffi::RemainingRets ys,
   s.group_size = static_cast<int32_t>(xs.size());
   // Every member is checked before any is enqueued: a group short of a
   // member would keep the other ranks waiting for it.
-  const size_t n = xs.size();
-  std::vector<ffi::AnyBuffer> ins, outs;
-  std::vector<int32_t> dtypes(n);
-  for (size_t i = 0; i < n; ++i) {
+  Call* call = new Call(xs.size());
+  ffi::Future future = call->future();
+  std::vector<std::unique_ptr<Pending>> members;
+  for (size_t i = 0; i < xs.size(); ++i) {
     auto x = xs.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::AnyBuffer>(i);
-    if (!x.has_value() || !y.has_value() ||
-        !ToCore(x->element_type(), &dtypes[i])) {
-      return Failed(ffi::Error::InvalidArgument(
+    if (x.has_value() && y.has_value()) {
+      members.push_back(
+          Member(call, i, s.group + "." + std::to_string(i), *x, **y, false));
+    }
+    if (!x.has_value() || !y.has_value() || !members.back()) {
+      call->Enqueued(ffi::Error::InvalidArgument(
           "kerasdist: grouped allreduce '" + s.group + "': member " +
           std::to_string(i) + " is not a buffer of a supported dtype."));
+      return future;
     }
-    ins.push_back(*x);
-    outs.push_back(**y);
   }
-  Call* call = new Call(n);
-  std::vector<std::unique_ptr<Pending>> pending(n);
-  std::vector<std::vector<int64_t>> shapes(n);
-  std::vector<kerasdist_request> requests(n);
-  std::vector<kerasdist_tensor> tensors(n);
-  for (size_t i = 0; i < n; ++i) {
-    auto p = std::make_unique<Pending>();
-    p->call = call;
-    p->member = i;
-    p->name = s.group + "." + std::to_string(i);
-    p->out = outs[i].untyped_data();
-    p->out_bytes = outs[i].size_bytes();
-    shapes[i] = Dims(ins[i]);
-    requests[i] = Request(p->name, s, dtypes[i], shapes[i], -1);
-    tensors[i] = {
-        &requests[i], ins[i].untyped_data(), p->out, nullptr, nullptr, &Done,
-        p.get()};
-    pending[i] = std::move(p);
-  }
-  return EnqueueGroup(call, std::move(pending), tensors);
+  call->Enqueued(Submit(s, std::move(members)));
+  return future;
 }
 
 ffi::Future AllgatherImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
@@ -385,11 +356,12 @@ ffi::Future BarrierImpl(ffi::Result<ffi::AnyBuffer> token,
   s.process_set = process_set;
   Call* call = new Call(1);
   ffi::Future future = call->future();
-  auto p = std::make_unique<Pending>();
-  p->call = call;
-  p->name = std::string(name);
-  call->Enqueued(Submit(std::move(p), s, static_cast<int32_t>(DataType::kUInt8),
-                        {}, nullptr));
+  std::vector<std::unique_ptr<Pending>> members;
+  members.push_back(std::make_unique<Pending>());
+  members[0]->call = call;
+  members[0]->name = std::string(name);
+  members[0]->dtype = static_cast<int32_t>(DataType::kUInt8);
+  call->Enqueued(Submit(s, std::move(members)));
   return future;
 }
 
