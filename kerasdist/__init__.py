@@ -32,10 +32,10 @@ _EXPORTS = {
     "_executing_eagerly": "util",
     # The collectives of the framework the Keras backend runs on.
     **dict.fromkeys(_collectives.__all__, "collectives"),
-    "DistributedOptimizer": "keras.optimizer",
+    "DistributedOptimizer": "keras.distributed_optimizer",
     "Compression": "keras.compression",
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
-    "PartialDistributedOptimizer": "keras.optimizer",
+    "PartialDistributedOptimizer": "keras.distributed_optimizer",
     "PartialDistributedGradientTape": "tensorflow.tape",
     "load_model": "keras.saving", "save_model": "keras.saving",
     "start_timeline": "timeline", "stop_timeline": "timeline",
@@ -111,10 +111,10 @@ if TYPE_CHECKING:
     from kerasdist.collectives import reducescatter as reducescatter
     from kerasdist.collectives import size_op as size_op
     from kerasdist.keras.compression import Compression as Compression
-    from kerasdist.keras.optimizer import (
+    from kerasdist.keras.distributed_optimizer import (
         DistributedOptimizer as DistributedOptimizer,
     )
-    from kerasdist.keras.optimizer import (
+    from kerasdist.keras.distributed_optimizer import (
         PartialDistributedOptimizer as PartialDistributedOptimizer,
     )
     from kerasdist.keras.saving import load_model as load_model

@@ -1,4 +1,5 @@
-"""DistributedOptimizer: averages gradients over all ranks for Keras 3.
+"""DistributedOptimizer's classes: what a wrapped Keras optimizer does,
+written once for every Keras backend.
 
 Where the allreduce goes. On Keras 3 every path that updates weights goes
 through `Optimizer.apply(grads, trainable_variables)`:
@@ -19,441 +20,185 @@ never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
 
+The classes, as Keras chooses one optimizer class per backend and each
+overrides a few hooks: `DistributedBase` holds what both modes share (the
+settings, local variables, the overlap state, mixed precision's agreed
+finiteness check); `ReplicatedStep` (here) and `ShardedStep`
+(kerasdist/keras/sharding/optimizer.py) are its two steps, siblings.
+`DistributedOptimizer()` (kerasdist/keras/distributed_optimizer.py)
+combines one of them with the user's optimizer class, so that the result
+is an instance of that class and saves under its name.
+
 The reduction (`kerasdist.keras.reduction`, written once) runs on the
 Keras backend's own tensors through the backend's `KerasFramework`
-(`kerasdist.keras.framework.get()`, from the framework's own package): TF ops on
-TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's jitted step,
-`kerasdist.torch`'s custom ops in PyTorch's eager step. Nothing here asks
-which framework runs.
-
-Over 500 lines: `DistributedOptimizer`'s docstring and argument checks are
-Horovod's whole contract (about 200 lines); the class it builds, written once
-for every backend, is most of the rest.
+(`kerasdist.keras.framework.get()`, from the framework's own package): TF
+ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's jitted
+step, `kerasdist.torch`'s custom ops in PyTorch's eager step. Nothing here
+asks which framework runs.
 """
 
-import os
 import sys
 
 from kerasdist import basics
-from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
-from kerasdist._core import gradients as _gradients
-from kerasdist.keras import buckets as _buckets
 from kerasdist.keras import framework as _framework
-from kerasdist.keras import local_variables as _local_variables
 from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
-from kerasdist.keras.compression import Compression
-from kerasdist.keras.sharding import optimizer as _sharding
-
-__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
-class _Settings:
-    """The wrapper's arguments (a plain object, so Keras/TF do not track it)."""
+class DistributedBase:
+    """What a DistributedOptimizer of either mode adds to the user's Keras
+    optimizer class, placed before it in the combined class's bases.
 
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
-
-
-def DistributedOptimizer(optimizer, name=None,
-                         compression=Compression.none, op=None,
-                         backward_passes_per_step=1,
-                         average_aggregated_gradients=False,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0,
-                         num_groups=0, scale_local_gradients=True,
-                         average=None, process_set=None, overlap=None,
-                         bucket_bytes=None, shard=None):
-    """Wraps a Keras optimizer so that gradients are averaged over all ranks
-    (over the ranks of `process_set`, a `kerasdist.ProcessSet`, when given:
-    only its members may then train with it).
-
-    The result is an instance of a subclass of `type(optimizer)` (so
-    `isinstance(opt, keras.optimizers.Adam)` holds), built from
-    `optimizer.get_config()`; its `get_config()` is the original optimizer's,
-    so `model.save()` writes a file that `keras.models.load_model` reads
-    without kerasdist (the loaded optimizer is the plain class: wrap it again
-    to continue distributed training). A built optimizer's state (iterations,
-    slots) is copied into the wrapper.
-
-    Gradients are reduced at the top of `apply`, which `model.fit`,
-    `apply_gradients` and `LossScaleOptimizer` all go through, before
-    clipping and the update, by the runtime's fused allreduce. Each gradient
-    is named after its variable's path, so every rank must build the same
-    model.
-
-    Args:
-        optimizer: a `keras.optimizers.Optimizer` (SGD, Adam, AdamW,
-            RMSprop, `keras.mixed_precision.LossScaleOptimizer`, ...), or
-            what `keras.optimizers.get` takes: a name such as "adam"
-            (Keras' defaults) or a config dict.
-        name: prefix of the collective names (default
-            "DistributedOptimizer"); give two optimizers of one model
-            different names.
-        compression: `kerasdist.Compression.none` (default) or
-            `kerasdist.Compression.fp16`.
-        op: `kerasdist.Average` (None, the default), `kerasdist.Sum` or
-            `kerasdist.Adasum` (as in Horovod: no division by `size()`;
-            a power-of-two number of ranks; see docs/architecture.md for
-            the learning rate).
-        backward_passes_per_step: communicate and update once every this
-            many `apply` calls; in between, gradients are summed locally
-            (sparse gradients densified) and weights do not change.
-            `iterations` counts updates.
-        average_aggregated_gradients: divide the local sum by
-            `backward_passes_per_step` before communicating.
-        sparse_as_dense: allreduce `tf.IndexedSlices` gradients (Embedding)
-            as dense tensors instead of allgathering them.
-        gradient_predivide_factor: with op=Average, scale by 1/f before the
-            sum and by f/size after it (both in the runtime).
-        num_groups: 0 (default): all dense gradients of a step in one
-            `kerasdist.grouped_allreduce` (one TF op; the runtime fuses it
-            into buffers of up to the fusion threshold). n > 0: split the
-            gradients, in order, into n groups of nearly equal count, one
-            grouped allreduce each, so that communication of the groups
-            finished first can start earlier. The result is the same
-            either way. (Horovod's 0 meant one op per gradient; here that
-            per-op cost is what grouping avoids.)
-        scale_local_gradients: divide the gradients of local variables
-            (`register_local_var`, `PartialDistributedOptimizer`'s
-            `local_layers`) by `size()`, as Horovod does (default True).
-        average: Horovod's deprecated form of `op`: True is Average,
-            False Sum (a DeprecationWarning); ValueError with `op`.
-        overlap: with `num_groups=0`, reduce the gradients in buckets of
-            up to `bucket_bytes`, in the order backprop produces them (the
-            last layer's first), so that communication overlaps the rest
-            of backprop. TensorFlow: each bucket is one grouped allreduce op
-            in the train step's graph, which TF's executor runs as soon as
-            the bucket's gradients exist, while it goes on computing the
-            others (eagerly, and with `backward_passes_per_step > 1`, the
-            gradients stay in one group). PyTorch: each bucket's allreduce
-            starts from autograd hooks as soon as its gradients exist (from
-            the second step on; the first step installs the hooks). JAX:
-            each bucket is a custom call of its own; only when asked for
-            (True, or `KERASDIST_OVERLAP=1` set), since XLA's CPU runtime
-            runs the step's operations in sequence and waits for each
-            custom call before the next, so more calls only add round trips
-            there (see docs/keras.md). The result is the same. None
-            (default): the environment's `KERASDIST_OVERLAP` (default 1: on
-            where it is faster, TensorFlow and PyTorch).
-        bucket_bytes: the most bytes in a bucket (the first bucket is at
-            most 1 MiB, as in PyTorch DDP). None: `KERASDIST_BUCKET_BYTES`
-            (default 25 MiB).
-        shard: None (default): every rank holds the whole optimizer state.
-            "optimizer_state" (ZeRO-1): each rank keeps the optimizer state
-            (Adam's moments, momentum, EMA, accumulators) of 1/size() of
-            every variable only; the gradients are reduce-scattered (in
-            buckets of `bucket_bytes`, in backprop order), each rank
-            updates its shard, and the weights are allgathered back, the
-            same bytes on the wire as an allreduce.
-            "gradients" (ZeRO-2): the same, and the whole gradients that a
-            framework keeps between steps (PyTorch's `.grad`) are dropped
-            once reduced. The result equals the replicated optimizer's.
-            Needs an elementwise update (SGD, Adam, AdamW, RMSprop, ...;
-            not Lamb, Adafactor or Muon), no Adasum and no local
-            variables. The gradients a `DistributedGradientTape` returned
-            over the same ranks (TensorFlow) are averaged already: each
-            rank slices its shard of them instead of reduce-scattering
-            (see the tape). See kerasdist/keras/sharding/ and docs/keras.md.
-
-    Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
-    on its rank (not reduced; divided by `size()` unless
-    `scale_local_gradients=False`), as Horovod's. Every rank must register
-    the same variables.
-
-    With one rank (`size() == 1`) no collective is created: averaging over
-    one rank is the identity, so only compression and
-    `backward_passes_per_step` act, and the per-step cost is that of the
-    plain optimizer.
-
-    Backends: the same on TensorFlow, JAX and PyTorch, except that
-    `backward_passes_per_step > 1` needs TensorFlow (elsewhere pass
-    `gradient_accumulation_steps` to the Keras optimizer) and that only
-    TensorFlow has `tf.IndexedSlices` gradients (`sparse_as_dense`).
-
-    XLA (TensorFlow): the TF ops have XLA kernels (custom calls into the
-    runtime) on the CPU, and on a GPU in a build with the core's GPU
-    backend, so a model compiled with `jit_compile=True` keeps XLA, as
-    does a custom step in `tf.function(jit_compile=True)`. In a build
-    without them (TF_XLA=0; on a GPU, without the GPU backend): when
-    `model.fit` (or `train_on_batch`) is about to build the train function
-    of a model compiled with `jit_compile=True` (or "auto" resolved to XLA,
-    as on a GPU) and this optimizer, kerasdist sets
-    `model.jit_compile = False` and warns once per model; compile with
-    `jit_compile=False` to silence it. A custom train step in
-    `tf.function(jit_compile=True)` cannot be intercepted there and raises
-    a RuntimeError that says so.
-
-    Mixed precision: wrap a `LossScaleOptimizer`
-    (`DistributedOptimizer(LossScaleOptimizer(opt))`) and the finiteness
-    check sees the averaged gradients. Keras does the opposite under the
-    `mixed_float16` policy: `compile` wraps this optimizer in its own
-    `LossScaleOptimizer`, whose check sees each rank's local gradients, so
-    one rank could skip the step (and its allreduces) while another takes
-    it. kerasdist handles that case: a `LossScaleOptimizer` created around
-    a DistributedOptimizer gets a finiteness check that is agreed over all
-    ranks (one small allreduce Min), so every rank skips or applies the
-    step together, and halves or grows the loss scale together.
-
-    Returns:
-        The distributed optimizer.
-
-    Raises:
-        ValueError: for an optimizer that is already distributed, or bad
-            arguments.
-        TypeError: if `optimizer` is not a Keras 3 optimizer.
-
-    Example:
-    >>> import keras, kerasdist
-    >>> kerasdist.init()
-    >>> opt = kerasdist.DistributedOptimizer(
-    ...     keras.optimizers.Adam(0.001 * kerasdist.size()))
-    >>> model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    Attributes:
+        _kerasdist_settings: the wrapper's arguments, set on the combined
+            class by `DistributedOptimizer()`.
     """
-    import keras
 
-    if isinstance(optimizer, (str, dict)):
-        # As keras' compile(optimizer="adam") accepts: a name or a config.
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as e:
-            raise ValueError(f"DistributedOptimizer: {e}") from None
-    if getattr(optimizer, "_kerasdist_settings", None) is not None:
-        raise ValueError(
-            "DistributedOptimizer got an optimizer that is already a "
-            "kerasdist.DistributedOptimizer; wrap the plain optimizer once.")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError("DistributedOptimizer expects a "
-                        "keras.optimizers.Optimizer (Keras 3); got "
-                        f"{type(optimizer).__name__}.")
-    op = _gradients.resolve_op(op, average)
-    _reduction.check_args(op, compression, gradient_predivide_factor,
-                          num_groups, "DistributedOptimizer")
-    _check_passes(backward_passes_per_step)
-    # Asked for, not defaulted: JAX splits its reduction only then (see
-    # the docstring).
-    overlap_asked = overlap is not None or _buckets.OVERLAP_ENV in os.environ
-    overlap, bucket_bytes = _buckets.resolve_settings(
-        overlap, bucket_bytes, "DistributedOptimizer")
-    if op == basics.Adasum and average_aggregated_gradients:
-        raise ValueError("DistributedOptimizer: Adasum does not support "
-                         "average_aggregated_gradients=True (as in "
-                         "Horovod).")
-    settings = _Settings(
-        prefix=name or "DistributedOptimizer", compression=compression, op=op,
-        shard=shard,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
-        sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups,
-        scale_local_gradients=bool(scale_local_gradients),
-        process_set_id=_process_sets.resolve(process_set),
-        overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
-        jax_buckets=overlap and overlap_asked and num_groups == 0)
-    _sharding.check_shard(shard, type(optimizer), settings)
-    _framework.get().on_wrap(_settings_of)
-    cls = _distributed_class(type(optimizer), settings)
-    if shard is not None:
-        cls = _sharding.sharded_class(cls, settings)
-        _name_as(cls, type(optimizer))
-    wrapped = cls.from_config(optimizer.get_config())
-    if optimizer.built:
-        _copy_state(optimizer, wrapped)
-    return wrapped
+    _kerasdist_settings = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kerasdist_accum = None
+        self._kerasdist_reduced = False
+        self._kerasdist_local = _reduction.LocalVariables()
+        self._kerasdist_overlap = _framework.get().overlap()
 
-def _distributed_class(base, settings):
-    """A subclass of `base` whose `apply` reduces gradients first."""
+    def register_local_var(self, var):
+        """Keeps `var`'s gradient on this rank: it is not reduced
+        (divided by `size()` unless `scale_local_gradients=False`).
+        Every rank must register the same variables."""
+        self._kerasdist_local.add_variable(var, "register_local_var")
 
-    class _DistributedOptimizer(base):
-        _kerasdist_settings = settings
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._kerasdist_accum = None
-            self._kerasdist_reduced = False
-            self._kerasdist_local = _local_variables.LocalVariables()
-            self._kerasdist_overlap = _framework.get().overlap()
-
-        def register_local_var(self, var):
-            """Keeps `var`'s gradient on this rank: it is not reduced
-            (divided by `size()` unless `scale_local_gradients=False`).
-            Every rank must register the same variables."""
-            self._kerasdist_local.add_variable(var, "register_local_var")
-
-        def __setattr__(self, name, value):
-            super().__setattr__(name, value)
-            if name == "loss_scale_factor":
-                # `LossScaleOptimizer.__init__` sets this on its inner
-                # optimizer: the only moment Keras shows us the wrapper.
-                # A guarded frame lookup, never an error if it changes.
-                try:
-                    caller = sys._getframe(1).f_locals.get("self")
-                except (AttributeError, ValueError):  # pragma: no cover
-                    caller = None
-                _adopt_loss_scale_optimizer(caller, self)
-
-        def build(self, variables):
-            super().build(variables)
-            # Once, as Keras' own state: a LossScaleOptimizer builds its
-            # inner optimizer again, and new sums would drop a partial one.
-            if (settings.backward_passes_per_step > 1
-                    and self._kerasdist_accum is None):
-                self._kerasdist_accum = _framework.get().accumulators(
-                    self._trainable_variables)
-
-        def apply(self, grads, trainable_variables=None):
-            framework = _framework.get()
-            framework.check_apply()
-            grads = list(grads)
-            if trainable_variables is not None:
-                trainable_variables = list(trainable_variables)
-                variables = trainable_variables
-            elif self.built:
-                variables = self._trainable_variables
-            else:  # let Keras raise its own error
-                return super().apply(grads, trainable_variables)
-            if not grads or self._kerasdist_reduced:
-                return super().apply(grads, trainable_variables)
-            if settings.backward_passes_per_step == 1:
-                reduced = self._kerasdist_reduce(grads, variables)
-                return super().apply(reduced, trainable_variables)
-
-            if not self.built:
-                framework.build_optimizer(self, variables)
-            acc = self._kerasdist_accum
-            # super() needs the enclosing method's frame; bind it here.
-            parent_apply = super().apply
-            return _reduction.accumulate(
-                framework,
-                [acc.grads[self._get_variable_index(v)] for v in variables],
-                acc.count, grads, settings.backward_passes_per_step,
-                settings.average_aggregated_gradients,
-                lambda summed: self._kerasdist_reduce(summed, variables),
-                lambda reduced: parent_apply(reduced, trainable_variables))
-
-        def stateless_apply(self, optimizer_variables, grads,
-                            trainable_variables):
-            # JAX's train step comes here, not to `apply`; and a
-            # LossScaleOptimizer's stateless_apply never calls `apply`.
-            # Reduce once, here, whatever the class does next.
-            if not self.built or self._kerasdist_reduced:
-                return super().stateless_apply(
-                    optimizer_variables, grads, trainable_variables)
-            grads = self._kerasdist_reduce(list(grads),
-                                           self._trainable_variables)
-            self._kerasdist_reduced = True
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "loss_scale_factor":
+            # `LossScaleOptimizer.__init__` sets this on its inner
+            # optimizer: the only moment Keras shows us the wrapper.
+            # A guarded frame lookup, never an error if it changes.
             try:
-                return super().stateless_apply(
-                    optimizer_variables, grads, trainable_variables)
-            finally:
-                self._kerasdist_reduced = False
-
-        def _kerasdist_reduce(self, grads, variables):
-            ps = getattr(settings, "process_set_id", 0)
-            if ps and _capi.process_set_rank(ps) < 0:
-                return grads  # outside the set: its own gradients (Horovod)
-
-            framework = _framework.get()
-            overlap = (self._kerasdist_overlap
-                       if getattr(settings, "overlap", False) else None)
-
-            def plain(grads, variables):
-                return _reduction.reduce_gradients(
-                    grads, variables, settings.prefix, framework,
-                    compression=settings.compression, op=settings.op,
-                    sparse_as_dense=settings.sparse_as_dense,
-                    gradient_predivide_factor=(
-                        settings.gradient_predivide_factor),
-                    num_groups=settings.num_groups,
-                    bucket_bytes=framework.bucket_bytes(settings))
-
-            def reduce(grads, variables):
-                if overlap is None:
-                    return plain(grads, variables)
-                # PyTorch: the buckets the autograd hooks started; the
-                # rest reduced here.
-                out, rest = overlap.take(
-                    grads, variables, settings.prefix,
-                    settings.compression, settings.op,
-                    settings.gradient_predivide_factor,
-                    settings.bucket_bytes)
-                if rest:
-                    done = plain([grads[j] for j in rest],
-                                 [variables[j] for j in rest])
-                    for j, g in zip(rest, done):
-                        out[j] = g
-                return out
-            with _capi.process_set_scope(
-                    getattr(settings, "process_set_id", 0)):
-                return self._kerasdist_local.reduce(
-                    grads, variables, reduce, settings.scale_local_gradients)
-
-    _name_as(_DistributedOptimizer, base)
-    return _DistributedOptimizer
+                caller = sys._getframe(1).f_locals.get("self")
+            except (AttributeError, ValueError):  # pragma: no cover
+                caller = None
+            _adopt_loss_scale_optimizer(caller, self)
 
 
-def _name_as(cls, base):
-    # Serialize as the user's class: the saved file then names it and loads
-    # without kerasdist.
-    cls.__name__ = base.__name__
-    cls.__qualname__ = base.__qualname__
-    cls.__module__ = base.__module__
+class ReplicatedStep(DistributedBase):
+    """The replicated step: every rank holds the whole optimizer state;
+    `apply` reduces the gradients over the ranks, then runs the user's
+    optimizer's own `apply` on them."""
+
+    def build(self, variables):
+        super().build(variables)
+        settings = self._kerasdist_settings
+        # Once, as Keras' own state: a LossScaleOptimizer builds its
+        # inner optimizer again, and new sums would drop a partial one.
+        if (settings.backward_passes_per_step > 1
+                and self._kerasdist_accum is None):
+            self._kerasdist_accum = _framework.get().accumulators(
+                self._trainable_variables)
+
+    def apply(self, grads, trainable_variables=None):
+        settings = self._kerasdist_settings
+        framework = _framework.get()
+        framework.check_apply()
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            variables = trainable_variables
+        elif self.built:
+            variables = self._trainable_variables
+        else:  # let Keras raise its own error
+            return super().apply(grads, trainable_variables)
+        if not grads or self._kerasdist_reduced:
+            return super().apply(grads, trainable_variables)
+        if settings.backward_passes_per_step == 1:
+            reduced = self._kerasdist_reduce(grads, variables)
+            return super().apply(reduced, trainable_variables)
+
+        if not self.built:
+            framework.build_optimizer(self, variables)
+        acc = self._kerasdist_accum
+        # super() needs the enclosing method's frame; bind it here.
+        parent_apply = super().apply
+        return _reduction.accumulate(
+            framework,
+            [acc.grads[self._get_variable_index(v)] for v in variables],
+            acc.count, grads, settings.backward_passes_per_step,
+            settings.average_aggregated_gradients,
+            lambda summed: self._kerasdist_reduce(summed, variables),
+            lambda reduced: parent_apply(reduced, trainable_variables))
+
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables):
+        # JAX's train step comes here, not to `apply`; and a
+        # LossScaleOptimizer's stateless_apply never calls `apply`.
+        # Reduce once, here, whatever the class does next.
+        if not self.built or self._kerasdist_reduced:
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables)
+        grads = self._kerasdist_reduce(list(grads),
+                                       self._trainable_variables)
+        self._kerasdist_reduced = True
+        try:
+            return super().stateless_apply(
+                optimizer_variables, grads, trainable_variables)
+        finally:
+            self._kerasdist_reduced = False
+
+    def _kerasdist_reduce(self, grads, variables):
+        """`grads` reduced over the optimizer's ranks; the local
+        variables' kept (or divided by `size()`)."""
+        settings = self._kerasdist_settings
+        ps = settings.process_set_id
+        if ps and _capi.process_set_rank(ps) < 0:
+            return grads  # outside the set: its own gradients (Horovod)
+        keep, local = self._kerasdist_local.split(variables)
+        with _capi.process_set_scope(ps):
+            reduced = self._kerasdist_reduce_all(
+                [grads[i] for i in keep], [variables[i] for i in keep])
+            return _reduction.with_local(grads, keep, reduced, local,
+                                         settings.scale_local_gradients)
+
+    def _kerasdist_reduce_all(self, grads, variables):
+        settings = self._kerasdist_settings
+        framework = _framework.get()
+        overlap = self._kerasdist_overlap if settings.overlap else None
+        if overlap is None:
+            return _reduction.reduce_gradients(
+                grads, variables, settings.prefix, framework,
+                compression=settings.compression, op=settings.op,
+                sparse_as_dense=settings.sparse_as_dense,
+                gradient_predivide_factor=settings.gradient_predivide_factor,
+                num_groups=settings.num_groups,
+                bucket_bytes=framework.bucket_bytes(settings))
+        # PyTorch: the buckets the autograd hooks started; the rest
+        # reduced here.
+        out, rest = overlap.take(
+            grads, variables, settings.prefix, settings.compression,
+            settings.op, settings.gradient_predivide_factor,
+            settings.bucket_bytes)
+        if rest:
+            done = _reduction.reduce_gradients(
+                [grads[j] for j in rest], [variables[j] for j in rest],
+                settings.prefix, framework,
+                compression=settings.compression, op=settings.op,
+                sparse_as_dense=settings.sparse_as_dense,
+                gradient_predivide_factor=settings.gradient_predivide_factor,
+                num_groups=settings.num_groups,
+                bucket_bytes=framework.bucket_bytes(settings))
+            for j, g in zip(rest, done):
+                out[j] = g
+        return out
 
 
-def PartialDistributedOptimizer(optimizer, name=None,
-                                compression=Compression.none,
-                                sparse_as_dense=False,
-                                gradient_predivide_factor=1.0,
-                                op=basics.Average,
-                                backward_passes_per_step=1,
-                                average_aggregated_gradients=False,
-                                num_groups=0, local_layers=None,
-                                scale_local_gradients=True, overlap=None,
-                                bucket_bytes=None):
-    """A `DistributedOptimizer` whose `local_layers` keep their gradients
-    on each rank, as Horovod's: their trainable weights are not reduced
-    (their gradients are divided by `size()` unless
-    `scale_local_gradients=False`); every other gradient is reduced as
-    `DistributedOptimizer` reduces it.
-
-    Args:
-        optimizer: as `DistributedOptimizer`'s.
-        local_layers: a `keras.layers.Layer` or a list of them (default
-            none: the same as `DistributedOptimizer`). Their trainable
-            weights are read when gradients are reduced, so a layer may be
-            built after wrapping. Every rank must pass the same layers.
-        scale_local_gradients: divide the local gradients by `size()`.
-        The other arguments are `DistributedOptimizer`'s.
-
-    Returns:
-        The distributed optimizer (`register_local_var` adds more local
-        variables).
-
-    Raises:
-        ValueError: if an element of `local_layers` is not a Keras layer,
-            or for arguments `DistributedOptimizer` refuses.
-
-    Example:
-    >>> opt = kerasdist.PartialDistributedOptimizer(
-    ...     keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]])
-    """
-    layers = _local_variables.local_layers(local_layers,
-                                          "PartialDistributedOptimizer")
-    wrapped = DistributedOptimizer(
-        optimizer, name=name, compression=compression, op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients,
-        sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor,
-        num_groups=num_groups, scale_local_gradients=scale_local_gradients,
-        overlap=overlap, bucket_bytes=bucket_bytes)
-    wrapped._kerasdist_local.add_layers(layers)
-    return wrapped
+def add_local_layers(optimizer, layers):
+    """Keeps the gradients of `layers`' trainable weights on each rank
+    (`PartialDistributedOptimizer`'s `local_layers`)."""
+    optimizer._kerasdist_local.add_layers(layers)
 
 
-def _settings_of(optimizer):
+def settings_of(optimizer):
     """The settings of a DistributedOptimizer, or of the one inside a
     wrapper (a LossScaleOptimizer); None for any other optimizer."""
     while optimizer is not None:
@@ -462,14 +207,6 @@ def _settings_of(optimizer):
             return settings
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
-
-
-def _check_passes(backward_passes_per_step):
-    if not isinstance(backward_passes_per_step, int) or \
-            backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be an int >= 1; got "
-                         f"{backward_passes_per_step!r}.")
-    _framework.get().check_passes(backward_passes_per_step)
 
 
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------
@@ -490,64 +227,51 @@ def _adopt_loss_scale_optimizer(wrapper, inner):
     if getattr(base, "_kerasdist_synced", False):
         return
     if base not in _synced_classes:
-        _synced_classes[base] = _synced_loss_scale_class(base)
+        _synced_classes[base] = combined(SyncedLossScale, base)
     wrapper.__class__ = _synced_classes[base]
 
 
-def _synced_loss_scale_class(base):
+class SyncedLossScale:
+    """What a LossScaleOptimizer around a DistributedOptimizer gets: a
+    finiteness check agreed over the ranks (one allreduce Min), so every
+    rank skips or applies a step together."""
 
-    class _SyncedLossScaleOptimizer(base):
-        _kerasdist_synced = True
+    _kerasdist_synced = True
 
-        def apply(self, grads, trainable_variables=None):
-            # A DistributedGradientTape's gradients stay known as reduced
-            # once unscaled, so a sharded inner optimizer slices them
-            # rather than reducing them again (kerasdist.keras.reduced).
-            grads = list(grads)
-            sets = [_reduced.process_set_of(g) for g in grads]
-            if all(s is None for s in sets):
-                return super().apply(grads, trainable_variables)
-            _reduced.pass_on(sets)
-            try:
-                return super().apply(grads, trainable_variables)
-            finally:
-                _reduced.pass_on(None)
+    def apply(self, grads, trainable_variables=None):
+        # A DistributedGradientTape's gradients stay known as reduced
+        # once unscaled, so a sharded inner optimizer slices them
+        # rather than reducing them again (kerasdist.keras.reduced).
+        grads = list(grads)
+        sets = [_reduced.process_set_of(g) for g in grads]
+        if all(s is None for s in sets):
+            return super().apply(grads, trainable_variables)
+        _reduced.pass_on(sets)
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            _reduced.pass_on(None)
 
-        def check_finite(self, grads):
-            finite = super().check_finite(grads)
-            if basics.size() == 1:
-                return finite
-            # Min over ranks: finite only if every rank's gradients are.
-            prefix = self.inner_optimizer._kerasdist_settings.prefix
-            return _framework.get().agree_finite(finite, prefix)
-
-    _SyncedLossScaleOptimizer.__name__ = base.__name__
-    _SyncedLossScaleOptimizer.__qualname__ = base.__qualname__
-    _SyncedLossScaleOptimizer.__module__ = base.__module__
-    return _SyncedLossScaleOptimizer
+    def check_finite(self, grads):
+        finite = super().check_finite(grads)
+        if basics.size() == 1:
+            return finite
+        # Min over ranks: finite only if every rank's gradients are.
+        prefix = settings_of(self.inner_optimizer).prefix
+        return _framework.get().agree_finite(finite, prefix)
 
 
-def _copy_state(source, target):
-    if getattr(target._kerasdist_settings, "shard", None) is not None:
-        # Each rank keeps its shard of the built optimizer's slots.
-        import keras
-        target.build(source._trainable_variables)
-        if len(target.variables) != len(source.variables):
-            raise ValueError(
-                f"DistributedOptimizer(shard=...): the wrapper has "
-                f"{len(target.variables)} optimizer variables but the built "
-                f"optimizer has {len(source.variables)}.")
-        target.kerasdist_assign_whole(
-            [keras.ops.convert_to_numpy(v) for v in source.variables])
-        return
-    # Build the wrapper on the same variables, then take over the slots,
-    # iterations (and a LossScaleOptimizer's scale and inner state).
-    target.build(source._trainable_variables)
-    target.built = True
-    if len(target.variables) != len(source.variables):
-        raise ValueError(
-            f"DistributedOptimizer: the wrapper has {len(target.variables)} "
-            f"optimizer variables but the built optimizer has "
-            f"{len(source.variables)}; wrap it before building it.")
-    for dst, src in zip(target.variables, source.variables):
-        dst.assign(src)
+def combined(step, base, settings=None):
+    """The class `step` placed before `base` (the user's optimizer class),
+    with `settings` (a DistributedOptimizer's), named as `base`: instances
+    are `base`'s (`isinstance` holds) and a saved file names `base`, so it
+    loads without kerasdist."""
+
+    class Combined(step, base):
+        if settings is not None:
+            _kerasdist_settings = settings
+
+    Combined.__name__ = base.__name__
+    Combined.__qualname__ = base.__qualname__
+    Combined.__module__ = base.__module__
+    return Combined

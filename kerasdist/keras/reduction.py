@@ -243,3 +243,80 @@ def split_groups(count, num_groups):
         groups.append(list(range(start, stop)))
         start = stop
     return groups
+
+
+# ---- local variables ---------------------------------------------------------
+
+
+class LocalVariables:
+    """The variables whose gradients stay on their rank (Horovod's
+    `register_local_var`, `register_local_source` and `local_layers`),
+    matched by identity. Layers are read when gradients are reduced, so a
+    layer built after wrapping counts with all its weights."""
+
+    def __init__(self):
+        self._variables = {}  # id -> variable (kept alive)
+        self._layers = []
+
+    def add_variable(self, var, what):
+        """Registers `var`; TypeError unless it is a variable."""
+        if not hasattr(var, "assign") or not hasattr(var, "shape"):
+            raise TypeError(f"{what} takes a variable (a Keras variable, or "
+                            "a tf.Variable on TensorFlow); got "
+                            f"{type(var).__name__}.")
+        self._variables[id(var)] = var
+
+    def add_layers(self, layers):
+        self._layers.extend(layers)
+
+    def ids(self):
+        ids = set(self._variables)
+        for layer in self._layers:
+            ids.update(id(v) for v in layer.trainable_weights)
+        return ids
+
+    def split(self, variables):
+        """(keep, local): the positions in `variables` of those whose
+        gradients are reduced, and of the local ones."""
+        local = self.ids()
+        keep = [i for i, v in enumerate(variables) if id(v) not in local]
+        mine = [i for i, v in enumerate(variables) if id(v) in local]
+        return keep, mine
+
+
+def with_local(grads, keep, reduced, local, scale):
+    """`grads` with the reduced gradients (`reduced`, one per position in
+    `keep`) in place, and the local ones (positions `local`) as they are,
+    or divided by `size()` if `scale` (as Horovod's
+    `scale_local_gradients`)."""
+    n = _process_sets.current_size() if scale and local else 1
+    out = [None] * len(grads)
+    for i in local:
+        out[i] = scaled(grads[i], n)
+    for i, g in zip(keep, reduced):
+        out[i] = g
+    return out
+
+
+def scaled(grad, n):
+    """`grad / n` (a `tf.IndexedSlices`' values); None stays None."""
+    if grad is None or n == 1:
+        return grad
+    if all(hasattr(grad, a) for a in ("values", "indices", "dense_shape")):
+        return type(grad)(grad.values / n, grad.indices, grad.dense_shape)
+    return grad / n
+
+
+def local_layers(layers, what):
+    """`layers` (None, a Keras layer or an iterable of them) as a list;
+    ValueError for anything else."""
+    import keras
+    if layers is None:
+        return []
+    if isinstance(layers, keras.layers.Layer):
+        return [layers]
+    layers = list(layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError(f"{what}: all local layers must be of "
+                         "keras.layers.Layer type.")
+    return layers

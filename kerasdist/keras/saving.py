@@ -90,7 +90,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """
     import keras
 
-    from kerasdist.keras.optimizer import DistributedOptimizer
+    from kerasdist.keras.distributed_optimizer import DistributedOptimizer
 
     if legacy_opts:
         raise ValueError("load_model(legacy_opts=True): Keras 3 has no "

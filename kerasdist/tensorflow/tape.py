@@ -8,7 +8,6 @@ from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
 from kerasdist.keras import buckets as _buckets
-from kerasdist.keras import local_variables as _local_variables
 from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.compression import Compression
@@ -128,7 +127,7 @@ class DistributedGradientTape:
         self._predivide = gradient_predivide_factor
         self._prefix = name or "DistributedGradientTape"
         self._scale_local = bool(scale_local_gradients)
-        self._local = _local_variables.LocalVariables()
+        self._local = _reduction.LocalVariables()
         # As Horovod: reduced over `process_set` (a kerasdist.ProcessSet)
         # only; a rank outside it keeps its own gradients.
         self._process_set = _process_sets.resolve(process_set)
@@ -175,24 +174,23 @@ class DistributedGradientTape:
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
 
-        def reduce(grads, sources):
+        if self._process_set and _capi.process_set_rank(self._process_set) < 0:
+            return grads
+        keep, local = self._local.split(flat_sources)
+        with _capi.process_set_scope(self._process_set):
             reduced = _reduction.reduce_gradients(
-                grads, sources, self._prefix, _keras_layer.FRAMEWORK,
-                compression=self._compression, op=self._op,
-                sparse_as_dense=self._sparse_as_dense,
+                [flat_grads[i] for i in keep],
+                [flat_sources[i] for i in keep], self._prefix,
+                _keras_layer.FRAMEWORK, compression=self._compression,
+                op=self._op, sparse_as_dense=self._sparse_as_dense,
                 gradient_predivide_factor=self._predivide,
                 num_groups=self._num_groups,
                 bucket_bytes=self._bucket_bytes)
             # Identical on every rank of the set: a sharded optimizer
             # handed exactly these slices them (no second reduction).
             _reduced.note(reduced, self._process_set)
-            return reduced
-
-        if self._process_set and _capi.process_set_rank(self._process_set) < 0:
-            return grads
-        with _capi.process_set_scope(self._process_set):
-            reduced = self._local.reduce(flat_grads, flat_sources, reduce,
-                                         self._scale_local)
+            reduced = _reduction.with_local(flat_grads, keep, reduced, local,
+                                            self._scale_local)
         return tf.nest.pack_sequence_as(sources, reduced)
 
 
@@ -225,7 +223,7 @@ def PartialDistributedGradientTape(gradtape, compression=Compression.none,
     >>> tape = kerasdist.PartialDistributedGradientTape(
     ...     tape, local_layers=[model.layers[-1]])
     """
-    layers = _local_variables.local_layers(local_layers,
+    layers = _reduction.local_layers(local_layers,
                                           "PartialDistributedGradientTape")
     tape = DistributedGradientTape(
         gradtape, compression=compression, op=op,

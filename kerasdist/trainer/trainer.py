@@ -23,7 +23,7 @@ from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
-from kerasdist.keras.optimizer import DistributedOptimizer
+from kerasdist.keras.distributed_optimizer import DistributedOptimizer
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import callbacks as _tcb

@@ -173,6 +173,7 @@ def test_layers():
 # through kerasdist.keras.framework.get(), which returns the running
 # backend's object from kerasdist/<framework>/_keras_layer.py.
 _NEUTRAL = ("kerasdist.keras.optimizer", "kerasdist.keras.reduction",
+            "kerasdist.keras.distributed_optimizer",
             "kerasdist.keras.framework", "kerasdist.keras.sharding.layout",
             "kerasdist.keras.sharding.step",
             "kerasdist.keras.sharding.optimizer",

@@ -27,8 +27,12 @@ Adafactor's factored moments, Muon's matrices) are refused.
 """
 
 from kerasdist import basics
+from kerasdist._core import capi as _capi
+from kerasdist.keras import framework as _framework
 from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.compression import Compression
+from kerasdist.keras.optimizer import DistributedBase
 from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import size_and_rank
@@ -69,285 +73,290 @@ def check_shard(shard, base, settings):
             "result depends on whole gradients; use op=Average or Sum.")
 
 
-def sharded_class(base, settings):
-    """A subclass of `base` (a DistributedOptimizer class) that shards the
-    optimizer state (see the module docstring)."""
-    import keras
+class ShardedStep(DistributedBase):
+    """The sharded step (see the module docstring): the sibling of
+    `kerasdist.keras.optimizer.ReplicatedStep`, combined with the user's
+    optimizer class by `DistributedOptimizer(opt, shard=...)`. Its `apply`
+    reduce-scatters, runs the user's class's own `apply` on the shards
+    (`super().apply`) and allgathers."""
 
-    ops = keras.ops
+    def build(self, variables):
+        import keras
 
-    class _ShardedOptimizer(base):
+        settings = self._kerasdist_settings
+        if self.built and getattr(self, "_kerasdist_shard", None):
+            # Built once, as Keras' optimizers: a LossScaleOptimizer
+            # builds its inner optimizer again when it is built itself
+            # (the Trainer builds this one before a mixed_float16
+            # model's fit builds the wrapper). New shadows would not
+            # be the variables the slots were made for.
+            return
+        variables = list(variables)
+        size, rank = size_and_rank(settings.process_set_id)
+        if rank < 0:
+            raise ValueError(
+                "DistributedOptimizer(shard=...): this rank is not in the "
+                "optimizer's process set; only its members may train "
+                "with it.")
+        framework = _framework.get()
+        layout = Layout([v.shape for v in variables],
+                        [keras.backend.standardize_dtype(v.dtype)
+                         for v in variables], size, settings.bucket_bytes)
+        shadows = []
+        for i, v in enumerate(variables):
+            name = (getattr(v, "path", None) or v.name).replace("/", "_")
+            shadow = keras.Variable(
+                initializer="zeros", shape=(layout.chunks[i],),
+                dtype=layout.dtypes[i], trainable=False,
+                name=f"{name}_shard")
+            shadow.constraint = None
+            shadows.append(shadow)
+        self._kerasdist_shard = _Shard(variables, shadows, layout, rank,
+                                       framework)
+        super().build(shadows)
+        if settings.backward_passes_per_step > 1:
+            # The local sums are of the whole gradients.
+            self._kerasdist_accum = framework.accumulators(variables)
 
-        def build(self, variables):
-            from kerasdist.keras import framework as _framework
+    def add_variable_from_reference(self, reference_variable, *args,
+                                    **kwargs):
+        # Every slot Keras makes for a shard (moments, momentum, EMA,
+        # accumulators) is a shard too: note whose.
+        slot = super().add_variable_from_reference(
+            reference_variable, *args, **kwargs)
+        state = getattr(self, "_kerasdist_shard", None)
+        if state is not None:
+            state.note_slot(slot, reference_variable)
+        return slot
 
-            if self.built and getattr(self, "_kerasdist_shard", None):
-                # Built once, as Keras' optimizers: a LossScaleOptimizer
-                # builds its inner optimizer again when it is built itself
-                # (the Trainer builds this one before a mixed_float16
-                # model's fit builds the wrapper). New shadows would not
-                # be the variables the slots were made for.
-                return
-            variables = list(variables)
-            size, rank = size_and_rank(settings.process_set_id)
-            if rank < 0:
-                raise ValueError(
-                    "DistributedOptimizer(shard=...): this rank is not in the "
-                    "optimizer's process set; only its members may train "
-                    "with it.")
-            framework = _framework.get()
-            layout = Layout([v.shape for v in variables],
-                            [keras.backend.standardize_dtype(v.dtype)
-                             for v in variables], size, settings.bucket_bytes)
-            shadows = []
-            for i, v in enumerate(variables):
-                name = (getattr(v, "path", None) or v.name).replace("/", "_")
-                shadow = keras.Variable(
-                    initializer="zeros", shape=(layout.chunks[i],),
-                    dtype=layout.dtypes[i], trainable=False,
-                    name=f"{name}_shard")
-                shadow.constraint = None
-                shadows.append(shadow)
-            self._kerasdist_shard = _Shard(variables, shadows, layout, rank,
-                                           framework)
-            super().build(shadows)
+    @property
+    def kerasdist_sharded_variables(self):
+        """The optimizer variables that hold only this rank's shard."""
+        state = getattr(self, "_kerasdist_shard", None)
+        if not self.built or state is None:
+            return []
+        return [v for v in self.variables
+                if state.slot_index(v) is not None]
+
+    def apply(self, grads, trainable_variables=None):
+        settings = self._kerasdist_settings
+        framework = _framework.get()
+        framework.check_apply()
+        grads = list(grads)
+        # A LossScaleOptimizer's unscaled tape gradients (pass_on).
+        _reduced.take_passed(grads)
+        if not self.built:
+            if trainable_variables is None:
+                return super().apply(grads, trainable_variables)
+            self.build(list(trainable_variables))
+        state = self._kerasdist_shard
+        variables = (state.variables if trainable_variables is None
+                     else list(trainable_variables))
+        active = state.positions(variables)
+        if len(active) < len(state.variables):
             if settings.backward_passes_per_step > 1:
-                # The local sums are of the whole gradients.
-                self._kerasdist_accum = framework.accumulators(variables)
+                state.check_variables(variables)  # raises
+            # Some of its variables (the Trainer's fine_tune(freeze=),
+            # layers made untrainable): the others take no update.
+            full = [None] * len(state.variables)
+            for k, i in enumerate(active):
+                full[i] = grads[k]
+            return self._kerasdist_step(full, active)
+        if self._kerasdist_local.ids():
+            raise ValueError(
+                "DistributedOptimizer(shard=...) cannot keep local "
+                "variables (register_local_var, local_layers): every "
+                "variable's update is split over the ranks.")
+        if settings.backward_passes_per_step == 1:
+            return self._kerasdist_step(grads)
+        acc = self._kerasdist_accum
+        return _reduction.accumulate(
+            framework, acc.grads, acc.count, grads,
+            settings.backward_passes_per_step,
+            settings.average_aggregated_gradients,
+            lambda summed: summed, self._kerasdist_step)
 
-        def add_variable_from_reference(self, reference_variable, *args,
-                                        **kwargs):
-            # Every slot Keras makes for a shard (moments, momentum, EMA,
-            # accumulators) is a shard too: note whose.
-            slot = super().add_variable_from_reference(
-                reference_variable, *args, **kwargs)
-            state = getattr(self, "_kerasdist_shard", None)
-            if state is not None:
-                state.note_slot(slot, reference_variable)
-            return slot
+    def _kerasdist_step(self, grads, active=None):
+        import keras
 
-        @property
-        def kerasdist_sharded_variables(self):
-            """The optimizer variables that hold only this rank's shard."""
-            state = getattr(self, "_kerasdist_shard", None)
-            if not self.built or state is None:
-                return []
-            return [v for v in self.variables
-                    if state.slot_index(v) is not None]
+        ops = keras.ops
+        settings = self._kerasdist_settings
+        state = self._kerasdist_shard
+        framework = state.framework
+        compression = settings.compression or Compression.none
+        layout = state.layout
+        with _capi.process_set_scope(settings.process_set_id):
+            # What a DistributedGradientTape reduced over these ranks
+            # each rank slices (no wire, so no compression); the rest
+            # is reduce-scattered.
+            local = _step.reduced_already(
+                grads, settings.process_set_id, settings.op)
+            rest = list(grads)
+            for i in local:
+                rest[i] = None
+            chunks = _step.scatter(
+                framework, layout, rest, settings.prefix, compression,
+                settings.op, settings.gradient_predivide_factor)
+            for i in local:
+                chunks[i] = _step.own_shard(
+                    ops, framework.dense(grads[i]), layout.numels[i],
+                    layout.chunks[i], state.rank)
+            state.release(grads, settings.shard)
+            with framework.no_grad():
+                for i, (v, s) in enumerate(zip(state.variables,
+                                               state.shadows)):
+                    s.assign(_step.shard_of(framework, state.layout, v,
+                                            i, state.rank))
+            # The user's optimizer class's own apply, on the shards.
+            if active is None:
+                super().apply(chunks, state.shadows)
+            else:
+                super().apply(
+                    [chunks[i] for i in active],
+                    [state.shadows[i] for i in active])
+            _step.gather(framework, state.layout,
+                         [s.value for s in state.shadows], state.variables,
+                         settings.prefix)
+            for v in state.variables:
+                if v.constraint is not None:
+                    v.assign(v.constraint(v))
 
-        def apply(self, grads, trainable_variables=None):
-            from kerasdist.keras import framework as _framework
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables):
+        # Keras' JAX train step: the model's variables' values and the
+        # optimizer's come in, their new values go out.
+        from keras.src import backend as _backend
 
-            framework = _framework.get()
-            framework.check_apply()
-            grads = list(grads)
-            # A LossScaleOptimizer's unscaled tape gradients (pass_on).
-            _reduced.take_passed(grads)
-            if not self.built:
-                if trainable_variables is None:
-                    return super().apply(grads, trainable_variables)
-                self.build(list(trainable_variables))
-            state = self._kerasdist_shard
-            variables = (state.variables if trainable_variables is None
-                         else list(trainable_variables))
-            active = state.positions(variables)
-            if len(active) < len(state.variables):
-                if settings.backward_passes_per_step > 1:
-                    state.check_variables(variables)  # raises
-                # Some of its variables (the Trainer's fine_tune(freeze=),
-                # layers made untrainable): the others take no update.
-                full = [None] * len(state.variables)
-                for k, i in enumerate(active):
-                    full[i] = grads[k]
-                return self._kerasdist_step(full, active)
-            if self._kerasdist_local.ids():
-                raise ValueError(
-                    "DistributedOptimizer(shard=...) cannot keep local "
-                    "variables (register_local_var, local_layers): every "
-                    "variable's update is split over the ranks.")
-            if settings.backward_passes_per_step == 1:
-                return self._kerasdist_step(grads)
-            acc = self._kerasdist_accum
-            return _reduction.accumulate(
-                framework, acc.grads, acc.count, grads,
-                settings.backward_passes_per_step,
-                settings.average_aggregated_gradients,
-                lambda summed: summed, self._kerasdist_step)
+        state = self._kerasdist_shard
+        mapping = (list(zip(state.variables, trainable_variables))
+                   + list(zip(self.variables, optimizer_variables)))
+        with _backend.StatelessScope(state_mapping=mapping) as scope:
+            self.apply(list(grads), state.variables)
+        return ([scope.get_current_value(v) for v in state.variables],
+                [scope.get_current_value(v) for v in self.variables])
 
-        def _kerasdist_step(self, grads, active=None):
-            from kerasdist._core import capi as _capi
-            from kerasdist.keras.compression import Compression
+    def _clip_gradients(self, grads):
+        import keras
 
-            state = self._kerasdist_shard
-            framework = state.framework
-            compression = settings.compression or Compression.none
-            layout = state.layout
-            with _capi.process_set_scope(settings.process_set_id):
-                # What a DistributedGradientTape reduced over these ranks
-                # each rank slices (no wire, so no compression); the rest
-                # is reduce-scattered.
-                local = _step.reduced_already(grads, settings.process_set_id,
-                                        settings.op)
-                rest = list(grads)
-                for i in local:
-                    rest[i] = None
-                chunks = _step.scatter(framework, layout, rest,
-                                 settings.prefix, compression, settings.op,
-                                 settings.gradient_predivide_factor)
-                for i in local:
-                    chunks[i] = _step.own_shard(ops, framework.dense(grads[i]),
-                                          layout.numels[i], layout.chunks[i],
-                                          state.rank)
-                state.release(grads, settings.shard)
-                with framework.no_grad():
-                    for i, (v, s) in enumerate(zip(state.variables,
-                                                   state.shadows)):
-                        s.assign(_step.shard_of(framework, state.layout, v, i,
-                                          state.rank))
-                # The user's optimizer class's own apply, on the shards.
-                if active is None:
-                    super(base, self).apply(chunks, state.shadows)
-                else:
-                    super(base, self).apply(
-                        [chunks[i] for i in active],
-                        [state.shadows[i] for i in active])
-                _step.gather(framework, state.layout,
-                       [s.value for s in state.shadows], state.variables,
-                       settings.prefix)
-                for v in state.variables:
-                    if v.constraint is not None:
-                        v.assign(v.constraint(v))
-
-        def stateless_apply(self, optimizer_variables, grads,
-                            trainable_variables):
-            # Keras' JAX train step: the model's variables' values and the
-            # optimizer's come in, their new values go out.
-            from keras.src import backend as _backend
-
-            state = self._kerasdist_shard
-            mapping = (list(zip(state.variables, trainable_variables))
-                       + list(zip(self.variables, optimizer_variables)))
-            with _backend.StatelessScope(state_mapping=mapping) as scope:
-                self.apply(list(grads), state.variables)
-            return ([scope.get_current_value(v) for v in state.variables],
-                    [scope.get_current_value(v) for v in self.variables])
-
-        def _clip_gradients(self, grads):
-            # The norms of whole gradients, from every rank's shard.
-            if not ((self.clipnorm and self.clipnorm > 0) or
-                    (self.global_clipnorm and self.global_clipnorm > 0)):
-                return super()._clip_gradients(grads)
-            where = [i for i, g in enumerate(grads) if g is not None]
-            squares = _step.global_square_sums(
-                self._kerasdist_shard.framework, [grads[i] for i in where],
-                settings.prefix)
-            out = list(grads)
-            if self.clipnorm and self.clipnorm > 0:
-                for j, i in enumerate(where):
-                    out[i] = _step.clip_by_norm(ops, grads[i], squares[j],
-                                           self.clipnorm)
-                return out
-            norm = ops.sqrt(ops.sum(squares))
-            clip = self.global_clipnorm
-            scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
-            scale = scale + (norm - norm)
-            for i in where:
-                out[i] = grads[i] * ops.cast(scale, grads[i].dtype)
+        ops = keras.ops
+        settings = self._kerasdist_settings
+        # The norms of whole gradients, from every rank's shard.
+        if not ((self.clipnorm and self.clipnorm > 0) or
+                (self.global_clipnorm and self.global_clipnorm > 0)):
+            return super()._clip_gradients(grads)
+        where = [i for i, g in enumerate(grads) if g is not None]
+        squares = _step.global_square_sums(
+            self._kerasdist_shard.framework, [grads[i] for i in where],
+            settings.prefix)
+        out = list(grads)
+        if self.clipnorm and self.clipnorm > 0:
+            for j, i in enumerate(where):
+                out[i] = _step.clip_by_norm(ops, grads[i], squares[j],
+                                            self.clipnorm)
             return out
+        norm = ops.sqrt(ops.sum(squares))
+        clip = self.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
+        scale = scale + (norm - norm)
+        for i in where:
+            out[i] = grads[i] * ops.cast(scale, grads[i].dtype)
+        return out
 
-        def _use_weight_decay(self, variable):
-            # Decided by the model's variable (its name, its exclusion).
-            state = getattr(self, "_kerasdist_shard", None)
-            model_variable = state.model_variable(variable) if state else None
-            return super()._use_weight_decay(
-                variable if model_variable is None else model_variable)
+    def _use_weight_decay(self, variable):
+        # Decided by the model's variable (its name, its exclusion).
+        state = getattr(self, "_kerasdist_shard", None)
+        model_variable = state.model_variable(variable) if state else None
+        return super()._use_weight_decay(
+            variable if model_variable is None else model_variable)
 
-        def finalize_variable_values(self, var_list):
-            if not self.use_ema:
-                return
-            state = self._kerasdist_shard
-            from kerasdist._core import capi as _capi
-            with _capi.process_set_scope(settings.process_set_id):
-                _step.gather(state.framework, state.layout,
-                       [a.value for a in
-                        self._model_variables_moving_average],
-                       state.variables, f"{settings.prefix}.ema")
+    def finalize_variable_values(self, var_list):
+        settings = self._kerasdist_settings
+        if not self.use_ema:
+            return
+        state = self._kerasdist_shard
+        with _capi.process_set_scope(settings.process_set_id):
+            _step.gather(state.framework, state.layout,
+                         [a.value for a in
+                          self._model_variables_moving_average],
+                         state.variables, f"{settings.prefix}.ema")
 
-        def save_own_variables(self, store):
-            # A file in the plain optimizer's layout. The slots are spread
-            # over the ranks: whole only inside `whole_state` (every rank
-            # gathers); otherwise what one rank can write is the state every
-            # rank shares (step, learning rate), which Keras skips on load
-            # with a warning, starting the slots afresh.
-            whole = self._kerasdist_shard.whole
-            if whole is not None:
-                for i, value in enumerate(whole):
-                    store[str(i)] = value
-                return
-            _warn_save_once()
-            shared = [v for v in self.variables
-                      if self._kerasdist_shard.slot_index(v) is None]
-            for i, v in enumerate(shared):
-                store[str(i)] = keras.ops.convert_to_numpy(v)
+    def save_own_variables(self, store):
+        import keras
 
-        def load_own_variables(self, store):
-            # A file in the plain optimizer's layout (written by plain Keras,
-            # the replicated optimizer, or a sharded one at any size): each
-            # slot takes this rank's shard of the whole value.
-            if len(store.keys()) != len(self.variables):
-                return super().load_own_variables(store)  # Keras' warning
-            self.kerasdist_assign_whole(
-                [store[str(i)] for i in range(len(self.variables))])
+        # A file in the plain optimizer's layout. The slots are spread
+        # over the ranks: whole only inside `whole_state` (every rank
+        # gathers); otherwise what one rank can write is the state every
+        # rank shares (step, learning rate), which Keras skips on load
+        # with a warning, starting the slots afresh.
+        whole = self._kerasdist_shard.whole
+        if whole is not None:
+            for i, value in enumerate(whole):
+                store[str(i)] = value
+            return
+        _warn_save_once()
+        shared = [v for v in self.variables
+                  if self._kerasdist_shard.slot_index(v) is None]
+        for i, v in enumerate(shared):
+            store[str(i)] = keras.ops.convert_to_numpy(v)
 
-        def kerasdist_assign_whole(self, values):
-            """Assigns the plain optimizer's variable values (`values`, one
-            per variable of `self.variables`, whole) to this sharded
-            optimizer: its shard of each slot, the shared ones whole."""
-            import numpy as np
+    def load_own_variables(self, store):
+        # A file in the plain optimizer's layout (written by plain Keras,
+        # the replicated optimizer, or a sharded one at any size): each
+        # slot takes this rank's shard of the whole value.
+        if len(store.keys()) != len(self.variables):
+            return super().load_own_variables(store)  # Keras' warning
+        self.kerasdist_assign_whole(
+            [store[str(i)] for i in range(len(self.variables))])
 
-            state = self._kerasdist_shard
-            layout = state.layout
-            for v, value in zip(self.variables, values):
-                value = np.asarray(value)
+    def kerasdist_assign_whole(self, values):
+        """Assigns the plain optimizer's variable values (`values`, one
+        per variable of `self.variables`, whole) to this sharded
+        optimizer: its shard of each slot, the shared ones whole."""
+        import numpy as np
+
+        state = self._kerasdist_shard
+        layout = state.layout
+        for v, value in zip(self.variables, values):
+            value = np.asarray(value)
+            j = state.slot_index(v)
+            if j is None:
+                v.assign(value)
+                continue
+            if value.size != layout.numels[j]:
+                raise ValueError(
+                    f"DistributedOptimizer(shard=...): the saved value of "
+                    f"{v.path} has {value.size} elements, but its "
+                    f"variable has {layout.numels[j]}: the file is of "
+                    "another model.")
+            flat = np.zeros(layout.size * layout.chunks[j], value.dtype)
+            flat[:value.size] = value.ravel()
+            c = layout.chunks[j]
+            v.assign(flat[state.rank * c:(state.rank + 1) * c])
+
+    def kerasdist_gather_whole(self):
+        """The plain optimizer's variable values, whole (numpy), on
+        every rank: each slot allgathered from its shards. A
+        collective: every rank of the optimizer's set calls it."""
+        import keras
+
+        ops = keras.ops
+        settings = self._kerasdist_settings
+        state = self._kerasdist_shard
+        layout, framework = state.layout, state.framework
+        out = []
+        with _capi.process_set_scope(settings.process_set_id):
+            for i, v in enumerate(self.variables):
                 j = state.slot_index(v)
                 if j is None:
-                    v.assign(value)
+                    out.append(keras.ops.convert_to_numpy(v))
                     continue
-                if value.size != layout.numels[j]:
-                    raise ValueError(
-                        f"DistributedOptimizer(shard=...): the saved value of "
-                        f"{v.path} has {value.size} elements, but its "
-                        f"variable has {layout.numels[j]}: the file is of "
-                        "another model.")
-                flat = np.zeros(layout.size * layout.chunks[j], value.dtype)
-                flat[:value.size] = value.ravel()
-                c = layout.chunks[j]
-                v.assign(flat[state.rank * c:(state.rank + 1) * c])
-
-        def kerasdist_gather_whole(self):
-            """The plain optimizer's variable values, whole (numpy), on
-            every rank: each slot allgathered from its shards. A
-            collective: every rank of the optimizer's set calls it."""
-            from kerasdist._core import capi as _capi
-
-            state = self._kerasdist_shard
-            layout, framework = state.layout, state.framework
-            out = []
-            with _capi.process_set_scope(settings.process_set_id):
-                for i, v in enumerate(self.variables):
-                    j = state.slot_index(v)
-                    if j is None:
-                        out.append(keras.ops.convert_to_numpy(v))
-                        continue
-                    every = framework.collectives.allgather(
-                        ops.reshape(framework.value(v), (1, -1)),
-                        name=f"{settings.prefix}.whole_state.{i}")
-                    flat = keras.ops.convert_to_numpy(every).reshape(-1)
-                    out.append(flat[:layout.numels[j]].reshape(
-                        layout.shapes[j]))
-            return out
-
-    return _ShardedOptimizer
+                every = framework.collectives.allgather(
+                    ops.reshape(framework.value(v), (1, -1)),
+                    name=f"{settings.prefix}.whole_state.{i}")
+                flat = keras.ops.convert_to_numpy(every).reshape(-1)
+                out.append(flat[:layout.numels[j]].reshape(
+                    layout.shapes[j]))
+        return out
 
 
 _warned = []
