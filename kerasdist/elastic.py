@@ -70,6 +70,7 @@ import numpy as np
 from kerasdist import _files
 from kerasdist import _resize
 from kerasdist import basics
+from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.keras.sharding import step as _shard_step
@@ -523,7 +524,7 @@ class TensorFlowKerasState(_VariablesState):
         variables = list(self.model.variables)
         if self.optimizer is not None:
             seen = {id(v) for v in variables}
-            variables += [v for v in _sharding.whole_variables(
+            variables += [v for v in _optimizer.whole_variables(
                 self.optimizer) if id(v) not in seen]
         return variables
 

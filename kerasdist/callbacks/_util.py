@@ -6,7 +6,7 @@ import numpy as np
 
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
-from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras import optimizer as _optimizer
 
 
 def model_is_built(model):
@@ -31,7 +31,7 @@ def state_variables(model):
     then every optimizer variable (iterations and learning rate included)."""
     variables = list(model.weights)
     if model.optimizer is not None:
-        variables += _sharding.whole_variables(model.optimizer)
+        variables += _optimizer.whole_variables(model.optimizer)
     return variables
 
 

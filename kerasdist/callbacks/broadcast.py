@@ -5,7 +5,7 @@ import keras
 from kerasdist import basics
 from kerasdist.callbacks import _util
 from kerasdist.keras import framework as _framework
-from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras import optimizer as _optimizer
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -94,7 +94,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             # The optimizer's slots for local variables differ between
             # ranks by design: with local variables only weights count.
             if self.model.optimizer is not None and not self._local:
-                variables += _sharding.whole_variables(
+                variables += _optimizer.whole_variables(
                     self.model.optimizer)
             _util.verify_identical(variables, f"end of epoch {epoch}")
 

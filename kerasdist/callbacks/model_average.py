@@ -7,7 +7,7 @@ import keras
 from kerasdist import basics
 from kerasdist.callbacks import _util
 from kerasdist.keras import framework as _framework
-from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras import optimizer as _optimizer
 
 
 class ModelAverageCallback(keras.callbacks.Callback):
@@ -128,7 +128,7 @@ class ModelAverageCallback(keras.callbacks.Callback):
             rate = getattr(optimizer, "_learning_rate", None)
             if isinstance(rate, keras.Variable):
                 skip.add(id(rate))
-            variables += [v for v in _sharding.whole_variables(optimizer)
+            variables += [v for v in _optimizer.whole_variables(optimizer)
                           if id(v) not in skip]
         seen, unique = set(), []
         for v in variables:

@@ -19,6 +19,41 @@ from kerasdist.keras.sharding import optimizer as _sharding
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
+SHARD_MODES = (None, "optimizer_state", "gradients")
+
+# Optimizers whose update of a variable depends on more than each of its
+# elements alone: they cannot run on shards.
+_WHOLE_VARIABLE = ("Lamb", "Adafactor", "Muon")
+
+
+def check_shard(shard, base, settings):
+    """Raises ValueError for a `shard=` that cannot work with the other
+    arguments (`settings`) or the optimizer class `base`."""
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            f"DistributedOptimizer: shard must be None, 'optimizer_state' "
+            f"or 'gradients'; got {shard!r}.")
+    if shard is None:
+        return
+    import keras
+
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "DistributedOptimizer(shard=...) takes the optimizer that "
+            "updates the weights, not a LossScaleOptimizer: write "
+            "LossScaleOptimizer(DistributedOptimizer(opt, shard=...)), or "
+            "use the mixed_float16 policy, which wraps it so by itself.")
+    for klass in base.__mro__:
+        if klass.__name__ in _WHOLE_VARIABLE:
+            raise ValueError(
+                f"DistributedOptimizer(shard={shard!r}): {klass.__name__}'s "
+                "update of a variable depends on the whole variable, so it "
+                "cannot run on shards; use shard=None with it.")
+    if settings.op == basics.Adasum:
+        raise ValueError(
+            f"DistributedOptimizer(shard={shard!r}) cannot use Adasum: its "
+            "result depends on whole gradients; use op=Average or Sum.")
+
 
 class _Settings:
     """The wrapper's arguments (a plain object, so Keras/TF do not track it)."""
@@ -222,7 +257,7 @@ def DistributedOptimizer(optimizer, name=None,
         process_set_id=_process_sets.resolve(process_set),
         overlap=overlap and num_groups == 0, bucket_bytes=bucket_bytes,
         jax_buckets=overlap and overlap_asked and num_groups == 0)
-    _sharding.check_shard(shard, type(optimizer), settings)
+    check_shard(shard, type(optimizer), settings)
     _framework.get().on_wrap(_optimizer.settings_of)
     step = _optimizer.ReplicatedStep if shard is None else \
         _sharding.ShardedStep

@@ -209,6 +209,33 @@ def settings_of(optimizer):
     return None
 
 
+# ---- what other modules ask of an optimizer ----------------------------------
+
+
+def whole_variables(optimizer):
+    """`optimizer.variables` without those that hold only this rank's
+    shard (a sharded optimizer's slots, its own or an inner optimizer's,
+    as inside a LossScaleOptimizer): what every rank holds alike, to
+    broadcast, average or compare."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in
+                    getattr(inner, "kerasdist_sharded_variables", ()))
+        inner = getattr(inner, "inner_optimizer", None)
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def sharded_in(optimizer):
+    """The sharded optimizer in `optimizer` (itself, or the inner optimizer
+    of a LossScaleOptimizer), or None."""
+    while optimizer is not None:
+        if getattr(getattr(optimizer, "_kerasdist_settings", None), "shard",
+                   None) is not None:
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------
 
 _synced_classes = {}

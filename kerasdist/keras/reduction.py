@@ -82,11 +82,17 @@ def reduce_gradients(grads, sources, prefix, framework=None,
         wire, ctx = compression.compress(framework.dense(grad))
         dense.append((i, wire, ctx))
     if dense:
+        wires = [w for _, w, _ in dense]
         labels = [source_label(sources[i], i) if sources else None
                   for i, _, _ in dense]
-        reduced = _grouped(framework, [w for _, w, _ in dense], labels,
-                           prefix, op, gradient_predivide_factor, num_groups,
-                           bucket_bytes)
+        # Buckets only where their allreduces can overlap backprop (not
+        # eager TensorFlow, where every op waits for its result).
+        can_bucket = bucket_bytes is not None and framework.can_bucket()
+        sizes = [framework.nbytes(w) if can_bucket else None for w in wires]
+        the_plan = plan(sizes, [framework.dtype_name(w) for w in wires],
+                        prefix, op, gradient_predivide_factor, num_groups,
+                        bucket_bytes if can_bucket else None, labels)
+        reduced = execute(framework, the_plan, wires)
         for (i, _, ctx), r in zip(dense, reduced):
             out[i] = compression.decompress(r, ctx)
     return out
@@ -101,47 +107,83 @@ def scales(op, predivide):
     return op, 1.0, 1.0
 
 
-def _grouped(framework, wires, labels, prefix, op, predivide, num_groups,
-             bucket_bytes):
-    """One grouped allreduce per group or bucket of `wires`: one op to
-    dispatch and complete instead of one per gradient, and member names
-    that are positions within the group, so that they do not depend on
-    Keras' auto-generated layer names (which can differ between ranks that
-    built a different number of models before)."""
-    buckets = _buckets_of(framework, wires, bucket_bytes, num_groups, op)
+class Plan:
+    """One reduction of a list of gradients, decided once and the same on
+    every rank: which gradients travel together, under which names, with
+    which scale factors. The replicated optimizer executes it with one
+    grouped allreduce a bucket (`execute`), PyTorch's hooks start its
+    buckets during backprop (kerasdist/torch/_overlap.py), and the sharded
+    optimizer's layout reduce-scatters and allgathers by its buckets
+    (kerasdist/keras/sharding/layout.py).
+
+    Attributes:
+        buckets: lists of positions in the gradients' list, in the order
+            they are reduced (a bucket as soon as backprop completes it).
+        names: one per bucket, identical on every rank; member k of
+            bucket `name` is named `<name>.<k>`, a position, so names do
+            not depend on Keras' auto-generated layer names (which can
+            differ between ranks that built a different number of models).
+        labels: one per gradient, its timeline row's name (None: none).
+        op, prescale, postscale: the runtime's reduction (`scales`).
+    """
+
+    def __init__(self, buckets, names, labels, op, prescale, postscale):
+        self.buckets = buckets
+        self.names = names
+        self.labels = labels
+        self.op, self.prescale, self.postscale = op, prescale, postscale
+
+
+def plan(sizes, kinds, prefix, op=basics.Average, predivide=1.0,
+         num_groups=0, bucket_bytes=None, labels=None,
+         first_bucket_bytes=_buckets.DEFAULT_FIRST_BUCKET_BYTES,
+         one_bucket=False):
+    """The `Plan` of reducing gradients of `sizes` bytes (None: unknown
+    while tracing) and `kinds` (dtypes, or what else may not share a
+    bucket), given in the variables' order.
+
+    Buckets where `bucket_bytes` is given, `num_groups` is 0, the op is
+    not Adasum (whose result depends on what is reduced together) and
+    every size is known: `buckets.variable_buckets` (backprop order, the
+    last layer's first, kinds apart), named `<prefix>.bucket<k>of<n>`. A
+    single bucket is one group instead, unless `one_bucket` (PyTorch's
+    hooks, which start a bucket of their own). Otherwise `num_groups`
+    groups of nearly equal count (0: one), in order, named
+    `<prefix>.group<g>of<num_groups>`. The result is the same either way.
+    """
+    count = len(sizes)
+    buckets = None
+    if (bucket_bytes is not None and num_groups == 0 and count
+            and op != basics.Adasum and None not in sizes):
+        buckets = _buckets.variable_buckets(sizes, kinds, bucket_bytes,
+                                            first_bucket_bytes)
+        if len(buckets) < 2 and not one_bucket:
+            buckets = None
     if buckets is not None:
         names = [f"{prefix}.bucket{k}of{len(buckets)}"
                  for k in range(len(buckets))]
     else:
         groups = num_groups if num_groups > 0 else 1
-        buckets = split_groups(len(wires), groups)
+        buckets = split_groups(count, groups) if count else []
         names = [f"{prefix}.group{g}of{groups}" for g in range(len(buckets))]
-    op, prescale, postscale = scales(op, predivide)
+    return Plan(buckets, names, list(labels or [None] * count),
+                *scales(op, predivide))
+
+
+def execute(framework, plan, wires):
+    """`wires` (the compressed dense gradients) reduced as `plan` says:
+    one grouped allreduce a bucket, one op to dispatch and complete
+    instead of one per gradient, on `framework`'s collectives."""
     reduced = [None] * len(wires)
-    for base, members in zip(names, buckets):
+    for base, members in zip(plan.names, plan.buckets):
         group = framework.unique_name(base)
-        label_members(group, [labels[j] for j in members])
+        label_members(group, [plan.labels[j] for j in members])
         outs = framework.collectives.grouped_allreduce(
-            [wires[j] for j in members], op, group, prescale, postscale)
+            [wires[j] for j in members], plan.op, group, plan.prescale,
+            plan.postscale)
         for j, r in zip(members, outs):
             reduced[j] = r
     return reduced
-
-
-def _buckets_of(framework, wires, bucket_bytes, num_groups, op):
-    """The buckets of `wires` (lists of indices, in the order they become
-    ready), or None where the gradients stay grouped: no `bucket_bytes`,
-    `num_groups` given, Adasum, where the framework cannot overlap (eager
-    TensorFlow), a single bucket, or a size unknown when tracing."""
-    if (bucket_bytes is None or num_groups > 0 or op == basics.Adasum
-            or len(wires) < 2 or not framework.can_bucket()):
-        return None
-    sizes = [framework.nbytes(w) for w in wires]
-    if any(s is None for s in sizes):
-        return None
-    buckets = _buckets.variable_buckets(
-        sizes, [framework.dtype_name(w) for w in wires], bucket_bytes)
-    return buckets if len(buckets) > 1 else None
 
 
 def accumulate(framework, slots, count, grads, k, average, reduce, apply):

@@ -10,7 +10,6 @@ from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi
 from kerasdist.keras import framework as _framework
-from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.reduction import source_label
 from kerasdist.torch import _overlap
 from kerasdist.torch import collectives as _torch_collectives
@@ -94,11 +93,11 @@ def _install(grads, variables, key, prefix, compression, op, predivide,
     if not where or not all(
             grads[j] is p.grad and p.is_leaf for j, p in zip(where, params)):
         return None
-    op, prescale, postscale = _reduction.scales(op, predivide)
     buckets = _overlap.GradientBuckets(
-        params, f"{prefix}.overlap", op, prescale, postscale, compression,
-        capi.current_process_set(), bucket_bytes,
-        labels=[source_label(variables[j], j) for j in where])
+        params, _overlap.plan_for(
+            params, f"{prefix}.overlap", op, predivide, bucket_bytes,
+            labels=[source_label(variables[j], j) for j in where]),
+        compression, capi.current_process_set())
     buckets.key, buckets.where = key, where
     return buckets
 

@@ -2,14 +2,15 @@
 backprop is still running, as PyTorch DDP's reducer does.
 
 `GradientBuckets` puts a post-accumulate-grad hook on every parameter
-(`torch.Tensor.register_post_accumulate_grad_hook`). The buckets are
-`kerasdist.keras.buckets.variable_buckets` of the parameters (reverse order:
-backprop produces the last layer's gradients first). When backprop has
-produced the last gradient of a bucket, the hook enqueues that bucket's
-grouped allreduce in the core (`start_grouped_allreduce`) and returns: the
-core communicates on its own thread while autograd computes the next
-layers' gradients. `collect` (from the optimizer's `apply`) waits for the
-buckets and returns the reduced gradients.
+(`torch.Tensor.register_post_accumulate_grad_hook`). Its buckets, their
+names and scale factors are the reduction's plan
+(`kerasdist.keras.reduction.plan`, the rule every reduction follows:
+backprop order, the last layer's gradients first; see `plan_for`). When
+backprop has produced the last gradient of a bucket, the hook enqueues
+that bucket's grouped allreduce in the core (`start_grouped_allreduce`)
+and returns: the core communicates on its own thread while autograd
+computes the next layers' gradients. `collect` (from the optimizer's
+`apply`) waits for the buckets and returns the reduced gradients.
 
 A bucket is used only if the gradients given to `collect` are the very
 tensors its hooks saw, unchanged since (same object, same `_version`).
@@ -26,6 +27,7 @@ import weakref
 import torch
 
 from kerasdist.keras import buckets as _buckets
+from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.reduction import label_members
 from kerasdist.torch import collectives as _collectives
 
@@ -37,44 +39,48 @@ def _hook(ref, index, param):
         buckets.ready(index, param)
 
 
+def plan_for(params, name, op, predivide, bucket_bytes,
+             first_bucket_bytes=_buckets.DEFAULT_FIRST_BUCKET_BYTES,
+             labels=None):
+    """The reduction's plan (`kerasdist.keras.reduction.plan`) for torch
+    parameters: their sizes, one bucket kind per dtype and device, buckets
+    even where there is one (each starts from its hooks)."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    kinds = [(str(p.dtype), str(p.device)) for p in params]
+    return _reduction.plan(sizes, kinds, name, op, predivide,
+                           bucket_bytes=bucket_bytes, labels=labels,
+                           first_bucket_bytes=first_bucket_bytes,
+                           one_bucket=True)
+
+
 class GradientBuckets:
     """Hooks and in-flight allreduces for one optimizer's parameters.
 
     Args:
         params: the torch parameters (leaf tensors), in the variables'
             order.
-        name: prefix of the buckets' collective names.
-        op, prescale, postscale: the allreduce's (as
-            `kerasdist.keras.reduction.scales` computes them).
+        plan: the reduction's `Plan` of them (`plan_for`): buckets, names,
+            timeline labels, op and scale factors.
         compression: a `kerasdist.Compression` (compress in the hook,
             decompress in `collect`).
         process_set: the core's process set id.
-        bucket_bytes, first_bucket_bytes: the caps (`kerasdist.keras.buckets`).
-        labels: a name per parameter for the timeline (None: none).
 
     `last_events` records the last step: ("grad", i) when parameter i's
     hook ran, ("start", k) when bucket k's allreduce was enqueued,
     ("collect", redo) when apply took the results.
     """
 
-    def __init__(self, params, name, op, prescale, postscale, compression,
-                 process_set, bucket_bytes,
-                 first_bucket_bytes=_buckets.DEFAULT_FIRST_BUCKET_BYTES,
-                 labels=None):
+    def __init__(self, params, plan, compression, process_set):
         self.params = list(params)
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        kinds = [(str(p.dtype), str(p.device)) for p in self.params]
-        self.buckets = _buckets.variable_buckets(sizes, kinds, bucket_bytes,
-                                                 first_bucket_bytes)
-        n = len(self.buckets)
-        self.names = [f"{name}.bucket{k}of{n}" for k in range(n)]
+        self.buckets = plan.buckets
+        self.names = plan.names
         self._bucket_of = {}
         for k, members in enumerate(self.buckets):
             for i in members:
                 self._bucket_of[i] = k
-            if labels is not None:
-                label_members(self.names[k], [labels[i] for i in members])
-        self._op, self._prescale, self._postscale = op, prescale, postscale
+            label_members(self.names[k], [plan.labels[i] for i in members])
+        self._op = plan.op
+        self._prescale, self._postscale = plan.prescale, plan.postscale
         self._compression = compression
         self._process_set = process_set
         self.events, self.last_events = [], []

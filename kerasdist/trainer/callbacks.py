@@ -10,7 +10,7 @@ from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
-from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras import optimizer as _optimizer
 
 
 def seed_generators(model):
@@ -291,7 +291,7 @@ def sync_state(model):
     """
     variables = list(model.weights)
     if model.optimizer is not None:
-        variables += _sharding.whole_variables(model.optimizer)
+        variables += _optimizer.whole_variables(model.optimizer)
     names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)
              for i, v in enumerate(variables)]
     _framework.get().assign_broadcast(variables, 0, names)

@@ -37,6 +37,7 @@ import contextlib
 import os
 import time
 
+from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import checkpoints
@@ -127,7 +128,7 @@ def shared_only(optimizer, record=None):
         pass
 
     patched = [(optimizer, save_own_variables, load_own_variables)]
-    inner = _sharding.sharded_in(optimizer)
+    inner = _optimizer.sharded_in(optimizer)
     if inner is not None and inner is not optimizer:
         # A LossScaleOptimizer around it (mixed_float16): Keras' walk
         # visits the inner optimizer too, whose variables are the

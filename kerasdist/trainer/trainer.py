@@ -23,6 +23,8 @@ from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
+from kerasdist.keras import optimizer as _optimizer
+from kerasdist.keras.distributed_optimizer import SHARD_MODES
 from kerasdist.keras.distributed_optimizer import DistributedOptimizer
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import optimizer as _sharding
@@ -187,7 +189,7 @@ class Trainer:
             raise ValueError(f"fit_kwargs may not set {clash}: the Trainer "
                              "sets them (use the constructor arguments or "
                              "override train_data/val_data).")
-        if shard not in _sharding.SHARD_MODES:
+        if shard not in SHARD_MODES:
             raise ValueError(f"shard must be None, 'optimizer_state' or "
                              f"'gradients'; got {shard!r}.")
         self.shard = shard
@@ -514,7 +516,7 @@ class Trainer:
         """The sharded optimizer (shard=...), or None."""
         if self.optimizer is None:
             return None
-        return _sharding.sharded_in(self.optimizer)
+        return _optimizer.sharded_in(self.optimizer)
 
     @property
     def _load_all(self):

@@ -5,7 +5,7 @@ importlib lookup on the way and no call back into the optimizer.
 
     keras/optimizer.py      ReplicatedStep.apply -> _kerasdist_reduce
                             -> _kerasdist_reduce_all -> reduction
-    keras/reduction.py      reduce_gradients -> _grouped ->
+    keras/reduction.py      reduce_gradients -> plan, execute ->
                             framework.collectives.grouped_allreduce
     tensorflow/_keras_layer.py  the TF hook object's `collectives`: the
                             module kerasdist/tensorflow/collectives.py
@@ -38,8 +38,8 @@ HOPS = [
     ("kerasdist/keras/optimizer.py", "ReplicatedStep._kerasdist_reduce_all",
      "_reduction.reduce_gradients(",
      ("kerasdist/keras/reduction.py", "reduce_gradients")),
-    ("kerasdist/keras/reduction.py", "reduce_gradients", "_grouped(",
-     ("kerasdist/keras/reduction.py", "_grouped")),
+    ("kerasdist/keras/reduction.py", "reduce_gradients", "execute(",
+     ("kerasdist/keras/reduction.py", "execute")),
 ]
 # The modules the walk passes through.
 WALK = ["kerasdist/keras/optimizer.py", "kerasdist/keras/reduction.py",
@@ -89,7 +89,7 @@ def test_each_hop_of_the_walk_is_followable(path, function, call, target):
 
 def test_the_reduction_calls_the_frameworks_grouped_allreduce():
     tree = ast.parse(_source("kerasdist/keras/reduction.py"))
-    calls = [ast.unparse(n.func) for n in ast.walk(_function(tree, "_grouped"))
+    calls = [ast.unparse(n.func) for n in ast.walk(_function(tree, "execute"))
              if isinstance(n, ast.Call)]
     assert "framework.collectives.grouped_allreduce" in calls, calls
 

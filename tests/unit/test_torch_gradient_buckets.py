@@ -19,12 +19,13 @@ import kerasdist as kd
 from kerasdist import basics
 from kerasdist.keras.compression import Compression
 from kerasdist.torch._overlap import GradientBuckets
+from kerasdist.torch._overlap import plan_for
 kd.init()
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
 params = list(net.parameters())  # w0 (48 B), b0 (12), w1 (12), b1 (4)
-b = GradientBuckets(params, "t", basics.Sum, 1.0, 1.0, Compression.none, 0,
-                    bucket_bytes=16)
+b = GradientBuckets(params, plan_for(params, "t", basics.Sum, 1.0, 16),
+                    Compression.none, 0)
 assert b.buckets == [[3, 2], [1], [0]], b.buckets
 
 def step(twice=False, touch=None, drop=None):

@@ -56,6 +56,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
+from kerasdist.keras import optimizer as _optimizer  # noqa: E402
 from kerasdist.keras.sharding import files as _shard_files  # noqa: E402
 from kerasdist.keras.sharding import optimizer as _sharding  # noqa: E402
 from kerasdist.trainer import checkpoints  # noqa: E402
@@ -134,7 +135,7 @@ def whole_state(trainer):
 
 
 def whole_of(model, opt):
-    if _sharding.sharded_in(opt) is not None:
+    if _optimizer.sharded_in(opt) is not None:
         values = opt.kerasdist_gather_whole()
     else:
         values = [keras.ops.convert_to_numpy(v) for v in opt.variables]
@@ -319,7 +320,7 @@ def mixed_float16_like_replicated(root):
         r.fit()
         lso = s.model.optimizer
         assert isinstance(lso, keras.optimizers.LossScaleOptimizer), lso
-        assert _sharding.sharded_in(lso) is s.optimizer
+        assert _optimizer.sharded_in(lso) is s.optimizer
         assert all(w.dtype == np.float32 for w in s.model.get_weights())
         got, want = s.model.get_weights(), r.model.get_weights()
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))

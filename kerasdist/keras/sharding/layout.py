@@ -16,7 +16,7 @@ import math
 
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
-from kerasdist.keras import buckets as _buckets
+from kerasdist.keras import reduction as _reduction
 
 
 def partition(numels, size):
@@ -95,8 +95,9 @@ class Layout:
         if bucket_bytes:
             sizes = [n * itemsize(d)
                      for n, d in zip(self.numels, self.dtypes)]
-            self.buckets = _buckets.variable_buckets(
-                sizes, self.dtypes, bucket_bytes)
+            self.buckets = _reduction.plan(
+                sizes, self.dtypes, "", bucket_bytes=bucket_bytes,
+                one_bucket=True).buckets
         else:
             self.buckets = _dtype_groups(self.dtypes)
 
@@ -131,3 +132,64 @@ def size_and_rank(process_set_id):
 
 # A shard at least this large is reduced and gathered alone: its N x chunk
 # rows are the variable itself (padded), so neither side copies a strided
+
+
+class ShardState:
+    """A sharded optimizer's state outside Keras' tracking: the model's
+    variables, their shadows (this rank's shards, which the Keras
+    optimizer updates), the layout, and which optimizer variables are
+    slots of which shard."""
+
+    def __init__(self, variables, shadows, layout, rank, framework):
+        self.variables = variables
+        self.shadows = shadows
+        self.layout = layout
+        self.rank = rank
+        self.framework = framework
+        self._ids = [id(v) for v in variables]
+        self._model_of = {id(s): v for s, v in zip(shadows, variables)}
+        self._index_of = {id(s): j for j, s in enumerate(shadows)}
+        self._slots = {}  # id(slot) -> index of its variable
+        self.whole = None  # whole_state's gathered values while saving
+
+    def note_slot(self, slot, reference):
+        j = self._index_of.get(id(reference))
+        if j is not None:
+            self._slots[id(slot)] = j
+
+    def slot_index(self, variable):
+        """The index of the variable whose shard `variable` is a slot of,
+        or None for a shared optimizer variable."""
+        return self._slots.get(id(variable))
+
+    def model_variable(self, shadow):
+        return self._model_of.get(id(shadow))
+
+    def positions(self, variables):
+        """The indices of `variables` among the optimizer's, which they
+        must be all of or some of, in the same order."""
+        where = {vid: i for i, vid in enumerate(self._ids)}
+        out = [where.get(id(v)) for v in variables]
+        if None in out or out != sorted(set(out)):
+            self.check_variables(variables)  # raises
+        return out
+
+    def check_variables(self, variables):
+        if [id(v) for v in variables] != self._ids:
+            raise ValueError(
+                "DistributedOptimizer(shard=...): apply() got other "
+                f"variables ({len(variables)}) than the optimizer was built "
+                f"with ({len(self._ids)}); a sharded optimizer updates the "
+                "variables it was built with (all or some of them, with "
+                "backward_passes_per_step=1), in one order.")
+
+    def release(self, grads, mode):
+        """With shard="gradients", drops the whole gradients the framework
+        keeps between steps once they are reduce-scattered (PyTorch's
+        `.grad`)."""
+        if mode != "gradients":
+            return
+        for v in self.variables:
+            tensor = getattr(v, "value", None)
+            if getattr(tensor, "grad", None) is not None:
+                tensor.grad = None

@@ -8,9 +8,8 @@ collectives (`kerasdist.keras.framework`).
 
 The sharding package, by job: `layout` (which elements each rank owns),
 `step` (the reduce-scatter and allgather of one step), this module (the
-optimizer class, and what other modules ask of a sharded optimizer:
-`whole_variables`, `whole_state`), `files` (the shards in checkpoint
-files).
+sharded step's class, and `whole_state`, in which it saves whole),
+`files` (the shards in checkpoint files).
 
 A step, in the sharded class's `apply`: the gradients reduce-scattered
 into this rank's shards (`step.scatter`); the rank's shard of each weight
@@ -26,51 +25,17 @@ elementwise: optimizers that look at a whole variable (Lamb's trust ratio,
 Adafactor's factored moments, Muon's matrices) are refused.
 """
 
-from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.compression import Compression
 from kerasdist.keras.optimizer import DistributedBase
+from kerasdist.keras.optimizer import sharded_in
 from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding.layout import Layout
+from kerasdist.keras.sharding.layout import ShardState
 from kerasdist.keras.sharding.layout import size_and_rank
-
-SHARD_MODES = (None, "optimizer_state", "gradients")
-
-# Optimizers whose update of a variable depends on more than each of its
-# elements alone: they cannot run on shards.
-_WHOLE_VARIABLE = ("Lamb", "Adafactor", "Muon")
-
-
-def check_shard(shard, base, settings):
-    """Raises ValueError for a `shard=` that cannot work with the other
-    arguments (`settings`) or the optimizer class `base`."""
-    if shard not in SHARD_MODES:
-        raise ValueError(
-            f"DistributedOptimizer: shard must be None, 'optimizer_state' "
-            f"or 'gradients'; got {shard!r}.")
-    if shard is None:
-        return
-    import keras
-
-    if issubclass(base, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "DistributedOptimizer(shard=...) takes the optimizer that "
-            "updates the weights, not a LossScaleOptimizer: write "
-            "LossScaleOptimizer(DistributedOptimizer(opt, shard=...)), or "
-            "use the mixed_float16 policy, which wraps it so by itself.")
-    for klass in base.__mro__:
-        if klass.__name__ in _WHOLE_VARIABLE:
-            raise ValueError(
-                f"DistributedOptimizer(shard={shard!r}): {klass.__name__}'s "
-                "update of a variable depends on the whole variable, so it "
-                "cannot run on shards; use shard=None with it.")
-    if settings.op == basics.Adasum:
-        raise ValueError(
-            f"DistributedOptimizer(shard={shard!r}) cannot use Adasum: its "
-            "result depends on whole gradients; use op=Average or Sum.")
 
 
 class ShardedStep(DistributedBase):
@@ -111,8 +76,8 @@ class ShardedStep(DistributedBase):
                 name=f"{name}_shard")
             shadow.constraint = None
             shadows.append(shadow)
-        self._kerasdist_shard = _Shard(variables, shadows, layout, rank,
-                                       framework)
+        self._kerasdist_shard = ShardState(variables, shadows, layout, rank,
+                                           framework)
         super().build(shadows)
         if settings.backward_passes_per_step > 1:
             # The local sums are of the whole gradients.
@@ -372,89 +337,6 @@ def _warn_save_once():
         "the ranks; a saved model holds its weights, and of the optimizer "
         "only what every rank shares, not its slots: loading it starts "
         "them afresh.", UserWarning, stacklevel=3)
-
-
-class _Shard:
-    """A sharded optimizer's state outside Keras' tracking: the model's
-    variables, their shadows and the layout."""
-
-    def __init__(self, variables, shadows, layout, rank, framework):
-        self.variables = variables
-        self.shadows = shadows
-        self.layout = layout
-        self.rank = rank
-        self.framework = framework
-        self._ids = [id(v) for v in variables]
-        self._model_of = {id(s): v for s, v in zip(shadows, variables)}
-        self._index_of = {id(s): j for j, s in enumerate(shadows)}
-        self._slots = {}  # id(slot) -> index of its variable
-        self.whole = None  # whole_state's gathered values while saving
-
-    def note_slot(self, slot, reference):
-        j = self._index_of.get(id(reference))
-        if j is not None:
-            self._slots[id(slot)] = j
-
-    def slot_index(self, variable):
-        """The index of the variable whose shard `variable` is a slot of,
-        or None for a shared optimizer variable."""
-        return self._slots.get(id(variable))
-
-    def model_variable(self, shadow):
-        return self._model_of.get(id(shadow))
-
-    def positions(self, variables):
-        """The indices of `variables` among the optimizer's, which they
-        must be all of or some of, in the same order."""
-        where = {vid: i for i, vid in enumerate(self._ids)}
-        out = [where.get(id(v)) for v in variables]
-        if None in out or out != sorted(set(out)):
-            self.check_variables(variables)  # raises
-        return out
-
-    def check_variables(self, variables):
-        if [id(v) for v in variables] != self._ids:
-            raise ValueError(
-                "DistributedOptimizer(shard=...): apply() got other "
-                f"variables ({len(variables)}) than the optimizer was built "
-                f"with ({len(self._ids)}); a sharded optimizer updates the "
-                "variables it was built with (all or some of them, with "
-                "backward_passes_per_step=1), in one order.")
-
-    def release(self, grads, mode):
-        """With shard="gradients", drops the whole gradients the framework
-        keeps between steps once they are reduce-scattered (PyTorch's
-        `.grad`)."""
-        if mode != "gradients":
-            return
-        for v in self.variables:
-            tensor = getattr(v, "value", None)
-            if getattr(tensor, "grad", None) is not None:
-                tensor.grad = None
-
-
-def whole_variables(optimizer):
-    """`optimizer.variables` without those that hold only this rank's
-    shard (a sharded optimizer's slots, its own or an inner optimizer's,
-    as inside a LossScaleOptimizer): what every rank holds alike, to
-    broadcast, average or compare."""
-    skip, inner = set(), optimizer
-    while inner is not None:
-        skip.update(id(v) for v in
-                    getattr(inner, "kerasdist_sharded_variables", ()))
-        inner = getattr(inner, "inner_optimizer", None)
-    return [v for v in optimizer.variables if id(v) not in skip]
-
-
-def sharded_in(optimizer):
-    """The sharded optimizer in `optimizer` (itself, or the inner optimizer
-    of a LossScaleOptimizer), or None."""
-    while optimizer is not None:
-        if getattr(getattr(optimizer, "_kerasdist_settings", None), "shard",
-                   None) is not None:
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
 
 
 def shard_state(optimizer):
