@@ -65,7 +65,7 @@ def _comm_only(kd, model, backend):
     allreduce (as overlap off sends them), on the backend's tensors."""
     import numpy as np
 
-    from kerasdist import _framework
+    from kerasdist.keras import framework as _framework
     front = _framework.collectives()
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     arrays = [np.ones(s, np.float32) for s in shapes]

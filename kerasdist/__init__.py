@@ -32,14 +32,15 @@ _EXPORTS = {
     "_executing_eagerly": "util",
     # The collectives of the framework the Keras backend runs on.
     **dict.fromkeys(_collectives.__all__, "collectives"),
-    "DistributedOptimizer": "optimizer", "Compression": "compression",
+    "DistributedOptimizer": "keras.optimizer",
+    "Compression": "keras.compression",
     "DistributedGradientTape": "tensorflow.tape", "Trainer": "trainer",
-    "PartialDistributedOptimizer": "optimizer",
+    "PartialDistributedOptimizer": "keras.optimizer",
     "PartialDistributedGradientTape": "tensorflow.tape",
-    "load_model": "saving", "save_model": "saving",
+    "load_model": "keras.saving", "save_model": "keras.saving",
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
-    "SyncBatchNormalization": "sync_batch_norm",
+    "SyncBatchNormalization": "keras.sync_batch_norm",
 }
 
 # Submodules reachable as attributes after `import kerasdist`. `run`, the
@@ -109,23 +110,25 @@ if TYPE_CHECKING:
     from kerasdist.collectives import rank_op as rank_op
     from kerasdist.collectives import reducescatter as reducescatter
     from kerasdist.collectives import size_op as size_op
-    from kerasdist.compression import Compression as Compression
+    from kerasdist.keras.compression import Compression as Compression
+    from kerasdist.keras.optimizer import (
+        DistributedOptimizer as DistributedOptimizer,
+    )
+    from kerasdist.keras.optimizer import (
+        PartialDistributedOptimizer as PartialDistributedOptimizer,
+    )
+    from kerasdist.keras.saving import load_model as load_model
+    from kerasdist.keras.saving import save_model as save_model
+    from kerasdist.keras.sync_batch_norm import (
+        SyncBatchNormalization as SyncBatchNormalization,
+    )
     from kerasdist.objects import allgather_object as allgather_object
     from kerasdist.objects import broadcast_object as broadcast_object
     from kerasdist.objects import broadcast_object_fn as broadcast_object_fn
-    from kerasdist.optimizer import DistributedOptimizer as DistributedOptimizer
-    from kerasdist.optimizer import (
-        PartialDistributedOptimizer as PartialDistributedOptimizer,
-    )
     from kerasdist.process_sets import ProcessSet as ProcessSet
     from kerasdist.process_sets import add_process_set as add_process_set
     from kerasdist.process_sets import global_process_set as global_process_set
     from kerasdist.process_sets import remove_process_set as remove_process_set
-    from kerasdist.saving import load_model as load_model
-    from kerasdist.saving import save_model as save_model
-    from kerasdist.sync_batch_norm import (
-        SyncBatchNormalization as SyncBatchNormalization,
-    )
     from kerasdist.tensorflow.tape import (
         DistributedGradientTape as DistributedGradientTape,
     )

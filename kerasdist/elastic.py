@@ -69,8 +69,10 @@ import numpy as np
 
 from kerasdist import _files
 from kerasdist import _resize
-from kerasdist import _sharding
 from kerasdist import basics
+from kerasdist.keras.sharding import files as _shard_files
+from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras.sharding import step as _shard_step
 
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
 _FORMAT = 2
@@ -593,7 +595,7 @@ class TensorFlowKerasState(_VariablesState):
             return values  # another model: _load_saved says so
         state = _sharding.shard_state(self.optimizer)
         slots = {i: j for i, _, j in
-                 _sharding.slot_variables(self.optimizer)}
+                 _shard_files.slot_variables(self.optimizer)}
         out, whole = list(values[:model]), {}
         for i, value in zip(mine, values[model:]):
             if i not in slots:
@@ -846,7 +848,7 @@ class _ShardCommits:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.values = _sharding.take_shard(optimizer) if optimizer else {}
+        self.values = _shard_files.take_shard(optimizer) if optimizer else {}
         self.pending = None  # rank 0: the shards of the commit it took
         # Rank 0, after taking a replicated optimizer's commit: its slots,
         # whole ({optimizer variable index: value}).
@@ -861,10 +863,10 @@ class _ShardCommits:
 
     def save(self):
         if self.sharded():
-            self.values = _sharding.take_shard(self.optimizer)
+            self.values = _shard_files.take_shard(self.optimizer)
 
     def restore(self):
-        for i, v, _ in _sharding.slot_variables(self.optimizer) \
+        for i, v, _ in _shard_files.slot_variables(self.optimizer) \
                 if self.sharded() else ():
             if i in self.values:
                 v.assign(self.values[i])
@@ -885,7 +887,7 @@ class _ShardCommits:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         mine = os.path.join(directory, _shard_name(stem, rank, size))
-        _files.atomic_write(mine, lambda tmp: _sharding.write_shard_file(
+        _files.atomic_write(mine, lambda tmp: _shard_files.write_shard_file(
             tmp, self.values, token=stem, rank=rank, size=size),
             prefix=".tmp-state-")
         digest = _files.sha256(mine)
@@ -897,7 +899,7 @@ class _ShardCommits:
                   "sha256": np.asarray(table[k][1:], np.int64).tobytes().hex()}
                  for k in range(size)]
         self._stems = (self._stems + [stem])[-2:]
-        return files, _sharding.shard_index(self.optimizer)
+        return files, _shard_files.shard_index(self.optimizer)
 
     def remove_unused(self, path, number):
         """Rank 0, after a commit: deletes this state's shard files that
@@ -938,9 +940,9 @@ class _ShardCommits:
         stem = record["files"][0]["name"].split(".shard-")[0]
         self._stems = [stem]
         if self.sharded() or basics.rank() == 0:
-            source = _sharding.ShardFiles(directory, record)
+            source = _shard_files.ShardFiles(directory, record)
             try:
-                _sharding.load_slots(
+                _shard_files.load_slots(
                     self.optimizer, source,
                     {int(e["index"]): int(e["numel"])
                      for e in record["variables"]})
@@ -952,19 +954,19 @@ class _ShardCommits:
         """Every rank of a sharded optimizer, once rank 0 took a commit of
         a replicated one (its slots in `self.whole`): each slot's whole
         value is broadcast from rank 0, one slot at a time, and every rank
-        keeps its own shard of it (`_sharding.own_shard`, the optimizer's
+        keeps its own shard of it (`step.own_shard`, the optimizer's
         own slicing)."""
         state = _sharding.shard_state(self.optimizer)
         layout = state.layout
-        for i, v, j in _sharding.slot_variables(self.optimizer):
-            dtype = _sharding.numpy_dtype(layout.dtypes[j])
+        for i, v, j in _shard_files.slot_variables(self.optimizer):
+            dtype = _shard_files.numpy_dtype(layout.dtypes[j])
             if self.whole is not None:
                 flat = np.asarray(self.whole[i]).astype(dtype).reshape(-1)
             else:
                 flat = np.zeros(layout.numels[j], dtype)
             flat = _broadcast_arrays([flat], "whole_slots")[0]
-            v.assign(_sharding.own_shard(np, flat, layout.numels[j],
-                                         layout.chunks[j], state.rank))
+            v.assign(_shard_step.own_shard(np, flat, layout.numels[j],
+                                           layout.chunks[j], state.rank))
         self.whole = None
         self.save()
 

@@ -7,5 +7,5 @@ def _executing_eagerly():
     graph), as Horovod's; True on the JAX and PyTorch backends, which have
     no graphs of their own. Imports TensorFlow only when it is installed
     and the Keras backend is TensorFlow."""
-    from kerasdist import _framework
+    from kerasdist.keras import framework as _framework
     return _framework.get().executing_eagerly()

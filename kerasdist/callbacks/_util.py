@@ -4,9 +4,9 @@ import hashlib
 
 import numpy as np
 
-from kerasdist import _framework
-from kerasdist import _sharding
 from kerasdist._core import host as _host
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding import optimizer as _sharding
 
 
 def model_is_built(model):

@@ -2,10 +2,10 @@
 
 import keras
 
-from kerasdist import _framework
-from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist.callbacks import _util
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding import optimizer as _sharding
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

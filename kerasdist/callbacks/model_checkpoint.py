@@ -9,11 +9,11 @@ import h5py
 import keras
 import numpy as np
 
-from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 from kerasdist.callbacks import _util
+from kerasdist.keras.sharding import optimizer as _sharding
 
 _SUFFIX = ".weights.h5"
 _MODEL_SUFFIXES = (".keras", ".h5")
@@ -133,7 +133,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
                 return
             self.best = current
         # A sharded optimizer's slots are gathered from every rank, so that
-        # rank 0 writes them whole (kerasdist/_sharding.py).
+        # rank 0 writes them whole (kerasdist/keras/sharding/).
         with _sharding.whole_state(self.model.optimizer):
             if basics.rank() != 0:
                 return

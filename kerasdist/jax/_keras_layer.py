@@ -1,15 +1,17 @@
 """The Keras layer's JAX parts: the `KerasFramework` that
-`kerasdist._framework.get()` returns on the JAX backend. Keras' JAX train
-step is jitted and stateless, so the gradients are tracers and every
+`kerasdist.keras.framework.get()` returns on the JAX backend. Keras' JAX
+train step is jitted and stateless, so the gradients are tracers and every
 collective is an XLA custom call (kerasdist/jax/collectives.py)."""
 
-from kerasdist import _framework
+from kerasdist.jax import collectives as _jax_collectives
+from kerasdist.keras import framework as _framework
 
 
 class Jax(_framework.KerasFramework):
-    """The Keras layer on JAX (see kerasdist/_framework.py)."""
+    """The Keras layer on JAX (see kerasdist/keras/framework.py)."""
 
     name = "jax"
+    collectives = _jax_collectives
     # The collectives are XLA custom calls: the train step stays compiled.
     jit_compile = True
 

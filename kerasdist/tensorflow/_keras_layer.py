@@ -1,8 +1,8 @@
 """The Keras layer's TensorFlow parts: the `KerasFramework` that
-`kerasdist._framework.get()` returns on the TensorFlow backend (graph-unique
-names, `tf.IndexedSlices`, shapes known only when traced), the TF
+`kerasdist.keras.framework.get()` returns on the TensorFlow backend
+(graph-unique names, `tf.IndexedSlices`, shapes known only when traced), the TF
 variables that `backward_passes_per_step > 1` sums gradients in
-(`kerasdist._gradient_reduction.accumulate` does the summing), and XLA
+(`kerasdist.keras.reduction.accumulate` does the summing), and XLA
 (turned off, with a warning, where the TF ops have no XLA kernel:
 `xla_unsupported`). Imported only when the Keras backend is TensorFlow, or
 by DistributedGradientTape."""
@@ -11,9 +11,9 @@ import warnings
 
 import tensorflow as tf
 
-from kerasdist import _framework
 from kerasdist import basics
-from kerasdist._core.gradients import source_label
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.reduction import source_label
 from kerasdist.tensorflow import collectives as _tf_collectives
 
 XLA_MESSAGE = (
@@ -56,9 +56,10 @@ _DENSE_IN_XLA = (
 
 
 class TensorFlow(_framework.KerasFramework):
-    """The Keras layer on TensorFlow (see kerasdist/_framework.py)."""
+    """The Keras layer on TensorFlow (see kerasdist/keras/framework.py)."""
 
     name = "tensorflow"
+    collectives = _tf_collectives
     _said_dense = False
 
     def executing_eagerly(self):

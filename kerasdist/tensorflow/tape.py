@@ -3,15 +3,15 @@ over all ranks, for custom training loops."""
 
 import tensorflow as tf
 
-from kerasdist import _buckets
-from kerasdist import _gradient_reduction
-from kerasdist import _local_gradients
-from kerasdist import _reduced
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
-from kerasdist.compression import Compression
+from kerasdist.keras import buckets as _buckets
+from kerasdist.keras import local_variables as _local_variables
+from kerasdist.keras import reduced as _reduced
+from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.compression import Compression
 from kerasdist.tensorflow import _keras_layer
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
@@ -114,7 +114,7 @@ class DistributedGradientTape:
             raise TypeError("DistributedGradientTape expects a "
                             f"tf.GradientTape; got {type(tape).__name__}.")
         op = _gradients.resolve_op(op, average)
-        _gradients.check_args(op, compression, gradient_predivide_factor,
+        _reduction.check_args(op, compression, gradient_predivide_factor,
                               num_groups, "DistributedGradientTape")
         overlap, bucket_bytes = _buckets.resolve_settings(
             overlap, bucket_bytes, "DistributedGradientTape")
@@ -128,7 +128,7 @@ class DistributedGradientTape:
         self._predivide = gradient_predivide_factor
         self._prefix = name or "DistributedGradientTape"
         self._scale_local = bool(scale_local_gradients)
-        self._local = _local_gradients.LocalVariables()
+        self._local = _local_variables.LocalVariables()
         # As Horovod: reduced over `process_set` (a kerasdist.ProcessSet)
         # only; a rank outside it keeps its own gradients.
         self._process_set = _process_sets.resolve(process_set)
@@ -176,7 +176,7 @@ class DistributedGradientTape:
         flat_grads = tf.nest.flatten(grads)
 
         def reduce(grads, sources):
-            reduced = _gradient_reduction.reduce_gradients(
+            reduced = _reduction.reduce_gradients(
                 grads, sources, self._prefix, _keras_layer.FRAMEWORK,
                 compression=self._compression, op=self._op,
                 sparse_as_dense=self._sparse_as_dense,
@@ -225,7 +225,7 @@ def PartialDistributedGradientTape(gradtape, compression=Compression.none,
     >>> tape = kerasdist.PartialDistributedGradientTape(
     ...     tape, local_layers=[model.layers[-1]])
     """
-    layers = _local_gradients.local_layers(local_layers,
+    layers = _local_variables.local_layers(local_layers,
                                           "PartialDistributedGradientTape")
     tape = DistributedGradientTape(
         gradtape, compression=compression, op=op,

@@ -1,24 +1,26 @@
 """The Keras layer's PyTorch parts: the `KerasFramework` that
-`kerasdist._framework.get()` returns on the PyTorch backend (values
+`kerasdist.keras.framework.get()` returns on the PyTorch backend (values
 detached, assignments outside autograd), and the optimizer's reduction
 overlapped with backprop: buckets started from autograd hooks
 (kerasdist/torch/_overlap.py)."""
 
 import torch
 
-from kerasdist import _framework
-from kerasdist import _gradient_reduction
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi
-from kerasdist._core.gradients import source_label
+from kerasdist.keras import framework as _framework
+from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.reduction import source_label
 from kerasdist.torch import _overlap
+from kerasdist.torch import collectives as _torch_collectives
 
 
 class Torch(_framework.KerasFramework):
-    """The Keras layer on PyTorch (see kerasdist/_framework.py)."""
+    """The Keras layer on PyTorch (see kerasdist/keras/framework.py)."""
 
     name = "torch"
+    collectives = _torch_collectives
 
     def value(self, variable):
         return variable.value.detach()
@@ -55,7 +57,7 @@ class Overlap:
         tensors (Keras' torch `fit`, or a loop that calls
         `loss.backward()` then `apply` with them)."""
         if compression is None:
-            from kerasdist.compression import Compression
+            from kerasdist.keras.compression import Compression
             compression = Compression.none
         everything = list(range(len(grads)))
         buckets = self.buckets
@@ -92,7 +94,7 @@ def _install(grads, variables, key, prefix, compression, op, predivide,
     if not where or not all(
             grads[j] is p.grad and p.is_leaf for j, p in zip(where, params)):
         return None
-    op, prescale, postscale = _gradient_reduction.scales(op, predivide)
+    op, prescale, postscale = _reduction.scales(op, predivide)
     buckets = _overlap.GradientBuckets(
         params, f"{prefix}.overlap", op, prescale, postscale, compression,
         capi.current_process_set(), bucket_bytes,

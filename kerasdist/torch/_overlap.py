@@ -3,7 +3,7 @@ backprop is still running, as PyTorch DDP's reducer does.
 
 `GradientBuckets` puts a post-accumulate-grad hook on every parameter
 (`torch.Tensor.register_post_accumulate_grad_hook`). The buckets are
-`kerasdist._buckets.variable_buckets` of the parameters (reverse order:
+`kerasdist.keras.buckets.variable_buckets` of the parameters (reverse order:
 backprop produces the last layer's gradients first). When backprop has
 produced the last gradient of a bucket, the hook enqueues that bucket's
 grouped allreduce in the core (`start_grouped_allreduce`) and returns: the
@@ -25,8 +25,8 @@ import weakref
 
 import torch
 
-from kerasdist import _buckets
-from kerasdist._core.gradients import label_members
+from kerasdist.keras import buckets as _buckets
+from kerasdist.keras.reduction import label_members
 from kerasdist.torch import collectives as _collectives
 
 
@@ -45,11 +45,11 @@ class GradientBuckets:
             order.
         name: prefix of the buckets' collective names.
         op, prescale, postscale: the allreduce's (as
-            `kerasdist._gradient_reduction.scales` computes them).
+            `kerasdist.keras.reduction.scales` computes them).
         compression: a `kerasdist.Compression` (compress in the hook,
             decompress in `collect`).
         process_set: the core's process set id.
-        bucket_bytes, first_bucket_bytes: the caps (`kerasdist._buckets`).
+        bucket_bytes, first_bucket_bytes: the caps (`kerasdist.keras.buckets`).
         labels: a name per parameter for the timeline (None: none).
 
     `last_events` records the last step: ("grad", i) when parameter i's

@@ -5,12 +5,12 @@ import time
 import keras
 import numpy as np
 
-from kerasdist import _framework
 from kerasdist import _resize
-from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding import optimizer as _sharding
 
 
 def seed_generators(model):

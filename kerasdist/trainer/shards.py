@@ -28,7 +28,8 @@ like a damaged weight file.
 Loading re-partitions for the size and mode of the job reading it: each
 rank of a sharded optimizer reads, from the files (or from a replicated
 checkpoint's weight file), only the elements of its own shard
-(`_sharding.pieces`, `_sharding.flat_range`); a replicated optimizer (on
+(`kerasdist.keras.sharding.layout`'s `pieces` and `flat_range`, read
+by `kerasdist.keras.sharding.files`); a replicated optimizer (on
 rank 0, which then broadcasts) reads each slot whole.
 """
 
@@ -36,7 +37,8 @@ import contextlib
 import os
 import time
 
-from kerasdist import _sharding
+from kerasdist.keras.sharding import files as _shard_files
+from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import checkpoints
 
 # How long rank 0 waits for the other ranks' shard files of one write.
@@ -50,20 +52,10 @@ def shard_name(stem, rank, size):
     return f"{stem}.shard-{rank:05d}-of-{size:05d}.h5"
 
 
-slot_variables = _sharding.slot_variables
-take = _sharding.take_shard
-ShardFiles = _sharding.ShardFiles
-PlainFile = _sharding.PlainFile
-load_slots = _sharding.load_slots
-
-
 def write(path, values, token, rank, size):
     """Writes this rank's shard file atomically."""
-    checkpoints.atomic_write(path, lambda tmp: _sharding.write_shard_file(
+    checkpoints.atomic_write(path, lambda tmp: _shard_files.write_shard_file(
         tmp, values, token=token, rank=rank, size=size))
-
-
-index = _sharding.shard_index
 
 
 def _token_of(path):
@@ -107,7 +99,7 @@ def shared_only(optimizer, record=None):
     index in `optimizer.variables`, and loads only those. `record`: the
     manifest's `optimizer_shards` of the checkpoint being loaded (its
     slots are skipped: the shard files hold them)."""
-    skip = {id(v) for _, v, _ in slot_variables(optimizer)}
+    skip = {id(v) for _, v, _ in _shard_files.slot_variables(optimizer)}
     if record is not None:
         skip = {int(e["index"]) for e in record["variables"]}
         keep = [i for i in range(len(optimizer.variables)) if i not in skip]
@@ -172,7 +164,7 @@ class ShardWriter:
         return shared_only(self.optimizer)
 
     def take(self):
-        return take(self.optimizer)
+        return _shard_files.take_shard(self.optimizer)
 
     def _token(self, stem):
         return f"{self.nonce}:{stem}"
@@ -189,7 +181,7 @@ class ShardWriter:
     def collect(self, stem):
         """Rank 0: the manifest's `optimizer_shards` once every file of
         the checkpoint `stem` is in place."""
-        record = index(self.optimizer)
+        record = _shard_files.shard_index(self.optimizer)
         record["files"] = collect(self.directory, stem, self.size,
                                   self._token(stem))
         return record

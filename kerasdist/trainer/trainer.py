@@ -18,13 +18,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import _framework
 from kerasdist import _resize
-from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
-from kerasdist.optimizer import DistributedOptimizer
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.optimizer import DistributedOptimizer
+from kerasdist.keras.sharding import files as _shard_files
+from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import checkpoints
 from kerasdist.trainer import data as _tdata
@@ -528,19 +529,19 @@ class Trainer:
         record = manifest.get("optimizer_shards")
         path = manifest["weights_path"]
         if record is not None:
-            source = _tshards.ShardFiles(os.path.dirname(path), record)
+            source = _shard_files.ShardFiles(os.path.dirname(path), record)
             numels = {int(e["index"]): int(e["numel"])
                       for e in record["variables"]}
         else:
             if _optimizer_variables_in(path) < len(self.optimizer.variables):
                 return  # fresh_optimizer: nothing to read
-            source = _tshards.PlainFile(path)
+            source = _shard_files.PlainFile(path)
             layout = _sharding.shard_state(self.model.optimizer).layout
             numels = {i: layout.numels[j]
                       for i, _, j in
-                      _tshards.slot_variables(self.model.optimizer)}
+                      _shard_files.slot_variables(self.model.optimizer)}
         try:
-            _tshards.load_slots(self.model.optimizer, source, numels)
+            _shard_files.load_slots(self.model.optimizer, source, numels)
         finally:
             source.close()
 

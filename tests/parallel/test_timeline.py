@@ -83,7 +83,7 @@ def test_gradient_rows_named_after_variables(tmp_path, backend):
     # DistributedOptimizer's grouped members are named by position
     # (DistributedOptimizer.group0of1.<i>); their rows carry the variables'
     # paths, the members' names in args.tensor. The path is every
-    # framework's (kerasdist/_gradient_reduction.py).
+    # framework's (kerasdist/_reduction.py).
     out = launch(2, [sys.executable, WORKER, "fit", str(tmp_path)],
                  timeout=240, env=_env(KERAS_BACKEND=backend))
     _ok(out, 2)

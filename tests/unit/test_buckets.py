@@ -1,13 +1,13 @@
-"""kerasdist._buckets: the gradient bucket assignment, against hand-worked
+"""kerasdist.keras.buckets: the gradient bucket assignment, against hand-worked
 cases and its invariants (every index once, order, caps, dtypes)."""
 
 import random
 
 import pytest
 
-from kerasdist import _buckets
-from kerasdist._buckets import assign_buckets
-from kerasdist._buckets import variable_buckets
+from kerasdist.keras import buckets as _buckets
+from kerasdist.keras.buckets import assign_buckets
+from kerasdist.keras.buckets import variable_buckets
 
 MiB = 1024 * 1024
 
@@ -110,7 +110,7 @@ def test_assign_buckets_bad_input():
 
 
 def test_assign_buckets_resolve_settings():
-    from kerasdist._buckets import resolve_settings
+    from kerasdist.keras.buckets import resolve_settings
     assert resolve_settings(environ={}) == (True, 25 * MiB)
     assert resolve_settings(environ={"KERASDIST_OVERLAP": "0",
                                      "KERASDIST_BUCKET_BYTES": "4096"}) == \

@@ -170,11 +170,14 @@ def test_layers():
 
 
 # The Keras layer's framework-neutral modules: they reach a framework only
-# through kerasdist._framework.get(), which returns the running backend's
-# object from kerasdist/<framework>/_keras_layer.py.
-_NEUTRAL = ("kerasdist.optimizer", "kerasdist._gradient_reduction",
-            "kerasdist._framework", "kerasdist._sharding",
-            "kerasdist.sync_batch_norm",
+# through kerasdist.keras.framework.get(), which returns the running
+# backend's object from kerasdist/<framework>/_keras_layer.py.
+_NEUTRAL = ("kerasdist.keras.optimizer", "kerasdist.keras.reduction",
+            "kerasdist.keras.framework", "kerasdist.keras.sharding.layout",
+            "kerasdist.keras.sharding.step",
+            "kerasdist.keras.sharding.optimizer",
+            "kerasdist.keras.sharding.files",
+            "kerasdist.keras.sync_batch_norm",
             "kerasdist.util", "kerasdist.callbacks.broadcast",
             "kerasdist.callbacks.model_average", "kerasdist.callbacks._util")
 _FRAMEWORK_NAMES = {"tensorflow", "jax", "torch"}

@@ -1,5 +1,5 @@
 """The pieces of a sharded optimizer's checkpoints that need no ranks
-(kerasdist/trainer/shards.py, kerasdist/_sharding.py): the slice
+(kerasdist/trainer/shards.py, kerasdist/keras/sharding/): the slice
 arithmetic of re-partitioning, the shard files read back at another size,
 and the store's index: verified, named in errors, pruned with its
 checkpoint. The Trainer writing and loading them runs on real ranks in
@@ -11,14 +11,15 @@ import os
 import numpy as np
 import pytest
 
-from kerasdist import _sharding
+from kerasdist.keras.sharding import files as _shard_files
+from kerasdist.keras.sharding import layout as _layout
 from kerasdist.trainer import checkpoints
 from kerasdist.trainer import shards
 
 
 def _shards_of(flat, size):
     """Each rank's shard (padded) of `flat`, as the layout defines it."""
-    chunk = _sharding.partition([flat.size], size)[0]
+    chunk = _layout.partition([flat.size], size)[0]
     padded = np.zeros(size * chunk, flat.dtype)
     padded[:flat.size] = flat
     return chunk, [padded[r * chunk:(r + 1) * chunk] for r in range(size)]
@@ -30,11 +31,11 @@ def test_pieces_rebuild_every_new_shard_from_the_old_ones(numel):
     for old in range(1, 6):
         chunk, files = _shards_of(flat, old)
         for new in range(1, 6):
-            c = _sharding.partition([numel], new)[0]
+            c = _layout.partition([numel], new)[0]
             for r in range(new):
-                lo, hi = _sharding.owned(numel, c, r)
+                lo, hi = _layout.owned(numel, c, r)
                 got = np.zeros(hi - lo)
-                parts = _sharding.pieces(numel, chunk, lo, hi)
+                parts = _layout.pieces(numel, chunk, lo, hi)
                 for k, start, stop, at in parts:
                     assert 0 <= k < old and 0 <= start < stop <= chunk
                     got[at:at + stop - start] = files[k][start:stop]
@@ -44,13 +45,13 @@ def test_pieces_rebuild_every_new_shard_from_the_old_ones(numel):
 
 
 def test_pieces_rejects_a_bad_range():
-    assert _sharding.pieces(10, 4, 3, 3) == []
-    assert _sharding.pieces(10, 4, 2, 9) == [(0, 2, 4, 0), (1, 0, 4, 2),
+    assert _layout.pieces(10, 4, 3, 3) == []
+    assert _layout.pieces(10, 4, 2, 9) == [(0, 2, 4, 0), (1, 0, 4, 2),
                                              (2, 0, 1, 6)]
     with pytest.raises(ValueError, match="bad range"):
-        _sharding.pieces(10, 4, 5, 11)
+        _layout.pieces(10, 4, 5, 11)
     with pytest.raises(ValueError, match="chunk must be >= 1"):
-        _sharding.pieces(10, 0, 0, 1)
+        _layout.pieces(10, 0, 0, 1)
 
 
 class _Rows:
@@ -72,7 +73,7 @@ def test_flat_range_reads_only_the_rows_it_needs(shape):
     for lo in range(n + 1):
         for hi in range(lo, n + 1):
             rows = _Rows(array)
-            got = _sharding.flat_range(rows, lo, hi)
+            got = _layout.flat_range(rows, lo, hi)
             np.testing.assert_array_equal(got, array.ravel()[lo:hi])
             if len(shape) > 1 and hi > lo:
                 (key,) = rows.read
@@ -84,7 +85,7 @@ def test_flat_range_reads_only_the_rows_it_needs(shape):
 def _write_files(directory, stem, values, size, token="t"):
     """Shard files of `values` ({index: whole flat array}) at `size`."""
     numels = {i: v.size for i, v in values.items()}
-    chunks = dict(zip(numels, _sharding.partition(list(numels.values()),
+    chunks = dict(zip(numels, _layout.partition(list(numels.values()),
                                                   size)))
     for r in range(size):
         mine = {i: _shards_of(v, size)[1][r] for i, v in values.items()}
@@ -101,14 +102,14 @@ def test_shard_files_read_back_at_another_size(tmp_path):
               4: np.array([7.0])}
     record = _write_files(str(tmp_path), "epoch-000001", values, 3)
     record["files"] = shards.collect(str(tmp_path), "epoch-000001", 3, "t")
-    source = shards.ShardFiles(str(tmp_path), record)
+    source = _shard_files.ShardFiles(str(tmp_path), record)
     try:
         for i, v in values.items():
             np.testing.assert_array_equal(source.read(i, 0, v.size), v)
             for new in (1, 2, 4):
-                c = _sharding.partition([v.size], new)[0]
+                c = _layout.partition([v.size], new)[0]
                 for r in range(new):
-                    lo, hi = _sharding.owned(v.size, c, r)
+                    lo, hi = _layout.owned(v.size, c, r)
                     np.testing.assert_array_equal(source.read(i, lo, hi),
                                                   v[lo:hi])
     finally:

@@ -17,7 +17,7 @@ CODE = r'''
 import torch
 import kerasdist as kd
 from kerasdist import basics
-from kerasdist.compression import Compression
+from kerasdist.keras.compression import Compression
 from kerasdist.torch._overlap import GradientBuckets
 kd.init()
 torch.manual_seed(0)

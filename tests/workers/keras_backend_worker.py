@@ -572,12 +572,12 @@ def jax_bucket_custom_calls():
     import jax
     import jax.numpy as jnp
 
-    from kerasdist import _gradient_reduction
+    from kerasdist.keras import reduction as _reduction
     shapes = [(4, 3), (3,), (3, 1), (1,)]  # dense_model's
 
     def count(**kw):
         def step(*gs):
-            return _gradient_reduction.reduce_gradients(
+            return _reduction.reduce_gradients(
                 list(gs), None, "test.bk", **kw)
         text = jax.jit(step).lower(
             *[jnp.ones(s, jnp.float32) for s in shapes]).as_text()
@@ -675,7 +675,7 @@ def wide_model(seed=1):
 
 @check("shard_fit_adam_large_and_small_shards")
 def shard_fit_adam_large_and_small_shards():
-    from kerasdist import _sharding
+    from kerasdist.keras.sharding import step as _sharding
     assert 256 * 256 // N * 4 >= _sharding.ALONE_BYTES
     check_shard("shard_fit_adam_large_and_small_shards",
                 lambda: keras.optimizers.Adam(0.001), model=wide_model)

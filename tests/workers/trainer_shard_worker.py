@@ -56,7 +56,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
-from kerasdist import _sharding  # noqa: E402
+from kerasdist.keras.sharding import files as _shard_files  # noqa: E402
+from kerasdist.keras.sharding import optimizer as _sharding  # noqa: E402
 from kerasdist.trainer import checkpoints  # noqa: E402
 from kerasdist.trainer import data as tdata  # noqa: E402
 
@@ -416,7 +417,7 @@ def elastic_replicated_to_sharded(root):
     assert_state(resumed(el_s), whole_of(model_r, opt_r), 0.0,
                  "elastic replicated -> 3 sharded")
     layout = _sharding.shard_state(opt_s).layout
-    slots = _sharding.slot_variables(opt_s)
+    slots = _shard_files.slot_variables(opt_s)
     assert len(slots) == 8, slots
     for i, v, j in slots:
         n, c = layout.numels[j], layout.chunks[j]

@@ -8,7 +8,7 @@ framework's own package (`kerasdist/tensorflow/_keras_layer.py`,
 chooses its backend's optimizer once and each backend overrides a few hooks.
 The Keras layer calls its methods and never asks which framework runs:
 
-- Gradients: `kerasdist._gradient_reduction` reduces them, written once;
+- Gradients: `kerasdist.keras.reduction` reduces them, written once;
   the framework object says what a gradient is (sparse or dense, its size
   in bytes), how a collective is named uniquely in the program being traced
   and which collectives run on its tensors (TF ops; JAX's XLA custom
@@ -24,7 +24,6 @@ running backend's package only.
 """
 
 import contextlib
-import functools
 import importlib
 
 import numpy as np
@@ -68,18 +67,18 @@ class KerasFramework:
     name = None
     jit_compile = False
 
-    @functools.cached_property
-    def collectives(self):
-        """This framework's collectives module
-        (`kerasdist/<framework>/collectives.py`): one function per
-        collective, taking this framework's tensors, the reduction op, a
-        resolved name and, where they apply, the scale factors, straight
-        into the core. The Keras layer's arguments are checked when it is
-        built (DistributedOptimizer, SyncBatchNormalization), so its
-        collectives go here directly rather than through the public ones
-        (`kerasdist.allreduce`...), which check a user's arguments and
-        then call these."""
-        return importlib.import_module(f"kerasdist.{self.name}.collectives")
+    # This framework's collectives module (`kerasdist/<framework>/
+    # collectives.py`), named by each subclass with a plain import, so a
+    # reader (or an editor's go-to-definition) follows the Keras layer's
+    # `framework.collectives.grouped_allreduce` to its code. One function
+    # per collective, taking this framework's tensors, the reduction op, a
+    # resolved name and, where they apply, the scale factors, straight into
+    # the core. The Keras layer's arguments are checked when it is built
+    # (DistributedOptimizer, SyncBatchNormalization), so its collectives go
+    # here directly rather than through the public ones
+    # (`kerasdist.allreduce`...), which check a user's arguments and then
+    # call these.
+    collectives = None
 
     # ---- variables and values ------------------------------------------
 
@@ -139,7 +138,7 @@ class KerasFramework:
             self.unique_name(f"{prefix}.loss_scale_finite"), 1.0, 1.0)
         return keras.ops.greater(agreed, 0)
 
-    # ---- gradients (kerasdist._gradient_reduction) ---------------------
+    # ---- gradients (kerasdist.keras.reduction) ---------------------
 
     def is_sparse(self, grad):
         """Whether `grad` is a sparse gradient (TensorFlow's

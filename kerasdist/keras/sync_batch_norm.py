@@ -16,8 +16,8 @@ moving statistics and communicates nothing.
 import keras
 from keras import ops
 
-from kerasdist import _framework
 from kerasdist import basics
+from kerasdist.keras import framework as _framework
 
 __all__ = ["SyncBatchNormalization"]
 

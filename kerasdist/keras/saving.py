@@ -2,7 +2,7 @@
 `DistributedOptimizer` again, as Horovod's `hvd.load_model`; `save_model`:
 a model file plain Keras loads, also from a sharded optimizer."""
 
-from kerasdist.compression import Compression
+from kerasdist.keras.compression import Compression
 
 __all__ = ["load_model", "save_model"]
 
@@ -29,8 +29,8 @@ def save_model(model, filepath, **kwargs):
     Example:
     >>> kerasdist.save_model(model, "model.keras")  # on every rank
     """
-    from kerasdist import _sharding
     from kerasdist import basics
+    from kerasdist.keras.sharding import optimizer as _sharding
 
     with _sharding.whole_state(getattr(model, "optimizer", None)):
         if basics.rank() == 0:
@@ -90,7 +90,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """
     import keras
 
-    from kerasdist.optimizer import DistributedOptimizer
+    from kerasdist.keras.optimizer import DistributedOptimizer
 
     if legacy_opts:
         raise ValueError("load_model(legacy_opts=True): Keras 3 has no "

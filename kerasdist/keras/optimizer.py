@@ -19,9 +19,9 @@ never calls, so it trained without averaging. Reducing at the top of `apply`
 means that clipping, loss-scale finiteness checks and every update see the
 averaged gradient, identically on every rank.
 
-The reduction (`kerasdist._gradient_reduction`, written once) runs on the
+The reduction (`kerasdist.keras.reduction`, written once) runs on the
 Keras backend's own tensors through the backend's `KerasFramework`
-(`kerasdist._framework.get()`, from the framework's own package): TF ops on
+(`kerasdist.keras.framework.get()`, from the framework's own package): TF ops on
 TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's jitted step,
 `kerasdist.torch`'s custom ops in PyTorch's eager step. Nothing here asks
 which framework runs.
@@ -34,17 +34,17 @@ for every backend, is most of the rest.
 import os
 import sys
 
-from kerasdist import _buckets
-from kerasdist import _framework
-from kerasdist import _gradient_reduction
-from kerasdist import _local_gradients
-from kerasdist import _reduced
-from kerasdist import _sharding
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
 from kerasdist._core import capi as _capi
 from kerasdist._core import gradients as _gradients
-from kerasdist.compression import Compression
+from kerasdist.keras import buckets as _buckets
+from kerasdist.keras import framework as _framework
+from kerasdist.keras import local_variables as _local_variables
+from kerasdist.keras import reduced as _reduced
+from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.compression import Compression
+from kerasdist.keras.sharding import optimizer as _sharding
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -154,7 +154,7 @@ def DistributedOptimizer(optimizer, name=None,
             variables. The gradients a `DistributedGradientTape` returned
             over the same ranks (TensorFlow) are averaged already: each
             rank slices its shard of them instead of reduce-scattering
-            (see the tape). See kerasdist/_sharding.py and docs/keras.md.
+            (see the tape). See kerasdist/keras/sharding/ and docs/keras.md.
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless
@@ -227,7 +227,7 @@ def DistributedOptimizer(optimizer, name=None,
                         "keras.optimizers.Optimizer (Keras 3); got "
                         f"{type(optimizer).__name__}.")
     op = _gradients.resolve_op(op, average)
-    _gradients.check_args(op, compression, gradient_predivide_factor,
+    _reduction.check_args(op, compression, gradient_predivide_factor,
                           num_groups, "DistributedOptimizer")
     _check_passes(backward_passes_per_step)
     # Asked for, not defaulted: JAX splits its reduction only then (see
@@ -273,7 +273,7 @@ def _distributed_class(base, settings):
             super().__init__(*args, **kwargs)
             self._kerasdist_accum = None
             self._kerasdist_reduced = False
-            self._kerasdist_local = _local_gradients.LocalVariables()
+            self._kerasdist_local = _local_variables.LocalVariables()
             self._kerasdist_overlap = _framework.get().overlap()
 
         def register_local_var(self, var):
@@ -325,7 +325,7 @@ def _distributed_class(base, settings):
             acc = self._kerasdist_accum
             # super() needs the enclosing method's frame; bind it here.
             parent_apply = super().apply
-            return _gradient_reduction.accumulate(
+            return _reduction.accumulate(
                 framework,
                 [acc.grads[self._get_variable_index(v)] for v in variables],
                 acc.count, grads, settings.backward_passes_per_step,
@@ -360,7 +360,7 @@ def _distributed_class(base, settings):
                        if getattr(settings, "overlap", False) else None)
 
             def plain(grads, variables):
-                return _gradient_reduction.reduce_gradients(
+                return _reduction.reduce_gradients(
                     grads, variables, settings.prefix, framework,
                     compression=settings.compression, op=settings.op,
                     sparse_as_dense=settings.sparse_as_dense,
@@ -439,7 +439,7 @@ def PartialDistributedOptimizer(optimizer, name=None,
     >>> opt = kerasdist.PartialDistributedOptimizer(
     ...     keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]])
     """
-    layers = _local_gradients.local_layers(local_layers,
+    layers = _local_variables.local_layers(local_layers,
                                           "PartialDistributedOptimizer")
     wrapped = DistributedOptimizer(
         optimizer, name=name, compression=compression, op=op,
@@ -502,7 +502,7 @@ def _synced_loss_scale_class(base):
         def apply(self, grads, trainable_variables=None):
             # A DistributedGradientTape's gradients stay known as reduced
             # once unscaled, so a sharded inner optimizer slices them
-            # rather than reducing them again (kerasdist._reduced).
+            # rather than reducing them again (kerasdist.keras.reduced).
             grads = list(grads)
             sets = [_reduced.process_set_of(g) for g in grads]
             if all(s is None for s in sets):

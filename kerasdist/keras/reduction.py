@@ -1,7 +1,7 @@
 """Reducing a list of gradients over the ranks, written once for every
 framework: DistributedOptimizer (on each Keras backend) and TensorFlow's
 DistributedGradientTape come here with their gradients and the running
-framework's `kerasdist._framework.KerasFramework`.
+framework's `kerasdist.keras.framework.KerasFramework`.
 
 The steps: compress each gradient; allgather sparse ones (TensorFlow's
 `tf.IndexedSlices`) unless `sparse_as_dense`; put the dense ones in groups
@@ -11,12 +11,10 @@ with a predivide factor as the runtime's prescale and postscale; then
 decompress. With one rank nothing is communicated.
 """
 
-from kerasdist import _buckets
 from kerasdist import basics
 from kerasdist import process_sets as _process_sets
-from kerasdist._core.gradients import label_members
-from kerasdist._core.gradients import source_label
-from kerasdist._core.gradients import split_groups
+from kerasdist.keras import buckets as _buckets
+from kerasdist.keras.compression import Compressor
 
 
 def reduce_gradients(grads, sources, prefix, framework=None,
@@ -35,7 +33,7 @@ def reduce_gradients(grads, sources, prefix, framework=None,
 
     `bucket_bytes` (with `num_groups=0`, op not Adasum, whose result
     depends on what is reduced together): the dense gradients go in
-    buckets of up to that many bytes (`kerasdist._buckets.variable_buckets`:
+    buckets of up to that many bytes (`buckets.variable_buckets`:
     backprop order, the last layer's first, dtypes apart), one grouped
     allreduce each, so that each bucket's allreduce depends only on its own
     gradients and can start as soon as they exist (TensorFlow's executor
@@ -58,10 +56,10 @@ def reduce_gradients(grads, sources, prefix, framework=None,
         A list like `grads` holding the reduced gradients.
     """
     if framework is None:
-        from kerasdist import _framework
+        from kerasdist.keras import framework as _framework
         framework = _framework.get()
     if compression is None:
-        from kerasdist.compression import Compression
+        from kerasdist.keras.compression import Compression
         compression = Compression.none
     if _process_sets.current_size() == 1:
         return [_local_only(framework, g, compression, sparse_as_dense)
@@ -187,3 +185,61 @@ def _local_only(framework, grad, compression, sparse_as_dense):
             grad, lambda v: compression.decompress(*compression.compress(v)))
     return compression.decompress(
         *compression.compress(framework.dense(grad)))
+
+
+def check_args(op, compression, gradient_predivide_factor, num_groups, what):
+    """Validates the arguments both wrappers share; raises ValueError."""
+    if op not in (basics.Average, basics.Sum, basics.Adasum):
+        raise ValueError(f"{what}: op must be kerasdist.Average, "
+                         f"kerasdist.Sum or kerasdist.Adasum; got {op!r}.")
+    if not (isinstance(compression, type)
+            and issubclass(compression, Compressor)) and not (
+                hasattr(compression, "compress")
+                and hasattr(compression, "decompress")):
+        raise ValueError(f"{what}: compression must be a Compressor such as "
+                         f"kerasdist.Compression.fp16; got {compression!r}.")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be > 0; "
+                         f"got {gradient_predivide_factor!r}.")
+    if gradient_predivide_factor != 1.0 and op != basics.Average:
+        raise ValueError(f"{what}: gradient_predivide_factor needs "
+                         "op=kerasdist.Average.")
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) \
+            or num_groups < 0:
+        raise ValueError(f"{what}: num_groups must be an int >= 0; got "
+                         f"{num_groups!r}.")
+
+
+def source_label(source, index):
+    """A gradient source's name for people: a Keras variable's path, a
+    tf.Variable's name (without ":0"), else `source<index>`."""
+    for attr in ("path", "name"):
+        try:
+            value = getattr(source, attr, None)
+        except (AttributeError, ValueError):  # eager tensors have no name
+            value = None
+        if value:
+            return str(value).replace(":0", "")
+    return f"source{index}"
+
+
+def label_members(group_name, labels):
+    """Names the timeline rows of a grouped collective's members
+    (`<group_name>.<i>`) after `labels` (one per member; None: none)."""
+    from kerasdist._core import capi
+    capi.label_tensors((f"{group_name}.{k}", label)
+                       for k, label in enumerate(labels) if label)
+
+
+def split_groups(count, num_groups):
+    """Splits range(count) into min(num_groups, count) contiguous lists
+    whose lengths differ by at most one (longer ones first), like
+    `numpy.array_split`. Pure, so every rank gets the same groups."""
+    n = min(num_groups, count)
+    base, extra = divmod(count, n)
+    groups, start = [], 0
+    for g in range(n):
+        stop = start + base + (1 if g < extra else 0)
+        groups.append(list(range(start, stop)))
+        start = stop
+    return groups

@@ -1,0 +1,483 @@
+"""The sharded optimizer (`DistributedOptimizer(opt, shard=...)`): each
+rank keeps the optimizer state of its shard of every variable only
+(ZeRO-1, `shard="optimizer_state"`), and with `shard="gradients"` the
+averaged gradients too: the whole gradients a framework keeps between
+steps (PyTorch's `.grad`) are dropped once reduced (ZeRO-2). Written once
+for every Keras backend over `keras.ops` and the running framework's
+collectives (`kerasdist.keras.framework`).
+
+The sharding package, by job: `layout` (which elements each rank owns),
+`step` (the reduce-scatter and allgather of one step), this module (the
+optimizer class, and what other modules ask of a sharded optimizer:
+`whole_variables`, `whole_state`), `files` (the shards in checkpoint
+files).
+
+A step, in the sharded class's `apply`: the gradients reduce-scattered
+into this rank's shards (`step.scatter`); the rank's shard of each weight
+copied into a 1-D "shadow" variable, and the wrapped Keras optimizer,
+built on the shadows, runs its usual `apply` on them: clipping (norms
+summed over the ranks with one small allreduce), weight decay, the
+update, EMA, gradient accumulation, all on the shards; then the updated
+shards allgathered back into the weights (`step.gather`).
+
+The optimizer's slots are shaped like the shards; its `iterations` and
+learning rate are whole, as in the plain optimizer. The update must be
+elementwise: optimizers that look at a whole variable (Lamb's trust ratio,
+Adafactor's factored moments, Muon's matrices) are refused.
+"""
+
+from kerasdist import basics
+from kerasdist.keras import reduced as _reduced
+from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.sharding import step as _step
+from kerasdist.keras.sharding.layout import Layout
+from kerasdist.keras.sharding.layout import size_and_rank
+
+SHARD_MODES = (None, "optimizer_state", "gradients")
+
+# Optimizers whose update of a variable depends on more than each of its
+# elements alone: they cannot run on shards.
+_WHOLE_VARIABLE = ("Lamb", "Adafactor", "Muon")
+
+
+def check_shard(shard, base, settings):
+    """Raises ValueError for a `shard=` that cannot work with the other
+    arguments (`settings`) or the optimizer class `base`."""
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            f"DistributedOptimizer: shard must be None, 'optimizer_state' "
+            f"or 'gradients'; got {shard!r}.")
+    if shard is None:
+        return
+    import keras
+
+    if issubclass(base, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "DistributedOptimizer(shard=...) takes the optimizer that "
+            "updates the weights, not a LossScaleOptimizer: write "
+            "LossScaleOptimizer(DistributedOptimizer(opt, shard=...)), or "
+            "use the mixed_float16 policy, which wraps it so by itself.")
+    for klass in base.__mro__:
+        if klass.__name__ in _WHOLE_VARIABLE:
+            raise ValueError(
+                f"DistributedOptimizer(shard={shard!r}): {klass.__name__}'s "
+                "update of a variable depends on the whole variable, so it "
+                "cannot run on shards; use shard=None with it.")
+    if settings.op == basics.Adasum:
+        raise ValueError(
+            f"DistributedOptimizer(shard={shard!r}) cannot use Adasum: its "
+            "result depends on whole gradients; use op=Average or Sum.")
+
+
+def sharded_class(base, settings):
+    """A subclass of `base` (a DistributedOptimizer class) that shards the
+    optimizer state (see the module docstring)."""
+    import keras
+
+    ops = keras.ops
+
+    class _ShardedOptimizer(base):
+
+        def build(self, variables):
+            from kerasdist.keras import framework as _framework
+
+            if self.built and getattr(self, "_kerasdist_shard", None):
+                # Built once, as Keras' optimizers: a LossScaleOptimizer
+                # builds its inner optimizer again when it is built itself
+                # (the Trainer builds this one before a mixed_float16
+                # model's fit builds the wrapper). New shadows would not
+                # be the variables the slots were made for.
+                return
+            variables = list(variables)
+            size, rank = size_and_rank(settings.process_set_id)
+            if rank < 0:
+                raise ValueError(
+                    "DistributedOptimizer(shard=...): this rank is not in the "
+                    "optimizer's process set; only its members may train "
+                    "with it.")
+            framework = _framework.get()
+            layout = Layout([v.shape for v in variables],
+                            [keras.backend.standardize_dtype(v.dtype)
+                             for v in variables], size, settings.bucket_bytes)
+            shadows = []
+            for i, v in enumerate(variables):
+                name = (getattr(v, "path", None) or v.name).replace("/", "_")
+                shadow = keras.Variable(
+                    initializer="zeros", shape=(layout.chunks[i],),
+                    dtype=layout.dtypes[i], trainable=False,
+                    name=f"{name}_shard")
+                shadow.constraint = None
+                shadows.append(shadow)
+            self._kerasdist_shard = _Shard(variables, shadows, layout, rank,
+                                           framework)
+            super().build(shadows)
+            if settings.backward_passes_per_step > 1:
+                # The local sums are of the whole gradients.
+                self._kerasdist_accum = framework.accumulators(variables)
+
+        def add_variable_from_reference(self, reference_variable, *args,
+                                        **kwargs):
+            # Every slot Keras makes for a shard (moments, momentum, EMA,
+            # accumulators) is a shard too: note whose.
+            slot = super().add_variable_from_reference(
+                reference_variable, *args, **kwargs)
+            state = getattr(self, "_kerasdist_shard", None)
+            if state is not None:
+                state.note_slot(slot, reference_variable)
+            return slot
+
+        @property
+        def kerasdist_sharded_variables(self):
+            """The optimizer variables that hold only this rank's shard."""
+            state = getattr(self, "_kerasdist_shard", None)
+            if not self.built or state is None:
+                return []
+            return [v for v in self.variables
+                    if state.slot_index(v) is not None]
+
+        def apply(self, grads, trainable_variables=None):
+            from kerasdist.keras import framework as _framework
+
+            framework = _framework.get()
+            framework.check_apply()
+            grads = list(grads)
+            # A LossScaleOptimizer's unscaled tape gradients (pass_on).
+            _reduced.take_passed(grads)
+            if not self.built:
+                if trainable_variables is None:
+                    return super().apply(grads, trainable_variables)
+                self.build(list(trainable_variables))
+            state = self._kerasdist_shard
+            variables = (state.variables if trainable_variables is None
+                         else list(trainable_variables))
+            active = state.positions(variables)
+            if len(active) < len(state.variables):
+                if settings.backward_passes_per_step > 1:
+                    state.check_variables(variables)  # raises
+                # Some of its variables (the Trainer's fine_tune(freeze=),
+                # layers made untrainable): the others take no update.
+                full = [None] * len(state.variables)
+                for k, i in enumerate(active):
+                    full[i] = grads[k]
+                return self._kerasdist_step(full, active)
+            if self._kerasdist_local.ids():
+                raise ValueError(
+                    "DistributedOptimizer(shard=...) cannot keep local "
+                    "variables (register_local_var, local_layers): every "
+                    "variable's update is split over the ranks.")
+            if settings.backward_passes_per_step == 1:
+                return self._kerasdist_step(grads)
+            acc = self._kerasdist_accum
+            return _reduction.accumulate(
+                framework, acc.grads, acc.count, grads,
+                settings.backward_passes_per_step,
+                settings.average_aggregated_gradients,
+                lambda summed: summed, self._kerasdist_step)
+
+        def _kerasdist_step(self, grads, active=None):
+            from kerasdist._core import capi as _capi
+            from kerasdist.keras.compression import Compression
+
+            state = self._kerasdist_shard
+            framework = state.framework
+            compression = settings.compression or Compression.none
+            layout = state.layout
+            with _capi.process_set_scope(settings.process_set_id):
+                # What a DistributedGradientTape reduced over these ranks
+                # each rank slices (no wire, so no compression); the rest
+                # is reduce-scattered.
+                local = _step.reduced_already(grads, settings.process_set_id,
+                                        settings.op)
+                rest = list(grads)
+                for i in local:
+                    rest[i] = None
+                chunks = _step.scatter(framework, layout, rest,
+                                 settings.prefix, compression, settings.op,
+                                 settings.gradient_predivide_factor)
+                for i in local:
+                    chunks[i] = _step.own_shard(ops, framework.dense(grads[i]),
+                                          layout.numels[i], layout.chunks[i],
+                                          state.rank)
+                state.release(grads, settings.shard)
+                with framework.no_grad():
+                    for i, (v, s) in enumerate(zip(state.variables,
+                                                   state.shadows)):
+                        s.assign(_step.shard_of(framework, state.layout, v, i,
+                                          state.rank))
+                # The user's optimizer class's own apply, on the shards.
+                if active is None:
+                    super(base, self).apply(chunks, state.shadows)
+                else:
+                    super(base, self).apply(
+                        [chunks[i] for i in active],
+                        [state.shadows[i] for i in active])
+                _step.gather(framework, state.layout,
+                       [s.value for s in state.shadows], state.variables,
+                       settings.prefix)
+                for v in state.variables:
+                    if v.constraint is not None:
+                        v.assign(v.constraint(v))
+
+        def stateless_apply(self, optimizer_variables, grads,
+                            trainable_variables):
+            # Keras' JAX train step: the model's variables' values and the
+            # optimizer's come in, their new values go out.
+            from keras.src import backend as _backend
+
+            state = self._kerasdist_shard
+            mapping = (list(zip(state.variables, trainable_variables))
+                       + list(zip(self.variables, optimizer_variables)))
+            with _backend.StatelessScope(state_mapping=mapping) as scope:
+                self.apply(list(grads), state.variables)
+            return ([scope.get_current_value(v) for v in state.variables],
+                    [scope.get_current_value(v) for v in self.variables])
+
+        def _clip_gradients(self, grads):
+            # The norms of whole gradients, from every rank's shard.
+            if not ((self.clipnorm and self.clipnorm > 0) or
+                    (self.global_clipnorm and self.global_clipnorm > 0)):
+                return super()._clip_gradients(grads)
+            where = [i for i, g in enumerate(grads) if g is not None]
+            squares = _step.global_square_sums(
+                self._kerasdist_shard.framework, [grads[i] for i in where],
+                settings.prefix)
+            out = list(grads)
+            if self.clipnorm and self.clipnorm > 0:
+                for j, i in enumerate(where):
+                    out[i] = _step.clip_by_norm(ops, grads[i], squares[j],
+                                           self.clipnorm)
+                return out
+            norm = ops.sqrt(ops.sum(squares))
+            clip = self.global_clipnorm
+            scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
+            scale = scale + (norm - norm)
+            for i in where:
+                out[i] = grads[i] * ops.cast(scale, grads[i].dtype)
+            return out
+
+        def _use_weight_decay(self, variable):
+            # Decided by the model's variable (its name, its exclusion).
+            state = getattr(self, "_kerasdist_shard", None)
+            model_variable = state.model_variable(variable) if state else None
+            return super()._use_weight_decay(
+                variable if model_variable is None else model_variable)
+
+        def finalize_variable_values(self, var_list):
+            if not self.use_ema:
+                return
+            state = self._kerasdist_shard
+            from kerasdist._core import capi as _capi
+            with _capi.process_set_scope(settings.process_set_id):
+                _step.gather(state.framework, state.layout,
+                       [a.value for a in
+                        self._model_variables_moving_average],
+                       state.variables, f"{settings.prefix}.ema")
+
+        def save_own_variables(self, store):
+            # A file in the plain optimizer's layout. The slots are spread
+            # over the ranks: whole only inside `whole_state` (every rank
+            # gathers); otherwise what one rank can write is the state every
+            # rank shares (step, learning rate), which Keras skips on load
+            # with a warning, starting the slots afresh.
+            whole = self._kerasdist_shard.whole
+            if whole is not None:
+                for i, value in enumerate(whole):
+                    store[str(i)] = value
+                return
+            _warn_save_once()
+            shared = [v for v in self.variables
+                      if self._kerasdist_shard.slot_index(v) is None]
+            for i, v in enumerate(shared):
+                store[str(i)] = keras.ops.convert_to_numpy(v)
+
+        def load_own_variables(self, store):
+            # A file in the plain optimizer's layout (written by plain Keras,
+            # the replicated optimizer, or a sharded one at any size): each
+            # slot takes this rank's shard of the whole value.
+            if len(store.keys()) != len(self.variables):
+                return super().load_own_variables(store)  # Keras' warning
+            self.kerasdist_assign_whole(
+                [store[str(i)] for i in range(len(self.variables))])
+
+        def kerasdist_assign_whole(self, values):
+            """Assigns the plain optimizer's variable values (`values`, one
+            per variable of `self.variables`, whole) to this sharded
+            optimizer: its shard of each slot, the shared ones whole."""
+            import numpy as np
+
+            state = self._kerasdist_shard
+            layout = state.layout
+            for v, value in zip(self.variables, values):
+                value = np.asarray(value)
+                j = state.slot_index(v)
+                if j is None:
+                    v.assign(value)
+                    continue
+                if value.size != layout.numels[j]:
+                    raise ValueError(
+                        f"DistributedOptimizer(shard=...): the saved value of "
+                        f"{v.path} has {value.size} elements, but its "
+                        f"variable has {layout.numels[j]}: the file is of "
+                        "another model.")
+                flat = np.zeros(layout.size * layout.chunks[j], value.dtype)
+                flat[:value.size] = value.ravel()
+                c = layout.chunks[j]
+                v.assign(flat[state.rank * c:(state.rank + 1) * c])
+
+        def kerasdist_gather_whole(self):
+            """The plain optimizer's variable values, whole (numpy), on
+            every rank: each slot allgathered from its shards. A
+            collective: every rank of the optimizer's set calls it."""
+            from kerasdist._core import capi as _capi
+
+            state = self._kerasdist_shard
+            layout, framework = state.layout, state.framework
+            out = []
+            with _capi.process_set_scope(settings.process_set_id):
+                for i, v in enumerate(self.variables):
+                    j = state.slot_index(v)
+                    if j is None:
+                        out.append(keras.ops.convert_to_numpy(v))
+                        continue
+                    every = framework.collectives.allgather(
+                        ops.reshape(framework.value(v), (1, -1)),
+                        name=f"{settings.prefix}.whole_state.{i}")
+                    flat = keras.ops.convert_to_numpy(every).reshape(-1)
+                    out.append(flat[:layout.numels[j]].reshape(
+                        layout.shapes[j]))
+            return out
+
+    return _ShardedOptimizer
+
+
+_warned = []
+
+
+def _warn_save_once():
+    if _warned:
+        return
+    _warned.append(True)
+    import warnings
+    warnings.warn(
+        "kerasdist: a sharded optimizer's state (shard=...) is spread over "
+        "the ranks; a saved model holds its weights, and of the optimizer "
+        "only what every rank shares, not its slots: loading it starts "
+        "them afresh.", UserWarning, stacklevel=3)
+
+
+class _Shard:
+    """A sharded optimizer's state outside Keras' tracking: the model's
+    variables, their shadows and the layout."""
+
+    def __init__(self, variables, shadows, layout, rank, framework):
+        self.variables = variables
+        self.shadows = shadows
+        self.layout = layout
+        self.rank = rank
+        self.framework = framework
+        self._ids = [id(v) for v in variables]
+        self._model_of = {id(s): v for s, v in zip(shadows, variables)}
+        self._index_of = {id(s): j for j, s in enumerate(shadows)}
+        self._slots = {}  # id(slot) -> index of its variable
+        self.whole = None  # whole_state's gathered values while saving
+
+    def note_slot(self, slot, reference):
+        j = self._index_of.get(id(reference))
+        if j is not None:
+            self._slots[id(slot)] = j
+
+    def slot_index(self, variable):
+        """The index of the variable whose shard `variable` is a slot of,
+        or None for a shared optimizer variable."""
+        return self._slots.get(id(variable))
+
+    def model_variable(self, shadow):
+        return self._model_of.get(id(shadow))
+
+    def positions(self, variables):
+        """The indices of `variables` among the optimizer's, which they
+        must be all of or some of, in the same order."""
+        where = {vid: i for i, vid in enumerate(self._ids)}
+        out = [where.get(id(v)) for v in variables]
+        if None in out or out != sorted(set(out)):
+            self.check_variables(variables)  # raises
+        return out
+
+    def check_variables(self, variables):
+        if [id(v) for v in variables] != self._ids:
+            raise ValueError(
+                "DistributedOptimizer(shard=...): apply() got other "
+                f"variables ({len(variables)}) than the optimizer was built "
+                f"with ({len(self._ids)}); a sharded optimizer updates the "
+                "variables it was built with (all or some of them, with "
+                "backward_passes_per_step=1), in one order.")
+
+    def release(self, grads, mode):
+        """With shard="gradients", drops the whole gradients the framework
+        keeps between steps once they are reduce-scattered (PyTorch's
+        `.grad`)."""
+        if mode != "gradients":
+            return
+        for v in self.variables:
+            tensor = getattr(v, "value", None)
+            if getattr(tensor, "grad", None) is not None:
+                tensor.grad = None
+
+
+def whole_variables(optimizer):
+    """`optimizer.variables` without those that hold only this rank's
+    shard (a sharded optimizer's slots, its own or an inner optimizer's,
+    as inside a LossScaleOptimizer): what every rank holds alike, to
+    broadcast, average or compare."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in
+                    getattr(inner, "kerasdist_sharded_variables", ()))
+        inner = getattr(inner, "inner_optimizer", None)
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def sharded_in(optimizer):
+    """The sharded optimizer in `optimizer` (itself, or the inner optimizer
+    of a LossScaleOptimizer), or None."""
+    while optimizer is not None:
+        if getattr(getattr(optimizer, "_kerasdist_settings", None), "shard",
+                   None) is not None:
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def shard_state(optimizer):
+    """The state of the sharded optimizer in `optimizer` (its `layout`,
+    `rank` and `slot_index(variable)`), or None where there is none or it
+    is not built yet."""
+    sharded = sharded_in(optimizer)
+    if sharded is None or not sharded.built:
+        return None
+    return sharded._kerasdist_shard
+
+
+class whole_state:
+    """A context in which a sharded optimizer in `optimizer` saves its
+    state whole, in the plain optimizer's layout (`model.save`,
+    `save_weights`): entering gathers every slot from its shards, on every
+    rank (a collective: every rank enters). Nothing for any other
+    optimizer."""
+
+    def __init__(self, optimizer):
+        self.sharded = sharded_in(optimizer)
+
+    def __enter__(self):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded._kerasdist_shard.whole = \
+                self.sharded.kerasdist_gather_whole()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded._kerasdist_shard.whole = None
+        return False
+
+
+# ---- saving and loading the shards (Trainer checkpoints, hvd.elastic) ----
