@@ -453,6 +453,13 @@ def PartialDistributedOptimizer(optimizer, name=None,
     return wrapped
 
 
+def is_distributed(optimizer):
+    """Whether `optimizer` averages gradients across ranks: a
+    DistributedOptimizer, replicated or sharded, or a wrapper around one
+    (a LossScaleOptimizer)."""
+    return _settings_of(optimizer) is not None
+
+
 def _settings_of(optimizer):
     """The settings of a DistributedOptimizer, or of the one inside a
     wrapper (a LossScaleOptimizer); None for any other optimizer."""
