@@ -23,7 +23,7 @@ PYTEST = $(PYTHON) -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORK
 CXX_SOURCES = $(shell find ops -name '*.cc' -o -name '*.h')
 
 .PHONY: test test-fast lint fmt test-unit test-rest test-fast-tests wheel \
-	site-mpis
+	site-mpis keras-hub
 
 test:
 	@tools/tiers.sh "$(MAKE)" lint test-unit test-rest
@@ -52,8 +52,19 @@ test-unit:
 
 # Everything but tests/unit: parallel, integration, cluster (gpu tests skip
 # without a GPU).
-test-rest: site-mpis
+test-rest: site-mpis keras-hub
 	$(PYTEST) tests --ignore=tests/unit
+
+# keras-hub for tests/parallel/test_keras_hub.py, without its dependencies:
+# it requires tensorflow-text, which requires the `tensorflow` package and
+# would install it beside tensorflow-cpu (requirements-test.txt has the
+# two it imports: regex and tokenizers).
+KERAS_HUB_VERSION = 0.32.0
+keras-hub:
+	@$(PYTHON) -c "import importlib.metadata as m; \
+	    assert m.version('keras-hub') == '$(KERAS_HUB_VERSION)'" \
+	    2>/dev/null || $(PYTHON) -m pip install -q --no-deps \
+	    keras-hub==$(KERAS_HUB_VERSION)
 
 # Open MPI and Intel MPI for the tests of builds against a cluster's own MPI
 # (tests/cluster/test_multihost.py, test_site_mpi.py, test_intel_mpi.py),

@@ -11,8 +11,8 @@ An editable install builds into the source package (kerasdist/); a wheel
 (`pip wheel`, `pip install .`, `make wheel`) into build/, with RELOCATABLE=1
 so that the core finds the mpich wheel's libmpi wherever it is installed.
 `make` rebuilds only what is out of date. pip hides the build's output, so
-short progress lines go to pip's own stderr (a terminal, a pipe or a CI log
-alike).
+short progress lines go to pip's own stderr (a terminal, a pipe, a CI log
+or a file it is redirected to alike).
 """
 
 import collections
@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -71,11 +72,33 @@ def _pip_ancestor(levels=4):
     return None
 
 
+def _share_fd(pid, fd):
+    """A duplicate of process `pid`'s descriptor `fd` (pidfd_getfd): the
+    same open file, sharing its offset, or None where the kernel refuses
+    (before Linux 5.6, or without the right to trace `pid`)."""
+    import ctypes
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd, every arch
+        return out if out >= 0 else None
+    finally:
+        os.close(pidfd)
+
+
 class _Progress:
     """Short lines past pip's capture of the build's output: written to
     pip's own stderr, so they show wherever pip's output goes (a terminal,
     a pipe, a CI log); the terminal if that cannot be opened; this
-    process's stderr when no pip runs the build."""
+    process's stderr when no pip runs the build.
+
+    Where pip's stderr is a file (`pip install ... > log 2>&1`), the lines
+    go through pip's own descriptor, which shares pip's place in the
+    file: written at the end instead, pip's next line would overwrite
+    them. Where that descriptor cannot be had, a file gets no lines."""
 
     def __init__(self):
         self._out = None
@@ -84,8 +107,15 @@ class _Progress:
                    else [])
         for path in targets:
             try:
-                # Append: a CI log redirected to a file is not truncated.
-                self._out = open(path, "a")
+                if path.startswith("/proc/") and stat.S_ISREG(
+                        os.stat(path).st_mode):
+                    fd = _share_fd(pip, 2)
+                    if fd is None:
+                        continue
+                    self._out = os.fdopen(fd, "a")
+                else:
+                    # Append: a terminal or pipe has no place to share.
+                    self._out = open(path, "a")
                 break
             except OSError:
                 continue

@@ -1,9 +1,12 @@
 """Helpers shared by the callbacks (private)."""
 
 import hashlib
+import warnings
+import weakref
 
 import numpy as np
 
+from kerasdist import basics
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import optimizer as _optimizer
@@ -15,6 +18,44 @@ def model_is_built(model):
     if layers is None:
         return bool(model.built)
     return bool(model.built) and all(layer.built for layer in layers())
+
+
+# Models whose ranks average their weights themselves (ModelAverageCallback):
+# a plain optimizer is what they need. And the models already warned about.
+_AVERAGED_BY_CALLBACK = weakref.WeakSet()
+_WARNED = weakref.WeakSet()
+
+
+def averages_weights_itself(model):
+    """Marks `model` as trained with a plain optimizer on purpose (local
+    SGD: a callback averages its weights every few steps)."""
+    _AVERAGED_BY_CALLBACK.add(model)
+
+
+def say_if_not_distributed(model):
+    """Before the first step of a job of more than one rank: one line (rank
+    0, once per model) when the model's optimizer averages nothing, so each
+    rank would train on its own gradients and the weights drift apart.
+
+    Horovod's wrapper had the same hole on Keras 3 and nothing said so; a
+    keras-hub task compiles itself with its own optimizer, so a `fit`
+    without `compile` meets it."""
+    if (basics.size() == 1 or basics.rank() != 0 or model in _WARNED
+            or model in _AVERAGED_BY_CALLBACK):
+        return
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or _optimizer.is_distributed(optimizer):
+        return
+    _WARNED.add(model)
+    warnings.warn(
+        f"kerasdist: {model.name}'s optimizer ({type(optimizer).__name__}) "
+        "is not a kerasdist DistributedOptimizer, so each of the "
+        f"{basics.size()} ranks trains on its own gradients, unaveraged, "
+        "and their weights drift apart. Compile with one: "
+        "model.compile(optimizer=kd.DistributedOptimizer(...), ...); a "
+        "keras-hub task compiles itself with its own optimizer, so call "
+        "task.compile(optimizer=kd.DistributedOptimizer(...), ...) before "
+        "fit (docs/keras.md, keras-hub).", stacklevel=2)
 
 
 def build_optimizer(model):

@@ -83,6 +83,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if not self._pending:
             self._broadcast()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            _util.say_if_not_distributed(self.model)
+
     def on_train_batch_end(self, batch, logs=None):
         if self._pending:
             self._pending = False

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from kerasdist._core import host as _host
+from kerasdist.callbacks import _util
 
 
 def _average_logs(logs, tag):
@@ -73,6 +74,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def __init__(self, every_batch=False):
         super().__init__()
         self.every_batch = every_batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            _util.say_if_not_distributed(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.every_batch and logs is not None:

@@ -89,6 +89,7 @@ class ModelAverageCallback(keras.callbacks.Callback):
                 "ModelAverageCallback needs the plain optimizer: a "
                 "kerasdist.DistributedOptimizer already averages gradients "
                 "every step. Compile with the unwrapped optimizer.")
+        _util.averages_weights_itself(self.model)
         self._average = None  # the variables may have changed since
         self._averaged_at = None
         self._period = self._iterations() // self.every_n_batches

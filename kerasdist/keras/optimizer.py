@@ -198,6 +198,13 @@ def add_local_layers(optimizer, layers):
     optimizer._kerasdist_local.add_layers(layers)
 
 
+def is_distributed(optimizer):
+    """Whether `optimizer` averages gradients across ranks: a
+    DistributedOptimizer, replicated or sharded, or a wrapper around one
+    (a LossScaleOptimizer)."""
+    return settings_of(optimizer) is not None
+
+
 def settings_of(optimizer):
     """The settings of a DistributedOptimizer, or of the one inside a
     wrapper (a LossScaleOptimizer); None for any other optimizer."""

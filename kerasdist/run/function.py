@@ -4,10 +4,12 @@ The launching process pickles `(fn, args, kwargs)` (cloudpickle, so a
 function defined in a script travels by value), starts
 `python -m kerasdist.run -np N [-H ...] python -m kerasdist.run.function
 PAYLOAD` and passes the job's output through. Every rank unpickles the
-call, runs it and writes its pickled result on stdout as one marked line;
-the launcher prefixes it with the rank, and this process takes those lines
-out of the output and returns the results in rank order. No file is shared
-between hosts unless the call is too large for a command line.
+call, runs it and writes its pickled result on stdout as marked lines of
+32 KiB (a result of any size: a trained model's weights, a history); the
+launcher prefixes them with the rank, and this process takes those lines
+out of the output, joins them and returns the results in rank order. No
+file is shared between hosts unless the call is too large for a command
+line.
 
 Standard library only (cloudpickle when installed), like the rest of the
 launcher; never imports a framework.
@@ -16,10 +18,12 @@ launcher; never imports a framework.
 import base64
 import hashlib
 import hmac
+import inspect
 import os
 import pickle
 import re
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +40,10 @@ _PREFIXED = re.compile(r"^\[(\d+)\]<stdout>:(.*)$")
 # holds, so neither a file in the shared directory nor a line another
 # program printed into a rank's output can run code here or on a rank.
 _KEY_ENV = "KERASDIST_RUN_FUNCTION_KEY"
+# A result travels as lines of at most this many characters, each marked
+# `<index>/<count>:`: the launcher's rank wrapper passes output on in
+# pieces of 64 KiB, and a longer line would be cut by another rank's.
+_RESULT_LINE = 32 * 1024
 # Payloads up to this many base64 characters travel on the command line
 # (Linux takes 128 KiB per argument); larger ones in a file.
 _ARGV_LIMIT = 64 * 1024
@@ -83,9 +91,55 @@ def _check_np(np, num_proc):
     return n
 
 
+def _horovod_args(min_np=None, max_np=None, reset_limit=None,
+                  start_timeout=None, ssh_port=None, ssh_identity_file=None,
+                  network_interface=None, use_gloo=None, use_mpi=None,
+                  slots=None, cooldown_range=None, output_filename=None,
+                  mpi_args=None, disable_cache=None):
+    """`horovod.run`'s arguments as `kerasdist run` flags and rank
+    variables: (flags, env). An argument kerasdist has no meaning for is
+    refused with one line saying what to do instead."""
+    refused = {
+        "use_gloo": (use_gloo, "kerasdist has no Gloo controller: its "
+                     "ranks meet and reduce over MPI; drop use_gloo"),
+        "slots": (slots, "give each host's slots in hosts "
+                  "('host1:4,host2:4') or the hostfile"),
+        "cooldown_range": (cooldown_range, "kerasdist keeps no list of "
+                           "failed hosts to cool down; drop it"),
+        "output_filename": (output_filename, "the ranks' output comes to "
+                            "this process's stdout, each line prefixed "
+                            "with its rank; redirect it"),
+        "mpi_args": (mpi_args, "kerasdist run builds the mpiexec command "
+                     "itself; set the MPI's own variables in env instead"),
+    }
+    for name, (value, what) in refused.items():
+        if value:
+            raise ValueError(f"kerasdist.run: {name}={value!r} is not "
+                             f"supported: {what}.")
+    if use_mpi is not None and not use_mpi:
+        raise ValueError("kerasdist.run: use_mpi=False is not supported: "
+                         "kerasdist's ranks always run over MPI; drop it.")
+    flags, env = [], {}
+    for flag, value in (("--min-np", min_np), ("--max-np", max_np),
+                        ("--max-restarts", reset_limit),
+                        ("--network-interface", network_interface)):
+        if value is not None:
+            flags += [flag, str(value)]
+    if ssh_port is not None or ssh_identity_file is not None:
+        ssh = ["ssh"]
+        if ssh_port is not None:
+            ssh += ["-p", str(int(ssh_port))]
+        if ssh_identity_file is not None:
+            ssh += ["-i", os.fspath(ssh_identity_file)]
+        flags += ["--ssh-command", shlex.join(ssh)]
+    if start_timeout is not None:
+        env["KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS"] = str(start_timeout)
+    return flags, env
+
+
 def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
         env=None, executable=None, verbose=False, launcher_args=(),
-        num_proc=None):
+        num_proc=None, **horovod):
     """Runs `fn(*args, **kwargs)` on `np` ranks and returns their results.
 
     Horovod's `horovod.run(fn, args, kwargs, num_proc=..., hosts=...)`:
@@ -111,13 +165,25 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
         launcher_args: more `kerasdist run` flags, e.g.
             `["--bind-to", "none"]`.
         num_proc: Horovod's name for `np`.
+        **horovod: the rest of `horovod.run`'s arguments: `min_np`,
+            `max_np` and `reset_limit` (`--min-np`, `--max-np`,
+            `--max-restarts`), `network_interface`
+            (`--network-interface`), `ssh_port` and `ssh_identity_file`
+            (`--ssh-command "ssh -p PORT -i FILE"`), `start_timeout` (the
+            seconds the ranks have to meet,
+            KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS), `use_mpi=True` and
+            `use_gloo=False` (what kerasdist does anyway), `disable_cache`
+            (kerasdist caches nothing between runs). `use_gloo=True`,
+            `use_mpi=False`, `slots`, `cooldown_range`, `output_filename`
+            and `mpi_args` are refused with one line each saying what to
+            do instead.
 
     Returns:
         A list of `size()` values: rank r's return value at index r.
 
     Raises:
-        ValueError: for a missing or bad `np`, or both `hosts` and
-            `hostfile`.
+        ValueError: for a missing or bad `np`, both `hosts` and
+            `hostfile`, or a refused Horovod argument.
         TypeError: if `fn`, its arguments or a rank's result cannot be
             pickled.
         RuntimeError: if the job fails (a rank raised or died): the
@@ -132,6 +198,12 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
     [0, 10]
     """
     n = _check_np(np, num_proc)
+    unknown = sorted(set(horovod) - set(
+        inspect.signature(_horovod_args).parameters))
+    if unknown:
+        raise TypeError(f"kerasdist.run: unknown argument(s) "
+                        f"{', '.join(unknown)}.")
+    horovod_flags, horovod_env = _horovod_args(**horovod)
     if not callable(fn):
         raise TypeError(f"kerasdist.run: fn must be callable; got "
                         f"{type(fn).__name__}.")
@@ -161,10 +233,10 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
         cmd += ["--hostfile", os.fspath(hostfile)]
     if verbose:
         cmd.append("--verbose")
-    cmd += [str(a) for a in launcher_args]
+    cmd += horovod_flags + [str(a) for a in launcher_args]
     cmd += [executable or sys.executable, "-m", "kerasdist.run.function",
             payload]
-    child_env = dict(os.environ)
+    child_env = dict(os.environ, **horovod_env)
     child_env.update({k: str(v) for k, v in (env or {}).items()})
     child_env[_KEY_ENV] = key.hex()
     # The ranks import kerasdist, and the caller's modules that `fn`
@@ -197,23 +269,44 @@ def run(fn, args=(), kwargs=None, np=None, hosts=None, hostfile=None,
     if code != 0:
         raise RuntimeError(f"kerasdist.run: the job failed (exit code "
                            f"{code}); the ranks' output above says why.")
+    return _results(key, results, n)
+
+
+def _results(key, results, n):
+    """The n ranks' results from the pieces `_take_result` recorded."""
     missing = [r for r in range(n) if r not in results]
     if missing:
         raise RuntimeError(f"kerasdist.run: rank(s) {missing} returned no "
                            "result although the job succeeded (an "
                            "os._exit in fn?).")
-    return [_unpickle(key, results[r], f"rank {r}'s result")
-            for r in range(n)]
+    out = []
+    for r in range(n):
+        pieces = results[r]
+        if None in pieces:
+            raise RuntimeError(
+                f"kerasdist.run: rank {r}'s result arrived incomplete "
+                f"({pieces.count(None)} of its {len(pieces)} lines are "
+                "missing); refused.")
+        out.append(_unpickle(key, "".join(pieces), f"rank {r}'s result"))
+    return out
 
 
 def _take_result(line, results):
-    """Records a result marked in `line` (a launcher output line) and
-    returns the rest of the line to print ('' for none)."""
+    """Records a piece of a result marked in `line` (a launcher output
+    line) in `results[rank]` and returns the rest of the line to print
+    ('' for none)."""
     m = _PREFIXED.match(line.rstrip("\n"))
     if not m or _MARKER not in m.group(2):
         return line
-    before, _, encoded = m.group(2).partition(_MARKER)
-    results[int(m.group(1))] = encoded.strip()
+    before, _, marked = m.group(2).partition(_MARKER)
+    place, _, piece = marked.partition(":")
+    index, _, count = place.partition("/")
+    if not (index.isdigit() and count.isdigit()
+            and int(index) < int(count)):
+        return line  # not a piece of a result: printed as it came
+    pieces = results.setdefault(int(m.group(1)), [None] * int(count))
+    if len(pieces) == int(count):
+        pieces[int(index)] = piece.strip()
     return f"[{m.group(1)}]<stdout>:{before}\n" if before else ""
 
 
@@ -234,8 +327,11 @@ def _rank_main(argv):
     result = fn(*args, **kwargs)
     signed = _sign(key, base64.b64encode(_dumps(result, "the result"))
                    .decode())
+    count = max(1, -(-len(signed) // _RESULT_LINE))
     sys.stdout.flush()
-    sys.stdout.write(_MARKER + signed + "\n")
+    for i in range(count):
+        piece = signed[i * _RESULT_LINE:(i + 1) * _RESULT_LINE]
+        sys.stdout.write(f"{_MARKER}{i}/{count}:{piece}\n")
     sys.stdout.flush()
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import _anchor_pids
 from tests.support.cluster import _links
@@ -128,7 +129,7 @@ def _connects(cluster, host, to, port, timeout):
 
 
 def test_drop_is_silent_and_cut_is_restored(cluster):
-    _require_tool("nft")
+    system.require("nftables")
     h0, h1 = cluster.hosts
     server = cluster.popen(h1, [sys.executable, "-c",
                                 "import socket, time\n"
@@ -152,16 +153,6 @@ def test_drop_is_silent_and_cut_is_restored(cluster):
         # group (nsenter and the server), not nsenter alone.
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-
-
-def _require_tool(name):
-    import shutil
-    if shutil.which(name) is not None:
-        return
-    message = f"needs the {name!r} command"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {message}", pytrace=False)
-    pytest.skip(message)
 
 
 def _gone(pid):

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.support import forkserver
+from tests.support import system
 from tests.support import trainer_records as tr
 from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
@@ -65,6 +66,8 @@ def _launcher_lines(output):
 @pytest.mark.parametrize("where, fault", CASES)
 def test_a_fault_ends_every_rank_within_the_bound(cluster, tmp_path, where,
                                                   fault):
+    if fault == "drop":
+        system.require("nftables")
     kdt1 = cluster.host("kdt1")
     env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S,
                      KERASDIST_HEARTBEAT_INTERVAL_SECONDS=0.5)
@@ -221,6 +224,7 @@ def test_trainer_goes_on_without_a_silent_host(cluster, reference):
     # one rank on kdt0 (--min-np 1) from the last step checkpoint. Every
     # epoch trains each example once (as many seen as uninterrupted), and
     # the loss is within the run-to-run spread.
+    system.require("nftables")
     root, spread = reference
     kdt1 = cluster.host("kdt1")
     env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=HEARTBEAT_TIMEOUT_S)
@@ -372,6 +376,7 @@ def test_soak_twenty_faults_in_a_row_each_recovered(cluster, tmp_path):
     # must load into a fresh model with the trained weights. The ranks are
     # forked from a server per host that has imported TensorFlow
     # (tests/support/forkserver.py): 5-6 CPU s less per attempt.
+    system.require("nftables")  # one of the faults drops packets
     kdt1 = cluster.host("kdt1")
     ckpt, state = tmp_path / "ckpt", tmp_path / "state"
     ckpt.mkdir()

@@ -7,7 +7,7 @@ bit for bit, and both builds on the other one's libmpi (the MPICH ABI,
 libmpi.so.12).
 
 Intel MPI is looked for in $KERASDIST_TEST_INTEL_MPI, else .impi in the
-repository (.ci/run installs it there: `pip install --no-deps --prefix .impi
+repository (`make test` installs it there: `pip install --no-deps --prefix .impi
 impi-devel==2021.19.0 impi-rt==2021.19.0`); Debian's libfabric1 is its
 fabric library and libpmi2-0 Slurm's PMI-2 library. The build goes to a
 temporary directory once per module; it reuses the editable build's
@@ -27,6 +27,7 @@ import pytest
 
 import kerasdist
 from tests.support import slurm as slurm_lib
+from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import require
 from tests.support.helpers import REPO_ROOT
@@ -86,9 +87,7 @@ def site():
     None)."""
     require()
     home = _intel_home()
-    if not any(os.path.exists(os.path.join(d, "libfabric.so.1")) for d in
-               ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")):
-        _missing("Intel MPI needs libfabric (apt-get install libfabric1)")
+    system.require("libfabric1")
     with tempfile.TemporaryDirectory(prefix="kerasdist-impi-") as tmp, \
             Cluster(2) as c:
         build = os.environ.get("KERASDIST_TEST_INTEL_BUILD") or _build(
@@ -259,9 +258,8 @@ def test_srun_pmi2_with_the_intel_build(site):
     MPI talks PMI-2 to slurmd through Slurm's libpmi2
     (I_MPI_PMI_LIBRARY)."""
     home, build, c, s = site
-    if s is None:
-        _missing("Slurm with its PMI-2 library is needed (apt-get install "
-                 "slurmctld slurmd slurm-client munge libpmi2-0)")
+    system.require("libpmi2-0", *slurm_lib.PACKAGES)
+    assert s is not None  # the fixture makes Slurm where its packages are
     env = s.env(_env(build, I_MPI_PMI_LIBRARY=PMI2))
     code, out = _run(s.prefix() + [
         "salloc", "-N2", "-n2", "srun", "--mpi=pmi2",

@@ -63,6 +63,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
@@ -157,13 +158,7 @@ def _stop_sshd(cluster):
 
 
 def _need_openssh():
-    if (shutil.which("sshd") or os.path.exists("/usr/sbin/sshd")) and \
-            shutil.which("ssh-keygen") and shutil.which("ssh"):
-        return
-    message = "needs OpenSSH (apt-get install openssh-server)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and the test {message}", pytrace=False)
-    pytest.skip(message)
+    system.require("openssh-server", "openssh-client")
 
 
 class Pod:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
@@ -154,13 +155,7 @@ def _sshd(cluster, host, keys):
 
 
 def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
-    sshd = shutil.which("sshd") or (
-        "/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
-    if sshd is None or shutil.which("ssh-keygen") is None:
-        message = "needs OpenSSH (apt-get install openssh-server)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and the test {message}", pytrace=False)
-        pytest.skip(message)
+    system.require("openssh-server", "openssh-client")
     keys = str(tmp_path)
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",

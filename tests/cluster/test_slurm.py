@@ -12,6 +12,7 @@ import pytest
 from tests.cluster.test_multihost import _fields
 from tests.cluster.test_multihost import layout
 from tests.support import slurm as slurm_lib
+from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import require
 from tests.support.helpers import launch
@@ -139,6 +140,7 @@ def _srun(s, mpi, root=None, timeout=120):
 def test_srun_pmix_starts_the_open_mpi_build_not_the_mpich_one(
         slurm, openmpi_root):
     # Slurm's PMIx plugin serves Open MPI's MPI_Init directly.
+    system.require("libpmix-dev")
     code, out = _srun(slurm, "pmix", openmpi_root)
     assert code == 0, out[-4000:]
     assert sorted(l for l in out.splitlines() if l.startswith("SIZE")) == [

@@ -59,6 +59,66 @@ def test_returns_each_ranks_result_in_rank_order(tmp_path):
     assert "kerasdist-run-result" not in out, out
 
 
+def test_results_of_any_size_come_back_whole(tmp_path):
+    # A trained model's weights: 100 MB from rank 1, and 60 KB (what a
+    # single line could not carry) beside a history from rank 0. With
+    # Horovod's own arguments, as `horovod.run` examples pass them.
+    code, out = _driver(tmp_path, """
+        import hashlib, random
+        import kerasdist as kd
+
+        def work():
+            kd.init()
+            size = 100 * 2**20 if kd.rank() == 1 else 60 * 1024
+            blob = random.Random(kd.rank()).randbytes(size)
+            print("tail without a newline", end="")
+            return {"weights": blob, "history": {"loss": [0.5, 0.25]}}
+
+        results = kd.run(work, np=2, use_mpi=True, use_gloo=False,
+                         start_timeout=120, disable_cache=True)
+        for r, res in enumerate(results):
+            size = 100 * 2**20 if r == 1 else 60 * 1024
+            want = random.Random(r).randbytes(size)
+            print("RANK", r, len(res["weights"]), res["weights"] == want,
+                  res["history"])
+    """, timeout=300)
+    assert code == 0, out[-3000:]
+    lines = out.splitlines()
+    assert "RANK 0 61440 True {'loss': [0.5, 0.25]}" in lines, out[-3000:]
+    assert f"RANK 1 {100 * 2**20} True {{'loss': [0.5, 0.25]}}" in lines, \
+        out[-3000:]
+    assert "[1]<stdout>:tail without a newline" in lines, out[-3000:]
+    assert "kerasdist-run-result" not in out and len(out) < 20000, \
+        out[-3000:]
+
+
+def test_a_result_missing_a_line_is_refused():
+    results = {}
+    key = b"k" * 32
+    for line in ("[0]<stdout>:\x1ekerasdist-run-result:0/3:abc\n",
+                 "[0]<stdout>:\x1ekerasdist-run-result:2/3:def\n",
+                 "[0]<stdout>:\x1ekerasdist-run-result:9/3:junk\n"):
+        printed = function._take_result(line, results)
+        assert printed == (line if "9/3" in line else ""), printed
+    assert results == {0: ["abc", None, "def"]}
+    with pytest.raises(RuntimeError, match="rank 0's result arrived "
+                       "incomplete \\(1 of its 3 lines are missing\\)"):
+        function._results(key, results, 1)
+
+
+def test_horovods_run_arguments_become_the_launchers_flags():
+    flags, env = function._horovod_args(
+        min_np=1, max_np=4, reset_limit=2, network_interface="eth1",
+        ssh_port=2222, ssh_identity_file="id key", start_timeout=45,
+        use_mpi=True, use_gloo=False, disable_cache=True)
+    assert flags == ["--min-np", "1", "--max-np", "4", "--max-restarts", "2",
+                     "--network-interface", "eth1", "--ssh-command",
+                     "ssh -p 2222 -i 'id key'"], flags
+    assert env == {"KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS": "45"}
+    with pytest.raises(TypeError, match="unknown argument.*use_glo"):
+        function.run(print, np=1, use_glo=True)
+
+
 def test_a_failing_rank_raises_after_its_traceback(tmp_path):
     code, out = _driver(tmp_path, """
         import kerasdist as kd
@@ -86,6 +146,13 @@ def test_a_failing_rank_raises_after_its_traceback(tmp_path):
     ({"np": 2, "num_proc": 3}, "disagree"),
     ({"np": 2, "hosts": "a:2", "hostfile": "h"}, "not both"),
     ({"np": 2, "launcher_args": ["--no-prefix"]}, "--no-prefix"),
+    ({"np": 2, "use_gloo": True}, "use_gloo=True is not supported: "
+     "kerasdist has no Gloo controller"),
+    ({"np": 2, "use_mpi": False}, "use_mpi=False is not supported"),
+    ({"np": 2, "slots": 4}, "slots=4 is not supported: give each host's"),
+    ({"np": 2, "cooldown_range": (10, 100)}, "cooldown_range"),
+    ({"np": 2, "output_filename": "out"}, "output_filename"),
+    ({"np": 2, "mpi_args": "-x FOO"}, "mpi_args='-x FOO' is not supported"),
 ])
 def test_bad_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

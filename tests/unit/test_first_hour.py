@@ -171,11 +171,11 @@ def test_a_job_of_one_outside_any_launcher_says_so_once(tmp_path):
 
 # setup.py's progress lines, without running setup(): its two helpers.
 _PROGRESS_CODE = """
-import ast, os, sys
+import ast, os, stat, sys
 tree = ast.parse(open(sys.argv[1]).read())
 keep = [n for n in tree.body if getattr(n, "name", "") in
-        ("_pip_ancestor", "_Progress")]
-ns = {"os": os, "sys": sys}
+        ("_pip_ancestor", "_share_fd", "_Progress")]
+ns = {"os": os, "stat": stat, "sys": sys}
 exec(compile(ast.Module(keep, []), "setup.py", "exec"), ns)
 progress = ns["_Progress"]()
 progress.say("kerasdist:   built libkerasdist_core.so (1 s)")
@@ -205,6 +205,31 @@ def test_build_progress_reaches_pips_output_through_a_pipe(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.stderr == "kerasdist:   built libkerasdist_core.so (1 s)\n", \
         p.stderr
+
+
+def test_build_progress_stays_in_a_log_that_pips_output_goes_to(tmp_path):
+    # `pip install ... > log 2>&1`: pip's stderr is a file it writes at its
+    # own place in; a line appended at the end would be overwritten by
+    # pip's next line. The stand-in writes a line before and after the
+    # build; all three must be in the log, in order.
+    stub = tmp_path / "pip"
+    stub.write_text(
+        "import subprocess, sys\n"
+        "sys.stderr.write('Building editable: started\\n')\n"
+        "sys.stderr.flush()\n"
+        "subprocess.run(sys.argv[1:], capture_output=True, check=True)\n"
+        "sys.stderr.write('Building editable: finished with status done\\n')\n")
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), "setup.py")
+    log = tmp_path / "log"
+    with open(log, "w") as f:  # as the shell's `>`: truncated, no append
+        subprocess.run([sys.executable, str(stub), sys.executable, "-c",
+                        _PROGRESS_CODE, setup_py], stdout=f, stderr=f,
+                       timeout=60, check=True)
+    assert log.read_text() == (
+        "Building editable: started\n"
+        "kerasdist:   built libkerasdist_core.so (1 s)\n"
+        "Building editable: finished with status done\n"), log.read_text()
 
 
 def test_doctor_names_pytorch_and_the_active_keras_backend(tmp_path):

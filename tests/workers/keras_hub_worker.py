@@ -1,0 +1,149 @@
+"""Worker for tests/parallel/test_keras_hub.py: a keras-hub task under
+`kerasdist run`, as docs/keras.md's keras-hub section shows it.
+
+    python -m kerasdist.run -np 2 python tests/workers/keras_hub_worker.py
+
+A GemmaCausalLM built from a config (random weights, nothing downloaded,
+no tokenizer: token ids in, logits out). keras-hub tasks compile
+themselves in their constructor with their own optimizer, so a `fit`
+without a `compile` trains each rank on its own gradients: kerasdist must
+say so before the first step. Compiled with `kd.DistributedOptimizer` it
+must train as one process on the concatenated batch, fully and with LoRA,
+replicated and sharded. SGD: Adam would turn round-off in a parameter
+whose true gradient is zero into full steps.
+"""
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+
+import kerasdist as kd  # noqa: E402
+from tests.support import checks  # noqa: E402
+from tests.support.checks import check  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+kd.init()
+RANK, SIZE = kd.rank(), kd.size()
+B, STEPS, SEQ, VOCAB = 2, 3, 6, 32
+
+
+def task(lora=False):
+    """The same tiny Gemma on every call and every rank."""
+    keras.utils.set_random_seed(7)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=8, intermediate_dim=16,
+        head_dim=4, dtype="float32")
+    if lora:
+        backbone.enable_lora(rank=2)
+        # LoRA's B starts at zero: give it values, so that both of its
+        # matrices move from the first step.
+        for w in backbone.trainable_weights:
+            if "lora_kernel_b" in w.path:
+                w.assign(keras.random.normal(w.shape, stddev=0.1, seed=3))
+    return keras_hub.models.GemmaCausalLM(backbone=backbone,
+                                          preprocessor=None)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(STEPS * SIZE * B, SEQ + 1))
+    x = {"token_ids": tokens[:, :-1],
+         "padding_mask": np.ones((len(tokens), SEQ), bool)}
+    return x, tokens[:, 1:]
+
+
+def mine(a):
+    """Rank r's rows of every global batch of SIZE*B."""
+    g = a.reshape(STEPS, SIZE, B, *a.shape[1:])
+    return g[:, RANK].reshape(STEPS * B, *a.shape[1:])
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def check_equivalent(label, lora, **kd_args):
+    x, y = data()
+    truth = task(lora)
+    truth.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss())
+    truth.fit(x, y, batch_size=SIZE * B, shuffle=False, verbose=0)
+    model = task(lora)
+    start = [w.numpy() for w in model.trainable_weights]
+    model.compile(optimizer=kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.5), **kd_args), loss=loss())
+    model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,
+              shuffle=False, verbose=0,
+              callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    got = [w.numpy() for w in model.trainable_weights]
+    want = [w.numpy() for w in truth.trainable_weights]
+    assert len(got) == len(want) and got, (len(got), len(want))
+    for g, w, s, v in zip(got, want, start, model.trainable_weights):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label}: {v.path}")
+        assert not np.array_equal(g, s), f"{label}: {v.path} did not train"
+    every = kd.allgather_object([float(np.sum(g)) for g in got])
+    assert all(e == every[0] for e in every), every
+    if lora:  # the base stays frozen
+        assert all("lora" in w.path for w in model.trainable_weights)
+
+
+@check("keras_hub_task_fit_averaged")
+def task_fit_averaged():
+    check_equivalent("full", lora=False)
+
+
+@check("keras_hub_lora_sharded_averaged")
+def lora_sharded_averaged():
+    check_equivalent("lora sharded", lora=True, shard="gradients")
+
+
+@check("keras_hub_own_optimizer_says_so")
+def own_optimizer_says_so():
+    # The task's own compile (its own Adam), fit with kerasdist's
+    # callback: one warning, before the first step, naming the fix.
+    model = task()
+    x, y = data()
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,
+                  epochs=2, shuffle=False, verbose=0, callbacks=[
+                      kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                      keras.callbacks.LambdaCallback(
+                          on_train_batch_begin=lambda b, logs: steps.append(
+                              len(caught)))])
+    said = [str(w.message) for w in caught
+            if "not a kerasdist DistributedOptimizer" in str(w.message)]
+    # Rank 0 says it, once for the two epochs; the others say nothing.
+    assert len(said) == (1 if RANK == 0 else 0), [
+        str(w.message) for w in caught]
+    if RANK == 0:
+        assert "task.compile(optimizer=kd.DistributedOptimizer(" in \
+            said[0], said
+        assert "each of the 2 ranks trains on its own gradients" in \
+            said[0], said
+        assert steps[0] == 1, "not said before the first step"
+    # Compiled with the wrapper, nothing is said.
+    model = task()
+    model.compile(optimizer=kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1)), loss=loss())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,
+                  shuffle=False, verbose=0, callbacks=[
+                      kd.callbacks.BroadcastGlobalVariablesCallback(0),
+                      kd.callbacks.MetricAverageCallback()])
+    assert not [w for w in caught if "DistributedOptimizer" in
+                str(w.message)], [str(w.message) for w in caught]
+
+
+if __name__ == "__main__":
+    checks.main(rank=RANK)
