@@ -72,7 +72,6 @@ from kerasdist import _resize
 from kerasdist import basics
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
-from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.keras.sharding import step as _shard_step
 
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
@@ -594,7 +593,7 @@ class TensorFlowKerasState(_VariablesState):
                 if id(v) not in seen]
         if len(values) != model + len(mine):
             return values  # another model: _load_saved says so
-        state = _sharding.shard_state(self.optimizer)
+        state = _optimizer.shard_state(self.optimizer)
         slots = {i: j for i, _, j in
                  _shard_files.slot_variables(self.optimizer)}
         out, whole = list(values[:model]), {}
@@ -860,7 +859,7 @@ class _ShardCommits:
 
     def sharded(self):
         return self.optimizer is not None and \
-            _sharding.shard_state(self.optimizer) is not None
+            _optimizer.shard_state(self.optimizer) is not None
 
     def save(self):
         if self.sharded():
@@ -877,7 +876,7 @@ class _ShardCommits:
         returns (files, index) of the commit, the same on every rank."""
         from kerasdist._core import host as _host
 
-        state = _sharding.shard_state(self.optimizer)
+        state = _optimizer.shard_state(self.optimizer)
         rank, size = state.rank, state.layout.size
         if self._nonce is None:
             nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
@@ -957,7 +956,7 @@ class _ShardCommits:
         value is broadcast from rank 0, one slot at a time, and every rank
         keeps its own shard of it (`step.own_shard`, the optimizer's
         own slicing)."""
-        state = _sharding.shard_state(self.optimizer)
+        state = _optimizer.shard_state(self.optimizer)
         layout = state.layout
         for i, v, j in _shard_files.slot_variables(self.optimizer):
             dtype = _shard_files.numpy_dtype(layout.dtypes[j])

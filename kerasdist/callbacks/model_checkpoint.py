@@ -13,7 +13,7 @@ from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
 from kerasdist.callbacks import _util
-from kerasdist.keras.sharding import optimizer as _sharding
+from kerasdist.keras import optimizer as _optimizer
 
 _SUFFIX = ".weights.h5"
 _MODEL_SUFFIXES = (".keras", ".h5")
@@ -134,7 +134,7 @@ class ModelCheckpoint(keras.callbacks.Callback):
             self.best = current
         # A sharded optimizer's slots are gathered from every rank, so that
         # rank 0 writes them whole (kerasdist/keras/sharding/).
-        with _sharding.whole_state(self.model.optimizer):
+        with _optimizer.whole_state(self.model.optimizer):
             if basics.rank() != 0:
                 return
             path = self.filepath.format(epoch=epoch + 1, **logs)

@@ -198,6 +198,9 @@ def add_local_layers(optimizer, layers):
     optimizer._kerasdist_local.add_layers(layers)
 
 
+# ---- what other modules ask of an optimizer ----------------------------------
+
+
 def is_distributed(optimizer):
     """Whether `optimizer` averages gradients across ranks: a
     DistributedOptimizer, replicated or sharded, or a wrapper around one
@@ -214,9 +217,6 @@ def settings_of(optimizer):
             return settings
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
-
-
-# ---- what other modules ask of an optimizer ----------------------------------
 
 
 def whole_variables(optimizer):
@@ -241,6 +241,38 @@ def sharded_in(optimizer):
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+def shard_state(optimizer):
+    """The state of the sharded optimizer in `optimizer` (its `layout`,
+    `rank` and `slot_index(variable)`), or None where there is none or it
+    is not built yet."""
+    sharded = sharded_in(optimizer)
+    if sharded is None or not sharded.built:
+        return None
+    return sharded.kerasdist_shard_state
+
+
+class whole_state:
+    """A context in which a sharded optimizer in `optimizer` saves its
+    state whole, in the plain optimizer's layout (`model.save`,
+    `save_weights`): entering gathers every slot from its shards, on every
+    rank (a collective: every rank enters). Nothing for any other
+    optimizer."""
+
+    def __init__(self, optimizer):
+        self.sharded = sharded_in(optimizer)
+
+    def __enter__(self):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded.kerasdist_shard_state.whole = \
+                self.sharded.kerasdist_gather_whole()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sharded is not None and self.sharded.built:
+            self.sharded.kerasdist_shard_state.whole = None
+        return False
 
 
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------

@@ -30,9 +30,9 @@ def save_model(model, filepath, **kwargs):
     >>> kerasdist.save_model(model, "model.keras")  # on every rank
     """
     from kerasdist import basics
-    from kerasdist.keras.sharding import optimizer as _sharding
+    from kerasdist.keras import optimizer as _optimizer
 
-    with _sharding.whole_state(getattr(model, "optimizer", None)):
+    with _optimizer.whole_state(getattr(model, "optimizer", None)):
         if basics.rank() == 0:
             model.save(filepath, **kwargs)
 

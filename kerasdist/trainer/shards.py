@@ -39,7 +39,6 @@ import time
 
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
-from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import checkpoints
 
 # How long rank 0 waits for the other ranks' shard files of one write.
@@ -154,7 +153,7 @@ class ShardWriter:
     from those an earlier attempt left."""
 
     def __init__(self, optimizer, directory, nonce):
-        state = _sharding.shard_state(optimizer)
+        state = _optimizer.shard_state(optimizer)
         self.optimizer = optimizer
         self.rank = state.rank
         self.size = state.layout.size

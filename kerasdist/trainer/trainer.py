@@ -27,7 +27,6 @@ from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.distributed_optimizer import SHARD_MODES
 from kerasdist.keras.distributed_optimizer import DistributedOptimizer
 from kerasdist.keras.sharding import files as _shard_files
-from kerasdist.keras.sharding import optimizer as _sharding
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import checkpoints
 from kerasdist.trainer import data as _tdata
@@ -538,7 +537,7 @@ class Trainer:
             if _optimizer_variables_in(path) < len(self.optimizer.variables):
                 return  # fresh_optimizer: nothing to read
             source = _shard_files.PlainFile(path)
-            layout = _sharding.shard_state(self.model.optimizer).layout
+            layout = _optimizer.shard_state(self.model.optimizer).layout
             numels = {i: layout.numels[j]
                       for i, _, j in
                       _shard_files.slot_variables(self.model.optimizer)}

@@ -58,7 +58,6 @@ import numpy as np  # noqa: E402
 import kerasdist as kd  # noqa: E402
 from kerasdist.keras import optimizer as _optimizer  # noqa: E402
 from kerasdist.keras.sharding import files as _shard_files  # noqa: E402
-from kerasdist.keras.sharding import optimizer as _sharding  # noqa: E402
 from kerasdist.trainer import checkpoints  # noqa: E402
 from kerasdist.trainer import data as tdata  # noqa: E402
 
@@ -417,7 +416,7 @@ def elastic_replicated_to_sharded(root):
     kd.barrier(name="test.elastic_r")
     assert_state(resumed(el_s), whole_of(model_r, opt_r), 0.0,
                  "elastic replicated -> 3 sharded")
-    layout = _sharding.shard_state(opt_s).layout
+    layout = _optimizer.shard_state(opt_s).layout
     slots = _shard_files.slot_variables(opt_s)
     assert len(slots) == 8, slots
     for i, v, j in slots:

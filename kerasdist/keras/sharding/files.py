@@ -9,10 +9,10 @@ import os
 
 import numpy as np
 
+from kerasdist.keras.optimizer import shard_state
 from kerasdist.keras.sharding.layout import flat_range
 from kerasdist.keras.sharding.layout import owned
 from kerasdist.keras.sharding.layout import pieces
-from kerasdist.keras.sharding.optimizer import shard_state
 
 
 def slot_variables(optimizer):

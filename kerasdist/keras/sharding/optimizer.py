@@ -8,8 +8,9 @@ collectives (`kerasdist.keras.framework`).
 
 The sharding package, by job: `layout` (which elements each rank owns),
 `step` (the reduce-scatter and allgather of one step), this module (the
-sharded step's class, and `whole_state`, in which it saves whole),
-`files` (the shards in checkpoint files).
+sharded step's class), `files` (the shards in checkpoint files). What
+other modules ask of a sharded optimizer (`shard_state`, `whole_state`,
+`whole_variables`) they ask of kerasdist/keras/optimizer.py.
 
 A step, in the sharded class's `apply`: the gradients reduce-scattered
 into this rank's shards (`step.scatter`); the rank's shard of each weight
@@ -31,7 +32,6 @@ from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.compression import Compression
 from kerasdist.keras.optimizer import DistributedBase
-from kerasdist.keras.optimizer import sharded_in
 from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import ShardState
@@ -93,6 +93,12 @@ class ShardedStep(DistributedBase):
         if state is not None:
             state.note_slot(slot, reference_variable)
         return slot
+
+    @property
+    def kerasdist_shard_state(self):
+        """The `layout.ShardState` (layout, rank, shadows, which optimizer
+        variables are slots of which shard), None until built."""
+        return getattr(self, "_kerasdist_shard", None)
 
     @property
     def kerasdist_sharded_variables(self):
@@ -337,38 +343,3 @@ def _warn_save_once():
         "the ranks; a saved model holds its weights, and of the optimizer "
         "only what every rank shares, not its slots: loading it starts "
         "them afresh.", UserWarning, stacklevel=3)
-
-
-def shard_state(optimizer):
-    """The state of the sharded optimizer in `optimizer` (its `layout`,
-    `rank` and `slot_index(variable)`), or None where there is none or it
-    is not built yet."""
-    sharded = sharded_in(optimizer)
-    if sharded is None or not sharded.built:
-        return None
-    return sharded._kerasdist_shard
-
-
-class whole_state:
-    """A context in which a sharded optimizer in `optimizer` saves its
-    state whole, in the plain optimizer's layout (`model.save`,
-    `save_weights`): entering gathers every slot from its shards, on every
-    rank (a collective: every rank enters). Nothing for any other
-    optimizer."""
-
-    def __init__(self, optimizer):
-        self.sharded = sharded_in(optimizer)
-
-    def __enter__(self):
-        if self.sharded is not None and self.sharded.built:
-            self.sharded._kerasdist_shard.whole = \
-                self.sharded.kerasdist_gather_whole()
-        return self
-
-    def __exit__(self, *exc):
-        if self.sharded is not None and self.sharded.built:
-            self.sharded._kerasdist_shard.whole = None
-        return False
-
-
-# ---- saving and loading the shards (Trainer checkpoints, hvd.elastic) ----
