@@ -63,7 +63,7 @@ and no --master-port: any free port of this host).
 """
 
 
-def _count(text, flag, what):
+def _count(text, flag, what, most, of):
     try:
         value = int(str(text).strip())
     except ValueError:
@@ -71,6 +71,9 @@ def _count(text, flag, what):
     if value is None or value < 1:
         raise ValueError(f"{flag} {text!r} is not a positive integer; give "
                          f"{what}.")
+    if value > most:
+        raise ValueError(f"{flag} {str(text).strip()} is above {most}, the "
+                         f"most {of}; give {what}.")
     return value
 
 
@@ -86,6 +89,10 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
     Raises:
         ValueError: one line naming the flag and what to give.
     """
+    # The bounds (docs/launcher.md): the launcher's, imported here only
+    # (the manager side runs this file by path, standard library only).
+    from kerasdist.run import hosts
+
     if nnodes is None:
         nnodes = 1
     else:
@@ -101,10 +108,13 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
                     f"one host with --host-discovery-script (and --min-np, "
                     f"--max-np), which grows and shrinks it.")
             text = low
-        nnodes = _count(text, "--nnodes", "the number of hosts, e.g. 2")
+        nnodes = _count(text, "--nnodes", "the number of hosts, e.g. 2",
+                        hosts.MAX_RANKS, "hosts of a kerasdist job")
     nproc = (1 if nproc_per_node is None else
              _count(nproc_per_node, "--nproc-per-node",
-                    "the number of ranks to start on this host, e.g. 2"))
+                    "the number of ranks to start on this host, e.g. 2",
+                    hosts.MAX_RANKS_PER_HOST,
+                    "ranks kerasdist runs on one host"))
     if node_rank is None:
         node_rank = 0
     else:
@@ -143,6 +153,11 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
     elif nnodes > 1:
         master_port = DEFAULT_PORT
     world = nnodes * nproc
+    if world > hosts.MAX_RANKS:
+        raise ValueError(
+            f"--nnodes {nnodes} x --nproc-per-node {nproc} = {world} ranks "
+            f"is above {hosts.MAX_RANKS}, the most ranks of a kerasdist "
+            f"job; give fewer nodes or fewer ranks per node.")
     if np is not None and np != world:
         raise ValueError(
             f"-np {np} does not match --nnodes {nnodes} x --nproc-per-node "

@@ -218,6 +218,29 @@ def test_bad_input_exits_2(launcher_args, command):
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("launcher_args, line", [
+    (("-np", "100000000000000000000"),
+     "kerasdist run: error: argument -np/-n/--num-proc: "
+     "100000000000000000000 is above 1048576, the most ranks of a kerasdist "
+     "job; give the number of ranks to run\n"),
+    (("--nproc-per-node", "1000000000"),
+     "kerasdist run: error: --nproc-per-node 1000000000 is above "),
+])
+def test_a_typo_in_a_rank_count_is_one_line_not_a_full_host(launcher_args,
+                                                            line):
+    # Once: one rank ran, then the launcher grew to 17.6 GB (a list the
+    # size of -np, built in the thread that handles SIGTERM), or started
+    # ranks until the host ran out. Here under a 2 GB address space, so a
+    # regression fails this test, not the machine.
+    start = time.monotonic()
+    out = launch(None, ["true"], timeout=30, launcher_args=launcher_args,
+                 prefix=("sh", "-c", 'ulimit -v 2000000; exec "$@"', "sh"))
+    assert out.returncode == 2, out.stdout
+    assert out.stdout.startswith(line), out.stdout
+    assert out.stdout.count("\n") == 1, out.stdout
+    assert time.monotonic() - start < 15
+
+
 def test_max_restarts_relaunches_failed_job():
     code = ("import os, sys\n"
             "a = os.environ['KERASDIST_RESTART_ATTEMPT']\n"
