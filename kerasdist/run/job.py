@@ -411,11 +411,14 @@ class _Relay(threading.Thread):
             yield buf + b"\n"
 
     def run(self):
+        token = os.environ.get(_rank.RANK_MARKER_TOKEN_ENV)
         for line in self._pieces():
-            if _rank.RESIZABLE_MARKER in line:
+            # A rank's own markers count with the job's token only; without
+            # it they are the program's output.
+            if _rank.is_rank_marker(line, _rank.RESIZABLE_MARKER, token):
                 self.findings.resizable = True
                 continue
-            if _rank.PROGRESS_MARKER in line:
+            if _rank.is_rank_marker(line, _rank.PROGRESS_MARKER, token):
                 self.findings.progressed = True
                 continue
             start = line.find(_rank.MARKER)

@@ -311,6 +311,20 @@ def test_an_attempt_that_saved_progress_restarts_at_once():
     assert "kerasdist-progress" not in out.stdout, out.stdout
 
 
+def test_a_printed_progress_marker_does_not_skip_the_backoff():
+    # Once, one printed line turned 7 attempts in 60 s into 286: without
+    # the job's token it is the program's output, not saved progress.
+    out = launch(1, python_cmd(
+        "import sys; sys.stderr.write('\\x1ekerasdist-progress\\n'); "
+        "sys.exit(3)"), timeout=60,
+        launcher_args=("--max-restarts", "50", "--timeout", "3"))
+    # Backed off, and stopped as a failure that repeats (or by --timeout).
+    assert out.returncode in (3, 124), out.stdout
+    assert "waiting 0.5 s before the next" in out.stdout, out.stdout
+    assert out.stdout.count("kerasdist: attempt ") < 6, out.stdout
+    assert "[0]<stderr>:\x1ekerasdist-progress" in out.stdout
+
+
 @pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
 def test_tensorflow_start_up_lines_are_quiet_unless_asked(given, seen):
     env = dict(os.environ)
@@ -464,9 +478,9 @@ def _elastic_args(script):
 
 
 # Says it checks for resize requests (as the Trainer does, with the
-# launcher's marker line), then lists a second slot.
+# launcher's marker line and the job's token), then lists a second slot.
 _ANNOUNCE_AND_GROW = (
-    "    os.write(2, b'\\x1ekerasdist-resizable rank=0\\n')\n"
+    "    from kerasdist import _resize; _resize.announce(0)\n"
     "    open(L, 'w').write('localhost:2\\n')\n")
 
 _GREW = ("kerasdist: growing from 1 to 2 ranks: host localhost has 2 slot(s) "
@@ -524,6 +538,20 @@ def test_a_resize_relaunches_at_the_new_size_without_a_restart(tmp_path):
     assert "attempt 2 of" not in out.stdout and "exited with" not in out.stdout
     for r in (0, 1):
         assert rank_lines(out.stdout, r) == ["attempt 1 size 2"], out.stdout
+
+
+def test_a_printed_resizable_marker_asks_for_no_resize(tmp_path):
+    # The marker without the job's token is the program's output: the
+    # launcher does not take it for a command that checks for resizes.
+    listed, script = _listed(tmp_path, "localhost:2\n")
+    code = ("import os, time\n"
+            "os.write(2, b'\\x1ekerasdist-resizable rank=0\\n')\n"
+            "time.sleep(2.5)\n")
+    out = launch(1, python_cmd(code), timeout=60,
+                 launcher_args=_elastic_args(script))
+    assert out.returncode == 0, out.stdout
+    assert "growing" not in out.stdout, out.stdout
+    assert "[0]<stderr>:\x1ekerasdist-resizable rank=0" in out.stdout
 
 
 def test_exit_code_76_unasked_is_a_failure(tmp_path):

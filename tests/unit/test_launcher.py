@@ -608,6 +608,35 @@ def test_elastic_jobs_tell_their_ranks(tmp_path):
     assert _rank.ELASTIC_ENV not in attempt_loop.rank_env(args, 0)
 
 
+@pytest.mark.parametrize("line, marker, seen", [
+    (b"[0]<stderr>:\x1ekerasdist-progress token=t1\n", "PROGRESS", True),
+    (b"\x1ekerasdist-resizable rank=3 token=t1\n", "RESIZABLE", True),
+    (b"[0]<stderr>:\x1ekerasdist-progress\n", "PROGRESS", False),
+    (b"[0]<stderr>:\x1ekerasdist-progress token=t2\n", "PROGRESS", False),
+    (b"\x1ekerasdist-resizable rank=3\n", "RESIZABLE", False),
+    (b"\x1ekerasdist-resizable rank=3 token=\n", "RESIZABLE", False),
+    (b"[0]<stdout>:print \x1ekerasdist-progress token=t1x\n", "PROGRESS",
+     False),
+])
+def test_rank_markers_count_with_the_jobs_token_only(line, marker, seen):
+    marker = getattr(_rank, marker + "_MARKER")
+    assert _rank.is_rank_marker(line, marker, "t1") is seen
+    assert _rank.is_rank_marker(line, marker, None)
+
+
+def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
+    from kerasdist import _resize
+
+    monkeypatch.setenv(_rank.MARKERS_READ_ENV, "1")
+    monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
+    monkeypatch.setitem(_resize._state, "announced", False)
+    _resize.report_progress()
+    _resize.announce(2)
+    assert capfdbinary.readouterr().err == (
+        b"\x1ekerasdist-progress token=t1\n"
+        b"\x1ekerasdist-resizable rank=2 token=t1\n")
+
+
 def test_rank_side_names_are_the_launchers():
     from kerasdist import _resize
 
@@ -616,6 +645,7 @@ def test_rank_side_names_are_the_launchers():
     assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
     assert _resize.PROGRESS_MARKER == _rank.PROGRESS_MARKER
     assert _resize.MARKERS_READ_ENV == _rank.MARKERS_READ_ENV
+    assert _resize.RANK_MARKER_TOKEN_ENV == _rank.RANK_MARKER_TOKEN_ENV
     from kerasdist import elastic
     assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
         "KERASDIST_ELASTIC_DIR"
