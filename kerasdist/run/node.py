@@ -216,9 +216,12 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     from kerasdist.run import job
 
     port = p.master_port if p.master_port is not None else _free_port()
-    ranks = [rank_env(p, local, port) for local in range(p.nproc_per_node)]
-    spec = {"argv": list(wrapper_argv) + list(command), "ranks": ranks,
-            "stdin_rank": 0 if p.node_rank == 0 else -1}
+    # The plan, not one set of variables a rank: the manager makes those,
+    # so that the spec stays small whatever the ranks (one argument holds
+    # at most 128 KiB) and nothing of their number is built here, in the
+    # thread that handles the launcher's signals.
+    spec = {"argv": list(wrapper_argv) + list(command), "plan": list(p),
+            "port": port, "stdin_rank": 0 if p.node_rank == 0 else -1}
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__),
             json.dumps(spec)]
     env = {k: v for k, v in os.environ.items()
@@ -243,6 +246,9 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
 class _Manager:
     def __init__(self, spec):
         self.spec = spec
+        plan_ = Plan(*spec["plan"])
+        self.ranks = [rank_env(plan_, local, spec["port"])
+                      for local in range(plan_.nproc_per_node)]
         self.procs = []      # Popen of each wrapper, in local-rank order
         self.signals = 0     # ending signals received
         self.stopping = False
@@ -269,7 +275,7 @@ class _Manager:
         for name in _FORWARDED:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self._on_signal)
-        for local, variables in enumerate(self.spec["ranks"]):
+        for local, variables in enumerate(self.ranks):
             if self.stopping:
                 break
             env = dict(os.environ, **variables)
@@ -310,7 +316,7 @@ class _Manager:
                 self._send_all(signal.SIGTERM)
             if pending:
                 time.sleep(0.05)
-        if code == 0 and len(self.procs) < len(self.spec["ranks"]):
+        if code == 0 and len(self.procs) < len(self.ranks):
             code = 1  # stopped, or failed, before all ranks started
         return code
 
