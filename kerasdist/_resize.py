@@ -24,6 +24,7 @@ RESIZE_EXIT_CODE = 76
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 PROGRESS_MARKER = b"\x1ekerasdist-progress"
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
+RANK_MARKER_TOKEN_ENV = "KERASDIST_RANK_MARKER_TOKEN"
 
 _state = {"installed": False, "requested": False, "announced": False}
 
@@ -87,7 +88,7 @@ def announce(rank):
     _state["announced"] = True
     try:
         sys.stderr.flush()
-        os.write(2, RESIZABLE_MARKER + f" rank={rank}\n".encode())
+        os.write(2, RESIZABLE_MARKER + f" rank={rank}{_token()}\n".encode())
     except OSError:
         pass
 
@@ -104,6 +105,12 @@ def report_progress():
         return
     try:
         sys.stderr.flush()
-        os.write(2, PROGRESS_MARKER + b"\n")
+        os.write(2, PROGRESS_MARKER + f"{_token()}\n".encode())
     except OSError:
         pass
+
+
+def _token():
+    """" token=..." of the launcher's job, which the launcher checks: a
+    line the program prints cannot pass for a marker."""
+    return f" token={os.environ.get(RANK_MARKER_TOKEN_ENV, '')}"

@@ -169,10 +169,44 @@ def _write_record(path, record):
         raise
 
 
+def _check_sizes(path):
+    """ValueError unless every member of the commit at `path` is as
+    _write_record writes it (np.savez: uncompressed), within the file, and
+    holds the array its .npy header declares: nothing is inflated or
+    allocated from a size the file only claims (a planted 3 MB commit of
+    one deflated 3 GiB member once cost 3.1 GB before it was refused)."""
+    size = os.path.getsize(path)
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or \
+                    info.file_size != info.compress_size or \
+                    info.file_size > size:
+                raise ValueError(
+                    f"member {info.filename!r} declares {info.file_size} "
+                    f"bytes, {info.compress_size} stored, in a file of "
+                    f"{size}: not a commit kerasdist wrote (they are "
+                    f"uncompressed)")
+            with z.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                shape, _, dtype = (
+                    np.lib.format.read_array_header_1_0(f)
+                    if version == (1, 0) else
+                    np.lib.format.read_array_header_2_0(f))
+                declared = dtype.itemsize
+                for n in shape:
+                    declared *= n
+                if declared > info.file_size:
+                    raise ValueError(
+                        f"member {info.filename!r} declares an array of "
+                        f"{declared} bytes in {info.file_size}")
+
+
 def _read_record(path):
     """The record in `path`; ValueError when it is not one (never runs
-    anything in the file: no pickle)."""
+    anything in the file: no pickle), before anything is inflated or
+    allocated from the sizes the file declares."""
     try:
+        _check_sizes(path)
         with np.load(path, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
         header = arrays.pop("header").tobytes().decode()

@@ -84,6 +84,11 @@ RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 PROGRESS_MARKER = b"\x1ekerasdist-progress"
 # Set for the command ("1"): the launcher reads the rank's markers.
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
+# The launcher's random token for the two markers above, which the rank
+# writes (kerasdist/_resize.py), as `token=...` at the end of the line: a
+# line the program prints cannot pass for one. Another token than the exit
+# marker's, which the command never sees.
+RANK_MARKER_TOKEN_ENV = "KERASDIST_RANK_MARKER_TOKEN"
 # Where `hvd.elastic` states are committed for the job's next attempt
 # (kerasdist/elastic.py keeps its own copy).
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
@@ -255,6 +260,18 @@ def parse_marker(line, token=None):
         return fields["rank"], fields["host"], int(fields["status"])
     except (KeyError, ValueError):
         return None
+
+
+def is_rank_marker(line, marker, token=None):
+    """Whether `line` holds the rank's `marker` (RESIZABLE_MARKER or
+    PROGRESS_MARKER) with `token` (any token when None) as its last
+    word."""
+    start = line.find(marker)
+    if start < 0:
+        return False
+    words = line[start + len(marker):].split()
+    return token is None or (bool(words) and
+                             words[-1] == b"token=" + token.encode())
 
 
 def _stat(pid):

@@ -333,6 +333,12 @@ def _per_host(environ, host_index, hosts, hosts_name):
                 f"{LOCAL_RANK_ENV}={local} is not below {PER_HOST_ENV}="
                 f"{per}; set {LOCAL_RANK_ENV} to 0..{per - 1}, or "
                 f"{PER_HOST_ENV} to the processes on each host.")
+    if hosts * per > MAX_PROCESSES:
+        raise ValueError(
+            f"{hosts_name} x {PER_HOST_ENV}={per} gives {hosts * per} "
+            f"processes, above {MAX_PROCESSES}, the most processes "
+            f"kerasdist forms a job of; set {PER_HOST_ENV} to the "
+            f"processes on each host.")
     return host_index * per + local, hosts * per, local, per
 
 
@@ -515,13 +521,16 @@ def first_host(nodelist):
 
 def _slurm_tasks_per_node(text, node):
     """Tasks on node `node` from "2(x3),1" (SLURM_STEP_TASKS_PER_NODE)."""
-    counts = []
+    # Counted, not expanded: "2(x100000000000)" must not become a list.
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not m:
             return None
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts[node] if 0 <= node < len(counts) else None
+        repeat = int(m.group(2) or 1)
+        if 0 <= node < repeat:
+            return int(m.group(1))
+        node -= repeat
+    return None
 
 
 def _slurm(environ, full=True):

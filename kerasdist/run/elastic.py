@@ -12,10 +12,12 @@ least --min-np. Standard library only.
 
 import fcntl
 import os
+import selectors
 import socket
 import struct
 import subprocess
 import sys
+import time
 
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import remote
@@ -94,17 +96,59 @@ def discover(script, timeout=PROBE_TIMEOUT_S):
         ValueError: it failed, timed out or printed no valid host list.
     """
     try:
-        out = subprocess.run([script], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, timeout=timeout,
-                             check=False)
+        code, out, err = _run_bounded([script], timeout,
+                                      hosts_lib.MAX_HOSTFILE_BYTES)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ValueError(f"--host-discovery-script {script}: {e}") from None
-    if out.returncode != 0:
-        err = out.stderr.decode(errors="replace").strip().splitlines()
+    if out is None:
+        raise ValueError(f"--host-discovery-script {script} printed more "
+                         f"than {hosts_lib.MAX_HOSTFILE_BYTES >> 20} MiB; "
+                         f"have it print one 'host:slots' a line")
+    if code != 0:
+        err = err.decode(errors="replace").strip().splitlines()
         raise ValueError(f"--host-discovery-script {script} exited with code "
-                         f"{out.returncode}" + (f": {err[-1]}" if err else ""))
+                         f"{code}" + (f": {err[-1]}" if err else ""))
     return hosts_lib.parse_hostfile_text(
-        out.stdout.decode(errors="replace"), f"output of {script}")
+        out.decode(errors="replace"), f"output of {script}")
+
+
+def _run_bounded(argv, timeout, most):
+    """Runs argv; returns (exit code, stdout, the last `most` bytes of
+    stderr), stdout None (the program killed) once it passes `most` bytes.
+
+    Raises:
+        OSError: it cannot be started.
+        subprocess.TimeoutExpired: it ran past `timeout` (and was killed).
+    """
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    end = time.monotonic() + timeout
+    with proc, selectors.DefaultSelector() as sel:
+        for pipe in got:
+            sel.register(pipe, selectors.EVENT_READ)
+        while sel.get_map():
+            left = end - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                raise subprocess.TimeoutExpired(argv, timeout)
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 65536)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = got[key.fileobj]
+                buf += data
+                if key.fileobj is proc.stdout and len(buf) > most:
+                    proc.kill()
+                    return None, None, b""
+                del buf[:-most]
+        try:
+            code = proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return code, bytes(got[proc.stdout]), bytes(got[proc.stderr])
 
 
 def ranks_for(target_np, min_np, hosts):

@@ -44,6 +44,9 @@ _KEY_ENV = "KERASDIST_RUN_FUNCTION_KEY"
 # `<index>/<count>:`: the launcher's rank wrapper passes output on in
 # pieces of 64 KiB, and a longer line would be cut by another rank's.
 _RESULT_LINE = 32 * 1024
+# At most this many lines a result (32 GiB): a count above it in a line a
+# program printed is not a result's, and nothing is allocated from it.
+_RESULT_LINES_MOST = 2**20
 # Payloads up to this many base64 characters travel on the command line
 # (Linux takes 128 KiB per argument); larger ones in a file.
 _ARGV_LIMIT = 64 * 1024
@@ -302,7 +305,7 @@ def _take_result(line, results):
     place, _, piece = marked.partition(":")
     index, _, count = place.partition("/")
     if not (index.isdigit() and count.isdigit()
-            and int(index) < int(count)):
+            and int(index) < int(count) <= _RESULT_LINES_MOST):
         return line  # not a piece of a result: printed as it came
     pieces = results.setdefault(int(m.group(1)), [None] * int(count))
     if len(pieces) == int(count):

@@ -5,18 +5,45 @@ Pure functions; a malformed entry raises ValueError with a message that says
 what was expected and what was given.
 """
 
+import os
 import re
+
+# Bounds (docs/launcher.md, "Bounds"): far above any real job, low enough
+# that a typo (-np 100000000000000000000, slots=1000000000) is refused in
+# one line before anything is sized by it. The most ranks of a job (as
+# conventions.MAX_PROCESSES, the most a rank's kd.init() forms a job of):
+MAX_RANKS = 1 << 20
+# The most ranks of one host: each is a process of its own with tens of MB
+# at least, and no machine has more than a few thousand hardware threads;
+# 4 a CPU of this machine where that is more.
+MAX_RANKS_PER_HOST = max(4096, 4 * (os.cpu_count() or 1))
+# The most bytes of a hostfile, or of a discovery script's output.
+MAX_HOSTFILE_BYTES = 16 << 20
 
 # A host name or address as mpiexec's -hosts accepts it (no ':' or ',').
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
 
 
 def _slots(text, where):
-    if not text.isdigit() or int(text) < 1:
+    # Digits only, and at most a dozen of them before int() reads them.
+    if not text.isdigit() or int(text[:13]) < 1:
         raise ValueError(
             f"{where}: slots must be a positive integer, got {text!r}"
         )
-    return int(text)
+    return check_per_host(int(text) if len(text) < 13 else
+                          MAX_RANKS_PER_HOST + 1, where, text)
+
+
+def check_per_host(slots, where, text=None):
+    """`slots` if at most MAX_RANKS_PER_HOST, else ValueError naming
+    `where` (and `text`, the slots as given)."""
+    if slots > MAX_RANKS_PER_HOST:
+        raise ValueError(
+            f"{where}: {text or slots} slots is above {MAX_RANKS_PER_HOST}, "
+            f"the most ranks kerasdist runs on one host; give the ranks "
+            f"the host runs"
+        )
+    return slots
 
 
 def _host(text, where):
@@ -110,21 +137,44 @@ def parse_hostfile(path, what="--hostfile"):
         ValueError: the file cannot be read or is malformed.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read(MAX_HOSTFILE_BYTES + 1)
     except OSError as e:
         raise ValueError(
             f"{what}: cannot read {path!r}: {e.strerror or e}"
         ) from None
-    return parse_hostfile_text(text, path)
+    if len(data) > MAX_HOSTFILE_BYTES:
+        raise ValueError(
+            f"{what}: {path!r} is longer than {MAX_HOSTFILE_BYTES >> 20} "
+            f"MiB, the most a hostfile may have; give a file of one "
+            f"'host slots=N' a line"
+        )
+    return parse_hostfile_text(data.decode("utf-8", errors="replace"), path)
 
 
 def merge_hosts(hosts):
     """Adds up the slots of repeated hosts, keeping first-seen order."""
     merged = {}
     for host, slots in hosts:
-        merged[host] = merged.get(host, 0) + slots
+        merged[host] = check_per_host(merged.get(host, 0) + slots,
+                                      f"host {host}")
     return list(merged.items())
+
+
+def check_ranks(np, source=None, one_host=False):
+    """ValueError when -np `np` (the slots of `source`, when it defaulted
+    to them) is above MAX_RANKS, or above MAX_RANKS_PER_HOST for a job of
+    this host alone (`one_host`)."""
+    if np > MAX_RANKS:
+        raise ValueError(
+            f"-np {np} (the slots of {source or 'the hosts'}) is above "
+            f"{MAX_RANKS}, the most ranks of a kerasdist job; give -np N or "
+            f"fewer slots")
+    if one_host and np > MAX_RANKS_PER_HOST:
+        raise ValueError(
+            f"-np {np} is above {MAX_RANKS_PER_HOST}, the most ranks "
+            f"kerasdist runs on one host, and no hosts are given: give the "
+            f"hosts with -H or --hostfile, or fewer ranks")
 
 
 def total_slots(hosts):

@@ -291,10 +291,20 @@ class Findings:
             self.failures.append(failure)
         self.failed.set()
 
-    def unreported(self, ranks):
-        """The ranks of 0..ranks-1 whose wrapper never reported an exit."""
+    def unreported(self, ranks, most=8):
+        """(the first `most` ranks of 0..ranks-1 whose wrapper never
+        reported an exit, how many there are): nothing of the job's size is
+        built here, in the thread that handles the launcher's signals."""
         with self.lock:
-            return [r for r in range(ranks) if str(r) not in self.exited]
+            reported = {r for r in self.exited
+                        if r.isdigit() and len(r) < 10 and int(r) < ranks}
+            first = []
+            for r in range(ranks):
+                if len(first) == most:
+                    break
+                if str(r) not in reported:
+                    first.append(r)
+        return first, ranks - len(reported)
 
     def add_lost(self, rank, text):
         with self.lock:
@@ -401,11 +411,14 @@ class _Relay(threading.Thread):
             yield buf + b"\n"
 
     def run(self):
+        token = os.environ.get(_rank.RANK_MARKER_TOKEN_ENV)
         for line in self._pieces():
-            if _rank.RESIZABLE_MARKER in line:
+            # A rank's own markers count with the job's token only; without
+            # it they are the program's output.
+            if _rank.is_rank_marker(line, _rank.RESIZABLE_MARKER, token):
                 self.findings.resizable = True
                 continue
-            if _rank.PROGRESS_MARKER in line:
+            if _rank.is_rank_marker(line, _rank.PROGRESS_MARKER, token):
                 self.findings.progressed = True
                 continue
             start = line.find(_rank.MARKER)
@@ -701,13 +714,16 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
         log.line(f"{manager} exited with {describe_status(rc)}.")
         return Outcome(status_exit_code(rc),
                        reason=f"{manager} exited with {describe_status(rc)}")
-    missing = [] if ranks is None else findings.unreported(ranks)
+    missing, count = ([], 0) if ranks is None else \
+        findings.unreported(ranks)
     if missing:
         # A rank that exits without MPI finalize (code 0 all the same) makes
         # hydra kill the others, and its own exit code may then be 0.
-        who = _ranks_clause(missing)
+        who = _ranks_clause(missing) + (
+            f" and {count - len(missing)} more" if count > len(missing)
+            else "")
         reason = (f"{who} never reported an exit: {manager} stopped "
-                  f"{'it' if len(missing) == 1 else 'them'}")
+                  f"{'it' if count == 1 else 'them'}")
         with findings.lock:
             ended = list(findings.exited)
         log.line(f"{manager} exited with code 0, but {reason}, as it does "

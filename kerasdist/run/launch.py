@@ -74,7 +74,7 @@ def _run_mpi(config, log):
 
     if not _check_remote_hosts(config, log):
         return 1
-    with _elastic_dir(config), _job_secret():
+    with _elastic_dir(config), _job_secret(), _marker_tokens():
         # Intel MPI's mpiexec gets its hosts in a file (intel_mpi.py).
         if (config.ssh_argv is None or len(config.ssh_argv) == 1) and \
                 not intel_mpi.is_intel_mpiexec(mpiexec):
@@ -102,6 +102,26 @@ class _job_secret:
         if self.made:
             os.environ.pop(rendezvous.SECRET_ENV, None)
         os.environ.pop(_rank.MARKER_TOKEN_ENV, None)
+        return False
+
+
+class _marker_tokens:
+    """The job's random tokens of the markers the launcher reads
+    (_rank.py): the per-rank wrappers' exit markers, and the markers the
+    rank writes (progress, resizable), so that no line a program prints
+    passes for one. Under mpiexec and in node mode alike (under mpiexec
+    it replaces _job_secret's exit token, which it makes redundant)."""
+
+    _NAMES = (_rank.MARKER_TOKEN_ENV, _rank.RANK_MARKER_TOKEN_ENV)
+
+    def __enter__(self):
+        for name in self._NAMES:
+            os.environ[name] = secrets.token_hex(16)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self._NAMES:
+            os.environ.pop(name, None)
         return False
 
 
@@ -153,7 +173,7 @@ def _run_node(config, log):
         **mpi_command.wrapper_options(config))
     deadline = (None if config.timeout is None else
                 time.monotonic() + config.timeout)
-    with job.Interrupts() as interrupts:
+    with job.Interrupts() as interrupts, _marker_tokens():
         outcome = node.run(plan, config.command, rank_env, wrapper,
                            interrupts, deadline, config.timeout, log,
                            verbose=config.verbose)

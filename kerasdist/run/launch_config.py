@@ -10,6 +10,10 @@ the launcher (launch.py, mpi_command.py, attempt_loop.py, node.py) reads.
 Bad input raises UsageError, which `kerasdist run` reports in one line
 with exit code 2.
 
+Over 500 lines: every flag with its parser, its bound (docs/launcher.md,
+"Bounds") and its checks against the others, so that what the launcher
+accepts reads in one place, in the order of its help.
+
 Standard library only (see launch.py).
 """
 
@@ -48,12 +52,28 @@ def _positive_int(text):
     return value
 
 
+def _int_at_most(parse, most, what):
+    """`parse`'s integer, at most `most`: a typo is refused before anything
+    is sized by it (docs/launcher.md, "Bounds")."""
+    def check(text):
+        value = parse(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(
+                f"{text} is above {most}, the most {what}")
+        return value
+    return check
+
+
+_ranks = _int_at_most(_positive_int, hosts_lib.MAX_RANKS, "ranks of a "
+                      "kerasdist job; give the number of ranks to run")
+
+
 def _num_proc(text):
     # argparse reads "-np2" as "-n p2" (-n is -np's short form): take it
     # as the "-np 2" it means.
     if len(text) > 1 and text[0] == "p" and text[1:].isdigit():
         text = text[1:]
-    return _positive_int(text)
+    return _ranks(text)
 
 
 def _non_negative_float(text):
@@ -81,7 +101,7 @@ def _at_most(most, what):
 
 
 def _positive_float(text):
-    value = _non_negative_float(text)
+    value = _at_most(1e9, "seconds it may be (31 years)")(text)
     if value == 0:
         raise argparse.ArgumentTypeError(
             f"expected a positive number, got {text!r}")
@@ -154,9 +174,11 @@ def make_parser():
                    help="write a Chrome-trace timeline to FILE")
     p.add_argument("--autotune", action="store_true",
                    help="let the runtime tune fusion and cycle time")
-    p.add_argument("--max-restarts", type=_non_negative_int, default=0,
+    p.add_argument("--max-restarts", default=0, type=_int_at_most(
+                       _non_negative_int, 1_000_000, "restarts of a job; give "
+                       "how many times to relaunch a failed job"),
                    metavar="K", help="relaunch a failed job up to K times")
-    p.add_argument("--min-np", type=_positive_int, metavar="M",
+    p.add_argument("--min-np", type=_ranks, metavar="M",
                    help="with --max-restarts: relaunch on the hosts that "
                    "still answer with as few as M ranks (default: -np)")
     p.add_argument("--host-discovery-script", metavar="SCRIPT",
@@ -165,7 +187,7 @@ def make_parser():
                    "--discovery-interval seconds while the job runs: the "
                    "job grows and shrinks with it (at the Trainer's next "
                    "checkpoint)")
-    p.add_argument("--max-np", type=_positive_int, metavar="N",
+    p.add_argument("--max-np", type=_ranks, metavar="N",
                    help="with --host-discovery-script: grow the job up to N "
                    "ranks when hosts join (default: -np)")
     p.add_argument("--discovery-interval", type=_positive_float,
@@ -290,6 +312,12 @@ def config_from_args(args, environ):
                          "(usage: kerasdist run -np N command [args...])")
     if args.hosts is not None:
         _check_slots(args, source)
+    try:  # -np also where the slots give it; no hosts: this one only
+        hosts_lib.check_ranks(args.np, source, args.hosts is None and
+                              args.slurm is None and
+                              args.host_discovery_script is None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     _check_elastic(args)
     return _freeze(args, command)
 

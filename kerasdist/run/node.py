@@ -63,7 +63,7 @@ and no --master-port: any free port of this host).
 """
 
 
-def _count(text, flag, what):
+def _count(text, flag, what, most, of):
     try:
         value = int(str(text).strip())
     except ValueError:
@@ -71,6 +71,9 @@ def _count(text, flag, what):
     if value is None or value < 1:
         raise ValueError(f"{flag} {text!r} is not a positive integer; give "
                          f"{what}.")
+    if value > most:
+        raise ValueError(f"{flag} {str(text).strip()} is above {most}, the "
+                         f"most {of}; give {what}.")
     return value
 
 
@@ -86,6 +89,10 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
     Raises:
         ValueError: one line naming the flag and what to give.
     """
+    # The bounds (docs/launcher.md): the launcher's, imported here only
+    # (the manager side runs this file by path, standard library only).
+    from kerasdist.run import hosts
+
     if nnodes is None:
         nnodes = 1
     else:
@@ -101,10 +108,13 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
                     f"one host with --host-discovery-script (and --min-np, "
                     f"--max-np), which grows and shrinks it.")
             text = low
-        nnodes = _count(text, "--nnodes", "the number of hosts, e.g. 2")
+        nnodes = _count(text, "--nnodes", "the number of hosts, e.g. 2",
+                        hosts.MAX_RANKS, "hosts of a kerasdist job")
     nproc = (1 if nproc_per_node is None else
              _count(nproc_per_node, "--nproc-per-node",
-                    "the number of ranks to start on this host, e.g. 2"))
+                    "the number of ranks to start on this host, e.g. 2",
+                    hosts.MAX_RANKS_PER_HOST,
+                    "ranks kerasdist runs on one host"))
     if node_rank is None:
         node_rank = 0
     else:
@@ -143,6 +153,11 @@ def plan(nnodes=None, node_rank=None, nproc_per_node=None, master_addr=None,
     elif nnodes > 1:
         master_port = DEFAULT_PORT
     world = nnodes * nproc
+    if world > hosts.MAX_RANKS:
+        raise ValueError(
+            f"--nnodes {nnodes} x --nproc-per-node {nproc} = {world} ranks "
+            f"is above {hosts.MAX_RANKS}, the most ranks of a kerasdist "
+            f"job; give fewer nodes or fewer ranks per node.")
     if np is not None and np != world:
         raise ValueError(
             f"-np {np} does not match --nnodes {nnodes} x --nproc-per-node "
@@ -201,9 +216,12 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     from kerasdist.run import job
 
     port = p.master_port if p.master_port is not None else _free_port()
-    ranks = [rank_env(p, local, port) for local in range(p.nproc_per_node)]
-    spec = {"argv": list(wrapper_argv) + list(command), "ranks": ranks,
-            "stdin_rank": 0 if p.node_rank == 0 else -1}
+    # The plan, not one set of variables a rank: the manager makes those,
+    # so that the spec stays small whatever the ranks (one argument holds
+    # at most 128 KiB) and nothing of their number is built here, in the
+    # thread that handles the launcher's signals.
+    spec = {"argv": list(wrapper_argv) + list(command), "plan": list(p),
+            "port": port, "stdin_rank": 0 if p.node_rank == 0 else -1}
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__),
             json.dumps(spec)]
     env = {k: v for k, v in os.environ.items()
@@ -228,6 +246,9 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
 class _Manager:
     def __init__(self, spec):
         self.spec = spec
+        plan_ = Plan(*spec["plan"])
+        self.ranks = [rank_env(plan_, local, spec["port"])
+                      for local in range(plan_.nproc_per_node)]
         self.procs = []      # Popen of each wrapper, in local-rank order
         self.signals = 0     # ending signals received
         self.stopping = False
@@ -254,7 +275,7 @@ class _Manager:
         for name in _FORWARDED:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), self._on_signal)
-        for local, variables in enumerate(self.spec["ranks"]):
+        for local, variables in enumerate(self.ranks):
             if self.stopping:
                 break
             env = dict(os.environ, **variables)
@@ -295,7 +316,7 @@ class _Manager:
                 self._send_all(signal.SIGTERM)
             if pending:
                 time.sleep(0.05)
-        if code == 0 and len(self.procs) < len(self.spec["ranks"]):
+        if code == 0 and len(self.procs) < len(self.ranks):
             code = 1  # stopped, or failed, before all ranks started
         return code
 

@@ -9,6 +9,8 @@ ValueError naming the variable and what was expected.
 
 import re
 
+from kerasdist.run import hosts as hosts_lib
+
 NODELIST = "SLURM_JOB_NODELIST"
 TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 JOB_ID = "SLURM_JOB_ID"
@@ -38,16 +40,24 @@ def _split_top(text):
     return parts
 
 
+def _too_many(count):
+    """A ValueError when `count` hosts or tasks are more than a job has."""
+    if count > hosts_lib.MAX_RANKS:
+        raise ValueError(f"lists more than {hosts_lib.MAX_RANKS} entries, "
+                         f"the most ranks of a kerasdist job")
+
+
 def _expand_ranges(body):
     """"01-03,7" -> ["01", "02", "03", "7"] (zero padding kept)."""
     out = []
     for item in body.split(","):
         m = _RANGE_RE.match(item)
-        if not m:
+        if not m or len(item) > 25:
             raise ValueError(f"expected N or N-M in brackets, got {item!r}")
         lo, hi = m.group(1), m.group(2) or m.group(1)
         if int(hi) < int(lo):
             raise ValueError(f"range {item!r} runs backwards")
+        _too_many(len(out) + int(hi) - int(lo) + 1)
         width = len(lo) if lo.startswith("0") else 0
         out += [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
     return out
@@ -60,8 +70,9 @@ def _expand_one(pattern):
         return [pattern]
     head, tail = pattern[:m.start()], pattern[m.end():]
     rests = _expand_one(tail) if tail else [""]
-    return [head + value + rest for value in _expand_ranges(m.group(1))
-            for rest in rests]
+    values = _expand_ranges(m.group(1))
+    _too_many(len(values) * len(rests))
+    return [head + value + rest for value in values for rest in rests]
 
 
 def expand_nodelist(text):
@@ -79,6 +90,7 @@ def expand_nodelist(text):
             if not part:
                 raise ValueError("empty host entry")
             hosts += _expand_one(part)
+            _too_many(len(hosts))
     except ValueError as e:
         raise ValueError(f"{NODELIST}={text!r}: {e}") from None
     return hosts
@@ -93,10 +105,16 @@ def expand_tasks_per_node(text):
     counts = []
     for item in text.strip().split(","):
         m = _TASKS_RE.match(item)
-        if not m:
+        if not m or len(item) > 25:
             raise ValueError(f"{TASKS_PER_NODE}={text!r}: expected N or "
                              f"N(xR) items, got {item!r}")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
+        repeat = int(m.group(2) or 1)
+        if len(counts) + repeat > hosts_lib.MAX_RANKS:
+            raise ValueError(f"{TASKS_PER_NODE}={text!r} gives more than "
+                             f"{hosts_lib.MAX_RANKS} nodes, the most ranks "
+                             f"of a kerasdist job")
+        counts += [hosts_lib.check_per_host(
+            int(m.group(1)), f"{TASKS_PER_NODE}={text!r}")] * repeat
     return counts
 
 

@@ -3,14 +3,19 @@ launcher: the states' semantics at np 2 and in one plain process
 (tests/workers/elastic_state_worker.py); Horovod's elastic Keras example
 (tests/workers/horovod_elastic_keras_worker.py) surviving a rank killed
 mid-epoch with the weights of an uninterrupted run; the same example
-growing from 1 to 2 ranks through check_host_updates."""
+growing from 1 to 2 ranks through check_host_updates; a planted commit
+that would inflate to 3 GiB, refused at its size."""
 
+import io
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -18,6 +23,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import kill_tree  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
@@ -188,3 +195,72 @@ def test_horovod_example_grows_through_check_host_updates(tmp_path):
             f"iterations {stopped + 1} lr 0.0020" in lines, text
         assert any(line.startswith("finished size 2 epoch 3 ")
                    and line.endswith(" lr 0.0020") for line in lines), text
+
+
+def _plant_bomb(path, gib=3):
+    """A 3 MB commit of one deflated member, an .npy of `gib` GiB of zeros
+    (built from one compressed 16 MiB piece, repeated: under a second)."""
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": "|u1", "fortran_order": False, "shape": (gib << 30,)})
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = c.compress(head.getvalue()) + c.flush(zlib.Z_FULL_FLUSH)
+    piece = c.compress(bytes(1 << 24)) + c.flush(zlib.Z_FULL_FLUSH)
+    data = first + piece * (gib << 6) + c.flush()
+    size, name = len(head.getvalue()) + (gib << 30), b"header.npy"
+    zip64 = struct.pack("<2H2Q", 1, 16, size, len(data))
+    with open(path, "wb") as f:  # one member, ZIP64 sizes; CRC left 0
+        f.write(struct.pack("<4s5H3L2H", b"PK\x03\x04", 45, 0, 8, 0, 0, 0,
+                            0xFFFFFFFF, 0xFFFFFFFF, len(name), len(zip64)))
+        f.write(name + zip64 + data)
+        at = f.tell()
+        f.write(struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 45, 45, 0, 8, 0,
+                            0, 0, 0xFFFFFFFF, 0xFFFFFFFF, len(name),
+                            len(zip64), 0, 0, 0, 0, 0) + name + zip64)
+        f.write(struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1,
+                            f.tell() - at, at, 0))
+
+
+def test_a_commit_bomb_is_refused_at_its_size(tmp_path):
+    # Once the planted commit was inflated, 3.1 GB, before it was refused;
+    # here in a process of 2 GB address space, so a regression fails this
+    # test, not the machine.
+    _plant_bomb(tmp_path / "state-0.npz")
+    assert os.path.getsize(tmp_path / "state-0.npz") < 4 << 20
+    code = ("from kerasdist import elastic\n"
+            "try:\n"
+            "    elastic.ObjectState(epoch=0).load_committed()\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    env = dict(worker_env(), KERASDIST_ELASTIC_DIR=str(tmp_path))
+    proc = subprocess.Popen(
+        ["sh", "-c", 'ulimit -v 2000000; exec "$@"', "sh", sys.executable,
+         "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert time.monotonic() - start < 15, out
+    assert proc.returncode == 0, out
+    assert out.startswith("kerasdist.elastic: no commit can be read: "), out
+    assert "member 'header.npy' declares 3221225600 bytes, " in out, out
+    assert out.count("\n") == 1, out
+
+
+def test_a_commit_whose_array_claims_more_than_it_holds_is_refused(
+        tmp_path):
+    # Stored, not deflated, but its .npy header claims a petabyte: numpy
+    # would allocate that before reading.
+    from kerasdist import elastic
+
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": "<f8", "fortran_order": False, "shape": (1 << 47,)})
+    path = tmp_path / "state-0.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("header.npy", head.getvalue() + bytes(64))
+    with pytest.raises(ValueError, match="member 'header.npy' declares an "
+                       "array of 1125899906842624 bytes in 192"):
+        elastic._read_record(str(path))

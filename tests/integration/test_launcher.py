@@ -218,6 +218,29 @@ def test_bad_input_exits_2(launcher_args, command):
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize("launcher_args, line", [
+    (("-np", "100000000000000000000"),
+     "kerasdist run: error: argument -np/-n/--num-proc: "
+     "100000000000000000000 is above 1048576, the most ranks of a kerasdist "
+     "job; give the number of ranks to run\n"),
+    (("--nproc-per-node", "1000000000"),
+     "kerasdist run: error: --nproc-per-node 1000000000 is above "),
+])
+def test_a_typo_in_a_rank_count_is_one_line_not_a_full_host(launcher_args,
+                                                            line):
+    # Once: one rank ran, then the launcher grew to 17.6 GB (a list the
+    # size of -np, built in the thread that handles SIGTERM), or started
+    # ranks until the host ran out. Here under a 2 GB address space, so a
+    # regression fails this test, not the machine.
+    start = time.monotonic()
+    out = launch(None, ["true"], timeout=30, launcher_args=launcher_args,
+                 prefix=("sh", "-c", 'ulimit -v 2000000; exec "$@"', "sh"))
+    assert out.returncode == 2, out.stdout
+    assert out.stdout.startswith(line), out.stdout
+    assert out.stdout.count("\n") == 1, out.stdout
+    assert time.monotonic() - start < 15
+
+
 def test_max_restarts_relaunches_failed_job():
     code = ("import os, sys\n"
             "a = os.environ['KERASDIST_RESTART_ATTEMPT']\n"
@@ -286,6 +309,20 @@ def test_an_attempt_that_saved_progress_restarts_at_once():
     assert "giving up after 3 attempts" in out.stdout, out.stdout
     assert "before the next" not in out.stdout, out.stdout
     assert "kerasdist-progress" not in out.stdout, out.stdout
+
+
+def test_a_printed_progress_marker_does_not_skip_the_backoff():
+    # Once, one printed line turned 7 attempts in 60 s into 286: without
+    # the job's token it is the program's output, not saved progress.
+    out = launch(1, python_cmd(
+        "import sys; sys.stderr.write('\\x1ekerasdist-progress\\n'); "
+        "sys.exit(3)"), timeout=60,
+        launcher_args=("--max-restarts", "50", "--timeout", "3"))
+    # Backed off, and stopped as a failure that repeats (or by --timeout).
+    assert out.returncode in (3, 124), out.stdout
+    assert "waiting 0.5 s before the next" in out.stdout, out.stdout
+    assert out.stdout.count("kerasdist: attempt ") < 6, out.stdout
+    assert "[0]<stderr>:\x1ekerasdist-progress" in out.stdout
 
 
 @pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
@@ -441,9 +478,9 @@ def _elastic_args(script):
 
 
 # Says it checks for resize requests (as the Trainer does, with the
-# launcher's marker line), then lists a second slot.
+# launcher's marker line and the job's token), then lists a second slot.
 _ANNOUNCE_AND_GROW = (
-    "    os.write(2, b'\\x1ekerasdist-resizable rank=0\\n')\n"
+    "    from kerasdist import _resize; _resize.announce(0)\n"
     "    open(L, 'w').write('localhost:2\\n')\n")
 
 _GREW = ("kerasdist: growing from 1 to 2 ranks: host localhost has 2 slot(s) "
@@ -501,6 +538,20 @@ def test_a_resize_relaunches_at_the_new_size_without_a_restart(tmp_path):
     assert "attempt 2 of" not in out.stdout and "exited with" not in out.stdout
     for r in (0, 1):
         assert rank_lines(out.stdout, r) == ["attempt 1 size 2"], out.stdout
+
+
+def test_a_printed_resizable_marker_asks_for_no_resize(tmp_path):
+    # The marker without the job's token is the program's output: the
+    # launcher does not take it for a command that checks for resizes.
+    listed, script = _listed(tmp_path, "localhost:2\n")
+    code = ("import os, time\n"
+            "os.write(2, b'\\x1ekerasdist-resizable rank=0\\n')\n"
+            "time.sleep(2.5)\n")
+    out = launch(1, python_cmd(code), timeout=60,
+                 launcher_args=_elastic_args(script))
+    assert out.returncode == 0, out.stdout
+    assert "growing" not in out.stdout, out.stdout
+    assert "[0]<stderr>:\x1ekerasdist-resizable rank=0" in out.stdout
 
 
 def test_exit_code_76_unasked_is_a_failure(tmp_path):

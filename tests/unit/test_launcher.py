@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import attempt_loop  # noqa: E402
+from kerasdist.run import conventions  # noqa: E402
+from kerasdist.run import elastic  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
 from kerasdist.run import launch  # noqa: E402
@@ -20,6 +22,7 @@ from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import mpi_command  # noqa: E402
 from kerasdist.run import resize  # noqa: E402
 from kerasdist.run import settings  # noqa: E402
+from kerasdist.run import slurm  # noqa: E402
 from kerasdist.tools import cli  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 
@@ -232,6 +235,80 @@ def test_parse_args_hostfile(tmp_path):
 def test_parse_args_rejects(argv, message):
     with pytest.raises(launch_config.UsageError, match=message):
         launch_config.parse_args(argv)
+
+
+_TYPO = "100000000000000000000"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", _TYPO, "cmd"], "argument -np/-n/--num-proc: " + _TYPO +
+     " is above 1048576, the most ranks of a kerasdist job"),
+    (["-np", "5000", "cmd"], "-np 5000 is above 4096, the most ranks "
+     "kerasdist runs on one host, and no hosts are given: give the hosts"),
+    (["-np", "2", "-H", "a:" + _TYPO, "cmd"],
+     "slots is above 4096, the most ranks kerasdist runs on one host"),
+    (["-np", "2", "-H", "a:4000,a:4000", "cmd"],
+     "host a: 8000 slots is above 4096"),
+    (["-np", "2", "--min-np", _TYPO, "cmd"], "argument --min-np: " + _TYPO +
+     " is above 1048576"),
+    (["-np", "2", "--max-restarts", _TYPO, "cmd"],
+     "is above 1000000, the most restarts of a job"),
+    (["-np", "2", "--timeout", "1e300", "cmd"], "is above 1e\\+09"),
+    (["-np", "2", "--hostfile", "/dev/zero", "cmd"],
+     "'/dev/zero' is longer than 16 MiB, the most a hostfile may have"),
+])
+def test_parse_args_bounds_every_number(argv, message, monkeypatch):
+    # Numbers a real cluster never reaches but a typo does: one line,
+    # before anything is sized by them (docs/launcher.md, "Bounds").
+    monkeypatch.setattr(hosts, "MAX_RANKS_PER_HOST", 4096)
+    with pytest.raises(launch_config.UsageError, match=message) as e:
+        launch_config.parse_args(argv, environ={})
+    assert "\n" not in str(e.value)
+
+
+def test_the_launchers_bound_is_the_ranks():
+    assert hosts.MAX_RANKS == conventions.MAX_PROCESSES
+
+
+def test_parse_args_bounds_the_slots_of_many_hosts(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("".join(f"h{i} slots=4000\n" for i in range(300)))
+    with pytest.raises(launch_config.UsageError,
+                       match="-np 1200000 .* is above 1048576"):
+        launch_config.parse_args(["cmd"],
+                                 environ={"HYDRA_HOST_FILE": str(path)})
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SLURM_JOB_NODELIST": "n[1-100000000000]"},
+     "lists more than 1048576 entries"),
+    ({"SLURM_JOB_NODELIST": "a[1-2000]b[1-2000]"},
+     "lists more than 1048576 entries"),
+    ({"SLURM_JOB_NODELIST": "n[1-2]",
+      "SLURM_TASKS_PER_NODE": "2(x100000000000000000000)"},
+     "gives more than 1048576 nodes"),
+    ({"SLURM_JOB_NODELIST": "n[1-2]",
+      "SLURM_TASKS_PER_NODE": _TYPO + "(x2)"}, "slots is above"),
+])
+def test_slurm_variables_are_bounded(env, message):
+    with pytest.raises(ValueError, match=message):
+        slurm.allocation({"SLURM_JOB_ID": "1", **env})
+
+
+def test_discovery_output_is_bounded(tmp_path):
+    script = tmp_path / "discover"
+    script.write_text("#!/bin/sh\nyes localhost:1\n")
+    script.chmod(0o755)
+    with pytest.raises(ValueError, match="printed more than 16 MiB"):
+        elastic.discover(str(script))
+
+
+def test_unreported_ranks_are_never_listed_whole():
+    findings = job.Findings()
+    findings.add_exit("0")
+    assert findings.unreported(int(_TYPO)) == (
+        [1, 2, 3, 4, 5, 6, 7, 8], int(_TYPO) - 1)
+    assert findings.unreported(1) == ([], 0)
 
 
 def test_main_usage_error_is_one_line_exit_2(capfdbinary):
@@ -531,6 +608,35 @@ def test_elastic_jobs_tell_their_ranks(tmp_path):
     assert _rank.ELASTIC_ENV not in attempt_loop.rank_env(args, 0)
 
 
+@pytest.mark.parametrize("line, marker, seen", [
+    (b"[0]<stderr>:\x1ekerasdist-progress token=t1\n", "PROGRESS", True),
+    (b"\x1ekerasdist-resizable rank=3 token=t1\n", "RESIZABLE", True),
+    (b"[0]<stderr>:\x1ekerasdist-progress\n", "PROGRESS", False),
+    (b"[0]<stderr>:\x1ekerasdist-progress token=t2\n", "PROGRESS", False),
+    (b"\x1ekerasdist-resizable rank=3\n", "RESIZABLE", False),
+    (b"\x1ekerasdist-resizable rank=3 token=\n", "RESIZABLE", False),
+    (b"[0]<stdout>:print \x1ekerasdist-progress token=t1x\n", "PROGRESS",
+     False),
+])
+def test_rank_markers_count_with_the_jobs_token_only(line, marker, seen):
+    marker = getattr(_rank, marker + "_MARKER")
+    assert _rank.is_rank_marker(line, marker, "t1") is seen
+    assert _rank.is_rank_marker(line, marker, None)
+
+
+def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
+    from kerasdist import _resize
+
+    monkeypatch.setenv(_rank.MARKERS_READ_ENV, "1")
+    monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
+    monkeypatch.setitem(_resize._state, "announced", False)
+    _resize.report_progress()
+    _resize.announce(2)
+    assert capfdbinary.readouterr().err == (
+        b"\x1ekerasdist-progress token=t1\n"
+        b"\x1ekerasdist-resizable rank=2 token=t1\n")
+
+
 def test_rank_side_names_are_the_launchers():
     from kerasdist import _resize
 
@@ -539,6 +645,7 @@ def test_rank_side_names_are_the_launchers():
     assert _resize.RESIZABLE_MARKER == _rank.RESIZABLE_MARKER
     assert _resize.PROGRESS_MARKER == _rank.PROGRESS_MARKER
     assert _resize.MARKERS_READ_ENV == _rank.MARKERS_READ_ENV
+    assert _resize.RANK_MARKER_TOKEN_ENV == _rank.RANK_MARKER_TOKEN_ENV
     from kerasdist import elastic
     assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
         "KERASDIST_ELASTIC_DIR"

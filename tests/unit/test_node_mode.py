@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import conventions  # noqa: E402
+from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import node  # noqa: E402
 
@@ -41,12 +42,33 @@ def test_plan_defaults_are_torchruns():
     (dict(nnodes="1:3"), "--nnodes 1:3: a range of nodes (growing or "
      "shrinking jobs) is not supported"),
     (dict(nproc_per_node="gpu"), "--nproc-per-node 'gpu' is not a positive"),
+    (dict(nproc_per_node="1000000000"), "--nproc-per-node 1000000000 is "
+     "above 4096, the most ranks kerasdist runs on one host; give the number"
+     " of ranks to start on this host"),
+    (dict(nnodes="100000000000000000000", master_addr="h"),
+     "--nnodes 100000000000000000000 is above 1048576, the most hosts of a "
+     "kerasdist job"),
+    (dict(nnodes="1000", nproc_per_node="2000", master_addr="h"),
+     "--nnodes 1000 x --nproc-per-node 2000 = 2000000 ranks is above "
+     "1048576, the most ranks of a kerasdist job"),
 ])
-def test_plan_rejects(kwargs, message):
+def test_plan_rejects(kwargs, message, monkeypatch):
+    monkeypatch.setattr(hosts, "MAX_RANKS_PER_HOST", 4096)
     with pytest.raises(ValueError) as e:
         node.plan(**kwargs)
     assert str(e.value).startswith(message), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_manager_makes_each_ranks_variables_from_the_plan():
+    # The launcher hands the manager the plan, not 4096 sets of variables
+    # (one argument holds at most 128 KiB).
+    p = node.plan("2", "1", "4096", "h0", "29501")
+    manager = node._Manager({"argv": ["true"], "plan": list(p),
+                             "port": 29501})
+    assert len(manager.ranks) == 4096
+    assert manager.ranks[5] == node.rank_env(p, 5, 29501)
+    assert manager.ranks[5]["RANK"] == "4101"
 
 
 def test_rank_env_is_torchruns_convention():
