@@ -665,7 +665,7 @@ def shard_fit_adam():
 
 
 def wide_model(seed=1):
-    # A 256 x 256 kernel: its shards are over _sharding.ALONE_BYTES, so it
+    # A 256 x 256 kernel: its shards are over _shard_step.ALONE_BYTES, so it
     # is reduced and gathered alone; the rest share a bucket.
     return seeded(keras.Sequential([
         keras.Input((4,)), keras.layers.Dense(256, activation="tanh"),
@@ -675,8 +675,8 @@ def wide_model(seed=1):
 
 @check("shard_fit_adam_large_and_small_shards")
 def shard_fit_adam_large_and_small_shards():
-    from kerasdist.keras.sharding import step as _sharding
-    assert 256 * 256 // N * 4 >= _sharding.ALONE_BYTES
+    from kerasdist.keras.sharding import step as _shard_step
+    assert 256 * 256 // N * 4 >= _shard_step.ALONE_BYTES
     check_shard("shard_fit_adam_large_and_small_shards",
                 lambda: keras.optimizers.Adam(0.001), model=wide_model)
 
