@@ -6,7 +6,7 @@
 TF=1 / JAX=1: records the TensorFlow / JAX versions the op libraries were
 compiled against ("tensorflow", "jax"; kerasdist/_build_check.py compares
 them with the installed ones), and always the Python and, as "mpi", the MPI
-the core was compiled and linked against (kerasdist/run/site_mpi.py reads
+the core was compiled and linked against (kerasdist/_core/site_mpi.py reads
 it: the launcher, the check of the launch at init, `kerasdist doctor`).
 CXX... is the core's compile command.
 

@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from kerasdist.rendezvous import conventions  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import attempt_loop  # noqa: E402
-from kerasdist.run import conventions  # noqa: E402
 from kerasdist.run import elastic  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402

@@ -6,7 +6,7 @@ tests/cluster/test_ray.py."""
 import pytest
 
 from kerasdist import _ray_worker
-from kerasdist.run import conventions
+from kerasdist.rendezvous import conventions
 
 pytest.importorskip("ray.train", reason="needs ray[train] (kerasdist[ray])")
 

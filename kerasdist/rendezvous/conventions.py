@@ -3,7 +3,7 @@
 `detect(environ)` looks at the variables a platform sets for each process it
 starts and returns a `Launch`: the convention's name, this process's rank,
 the job's size, its local rank and local size where known, and the
-coordinator's address for the rendezvous (kerasdist/run/rendezvous.py).
+coordinator's address for the rendezvous (kerasdist/rendezvous/client.py).
 The conventions, in the order they are tried (CONVENTIONS, the table of
 their names, variables and parsers that `detect` walks):
 
