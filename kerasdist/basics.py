@@ -6,10 +6,10 @@ import os
 import sys
 import threading
 
-from kerasdist import _ray_worker
-from kerasdist import _resize
 from kerasdist import autotune
 from kerasdist._core import capi as _capi
+from kerasdist._core import ray_worker as _ray_worker
+from kerasdist._core import resize as _resize
 from kerasdist._core import site_mpi
 from kerasdist.rendezvous import client
 from kerasdist.rendezvous import conventions

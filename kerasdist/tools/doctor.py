@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 import kerasdist
-from kerasdist import _build_check
+from kerasdist._core import build_check as _build_check
 from kerasdist._core import capi as _capi
 from kerasdist._core import site_mpi
 

@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import _resize
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
+from kerasdist._core import resize as _resize
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.optimizer import DistributedOptimizer
 from kerasdist.keras.sharding import files as _shard_files

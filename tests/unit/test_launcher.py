@@ -625,7 +625,7 @@ def test_rank_markers_count_with_the_jobs_token_only(line, marker, seen):
 
 
 def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
-    from kerasdist import _resize
+    from kerasdist._core import resize as _resize
 
     monkeypatch.setenv(_rank.MARKERS_READ_ENV, "1")
     monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
@@ -638,7 +638,7 @@ def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
 
 
 def test_rank_side_names_are_the_launchers():
-    from kerasdist import _resize
+    from kerasdist._core import resize as _resize
 
     assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
     assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
@@ -951,7 +951,7 @@ def test_a_resize_request_after_the_program_ended_is_ignored():
         "    print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n"
         "    os.kill(os.getpid(), signal.SIGUSR1)\n"
         "atexit.register(late)\n"
-        "from kerasdist import _resize\n"
+        "from kerasdist._core import resize as _resize\n"
         "assert _resize.install()\n")
     env = dict(os.environ, KERASDIST_ELASTIC="1")
     p = subprocess.run([sys.executable, "-c", code], env=env,
