@@ -4,6 +4,7 @@ import pytest
 
 from kerasdist.rendezvous import client
 from kerasdist.rendezvous import conventions
+from kerasdist.rendezvous import platforms
 from kerasdist.rendezvous import protocol
 from kerasdist.rendezvous import server as rdv_server
 from kerasdist.rendezvous.conventions import Launch
@@ -237,7 +238,7 @@ def test_srun_without_an_mpi_plugin():
     ("kdt[0-1", None), ("", None),
 ])
 def test_first_host_of_a_slurm_node_list(nodelist, first):
-    assert conventions._expand_first(nodelist) == first
+    assert platforms._expand_first(nodelist) == first
 
 
 def test_detect_walks_one_ordered_table_of_conventions():

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from kerasdist.rendezvous import conventions  # noqa: E402
+from kerasdist.rendezvous import environment  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import attempt_loop  # noqa: E402
 from kerasdist.run import elastic  # noqa: E402
@@ -267,7 +267,7 @@ def test_parse_args_bounds_every_number(argv, message, monkeypatch):
 
 
 def test_the_launchers_bound_is_the_ranks():
-    assert hosts.MAX_RANKS == conventions.MAX_PROCESSES
+    assert hosts.MAX_RANKS == environment.MAX_PROCESSES
 
 
 def test_parse_args_bounds_the_slots_of_many_hosts(tmp_path):
