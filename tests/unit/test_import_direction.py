@@ -181,6 +181,28 @@ def test_layers():
     assert "kerasdist.autotune" in deps["kerasdist.basics"]
 
 
+def test_the_rendezvous_imports_no_framework():
+    """Beside the standard library it imports only torch's TCPStore, where
+    torchrun's agent serves the coordinator's port (client.py)."""
+    wrong = []
+    for module, tree in MODULES.items():
+        if not module.startswith(_RENDEZVOUS + "."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{module} imports {n}" for n in names
+                      if n.split(".")[0] in ("keras", "tensorflow", "jax",
+                                             "numpy")
+                      or n.split(".")[0] == "torch"
+                      and n != "torch.distributed"]
+    assert not wrong, wrong
+
+
 # The Keras layer's framework-neutral modules: they reach a framework only
 # through kerasdist.keras.framework.get(), which returns the running
 # backend's object from kerasdist/<framework>/_keras_layer.py.
