@@ -7,27 +7,26 @@ coordinator's port, and serves until every rank's MPI has finalized or
 gone (or, after rank 0 itself has gone, for a short grace). On each
 connection, what it has proved decides what it may say: a hello proves
 the job's secret first (`kd_auth`, a challenge, an HMAC; then the hello,
-a barrier of all ranks with a deadline), and on that connection only its
-rank's `kd_watch` and `kd_up` follow (watch.py); MPICH's client, which
-cannot prove the secret, proves the one-time PMI_ID this server gave its
-rank in the hello's reply, and then speaks PMI-1 (pmi.py).
+a barrier of all ranks with a deadline: hello.py), and on that connection
+only its rank's `kd_watch` and `kd_up` follow (watch.py); MPICH's client,
+which cannot prove the secret, proves the one-time PMI_ID this server gave
+its rank in the hello's reply, and then speaks PMI-1 (pmi.py).
 
 Run by path in isolated mode, it imports its siblings here (protocol,
-pmi, watch: standard library only) from this directory, and nothing else
-of kerasdist; imported as kerasdist.rendezvous.server (the tests), the
+hello, pmi, watch: standard library only) from this directory, and nothing
+else of kerasdist; imported as kerasdist.rendezvous.server (the tests), the
 same modules from the package.
 """
 
 import errno
-import hmac
 import os
-import secrets
 import socket
 import sys
 import threading
 import time
 
 if __package__:
+    from kerasdist.rendezvous import hello
     from kerasdist.rendezvous import pmi
     from kerasdist.rendezvous import protocol
     from kerasdist.rendezvous import watch
@@ -35,6 +34,7 @@ else:
     # `python -I server.py`: isolated mode puts neither this directory nor
     # kerasdist on sys.path.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hello  # noqa: E402
     import pmi  # noqa: E402
     import protocol  # noqa: E402
     import watch  # noqa: E402
@@ -74,7 +74,7 @@ class _Conn:
 
 
 
-class _Server(pmi.PmiCommands, watch.Watchers):
+class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
     def __init__(self, size, timeout, job="unnamed", key=b"", secret=False):
         self.size = size
         self.timeout = timeout
@@ -104,97 +104,6 @@ class _Server(pmi.PmiCommands, watch.Watchers):
         self.started = time.monotonic()
         self.formed_at = None  # when every rank had said hello
         self.failed = False
-
-    # Who may talk: a hello proves the secret first (kd_auth, a challenge,
-    # an HMAC); MPICH's client, which cannot, proves the one-time PMI_ID
-    # this server gave its rank in the hello's reply.
-    def on_auth(self, conn, t):
-        job = t.get("job", "")
-        # secret=: whether this job has one, so that a rank that differs
-        # hears that rather than "another job" (it proves nothing: the
-        # proof below does).
-        if job != self.job:
-            self.send(conn, f"cmd=kd_challenge rc={protocol.OTHER_JOB} "
-                       f"job={self.job} secret={int(self.secret)}")
-            raise protocol.BadConnection("another job")
-        conn.theirs = t.get("nonce", "")[:64]
-        conn.nonce = secrets.token_hex(16)
-        proof = protocol.mac_of(self.key, "server", conn.theirs, conn.nonce,
-                                self.job)
-        self.send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
-                   f"secret={int(self.secret)} nonce={conn.nonce} "
-                   f"proof={proof}")
-
-    def reply(self, conn, line):
-        """A hello's reply, with its proof."""
-        mac = protocol.mac_of(self.key, "ready", conn.theirs, conn.nonce, line)
-        self.send(conn, f"{line} mac={mac}")
-
-    # The hello: a barrier of all ranks with a deadline.
-    def on_hello(self, conn, t):
-        if conn.nonce is None or conn.hello_rank is not None:
-            raise protocol.BadConnection("hello before the challenge, or twice")
-        try:
-            rank, size = int(t.get("rank")), int(t.get("size"))
-        except (TypeError, ValueError):
-            raise protocol.BadConnection("malformed hello") from None
-        # The rank's node (node_identity), under the proof with rank and
-        # size; a hello without one (an older client) proves those alone,
-        # and MPI then tells nodes apart by host name.
-        node = t.get("node", "")
-        if len(node) > protocol.NODE_MAX:
-            raise protocol.BadConnection("a node beyond the bound")
-        said = (rank, size, node) if node else (rank, size)
-        if not hmac.compare_digest(
-                t.get("proof", ""),
-                protocol.mac_of(self.key, "hello", conn.nonce, conn.theirs,
-                                *said)):
-            raise protocol.BadConnection("no proof of the secret")
-        conn.proven = True
-        conn.hello_rank = rank
-        conn.node = node
-        with self.cv:
-            if self.hello_done:
-                return self.reply(
-                    conn, f"cmd=kd_ready rc={protocol.FORMED} msg=its job of "
-                    f"{self.size} formed (or failed) without this rank "
-                    f"{rank}; if no earlier run of the job is still ending, "
-                    f"give each process its own rank in 0..{self.size - 1}")
-            if size != self.size:
-                return self.reply(
-                    conn, f"cmd=kd_ready rc=1 msg=this process says the job "
-                    f"has {size} processes but rank 0 says {self.size}; give "
-                    f"every process the same size")
-            if not 0 <= rank < self.size or rank in self.hello:
-                return self.reply(
-                    conn, f"cmd=kd_ready rc=1 msg=rank {rank} came twice; "
-                    f"give each process its own rank in 0..{self.size - 1}")
-            self.hello[rank] = conn
-            if len(self.hello) == self.size:
-                self.hello_done = True
-                self.formed_at = time.monotonic()
-                nodes = [self.hello[r].node for r in range(self.size)]
-                self.mapping = pmi.process_mapping(nodes)
-                self.nodes = [n.partition("/")[0] for n in nodes]
-                for r, c in self.hello.items():
-                    token = 0
-                    while token == 0 or token in self.tokens:
-                        token = 1 + secrets.randbelow(2 ** 31 - 2)
-                    self.tokens[token] = r
-                    self.reply(c, f"cmd=kd_ready rc=0 pmiid={token}")
-                self.watchers = dict(self.hello)
-                self.hello = {}
-
-    def fail_hello(self):  # with self.cv held
-        shown = protocol.first_missing(self.size, self.hello)
-        for c in self.hello.values():
-            self.reply(c, f"cmd=kd_ready rc=1 msg=ranks {shown} of "
-                        f"{self.size} did not reach the coordinator within "
-                        f"{self.timeout:g} s ({protocol.TIMEOUT_ENV}); check "
-                        f"that every process was started and has the same "
-                        f"coordinator")
-        self.hello_done = True
-        self.failed = True
 
     def send(self, conn, line):
         try:
