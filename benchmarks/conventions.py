@@ -91,7 +91,7 @@ def rank_main(opts):
     import numpy as np
 
     import kerasdist as kd
-    from kerasdist.run import conventions
+    from kerasdist.rendezvous import conventions
 
     kd.init()  # before mpi4py.MPI: under (b) MPI starts here, as one job
     from mpi4py import MPI

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 # Neither imports anything itself: their names are the process API and
 # the collectives.
-from kerasdist import _process_api
 from kerasdist import collectives as _collectives
+from kerasdist._core import process_api as _process_api
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it: the process API every namespace
-# shares (kerasdist/_process_api.py), and the Keras layer's own.
+# shares (kerasdist/_core/process_api.py), and the Keras layer's own.
 _EXPORTS = {
     **_process_api.PROCESS_API,
     "current_settings": "basics", "build_info": "build_probes",
@@ -156,4 +156,4 @@ def __dir__():
     return __all__
 
 
-importlib.import_module("kerasdist._build_check").warn()
+importlib.import_module("kerasdist._core.build_check").warn()

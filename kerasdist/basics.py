@@ -6,13 +6,15 @@ import os
 import sys
 import threading
 
-from kerasdist import _ray_worker
-from kerasdist import _resize
 from kerasdist import autotune
 from kerasdist._core import capi as _capi
-from kerasdist.run import conventions
-from kerasdist.run import rendezvous
-from kerasdist.run import site_mpi
+from kerasdist._core import ray_worker as _ray_worker
+from kerasdist._core import resize as _resize
+from kerasdist._core import site_mpi
+from kerasdist.rendezvous import client
+from kerasdist.rendezvous import conventions
+from kerasdist.rendezvous import protocol
+from kerasdist.rendezvous import watch
 
 # Reduction ops: the core's values (ops/core/types.h; Horovod's numbering),
 # asked from the library. Adasum is Horovod's: allreduce of float16/32/64 on
@@ -129,8 +131,8 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
                 f"kerasdist.init() failed: {_capi.last_error()}")
         if pmi_env:
             # Started, the heartbeat watching: from here on it, not the
-            # rendezvous, reports a rank that ends (rendezvous.started).
-            rendezvous.started()
+            # rendezvous, reports a rank that ends (watch.started).
+            watch.started()
             _joined = launch
         if launch is not None:
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
@@ -187,14 +189,14 @@ def _add_init_process_sets(process_sets):
 
 
 def _join_launch(lib):
-    """Reads the launch convention (kerasdist/run/conventions.py); where a
-    platform rather than an MPI launcher started the job, meets the other
-    processes at its coordinator (kerasdist/run/rendezvous.py) and returns
-    the PMI variables for MPI_Init: (launch, {name: value}), {} where there
-    is nothing to join."""
+    """Reads the launch convention (kerasdist/rendezvous/conventions.py);
+    where a platform rather than an MPI launcher started the job, meets the
+    other processes at its coordinator (kerasdist/rendezvous/client.py) and
+    returns the PMI variables for MPI_Init: (launch, {name: value}), {}
+    where there is nothing to join."""
     launch = conventions.detect(os.environ)
     # The MPI kerasdist was built against must speak the launcher's
-    # protocol (kerasdist/run/site_mpi.py): one line, not MPI_Init's abort
+    # protocol (kerasdist/_core/site_mpi.py): one line, not MPI_Init's abort
     # or a job of one on every process.
     wrong = (site_mpi.check_launch(os.environ) if launch.convention == "mpi"
              else site_mpi.check_rendezvous(launch.convention)
@@ -227,10 +229,10 @@ def _join_launch(lib):
             f"mpi4py.MPI starts it), as a job of one, so this process "
             f"cannot join the {launch.convention} job of {launch.size}; "
             f"call kerasdist.init() before importing mpi4py.MPI.")
-    timeout = rendezvous.timeout_from(os.environ)
+    timeout = protocol.timeout_from(os.environ)
     try:
-        return launch, rendezvous.join(launch, timeout)
-    except rendezvous.RendezvousError as e:
+        return launch, client.join(launch, timeout)
+    except protocol.RendezvousError as e:
         raise RuntimeError(f"kerasdist.init() failed: {e}") from None
 
 

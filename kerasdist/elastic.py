@@ -38,7 +38,7 @@ state to a file that the next attempt starts from:
   `state.sync()` gives every rank rank 0's state, and `func(state)` runs.
 * `check_host_updates()` raises `HostsUpdatedInterrupt` on every rank at the
   same call once the launcher asked any rank to stop for a resize (its
-  SIGUSR1, kerasdist/_resize.py). `run` then commits the state as it is and
+  SIGUSR1, kerasdist/_core/resize.py). `run` then commits the state as it is and
   ends the process with the resize exit code: the launcher relaunches at
   the new size and the next attempt starts from that commit.
 * `HorovodInternalError` (a collective failed) ends the process with an
@@ -53,7 +53,7 @@ shortens the first epoch after a resume by the batches already done.
 
 Over 500 lines: it is Horovod's `hvd.elastic` whole (the state classes, `run`,
 the callbacks and the commits a restart resumes from), where a Horovod user
-looks for it; files are written through `kerasdist/_files.py`.
+looks for it; files are written through `kerasdist/_core/files.py`.
 """
 
 import base64
@@ -67,9 +67,9 @@ import zipfile
 
 import numpy as np
 
-from kerasdist import _files
-from kerasdist import _resize
 from kerasdist import basics
+from kerasdist._core import files as _files
+from kerasdist._core import resize as _resize
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import step as _shard_step

@@ -61,7 +61,7 @@ from ray.train.backend import BackendConfig
 __all__ = ["KerasdistConfig", "worker_environment"]
 
 # The variables this backend sets in every worker (the `kerasdist`
-# convention, kerasdist/run/conventions.py, and the restart count).
+# convention, kerasdist/rendezvous/conventions.py, and the restart count).
 _VARIABLES = ("KERASDIST_NUM_PROCESSES", "KERASDIST_RANK",
               "KERASDIST_COORDINATOR", "KERASDIST_RESTART_ATTEMPT")
 # Variables of other conventions that, left in a worker's environment (a

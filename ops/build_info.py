@@ -4,9 +4,9 @@
     build_info.py OUT_JSON TF JAX CORE_LIB LAUNCHER_DIR RELOCATABLE -- CXX...
 
 TF=1 / JAX=1: records the TensorFlow / JAX versions the op libraries were
-compiled against ("tensorflow", "jax"; kerasdist/_build_check.py compares
+compiled against ("tensorflow", "jax"; kerasdist/_core/build_check.py compares
 them with the installed ones), and always the Python and, as "mpi", the MPI
-the core was compiled and linked against (kerasdist/run/site_mpi.py reads
+the core was compiled and linked against (kerasdist/_core/site_mpi.py reads
 it: the launcher, the check of the launch at init, `kerasdist doctor`).
 CXX... is the core's compile command.
 
@@ -103,10 +103,10 @@ def mpi_record(core, launcher_dir, relocatable, compile_command):
 
 
 def _build_check():
-    """kerasdist/_build_check.py (standard library only), loaded from its
+    """kerasdist/_core/build_check.py (standard library only), loaded from its
     file: importing the package would load the libraries being built."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                        "kerasdist", "_build_check.py")
+                        "kerasdist", "_core", "build_check.py")
     spec = importlib.util.spec_from_file_location("_build_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -116,7 +116,7 @@ def _build_check():
 def main(argv):
     out, tf, jax, core, launcher_dir, relocatable = argv[1:7]
     info = {"python": sys.version.split()[0]}
-    # From the packages' metadata, as kerasdist/_build_check.py compares
+    # From the packages' metadata, as kerasdist/_core/build_check.py compares
     # them (an import of TensorFlow costs seconds of CPU a build).
     check = _build_check()
     for framework, wanted in (("tensorflow", tf), ("jax", jax)):

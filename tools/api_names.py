@@ -3,7 +3,7 @@ plain imports and assignments, so that a reader, an IDE or a type checker
 follows `kd.allreduce` to its code (`Collectives.allreduce` in
 kerasdist/_public_collectives.py) as Keras' generated API files do.
 
-The one list is kerasdist/_process_api.py's `PROCESS_API` (the process
+The one list is kerasdist/_core/process_api.py's `PROCESS_API` (the process
 API), kerasdist/collectives.py's `__all__` (the collectives) and
 kerasdist/__init__.py's `_EXPORTS`; each namespace's block below is made
 from them:
@@ -68,7 +68,7 @@ def _evaluate(node):
 
 
 def process_api():
-    return _literal("kerasdist/_process_api.py", "PROCESS_API")
+    return _literal("kerasdist/_core/process_api.py", "PROCESS_API")
 
 
 def collectives():

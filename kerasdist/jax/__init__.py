@@ -6,8 +6,8 @@
     grads = kd.grouped_allreduce(grads)          # inside a jitted step too
 """
 
-from kerasdist import _process_api
 from kerasdist import collectives as _collectives
+from kerasdist._core import process_api as _process_api
 
 # The process API, and the public collectives on JAX arrays (each name of
 # `kerasdist.collectives.__all__`, bound to this framework).

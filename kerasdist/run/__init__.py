@@ -2,7 +2,10 @@
 
 A leaf package: standard library only, no TensorFlow; from the rest of
 kerasdist it uses only `kerasdist._core.capi` (ctypes) to learn the settings'
-names from the core library, so that `kerasdist run` starts in milliseconds.
+names from the core library, `kerasdist._core.site_mpi` (the MPI built
+against) and the rendezvous' protocol (the job's secret), so that
+`kerasdist run` starts in milliseconds. The rendezvous that ranks started
+without mpiexec join is kerasdist/rendezvous/.
 Entry point: kerasdist.run.launch.main. See docs/launcher.md.
 """
 

@@ -70,7 +70,7 @@ HOSTNAME_ENV = "KERASDIST_HOSTNAME"
 KILL_GRACE_S = 5.0
 
 # Elastic jobs (kerasdist/run/resize.py). The rank side keeps its own copy
-# of these (kerasdist/_resize.py: it may not import the launcher); a unit
+# of these (kerasdist/_core/resize.py: it may not import the launcher); a unit
 # test holds the two equal.
 ELASTIC_ENV = "KERASDIST_ELASTIC"
 # The exit code of a rank that stopped at a checkpoint for a resize.
@@ -85,7 +85,7 @@ PROGRESS_MARKER = b"\x1ekerasdist-progress"
 # Set for the command ("1"): the launcher reads the rank's markers.
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
 # The launcher's random token for the two markers above, which the rank
-# writes (kerasdist/_resize.py), as `token=...` at the end of the line: a
+# writes (kerasdist/_core/resize.py), as `token=...` at the end of the line: a
 # line the program prints cannot pass for one. Another token than the exit
 # marker's, which the command never sees.
 RANK_MARKER_TOKEN_ENV = "KERASDIST_RANK_MARKER_TOKEN"

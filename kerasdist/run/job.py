@@ -103,7 +103,7 @@ class Outcome:
             said nothing: a relaunch that fails with the same error met a
             deterministic one (a missing script, a TypeError).
         progressed: a rank saved progress the next attempt resumes from
-            (kerasdist/_resize.py's report_progress).
+            (kerasdist/_core/resize.py's report_progress).
     """
 
     def __init__(self, exit_code, failure=None, timed_out=False, signum=None,

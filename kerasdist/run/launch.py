@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from kerasdist._core import site_mpi
+from kerasdist.rendezvous import protocol
 from kerasdist.run import _rank
 from kerasdist.run import attempt_loop
 from kerasdist.run import hosts as hosts_lib
@@ -36,8 +38,6 @@ from kerasdist.run import launch_config
 from kerasdist.run import mpi_command
 from kerasdist.run import node
 from kerasdist.run import remote
-from kerasdist.run import rendezvous
-from kerasdist.run import site_mpi
 from kerasdist.run.launch_config import PROG
 
 
@@ -86,21 +86,21 @@ def _run_mpi(config, log):
 class _job_secret:
     """Every job gets a random secret of its own in KERASDIST_JOB_SECRET
     (unless one is set already), which its ranks prove on every control
-    connection (the heartbeat, kerasdist/run/rendezvous.py; SECURITY.md).
+    connection (the heartbeat, kerasdist/rendezvous/; SECURITY.md).
     It travels in the environment (hydra's -genvall, Open MPI's -x), never
     on a command line."""
 
     def __enter__(self):
-        self.made = not os.environ.get(rendezvous.SECRET_ENV)
+        self.made = not os.environ.get(protocol.SECRET_ENV)
         if self.made:
-            os.environ[rendezvous.SECRET_ENV] = secrets.token_hex(32)
+            os.environ[protocol.SECRET_ENV] = secrets.token_hex(32)
         # And the token of the per-rank wrappers' exit markers (_rank.py).
         os.environ[_rank.MARKER_TOKEN_ENV] = secrets.token_hex(16)
         return self
 
     def __exit__(self, *exc):
         if self.made:
-            os.environ.pop(rendezvous.SECRET_ENV, None)
+            os.environ.pop(protocol.SECRET_ENV, None)
         os.environ.pop(_rank.MARKER_TOKEN_ENV, None)
         return False
 

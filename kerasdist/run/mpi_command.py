@@ -14,10 +14,10 @@ import os
 import shutil
 import sys
 
+from kerasdist._core import site_mpi
 from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import settings
-from kerasdist.run import site_mpi
 
 
 def find_mpiexec(environ=None, prefix=None, which=shutil.which):

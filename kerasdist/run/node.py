@@ -10,7 +10,7 @@ and starts that host's ranks itself, with torchrun's variables (RANK =
 node_rank * nproc_per_node + local rank, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK, GROUP_WORLD_SIZE).
 kd.init() on every rank then meets the others at MASTER_ADDR:MASTER_PORT,
-where rank 0 (on node 0) serves the rendezvous (kerasdist/run/rendezvous.py),
+where rank 0 (on node 0) serves the rendezvous (kerasdist/rendezvous/),
 and MPI starts as one job of all of them.
 
 The launcher runs this file as a small process of its own, the node's

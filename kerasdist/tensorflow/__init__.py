@@ -11,8 +11,8 @@ is TensorFlow; this module is for TensorFlow code that does not go through
 Keras' backend choice.
 """
 
-from kerasdist import _process_api
 from kerasdist import collectives as _collectives
+from kerasdist._core import process_api as _process_api
 
 # The process API, and the public collectives on TF tensors (each name of
 # `kerasdist.collectives.__all__`, bound to this framework).

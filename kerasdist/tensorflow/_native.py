@@ -6,7 +6,7 @@ import os
 
 import tensorflow as tf
 
-from kerasdist import _build_check
+from kerasdist._core import build_check as _build_check
 from kerasdist._core import capi as _capi
 
 _ops = None

@@ -24,9 +24,9 @@ import subprocess
 import sys
 
 import kerasdist
-from kerasdist import _build_check
+from kerasdist._core import build_check as _build_check
 from kerasdist._core import capi as _capi
-from kerasdist.run import site_mpi
+from kerasdist._core import site_mpi
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
 # TensorFlow's start-up chatter would drown the report.
@@ -219,7 +219,7 @@ def selftest():
     import numpy as np
 
     from kerasdist import basics
-    from kerasdist.run import conventions
+    from kerasdist.rendezvous import conventions
 
     lib = _capi.lib()
     # kd.init(): under any launch convention (docs/platforms.md), not only
@@ -374,7 +374,7 @@ def mpi_checks(info, rec, environ):
     """The MPI kerasdist was built against (the build record), the one it
     loads at run time (MPI_Get_library_version through the C API, in
     `info`), and whether this process's MPI launcher suits the build
-    (kerasdist/run/site_mpi.py)."""
+    (kerasdist/_core/site_mpi.py)."""
     out = [(OK if rec else WARN,
             f"MPI built against: {site_mpi.describe(rec)}"
             + (f", {rec['library_path']}" if rec.get("library_path") else "")
@@ -395,7 +395,7 @@ def mpi_checks(info, rec, environ):
 def launch_check(environ):
     """The launch convention line: what kd.init() would find in `environ`
     (docs/platforms.md, "Without `kerasdist run`")."""
-    from kerasdist.run import conventions
+    from kerasdist.rendezvous import conventions
     try:
         launch = conventions.detect(environ)
     except ValueError as e:

@@ -6,8 +6,8 @@ autograd), plus the process API. Imports no TensorFlow.
     grads = kd.grouped_allreduce([p.grad for p in model.parameters()])
 """
 
-from kerasdist import _process_api
 from kerasdist import collectives as _collectives
+from kerasdist._core import process_api as _process_api
 
 # The process API, and the public collectives on torch tensors (each name of
 # `kerasdist.collectives.__all__`, bound to this framework).

@@ -5,10 +5,10 @@ import time
 import keras
 import numpy as np
 
-from kerasdist import _resize
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
+from kerasdist._core import resize as _resize
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import optimizer as _optimizer
 
@@ -217,7 +217,7 @@ def resize_agreed():
 
 class ResizeCallback(keras.callbacks.Callback):
     """Stops the job for a resize at a checkpoint boundary, once the
-    launcher asked any rank (kerasdist/_resize.py).
+    launcher asked any rank (kerasdist/_core/resize.py).
 
     The ranks agree on it (`resize_agreed`) every `every_steps` steps of an
     epoch (None: at epoch ends only), never at an epoch's last step (the

@@ -41,8 +41,8 @@ import re
 import time
 import warnings
 
-from kerasdist import _files
-from kerasdist import _resize
+from kerasdist._core import files as _files
+from kerasdist._core import resize as _resize
 
 MANIFEST_VERSION = 1
 _WEIGHTS_SUFFIX = ".weights.h5"

@@ -18,10 +18,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasdist import _resize
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist._core import host as _host
+from kerasdist._core import resize as _resize
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.distributed_optimizer import SHARD_MODES

@@ -299,7 +299,7 @@ def test_an_attempt_that_saved_progress_restarts_at_once():
     # Each attempt reports a checkpoint (as the Trainer and elastic commits
     # do), then fails at once with the same words: no backoff, and the
     # error is not taken for one a restart repeats.
-    code = ("from kerasdist import _resize\n"
+    code = ("from kerasdist._core import resize as _resize\n"
             "_resize.report_progress()\n"
             "raise RuntimeError('a node went away')\n")
     out = launch(1, python_cmd(code), timeout=60,
@@ -480,7 +480,7 @@ def _elastic_args(script):
 # Says it checks for resize requests (as the Trainer does, with the
 # launcher's marker line and the job's token), then lists a second slot.
 _ANNOUNCE_AND_GROW = (
-    "    from kerasdist import _resize; _resize.announce(0)\n"
+    "    from kerasdist._core import resize; resize.announce(0)\n"
     "    open(L, 'w').write('localhost:2\\n')\n")
 
 _GREW = ("kerasdist: growing from 1 to 2 ranks: host localhost has 2 slot(s) "

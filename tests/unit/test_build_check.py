@@ -1,7 +1,7 @@
 """At `import kerasdist`, a TensorFlow or JAX other than the one the op
 libraries were built for gives one line on stderr saying which version they
 were built for, which is installed, and the two ways out
-(kerasdist/_build_check.py).
+(kerasdist/_core/build_check.py).
 
 Each test imports, in a fresh interpreter, a copy of the package whose
 _build_info.json (the record ops/Makefile writes) names the versions wanted.

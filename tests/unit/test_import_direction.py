@@ -7,10 +7,13 @@ source with `ast` (nothing is imported):
   (`basics._OP_NAMES`), nor into private attributes that another module's
   class sets on itself (`trainer._phase` read outside the Trainer);
 - nothing looks modules up in `sys.modules` to dodge an import;
-- the launcher (`kerasdist.run`) uses only itself and the ctypes binding,
-  `autotune` only the ctypes binding, and only the command-line tools
-  import the launcher; `basics` may use the launcher's two start-up modules
-  (launch conventions and rendezvous), which import no kerasdist module.
+- the launcher (`kerasdist.run`) uses only itself, the ctypes binding,
+  the MPI build record (`_core.site_mpi`) and the rendezvous, `autotune`
+  only the ctypes binding, and only the command-line tools import the
+  launcher;
+- the rendezvous (`kerasdist.rendezvous`: launch conventions, the server
+  and its client, the start's watch) imports no kerasdist module outside
+  itself, and both `kd.init()` (`basics`) and the launcher use it.
 """
 
 import ast
@@ -22,10 +25,11 @@ PACKAGE = os.path.join(REPO_ROOT, "kerasdist")
 # Command-line front ends that may start or describe the launcher.
 _LAUNCHER_USERS = {"kerasdist.tools.cli", "kerasdist.tools.doctor",
                    "kerasdist.tools.settings_doc"}
-# The launcher's modules that kd.init() runs before MPI starts (site_mpi:
-# whether the launcher suits the MPI built against).
-_START_UP = {"kerasdist.run.conventions", "kerasdist.run.rendezvous",
-             "kerasdist.run.site_mpi"}
+# What kd.init() runs before MPI starts besides the rendezvous (site_mpi:
+# whether the launcher suits the MPI built against), which the launcher
+# shares: imports no kerasdist module.
+_SITE_MPI = "kerasdist._core.site_mpi"
+_RENDEZVOUS = "kerasdist.rendezvous"
 
 
 def _modules():
@@ -153,20 +157,50 @@ def test_no_sys_modules_lookups():
 def test_layers():
     deps = {m: _imports(m, t)[1] for m, t in MODULES.items()}
     binding = {"kerasdist._core.capi", "kerasdist"}
+
+    def within(m, package):
+        return m == package or m.startswith(package + ".")
+
     for m, targets in deps.items():
-        if m.startswith("kerasdist.run"):
+        if within(m, "kerasdist.run"):
             outside = {t for t in targets
-                       if not t.startswith("kerasdist.run")} - binding
+                       if not within(t, "kerasdist.run")
+                       and not within(t, _RENDEZVOUS)} - binding - {_SITE_MPI}
             assert not outside, f"the launcher {m} imports {outside}"
         elif m not in _LAUNCHER_USERS:
-            launcher = {t for t in targets if t.startswith("kerasdist.run")}
-            if m == "kerasdist.basics":
-                launcher -= _START_UP
+            launcher = {t for t in targets if within(t, "kerasdist.run")}
             assert not launcher, f"{m} imports the launcher: {launcher}"
-    for m in _START_UP:
-        assert not deps[m], f"{m} (run before MPI starts) imports {deps[m]}"
+        if within(m, _RENDEZVOUS):
+            outside = {t for t in targets if not within(t, _RENDEZVOUS)}
+            assert not outside, f"the rendezvous {m} imports {outside}"
+    assert not deps[_SITE_MPI], deps[_SITE_MPI]
+    for user in ("kerasdist.basics", "kerasdist.run.launch"):
+        assert any(within(t, _RENDEZVOUS) for t in deps[user]), user
+    assert _SITE_MPI in deps["kerasdist.basics"]
     assert deps["kerasdist.autotune"] <= binding, deps["kerasdist.autotune"]
     assert "kerasdist.autotune" in deps["kerasdist.basics"]
+
+
+def test_the_rendezvous_imports_no_framework():
+    """Beside the standard library it imports only torch's TCPStore, where
+    torchrun's agent serves the coordinator's port (client.py)."""
+    wrong = []
+    for module, tree in MODULES.items():
+        if not module.startswith(_RENDEZVOUS + "."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{module} imports {n}" for n in names
+                      if n.split(".")[0] in ("keras", "tensorflow", "jax",
+                                             "numpy")
+                      or n.split(".")[0] == "torch"
+                      and n != "torch.distributed"]
+    assert not wrong, wrong
 
 
 # The Keras layer's framework-neutral modules: they reach a framework only

@@ -1,11 +1,14 @@
-"""kerasdist.run.conventions.detect: environment in, launch record out."""
+"""kerasdist.rendezvous.conventions.detect: environment in, a Launch out."""
 
 import pytest
 
-from kerasdist.run import conventions
-from kerasdist.run import rendezvous
-from kerasdist.run.conventions import Launch
-from kerasdist.run.conventions import detect
+from kerasdist.rendezvous import client
+from kerasdist.rendezvous import conventions
+from kerasdist.rendezvous import platforms
+from kerasdist.rendezvous import protocol
+from kerasdist.rendezvous import server as rdv_server
+from kerasdist.rendezvous.conventions import Launch
+from kerasdist.rendezvous.conventions import detect
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
@@ -124,12 +127,12 @@ def test_describe():
 
 
 def test_rendezvous_timeout_setting():
-    assert rendezvous.timeout_from({}) == rendezvous.DEFAULT_TIMEOUT_S
-    assert rendezvous.timeout_from(
-        {rendezvous.TIMEOUT_ENV: "2.5"}) == 2.5
+    assert protocol.timeout_from({}) == protocol.DEFAULT_TIMEOUT_S
+    assert protocol.timeout_from(
+        {protocol.TIMEOUT_ENV: "2.5"}) == 2.5
     for bad in ("0", "-1", "soon"):
         with pytest.raises(ValueError, match="is not a positive number"):
-            rendezvous.timeout_from({rendezvous.TIMEOUT_ENV: bad})
+            protocol.timeout_from({protocol.TIMEOUT_ENV: bad})
 
 
 # ---- the platforms' conventions after torchrun -------------------------------
@@ -235,7 +238,7 @@ def test_srun_without_an_mpi_plugin():
     ("kdt[0-1", None), ("", None),
 ])
 def test_first_host_of_a_slurm_node_list(nodelist, first):
-    assert conventions._expand_first(nodelist) == first
+    assert platforms._expand_first(nodelist) == first
 
 
 def test_detect_walks_one_ordered_table_of_conventions():
@@ -396,7 +399,7 @@ def _serve(port, size, timeout):
     """rank 0's rendezvous server, as kd.init() starts it; ends when its
     stdin closes (rank 0 gone) and no rank's MPI is connected."""
     return subprocess.Popen(
-        [sys.executable, "-I", rendezvous.__file__, "serve", str(port),
+        [sys.executable, "-I", rdv_server.__file__, "serve", str(port),
          str(size), str(timeout)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True)
 
@@ -410,16 +413,16 @@ def _hello(port, rank, size, job="unnamed", key=None):
     """Says hello as rank `rank` of `size` of job `job` (its key: that of
     a job without a secret), proving the key as join() does; returns the
     server's reply without its proof."""
-    key = key or rendezvous.identity({rendezvous.JOB_ID_ENV: job})[1]
+    key = key or protocol.identity({protocol.JOB_ID_ENV: job})[1]
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
         s.sendall(f"cmd=kd_auth job={job} nonce=n{rank}\n".encode())
-        t = rendezvous._tokens(rendezvous._read_line(s))
+        t = protocol.tokens(protocol.read_line(s))
         assert t["cmd"] == "kd_challenge" and t["rc"] == "0", t
-        proof = rendezvous._mac(key, "hello", t["nonce"], f"n{rank}", rank,
+        proof = protocol.mac_of(key, "hello", t["nonce"], f"n{rank}", rank,
                                 size)
         s.sendall(f"cmd=kd_hello rank={rank} size={size} proof={proof}\n"
                   .encode())
-        return rendezvous._read_line(s).rpartition(" mac=")[0]
+        return protocol.read_line(s).rpartition(" mac=")[0]
 
 
 def _listening_socket():
@@ -485,7 +488,7 @@ def test_a_hello_to_an_earlier_runs_server_waits_for_the_next_one():
         joined = {}
         launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
         rank1 = threading.Thread(target=lambda: joined.update(
-            rendezvous.join(launch, 30, environ={}, watch=False)))
+            client.join(launch, 30, environ={}, watch=False)))
         rank1.start()
         time.sleep(1.0)
         assert rank1.is_alive() and not joined  # waiting, not failed
@@ -513,8 +516,7 @@ def test_a_rendezvous_that_fails_builds_nothing_the_size_of_the_job():
     # hundreds of megabytes for the 10**7 here).
     import tracemalloc
 
-    from kerasdist.run import rendezvous
-    server = rendezvous._Server(10 ** 7, 1.0)
+    server = rdv_server._Server(10 ** 7, 1.0)
     tracemalloc.start()
     try:
         with server.cv:

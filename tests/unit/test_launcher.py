@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from kerasdist.rendezvous import environment  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
 from kerasdist.run import attempt_loop  # noqa: E402
-from kerasdist.run import conventions  # noqa: E402
 from kerasdist.run import elastic  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import job  # noqa: E402
@@ -267,7 +267,7 @@ def test_parse_args_bounds_every_number(argv, message, monkeypatch):
 
 
 def test_the_launchers_bound_is_the_ranks():
-    assert hosts.MAX_RANKS == conventions.MAX_PROCESSES
+    assert hosts.MAX_RANKS == environment.MAX_PROCESSES
 
 
 def test_parse_args_bounds_the_slots_of_many_hosts(tmp_path):
@@ -625,7 +625,7 @@ def test_rank_markers_count_with_the_jobs_token_only(line, marker, seen):
 
 
 def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
-    from kerasdist import _resize
+    from kerasdist._core import resize as _resize
 
     monkeypatch.setenv(_rank.MARKERS_READ_ENV, "1")
     monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
@@ -638,7 +638,7 @@ def test_rank_side_writes_the_jobs_token(capfdbinary, monkeypatch):
 
 
 def test_rank_side_names_are_the_launchers():
-    from kerasdist import _resize
+    from kerasdist._core import resize as _resize
 
     assert _resize.ELASTIC_ENV == _rank.ELASTIC_ENV == "KERASDIST_ELASTIC"
     assert _resize.RESIZE_EXIT_CODE == _rank.RESIZE_EXIT_CODE
@@ -951,7 +951,7 @@ def test_a_resize_request_after_the_program_ended_is_ignored():
         "    print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n"
         "    os.kill(os.getpid(), signal.SIGUSR1)\n"
         "atexit.register(late)\n"
-        "from kerasdist import _resize\n"
+        "from kerasdist._core import resize as _resize\n"
         "assert _resize.install()\n")
     env = dict(os.environ, KERASDIST_ELASTIC="1")
     p = subprocess.run([sys.executable, "-c", code], env=env,

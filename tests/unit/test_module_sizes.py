@@ -2,7 +2,8 @@
 has a paragraph starting "Over 500 lines:" with the reason (one concern
 that reads best whole, or a file run by path that may import nothing of
 its own package). A module that grows past the line without one is split
-or gets its reason in the same change."""
+or gets its reason in the same change. And the package's top holds at
+most 14 modules."""
 
 import ast
 import os
@@ -40,3 +41,18 @@ def test_every_module_over_500_lines_says_why_at_its_top():
     assert not unexplained, (
         f"modules over {LIMIT} lines without a paragraph starting "
         f"{MARK!r} in their docstring: {', '.join(unexplained)}")
+
+
+# The package's top: the public modules and what every namespace shares;
+# private plumbing lives under the layer it serves (_core/, rendezvous/,
+# keras/, run/, ...).
+TOP_LIMIT = 14
+
+
+def test_the_package_top_has_at_most_14_modules():
+    package = os.path.join(REPO_ROOT, "kerasdist")
+    top = sorted(n for n in os.listdir(package) if n.endswith(".py"))
+    assert len(top) <= TOP_LIMIT, (
+        f"{len(top)} modules at the top of kerasdist/ (at most "
+        f"{TOP_LIMIT}): {', '.join(top)}; move private ones under the "
+        f"package of the layer they serve")

@@ -8,8 +8,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
+from kerasdist.rendezvous import conventions  # noqa: E402
 from kerasdist.run import _rank  # noqa: E402
-from kerasdist.run import conventions  # noqa: E402
 from kerasdist.run import hosts  # noqa: E402
 from kerasdist.run import launch_config  # noqa: E402
 from kerasdist.run import node  # noqa: E402

@@ -5,8 +5,8 @@ tests/cluster/test_ray.py."""
 
 import pytest
 
-from kerasdist import _ray_worker
-from kerasdist.run import conventions
+from kerasdist._core import ray_worker as _ray_worker
+from kerasdist.rendezvous import conventions
 
 pytest.importorskip("ray.train", reason="needs ray[train] (kerasdist[ray])")
 

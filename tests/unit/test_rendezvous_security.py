@@ -1,4 +1,4 @@
-"""The rendezvous server (kerasdist/run/rendezvous.py) against foreign and
+"""The rendezvous server (kerasdist/rendezvous/server.py) against foreign and
 hostile clients: real server processes and real sockets on loopback; the
 ranks are join() itself (the hello) and a PMI-1 client that speaks as
 MPICH's does. No MPI: each test takes a second or a few.
@@ -15,8 +15,12 @@ import time
 
 import pytest
 
-from kerasdist.run import rendezvous
-from kerasdist.run.conventions import Launch
+from kerasdist.rendezvous import client
+from kerasdist.rendezvous import protocol
+from kerasdist.rendezvous import server as rdv_server
+from kerasdist.rendezvous.conventions import Launch
+from kerasdist.rendezvous.pmi import node_ids
+from kerasdist.rendezvous.pmi import process_mapping
 from tests.support.helpers import launcher_env
 from tests.support.hostile import foreigner as _foreigner
 
@@ -25,16 +29,16 @@ SECRET = "an-honest-jobs-secret-0123456789"
 
 def _serve(size, timeout, job="unnamed", secret="", port=0, limit=None):
     """rank 0's server as join() starts it; returns (process, port)."""
-    env = {rendezvous.JOB_ID_ENV: job}
+    env = {protocol.JOB_ID_ENV: job}
     if secret:
-        env[rendezvous.SECRET_ENV] = secret
-    job, key, proven = rendezvous.identity(env)
+        env[protocol.SECRET_ENV] = secret
+    job, key, proven = protocol.identity(env)
     preexec = None
     if limit:
         def preexec():
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
     proc = subprocess.Popen(
-        [sys.executable, "-I", rendezvous.__file__, "serve", str(port),
+        [sys.executable, "-I", rdv_server.__file__, "serve", str(port),
          str(size), str(timeout)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
@@ -68,9 +72,9 @@ def _join_all(port, size, env, timeout=20):
         try:
             # watch=False: a watching join ends its process on the
             # server's failure report (tested in a process of its own).
-            out[rank] = rendezvous.join(launch, timeout,
+            out[rank] = client.join(launch, timeout,
                                         environ=dict(env), watch=False)
-        except rendezvous.RendezvousError as e:
+        except protocol.RendezvousError as e:
             out[rank] = e
     threads = [threading.Thread(target=one, args=(r,)) for r in range(1,
                                                                       size)]
@@ -85,14 +89,14 @@ def _join_all(port, size, env, timeout=20):
 
 
 def _hello0(port, size, env, timeout):
-    job, key, _ = rendezvous.identity(env)
+    job, key, _ = protocol.identity(env)
     launch = Launch("torchrun", 0, size, 0, size, ("127.0.0.1", port))
     deadline = time.monotonic() + timeout
-    reply = rendezvous._hello(("127.0.0.1", port), "here", launch, timeout,
+    reply = client._hello(("127.0.0.1", port), "here", launch, timeout,
                               deadline, job, key)
     assert reply.startswith("cmd=kd_ready rc=0 "), reply
     return {"PMI_PORT": f"127.0.0.1:{port}",
-            "PMI_ID": rendezvous._tokens(reply)["pmiid"]}
+            "PMI_ID": protocol.tokens(reply)["pmiid"]}
 
 
 class Pmi:
@@ -159,9 +163,9 @@ def _form_and_run(port, size, env):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("secret", ["", SECRET])
 def test_a_foreign_client_changes_nothing(secret):
-    env = {rendezvous.JOB_ID_ENV: "job1"}
+    env = {protocol.JOB_ID_ENV: "job1"}
     if secret:
-        env[rendezvous.SECRET_ENV] = secret
+        env[protocol.SECRET_ENV] = secret
     proc, port = _serve(2, 20, "job1", secret)
     stop, sent = threading.Event(), []
     foreigner = threading.Thread(target=_foreigner,
@@ -183,22 +187,22 @@ def test_a_wrong_secret_proves_nothing():
     proc, port = _serve(2, 20, "job1", SECRET)
     try:
         launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
-        with pytest.raises(rendezvous.RendezvousError) as e:
-            rendezvous.join(launch, 20, environ={
-                rendezvous.JOB_ID_ENV: "job1",
-                rendezvous.SECRET_ENV: "another-secret-of-32-characters!"})
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20, environ={
+                protocol.JOB_ID_ENV: "job1",
+                protocol.SECRET_ENV: "another-secret-of-32-characters!"})
         assert f"port {port} serves another job (job job1 with another " \
             f"secret (KERASDIST_JOB_SECRET differs))" in str(e.value)
         # A hello whose proof is wrong is dropped, unanswered.
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"cmd=kd_auth job=job1 nonce=x\n")
-            assert rendezvous._read_line(s).startswith(
+            assert protocol.read_line(s).startswith(
                 "cmd=kd_challenge rc=0 job=job1 ")
             s.sendall(b"cmd=kd_hello rank=1 size=2 proof=" + b"0" * 64 +
                       b"\n")
             assert s.recv(100) == b""
-        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "job1",
-                                rendezvous.SECRET_ENV: SECRET})
+        _form_and_run(port, 2, {protocol.JOB_ID_ENV: "job1",
+                                protocol.SECRET_ENV: SECRET})
     finally:
         _end(proc)
 
@@ -235,8 +239,8 @@ def test_an_unproven_connection_is_dropped_at_its_deadline(monkeypatch):
         took = time.monotonic() - start
     finally:
         _end(proc)
-    assert rendezvous.AUTH_DEADLINE_S - 1 < took < \
-        rendezvous.AUTH_DEADLINE_S + 3, took
+    assert protocol.AUTH_DEADLINE_S - 1 < took < \
+        protocol.AUTH_DEADLINE_S + 3, took
 
 
 # ---- two jobs on one port ---------------------------------------------------
@@ -247,9 +251,9 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
     try:
         launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
         start = time.monotonic()
-        with pytest.raises(rendezvous.RendezvousError) as e:
-            rendezvous.join(launch, 20,
-                            environ={rendezvous.JOB_ID_ENV: "jobB"})
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20,
+                            environ={protocol.JOB_ID_ENV: "jobB"})
         assert time.monotonic() - start < 5
         assert str(e.value) == (
             f"rank 1 of 2: the coordinator's port {port} serves another job "
@@ -259,14 +263,14 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
         # Rank 0 of the second job: the port is busy with job A's server.
         launch = Launch("torchrun", 0, 2, 0, 2, ("127.0.0.1", port))
         start = time.monotonic()
-        with pytest.raises(rendezvous.RendezvousError) as e:
-            rendezvous.join(launch, 20,
-                            environ={rendezvous.JOB_ID_ENV: "jobB"})
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20,
+                            environ={protocol.JOB_ID_ENV: "jobB"})
         assert time.monotonic() - start < 5
         assert f"port {port} serves another job (job jobA), not this one " \
             f"(jobB)" in str(e.value)
         # Job A is untouched by either.
-        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "jobA"})
+        _form_and_run(port, 2, {protocol.JOB_ID_ENV: "jobA"})
     finally:
         _end(proc)
 
@@ -276,7 +280,7 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
 def test_a_rank_without_the_secret_is_refused_naming_it(named):
     # A server whose job has a secret refuses a rank without one (and the
     # other way round) with a line that says so, named jobs or not.
-    ids = {rendezvous.JOB_ID_ENV: "jobS"} if named else {}
+    ids = {protocol.JOB_ID_ENV: "jobS"} if named else {}
     for server_secret, rank_env, want in [
             (SECRET, dict(ids), "which requires the job's secret "
              "(KERASDIST_JOB_SECRET), and this process has none; give "
@@ -288,14 +292,14 @@ def test_a_rank_without_the_secret_is_refused_naming_it(named):
         if not named and server_secret:
             proc.kill()  # its name must be the secret's fingerprint
             _end(proc)
-            env = {rendezvous.SECRET_ENV: SECRET}
-            proc, port = _serve(2, 20, rendezvous.identity(env)[0],
+            env = {protocol.SECRET_ENV: SECRET}
+            proc, port = _serve(2, 20, protocol.identity(env)[0],
                                 secret=SECRET)
         try:
             launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
             start = time.monotonic()
-            with pytest.raises(rendezvous.RendezvousError) as e:
-                rendezvous.join(launch, 20, environ=rank_env)
+            with pytest.raises(protocol.RendezvousError) as e:
+                client.join(launch, 20, environ=rank_env)
             assert time.monotonic() - start < 5
             assert str(e.value).startswith(
                 f"rank 1 of 2: the coordinator's port {port} serves job ")
@@ -305,15 +309,15 @@ def test_a_rank_without_the_secret_is_refused_naming_it(named):
 
 
 def test_job_identity():
-    assert rendezvous.identity({})[0] == "unnamed"
-    assert rendezvous.identity({"TORCHELASTIC_RUN_ID": "r 1"})[0] == "r_1"
-    job, key, proven = rendezvous.identity(
-        {rendezvous.SECRET_ENV: SECRET})
+    assert protocol.identity({})[0] == "unnamed"
+    assert protocol.identity({"TORCHELASTIC_RUN_ID": "r 1"})[0] == "r_1"
+    job, key, proven = protocol.identity(
+        {protocol.SECRET_ENV: SECRET})
     assert job.startswith("s-") and proven and SECRET not in job
-    assert key != rendezvous.identity({rendezvous.SECRET_ENV: SECRET + "x"})[1]
+    assert key != protocol.identity({protocol.SECRET_ENV: SECRET + "x"})[1]
     with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET has 5 "
                        "characters, fewer than 16"):
-        rendezvous.identity({rendezvous.SECRET_ENV: "short"})
+        protocol.identity({protocol.SECRET_ENV: "short"})
 
 
 # ---- a rank lost inside MPI_Init, a barrier that never completes ------------
@@ -345,10 +349,10 @@ def test_a_rank_lost_inside_mpi_init_fails_the_barrier_at_once():
 
 _WATCHING_RANK = """
 import json, sys, time
-from kerasdist.run import rendezvous
-from kerasdist.run.conventions import Launch
+from kerasdist.rendezvous import client
+from kerasdist.rendezvous.conventions import Launch
 launch = Launch("torchrun", 1, 3, 1, 3, ("127.0.0.1", int(sys.argv[1])))
-print(json.dumps(rendezvous.join(launch, 20, environ={})), flush=True)
+print(json.dumps(client.join(launch, 20, environ={})), flush=True)
 time.sleep(60)  # as if in MPI_Init, waiting in its barrier
 """
 
@@ -396,15 +400,15 @@ def test_every_rank_hears_who_is_missing_and_ends():
 def _hello_kept(port, size, rank):
     """rank's hello as join() says it, its connection kept: (its PMI
     variables, the socket, the signer of its later lines)."""
-    job, key, _ = rendezvous.identity({})
+    job, key, _ = protocol.identity({})
     launch = Launch("torchrun", rank, size, rank, size, ("127.0.0.1", port))
     kept = []
-    reply = rendezvous._hello(("127.0.0.1", port), "here", launch, 20,
+    reply = client._hello(("127.0.0.1", port), "here", launch, 20,
                               time.monotonic() + 20, job, key, kept)
     assert reply.startswith("cmd=kd_ready rc=0 "), reply
     sock, _, sign = kept[0]
     return ({"PMI_PORT": f"127.0.0.1:{port}",
-             "PMI_ID": rendezvous._tokens(reply)["pmiid"]}, sock, sign)
+             "PMI_ID": protocol.tokens(reply)["pmiid"]}, sock, sign)
 
 
 def _on_threads(fn, ranks):
@@ -447,18 +451,18 @@ def test_a_rank_lost_after_mpi_inits_last_barrier_ends_the_others():
         start = time.monotonic()
         pmi[2].sock.close()
         pmi[2].file.close()
-        assert rank1.wait(timeout=10) == rendezvous.EXIT_PEER_LOST
+        assert rank1.wait(timeout=10) == protocol.EXIT_PEER_LOST
         assert time.monotonic() - start < 5
         err = rank1.stderr.read()
         # Rank 0's own connection hears it too (its process would end).
         kept[0][1].settimeout(10)
-        said = rendezvous._read_line(kept[0][1])
+        said = protocol.read_line(kept[0][1])
         assert proc.wait(timeout=10) == 0
     finally:
         if rank1.poll() is None:
             rank1.kill()
         _end(proc)
-    host = rendezvous.node_identity().partition("/")[0]
+    host = protocol.node_identity().partition("/")[0]
     line = (f"lost rank 2 on host {host}: its process ended while the job "
             f"was starting (its MPI's connection to the rendezvous closed "
             f"without MPI_Finalize before every rank's kd.init() had "
@@ -509,7 +513,7 @@ def test_the_server_tells_mpi_which_ranks_share_a_node():
 
 
 def test_node_mapping_for_mpi():
-    ids, mapping = rendezvous.node_ids, rendezvous.process_mapping
+    ids, mapping = node_ids, process_mapping
     assert ids(["a/1", "b/1", "a/1", "a/2"]) == [0, 1, 0, 2]
     assert mapping(["h/x"] * 4) == "(vector,(0,1,4))"
     # torchrun's and node mode's order: node-major blocks.
@@ -556,15 +560,15 @@ print(module.node_identity())
 
 def test_node_identity_tells_ipc_namespaces_apart():
     import shutil
-    me = rendezvous.node_identity()
-    assert me == rendezvous.node_identity()
+    me = protocol.node_identity()
+    assert me == protocol.node_identity()
     assert me.partition("/")[0] == socket.gethostname()[:64]
-    assert len(me) <= rendezvous._NODE_MAX
+    assert len(me) <= protocol.NODE_MAX
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare for namespaces of its own")
     for flags, other_node in ((["--ipc"], True), (["--mount"], False)):
         p = subprocess.run(["unshare", *flags, sys.executable, "-I", "-c",
-                            _PRINT_NODE, rendezvous.__file__],
+                            _PRINT_NODE, protocol.__file__],
                            capture_output=True, text=True, timeout=30)
         if p.returncode:
             pytest.skip(f"unshare {flags}: {p.stderr.strip()}")
@@ -582,7 +586,7 @@ def _join_all_but(port, size, absent):
             return _hello0(port, size, {}, 20)
         launch = Launch("torchrun", rank, size, rank, size,
                         ("127.0.0.1", port))
-        return rendezvous.join(launch, 20, environ={}, watch=False)
+        return client.join(launch, 20, environ={}, watch=False)
     return _on_threads(one, [r for r in range(size) if r != absent])
 
 
@@ -634,11 +638,11 @@ def test_a_rank_holds_a_bounded_number_of_pmi_keys():
     proc, port = _serve(2, 20)
     try:
         p0 = Pmi(_join_all(port, 2, {})[0])
-        for i in range(rendezvous.MAX_KEYS_PER_RANK):
+        for i in range(protocol.MAX_KEYS_PER_RANK):
             p0.send(f"cmd=put kvsname=k key=k{i} value={i}")
         p0.send("cmd=put kvsname=k key=k0 value=again")
         replies = [p0.read()
-                   for _ in range(rendezvous.MAX_KEYS_PER_RANK + 1)]
+                   for _ in range(protocol.MAX_KEYS_PER_RANK + 1)]
         assert replies == ["cmd=put_result rc=0"] * len(replies)
         p0.send("cmd=put kvsname=k key=one_more value=x")
         assert p0.read() == ""
@@ -701,7 +705,7 @@ def test_fuzzing_the_server_while_a_job_forms_changes_nothing():
         t.start()
     try:
         time.sleep(2.0)  # fuzz alone, then while the job forms and runs
-        _form_and_run(port, 2, {rendezvous.JOB_ID_ENV: "job1"})
+        _form_and_run(port, 2, {protocol.JOB_ID_ENV: "job1"})
         assert proc.wait(timeout=10) == 0
     finally:
         stop.set()
@@ -753,7 +757,7 @@ def _this_hosts_address():
         for row in f:
             if row.split()[0] != "lo":
                 try:
-                    return rendezvous._address_toward("192.0.2.123")
+                    return client._address_toward("192.0.2.123")
                 except OSError:
                     return None
     return None
@@ -766,8 +770,8 @@ def _serve_through_join(coordinator, local_size):
 
     def one(rank):
         launch = Launch("torchrun", rank, 2, rank, local_size, coordinator)
-        out[rank] = rendezvous.join(launch, 20, environ={
-            rendezvous.JOB_ID_ENV: "where", rendezvous.SECRET_ENV: SECRET},
+        out[rank] = client.join(launch, 20, environ={
+            protocol.JOB_ID_ENV: "where", protocol.SECRET_ENV: SECRET},
             watch=False)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
@@ -775,8 +779,8 @@ def _serve_through_join(coordinator, local_size):
         t.start()
     for t in threads:
         t.join(30)
-    server = rendezvous._server
-    rendezvous._server = None
+    server = client._server
+    client._server = None
     try:
         assert set(out) == {0, 1}, out
         return (listening(server.pid), out[1]["PMI_PORT"],
@@ -820,7 +824,7 @@ def test_a_multi_host_jobs_server_listens_on_the_coordinators_address():
 
 
 def test_listen_address():
-    la = rendezvous.listen_address
+    la = client.listen_address
     one_host = Launch("torchrun", 0, 2, 0, 2, None)
     unknown = Launch("keras", 0, 2, None, None, None)
     spread = Launch("torchrun", 0, 4, 0, 2, None)

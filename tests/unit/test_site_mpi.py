@@ -1,4 +1,4 @@
-"""kerasdist/run/site_mpi.py (which launchers suit the MPI built against)
+"""kerasdist/_core/site_mpi.py (which launchers suit the MPI built against)
 and ops/build_info.py's MPI record, on this build's real core library."""
 
 import importlib.util
@@ -6,9 +6,9 @@ import os
 import sys
 
 from kerasdist._core import capi
-from kerasdist.run import conventions
+from kerasdist._core import site_mpi
+from kerasdist.rendezvous import conventions
 from kerasdist.run import mpi_command
-from kerasdist.run import site_mpi
 
 MPICH = {"vendor": "mpich", "version": "5.0.2", "library": "libmpi.so.12",
          "pmix": False, "launcher_dir": None}

@@ -124,7 +124,7 @@ class Progress(tf.keras.callbacks.Callback):
             # kerasdist: hold the training until the launcher's resize
             # request (SIGUSR1) is here, so that it comes before the last
             # commit however slow the launcher's discovery is under load.
-            from kerasdist import _resize
+            from kerasdist._core import resize as _resize
             deadline = time.monotonic() + 120
             while not _resize.requested() and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 import kerasdist as kd  # noqa: E402
 import kerasdist.jax as kdj  # noqa: E402
-from kerasdist.run import site_mpi  # noqa: E402
+from kerasdist._core import site_mpi  # noqa: E402
 
 kd.init()
 R, N = kd.rank(), kd.size()

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 import kerasdist as kd
-from kerasdist.run import rendezvous
+from kerasdist.rendezvous import client as rendezvous
 from tests.support.collectives import allreduce
 
 kd.init()

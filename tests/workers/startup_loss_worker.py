@@ -62,7 +62,7 @@ def _relay(listener, server):
 
 
 if ME == RANK and WHEN in ("mpi_init", "log"):
-    from kerasdist.run import rendezvous
+    from kerasdist.rendezvous import client as rendezvous
     _join = rendezvous.join
 
     def join(*args, **kwargs):
@@ -78,7 +78,7 @@ if ME == RANK and WHEN in ("mpi_init", "log"):
     rendezvous.join = join
 
 if ME == RANK and WHEN == "joined":
-    from kerasdist.run import rendezvous
+    from kerasdist.rendezvous import client as rendezvous
     _join_then = rendezvous.join
 
     def join(*args, **kwargs):

@@ -35,7 +35,7 @@ int g_generation = 0;
 
 bool g_we_initialized_mpi = false;
 
-// A job that a platform started (kerasdist/run/rendezvous.py): MPICH's PMI
+// A job that a platform started (kerasdist/rendezvous/): MPICH's PMI
 // server is rank 0's rendezvous server, and this is this process's hello
 // connection to it (_KERASDIST_PMI_WATCH_FD, set for MPI_Init), whose end
 // closes when the server goes. -1 otherwise.

@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# kerasdist/, where the native libraries and their record are.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD_INFO = os.path.join(PACKAGE_DIR, "_build_info.json")
 
 # framework -> (its name in messages, the distributions that install it)

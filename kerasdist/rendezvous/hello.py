@@ -1,0 +1,115 @@
+"""The server's hello: each connection proves the job's secret first
+(`kd_auth`: the server's challenge and proof, the client's HMAC), then says
+which rank of which size it is and on which node (`kd_hello`); the hello is
+a barrier of all ranks with a deadline (`fail_hello`). Once every rank has
+come, each hears its one-time PMI_ID, which its MPI proves itself with
+(pmi.py), and its connection stays open for the watch (watch.py).
+
+Standard library only; imported by path with server.py (its note).
+"""
+
+import hmac
+import secrets
+import time
+
+if __package__:
+    from kerasdist.rendezvous import pmi
+    from kerasdist.rendezvous import protocol
+else:  # beside server.py, run by path
+    import pmi
+    import protocol
+
+
+class Hello:
+    """The hello of the server (server._Server, whose state it shares)."""
+
+    # Who may talk: a hello proves the secret first (kd_auth, a challenge,
+    # an HMAC); MPICH's client, which cannot, proves the one-time PMI_ID
+    # this server gave its rank in the hello's reply.
+    def on_auth(self, conn, t):
+        job = t.get("job", "")
+        # secret=: whether this job has one, so that a rank that differs
+        # hears that rather than "another job" (it proves nothing: the
+        # proof below does).
+        if job != self.job:
+            self.send(conn, f"cmd=kd_challenge rc={protocol.OTHER_JOB} "
+                      f"job={self.job} secret={int(self.secret)}")
+            raise protocol.BadConnection("another job")
+        conn.theirs = t.get("nonce", "")[:64]
+        conn.nonce = secrets.token_hex(16)
+        proof = protocol.mac_of(self.key, "server", conn.theirs, conn.nonce,
+                                self.job)
+        self.send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
+                  f"secret={int(self.secret)} nonce={conn.nonce} "
+                  f"proof={proof}")
+
+    def reply(self, conn, line):
+        """A hello's reply, with its proof."""
+        mac = protocol.mac_of(self.key, "ready", conn.theirs, conn.nonce, line)
+        self.send(conn, f"{line} mac={mac}")
+
+    # The hello: a barrier of all ranks with a deadline.
+    def on_hello(self, conn, t):
+        if conn.nonce is None or conn.hello_rank is not None:
+            raise protocol.BadConnection("hello before the challenge, or twice")
+        try:
+            rank, size = int(t.get("rank")), int(t.get("size"))
+        except (TypeError, ValueError):
+            raise protocol.BadConnection("malformed hello") from None
+        # The rank's node (node_identity), under the proof with rank and
+        # size; a hello without one (an older client) proves those alone,
+        # and MPI then tells nodes apart by host name.
+        node = t.get("node", "")
+        if len(node) > protocol.NODE_MAX:
+            raise protocol.BadConnection("a node beyond the bound")
+        said = (rank, size, node) if node else (rank, size)
+        if not hmac.compare_digest(
+                t.get("proof", ""),
+                protocol.mac_of(self.key, "hello", conn.nonce, conn.theirs,
+                                *said)):
+            raise protocol.BadConnection("no proof of the secret")
+        conn.proven = True
+        conn.hello_rank = rank
+        conn.node = node
+        with self.cv:
+            if self.hello_done:
+                return self.reply(
+                    conn, f"cmd=kd_ready rc={protocol.FORMED} msg=its job of "
+                    f"{self.size} formed (or failed) without this rank "
+                    f"{rank}; if no earlier run of the job is still ending, "
+                    f"give each process its own rank in 0..{self.size - 1}")
+            if size != self.size:
+                return self.reply(
+                    conn, f"cmd=kd_ready rc=1 msg=this process says the job "
+                    f"has {size} processes but rank 0 says {self.size}; give "
+                    f"every process the same size")
+            if not 0 <= rank < self.size or rank in self.hello:
+                return self.reply(
+                    conn, f"cmd=kd_ready rc=1 msg=rank {rank} came twice; "
+                    f"give each process its own rank in 0..{self.size - 1}")
+            self.hello[rank] = conn
+            if len(self.hello) == self.size:
+                self.hello_done = True
+                self.formed_at = time.monotonic()
+                nodes = [self.hello[r].node for r in range(self.size)]
+                self.mapping = pmi.process_mapping(nodes)
+                self.nodes = [n.partition("/")[0] for n in nodes]
+                for r, c in self.hello.items():
+                    token = 0
+                    while token == 0 or token in self.tokens:
+                        token = 1 + secrets.randbelow(2 ** 31 - 2)
+                    self.tokens[token] = r
+                    self.reply(c, f"cmd=kd_ready rc=0 pmiid={token}")
+                self.watchers = dict(self.hello)
+                self.hello = {}
+
+    def fail_hello(self):  # with self.cv held
+        shown = protocol.first_missing(self.size, self.hello)
+        for c in self.hello.values():
+            self.reply(c, f"cmd=kd_ready rc=1 msg=ranks {shown} of "
+                       f"{self.size} did not reach the coordinator within "
+                       f"{self.timeout:g} s ({protocol.TIMEOUT_ENV}); check "
+                       f"that every process was started and has the same "
+                       f"coordinator")
+        self.hello_done = True
+        self.failed = True
