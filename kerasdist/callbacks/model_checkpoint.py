@@ -134,7 +134,8 @@ class ModelCheckpoint(keras.callbacks.Callback):
             self.best = current
         # A sharded optimizer's slots are gathered from every rank, so that
         # rank 0 writes them whole (kerasdist/keras/sharding/).
-        with _optimizer.whole_state(self.model.optimizer):
+        with _optimizer.whole_state(self.model.optimizer,
+                                    what="kerasdist ModelCheckpoint"):
             if basics.rank() != 0:
                 return
             path = self.filepath.format(epoch=epoch + 1, **logs)

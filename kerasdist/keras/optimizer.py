@@ -256,23 +256,74 @@ def shard_state(optimizer):
 class whole_state:
     """A context in which a sharded optimizer in `optimizer` saves its
     state whole, in the plain optimizer's layout (`model.save`,
-    `save_weights`): entering gathers every slot from its shards, on every
-    rank (a collective: every rank enters). Nothing for any other
-    optimizer."""
+    `save_weights` on the `writer` rank): a collective, which every rank
+    of the optimizer's set enters. The slots are allgathered one at a
+    time: on the writer as Keras writes each (so it never holds the whole
+    state at once: a save's peak stays below the replicated optimizer's),
+    on the other ranks as they enter. Nothing for any other optimizer.
 
-    def __init__(self, optimizer):
+    Raises RuntimeError naming the cause when a gather fails, which is
+    what a save called on some ranks only meets (the Horovod habit of
+    saving under `if rank() == 0`)."""
+
+    def __init__(self, optimizer, writer=0, what="kerasdist.save_model"):
         self.sharded = sharded_in(optimizer)
+        self.writer, self.what = writer, what
+        self.values = None
 
     def __enter__(self):
-        if self.sharded is not None and self.sharded.built:
-            self.sharded.kerasdist_shard_state.whole = \
-                self.sharded.kerasdist_gather_whole()
+        if self.sharded is None or not self.sharded.built:
+            return self
+        self.values = _Streamed(self.sharded.kerasdist_whole_values(),
+                                self.what)
+        if basics.rank() == self.writer:
+            self.sharded.kerasdist_shard_state.whole = self.values
+        else:
+            self.values.drain()
         return self
 
-    def __exit__(self, *exc):
-        if self.sharded is not None and self.sharded.built:
-            self.sharded.kerasdist_shard_state.whole = None
+    def __exit__(self, exc_type, *exc):
+        if self.values is None:
+            return False
+        self.sharded.kerasdist_shard_state.whole = None
+        # The writer's save may have stopped before the optimizer (or
+        # written a format that does not ask for it): the other ranks
+        # still wait in the remaining gathers.
+        try:
+            self.values.drain()
+        except RuntimeError:
+            if exc_type is None:
+                raise
         return False
+
+
+class _Streamed:
+    """The whole values, gathered as they are iterated; a failed gather
+    raises one RuntimeError naming the likely cause."""
+
+    def __init__(self, values, what):
+        self._values, self._what = values, what
+
+    def __iter__(self):
+        while True:
+            try:
+                value = next(self._values)
+            except StopIteration:
+                return
+            except Exception as e:
+                cause = str(e).strip().splitlines()[0] if str(e) else ""
+                raise RuntimeError(
+                    f"{self._what}: with a sharded optimizer (shard=...) "
+                    "every rank must call it: each holds a shard of the "
+                    "optimizer's state, gathered here, and rank 0 writes "
+                    "the file. Call it on every rank, not under `if "
+                    f"kd.rank() == 0`. (The gather failed: "
+                    f"{type(e).__name__}: {cause[:300]})") from e
+            yield value
+
+    def drain(self):
+        for _ in self:
+            pass
 
 
 # ---- mixed precision: LossScaleOptimizer around a DistributedOptimizer ------

@@ -9,17 +9,20 @@ __all__ = ["load_model", "save_model"]
 
 def save_model(model, filepath, **kwargs):
     """Saves `model` as `model.save(filepath, **kwargs)` does, on rank 0;
-    call it on every rank.
+    call it on every rank. The file is written whole or not at all (a
+    temporary file beside it, renamed).
 
     With a sharded optimizer (`DistributedOptimizer(shard=...)`) each
     rank holds a shard of the optimizer's slots: every rank sends its
-    shards (an allgather), and rank 0 writes the file in the plain
+    shards (an allgather per slot, as rank 0 writes it, so no rank holds
+    the whole state at once), and rank 0 writes the file in the plain
     optimizer's layout, which plain Keras loads with the whole optimizer
     state, and `load_model` (any number of ranks, sharded or not) resumes
-    from. With any other optimizer it is `model.save` on rank 0. A
-    `model.save()` called on rank 0 alone, with a sharded optimizer, writes
-    the weights and only the state every rank shares (step, learning
-    rate), with a warning.
+    from; called on rank 0 alone it raises, saying that every rank must
+    call it. With any other optimizer it is `model.save` on rank 0. A
+    `model.save()` with a sharded optimizer keeps the weights and loses
+    the whole optimizer (Keras skips it on load: iterations restart at
+    0), with a warning naming this function.
 
     Args:
         model: a Keras model.
@@ -29,12 +32,22 @@ def save_model(model, filepath, **kwargs):
     Example:
     >>> kerasdist.save_model(model, "model.keras")  # on every rank
     """
+    import os
+
     from kerasdist import basics
+    from kerasdist._core import files as _files
     from kerasdist.keras import optimizer as _optimizer
 
     with _optimizer.whole_state(getattr(model, "optimizer", None)):
-        if basics.rank() == 0:
+        if basics.rank() != 0:
+            return
+        path = os.fspath(filepath)
+        if "://" in path:  # a remote file system Keras writes to itself
             model.save(filepath, **kwargs)
+        else:
+            # Whole or not at all: a save that fails half-way (a gather
+            # that finds the other ranks gone) leaves no torn file.
+            _files.atomic_write(path, lambda tmp: model.save(tmp, **kwargs))
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -920,6 +921,28 @@ def shard_save_model_model_checkpoint_any_size():
     assert_close(one_epoch(loaded).get_weights(), ref.get_weights(),
                  "resumed from kd.save_model's file by kd.load_model")
     same_on_all_ranks(loaded.get_weights(), "resumed")
+    # model.summary() says what its "Optimizer params" counted.
+    lines = []
+    model.summary(print_fn=lines.append)
+    whole = sum(int(np.prod(v.shape)) for v in ref.optimizer.variables)
+    notes = [l for l in lines if "Optimizer params above" in l]
+    assert len(notes) == 1 and f"rank {R}'s shard" in notes[0] and \
+        f"holds {whole:,} params" in notes[0], lines[-3:]
+    if R == 0:
+        # model.save() alone loses the whole optimizer, and says so.
+        lost = os.path.join(DIR, "shard_model_save.keras")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.save(lost)
+        said = [str(w.message) for w in caught
+                if "loses the whole optimizer" in str(w.message)]
+        assert len(said) == 1 and "kerasdist.save_model(model, path) on " \
+            "every rank" in said[0], [str(w.message) for w in caught]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            back = keras.models.load_model(lost)
+        assert int(keras.ops.convert_to_numpy(
+            back.optimizer.iterations)) == 0  # as the warning says
     alone = kd.add_process_set([0])
     try:
         if R == 0:  # a sharded optimizer of one rank: its shards are whole

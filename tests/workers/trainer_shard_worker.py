@@ -31,7 +31,7 @@ np1  loads ROOT/s3 (3 ranks) sharded and replicated, ROOT/r3 (replicated)
 
 Prints `OK <check>` per passed check, `DONE` at the end; a failed check
 raises (exit != 0). Truths: the state gathered by allgather
-(`kerasdist_gather_whole`) and numpy files the job before saved, the
+(`kerasdist_whole_values`) and numpy files the job before saved, the
 files on disk, hashlib checksums.
 """
 
@@ -135,7 +135,7 @@ def whole_state(trainer):
 
 def whole_of(model, opt):
     if _optimizer.sharded_in(opt) is not None:
-        values = opt.kerasdist_gather_whole()
+        values = list(opt.kerasdist_whole_values())
     else:
         values = [keras.ops.convert_to_numpy(v) for v in opt.variables]
     out = {f"w{i}": np.asarray(w)

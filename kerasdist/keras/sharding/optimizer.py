@@ -33,6 +33,7 @@ from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.compression import Compression
 from kerasdist.keras.optimizer import DistributedBase
 from kerasdist.keras.sharding import step as _step
+from kerasdist.keras.sharding import summary as _summary
 from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import ShardState
 from kerasdist.keras.sharding.layout import size_and_rank
@@ -79,6 +80,7 @@ class ShardedStep(DistributedBase):
         self._kerasdist_shard = ShardState(variables, shadows, layout, rank,
                                            framework)
         super().build(shadows)
+        _summary.install()
         if settings.backward_passes_per_step > 1:
             # The local sums are of the whole gradients.
             self._kerasdist_accum = framework.accumulators(variables)
@@ -256,9 +258,9 @@ class ShardedStep(DistributedBase):
 
         # A file in the plain optimizer's layout. The slots are spread
         # over the ranks: whole only inside `whole_state` (every rank
-        # gathers); otherwise what one rank can write is the state every
-        # rank shares (step, learning rate), which Keras skips on load
-        # with a warning, starting the slots afresh.
+        # gathers, one slot at a time as it is written); otherwise what
+        # one rank can write is the state every rank shares (step,
+        # learning rate), which Keras skips on load with a warning.
         whole = self._kerasdist_shard.whole
         if whole is not None:
             for i, value in enumerate(whole):
@@ -304,30 +306,30 @@ class ShardedStep(DistributedBase):
             c = layout.chunks[j]
             v.assign(flat[state.rank * c:(state.rank + 1) * c])
 
-    def kerasdist_gather_whole(self):
-        """The plain optimizer's variable values, whole (numpy), on
-        every rank: each slot allgathered from its shards. A
-        collective: every rank of the optimizer's set calls it."""
+    def kerasdist_whole_values(self):
+        """The plain optimizer's variable values, whole (numpy), one at a
+        time: each slot is allgathered from its shards when the next
+        value is asked for, so that a writer holds one whole slot at a
+        time, never the whole state. A collective: every rank of the
+        optimizer's set asks for every value, in order."""
         import keras
 
         ops = keras.ops
         settings = self._kerasdist_settings
         state = self._kerasdist_shard
         layout, framework = state.layout, state.framework
-        out = []
-        with _capi.process_set_scope(settings.process_set_id):
-            for i, v in enumerate(self.variables):
-                j = state.slot_index(v)
-                if j is None:
-                    out.append(keras.ops.convert_to_numpy(v))
-                    continue
+        for i, v in enumerate(self.variables):
+            j = state.slot_index(v)
+            if j is None:
+                yield keras.ops.convert_to_numpy(v)
+                continue
+            with _capi.process_set_scope(settings.process_set_id):
                 every = framework.collectives.allgather(
                     ops.reshape(framework.value(v), (1, -1)),
                     name=f"{settings.prefix}.whole_state.{i}")
-                flat = keras.ops.convert_to_numpy(every).reshape(-1)
-                out.append(flat[:layout.numels[j]].reshape(
-                    layout.shapes[j]))
-        return out
+            flat = keras.ops.convert_to_numpy(every).reshape(-1)
+            del every
+            yield flat[:layout.numels[j]].reshape(layout.shapes[j])
 
 
 _warned = []
@@ -339,7 +341,11 @@ def _warn_save_once():
     _warned.append(True)
     import warnings
     warnings.warn(
-        "kerasdist: a sharded optimizer's state (shard=...) is spread over "
-        "the ranks; a saved model holds its weights, and of the optimizer "
-        "only what every rank shares, not its slots: loading it starts "
-        "them afresh.", UserWarning, stacklevel=3)
+        "kerasdist: model.save() with a sharded optimizer (shard=...) "
+        "keeps the weights but loses the whole optimizer: each rank holds "
+        "only a shard of its state, so the file holds fewer optimizer "
+        "variables than the optimizer has, and Keras skips all of them on "
+        "load (iterations start at 0: learning-rate schedules and warmup "
+        "restart, every moment starts afresh). To save it whole, call "
+        "kerasdist.save_model(model, path) on every rank.", UserWarning,
+        stacklevel=3)
