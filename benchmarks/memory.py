@@ -3,7 +3,7 @@
 
     python benchmarks/memory.py [--backend tensorflow] [--sizes 1,2,4]
         [--params 100e6] [--model mlp|transformer] [--steps 4]
-        [--json FILE]
+        [--json FILE] [--save]
 
 For each size N and each of replicated, shard="optimizer_state" and
 shard="gradients", one job of N ranks (`kerasdist run -np N`) trains a
@@ -22,6 +22,11 @@ layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
 Theory (float32, Adam): replicated 4 + 4 + 8 = 16 with the gradients, 12
 held; sharded 4 + 12/N held (weights, moments and the weights' shard),
 plus the whole gradients while a step runs.
+
+- with --save, save: the peak resident set while `kd.save_model` writes
+  the trained model to a .keras file (VmHWM started afresh before it),
+  above the same base: rank 0's, the writer; and whole: the job's peak,
+  training's or the save's, whichever is higher (rank 0).
 
 Step time: the median interval between batch ends after the first, the
 slower rank's; compare the modes of one size (the jobs run one after the
@@ -127,8 +132,19 @@ def rank_main(args):
         held += sum(int(np.prod(s.shape)) * 4 for s in state.shadows)
     steps = np.diff(ends)
     step = float(np.median(steps)) if len(steps) else float("nan")
-    mine = np.array([held / n_params, (_peak_bytes() - base) / n_params,
-                     step], "float64")
+    trained_peak = _peak_bytes()
+    save_peak = 0
+    if args.save:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            gc.collect()
+            _reset_peak()
+            kd.save_model(model, os.path.join(tmp, "model.keras"))
+            save_peak = _peak_bytes()
+    mine = np.array([held / n_params, (trained_peak - base) / n_params,
+                     step, (save_peak - base) / n_params,
+                     (max(trained_peak, save_peak) - base) / n_params],
+                    "float64")
     every = np.asarray(kd.allgather(mine[None, :].astype("float32"),
                                     name="bench.memory.report"))
     if kd.rank() == 0:
@@ -136,7 +152,9 @@ def rank_main(args):
             "np": kd.size(), "mode": args.mode, "params": n_params,
             "held_bytes_per_param": float(every[:, 0].max()),
             "peak_bytes_per_param": float(every[:, 1].max()),
-            "step_s": float(every[:, 2].max())}), flush=True)
+            "step_s": float(every[:, 2].max()),
+            "save_peak_bytes_per_param": float(every[0, 3]),
+            "whole_peak_bytes_per_param": float(every[0, 4])}), flush=True)
 
 
 def drive(args):
@@ -147,7 +165,8 @@ def drive(args):
                    sys.executable, os.path.abspath(__file__), "--rank",
                    "--mode", mode, "--model", args.model, "--params",
                    str(args.params), "--width", str(args.width),
-                   "--steps", str(args.steps)]
+                   "--steps", str(args.steps)] + (
+                       ["--save"] if args.save else [])
             env = dict(os.environ, KERAS_BACKEND=args.backend,
                        TF_CPP_MIN_LOG_LEVEL="3",
                        PYTHONPATH=REPO_ROOT + os.pathsep +
@@ -164,8 +183,10 @@ def drive(args):
     print(f"\n{args.model}, {rows[0]['params'] / 1e6:.1f}M parameters, "
           f"Adam, {args.backend}; bytes per parameter (max over ranks)")
     print("| np | optimizer | held | theory held | peak RSS | step s |"
-          " step / replicated |")
-    print("|---|---|---|---|---|---|---|")
+          " step / replicated |" + (" save peak (rank 0) | job peak "
+                                    "(rank 0) |" if args.save else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if args.save
+                                             else ""))
     for r in rows:
         n = r["np"]
         theory = 12.0 if r["mode"] == "replicated" else 4 + 12.0 / n
@@ -173,7 +194,10 @@ def drive(args):
                    and x["mode"] == "replicated")
         print(f"| {n} | {r['mode']} | {r['held_bytes_per_param']:.2f} | "
               f"{theory:.2f} | {r['peak_bytes_per_param']:.2f} | "
-              f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |")
+              f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |"
+              + (f" {r['save_peak_bytes_per_param']:.2f} | "
+                 f"{r['whole_peak_bytes_per_param']:.2f} |" if args.save
+                 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -192,6 +216,8 @@ def main():
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json")
+    p.add_argument("--save", action="store_true",
+                   help="also measure kd.save_model's peak on rank 0")
     args = p.parse_args()
     args.params = int(args.params)
     if args.rank:
