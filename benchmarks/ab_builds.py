@@ -2,6 +2,7 @@
 
     python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5]
         [--w3-rounds 3] [--skip w1,w2,w3,fe] [--w3-backends tensorflow,jax]
+        [--w3-shard]
         [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
 
 The two sides may be one tree with different settings: e.g. the
@@ -88,7 +89,8 @@ def collect_w3(out, into):
             into[key + ("eff",)].append(float(m.group(6)))
 
 
-def one_round(tree, skip, into, env=None, w3_backends="tensorflow"):
+def one_round(tree, skip, into, env=None, w3_backends="tensorflow",
+              w3_args=()):
     bench = os.path.join(tree, "benchmarks")
     if "w1" not in skip:
         out = _run(tree,
@@ -108,7 +110,8 @@ def one_round(tree, skip, into, env=None, w3_backends="tensorflow"):
     if "w3" not in skip:
         out = _run(tree,
                    [sys.executable, os.path.join(bench, "keras_scaling.py"),
-                    "--rounds", "1", "--backends", w3_backends], 2400, env)
+                    "--rounds", "1", "--backends", w3_backends,
+                    *w3_args], 2400, env)
         collect_w3(out, into)
 
 
@@ -143,6 +146,9 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3,fe")
     p.add_argument("--w3-backends", default="tensorflow",
                    help="Keras backends of W3 (keras_scaling.py --backends)")
+    p.add_argument("--w3-shard", action="store_true",
+                   help="W3 with the sharded optimizer's rows too "
+                   "(keras_scaling.py --shard)")
     p.add_argument("--old-env", action="append", default=[],
                    metavar="NAME=VALUE",
                    help="a variable set for the old side's runs (repeatable)")
@@ -161,7 +167,8 @@ def main():
             print(f"# round {r + 1}/{args.rounds}: {trees[side]} {envs[side]}",
                   flush=True)
             one_round(trees[side], s, results[side], envs[side],
-                      args.w3_backends)
+                      args.w3_backends,
+                      ["--shard"] if args.w3_shard else [])
     names = [f"{t} {e}" if e else t for t, e in zip(trees, envs)]
     summary(results, *names)
 
