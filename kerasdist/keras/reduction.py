@@ -137,7 +137,7 @@ class Plan:
 def plan(sizes, kinds, prefix, op=basics.Average, predivide=1.0,
          num_groups=0, bucket_bytes=None, labels=None,
          first_bucket_bytes=_buckets.DEFAULT_FIRST_BUCKET_BYTES,
-         one_bucket=False):
+         one_bucket=False, kinds_apart=False):
     """The `Plan` of reducing gradients of `sizes` bytes (None: unknown
     while tracing) and `kinds` (dtypes, or what else may not share a
     bucket), given in the variables' order.
@@ -149,7 +149,10 @@ def plan(sizes, kinds, prefix, op=basics.Average, predivide=1.0,
     single bucket is one group instead, unless `one_bucket` (PyTorch's
     hooks, which start a bucket of their own). Otherwise `num_groups`
     groups of nearly equal count (0: one), in order, named
-    `<prefix>.group<g>of<num_groups>`. The result is the same either way.
+    `<prefix>.group<g>of<num_groups>`; with `kinds_apart` (a
+    reduce-scatter, whose members share one buffer) one group a kind
+    instead, in the order each kind first appears. The result is the same
+    either way.
     """
     count = len(sizes)
     buckets = None
@@ -162,6 +165,13 @@ def plan(sizes, kinds, prefix, op=basics.Average, predivide=1.0,
     if buckets is not None:
         names = [f"{prefix}.bucket{k}of{len(buckets)}"
                  for k in range(len(buckets))]
+    elif kinds_apart:
+        by_kind = {}
+        for i, kind in enumerate(kinds):
+            by_kind.setdefault(kind, []).append(i)
+        buckets = list(by_kind.values())
+        names = [f"{prefix}.group{g}of{len(buckets)}"
+                 for g in range(len(buckets))]
     else:
         groups = num_groups if num_groups > 0 else 1
         buckets = split_groups(count, groups) if count else []

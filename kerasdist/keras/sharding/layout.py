@@ -92,14 +92,14 @@ class Layout:
         self.numels = [math.prod(s) for s in self.shapes]
         self.dtypes = [str(d) for d in dtypes]
         self.chunks = partition(self.numels, size)
-        if bucket_bytes:
-            sizes = [n * itemsize(d)
-                     for n, d in zip(self.numels, self.dtypes)]
-            self.buckets = _reduction.plan(
-                sizes, self.dtypes, "", bucket_bytes=bucket_bytes,
-                one_bucket=True).buckets
-        else:
-            self.buckets = _dtype_groups(self.dtypes)
+        # The replicated optimizer's rule (kerasdist.keras.reduction.plan):
+        # its buckets (or one group a dtype), and its names, as suffixes
+        # of the optimizer's prefix.
+        sizes = [n * itemsize(d) for n, d in zip(self.numels, self.dtypes)]
+        the_plan = _reduction.plan(sizes, self.dtypes, "",
+                                   bucket_bytes=bucket_bytes or None,
+                                   one_bucket=True, kinds_apart=True)
+        self.buckets, self.names = the_plan.buckets, the_plan.names
 
     def shard_bytes(self):
         """Bytes of one rank's shards (padding included)."""
@@ -111,13 +111,6 @@ def itemsize(dtype):
     if dtype == "bfloat16":
         return 2
     return np.dtype(dtype).itemsize
-
-
-def _dtype_groups(dtypes):
-    groups = {}
-    for i, d in enumerate(dtypes):
-        groups.setdefault(d, []).append(i)
-    return list(groups.values())
 
 
 def size_and_rank(process_set_id):

@@ -49,7 +49,6 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     ops = keras.ops
     op, prescale, postscale = _reduction.scales(op, predivide)
     out = [None] * len(grads)
-    count = len(layout.buckets)
 
     def reduce(matrix, name):
         wire, ctx = compression.compress(matrix)
@@ -58,9 +57,13 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
             prescale_factor=prescale, postscale_factor=postscale)
         return ops.reshape(compression.decompress(mine, ctx), (-1,))
 
+    # The plan's names (kerasdist.keras.reduction.Plan): bucket k is
+    # <prefix><names[k]>, its member at position p, reduced alone,
+    # <prefix><names[k]>.<p>.
     for k, bucket in enumerate(layout.buckets):
+        name = prefix + layout.names[k]
         small = []
-        for i in bucket:
+        for p, i in enumerate(bucket):
             if grads[i] is None:
                 continue
             if layout.chunks[i] * itemsize(layout.dtypes[i]) < ALONE_BYTES:
@@ -68,13 +71,13 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
                 continue
             out[i] = reduce(_rows(ops, framework.dense(grads[i]),
                                   layout.numels[i], layout.chunks[i],
-                                  layout.size), f"{prefix}.shard.v{i}")
+                                  layout.size), f"{name}.{p}")
         if not small:
             continue
         rows = [_rows(ops, framework.dense(grads[i]), layout.numels[i],
                       layout.chunks[i], layout.size) for i in small]
         matrix = rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1)
-        mine = reduce(matrix, f"{prefix}.shard{k}of{count}")
+        mine = reduce(matrix, name)
         start = 0
         for i in small:
             out[i] = mine[start:start + layout.chunks[i]]
@@ -90,18 +93,18 @@ def gather(framework, layout, shards, targets, prefix):
     import keras
 
     ops = keras.ops
-    count = len(layout.buckets)
     with framework.no_grad():
         for k, bucket in enumerate(layout.buckets):
+            name = f"{prefix}{layout.names[k]}.gather"
             small = []
-            for i in bucket:
+            for p, i in enumerate(bucket):
                 if layout.chunks[i] * itemsize(layout.dtypes[i]) < \
                         ALONE_BYTES:
                     small.append(i)
                     continue
                 everyone = framework.collectives.allgather(
                     ops.reshape(shards[i], (1, -1)),
-                    name=framework.unique_name(f"{prefix}.gather.v{i}"))
+                    name=framework.unique_name(f"{name}.{p}"))
                 _assign_whole(ops, layout, i, ops.reshape(everyone, (-1,)),
                               targets[i])
             if not small:
@@ -110,7 +113,7 @@ def gather(framework, layout, shards, targets, prefix):
             row = parts[0] if len(parts) == 1 else ops.concatenate(parts)
             everyone = framework.collectives.allgather(
                 ops.reshape(row, (1, -1)),
-                name=framework.unique_name(f"{prefix}.gather{k}of{count}"))
+                name=framework.unique_name(name))
             start = 0
             for i in small:
                 chunk = layout.chunks[i]
