@@ -318,6 +318,92 @@ def test_job_identity():
     with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET has 5 "
                        "characters, fewer than 16"):
         protocol.identity({protocol.SECRET_ENV: "short"})
+    # Ids that many jobs share by default count as none.
+    for shared in ("none", "None", " "):
+        assert protocol.identity({"TORCHELASTIC_RUN_ID": shared})[0] == \
+            "unnamed"
+
+
+# ---- one secret rule, from the environment or a mounted file -----------------
+
+BAD_SECRETS = [("abc", "has 3 characters, fewer than 16"),
+               (" " * 16, "is blank"),
+               ("\t \n" * 8, "is blank"),
+               (" " * 10 + "x" * 15, "has 15 characters, fewer than 16"),
+               (b"\xff\xfe-not-utf-8-at-all-0123".decode(
+                   "utf-8", "surrogateescape"), "is not valid UTF-8")]
+
+
+@pytest.mark.parametrize("secret,why", BAD_SECRETS)
+def test_one_secret_rule_for_kd_init(secret, why):
+    with pytest.raises(ValueError, match=f"KERASDIST_JOB_SECRET {why}"):
+        protocol.identity({protocol.SECRET_ENV: secret})
+    launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", 9))
+    with pytest.raises(protocol.RendezvousError,
+                       match=f"KERASDIST_JOB_SECRET {why}"):
+        client.join(launch, 1, environ={protocol.SECRET_ENV: secret})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret,why", BAD_SECRETS)
+def test_one_secret_rule_for_kerasdist_run(secret, why):
+    # The launcher refuses what kd.init() refuses, before it starts
+    # anything (it would hand the secret to every rank).
+    env = {k.encode(): v.encode() for k, v in launcher_env().items()
+           if k != protocol.SECRET_ENV}
+    env[protocol.SECRET_ENV.encode()] = secret.encode(
+        "utf-8", "surrogateescape")
+    out = subprocess.run(
+        [sys.executable, "-m", "kerasdist.run", "-np", "1", "true"],
+        env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2, out
+    assert out.stderr.startswith(
+        f"kerasdist run: error: KERASDIST_JOB_SECRET {why}"), out.stderr
+
+
+def test_the_secret_from_a_mounted_file(tmp_path):
+    # Kubernetes: a Secret mounted in every pod, named by
+    # KERASDIST_JOB_SECRET_FILE; one trailing newline is not part of it.
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    env = {protocol.SECRET_FILE_ENV: str(path)}
+    assert protocol.identity(env) == protocol.identity(
+        {protocol.SECRET_ENV: SECRET})
+    # The variable wins over the file.
+    other = "another-secret-of-32-characters!"
+    assert protocol.identity(dict(env, **{protocol.SECRET_ENV: other})) == \
+        protocol.identity({protocol.SECRET_ENV: other})
+    path.write_text(" " * 20)
+    with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET is blank"
+                       ".*read from KERASDIST_JOB_SECRET_FILE="):
+        protocol.identity(env)
+    with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET_FILE=.* "
+                       "cannot be read"):
+        protocol.identity({protocol.SECRET_FILE_ENV: str(tmp_path / "no")})
+    path.write_text("x" * 5000)
+    with pytest.raises(ValueError, match="holds more than 4096 bytes"):
+        protocol.identity(env)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_with_its_secret_in_a_file_forms_and_exports_it(tmp_path):
+    # kd.init() gives the core (its heartbeat) the secret it read.
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    env = {protocol.SECRET_FILE_ENV: str(path)}
+    proc, port = _serve(2, 20, protocol.identity(env)[0], secret=SECRET)
+    try:
+        rank1_env, out = dict(env), {}
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        t = threading.Thread(target=lambda: out.update(
+            {1: client.join(launch, 20, environ=rank1_env, watch=False)}))
+        t.start()
+        out[0] = _hello0(port, 2, env, 20)
+        t.join(30)
+        assert out[1].get("PMI_ID"), out
+        assert rank1_env[protocol.SECRET_ENV] == SECRET
+    finally:
+        _end(proc)
 
 
 # ---- a rank lost inside MPI_Init, a barrier that never completes ------------
