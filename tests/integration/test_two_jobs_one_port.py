@@ -75,6 +75,10 @@ def test_two_launches_of_one_id_on_one_port_both_end(order, ids):
                 if f"coordinator's port {port}" in line and
                 "unauthenticated" not in line]
         assert len(said) == 1, f"{who}:\n{out}"
+        # What rank 0's notice says of two jobs on one port is true.
+        if "unauthenticated" in out:
+            assert "kept apart by their name" not in out, out
+            assert "is refused with it, never merged" in out, out
 
 
 @pytest.mark.timeout(120)

@@ -275,6 +275,86 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
         _end(proc)
 
 
+def _conflict(port, job, key, proof=None):
+    """A second rank 0's kd_conflict (client._probe), with `proof` in
+    place of the right one where given; returns the state the server
+    said it was in."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        nonce = "n" * 32
+        sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
+        t = protocol.tokens(protocol.read_line(sock))
+        proof = proof or protocol.mac_of(key, "conflict", t["nonce"], nonce)
+        sock.sendall(f"cmd=kd_conflict proof={proof}\n".encode())
+        sock.settimeout(2)
+        try:
+            sock.recv(1)
+        except OSError:
+            pass
+    return t.get("state")
+
+
+@pytest.mark.timeout(60)
+def test_a_second_launch_ends_a_forming_job_only_with_the_key():
+    # With a secret, a kd_conflict without the key's proof changes
+    # nothing: the job forms. Without one (the key is the id's), a second
+    # rank 0 of the same id ends it, and every rank that comes later hears
+    # the same line.
+    env = {protocol.SECRET_ENV: SECRET}
+    job, key, _ = protocol.identity(env)
+    proc, port = _serve(2, 20, job, secret=SECRET)
+    try:
+        assert _conflict(port, job, key, proof="0" * 64) == "live"
+        _form_and_run(port, 2, env)
+    finally:
+        _end(proc)
+    job, key, _ = protocol.identity({})
+    proc, port = _serve(2, 20, job)
+    try:
+        assert _conflict(port, job, key) == "live"
+        assert _conflict(port, job, key) == "refused"
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20, environ={}, watch=False)
+        assert str(e.value).startswith(
+            f"rank 1 of 2: a second rank 0 found this job's server at the "
+            f"coordinator's port {port}: two launches of job unnamed met "
+            f"there"), e.value
+    finally:
+        proc.kill()  # refused, it answers hellos for a while yet
+        _end(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_rank_claimed_again_ends_the_forming_job():
+    proc, port = _serve(3, 20)
+    try:
+        first = {}
+        job, key, _ = protocol.identity({})
+
+        def hello(rank):
+            launch = Launch("torchrun", rank, 3, rank, 3,
+                            ("127.0.0.1", port))
+            return client._hello(("127.0.0.1", port), "here", launch, 20,
+                                 time.monotonic() + 20, job, key)
+        t = threading.Thread(target=lambda: first.update(
+            _on_threads(hello, [0, 1])))
+        t.start()
+        time.sleep(1.0)  # ranks 0 and 1 wait for rank 2
+        launch = Launch("torchrun", 1, 3, 1, 3, ("127.0.0.1", port))
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20, environ={}, watch=False)
+        t.join(30)
+        want = (f"two processes claimed rank 1 of 3 at the coordinator's "
+                f"port {port}: two launches of job unnamed met there")
+        assert want in str(e.value)
+        assert set(first) == {0, 1}, first
+        for r in (0, 1):
+            assert want in str(first[r]), first[r]
+    finally:
+        proc.kill()
+        _end(proc)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("named", [False, True])
 def test_a_rank_without_the_secret_is_refused_naming_it(named):
