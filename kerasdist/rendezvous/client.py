@@ -39,6 +39,7 @@ from kerasdist.rendezvous.protocol import identity
 from kerasdist.rendezvous.protocol import mac_of
 from kerasdist.rendezvous.protocol import node_identity
 from kerasdist.rendezvous.protocol import read_line
+from kerasdist.rendezvous.protocol import secret_of
 from kerasdist.rendezvous.protocol import tokens
 from kerasdist.rendezvous.watch import start_watch
 
@@ -100,11 +101,12 @@ def _start_server(port, size, timeout, job, key, address="",
         close_fds=True, env=env)
     line = proc.stdout.readline().strip()
     if line.startswith("waiting "):
-        other = _whose((address or "127.0.0.1", port), job, key)
-        if other is not None:
+        try:
+            _check_holder((address or "127.0.0.1", port), job, key, timeout)
+        except RendezvousError:
             proc.kill()
             proc.wait()
-            raise RendezvousError(_other_job_line(port, other, job))
+            raise
         sys.stderr.write(
             f"kerasdist: rank 0: the coordinator's port {port} is in use; "
             f"waiting up to {timeout:g} s ({TIMEOUT_ENV}) for it to be free "
@@ -128,28 +130,78 @@ def _other_job_line(port, other, job):
             f"({SECRET_ENV}) of its own")
 
 
-def _whose(address, job, key):
-    """The id of another job whose server holds `address` (or "another
-    secret"); None when it is this job's (an earlier run's) or not a
-    kerasdist server."""
+# How long a rank 0 that finds its port held by a live server of its own
+# job's id asks again before it calls that a second launch: the rank 0 of
+# a run that a platform just restarted may not have ended yet.
+_LIVE_GRACE_S = 3.0
+
+
+def _check_holder(address, job, key, timeout):
+    """Rank 0 found its port in use. Returns when the holder is no
+    kerasdist server, or an earlier run of this job still ending (the
+    caller then waits for the port); raises RendezvousError when it is
+    another job's, or another launch of this job (the same id, or none)
+    whose rank 0 runs: then that launch is told to end too (kd_conflict),
+    and neither forms a job of both."""
+    port = address[1]
+    until = time.monotonic() + min(_LIVE_GRACE_S, timeout)
+    while True:
+        other, state = _probe(address, job, key)
+        if other is not None:
+            raise RendezvousError(_other_job_line(port, other, job))
+        if state == "refused":
+            raise RendezvousError(_second_launch_line(port, job, True))
+        if state != "live":
+            return
+        if time.monotonic() >= until:
+            _probe(address, job, key, conflict=True)
+            raise RendezvousError(_second_launch_line(port, job, False))
+        time.sleep(RETRY_S)
+
+
+def _second_launch_line(port, job, refused):
+    what = ("refuses two launches of job " + job + " that met there" if
+            refused else "serves a running launch of job " + job)
+    return (f"rank 0: the coordinator's port {port} {what} (another job "
+            f"on this port with the same id, or none): both launches end "
+            f"rather than mix; give each job a port of its own "
+            f"(MASTER_PORT), or a {JOB_ID_ENV} of its own")
+
+
+def _other_job_line(port, other, job):
+    return (f"the coordinator's port {port} serves another job ({other}), "
+            f"not this one ({job}); give each job its own port (e.g. "
+            f"MASTER_PORT), or a name ({JOB_ID_ENV}) and secret "
+            f"({SECRET_ENV}) of its own")
+
+
+def _probe(address, job, key, conflict=False):
+    """(other, state) of the server that holds `address`: `other`, the id
+    of another job (or "job X with another secret"), else None; `state`
+    its hello.Hello.state() where it is this job's, else None (also where
+    it is no kerasdist server). With `conflict`, tells a server of this
+    job that a second launch met it (hello.Hello.on_conflict)."""
     try:
         with socket.create_connection(address, timeout=2.0) as sock:
             sock.settimeout(2.0)
             nonce = secrets.token_hex(16)
             sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
             t = tokens(read_line(sock))
+            if t.get("cmd") != "kd_challenge":
+                return None, None
+            if t.get("job") != job:
+                return f"job {t.get('job')}", None
+            if not hmac.compare_digest(
+                    t.get("proof", ""),
+                    mac_of(key, "server", nonce, t.get("nonce", ""), job)):
+                return f"job {job} with another secret", None
+            if conflict:
+                proof = mac_of(key, "conflict", t.get("nonce", ""), nonce)
+                sock.sendall(f"cmd=kd_conflict proof={proof}\n".encode())
+                time.sleep(0.2)  # read before the close
+            return None, t.get("state")
     except (OSError, ValueError):
-        return None
-    if t.get("cmd") != "kd_challenge":
-        return None
-    if t.get("job") != job:
-        return f"job {t.get('job')}"
-    if not hmac.compare_digest(
-            t.get("proof", ""),
-            mac_of(key, "server", nonce, t.get("nonce", ""), job)):
-        return f"job {job} with another secret"
-    return None
-
+        return None, None
 
 
 def _agent_store(host, port, timeout):
@@ -232,13 +284,18 @@ def join(launch, timeout, environ=None, watch=True):
     except ValueError as e:
         raise RendezvousError(str(e)) from None
     global _said_unauthenticated
+    if proven and not environ.get(SECRET_ENV):
+        # From KERASDIST_JOB_SECRET_FILE: the core's heartbeat reads it
+        # from the environment.
+        environ[SECRET_ENV] = secret_of(environ)
     if not proven and launch.rank == 0 and not _said_unauthenticated:
         _said_unauthenticated = True
         sys.stderr.write(
             f"kerasdist: rank 0: the rendezvous is unauthenticated (no "
-            f"{SECRET_ENV}): jobs on one port are kept apart by their name "
-            f"({job}; {JOB_ID_ENV} sets one), but any host that reaches "
-            f"the coordinator's port could disturb this job; see "
+            f"{SECRET_ENV}): a second job that meets this one on its port "
+            f"is refused with it, never merged (job id {job}; "
+            f"{JOB_ID_ENV} sets one), but any host that reaches the "
+            f"coordinator's port could join or end this job; see "
             f"SECURITY.md\n")
         sys.stderr.flush()
     host, port = launch.coordinator

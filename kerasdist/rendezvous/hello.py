@@ -39,9 +39,59 @@ class Hello:
         conn.nonce = secrets.token_hex(16)
         proof = protocol.mac_of(self.key, "server", conn.theirs, conn.nonce,
                                 self.job)
+        # state=: what a rank 0 that finds this port held needs to know
+        # (client._start_server): "live" (this job's rank 0 runs: the
+        # port is another launch's), "ending" (its rank 0 has gone, or
+        # every rank finalized: an earlier run, still ending) or
+        # "refused" (two launches met here already).
         self.send(conn, f"cmd=kd_challenge rc=0 job={self.job} "
                   f"secret={int(self.secret)} nonce={conn.nonce} "
-                  f"proof={proof}")
+                  f"proof={proof} state={self.state()}")
+
+    def state(self):
+        with self.cv:
+            if self.refused is not None:
+                return "refused"
+            if (self.parent_gone_at is not None or
+                    len(self.pmi_done) >= self.size):
+                return "ending"
+            return "live"
+
+    def refuse(self, why, newcomer=None):  # with self.cv held
+        """Two launches met on this port (two processes claimed one rank,
+        or a second rank 0 found this server live): every rank of this
+        server, waiting in the hello or past it, hears one line and ends,
+        and so does every hello until the server ends (a while after:
+        the other launch's ranks arrive later), rather than any of them
+        forming a job of both."""
+        self.refused = (
+            f"{why} at the coordinator's port {self.port}: two launches of "
+            f"job {self.job} met there (another job on this port with the "
+            f"same id, or none), and neither may go on as a mix of both; "
+            f"give each job a port of its own (MASTER_PORT), or a "
+            f"{protocol.JOB_ID_ENV} of its own, and each process its own "
+            f"rank")
+        self.refused_at = time.monotonic()
+        for c in list(self.hello.values()) + ([newcomer] if newcomer
+                                               else []):
+            self.reply(c, f"cmd=kd_ready rc={protocol.CONFLICT} "
+                       f"msg={self.refused}")
+        self.hello = {}
+        self.tell_watchers(self.refused)
+        self.hello_done = True
+        self.failed = True
+
+    def on_conflict(self, conn, t):
+        """kd_conflict: a rank 0 of another launch of this job (it proved
+        the key) found this server live on its port (client._probe)."""
+        if conn.nonce is None or conn.hello_rank is not None or \
+                not hmac.compare_digest(t.get("proof", ""), protocol.mac_of(
+                    self.key, "conflict", conn.nonce, conn.theirs)):
+            raise protocol.BadConnection("kd_conflict without the proof")
+        with self.cv:
+            if self.refused is None and self.state() == "live":
+                self.refuse("a second rank 0 found this job's server")
+            self.cv.notify_all()
 
     def reply(self, conn, line):
         """A hello's reply, with its proof."""
@@ -72,6 +122,18 @@ class Hello:
         conn.hello_rank = rank
         conn.node = node
         with self.cv:
+            if self.refused is not None:
+                return self.reply(conn, f"cmd=kd_ready rc="
+                                  f"{protocol.CONFLICT} msg={self.refused}")
+            held = self.hello.get(rank) or self.watchers.get(rank)
+            if (held is not None and held in self.conns
+                    and not held.dropped and rank not in self.pmi_done
+                    and size == self.size):
+                # A rank that a live process holds (its hello waits, or
+                # its process runs): a second launch on this port. Both
+                # end, at any time in the job.
+                return self.refuse(f"two processes claimed rank {rank} of "
+                                   f"{self.size}", conn)
             if self.hello_done:
                 return self.reply(
                     conn, f"cmd=kd_ready rc={protocol.FORMED} msg=its job of "

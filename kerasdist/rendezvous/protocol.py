@@ -19,11 +19,21 @@ SECRET_ENV = "KERASDIST_JOB_SECRET"
 # The job's name, where the platform gives none of its own (below).
 JOB_ID_ENV = "KERASDIST_JOB_ID"
 MIN_SECRET_CHARS = 16
+# Kubernetes: the path of a file that holds the secret (a mounted Secret),
+# read where KERASDIST_JOB_SECRET itself is not set.
+SECRET_FILE_ENV = "KERASDIST_JOB_SECRET_FILE"
+_MAX_SECRET_FILE = 4096
+# Ids that many jobs share by default (torchrun's run id outside
+# --standalone is "none"): no id at all.
+_SHARED_IDS = ("none",)
 # The platforms' own names of a job, first found wins: two jobs on one
 # coordinator's port are told apart by it even without a secret.
 _JOB_ID_VARIABLES = (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
                      "TRAINING_JOB_NAME", "JOB_NAME")
 RETRY_S = 0.25
+# The hello's reply code of a server that refused its job: two processes
+# claimed one rank (two jobs on one port); every later hello hears it too.
+CONFLICT = 4
 # The hello's reply code of a server whose job has formed (or failed) already:
 # the hello came too late for it, and may be meant for the next one.
 FORMED = 2
@@ -73,26 +83,80 @@ def timeout_from(environ):
     return value
 
 
+def secret_problem(secret):
+    """Why `secret` is no job secret (one sentence), or None: the one rule
+    every way a job starts checks (kd.init(), `kerasdist run`, node mode,
+    Ray): valid UTF-8, at least MIN_SECRET_CHARS characters besides
+    surrounding white space."""
+    how = ("set it to a random string, e.g. the output of `python -c "
+           "'import secrets; print(secrets.token_hex(32))'`")
+    try:
+        secret.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{SECRET_ENV} is not valid UTF-8; {how}"
+    if not secret.strip():
+        return f"{SECRET_ENV} is blank; {how}"
+    if len(secret.strip()) < MIN_SECRET_CHARS:
+        return (f"{SECRET_ENV} has {len(secret.strip())} characters, fewer "
+                f"than {MIN_SECRET_CHARS}; {how}")
+    return None
+
+
+def secret_of(environ):
+    """The job's secret: KERASDIST_JOB_SECRET, else the contents of the
+    file KERASDIST_JOB_SECRET_FILE names (a Kubernetes Secret mounted in
+    every pod; one trailing newline dropped), else "".
+
+    Raises:
+        ValueError: the secret breaks the rule (secret_problem), or the
+            file named cannot be read.
+    """
+    secret = environ.get(SECRET_ENV, "")
+    path = environ.get(SECRET_FILE_ENV, "").strip()
+    if not secret and path:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_MAX_SECRET_FILE + 1)
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r} cannot be read "
+                             f"({e.strerror or e}); mount the job's secret "
+                             f"there or unset it") from None
+        if len(data) > _MAX_SECRET_FILE:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r} holds more than "
+                             f"{_MAX_SECRET_FILE} bytes; it must hold the "
+                             f"job's secret alone")
+        secret = data.decode("utf-8", "surrogateescape")
+        secret = secret[:-1] if secret.endswith("\n") else secret
+        if not secret:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r} is empty")
+    if secret:
+        problem = secret_problem(secret)
+        if problem:
+            raise ValueError(problem + (f" (read from {SECRET_FILE_ENV}="
+                                        f"{path!r})" if path and not
+                                        environ.get(SECRET_ENV) else ""))
+    return secret
+
+
 def identity(environ):
     """(job id, key, authenticated) of this process's job.
 
     The key is what every message's HMAC is made with: the job's secret
-    (KERASDIST_JOB_SECRET) where there is one; else one made from the job
-    id alone, which keeps jobs apart but proves nothing (anyone can compute
-    it). The job id is KERASDIST_JOB_ID or the platform's name of the job
-    (torchrun's run id, Slurm's job id, ...); with a secret and no name,
-    the secret's fingerprint; else "unnamed".
+    (KERASDIST_JOB_SECRET, or the file KERASDIST_JOB_SECRET_FILE names)
+    where there is one; else one made from the job id alone, which proves
+    nothing (anyone can compute it). The job id is KERASDIST_JOB_ID or the
+    platform's name of the job (torchrun's run id, Slurm's job id, ...),
+    an id many jobs share by default ("none") counting as none; with a
+    secret and no name, the secret's fingerprint; else "unnamed". Two
+    launches with one id (or none) on one port are refused, not merged
+    (hello.py).
     """
-    secret = environ.get(SECRET_ENV, "")
-    if secret and len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(
-            f"{SECRET_ENV} has {len(secret)} characters, fewer than "
-            f"{MIN_SECRET_CHARS}; set it to a random string, e.g. the "
-            f"output of `python -c 'import secrets; "
-            f"print(secrets.token_hex(32))'`.")
+    secret = secret_of(environ)
     job = ""
     for name in _JOB_ID_VARIABLES:
         job = environ.get(name, "").strip()
+        if job.lower() in _SHARED_IDS:
+            job = ""
         if job:
             break
     if secret:

@@ -46,6 +46,9 @@ _GRACE_S = 30.0
 # server waits for that one to close too (the same death), to say the rank
 # died inside MPI_Init rather than before its MPI started.
 _HELLO_BEFORE_MPI_S = 2.0
+# After refusing two launches on its port: how long the server still
+# answers each hello with that (at most the rendezvous' timeout).
+_REFUSED_S = 60.0
 
 
 class _Conn:
@@ -104,6 +107,9 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
         self.started = time.monotonic()
         self.formed_at = None  # when every rank had said hello
         self.failed = False
+        self.port = 0          # the port it listens on
+        self.refused = None    # the line of a refusal (hello.refuse)
+        self.refused_at = None
 
     def send(self, conn, line):
         try:
@@ -138,6 +144,8 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
                     self.on_auth(conn, t)
                 elif cmd == "kd_hello":
                     self.on_hello(conn, t)
+                elif cmd == "kd_conflict":
+                    self.on_conflict(conn, t)
                 elif cmd == "initack" and conn.nonce is None:
                     self.on_initack(conn, t)
                 else:
@@ -211,6 +219,11 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
 
     def finished(self):
         with self.cv:
+            if self.refused_at is not None:
+                # Refused: it answers the other launch's later hellos
+                # with that line for a while (hello.refuse).
+                return (time.monotonic() - self.refused_at >
+                        min(self.timeout, _REFUSED_S))
             if self.failed:
                 return True
             if len(self.pmi_done) >= self.size:
@@ -294,6 +307,7 @@ def _serve(port, size, timeout, address=""):
         return 1
     server = _Server(size, timeout, job, key,
                      os.environ.get("_KERASDIST_RENDEZVOUS_SECRET") == "1")
+    server.port = listener.getsockname()[1]
     threading.Thread(target=_watch_parent, args=(server,),
                      daemon=True).start()
 

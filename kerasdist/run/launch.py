@@ -50,6 +50,13 @@ def main(argv=None):
     except launch_config.UsageError as e:
         log.raw(f"{PROG}: error: {e}\n".encode())
         return 2
+    try:
+        # The one rule of a job's secret, as kd.init() checks it where a
+        # platform started the ranks (protocol.secret_problem).
+        protocol.secret_of(os.environ)
+    except ValueError as e:
+        log.raw(f"{PROG}: error: {e}\n".encode())
+        return 2
     problem = _rank.command_problem(config.command[0])
     if problem is not None:
         log.raw(f"{PROG}: error: {problem}.\n".encode())

@@ -275,6 +275,86 @@ def test_two_jobs_on_one_port_are_refused_naming_both():
         _end(proc)
 
 
+def _conflict(port, job, key, proof=None):
+    """A second rank 0's kd_conflict (client._probe), with `proof` in
+    place of the right one where given; returns the state the server
+    said it was in."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        nonce = "n" * 32
+        sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
+        t = protocol.tokens(protocol.read_line(sock))
+        proof = proof or protocol.mac_of(key, "conflict", t["nonce"], nonce)
+        sock.sendall(f"cmd=kd_conflict proof={proof}\n".encode())
+        sock.settimeout(2)
+        try:
+            sock.recv(1)
+        except OSError:
+            pass
+    return t.get("state")
+
+
+@pytest.mark.timeout(60)
+def test_a_second_launch_ends_a_forming_job_only_with_the_key():
+    # With a secret, a kd_conflict without the key's proof changes
+    # nothing: the job forms. Without one (the key is the id's), a second
+    # rank 0 of the same id ends it, and every rank that comes later hears
+    # the same line.
+    env = {protocol.SECRET_ENV: SECRET}
+    job, key, _ = protocol.identity(env)
+    proc, port = _serve(2, 20, job, secret=SECRET)
+    try:
+        assert _conflict(port, job, key, proof="0" * 64) == "live"
+        _form_and_run(port, 2, env)
+    finally:
+        _end(proc)
+    job, key, _ = protocol.identity({})
+    proc, port = _serve(2, 20, job)
+    try:
+        assert _conflict(port, job, key) == "live"
+        assert _conflict(port, job, key) == "refused"
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20, environ={}, watch=False)
+        assert str(e.value).startswith(
+            f"rank 1 of 2: a second rank 0 found this job's server at the "
+            f"coordinator's port {port}: two launches of job unnamed met "
+            f"there"), e.value
+    finally:
+        proc.kill()  # refused, it answers hellos for a while yet
+        _end(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_rank_claimed_again_ends_the_forming_job():
+    proc, port = _serve(3, 20)
+    try:
+        first = {}
+        job, key, _ = protocol.identity({})
+
+        def hello(rank):
+            launch = Launch("torchrun", rank, 3, rank, 3,
+                            ("127.0.0.1", port))
+            return client._hello(("127.0.0.1", port), "here", launch, 20,
+                                 time.monotonic() + 20, job, key)
+        t = threading.Thread(target=lambda: first.update(
+            _on_threads(hello, [0, 1])))
+        t.start()
+        time.sleep(1.0)  # ranks 0 and 1 wait for rank 2
+        launch = Launch("torchrun", 1, 3, 1, 3, ("127.0.0.1", port))
+        with pytest.raises(protocol.RendezvousError) as e:
+            client.join(launch, 20, environ={}, watch=False)
+        t.join(30)
+        want = (f"two processes claimed rank 1 of 3 at the coordinator's "
+                f"port {port}: two launches of job unnamed met there")
+        assert want in str(e.value)
+        assert set(first) == {0, 1}, first
+        for r in (0, 1):
+            assert want in str(first[r]), first[r]
+    finally:
+        proc.kill()
+        _end(proc)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("named", [False, True])
 def test_a_rank_without_the_secret_is_refused_naming_it(named):
@@ -318,6 +398,92 @@ def test_job_identity():
     with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET has 5 "
                        "characters, fewer than 16"):
         protocol.identity({protocol.SECRET_ENV: "short"})
+    # Ids that many jobs share by default count as none.
+    for shared in ("none", "None", " "):
+        assert protocol.identity({"TORCHELASTIC_RUN_ID": shared})[0] == \
+            "unnamed"
+
+
+# ---- one secret rule, from the environment or a mounted file -----------------
+
+BAD_SECRETS = [("abc", "has 3 characters, fewer than 16"),
+               (" " * 16, "is blank"),
+               ("\t \n" * 8, "is blank"),
+               (" " * 10 + "x" * 15, "has 15 characters, fewer than 16"),
+               (b"\xff\xfe-not-utf-8-at-all-0123".decode(
+                   "utf-8", "surrogateescape"), "is not valid UTF-8")]
+
+
+@pytest.mark.parametrize("secret,why", BAD_SECRETS)
+def test_one_secret_rule_for_kd_init(secret, why):
+    with pytest.raises(ValueError, match=f"KERASDIST_JOB_SECRET {why}"):
+        protocol.identity({protocol.SECRET_ENV: secret})
+    launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", 9))
+    with pytest.raises(protocol.RendezvousError,
+                       match=f"KERASDIST_JOB_SECRET {why}"):
+        client.join(launch, 1, environ={protocol.SECRET_ENV: secret})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secret,why", BAD_SECRETS)
+def test_one_secret_rule_for_kerasdist_run(secret, why):
+    # The launcher refuses what kd.init() refuses, before it starts
+    # anything (it would hand the secret to every rank).
+    env = {k.encode(): v.encode() for k, v in launcher_env().items()
+           if k != protocol.SECRET_ENV}
+    env[protocol.SECRET_ENV.encode()] = secret.encode(
+        "utf-8", "surrogateescape")
+    out = subprocess.run(
+        [sys.executable, "-m", "kerasdist.run", "-np", "1", "true"],
+        env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2, out
+    assert out.stderr.startswith(
+        f"kerasdist run: error: KERASDIST_JOB_SECRET {why}"), out.stderr
+
+
+def test_the_secret_from_a_mounted_file(tmp_path):
+    # Kubernetes: a Secret mounted in every pod, named by
+    # KERASDIST_JOB_SECRET_FILE; one trailing newline is not part of it.
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    env = {protocol.SECRET_FILE_ENV: str(path)}
+    assert protocol.identity(env) == protocol.identity(
+        {protocol.SECRET_ENV: SECRET})
+    # The variable wins over the file.
+    other = "another-secret-of-32-characters!"
+    assert protocol.identity(dict(env, **{protocol.SECRET_ENV: other})) == \
+        protocol.identity({protocol.SECRET_ENV: other})
+    path.write_text(" " * 20)
+    with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET is blank"
+                       ".*read from KERASDIST_JOB_SECRET_FILE="):
+        protocol.identity(env)
+    with pytest.raises(ValueError, match="KERASDIST_JOB_SECRET_FILE=.* "
+                       "cannot be read"):
+        protocol.identity({protocol.SECRET_FILE_ENV: str(tmp_path / "no")})
+    path.write_text("x" * 5000)
+    with pytest.raises(ValueError, match="holds more than 4096 bytes"):
+        protocol.identity(env)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_with_its_secret_in_a_file_forms_and_exports_it(tmp_path):
+    # kd.init() gives the core (its heartbeat) the secret it read.
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    env = {protocol.SECRET_FILE_ENV: str(path)}
+    proc, port = _serve(2, 20, protocol.identity(env)[0], secret=SECRET)
+    try:
+        rank1_env, out = dict(env), {}
+        launch = Launch("torchrun", 1, 2, 1, 2, ("127.0.0.1", port))
+        t = threading.Thread(target=lambda: out.update(
+            {1: client.join(launch, 20, environ=rank1_env, watch=False)}))
+        t.start()
+        out[0] = _hello0(port, 2, env, 20)
+        t.join(30)
+        assert out[1].get("PMI_ID"), out
+        assert rank1_env[protocol.SECRET_ENV] == SECRET
+    finally:
+        _end(proc)
 
 
 # ---- a rank lost inside MPI_Init, a barrier that never completes ------------
