@@ -51,10 +51,10 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
   rt->role_ = std::move(role);
-  // Armed by MpiContext::Create; from the heartbeat's start (or any
-  // error) on, a lost rank is the heartbeat's to report.
-  // A rank whose init fails once MPI runs must not wait in MPI_Finalize
-  // at exit for ranks that wait for it in turn.
+  // The start-up watch, armed by MpiContext::Create, ends with the start
+  // (the heartbeat reports a lost rank from here on). A rank whose start
+  // fails once MPI runs must not wait in MPI_Finalize at exit for ranks
+  // that wait for it in turn.
   struct EndWatch {
     bool started = false;
     ~EndWatch() {
