@@ -912,13 +912,19 @@ class _ShardCommits:
 
         state = _optimizer.shard_state(self.optimizer)
         rank, size = state.rank, state.layout.size
+        directory = os.path.dirname(path)
         if self._nonce is None:
             nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
             self._nonce = int(_host.host_broadcast(
                 nonce, 0, "kerasdist.elastic.shard_nonce")[0])
+            # Every rank writes its shard file there, and rank 0 reads
+            # them all at the next start: one line at the first commit,
+            # not a commit that cannot be restored.
+            _host.check_shared_directory(
+                directory, f"the elastic commit directory ({ELASTIC_DIR_ENV})",
+                "kerasdist.elastic.shared_dir")
         self._count += 1
         stem = f"state-{number}.{self._nonce:x}-{self._count}"
-        directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         mine = os.path.join(directory, _shard_name(stem, rank, size))
         _files.atomic_write(mine, lambda tmp: _shard_files.write_shard_file(

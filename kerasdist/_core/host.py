@@ -11,6 +11,7 @@ order, as with TF's eager ops).
 
 import ctypes
 import itertools
+import os
 import threading
 
 import numpy as np
@@ -208,3 +209,65 @@ def host_barrier(name):
     require_init()
     _capi.Handle(_capi.OP_BARRIER, name, _capi.DTYPES[np.dtype(np.uint8)],
                  (), None, None).wait()
+
+
+def check_shared_directory(directory, what, name):
+    """Raises RuntimeError on every rank (one line naming the directory
+    and the ranks) unless `directory` is one directory that every rank can
+    create, write and see the others' files in: each rank writes a probe
+    file there, and each checks that rank 0's is there. A collective: every
+    rank calls it with the same `name`. For the directories the ranks write
+    to together (a sharded optimizer's checkpoints, an elastic commit's
+    shard files), before the first write is due: otherwise rank 0 waits for
+    files that went to another disk until its deadline, and its line blames
+    the wait, not the directory."""
+    require_init()
+    n = basics.size()
+    if n == 1:
+        return
+    rank = basics.rank()
+    nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
+    nonce = int(host_broadcast(nonce, 0, f"{name}.nonce")[0])
+    path = os.path.abspath(os.fspath(directory))
+
+    def probe(r):
+        return os.path.join(path, f".kerasdist-shared-{nonce}-{r}")
+
+    why = ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe(rank), "w"):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+    wrote = host_allgather(np.array([0 if why else 1], np.int64),
+                           f"{name}.wrote")
+    sees = int(bool(wrote[0]) and os.path.exists(probe(0)))
+    seen = host_allgather(np.array([sees], np.int64), f"{name}.seen")
+    try:
+        os.remove(probe(rank))
+    except OSError:
+        pass
+    cannot_write = [r for r in range(n) if not wrote[r]]
+    cannot_see = [r for r in range(n) if wrote[0] and wrote[r]
+                  and not seen[r]]
+    if not (cannot_write or cannot_see):
+        return
+    parts = []
+    if cannot_write:
+        parts.append(f"{_ranks(cannot_write)} cannot write it"
+                     + (f" ({why})" if why and rank in cannot_write
+                        else ""))
+    if cannot_see:
+        parts.append(f"{_ranks(cannot_see)} cannot see rank 0's files in "
+                     f"it (another disk under the same path)")
+    raise RuntimeError(
+        f"{what} {os.fspath(directory)!r} is not shared by every rank: "
+        f"{'; '.join(parts)}. Every rank writes there: put it on a file "
+        f"system that every host mounts at the same path (an absolute "
+        f"path, the same on every rank).")
+
+
+def _ranks(ranks):
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(
+        str(r) for r in ranks)

@@ -632,6 +632,11 @@ class Trainer:
             nonce = np.frombuffer(os.urandom(8), np.int64) % (2 ** 62)
             nonce = _host.host_broadcast(nonce, 0,
                                          "kerasdist.trainer.shard_nonce")
+            # Every rank writes its shard file there: one line now, not
+            # rank 0's wait for files on another disk at the first save.
+            _host.check_shared_directory(
+                self.checkpoint_dir, "checkpoint_dir",
+                "kerasdist.trainer.shared_dir")
             self._shard_writer = _tshards.ShardWriter(
                 self.model.optimizer, self.checkpoint_dir, int(nonce[0]))
         if self.checkpoint_dir and self.step_checkpoints and (

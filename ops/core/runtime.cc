@@ -51,6 +51,17 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   std::unique_ptr<Runtime> rt(new Runtime());
   rt->config_ = config;
   rt->role_ = std::move(role);
+  // The start-up watch, armed by MpiContext::Create, ends with the start
+  // (the heartbeat reports a lost rank from here on). A rank whose start
+  // fails once MPI runs must not wait in MPI_Finalize at exit for ranks
+  // that wait for it in turn.
+  struct EndWatch {
+    bool started = false;
+    ~EndWatch() {
+      EndStartupWatch();
+      if (!started) SkipFinalizeAtExit();
+    }
+  } end_watch;
   KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
   KD_RETURN_IF_ERROR(StartLiveness(
       rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
@@ -75,13 +86,19 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   rt->tune_threshold_ = config.fusion_threshold_bytes;
   rt->tune_cycle_ms_ = config.cycle_time_ms;
   rt->tune_cache_ = config.cache_capacity > 0;
+  Status timeline = Status::OK();
   if (!config.timeline_path.empty()) {
-    KD_RETURN_IF_ERROR(
-        rt->StartTimeline(config.timeline_path, config.timeline_mark_cycles));
+    timeline =
+        rt->StartTimeline(config.timeline_path, config.timeline_mark_cycles);
   }
+  // Rank 0 alone opens the timeline: every rank learns whether it could,
+  // so that kd.init() fails on all of them, not on rank 0 alone while the
+  // others wait for it in their first collective.
+  KD_RETURN_IF_ERROR(AgreeStarted(rt->mpi_->comm(), timeline));
   rt->last_stall_check_ = Clock::now();
   rt->last_work_ = Clock::now();
   rt->thread_ = std::thread(&Runtime::Loop, rt.get());
+  end_watch.started = true;
   *out = std::move(rt);
   return Status::OK();
 }

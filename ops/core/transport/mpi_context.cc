@@ -147,10 +147,23 @@ Status CheckSharedMemory() {
 
 void DisarmSigbus() { sigaction(SIGBUS, &g_previous_sigbus, nullptr); }
 
+bool g_skip_finalize = false;
+
 void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  if (g_skip_finalize) {
+    const std::string line =
+        "kerasdist: rank " + std::to_string(g_world_rank) +
+        ": kd.init() failed (its error above says why), so this rank ends "
+        "without MPI_Finalize, which would wait for ranks that wait for "
+        "it.\n";
+    std::fflush(nullptr);
+    ssize_t ignored = write(2, line.data(), line.size());
+    (void)ignored;
+    return;
+  }
   if (PmiServerGone()) {
     // The process's own exit status stands; MPI's finalize is skipped.
     const std::string line =
@@ -477,6 +490,30 @@ Status SplitByNode(MPI_Comm comm, Topology* t, MPI_Comm* node,
 
 }  // namespace
 
+void SkipFinalizeAtExit() {
+  int initialized = 0, finalized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized || !g_we_initialized_mpi) return;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) g_skip_finalize = true;
+}
+
+Status AgreeStarted(MPI_Comm comm, const Status& mine) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  int failed = mine.ok() ? size : rank, first = size;
+  KD_RETURN_IF_ERROR(
+      MpiStatus(MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, comm),
+                "MPI_Allreduce"));
+  if (!mine.ok()) return mine;
+  if (first == size) return Status::OK();
+  return Status::Internal("rank " + std::to_string(first) +
+                          "'s start failed (its error says why), so this "
+                          "rank's fails too");
+}
+
 Status MpiContext::Create(bool has_parent, int parent_f,
                           std::unique_ptr<MpiContext>* out) {
   int initialized = 0, finalized = 0;
@@ -508,6 +545,10 @@ Status MpiContext::Create(bool has_parent, int parent_f,
         "MPI_THREAD_MULTIPLE (mpi4py asks for MULTIPLE by default).");
   }
   MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
+  // Before the first collective: a rank that froze or went after MPI_Init
+  // is named within the deadline instead of waited for in MPI_Comm_dup.
+  KD_RETURN_IF_ERROR(StartupCheckIn(parent));
+  StartStartupWatch(parent);
   std::unique_ptr<MpiContext> ctx(new MpiContext());
   ctx->control_tag_ = kControlTagBase + (g_generation++ % 16384);
   KD_RETURN_IF_ERROR(

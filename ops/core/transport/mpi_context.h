@@ -70,6 +70,25 @@ class MpiContext : public ControlChannel {
 // rank 0's interval and timeout (seconds); *out stays empty for one rank or
 // a timeout of 0. `interface` is where rank 0's address is taken first.
 // Fails on every rank if any rank cannot connect.
+// The start-up window before the heartbeat runs (mpi_liveness.cc): kd.init()'s
+// first collectives would wait for ever for a rank that froze or went right
+// after MPI_Init. StartupCheckIn: every rank tells rank 0 it has arrived
+// (point-to-point, polled), and rank 0 answers; a rank missing after
+// KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS is named, and every rank ends with
+// one line. StartStartupWatch then arms a deadline as long for the rest of
+// the start (MPI_Comm_dup, the node split, the heartbeat's own exchange);
+// EndStartupWatch, once the heartbeat runs, disarms it.
+Status StartupCheckIn(MPI_Comm comm);
+// Every rank's `mine` in, one verdict out: `mine` where it failed, else an
+// error naming the lowest rank whose start failed, else OK.
+Status AgreeStarted(MPI_Comm comm, const Status& mine);
+// kd.init() failed after MPI_Init on a job of more than one rank: the
+// process ends without MPI_Finalize (whose barrier the others, waiting
+// inside MPI for this rank, would never reach).
+void SkipFinalizeAtExit();
+void StartStartupWatch(MPI_Comm comm);
+void EndStartupWatch();
+
 Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
                      const std::string& interface,
                      std::unique_ptr<Liveness>* out);
