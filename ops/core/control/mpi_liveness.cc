@@ -217,37 +217,36 @@ StartupWatch& Watch() {
 
 }  // namespace
 
-Status StartupCheckIn(MPI_Comm comm) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  if (size == 1) return Status::OK();
-  const double timeout_s = StartDeadlineS();
-  const double deadline = Now() + timeout_s;
-  std::ostringstream within;
-  within << "within " << timeout_s
-         << " s (KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS)";
-  if (rank != 0) {
-    char host[kHostBytes] = {0};
-    std::strncpy(host, ThisHost().c_str(), sizeof(host) - 1);
-    char verdict[kVerdictBytes] = {0};
-    MPI_Request sent, heard;
-    MPI_Isend(host, kHostBytes, MPI_CHAR, 0, kCheckInTag, comm, &sent);
-    MPI_Irecv(verdict, kVerdictBytes, MPI_CHAR, 0, kVerdictTag, comm, &heard);
-    if (!PollUntil(&heard, deadline)) {
-      EndThisRank(
-          "kerasdist: rank " + std::to_string(rank) + " on host " + ThisHost() +
-          ": lost rank 0: it did not answer kd.init()'s start " + within.str() +
-          " (frozen, gone, or its host unreachable, after "
-          "MPI_Init); ending this rank.");
-    }
-    verdict[kVerdictBytes - 1] = '\0';
-    if (verdict[0] != '\0') {
-      EndThisRank("kerasdist: rank " + std::to_string(rank) + ": " + verdict);
-    }
-    MPI_Wait(&sent, MPI_STATUS_IGNORE);
-    return Status::OK();
+namespace {
+
+// A rank other than 0: tells rank 0 its host, then waits for rank 0's
+// verdict ("" when every rank arrived) until the deadline.
+void WorkerCheckIn(MPI_Comm comm, int rank, double deadline,
+                   const std::string& within) {
+  char host[kHostBytes] = {0};
+  std::strncpy(host, ThisHost().c_str(), sizeof(host) - 1);
+  char verdict[kVerdictBytes] = {0};
+  MPI_Request sent, heard;
+  MPI_Isend(host, kHostBytes, MPI_CHAR, 0, kCheckInTag, comm, &sent);
+  MPI_Irecv(verdict, kVerdictBytes, MPI_CHAR, 0, kVerdictTag, comm, &heard);
+  if (!PollUntil(&heard, deadline)) {
+    EndThisRank("kerasdist: rank " + std::to_string(rank) + " on host " +
+                ThisHost() +
+                ": lost rank 0: it did not answer kd.init()'s "
+                "start " +
+                within +
+                " (frozen, gone, or its host unreachable, after "
+                "MPI_Init); ending this rank.");
   }
+  verdict[kVerdictBytes - 1] = '\0';
+  if (verdict[0] != '\0') {
+    EndThisRank("kerasdist: rank " + std::to_string(rank) + ": " + verdict);
+  }
+  MPI_Wait(&sent, MPI_STATUS_IGNORE);
+}
+
+// Rank 0: the ranks that have not checked in by the deadline.
+std::vector<int> MissingAtDeadline(MPI_Comm comm, int size, double deadline) {
   std::vector<char> hosts(static_cast<size_t>(size) * kHostBytes, 0);
   std::vector<MPI_Request> reqs(size, MPI_REQUEST_NULL);
   for (int r = 1; r < size; ++r) {
@@ -262,14 +261,20 @@ Status StartupCheckIn(MPI_Comm comm) {
       MPI_Test(&reqs[r], &done, MPI_STATUS_IGNORE);
       if (!done) missing.push_back(r);
     }
-    if (missing.empty() || Now() > deadline) break;
+    if (missing.empty() || Now() > deadline) return missing;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+// Rank 0: waits for every rank until the deadline, then tells the ranks
+// that arrived the verdict; ends itself (and so them) when one is missing.
+void RootCheckIn(MPI_Comm comm, int size, double deadline,
+                 const std::string& within) {
+  const std::vector<int> missing = MissingAtDeadline(comm, size, deadline);
   std::string verdict;
   if (!missing.empty()) {
     verdict = "lost " + RankList(missing) + WhereEveryRankIs(size) +
-              ": it did not reach kd.init()'s first collective " +
-              within.str() +
+              ": it did not reach kd.init()'s first collective " + within +
               " of rank 0's (frozen, gone, or its host unreachable, after "
               "MPI_Init); ending this rank.";
     verdict.resize(std::min<size_t>(verdict.size(), kVerdictBytes - 1));
@@ -286,12 +291,32 @@ Status StartupCheckIn(MPI_Comm comm) {
   if (missing.empty()) {
     MPI_Waitall(static_cast<int>(sends.size()), sends.data(),
                 MPI_STATUSES_IGNORE);
-    return Status::OK();
+    return;
   }
   // The others hear it (a moment, not for ever: one may be gone too).
   const double told_by = Now() + 2.0;
   for (MPI_Request& s : sends) PollUntil(&s, told_by);
   EndThisRank("kerasdist: rank 0 on host " + ThisHost() + ": " + verdict);
+}
+
+}  // namespace
+
+Status StartupCheckIn(MPI_Comm comm) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  if (size == 1) return Status::OK();
+  const double timeout_s = StartDeadlineS();
+  const double deadline = Now() + timeout_s;
+  std::ostringstream within;
+  within << "within " << timeout_s
+         << " s (KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS)";
+  if (rank != 0) {
+    WorkerCheckIn(comm, rank, deadline, within.str());
+  } else {
+    RootCheckIn(comm, size, deadline, within.str());
+  }
+  return Status::OK();
 }
 
 void StartStartupWatch(MPI_Comm comm) {
