@@ -15,7 +15,7 @@ case "${1:-}" in
   *) echo "usage: $0 [--check]" >&2; exit 2 ;;
 esac
 
-libs="$( (ldconfig -p 2>/dev/null || /sbin/ldconfig -p) | awk 'NR > 1 {print $1}')"
+libs=""
 present() {
   case "$1" in
     command:*) command -v "${1#command:}" >/dev/null || [ -x "/usr/sbin/${1#command:}" ] ;;
@@ -25,6 +25,8 @@ present() {
 }
 missing() {
   local package probe _
+  # What the dynamic linker knows now (again after an install).
+  libs="$( (ldconfig -p 2>/dev/null || /sbin/ldconfig -p) | awk 'NR > 1 {print $1}')"
   while read -r package probe _; do
     case "$package" in ''|'#'*) continue ;; esac
     present "$probe" || printf '%s ' "$package"
