@@ -127,7 +127,7 @@ class Hello:
                                   f"{protocol.CONFLICT} msg={self.refused}")
             held = self.hello.get(rank) or self.watchers.get(rank)
             if (held is not None and held in self.conns
-                    and not held.dropped and rank not in self.pmi_done
+                    and held.still_open() and rank not in self.pmi_done
                     and size == self.size):
                 # A rank that a live process holds (its hello waits, or
                 # its process runs): a second launch on this port. Both

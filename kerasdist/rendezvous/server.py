@@ -66,6 +66,20 @@ class _Conn:
         self.watching = False  # a hello's, open for its process's life
         self.dropped = False
 
+    def still_open(self):
+        """Whether the peer still holds the connection: its reading thread
+        may not have seen an end that has already come (a process that
+        exited a moment ago), so look without taking anything."""
+        if self.dropped:
+            return False
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK |
+                                       socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True  # open, nothing to read
+        except OSError:
+            return False
+
     def drop(self):
         """Ends the connection; its reading thread sees the end at once
         (close() alone would not wake a thread blocked reading it)."""
