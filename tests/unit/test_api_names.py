@@ -5,8 +5,11 @@ name of `kerasdist`, `kerasdist.collectives` and the three framework
 packages to the code that runs: a collective to its method of
 `Collectives`, a process-API name to the module that defines it."""
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import jedi
 import pytest
@@ -24,6 +27,10 @@ def _tool():
 
 API_NAMES = _tool()
 ENVIRONMENT = jedi.InterpreterEnvironment()
+# jedi's parse cache of this process's own: two test workers writing the
+# shared one (~/.cache/jedi) at once can leave each other a torn file.
+jedi.settings.cache_directory = tempfile.mkdtemp(prefix="kerasdist-jedi-")
+atexit.register(shutil.rmtree, jedi.settings.cache_directory, True)
 NAMESPACES = ["kerasdist", "kerasdist.collectives", "kerasdist.tensorflow",
               "kerasdist.jax", "kerasdist.torch"]
 
