@@ -9,6 +9,7 @@
 Standard library only; never imports TensorFlow.
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -296,3 +297,19 @@ def _read(f):
     f.flush()
     f.seek(0)
     return f.read()
+
+
+@contextlib.contextmanager
+def without_rank_site_finders():
+    """sys.meta_path without tests/support/rank_site's import finders while
+    the block runs: jedi (an editor's static analysis, which the tests run
+    in-process) resolves modules through sys.meta_path and finds nothing
+    through those finders, which a test worker started with the rank site
+    first on PYTHONPATH has."""
+    saved = list(sys.meta_path)
+    sys.meta_path[:] = [f for f in saved
+                        if type(f).__module__ != "sitecustomize"]
+    try:
+        yield
+    finally:
+        sys.meta_path[:] = saved

@@ -15,6 +15,7 @@ import jedi
 import pytest
 
 from tests.support.helpers import REPO_ROOT
+from tests.support.helpers import without_rank_site_finders
 
 
 def _tool():
@@ -31,6 +32,12 @@ ENVIRONMENT = jedi.InterpreterEnvironment()
 # shared one (~/.cache/jedi) at once can leave each other a torn file.
 jedi.settings.cache_directory = tempfile.mkdtemp(prefix="kerasdist-jedi-")
 atexit.register(shutil.rmtree, jedi.settings.cache_directory, True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _static_analysis_sees_every_module():
+    with without_rank_site_finders():
+        yield
 NAMESPACES = ["kerasdist", "kerasdist.collectives", "kerasdist.tensorflow",
               "kerasdist.jax", "kerasdist.torch"]
 
