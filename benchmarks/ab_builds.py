@@ -2,7 +2,7 @@
 
     python benchmarks/ab_builds.py OLD_TREE NEW_TREE [--rounds 5]
         [--w3-rounds 3] [--skip w1,w2,w3,fe] [--w3-backends tensorflow,jax]
-        [--w3-shard]
+        [--w3-shard] [--w3-models mlp20]
         [--old-env NAME=VALUE ...] [--new-env NAME=VALUE ...]
 
 The two sides may be one tree with different settings: e.g. the
@@ -146,6 +146,9 @@ def main():
     p.add_argument("--skip", default="", help="comma-separated: w1,w2,w3,fe")
     p.add_argument("--w3-backends", default="tensorflow",
                    help="Keras backends of W3 (keras_scaling.py --backends)")
+    p.add_argument("--w3-models", default=None,
+                   help="W3's models (keras_scaling.py --models; default: "
+                   "its own)")
     p.add_argument("--w3-shard", action="store_true",
                    help="W3 with the sharded optimizer's rows too "
                    "(keras_scaling.py --shard)")
@@ -168,7 +171,9 @@ def main():
                   flush=True)
             one_round(trees[side], s, results[side], envs[side],
                       args.w3_backends,
-                      ["--shard"] if args.w3_shard else [])
+                      (["--shard"] if args.w3_shard else [])
+                      + (["--models", args.w3_models] if args.w3_models
+                         else []))
     names = [f"{t} {e}" if e else t for t, e in zip(trees, envs)]
     summary(results, *names)
 
