@@ -205,13 +205,21 @@ def test_a_full_dev_shm_is_named_not_a_sigbus(tmp_path):
          sys.executable, "-c", _IN_SMALL_SHM, REPO_ROOT, str(spec)],
         capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stdout + p.stderr
+    named = 0
     for r, (rc, out) in enumerate(json.loads(p.stdout)):
-        assert rc == 1, f"process {r} (rc {rc}):\n{out}"
-        assert ("kerasdist.init() failed: /dev/shm has 0.2 MiB free of 0.2 "
+        if ("kerasdist.init() failed: /dev/shm has 0.2 MiB free of 0.2 "
                 "MiB, and MPI's shared memory for the 2 rank(s) on this "
                 "host needs about 2.0 MiB (MPI_Init would die of SIGBUS); "
-                "free space in /dev/shm") in out, out
-        assert "--shm-size" in out
+                "free space in /dev/shm") in out:
+            assert rc == 1 and "--shm-size" in out, f"process {r}:\n{out}"
+            named += 1
+        else:
+            # The other rank's failure may end this one first: the
+            # rendezvous' watch names it (exit 75), as for any rank that
+            # ends while the job starts.
+            assert rc == 75 and "lost rank" in out and \
+                "while the job was starting" in out, f"process {r}:\n{out}"
+    assert named >= 1, p.stdout
 
 
 @pytest.mark.timeout(150)
