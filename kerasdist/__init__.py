@@ -41,6 +41,7 @@ _EXPORTS = {
     "start_timeline": "timeline", "stop_timeline": "timeline",
     "start_autotune": "autotune", "stop_autotune": "autotune",
     "SyncBatchNormalization": "keras.sync_batch_norm",
+    "shard_weights": "keras.sharding.weights",
 }
 
 # Submodules reachable as attributes after `import kerasdist`. `run`, the
@@ -119,6 +120,7 @@ if TYPE_CHECKING:
     )
     from kerasdist.keras.saving import load_model as load_model
     from kerasdist.keras.saving import save_model as save_model
+    from kerasdist.keras.sharding.weights import shard_weights as shard_weights
     from kerasdist.keras.sync_batch_norm import (
         SyncBatchNormalization as SyncBatchNormalization,
     )

@@ -19,7 +19,7 @@ from kerasdist.keras.sharding import optimizer as _sharding
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
-SHARD_MODES = (None, "optimizer_state", "gradients")
+SHARD_MODES = (None, "optimizer_state", "gradients", "weights")
 
 # Optimizers whose update of a variable depends on more than each of its
 # elements alone: they cannot run on shards.
@@ -31,8 +31,8 @@ def check_shard(shard, base, settings):
     arguments (`settings`) or the optimizer class `base`."""
     if shard not in SHARD_MODES:
         raise ValueError(
-            f"DistributedOptimizer: shard must be None, 'optimizer_state' "
-            f"or 'gradients'; got {shard!r}.")
+            f"DistributedOptimizer: shard must be None, 'optimizer_state', "
+            f"'gradients' or 'weights'; got {shard!r}.")
     if shard is None:
         return
     import keras
@@ -49,6 +49,13 @@ def check_shard(shard, base, settings):
                 f"DistributedOptimizer(shard={shard!r}): {klass.__name__}'s "
                 "update of a variable depends on the whole variable, so it "
                 "cannot run on shards; use shard=None with it.")
+    if shard == "weights" and (settings.backward_passes_per_step != 1 or
+                               settings.process_set_id):
+        raise ValueError(
+            "DistributedOptimizer(shard='weights') reduces every gradient "
+            "over all ranks as the backward pass runs: it takes neither "
+            "backward_passes_per_step > 1 (use the Keras optimizer's "
+            "gradient_accumulation_steps) nor a process_set.")
     if settings.op == basics.Adasum:
         raise ValueError(
             f"DistributedOptimizer(shard={shard!r}) cannot use Adasum: its "
@@ -161,6 +168,11 @@ def DistributedOptimizer(optimizer, name=None,
             over the same ranks (TensorFlow) are averaged already: each
             rank slices its shard of them instead of reduce-scattering
             (see the tape). See kerasdist/keras/sharding/ and docs/keras.md.
+            "weights" (ZeRO-3): for a model whose weights
+            `kerasdist.shard_weights(model)` sharded: each rank holds
+            1/size() of every trainable weight too, the layers allgather
+            them as they run, and their gradients arrive reduce-scattered;
+            the optimizer updates the shards in place.
 
     Local variables: `opt.register_local_var(var)` keeps `var`'s gradient
     on its rank (not reduced; divided by `size()` unless

@@ -89,6 +89,8 @@ class ReplicatedStep(DistributedBase):
     optimizer's own `apply` on them."""
 
     def build(self, variables):
+        from kerasdist.keras.sharding import weights as _weights
+        _weights.check_mode(variables, None)
         super().build(variables)
         settings = self._kerasdist_settings
         # Once, as Keras' own state: a LossScaleOptimizer builds its

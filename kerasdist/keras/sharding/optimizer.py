@@ -34,6 +34,7 @@ from kerasdist.keras.compression import Compression
 from kerasdist.keras.optimizer import DistributedBase
 from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding import summary as _summary
+from kerasdist.keras.sharding import weights as _weights
 from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import ShardState
 from kerasdist.keras.sharding.layout import size_and_rank
@@ -58,6 +59,7 @@ class ShardedStep(DistributedBase):
             # be the variables the slots were made for.
             return
         variables = list(variables)
+        weights = _weights.check_mode(variables, settings.shard)
         size, rank = size_and_rank(settings.process_set_id)
         if rank < 0:
             raise ValueError(
@@ -65,11 +67,20 @@ class ShardedStep(DistributedBase):
                 "optimizer's process set; only its members may train "
                 "with it.")
         framework = _framework.get()
-        layout = Layout([v.shape for v in variables],
-                        [keras.backend.standardize_dtype(v.dtype)
-                         for v in variables], size, settings.bucket_bytes)
-        shadows = []
-        for i, v in enumerate(variables):
+        if weights:
+            # The variables are the shards of the model's weights (1-D):
+            # the layout is that of the whole weights, and the optimizer
+            # updates the shards themselves.
+            layout = Layout([w.shape for w in weights],
+                            [w.dtype for w in weights], size,
+                            settings.bucket_bytes)
+        else:
+            layout = Layout([v.shape for v in variables],
+                            [keras.backend.standardize_dtype(v.dtype)
+                             for v in variables], size,
+                            settings.bucket_bytes)
+        shadows = list(variables) if weights else []
+        for i, v in enumerate([] if weights else variables):
             name = (getattr(v, "path", None) or v.name).replace("/", "_")
             shadow = keras.Variable(
                 initializer="zeros", shape=(layout.chunks[i],),
@@ -158,6 +169,15 @@ class ShardedStep(DistributedBase):
         framework = state.framework
         compression = settings.compression or Compression.none
         layout = state.layout
+        if settings.shard == "weights":
+            # Reduce-scattered by the backward pass already (the views'
+            # gradient, kerasdist.keras.sharding.weights).
+            grads = [None if g is None else framework.dense(g)
+                     for g in grads]
+            if active is None:
+                return super().apply(grads, state.shadows)
+            return super().apply([grads[i] for i in active],
+                                 [state.shadows[i] for i in active])
         with _capi.process_set_scope(settings.process_set_id):
             # What a DistributedGradientTape reduced over these ranks
             # each rank slices (no wire, so no compression); the rest
@@ -247,6 +267,11 @@ class ShardedStep(DistributedBase):
         if not self.use_ema:
             return
         state = self._kerasdist_shard
+        if settings.shard == "weights":
+            for s, a in zip(state.shadows,
+                            self._model_variables_moving_average):
+                s.assign(a)
+            return
         with _capi.process_set_scope(settings.process_set_id):
             _step.gather(state.framework, state.layout,
                          [a.value for a in

@@ -1,0 +1,328 @@
+"""Sharded weights (`kerasdist.shard_weights(model)` with
+`DistributedOptimizer(opt, shard="weights")`: ZeRO-3, FSDP's full
+sharding), written once for every Keras backend.
+
+Each trainable weight of the model is replaced, where the layer tracks it,
+by a 1-D variable holding only this rank's shard (the partition of
+`kerasdist.keras.sharding.layout`: rank r owns elements [r * c, (r + 1) * c)
+of the weight flattened and zero-padded to N * c). Where the layer keeps the
+weight as an attribute (`self._kernel`, `self.bias`...), a *whole view*
+takes its place: a Keras variable of the weight's shape and dtype that holds
+nothing, whose value is the allgather of the shards, read when the layer
+reads it (in its `call`, inside Keras' traced or jitted step) and freed
+after use. The view's gradient is the reduce-scatter (average over the
+ranks) of the whole weight's gradient straight into the shard, so Keras'
+trainers, on every backend, compute gradients of the shards: the
+optimizer (`ShardedStep` in "weights" mode) updates the shards in place,
+with nothing to gather after the step.
+
+Everything else a user reads sees whole weights: `model.get_weights()`,
+`set_weights`, `save`/`save_weights`/`load_weights`, `summary()` run with
+the layers' variable lists showing the views (`whole_weights`), and
+`layer.kernel` is the view. Reading a whole weight is a collective: every
+rank of the job reads it (as `kerasdist.save_model`).
+"""
+
+import contextlib
+import math
+
+import numpy as np
+
+from kerasdist import basics
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding.layout import owned
+from kerasdist.keras.sharding.layout import partition
+
+_METHODS = ("get_weights", "set_weights", "save_weights", "load_weights",
+            "save", "summary", "count_params")
+
+
+class WeightShard:
+    """What a shard variable (and its view) knows of the whole weight."""
+
+    def __init__(self, path, shape, dtype, size, rank):
+        self.path = path
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.numel = math.prod(self.shape)
+        self.size = size
+        self.rank = rank
+        self.chunk = partition([self.numel], size)[0]
+        self.shard = None  # the shard variable
+        self.view = None  # the whole view
+
+
+def info(variable):
+    """The `WeightShard` of a shard variable (or a view), else None."""
+    return getattr(variable, "_kerasdist_weight", None)
+
+
+def is_shard(variable):
+    return info(variable) is not None and info(variable).shard is variable
+
+
+def shards_in(variables):
+    return [v for v in variables if is_shard(v)]
+
+
+def gather(weight, shard_value):
+    """The whole weight from every rank's shard (`shard_value` this
+    rank's, a tensor of the running backend): one allgather, whose
+    gradient is one reduce-scatter averaging the whole gradient over the
+    ranks into this rank's shard."""
+    import keras
+
+    ops = keras.ops
+    framework = _framework.get()
+    name = "kerasdist.w." + weight.path
+
+    @ops.custom_gradient
+    def whole(x):
+        every = framework.collectives.allgather(
+            ops.reshape(x, (1, -1)), name=framework.unique_name(name))
+        flat = ops.reshape(every, (-1,))
+        if flat.shape[0] != weight.numel:
+            flat = flat[:weight.numel]
+        out = ops.reshape(flat, weight.shape)
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            rows = ops.reshape(framework.dense(upstream), (-1,))
+            pad = weight.size * weight.chunk - weight.numel
+            if pad:
+                rows = ops.pad(rows, [[0, pad]])
+            rows = ops.reshape(rows, (weight.size, weight.chunk))
+            mine = framework.collectives.reducescatter(
+                rows, op=basics.Average,
+                name=framework.unique_name(name + ".grad"),
+                prescale_factor=1.0, postscale_factor=1.0)
+            return ops.reshape(mine, (-1,))
+
+        return out, grad
+
+    return whole(shard_value)
+
+
+_view_classes = {}
+
+
+def _view_class(base):
+    klass = _view_classes.get(base)
+    if klass is not None:
+        return klass
+
+    class WholeView(base):
+        """A whole weight read from its shards (see the module)."""
+
+        # TensorFlow: a view is no resource variable (it has no handle of
+        # its own); ops take its value.
+        _should_act_as_resource_variable = False
+
+        @property
+        def value(self):
+            weight = self._kerasdist_weight
+            return gather(weight, weight.shard.value)
+
+        def assign(self, value):
+            weight = self._kerasdist_weight
+            weight.shard.assign(_own_piece(weight, value))
+            return value
+
+        def numpy(self):
+            return _framework.get().to_numpy(self.value)
+
+        def __array__(self, dtype=None, copy=None):
+            out = self.numpy()
+            return out.astype(dtype) if dtype else out
+
+        def __repr__(self):
+            return (f"<WholeView path={self.path}, shape={self.shape}, "
+                    f"dtype={self.dtype}, a shard of {self._kerasdist_weight.chunk}"
+                    " elements on this rank>")
+
+    WholeView.__name__ = f"WholeView{base.__name__}"
+    _view_classes[base] = WholeView
+    return WholeView
+
+
+def _own_piece(weight, value):
+    """This rank's shard (padded) of a whole value (any array-like)."""
+    import keras
+
+    whole = np.asarray(keras.ops.convert_to_numpy(value))
+    if whole.size != weight.numel:
+        raise ValueError(
+            f"kerasdist: cannot assign a value of shape {whole.shape} to "
+            f"the sharded weight {weight.path} of shape {weight.shape}.")
+    lo, hi = owned(weight.numel, weight.chunk, weight.rank)
+    piece = np.zeros((weight.chunk,), whole.dtype)
+    piece[:hi - lo] = whole.reshape(-1)[lo:hi]
+    return piece
+
+
+def shard_weights(model, root_rank=0):
+    """Shards the trainable weights of a built Keras model over every rank
+    (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
+    every trainable weight, and the layers read whole weights by
+    allgather as they run. Train it with `DistributedOptimizer(opt,
+    shard="weights")`. A collective: every rank calls it, with the same
+    model; the weights start as `root_rank`'s (one broadcast a weight,
+    one weight whole at a time). Returns the model.
+
+    Raises:
+        ValueError: for a model not built yet, a weight with a constraint
+            (it would act on shards), or a weight a layer does not keep
+            as an attribute (its reads could not be redirected).
+    """
+    import keras
+
+    if not model.built:
+        raise ValueError(
+            "kerasdist.shard_weights(model): the model is not built yet; "
+            "build it first (call it on a batch, model.build(shape), or "
+            "give it an Input) so that its weights exist.")
+    framework = _framework.get()
+    size, rank = basics.size(), basics.rank()
+    plan = _plan(model)
+    for k, (layer, variable, attrs) in enumerate(plan):
+        _shard_one(keras, framework, layer, variable, attrs, size, rank,
+                   root_rank, k)
+    for layer in _layers(model):
+        if hasattr(layer, "_torch_params"):
+            layer._track_variables()  # PyTorch's parameters: the shards
+    _install_whole_methods(model)
+    return model
+
+
+def _layers(model):
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def _plan(model):
+    """(layer, variable, attribute names) of each trainable weight to
+    shard, checked before anything changes."""
+    plan, seen = [], set()
+    for layer in _layers(model):
+        for v in list(layer._trainable_variables):
+            if id(v) in seen or info(v) is not None or not v.trainable:
+                continue
+            seen.add(id(v))
+            if getattr(v, "constraint", None) is not None:
+                raise ValueError(
+                    f"kerasdist.shard_weights: the weight {v.path} has a "
+                    f"constraint ({v.constraint!r}), which needs the whole "
+                    "weight after each update; sharded weights cannot keep "
+                    "it. Remove the constraint, or train this model with "
+                    "shard='gradients'.")
+            attrs = [name for name, value in vars(layer).items()
+                     if value is v]
+            if not attrs:
+                raise ValueError(
+                    f"kerasdist.shard_weights: layer {layer.name!r} "
+                    f"({type(layer).__name__}) keeps its weight {v.path} "
+                    "somewhere other than one of its attributes, so its "
+                    "reads cannot be redirected to the shards. Train this "
+                    "model with shard='gradients', or keep the weight as "
+                    "an attribute (self.w = self.add_weight(...)).")
+            plan.append((layer, v, attrs))
+    return plan
+
+
+def _shard_one(keras, framework, layer, variable, attrs, size, rank,
+               root_rank, k):
+    dtype = keras.backend.standardize_dtype(variable._dtype)
+    weight = WeightShard(variable.path, variable.shape, dtype, size, rank)
+    whole = framework.collectives.broadcast(
+        framework.value(variable), root_rank, f"kerasdist.shard_weights.{k}")
+    piece = _own_piece(weight, whole)
+    del whole
+    shard = keras.Variable(
+        initializer=piece, shape=(weight.chunk,), dtype=dtype,
+        trainable=True, autocast=getattr(variable, "_autocast", True),
+        name=variable.name)
+    shard._path = variable.path
+    shard._kerasdist_weight = weight
+    view = object.__new__(_view_class(type(variable)))
+    view.__dict__.update(variable.__dict__)
+    view._value = None
+    view._kerasdist_weight = weight
+    weight.shard, weight.view = shard, view
+    store = layer._trainable_variables
+    at = next(i for i, x in enumerate(store) if x is variable)
+    store[at] = shard
+    ids = getattr(layer._tracker, "stored_ids", {}).get(
+        "trainable_variables")
+    if ids is not None:
+        ids.discard(id(variable))
+        ids.add(id(shard))
+    for name in attrs:
+        object.__setattr__(layer, name, view)
+
+
+@contextlib.contextmanager
+def whole_weights(model):
+    """Within: every layer's variable lists show the whole views in place
+    of the shards, so Keras' saving, loading, `get_weights`, `summary`
+    see the model as one process does."""
+    swapped = []
+    for layer in _layers(model):
+        store = layer._trainable_variables
+        if not any(is_shard(v) for v in store):
+            continue
+        swapped.append((layer, list(store)))
+        store[:] = [info(v).view if is_shard(v) else v for v in store]
+    try:
+        yield
+    finally:
+        for layer, original in swapped:
+            layer._trainable_variables[:] = original
+
+
+def _install_whole_methods(model):
+    if getattr(model, "_kerasdist_whole_methods", False):
+        return
+    for name in _METHODS:
+        method = getattr(model, name, None)
+        if method is None:
+            continue
+        object.__setattr__(model, name, _whole(model, method))
+    object.__setattr__(model, "_kerasdist_whole_methods", True)
+
+
+def _whole(model, method):
+    def call(*args, **kwargs):
+        with whole_weights(model):
+            return method(*args, **kwargs)
+
+    call.__name__ = getattr(method, "__name__", "call")
+    call.__doc__ = getattr(method, "__doc__", None)
+    return call
+
+
+def check_mode(variables, shard):
+    """The `WeightShard`s of `variables` for shard="weights" (all must be
+    shards of sharded weights); [] otherwise, where none may be.
+
+    Raises:
+        ValueError: where the optimizer's mode and the model disagree.
+    """
+    variables = list(variables)
+    found = [info(v) for v in variables if is_shard(v)]
+    if shard == "weights":
+        if len(found) != len(variables):
+            raise ValueError(
+                "DistributedOptimizer(shard='weights') trains a model whose "
+                "weights kerasdist.shard_weights(model) has sharded; "
+                f"{len(variables) - len(found)} of the {len(variables)} "
+                "variables it was given are whole. Call "
+                "kerasdist.shard_weights(model) after building the model "
+                "and before compiling it.")
+        return found
+    if found:
+        raise ValueError(
+            f"DistributedOptimizer(shard={shard!r}) was given the shards of "
+            "a model whose weights kerasdist.shard_weights() sharded: each "
+            "rank's gradients are of its own shard, averaged already. Use "
+            "DistributedOptimizer(opt, shard='weights').")
+    return []
