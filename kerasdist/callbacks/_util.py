@@ -70,7 +70,7 @@ def state_variables(model):
     """The variables an exact resume needs, in a fixed order: the model's
     weights (trainable and not, without metric state and seed generators),
     then every optimizer variable (iterations and learning rate included)."""
-    variables = list(model.weights)
+    variables = _optimizer.replicated(model.weights)
     if model.optimizer is not None:
         variables += _optimizer.whole_variables(model.optimizer)
     return variables

@@ -71,7 +71,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local = {id(v): v for v in local_variables}
 
     def _global(self, variables):
-        return [v for v in variables if id(v) not in self._local]
+        # Sharded weights (kerasdist.shard_weights) start from the root's
+        # already, and each rank holds its own shard.
+        return [v for v in _optimizer.replicated(variables)
+                if id(v) not in self._local]
 
     def on_train_begin(self, logs=None):
         size = basics.size()

@@ -121,7 +121,7 @@ class ModelAverageCallback(keras.callbacks.Callback):
         self._average()
 
     def _variables(self):
-        variables = list(self.model.weights)
+        variables = _optimizer.replicated(self.model.weights)
         optimizer = self.model.optimizer
         if self.average_optimizer_state:
             _util.build_optimizer(self.model)

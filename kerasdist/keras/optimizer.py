@@ -221,6 +221,14 @@ def settings_of(optimizer):
     return None
 
 
+def replicated(variables):
+    """`variables` without the shards of sharded weights
+    (`kerasdist.shard_weights`): each rank holds its own by design, so
+    they are never broadcast, averaged or compared between ranks."""
+    return [v for v in variables
+            if getattr(v, "_kerasdist_weight", None) is None]
+
+
 def whole_variables(optimizer):
     """`optimizer.variables` without those that hold only this rank's
     shard (a sharded optimizer's slots, its own or an inner optimizer's,
@@ -266,7 +274,10 @@ class whole_state:
 
     Raises RuntimeError naming the cause when a gather fails, which is
     what a save called on some ranks only meets (the Horovod habit of
-    saving under `if rank() == 0`)."""
+    saving under `if rank() == 0`). `writer=None`: every rank saves (and
+    streams) alike, as with sharded weights (`kerasdist.shard_weights`),
+    whose whole values every rank gathers in the order its save reads
+    them."""
 
     def __init__(self, optimizer, writer=0, what="kerasdist.save_model"):
         self.sharded = sharded_in(optimizer)
@@ -278,7 +289,7 @@ class whole_state:
             return self
         self.values = _Streamed(self.sharded.kerasdist_whole_values(),
                                 self.what)
-        if basics.rank() == self.writer:
+        if self.writer is None or basics.rank() == self.writer:
             self.sharded.kerasdist_shard_state.whole = self.values
         else:
             self.values.drain()

@@ -35,19 +35,42 @@ def save_model(model, filepath, **kwargs):
     import os
 
     from kerasdist import basics
-    from kerasdist._core import files as _files
     from kerasdist.keras import optimizer as _optimizer
+    from kerasdist.keras.sharding import weights as _weights
 
+    if _weights.shards_in(model.weights):
+        # Sharded weights (kerasdist.shard_weights): each whole weight is
+        # allgathered as a save reads it, so every rank saves, in the same
+        # order; the other ranks' files are thrown away.
+        with _optimizer.whole_state(getattr(model, "optimizer", None),
+                                    writer=None):
+            if basics.rank() == 0:
+                _write(model, filepath, kwargs)
+                return
+            import tempfile
+            with tempfile.TemporaryDirectory() as scratch:
+                model.save(os.path.join(
+                    scratch, os.path.basename(os.fspath(filepath))),
+                    **kwargs)
+        return
     with _optimizer.whole_state(getattr(model, "optimizer", None)):
         if basics.rank() != 0:
             return
-        path = os.fspath(filepath)
-        if "://" in path:  # a remote file system Keras writes to itself
-            model.save(filepath, **kwargs)
-        else:
-            # Whole or not at all: a save that fails half-way (a gather
-            # that finds the other ranks gone) leaves no torn file.
-            _files.atomic_write(path, lambda tmp: model.save(tmp, **kwargs))
+        _write(model, filepath, kwargs)
+
+
+def _write(model, filepath, kwargs):
+    import os
+
+    from kerasdist._core import files as _files
+
+    path = os.fspath(filepath)
+    if "://" in path:  # a remote file system Keras writes to itself
+        model.save(filepath, **kwargs)
+    else:
+        # Whole or not at all: a save that fails half-way (a gather that
+        # finds the other ranks gone) leaves no torn file.
+        _files.atomic_write(path, lambda tmp: model.save(tmp, **kwargs))
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

@@ -289,7 +289,7 @@ def sync_state(model):
     BroadcastGlobalVariablesCallback): auto-generated layer names may
     differ between ranks.
     """
-    variables = list(model.weights)
+    variables = _optimizer.replicated(model.weights)
     if model.optimizer is not None:
         variables += _optimizer.whole_variables(model.optimizer)
     names = [f"kerasdist.trainer.sync.{i}." + "x".join(str(d) for d in v.shape)

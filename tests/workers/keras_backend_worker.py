@@ -824,6 +824,107 @@ def shard_fit_loss_scale_ema():
                                               ema_momentum=0.5))
 
 
+# ---- sharded weights: kd.shard_weights + shard="weights" (ZeRO-3) ----------
+
+
+def check_weights(label, make_opt, model=dense_model, x_y=None, atol=ATOL,
+                  unlike=None):
+    """Sharded weights' fit on my part == one process on everything; each
+    rank holds 1/N of every weight (shards and slots), every rank reads
+    the same whole weights, and a Keras user's reads (get_weights,
+    predict, layer.kernel) see whole weights."""
+    x, y = x_y or data()
+    truth = truth_fit(model(), make_opt(), x, y, N * B)
+    if unlike is not None:
+        other = truth_fit(model(), unlike(), x, y, N * B)
+        assert np.max(np.abs(flat(other) - flat(truth))) > 100 * atol, \
+            f"{label}: the option made no difference"
+    m = model()
+    whole = sum(int(np.prod(w.shape)) for w in m.get_weights()
+                if w.dtype.kind == "f")
+    kd.shard_weights(m)
+    opt = kd.DistributedOptimizer(make_opt(), shard="weights")
+    got = fit(m, opt, my_part(x), my_part(y), B, [
+        kd.callbacks.BroadcastGlobalVariablesCallback(0, verify=True)])
+    diff = assert_close(got, truth, label, atol)
+    same_on_all_ranks(got, label)
+    held = sum(int(np.prod(v.shape)) for v in m.trainable_variables)
+    assert held <= whole / N + len(m.trainable_variables), (held, whole)
+    assert all(len(v.shape) == 1 for v in m.trainable_variables)
+    slots = sum(int(np.prod(v.shape))
+                for v in opt.kerasdist_sharded_variables)
+    assert 0 < slots <= 2 * held, (slots, held)
+    kernel = m.layers[-1].kernel
+    assert tuple(kernel.shape) == got[-2].shape, kernel.shape
+    np.testing.assert_array_equal(np.asarray(kernel.numpy()), got[-2])
+    print(f"{label}: max diff {diff:.2e}, held {held} of {whole}",
+          flush=True)
+    return m, got
+
+
+@check("weights_fit_adam")
+@check("weights_fit_adam_np3", groups=("jax_np3", "torch_np3"))
+def weights_fit_adam():
+    m, got = check_weights("weights_fit_adam",
+                           lambda: keras.optimizers.Adam(0.01))
+    # predict on whole weights, as one process with the same weights.
+    x, _ = data()
+    plain = dense_model()
+    plain.set_weights(got)
+    np.testing.assert_allclose(m.predict(x[:8], verbose=0),
+                               plain.predict(x[:8], verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    # A whole file, written from the shards, that plain Keras loads.
+    path = os.path.join(DIR, "weights_fit_adam.keras")
+    kd.save_model(m, path)
+    kd.barrier()
+    loaded = keras.models.load_model(path)
+    assert_close(loaded.get_weights(), got, "weights: the saved file", 0)
+    assert int(loaded.optimizer.iterations) == STEPS, \
+        int(loaded.optimizer.iterations)
+    # set_weights / load_weights take whole values into the shards.
+    again = kd.shard_weights(dense_model(seed=5))
+    again.set_weights(got)
+    assert_close(again.get_weights(), got, "weights: set_weights", 0)
+
+
+@check("weights_fit_clipnorm_embedding")
+def weights_fit_clipnorm_embedding():
+    # The global norm is the whole gradient's, from every rank's shards.
+    check_weights("weights_fit_adamw_global_clipnorm",
+                  lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1,
+                                                 global_clipnorm=0.05),
+                  unlike=lambda: keras.optimizers.AdamW(0.01,
+                                                        weight_decay=0.1))
+    # An embedding table read by a gather (TensorFlow's gradient is a
+    # tf.IndexedSlices, reduce-scattered dense).
+    check_weights("weights_fit_embedding",
+                  lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                  model=embedding_model, x_y=int_data())
+
+
+@check("weights_refusals")
+def weights_refusals():
+    def refused(make, words):
+        try:
+            make()
+        except ValueError as e:
+            assert words in str(e), e
+            return
+        raise AssertionError(f"not refused: {words}")
+
+    x, y = data()
+    refused(lambda: fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), shard="weights"), x[:B], y[:B], B),
+        "kerasdist.shard_weights(model)")
+    refused(lambda: fit(kd.shard_weights(dense_model()),
+                        kd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                        x[:B], y[:B], B),
+            "shard='weights'")
+    refused(lambda: kd.shard_weights(keras.Sequential(
+        [keras.layers.Dense(2)])), "not built")
+
+
 @check("shard_refusals", groups=("tensorflow",))
 def shard_refusals():
     def refused(make, words):
