@@ -105,6 +105,45 @@ def lora_sharded_averaged():
     check_equivalent("lora sharded", lora=True, shard="gradients")
 
 
+def check_weights_sharded(label, lora):
+    """kd.shard_weights + shard="weights": the same truth, the whole
+    weights read back through get_weights."""
+    x, y = data()
+    truth = task(lora)
+    truth.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss())
+    truth.fit(x, y, batch_size=SIZE * B, shuffle=False, verbose=0)
+    model = task(lora)
+    start = model.get_weights()
+    kd.shard_weights(model)
+    model.compile(optimizer=kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.5), shard="weights"), loss=loss())
+    model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,
+              shuffle=False, verbose=0,
+              callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    got, want = model.get_weights(), truth.get_weights()
+    assert len(got) == len(want) and got, (len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label}: weight {i}")
+    moved = sum(not np.array_equal(g, s) for g, s in zip(got, start))
+    trained = len(truth.trainable_weights)
+    assert moved == trained, (label, moved, trained)
+    # generate() reads the whole weights as one process does.
+    prompt = {"token_ids": np.array([[1, 2, 3, 0, 0, 0]]),
+              "padding_mask": np.array([[1, 1, 1, 0, 0, 0]], bool)}
+    np.testing.assert_array_equal(
+        model.generate(prompt, max_length=SEQ,
+                       stop_token_ids=None)["token_ids"],
+        truth.generate(prompt, max_length=SEQ,
+                       stop_token_ids=None)["token_ids"])
+
+
+@check("keras_hub_weights_sharded")
+def weights_sharded():
+    check_weights_sharded("weights sharded", lora=False)
+    check_weights_sharded("lora, weights sharded", lora=True)
+
+
 @check("keras_hub_own_optimizer_says_so")
 def own_optimizer_says_so():
     # The task's own compile (its own Adam), fit with kerasdist's
