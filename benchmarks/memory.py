@@ -5,8 +5,9 @@
         [--params 100e6] [--model mlp|transformer] [--steps 4]
         [--json FILE] [--save]
 
-For each size N and each of replicated, shard="optimizer_state" and
-shard="gradients", one job of N ranks (`kerasdist run -np N`) trains a
+For each size N and each of replicated, shard="optimizer_state",
+shard="gradients" and shard="weights" (`kd.shard_weights(model)` first;
+--modes picks some), one job of N ranks (`kerasdist run -np N`) trains a
 model of about --params parameters (random weights: a deep MLP of square
 layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
 --steps steps. Each rank reports, as bytes per parameter:
@@ -21,7 +22,9 @@ layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
 
 Theory (float32, Adam): replicated 4 + 4 + 8 = 16 with the gradients, 12
 held; sharded 4 + 12/N held (weights, moments and the weights' shard),
-plus the whole gradients while a step runs.
+plus the whole gradients while a step runs; sharded weights 16/N held
+(weight, gradient and moments of each shard), plus the whole weights the
+step gathers.
 
 - with --save, save: the peak resident set while `kd.save_model` writes
   the trained model to a .keras file (VmHWM started afresh before it),
@@ -44,7 +47,7 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("replicated", "optimizer_state", "gradients")
+MODES = ("replicated", "optimizer_state", "gradients", "weights")
 
 
 def _rss_bytes():
@@ -104,6 +107,8 @@ def rank_main(args):
     keras.utils.set_random_seed(0)
     model, shape = _model(keras, args.model, args.params, args.width)
     shard = None if args.mode == "replicated" else args.mode
+    if shard == "weights":
+        kd.shard_weights(model)
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
     model.compile(optimizer=opt, loss="mse")
     opt.build(model.trainable_variables)
@@ -124,11 +129,15 @@ def rank_main(args):
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
               callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0),
                          Clock()])
-    n_params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # Whole parameters (a sharded weight's shard counts as its weight).
+    n_params = sum(getattr(v, "_kerasdist_weight", None).numel
+                   if getattr(v, "_kerasdist_weight", None) is not None
+                   else int(np.prod(v.shape))
+                   for v in model.trainable_variables)
     held = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     held += sum(int(np.prod(v.shape)) * 4 for v in opt.variables)
     state = getattr(opt, "_kerasdist_shard", None)
-    if state is not None:
+    if state is not None and args.mode != "weights":
         held += sum(int(np.prod(s.shape)) * 4 for s in state.shadows)
     steps = np.diff(ends)
     step = float(np.median(steps)) if len(steps) else float("nan")
@@ -160,7 +169,7 @@ def rank_main(args):
 def drive(args):
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
-        for mode in MODES:
+        for mode in args.modes.split(","):
             cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
                    sys.executable, os.path.abspath(__file__), "--rank",
                    "--mode", mode, "--model", args.model, "--params",
@@ -189,9 +198,10 @@ def drive(args):
                                              else ""))
     for r in rows:
         n = r["np"]
-        theory = 12.0 if r["mode"] == "replicated" else 4 + 12.0 / n
-        ref = next(x for x in rows if x["np"] == n
-                   and x["mode"] == "replicated")
+        theory = {"replicated": 12.0, "weights": 16.0 / n}.get(
+            r["mode"], 4 + 12.0 / n)
+        ref = next((x for x in rows if x["np"] == n
+                    and x["mode"] == "replicated"), r)
         print(f"| {n} | {r['mode']} | {r['held_bytes_per_param']:.2f} | "
               f"{theory:.2f} | {r['peak_bytes_per_param']:.2f} | "
               f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |"
@@ -209,6 +219,8 @@ def main():
     p.add_argument("--mode", choices=MODES, default="replicated")
     p.add_argument("--backend", default="tensorflow")
     p.add_argument("--sizes", default="1,2,4")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="which of " + ", ".join(MODES))
     p.add_argument("--params", type=float, default=100e6)
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--width", type=int, default=2048,

@@ -14,6 +14,9 @@ class Jax(_framework.KerasFramework):
     collectives = _jax_collectives
     # The collectives are XLA custom calls: the train step stays compiled.
     jit_compile = True
+    # jax.checkpoint refuses their ordered effects ("Effects not supported
+    # in partial-eval of checkpoint/remat").
+    remat_collectives = False
 
     def unique_name(self, base):
         # Several collectives of one jitted step may run at once, so two

@@ -66,6 +66,10 @@ class KerasFramework:
 
     name = None
     jit_compile = False
+    # Whether a rematerialized function (keras.remat) may hold this
+    # framework's collectives (JAX's checkpoint refuses the custom calls'
+    # ordered effects).
+    remat_collectives = True
 
     # This framework's collectives module (`kerasdist/<framework>/
     # collectives.py`), named by each subclass with a plain import, so a

@@ -24,6 +24,7 @@ rank of the job reads it (as `kerasdist.save_model`).
 """
 
 import contextlib
+import functools
 import math
 
 import numpy as np
@@ -161,7 +162,7 @@ def _own_piece(weight, value):
     return piece
 
 
-def shard_weights(model, root_rank=0):
+def shard_weights(model, root_rank=0, remat=True):
     """Shards the trainable weights of a built Keras model over every rank
     (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
     every trainable weight, and the layers read whole weights by
@@ -188,11 +189,35 @@ def shard_weights(model, root_rank=0):
     for k, (layer, variable, attrs) in enumerate(plan):
         _shard_one(keras, framework, layer, variable, attrs, size, rank,
                    root_rank, k)
-    for layer in _layers(model):
+    functional = getattr(model, "_functional", None)  # a Sequential's
+    for layer in _layers(model) + ([functional] if functional else []):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()  # PyTorch's parameters: the shards
+        if remat and framework.remat_collectives and any(
+                is_shard(v) for v in layer._trainable_variables):
+            _regather_in_backward(layer)
     _install_whole_methods(model)
     return model
+
+
+def _regather_in_backward(layer):
+    """The layer's call, rematerialized (Keras' `remat`: JAX's checkpoint,
+    TensorFlow's recompute_grad, PyTorch's checkpoint): its whole weights
+    are freed after its forward and gathered again for its backward,
+    rather than kept alive from the forward to the backward."""
+    import keras
+
+    call = layer.call
+    if getattr(call, "_kerasdist_regather", False):
+        return
+
+    def regathered(*args, **kwargs):
+        # The keyword arguments (training=...) bound: TensorFlow's
+        # recompute_grad takes tensors only.
+        return keras.remat(functools.partial(call, **kwargs))(*args)
+
+    regathered._kerasdist_regather = True
+    object.__setattr__(layer, "call", regathered)
 
 
 def _layers(model):
@@ -258,6 +283,21 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
         ids.add(id(shard))
     for name in attrs:
         object.__setattr__(layer, name, view)
+    _forget_dependencies(layer, attrs)
+
+
+def _forget_dependencies(layer, attrs):
+    """TensorFlow's object tracking (a layer is a tf.Module) keeps the
+    whole variable under its attribute's name: dropped, so that it is
+    freed."""
+    names = getattr(layer, "_self_unconditional_dependency_names", None)
+    refs = getattr(layer, "_self_unconditional_checkpoint_dependencies",
+                   None)
+    for name in attrs:
+        if names is not None and name in names:
+            del names[name]
+        if refs is not None:
+            refs[:] = [r for r in refs if r.name != name]
 
 
 @contextlib.contextmanager
