@@ -24,7 +24,6 @@ rank of the job reads it (as `kerasdist.save_model`).
 """
 
 import contextlib
-import functools
 import math
 
 import numpy as np
@@ -138,9 +137,10 @@ def _view_class(base):
             return out.astype(dtype) if dtype else out
 
         def __repr__(self):
+            chunk = self._kerasdist_weight.chunk
             return (f"<WholeView path={self.path}, shape={self.shape}, "
-                    f"dtype={self.dtype}, a shard of {self._kerasdist_weight.chunk}"
-                    " elements on this rank>")
+                    f"dtype={self.dtype}, a shard of {chunk} elements on "
+                    "this rank>")
 
     WholeView.__name__ = f"WholeView{base.__name__}"
     _view_classes[base] = WholeView
@@ -162,7 +162,7 @@ def _own_piece(weight, value):
     return piece
 
 
-def shard_weights(model, root_rank=0, remat=True):
+def shard_weights(model=None, root_rank=0, remat=True):
     """Shards the trainable weights of a built Keras model over every rank
     (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
     every trainable weight, and the layers read whole weights by
@@ -171,33 +171,111 @@ def shard_weights(model, root_rank=0, remat=True):
     model; the weights start as `root_rank`'s (one broadcast a weight,
     one weight whole at a time). Returns the model.
 
+    Without a model, a context in which every layer built is sharded as
+    soon as it is built (DeepSpeed's `zero.Init`): a model built inside
+    never holds more than one layer's whole weights. Call
+    `shard_weights(model)` on the model afterwards all the same (it then
+    only makes `get_weights`, saving and `summary` see whole weights).
+
+    Args:
+        model: a built Keras model, or None (the context).
+        root_rank: the rank whose initial weights every rank takes.
+        remat: gather each layer's weights again for its backward rather
+            than keeping them from its forward (TensorFlow and PyTorch;
+            JAX's jitted step keeps them).
+
     Raises:
         ValueError: for a model not built yet, a weight with a constraint
             (it would act on shards), or a weight a layer does not keep
             as an attribute (its reads could not be redirected).
     """
-    import keras
-
+    if model is None:
+        return _ShardedInit(root_rank, remat)
     if not model.built:
         raise ValueError(
             "kerasdist.shard_weights(model): the model is not built yet; "
             "build it first (call it on a batch, model.build(shape), or "
             "give it an Input) so that its weights exist.")
-    framework = _framework.get()
-    size, rank = basics.size(), basics.rank()
-    plan = _plan(model)
-    for k, (layer, variable, attrs) in enumerate(plan):
-        _shard_one(keras, framework, layer, variable, attrs, size, rank,
-                   root_rank, k)
+    for layer in _layers(model):
+        _plan(layer)  # checks every layer before any changes
+    sharder = _Sharder(root_rank, remat)
+    for layer in _layers(model):
+        sharder.shard(layer, own=False)
     functional = getattr(model, "_functional", None)  # a Sequential's
     for layer in _layers(model) + ([functional] if functional else []):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()  # PyTorch's parameters: the shards
-        if remat and framework.remat_collectives and any(
-                is_shard(v) for v in layer._trainable_variables):
-            _regather_in_backward(layer)
     _install_whole_methods(model)
     return model
+
+
+class _Sharder:
+    """Shards layers one at a time, numbering the broadcasts alike on
+    every rank."""
+
+    _count = [0]
+
+    def __init__(self, root_rank, remat):
+        self.root_rank, self.remat = root_rank, remat
+
+    def shard(self, layer, own=True):
+        """Shards `layer`'s own trainable weights (checked first)."""
+        import keras
+
+        framework = _framework.get()
+        size, rank = basics.size(), basics.rank()
+        plan = _plan(layer)
+        for variable, attrs in plan:
+            _Sharder._count[0] += 1
+            _shard_one(keras, framework, layer, variable, attrs, size, rank,
+                       self.root_rank, _Sharder._count[0])
+        if own and plan and hasattr(layer, "_torch_params"):
+            layer._track_variables()
+        # Not a layer with state of its own (BatchNormalization's moving
+        # averages): its call, run again, would update it twice.
+        if self.remat and framework.remat_collectives and any(
+                is_shard(v) for v in layer._trainable_variables) and \
+                not layer._non_trainable_variables:
+            _regather_in_backward(layer)
+
+
+class _ShardedInit:
+    """`shard_weights()`'s context: each layer is sharded once built."""
+
+    _active = []
+
+    def __init__(self, root_rank, remat):
+        self.sharder = _Sharder(root_rank, remat)
+
+    def __enter__(self):
+        from keras.src.layers.layer import Layer
+
+        if not _ShardedInit._active:
+            original = Layer.__dict__.get("_post_build")
+
+            def _post_build(layer):
+                if original is not None:
+                    original(layer)
+                else:
+                    super(Layer, layer)._post_build()
+                if _ShardedInit._active:
+                    _ShardedInit._active[-1].sharder.shard(layer)
+
+            Layer._post_build = _post_build
+            _ShardedInit._original = original
+        _ShardedInit._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        from keras.src.layers.layer import Layer
+
+        _ShardedInit._active.pop()
+        if not _ShardedInit._active:
+            if _ShardedInit._original is None:
+                del Layer._post_build
+            else:
+                Layer._post_build = _ShardedInit._original
+        return False
 
 
 def _regather_in_backward(layer):
@@ -211,10 +289,23 @@ def _regather_in_backward(layer):
     if getattr(call, "_kerasdist_regather", False):
         return
 
+    from keras.src.backend.common import variables as _variables
+
     def regathered(*args, **kwargs):
         # The keyword arguments (training=...) bound: TensorFlow's
-        # recompute_grad takes tensors only.
-        return keras.remat(functools.partial(call, **kwargs))(*args)
+        # recompute_grad takes tensors only. The autocast scope of the
+        # forward (mixed precision) holds again when the backward runs
+        # the call again, outside the layer's __call__.
+        scope = _variables.get_autocast_scope()
+        dtype = None if scope is None else scope.dtype
+
+        def again(*inputs):
+            if dtype is None:
+                return call(*inputs, **kwargs)
+            with _variables.AutocastScope(dtype):
+                return call(*inputs, **kwargs)
+
+        return keras.remat(again)(*args)
 
     regathered._kerasdist_regather = True
     object.__setattr__(layer, "call", regathered)
@@ -224,33 +315,30 @@ def _layers(model):
     return list(model._flatten_layers(include_self=True, recursive=True))
 
 
-def _plan(model):
-    """(layer, variable, attribute names) of each trainable weight to
-    shard, checked before anything changes."""
-    plan, seen = [], set()
-    for layer in _layers(model):
-        for v in list(layer._trainable_variables):
-            if id(v) in seen or info(v) is not None or not v.trainable:
-                continue
-            seen.add(id(v))
-            if getattr(v, "constraint", None) is not None:
-                raise ValueError(
-                    f"kerasdist.shard_weights: the weight {v.path} has a "
-                    f"constraint ({v.constraint!r}), which needs the whole "
-                    "weight after each update; sharded weights cannot keep "
-                    "it. Remove the constraint, or train this model with "
-                    "shard='gradients'.")
-            attrs = [name for name, value in vars(layer).items()
-                     if value is v]
-            if not attrs:
-                raise ValueError(
-                    f"kerasdist.shard_weights: layer {layer.name!r} "
-                    f"({type(layer).__name__}) keeps its weight {v.path} "
-                    "somewhere other than one of its attributes, so its "
-                    "reads cannot be redirected to the shards. Train this "
-                    "model with shard='gradients', or keep the weight as "
-                    "an attribute (self.w = self.add_weight(...)).")
-            plan.append((layer, v, attrs))
+def _plan(layer):
+    """(variable, attribute names) of each of `layer`'s own trainable
+    weights to shard, checked before anything changes."""
+    plan = []
+    for v in list(layer._trainable_variables):
+        if info(v) is not None or not v.trainable:
+            continue
+        if getattr(v, "constraint", None) is not None:
+            raise ValueError(
+                f"kerasdist.shard_weights: the weight {v.path} has a "
+                f"constraint ({v.constraint!r}), which needs the whole "
+                "weight after each update; sharded weights cannot keep "
+                "it. Remove the constraint, or train this model with "
+                "shard='gradients'.")
+        attrs = [name for name, value in vars(layer).items() if value is v]
+        if not attrs:
+            raise ValueError(
+                f"kerasdist.shard_weights: layer {layer.name!r} "
+                f"({type(layer).__name__}) keeps its weight {v.path} "
+                "somewhere other than one of its attributes, so its "
+                "reads cannot be redirected to the shards. Train this "
+                "model with shard='gradients', or keep the weight as "
+                "an attribute (self.w = self.add_weight(...)).")
+        plan.append((v, attrs))
     return plan
 
 
