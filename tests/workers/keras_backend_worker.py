@@ -1034,8 +1034,11 @@ def shard_refusals():
             raise AssertionError(f"accepted: {words}")
 
     sgd = keras.optimizers.SGD
-    refused(lambda: kd.DistributedOptimizer(sgd(0.1), shard="weights"),
-            ["shard must be None", "'weights'"])
+    refused(lambda: kd.DistributedOptimizer(sgd(0.1), shard="all"),
+            ["shard must be None", "'weights'", "'all'"])
+    refused(lambda: kd.DistributedOptimizer(sgd(0.1), shard="weights",
+                                            backward_passes_per_step=2),
+            ["shard='weights'", "gradient_accumulation_steps"])
     refused(lambda: kd.DistributedOptimizer(keras.optimizers.Lamb(0.1),
                                             shard="optimizer_state"),
             ["Lamb", "shard=None"])
