@@ -14,9 +14,15 @@ class Jax(_framework.KerasFramework):
     collectives = _jax_collectives
     # The collectives are XLA custom calls: the train step stays compiled.
     jit_compile = True
-    # jax.checkpoint refuses their ordered effects ("Effects not supported
-    # in partial-eval of checkpoint/remat").
-    remat_collectives = False
+
+    def regather(self, call, shards=()):
+        # Left as it is: jax.checkpoint refuses the collectives' custom
+        # calls (their effect), and with them allowed, a checkpoint policy
+        # recomputing only the gathers, or a custom VJP gathering again
+        # once the cotangent has arrived, left the jitted step's temporary
+        # memory as large or larger (XLA's CPU schedule keeps the whole
+        # weights from the forward to the backward either way).
+        return call
 
     def unique_name(self, base):
         # Several collectives of one jitted step may run at once, so two

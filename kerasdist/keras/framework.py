@@ -66,10 +66,6 @@ class KerasFramework:
 
     name = None
     jit_compile = False
-    # Whether a rematerialized function (keras.remat) may hold this
-    # framework's collectives (JAX's checkpoint refuses the custom calls'
-    # ordered effects).
-    remat_collectives = True
 
     # This framework's collectives module (`kerasdist/<framework>/
     # collectives.py`), named by each subclass with a plain import, so a
@@ -89,6 +85,15 @@ class KerasFramework:
     def value(self, variable):
         """A Keras variable's current value as the collectives take it."""
         return variable.value
+
+    def regather(self, call, shards=()):
+        """`call` (a layer's, reading the sharded weights `shards`)
+        rematerialized: its backward runs it again (gathering the whole
+        weights again) instead of keeping what its forward computed.
+        Keras' remat: TensorFlow's recompute_grad, PyTorch's
+        checkpoint."""
+        import keras
+        return keras.remat(call)
 
     def no_grad(self):
         """A context in which assignments are not recorded for autograd."""

@@ -39,7 +39,6 @@ from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import ShardState
 from kerasdist.keras.sharding.layout import size_and_rank
 
-
 # The most bytes of shards one call of the Keras optimizer's update takes
 # (see ShardedStep._backend_update_step).
 UPDATE_BYTES = 16 << 20

@@ -233,7 +233,7 @@ class _Sharder:
             layer._track_variables()
         # Not a layer with state of its own (BatchNormalization's moving
         # averages): its call, run again, would update it twice.
-        if self.remat and framework.remat_collectives and any(
+        if self.remat and any(
                 is_shard(v) for v in layer._trainable_variables) and \
                 not layer._non_trainable_variables:
             _regather_in_backward(layer)
@@ -283,7 +283,6 @@ def _regather_in_backward(layer):
     TensorFlow's recompute_grad, PyTorch's checkpoint): its whole weights
     are freed after its forward and gathered again for its backward,
     rather than kept alive from the forward to the backward."""
-    import keras
 
     call = layer.call
     if getattr(call, "_kerasdist_regather", False):
@@ -305,7 +304,8 @@ def _regather_in_backward(layer):
             with _variables.AutocastScope(dtype):
                 return call(*inputs, **kwargs)
 
-        return keras.remat(again)(*args)
+        shards = [v for v in layer._trainable_variables if is_shard(v)]
+        return _framework.get().regather(again, shards)(*args)
 
     regathered._kerasdist_regather = True
     object.__setattr__(layer, "call", regathered)
