@@ -48,7 +48,8 @@ per process on each (XLA_FLAGS / torch.set_num_threads). `--overhead` adds a
 `plain` row at np=1 (the plain Keras optimizer, no DistributedOptimizer)
 and a table of the per-step overhead of kerasdist at np=1 against it, per
 backend and model. `--shard` adds rows at np=2 with
-`DistributedOptimizer(shard="optimizer_state")` and `shard="gradients"`
+`DistributedOptimizer(shard="optimizer_state")`, `shard="gradients"` and
+`shard="weights"` (after `kd.shard_weights(model)`)
 (the sharded optimizer's step time against the replicated `kerasdist` row
 of the same round).
 Run it alone: the machine has 2 cores.
@@ -152,6 +153,8 @@ def setup_rank(model_name, communicate=True, backend="tensorflow",
     else:
         data = _batches(x, y)
     model = _build(model_name)
+    if shard == "weights":
+        kd.shard_weights(model)
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     model.compile(
         optimizer=(kd.DistributedOptimizer(sgd, shard=shard) if communicate
@@ -365,8 +368,8 @@ def _parse(argv=None):
                         "kerasdist's per-step overhead against it")
     parser.add_argument("--shard", action="store_true",
                         help="also DistributedOptimizer(shard=...) at np=2, "
-                        "both modes (rows shard-optimizer_state and "
-                        "shard-gradients)")
+                        "each mode (rows shard-optimizer_state, "
+                        "shard-gradients and shard-weights)")
     parser.add_argument("--np4", action="store_true",
                         help="also run kerasdist at np=4 (oversubscribed on "
                         "a 2-core machine), reported separately")
@@ -399,7 +402,8 @@ def _runs(args):
             runs.append((backend, "kerasdist", 4))
         if args.shard:
             runs += [(backend, "shard-optimizer_state", 2),
-                     (backend, "shard-gradients", 2)]
+                     (backend, "shard-gradients", 2),
+                     (backend, "shard-weights", 2)]
     return runs
 
 

@@ -105,10 +105,15 @@ def rank_main(args):
     kd.init()
     base = _rss_bytes()
     keras.utils.set_random_seed(0)
-    model, shape = _model(keras, args.model, args.params, args.width)
     shard = None if args.mode == "replicated" else args.mode
     if shard == "weights":
+        # Built sharded, one layer whole at a time.
+        with kd.shard_weights():
+            model, shape = _model(keras, args.model, args.params,
+                                  args.width)
         kd.shard_weights(model)
+    else:
+        model, shape = _model(keras, args.model, args.params, args.width)
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
     model.compile(optimizer=opt, loss="mse")
     opt.build(model.trainable_variables)

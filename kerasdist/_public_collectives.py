@@ -286,7 +286,9 @@ class Collectives:
         """Assigns `root_rank`'s values to `variables` on every rank.
 
         Names derive from the variables' paths, so every rank must pass the
-        same variables (in any order).
+        same variables (in any order). The shards of sharded weights
+        (`kerasdist.shard_weights`) are left alone: each rank holds its
+        own, started from the root's when they were sharded.
 
         Args:
             variables: Keras variables (on TensorFlow also `tf.Variable`s).
@@ -303,7 +305,8 @@ class Collectives:
         impl = self._impl
         impl.require_init()
         root_rank = _check_root(root_rank)
-        variables = list(variables)
+        variables = [v for v in variables
+                     if getattr(v, "_kerasdist_weight", None) is None]
         names = [f"{name_prefix}.{getattr(v, 'path', None) or v.name}"
                  for v in variables]
         if len(set(names)) != len(names):
