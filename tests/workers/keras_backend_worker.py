@@ -977,6 +977,24 @@ def weights_fit_built_sharded_bfloat16():
     same_on_all_ranks(got, "weights: mixed_bfloat16")
 
 
+def frozen_first(seed=1):
+    model = dense_model(seed)
+    model.layers[0].trainable = False
+    return model
+
+
+@check("weights_fit_frozen_layer")
+def weights_fit_frozen_layer():
+    # A frozen layer's weights are sharded too (gathered for the forward,
+    # never updated), the trainable ones train as one process's.
+    m, got = check_weights("weights_fit_frozen_layer",
+                           lambda: keras.optimizers.Adam(0.01),
+                           model=frozen_first)
+    assert all(len(v.shape) == 1 for v in m.weights), \
+        [v.path for v in m.weights if len(v.shape) != 1]
+    np.testing.assert_array_equal(got[0], frozen_first().get_weights()[0])
+
+
 @check("weights_custom_loop", groups=("tensorflow",))
 def weights_custom_loop():
     # A tf.GradientTape loop: the tape's gradients of the shards are

@@ -115,6 +115,9 @@ def check_weights_sharded(label, lora):
     model = task(lora)
     start = model.get_weights()
     kd.shard_weights(model)
+    # Every weight is a shard, the frozen LoRA base too.
+    assert not [v.path for v in model.weights if len(v.shape) > 1], [
+        v.path for v in model.weights if len(v.shape) > 1]
     model.compile(optimizer=kd.DistributedOptimizer(
         keras.optimizers.SGD(0.5), shard="weights"), loss=loss())
     model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,

@@ -162,7 +162,7 @@ def _own_piece(weight, value):
     return piece
 
 
-def shard_weights(model=None, root_rank=0, remat=True):
+def shard_weights(model=None, root_rank=0, remat=True, frozen=True):
     """Shards the trainable weights of a built Keras model over every rank
     (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
     every trainable weight, and the layers read whole weights by
@@ -183,6 +183,11 @@ def shard_weights(model=None, root_rank=0, remat=True):
         remat: gather each layer's weights again for its backward rather
             than keeping them from its forward (TensorFlow and PyTorch;
             JAX's jitted step keeps them).
+        frozen: also shard the frozen weights (made trainable, then
+            frozen: a LoRA base, a layer with `trainable = False`), which
+            are gathered for the forward and never updated. State a layer
+            updates itself (BatchNormalization's moving averages) stays
+            whole on every rank.
 
     Raises:
         ValueError: for a model not built yet, a weight with a constraint
@@ -190,15 +195,15 @@ def shard_weights(model=None, root_rank=0, remat=True):
             as an attribute (its reads could not be redirected).
     """
     if model is None:
-        return _ShardedInit(root_rank, remat)
+        return _ShardedInit(root_rank, remat, frozen)
     if not model.built:
         raise ValueError(
             "kerasdist.shard_weights(model): the model is not built yet; "
             "build it first (call it on a batch, model.build(shape), or "
             "give it an Input) so that its weights exist.")
     for layer in _layers(model):
-        _plan(layer)  # checks every layer before any changes
-    sharder = _Sharder(root_rank, remat)
+        _plan(layer, frozen)  # checks every layer before any changes
+    sharder = _Sharder(root_rank, remat, frozen)
     for layer in _layers(model):
         sharder.shard(layer, own=False)
     functional = getattr(model, "_functional", None)  # a Sequential's
@@ -215,8 +220,8 @@ class _Sharder:
 
     _count = [0]
 
-    def __init__(self, root_rank, remat):
-        self.root_rank, self.remat = root_rank, remat
+    def __init__(self, root_rank, remat, frozen):
+        self.root_rank, self.remat, self.frozen = root_rank, remat, frozen
 
     def shard(self, layer, own=True):
         """Shards `layer`'s own trainable weights (checked first)."""
@@ -224,7 +229,7 @@ class _Sharder:
 
         framework = _framework.get()
         size, rank = basics.size(), basics.rank()
-        plan = _plan(layer)
+        plan = _plan(layer, self.frozen)
         for variable, attrs in plan:
             _Sharder._count[0] += 1
             _shard_one(keras, framework, layer, variable, attrs, size, rank,
@@ -244,8 +249,8 @@ class _ShardedInit:
 
     _active = []
 
-    def __init__(self, root_rank, remat):
-        self.sharder = _Sharder(root_rank, remat)
+    def __init__(self, root_rank, remat, frozen):
+        self.sharder = _Sharder(root_rank, remat, frozen)
 
     def __enter__(self):
         from keras.src.layers.layer import Layer
@@ -315,12 +320,13 @@ def _layers(model):
     return list(model._flatten_layers(include_self=True, recursive=True))
 
 
-def _plan(layer):
-    """(variable, attribute names) of each of `layer`'s own trainable
-    weights to shard, checked before anything changes."""
+def _plan(layer, frozen):
+    """(variable, attribute names) of each of `layer`'s own weights to
+    shard (those made trainable; with `frozen`, also those frozen since),
+    checked before anything changes."""
     plan = []
     for v in list(layer._trainable_variables):
-        if info(v) is not None or not v.trainable:
+        if info(v) is not None or not (v.trainable or frozen):
             continue
         if getattr(v, "constraint", None) is not None:
             raise ValueError(
@@ -352,8 +358,8 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
     del whole
     shard = keras.Variable(
         initializer=piece, shape=(weight.chunk,), dtype=dtype,
-        trainable=True, autocast=getattr(variable, "_autocast", True),
-        name=variable.name)
+        trainable=variable.trainable,
+        autocast=getattr(variable, "_autocast", True), name=variable.name)
     shard._path = variable.path
     shard._kerasdist_weight = weight
     view = object.__new__(_view_class(type(variable)))
