@@ -545,6 +545,15 @@ class TensorFlowKerasState(_VariablesState):
         if not getattr(model, "built", True):
             raise ValueError("Model must be built first. Run "
                              "`model.build(input_shape)`.")
+        if len(_optimizer.replicated(model.weights)) != len(model.weights):
+            raise ValueError(
+                "kerasdist.elastic: a model whose weights "
+                "kerasdist.shard_weights() sharded cannot be an elastic "
+                "state yet (each rank holds its own shard, which a sync "
+                "from rank 0 or a restart at another size would have to "
+                "re-partition). Train it with kerasdist.Trainer's "
+                "checkpoints, or use DistributedOptimizer(shard="
+                "'gradients') with elastic.")
         self.model = model
         self.optimizer = optimizer or model.optimizer
         self.backend = backend

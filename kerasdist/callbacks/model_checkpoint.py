@@ -132,6 +132,10 @@ class ModelCheckpoint(keras.callbacks.Callback):
             if not self._better(current, self.best):
                 return
             self.best = current
+        if _optimizer.replicated(self.model.weights) != \
+                list(self.model.weights):
+            self._save_sharded_weights(epoch, logs)
+            return
         # A sharded optimizer's slots are gathered from every rank, so that
         # rank 0 writes them whole (kerasdist/keras/sharding/).
         with _optimizer.whole_state(self.model.optimizer,
@@ -144,6 +148,23 @@ class ModelCheckpoint(keras.callbacks.Callback):
             else:
                 _replace_atomically(path, self.model.save)
         if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: saved checkpoint {path}")
+
+    def _save_sharded_weights(self, epoch, logs):
+        # Weights sharded by kerasdist.shard_weights: every rank saves
+        # (each whole weight is gathered as the writer reaches it), as
+        # kerasdist.save_model does; rank 0 writes the file.
+        from kerasdist.keras.saving import save_model
+
+        if self.save_weights_only:
+            raise ValueError(
+                "kerasdist ModelCheckpoint(save_weights_only=True) cannot "
+                "save a model whose weights kerasdist.shard_weights() "
+                "sharded; save the whole model (save_weights_only=False), "
+                "or use kerasdist.Trainer's checkpoints.")
+        path = self.filepath.format(epoch=epoch + 1, **logs)
+        save_model(self.model, path)
+        if self.verbose > 0 and basics.rank() == 0:
             print(f"\nEpoch {epoch + 1}: saved checkpoint {path}")
 
     def on_train_end(self, logs=None):

@@ -882,6 +882,15 @@ def weights_fit_adam():
     assert_close(loaded.get_weights(), got, "weights: the saved file", 0)
     assert int(loaded.optimizer.iterations) == STEPS, \
         int(loaded.optimizer.iterations)
+    # kd.callbacks.ModelCheckpoint: every rank saves, rank 0 writes.
+    ckpt = os.path.join(DIR, "weights_ckpt_{epoch}.keras")
+    x, y = data()
+    m.fit(my_part(x), my_part(y), batch_size=B, epochs=1, shuffle=False,
+          verbose=0, callbacks=[kd.callbacks.ModelCheckpoint(ckpt)])
+    now = m.get_weights()
+    kd.barrier()
+    assert_close(keras.models.load_model(ckpt.format(epoch=1))
+                 .get_weights(), now, "weights: ModelCheckpoint", 0)
     # set_weights / load_weights take whole values into the shards.
     again = kd.shard_weights(dense_model(seed=5))
     again.set_weights(got)
@@ -1039,6 +1048,11 @@ def shard_weights_refusals():
             "shard='weights'")
     refused(lambda: kd.shard_weights(keras.Sequential(
         [keras.layers.Dense(2)])), "not built")
+    refused(lambda: kd.elastic.KerasState(kd.shard_weights(dense_model())),
+            "cannot be an elastic state yet")
+    constrained = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        2, kernel_constraint=keras.constraints.NonNeg())])
+    refused(lambda: kd.shard_weights(constrained), "constraint")
 
 
 @check("shard_refusals", groups=("tensorflow",))
