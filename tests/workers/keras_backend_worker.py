@@ -828,7 +828,7 @@ def shard_fit_loss_scale_ema():
 
 
 def check_weights(label, make_opt, model=dense_model, x_y=None, atol=ATOL,
-                  unlike=None):
+                  unlike=None, **shard_args):
     """Sharded weights' fit on my part == one process on everything; each
     rank holds 1/N of every weight (shards and slots), every rank reads
     the same whole weights, and a Keras user's reads (get_weights,
@@ -842,7 +842,7 @@ def check_weights(label, make_opt, model=dense_model, x_y=None, atol=ATOL,
     m = model()
     whole = sum(int(np.prod(w.shape)) for w in m.get_weights()
                 if w.dtype.kind == "f")
-    kd.shard_weights(m)
+    kd.shard_weights(m, **shard_args)
     opt = kd.DistributedOptimizer(make_opt(), shard="weights")
     got = fit(m, opt, my_part(x), my_part(y), B, [
         kd.callbacks.BroadcastGlobalVariablesCallback(0, verify=True)])
@@ -948,7 +948,10 @@ def weights_fit_cnn_attention():
     x, y = shaped_data((5, 5, 2))
     truth = truth_fit(cnn_model(), keras.optimizers.SGD(0.1, momentum=0.5),
                       x, y, N * B)
-    m = kd.shard_weights(cnn_model(norm=kd.SyncBatchNormalization))
+    # remat=True: every layer gathers again for its backward, however
+    # small (by default only layers of 1 MiB or more).
+    m = kd.shard_weights(cnn_model(norm=kd.SyncBatchNormalization),
+                         remat=True)
     got = fit(m, kd.DistributedOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.5), shard="weights"),
         my_part(x), my_part(y), B)
@@ -956,7 +959,7 @@ def weights_fit_cnn_attention():
     same_on_all_ranks(got, "weights: CNN")
     check_weights("weights_fit_attention",
                   lambda: keras.optimizers.SGD(0.1), model=attention_model,
-                  x_y=shaped_data((5, 4)))
+                  x_y=shaped_data((5, 4)), remat=True)
 
 
 @check("weights_fit_built_sharded_bfloat16")
@@ -970,7 +973,7 @@ def weights_fit_built_sharded_bfloat16():
         truth = truth_fit(dense_model(), keras.optimizers.Adam(0.01), x, y,
                           N * B)
         start = dense_model().get_weights()
-        with kd.shard_weights():
+        with kd.shard_weights(remat=True):
             m = keras.Sequential([keras.Input((4,)),
                                   keras.layers.Dense(3, activation="tanh"),
                                   keras.layers.Dense(1)])

@@ -30,8 +30,13 @@ import numpy as np
 
 from kerasdist import basics
 from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.layout import owned
 from kerasdist.keras.sharding.layout import partition
+
+# With remat=None, a layer whose sharded weights are this many bytes or
+# more whole is rematerialized (gathered again for its backward).
+REMAT_BYTES = 1 << 20
 
 _METHODS = ("get_weights", "set_weights", "save_weights", "load_weights",
             "save", "summary", "count_params")
@@ -162,7 +167,7 @@ def _own_piece(weight, value):
     return piece
 
 
-def shard_weights(model=None, root_rank=0, remat=True, frozen=True):
+def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
     """Shards the trainable weights of a built Keras model over every rank
     (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
     every trainable weight, and the layers read whole weights by
@@ -180,9 +185,12 @@ def shard_weights(model=None, root_rank=0, remat=True, frozen=True):
     Args:
         model: a built Keras model, or None (the context).
         root_rank: the rank whose initial weights every rank takes.
-        remat: gather each layer's weights again for its backward rather
+        remat: gather a layer's weights again for its backward rather
             than keeping them from its forward (TensorFlow and PyTorch;
-            JAX's jitted step keeps them).
+            JAX's jitted step keeps them): None (default) for layers
+            whose weights are REMAT_BYTES or more whole (a small layer's
+            second gather costs more time than its weights save), True
+            for every layer, False for none.
         frozen: also shard the frozen weights (made trainable, then
             frozen: a LoRA base, a layer with `trainable = False`), which
             are gathered for the forward and never updated. State a layer
@@ -238,9 +246,11 @@ class _Sharder:
             layer._track_variables()
         # Not a layer with state of its own (BatchNormalization's moving
         # averages): its call, run again, would update it twice.
-        if self.remat and any(
-                is_shard(v) for v in layer._trainable_variables) and \
-                not layer._non_trainable_variables:
+        mine = [info(v) for v in layer._trainable_variables if is_shard(v)]
+        large = sum(w.numel * itemsize(w.dtype) for w in mine) >= \
+            REMAT_BYTES
+        if mine and not layer._non_trainable_variables and (
+                self.remat or (self.remat is None and large)):
             _regather_in_backward(layer)
 
 
