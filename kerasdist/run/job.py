@@ -683,11 +683,20 @@ class _Stopper:
         return signal.SIGTERM
 
     def _survivors_go_on(self):
-        """--recover-in-place: a failure stops no other rank; each new one
-        is said in one line."""
+        """--recover-in-place: a rank lost (its process killed by a signal)
+        stops no other rank; each new one is said in one line. A rank that
+        exits with a nonzero code (an error, or a failed recovery) stops
+        the job as without the flag."""
         if not self.keep_survivors:
             return False
         seen = len(self.findings.ranks_failed())
+        if seen != self.survivors_told:
+            # What to end once mpirun has, whatever comes next: it may
+            # leave a frozen rank behind.
+            self.known.update(_job_snapshot(self.proc))
+        with self.findings.lock:
+            if any(f.status >= 0 for f in self.findings.failures):
+                return False
         if seen != self.survivors_told:
             self.survivors_told = seen
             self.log.line(f"{self.findings.describe()}; the other ranks go "
@@ -704,7 +713,7 @@ class _Stopper:
         return now - self.resize_exit_at < _RESIZE_EXIT_WAIT_S
 
     def finish(self):
-        if self.reason is None:
+        if self.reason is None and not (self.keep_survivors and self.known):
             return
         left = _kill_job(self.proc, self.known)
         if left:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -117,3 +118,51 @@ def test_recover_in_place_refused_on_the_mpich_build():
     assert out.returncode != 0, out
     assert "KERASDIST_RECOVER_IN_PLACE=1 (kerasdist run --recover-in-place) " \
         "needs an MPI with ULFM" in out.stderr, out.stderr
+
+
+def test_a_second_failure_while_recovering_ends_in_one_line(openmpi_root,
+                                                            tmp_path):
+    # Rank 1 dies in its reset callback, once the job has re-formed at 2:
+    # rank 0's sync fails; it says so in one line and ends, and so does
+    # the job, nonzero (a relaunch would resume from the commit on disk).
+    out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
+                               str(KILL_RANK), str(KILL_STEP)),
+                 timeout=120, root=openmpi_root,
+                 launcher_args=["--recover-in-place"],
+                 env=rank_env(RECOVERY_DIE_IN_RESET=1))
+    # The first failure's code (rank 2's SIGKILL), as without the flag.
+    assert out.returncode == 137, out.stdout
+    lines = [l for l in out.stdout.splitlines()
+             if "recovery in place failed: " in l]
+    assert len(lines) == 1 and lines[0].startswith(
+        "[0]<stderr>:kerasdist.elastic: recovery in place failed: "), (
+        out.stdout)
+    assert "rank 0 (host " in out.stdout and "exited with code 1" in \
+        out.stdout, out.stdout
+    assert not list(tmp_path.glob("end.*.json"))
+
+
+def test_a_frozen_rank_ends_the_recovery_at_its_deadline(openmpi_root,
+                                                         tmp_path):
+    # SIGSTOP: MPI never learns of it; the heartbeat (3 s) does and the
+    # survivors' collectives fail, but the shrink waits for the frozen
+    # rank: at its deadline (10 s) each survivor ends in one line, and the
+    # launcher ends the job, the frozen rank included (mpirun leaves it).
+    began = time.monotonic()
+    out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
+                               str(KILL_RANK), str(KILL_STEP), "STOP"),
+                 timeout=120, root=openmpi_root,
+                 launcher_args=["--recover-in-place"],
+                 env=rank_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=3))
+    took = time.monotonic() - began
+    assert out.returncode == 75, out.stdout
+    assert "lost rank 2 on host" in out.stdout and "no heartbeat for 3 s" in \
+        out.stdout, out.stdout
+    for rank in (0, 1):
+        assert any(l.startswith(f"[{rank}]<stderr>:kerasdist: rank {rank}: "
+                                "recovery in place failed: the survivors did "
+                                "not re-form within 10 s")
+                   for l in out.stdout.splitlines()), out.stdout
+    assert "kerasdist: killed 2 process(es) of the job that outlived " \
+        "mpiexec." in out.stdout, out.stdout
+    assert took < 90, (took, out.stdout)

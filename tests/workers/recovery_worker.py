@@ -19,9 +19,12 @@ killed rank writes DIR/kill.json (the wall time of its SIGKILL) first.
 Under KERASDIST_ELASTIC_DIR the commits also go to disk (a relaunch
 resumes from them); the kill happens in the first attempt only.
 
-argv: DIR [KILL_RANK KILL_STEP] (no kill without them)
+argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
+      KILL, the default, or STOP: the rank freezes instead)
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
-     RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05)
+     RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
+     RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
+     callback: a second failure while the others recover)
 """
 
 import json
@@ -67,6 +70,9 @@ def main():
     STEPS = int(os.environ.get("RECOVERY_STEPS", "12"))
     COMMIT_EVERY = int(os.environ.get("RECOVERY_COMMIT_EVERY", "3"))
     STEP_SLEEP = float(os.environ.get("RECOVERY_STEP_SLEEP", "0.05"))
+    SIGNUM = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4
+                                      else "KILL"))
+    DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
     kd.init()
     start_rank = kd.rank()
     attempt = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0") or 0)
@@ -81,6 +87,8 @@ def main():
     state = elastic.ObjectState(w=np.zeros(FEATURES), step=0)
 
     def on_reset():
+        if start_rank == DIE_IN_RESET:
+            os.kill(os.getpid(), signal.SIGKILL)
         resumed.append(state.step)
         reset_at.append(time.time())
 
@@ -105,7 +113,7 @@ def main():
                                                      0):
                 with open(os.path.join(DIR, "kill.json"), "w") as f:
                     json.dump({"at": time.time()}, f)
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), SIGNUM)
             g = allreduce(g, state.step)
             w = w - LR * g
             state.w, state.step = w.numpy().copy(), state.step + 1
