@@ -33,6 +33,15 @@ From the wall times the worker records (time.time(), one host's clock):
   step minus the commit's).
 
 Prints a Markdown table and the raw figures (JSON).
+
+    python benchmarks/recovery.py --steady [--rounds 3]
+
+The steady state instead: what the recoverable transport costs a job with
+no failure. 2 ranks allreduce float32 Sum of 4 KiB and 16 MiB through the
+core (kerasdist._core.host, no framework), each call after a barrier; the
+median over calls of the slower rank's time, for the Open MPI build under
+`kerasdist run` and under `kerasdist run --recover-in-place`, and the
+mpich build, taking turns.
 """
 
 import argparse
@@ -104,6 +113,64 @@ def relaunch(kill_step, workdir):
             "lost_steps": kill_step - committed}
 
 
+STEADY = """
+import json, sys, time
+import numpy as np
+import kerasdist as kd
+from kerasdist._core import host
+kd.init()
+out = {}
+for nbytes, calls in ((4096, 400), (16 << 20, 20)):
+    x = np.ones(nbytes // 4, np.float32)
+    for i in range(5):
+        host.host_allreduce(x, kd.Sum, f"warm.{nbytes}.{i}")
+    times = []
+    for i in range(calls):
+        host.host_barrier(f"b.{nbytes}.{i}")
+        t = time.perf_counter()
+        host.host_allreduce(x, kd.Sum, f"a.{nbytes}.{i}")
+        times.append(time.perf_counter() - t)
+    slowest = host.host_allreduce(np.array(times), kd.Max, f"max.{nbytes}")
+    out[nbytes] = float(np.median(slowest))
+if kd.rank() == 0:
+    print("STEADY " + json.dumps(out), flush=True)
+"""
+
+
+def steady(root, args, extra_env=None):
+    from tests.support.helpers import launcher_env
+    argv = [sys.executable, "-m", "kerasdist.run", *args, "-np", "2",
+            sys.executable, "-c", STEADY]
+    env = launcher_env(dict(os.environ, **(extra_env or {})), root)
+    out = subprocess.run(argv, capture_output=True, text=True, env=env,
+                         cwd=root or REPO, timeout=300)
+    for line in out.stdout.splitlines():
+        if "STEADY " in line:
+            return {int(k): v for k, v in
+                    json.loads(line.split("STEADY ", 1)[1]).items()}
+    raise RuntimeError(f"{args}: {(out.stdout + out.stderr)[-3000:]}")
+
+
+def steady_main(root, rounds):
+    systems = {"Open MPI": (root, []),
+               "Open MPI --recover-in-place": (root, ["--recover-in-place"]),
+               "mpich": (None, [])}
+    rows = {name: [] for name in systems}
+    for i in range(rounds):
+        for name, (where, args) in systems.items():
+            rows[name].append(steady(where, args))
+        print(f"round {i + 1}: " + ", ".join(
+            f"{n} {r[-1][4096] * 1e6:.0f} us / {r[-1][16 << 20] * 1e3:.1f} ms"
+            for n, r in rows.items()), flush=True)
+    print("\n| system | 4 KiB allreduce (median) | 16 MiB allreduce (median) |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        small = statistics.median(x[4096] for x in r)
+        big = statistics.median(x[16 << 20] for x in r)
+        print(f"| {name} | {small * 1e6:.0f} us | {big * 1e3:.2f} ms |")
+    print("\nraw:", json.dumps(rows))
+
+
 def _median(rows, key):
     return statistics.median(r[key] for r in rows)
 
@@ -112,6 +179,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kill-step", type=int, default=7)
+    p.add_argument("--steady", action="store_true",
+                   help="the steady state's allreduce times instead")
     args = p.parse_args()
     from tests.support import site_mpi
     home = site_mpi.openmpi_home()
@@ -120,6 +189,9 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         root = site_mpi.build(os.path.join(workdir, "openmpi-build"),
                               KERASDIST_MPI_HOME=home)
+        if args.steady:
+            steady_main(root, args.rounds)
+            return
         rows = {"in place": [], "relaunch": []}
         for i in range(args.rounds):
             rows["in place"].append(in_place(root, args.kill_step, workdir))
