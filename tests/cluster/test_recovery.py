@@ -166,3 +166,26 @@ def test_a_frozen_rank_ends_the_recovery_at_its_deadline(openmpi_root,
     assert "kerasdist: killed 2 process(es) of the job that outlived " \
         "mpiexec." in out.stdout, out.stdout
     assert took < 90, (took, out.stdout)
+
+
+def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
+    # As above, under --max-restarts 1: the launcher relaunches 3 ranks,
+    # which resume from the last commit on disk (step 6) and finish with
+    # the weights of 3 ranks from there.
+    out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
+                               str(KILL_RANK), str(KILL_STEP)),
+                 timeout=240, root=openmpi_root,
+                 launcher_args=["--recover-in-place", "--max-restarts", "1"],
+                 env=rank_env(RECOVERY_DIE_IN_RESET=1))
+    assert out.returncode == 0, out.stdout
+    assert "kerasdist: attempt 2 of 2 (the last attempt ended because " \
+        "ranks 1, 2 (host " in out.stdout, out.stdout
+    assert "resuming from the last commit" in out.stdout, out.stdout
+    m = _worker_module()
+    truth = _sgd(m, np.zeros(m.FEATURES), 0, STEPS, 3)
+    commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
+    for rank in range(3):
+        end = _read(tmp_path, f"a1.end.{rank}.json")
+        assert end["size"] == 3 and min(map(int, end["done_at"])) == \
+            commit + 1, end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
