@@ -52,19 +52,23 @@ def _read(directory, name):
         return json.load(f)
 
 
-def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path):
+# Rank 0 too: the coordinator, whose survivors renumber.
+@pytest.mark.parametrize("killed", [KILL_RANK, 0])
+def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
+                                                     killed):
+    survivors = [r for r in range(3) if r != killed]
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
-                               str(KILL_RANK), str(KILL_STEP)),
+                               str(killed), str(KILL_STEP)),
                  timeout=180, root=openmpi_root,
                  launcher_args=["--recover-in-place"],
                  env=rank_env(RECOVERY_STEPS=STEPS,
                               RECOVERY_COMMIT_EVERY=COMMIT_EVERY))
     assert out.returncode == 0, out.stdout
-    assert ("rank 2 (host " in out.stdout and "exited with signal 9 "
-            "(SIGKILL); ranks 0, 1 finished without it (recovery in "
-            "place)." in out.stdout), out.stdout
+    assert (f"rank {killed} (host " in out.stdout and "exited with signal "
+            f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
+            "without it (recovery in place)." in out.stdout), out.stdout
     assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
-    assert not os.path.exists(tmp_path / f"end.{KILL_RANK}.json")
+    assert not os.path.exists(tmp_path / f"end.{killed}.json")
     commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
     m = _worker_module()
     # The truth: the commit made at 3 ranks, continued at 2.
@@ -74,12 +78,12 @@ def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path):
     kept = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, KILL_STEP, 3),
                 KILL_STEP, STEPS, 2)
     assert not np.allclose(truth, kept, rtol=1e-6, atol=0)
-    for rank in (0, 1):
+    for new_rank, rank in enumerate(survivors):
         start, end = (_read(tmp_path, f"start.{rank}.json"),
                       _read(tmp_path, f"end.{rank}.json"))
-        # The same process, now one of 2.
-        assert (start["size"], end["pid"], end["size"]) == (
-            3, start["pid"], 2), (start, end)
+        # The same process, now rank `new_rank` of 2.
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], new_rank, 2), (start, end)
         assert end["resumed"] == [commit], end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
 
