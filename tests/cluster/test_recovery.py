@@ -1,7 +1,8 @@
 """Recovery in place (docs/failures-and-elastic.md, "Recovery in place"),
 on real processes of this machine: kerasdist built against Open MPI
 (tests/support/site_mpi.py) under `kerasdist run --recover-in-place`. One
-of 3 ranks SIGKILLs itself mid-step; the other two keep their processes,
+of 3 ranks (PyTorch or JAX, tests/workers/recovery_worker.py) SIGKILLs
+itself mid-step; the other two keep their processes,
 re-form at size 2, resume from the last commit in memory and finish, and
 their weights are the ones numpy computes for that commit continued at
 size 2. The default build (mpich) refuses the flag in one line."""
@@ -26,6 +27,9 @@ from tests.support.helpers import worker_cmd
 pytestmark = pytest.mark.cluster
 
 KILL_RANK, KILL_STEP, STEPS, COMMIT_EVERY = 2, 7, 12, 3
+# A job's bound: PyTorch's import alone took 40 s on this 2-core machine
+# under another job's load (recovering takes 0.02 s of it).
+JOB_S = 300
 
 
 def _worker_module():
@@ -52,17 +56,21 @@ def _read(directory, name):
         return json.load(f)
 
 
-# Rank 0 too: the coordinator, whose survivors renumber.
-@pytest.mark.parametrize("killed", [KILL_RANK, 0])
+@pytest.mark.timeout(JOB_S + 60)
+# Rank 0 too: the coordinator, whose survivors renumber. PyTorch, and
+# JAX's eager collectives.
+@pytest.mark.parametrize("killed,backend", [(KILL_RANK, "torch"),
+                                            (0, "torch"), (KILL_RANK, "jax")])
 def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
-                                                     killed):
+                                                     killed, backend):
     survivors = [r for r in range(3) if r != killed]
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
                                str(killed), str(KILL_STEP)),
-                 timeout=180, root=openmpi_root,
+                 timeout=JOB_S, root=openmpi_root,
                  launcher_args=["--recover-in-place"],
                  env=rank_env(RECOVERY_STEPS=STEPS,
-                              RECOVERY_COMMIT_EVERY=COMMIT_EVERY))
+                              RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                              RECOVERY_BACKEND=backend))
     assert out.returncode == 0, out.stdout
     assert (f"rank {killed} (host " in out.stdout and "exited with signal "
             f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
@@ -124,6 +132,7 @@ def test_recover_in_place_refused_on_the_mpich_build():
         "needs an MPI with ULFM" in out.stderr, out.stderr
 
 
+@pytest.mark.timeout(JOB_S + 60)
 def test_a_second_failure_while_recovering_ends_in_one_line(openmpi_root,
                                                             tmp_path):
     # Rank 1 dies in its reset callback, once the job has re-formed at 2:
@@ -131,7 +140,7 @@ def test_a_second_failure_while_recovering_ends_in_one_line(openmpi_root,
     # the job, nonzero (a relaunch would resume from the commit on disk).
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
                                str(KILL_RANK), str(KILL_STEP)),
-                 timeout=120, root=openmpi_root,
+                 timeout=JOB_S, root=openmpi_root,
                  launcher_args=["--recover-in-place"],
                  env=rank_env(RECOVERY_DIE_IN_RESET=1))
     # The first failure's code (rank 2's SIGKILL), as without the flag.
@@ -146,19 +155,19 @@ def test_a_second_failure_while_recovering_ends_in_one_line(openmpi_root,
     assert not list(tmp_path.glob("end.*.json"))
 
 
+@pytest.mark.timeout(JOB_S + 60)
 def test_a_frozen_rank_ends_the_recovery_at_its_deadline(openmpi_root,
                                                          tmp_path):
     # SIGSTOP: MPI never learns of it; the heartbeat (3 s) does and the
     # survivors' collectives fail, but the shrink waits for the frozen
     # rank: at its deadline (10 s) each survivor ends in one line, and the
     # launcher ends the job, the frozen rank included (mpirun leaves it).
-    began = time.monotonic()
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
                                str(KILL_RANK), str(KILL_STEP), "STOP"),
-                 timeout=120, root=openmpi_root,
+                 timeout=JOB_S, root=openmpi_root,
                  launcher_args=["--recover-in-place"],
                  env=rank_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=3))
-    took = time.monotonic() - began
+    took = time.time() - _read(tmp_path, "kill.json")["at"]
     assert out.returncode == 75, out.stdout
     assert "lost rank 2 on host" in out.stdout and "no heartbeat for 3 s" in \
         out.stdout, out.stdout
@@ -169,16 +178,18 @@ def test_a_frozen_rank_ends_the_recovery_at_its_deadline(openmpi_root,
                    for l in out.stdout.splitlines()), out.stdout
     assert "kerasdist: killed 2 process(es) of the job that outlived " \
         "mpiexec." in out.stdout, out.stdout
-    assert took < 90, (took, out.stdout)
+    # From the SIGSTOP to the launcher's exit.
+    assert took < 75, (took, out.stdout)
 
 
+@pytest.mark.timeout(JOB_S + 60)
 def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
     # As above, under --max-restarts 1: the launcher relaunches 3 ranks,
     # which resume from the last commit on disk (step 6) and finish with
     # the weights of 3 ranks from there.
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
                                str(KILL_RANK), str(KILL_STEP)),
-                 timeout=240, root=openmpi_root,
+                 timeout=JOB_S, root=openmpi_root,
                  launcher_args=["--recover-in-place", "--max-restarts", "1"],
                  env=rank_env(RECOVERY_DIE_IN_RESET=1))
     assert out.returncode == 0, out.stdout

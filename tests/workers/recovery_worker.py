@@ -1,12 +1,14 @@
-"""SGD on a linear model in PyTorch under `kerasdist.elastic.run`, for
-recovery in place (tests/cluster/test_recovery.py, benchmarks/recovery.py).
+"""SGD on a linear model in PyTorch (or JAX: RECOVERY_BACKEND=jax) under
+`kerasdist.elastic.run`, for recovery in place
+(tests/cluster/test_recovery.py, benchmarks/recovery.py).
 
 Every rank trains the same weights on its own rows of a fixed data set
 (rows_for: step, rank, size); the gradients are averaged with
-kerasdist.torch.allreduce. The state (weights and step) is committed in
-memory every COMMIT_EVERY steps. The rank KILL_RANK SIGKILLs itself after
-computing the gradient of step KILL_STEP, before its allreduce, so the
-others are inside that collective when it goes.
+kerasdist.torch.allreduce (kerasdist.jax.allreduce, eager). The state
+(weights and step) is committed in memory every COMMIT_EVERY steps. The
+rank KILL_RANK SIGKILLs itself after computing the gradient of step
+KILL_STEP, before its allreduce, so the others are inside that collective
+when it goes.
 
 Each rank writes DIR/<P>start.<rank>.json (its pid, rank and size at the
 start, and the wall times (time.time()) its script began and kd.init()
@@ -35,10 +37,23 @@ import time
 
 BEGAN = time.time()
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 import kerasdist.elastic as elastic  # noqa: E402
-import kerasdist.torch as kd  # noqa: E402
+
+if os.environ.get("RECOVERY_BACKEND", "torch") == "jax":
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    import kerasdist.jax as kd
+    to_tensor = jnp.asarray
+else:
+    import torch
+
+    import kerasdist.torch as kd
+
+    def to_tensor(array):
+        return torch.tensor(array, dtype=torch.float64)
 
 ROWS, FEATURES, BATCH, LR = 240, 5, 4, 0.05
 
@@ -103,10 +118,10 @@ def main():
 
     @elastic.run
     def train(state):
-        w = torch.tensor(state.w, dtype=torch.float64)
+        w = np.array(state.w)
         while state.step < STEPS:
             rank, size = kd.rank(), kd.size()
-            g = torch.tensor(gradient(w.numpy(), x, y,
+            g = to_tensor(gradient(w, x, y,
                                       rows_for(state.step, rank, size)))
             time.sleep(STEP_SLEEP)  # the step's compute
             if (start_rank, state.step, attempt) == (KILL_RANK, KILL_STEP,
@@ -114,9 +129,9 @@ def main():
                 with open(os.path.join(DIR, "kill.json"), "w") as f:
                     json.dump({"at": time.time()}, f)
                 os.kill(os.getpid(), SIGNUM)
-            g = allreduce(g, state.step)
+            g = np.asarray(allreduce(g, state.step))
             w = w - LR * g
-            state.w, state.step = w.numpy().copy(), state.step + 1
+            state.w, state.step = w.copy(), state.step + 1
             done_at[state.step] = time.time()
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
