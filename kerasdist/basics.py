@@ -134,7 +134,9 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
             # rendezvous, reports a rank that ends (watch.started).
             watch.started()
             _joined = launch
-        if launch is not None:
+        # After a recovery in place the job is the survivors, fewer than
+        # the launcher started.
+        if launch is not None and not lib.kerasdist_recoveries():
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)
             if wrong:

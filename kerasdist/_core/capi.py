@@ -21,17 +21,14 @@ import os
 import threading
 import types
 
+from kerasdist._core.errors import RANKS_LOST_TEXT  # noqa: F401 (elastic)
+from kerasdist._core.errors import KerasdistError  # noqa: F401 (the API)
+from kerasdist._core.errors import RanksLostError  # noqa: F401 (the API)
+from kerasdist._core.errors import error
+
 _LIB_NAME = "libkerasdist_core.so"
 _lib = None
 _lock = threading.Lock()
-
-
-class KerasdistError(RuntimeError):
-    """A collective failed; `code` is the core's status code."""
-
-    def __init__(self, message, code=5):
-        super().__init__(message)
-        self.code = code
 
 
 class _Request(ctypes.Structure):
@@ -98,7 +95,7 @@ def lib():
         i64 = ctypes.c_int64
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank",
                      "cross_size", "is_initialized", "shutdown", "mpi_built",
-                     "nccl_built", "simd16"):
+                     "nccl_built", "simd16", "recoveries"):
             getattr(l, "kerasdist_" + name).restype = i
             getattr(l, "kerasdist_" + name).argtypes = []
         l.kerasdist_init.argtypes = [i, i, s]
@@ -446,7 +443,7 @@ def start_group(op, name, members, **kwargs):
     # (not freed while the core holds them) when these go.
     handles = [Handle.of(ids[i]) for i in range(n) if ids[i]]
     if code != 0:
-        raise KerasdistError(last_error(), code=1)
+        raise error(last_error(), 1)
     return handles
 
 
@@ -462,7 +459,7 @@ class Handle:
                                               output_ptr)
         del keep
         if self.handle == 0:
-            raise KerasdistError(last_error(), code=1)
+            raise error(last_error(), 1)
 
     @classmethod
     def of(cls, handle_id):
@@ -479,8 +476,8 @@ class Handle:
             raise TimeoutError(f"collective not finished after {timeout} s")
         code = l.kerasdist_handle_status(self.handle)
         if code != 0:
-            raise KerasdistError(
-                l.kerasdist_handle_message(self.handle).decode(), code)
+            raise error(l.kerasdist_handle_message(self.handle).decode(),
+                        code)
 
     def output(self):
         """(pointer, shape) of a result the handle owns (allgather...)."""

@@ -73,6 +73,8 @@ KILL_GRACE_S = 5.0
 # of these (kerasdist/_core/resize.py: it may not import the launcher); a unit
 # test holds the two equal.
 ELASTIC_ENV = "KERASDIST_ELASTIC"
+# Set by `kerasdist run --recover-in-place` (kerasdist/run/mpi_command.py).
+RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 # The exit code of a rank that stopped at a checkpoint for a resize.
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
@@ -679,9 +681,24 @@ def main(argv=None):
     _write_all(2, format_marker(rank, socket.gethostname(), status, token))
     if elastic and status == RESIZE_EXIT_CODE:
         return 0  # the launcher has the marker; hydra must not clean up
+    if status < 0 and os.environ.get(RECOVER_ENV) == "1":
+        # Recovery in place (Open MPI's ULFM): its process manager tells
+        # the survivors of a rank lost only when the rank's process dies
+        # of a signal, so this one dies of the command's.
+        _die_of(-status)
     # A command killed by signal N is reported to mpiexec as exit 128+N;
     # the launcher, not hydra, decides what to do about a failed rank.
     return 128 - status if status < 0 else status
+
+
+def _die_of(signum):
+    """Ends this process by signal `signum`, its default action restored."""
+    try:
+        signal.signal(signum, signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass  # SIGKILL, SIGSTOP: their action cannot be changed
+    os.kill(os.getpid(), signum)
+    signal.pause()
 
 
 if __name__ == "__main__":

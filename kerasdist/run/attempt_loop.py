@@ -165,7 +165,8 @@ class _Loop:
         outcome = job.run_attempt(argv, env, interrupts, self.deadline,
                                   self.config.timeout, self.log,
                                   banner=self.config.verbose,
-                                  watcher=watcher, ranks=np_)
+                                  watcher=watcher, ranks=np_,
+                                  keep_survivors=self.config.recover_in_place)
         if outcome.exit_code != 0:
             # What MPICH's dead ranks left in /dev/shm on this host.
             shm.remove_orphans(began_at - 1.0)

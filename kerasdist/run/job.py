@@ -522,7 +522,8 @@ def _kill_job(proc, known):
 
 
 def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
-                banner=False, manager="mpiexec", watcher=None, ranks=None):
+                banner=False, manager="mpiexec", watcher=None, ranks=None,
+                keep_survivors=False):
     """Runs mpiexec once and returns its Outcome.
 
     Args:
@@ -541,6 +542,10 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         ranks: how many ranks (0..ranks-1, each under _rank.py) the job
             starts: if mpiexec exits 0 but one of them never reported its
             exit, the attempt failed. None: not checked.
+        keep_survivors: a rank that fails stops no other (recovery in
+            place, `--recover-in-place`): the survivors re-form without it,
+            and the attempt succeeds when one of them finishes with 0 and
+            mpirun too.
 
     Returns:
         An Outcome.
@@ -567,6 +572,7 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
         relay.start()
     stopper = _Stopper(proc, findings, interrupts, deadline, timeout, log,
                        manager, watcher)
+    stopper.keep_survivors = keep_survivors
     if watcher is not None:
         watcher.start()
     try:
@@ -590,8 +596,10 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             len(findings.ranks_failed()) == resize.old_np:
         return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
                        reason="the ranks stopped for a resize")
-    outcome = _outcome(rc, stopper.reason, findings, interrupts, timeout,
-                       log, manager, ranks)
+    outcome = _survivors_outcome(rc, stopper.reason, findings, log) if \
+        keep_survivors else None
+    outcome = outcome or _outcome(rc, stopper.reason, findings, interrupts,
+                                  timeout, log, manager, ranks)
     outcome.progressed = findings.progressed
     if findings.deadlock is not None:
         log.line(findings.deadlock)
@@ -619,6 +627,8 @@ class _Stopper:
         self.failures_seen = 0
         self.forced = self.killed = False
         self.known = {}  # the job's processes when it was being stopped
+        self.keep_survivors = False  # --recover-in-place
+        self.survivors_told = 0  # failures said to leave the others be
 
     def step(self, now):
         if self.since is None:
@@ -649,7 +659,8 @@ class _Stopper:
             return (signal.SIGTERM if self.interrupts.signum == signal.SIGHUP
                     else self.interrupts.signum)
         # Ranks leaving for the resize they were asked for have not failed.
-        if self.findings.failed.is_set() and not self._resizing(now):
+        if self.findings.failed.is_set() and not self._resizing(now) and \
+                not self._survivors_go_on():
             # Failures come in bursts (a host's ranks, then the ranks whose
             # heartbeat lost them): a moment more, and one line says it.
             if self.failed_at is None:
@@ -671,6 +682,27 @@ class _Stopper:
                           f"{self.timeout:g} s; stopping all ranks.")
         return signal.SIGTERM
 
+    def _survivors_go_on(self):
+        """--recover-in-place: a rank lost (its process killed by a signal)
+        stops no other rank; each new one is said in one line. A rank that
+        exits with a nonzero code (an error, or a failed recovery) stops
+        the job as without the flag."""
+        if not self.keep_survivors:
+            return False
+        seen = len(self.findings.ranks_failed())
+        if seen != self.survivors_told:
+            # What to end once mpirun has, whatever comes next: it may
+            # leave a frozen rank behind.
+            self.known.update(_job_snapshot(self.proc))
+        with self.findings.lock:
+            if any(f.status >= 0 for f in self.findings.failures):
+                return False
+        if seen != self.survivors_told:
+            self.survivors_told = seen
+            self.log.line(f"{self.findings.describe()}; the other ranks go "
+                          f"on without it (recovery in place).")
+        return True
+
     def _resizing(self, now):
         """Whether only ranks asked to stop for a resize have exited, with
         the resize code, and the rest still has time to follow."""
@@ -681,12 +713,29 @@ class _Stopper:
         return now - self.resize_exit_at < _RESIZE_EXIT_WAIT_S
 
     def finish(self):
-        if self.reason is None:
+        if self.reason is None and not (self.keep_survivors and self.known):
             return
         left = _kill_job(self.proc, self.known)
         if left:
             self.log.line(f"killed {len(left)} process(es) of the job that "
                           f"outlived {self.manager}.")
+
+
+def _survivors_outcome(rc, stop_reason, findings, log):
+    """--recover-in-place: the attempt succeeded (Outcome(0)) when ranks
+    were lost but mpirun and a survivor ended with 0; None otherwise (the
+    usual outcome then applies)."""
+    failure = findings.first_failure()
+    if failure is None or stop_reason is not None or rc != 0:
+        return None
+    with findings.lock:
+        failed = {f.rank for f in findings.failures}
+        finished = sorted(findings.exited - failed)
+    if not finished:
+        return None
+    log.line(f"{findings.describe()}; {_ranks_clause(finished)} finished "
+             f"without it (recovery in place).")
+    return Outcome(0)
 
 
 def _outcome(rc, stop_reason, findings, interrupts, timeout, log,

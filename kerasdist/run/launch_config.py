@@ -22,6 +22,7 @@ import dataclasses
 import os
 from typing import Optional
 
+from kerasdist._core import site_mpi
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import node
 from kerasdist.run import remote
@@ -181,6 +182,12 @@ def make_parser():
     p.add_argument("--min-np", type=_ranks, metavar="M",
                    help="with --max-restarts: relaunch on the hosts that "
                    "still answer with as few as M ranks (default: -np)")
+    p.add_argument("--recover-in-place", action="store_true",
+                   help="a lost rank ends no other: the survivors keep "
+                   "their processes, re-form without it and go on at the "
+                   "smaller size (kerasdist.elastic.run); the job exits 0 "
+                   "when they finish. Needs kerasdist built against Open "
+                   "MPI 5 (ULFM); see docs/failures-and-elastic.md")
     p.add_argument("--host-discovery-script", metavar="SCRIPT",
                    help="a program that prints the hosts available now "
                    "(hostfile lines); run before every attempt and every "
@@ -265,6 +272,7 @@ class LaunchConfig:
     bind_to: str = "core"
     no_huge_pages: bool = False
     verbose: bool = False
+    recover_in_place: bool = False
 
 
 def parse_args(argv, environ=None):
@@ -349,7 +357,8 @@ def _freeze(args, command):
         max_np=args.max_np, host_discovery_script=args.host_discovery_script,
         discovery_interval=args.discovery_interval, timeout=args.timeout,
         no_prefix=args.no_prefix, bind_to=args.bind_to,
-        no_huge_pages=args.no_huge_pages, verbose=args.verbose)
+        no_huge_pages=args.no_huge_pages, verbose=args.verbose,
+        recover_in_place=args.recover_in_place)
 
 
 _NODE_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr",
@@ -428,6 +437,7 @@ def _check_node_mode(args):
     for given, flag in ((args.hosts is not None, "-H"),
                         (args.hostfile is not None, "--hostfile"),
                         (args.max_restarts > 0, "--max-restarts"),
+                        (args.recover_in_place, "--recover-in-place"),
                         (args.min_np is not None, "--min-np"),
                         (args.host_discovery_script is not None,
                          "--host-discovery-script"),
@@ -472,6 +482,29 @@ def _check_elastic(args):
         args.max_np = args.np
     if args.discovery_interval is None:
         args.discovery_interval = resize.DEFAULT_INTERVAL_S
+    _check_recovery(args)
+
+
+def _check_recovery(args, rec=None):
+    """--recover-in-place needs a build against an MPI with ULFM (Open MPI
+    5's mpirun --with-ft ulfm); it does not yet grow or shrink with a
+    discovery script."""
+    if not args.recover_in_place:
+        return
+    rec = site_mpi.record() if rec is None else rec
+    if site_mpi.vendor(rec).family != "openmpi":
+        raise UsageError(
+            f"--recover-in-place needs kerasdist built against Open MPI 5 "
+            f"(its ULFM fault tolerance keeps the survivors' processes), "
+            f"but it was built against {site_mpi.describe(rec)}; build it "
+            f"against Open MPI (docs/mpi.md, \"Your cluster's MPI\"), or "
+            f"use --max-restarts, which relaunches from the last commit on "
+            f"disk (docs/failures-and-elastic.md).")
+    if args.host_discovery_script is not None:
+        raise UsageError(
+            "--recover-in-place does not go with --host-discovery-script "
+            "yet: a job recovers in place from a lost rank, and grows or "
+            "shrinks by relaunching; leave out one of them.")
 
 
 def _check_discovery(args):

@@ -15,6 +15,7 @@ import shutil
 import sys
 
 from kerasdist._core import site_mpi
+from kerasdist.run import _rank
 from kerasdist.run import elastic
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import settings
@@ -206,8 +207,23 @@ def mpiexec_argv(config, mpiexec, np_, hosts, rank_env, launcher_exec=None,
                  machinefile=None):
     """build_mpiexec_argv for an attempt of `config` (a LaunchConfig) on
     np_ ranks and `hosts`; the other arguments as there."""
-    return build_mpiexec_argv(mpiexec, np_, config.command, rank_env, hosts,
+    argv = build_mpiexec_argv(mpiexec, np_, config.command, rank_env, hosts,
                               launcher_exec=launcher_exec,
                               iface=config.network_interface,
                               machinefile=machinefile,
                               **wrapper_options(config))
+    if config.recover_in_place:
+        argv = with_recovery(argv)
+    return argv
+
+
+RECOVER_ENV = _rank.RECOVER_ENV
+
+
+def with_recovery(argv):
+    """An Open MPI mpirun command line (build_openmpi_argv's) that keeps
+    the survivors of a lost rank (--recover-in-place): ULFM's fault
+    tolerance on (--with-ft ulfm), and every rank told to re-form in place
+    (KERASDIST_RECOVER_IN_PLACE=1, passed with -x)."""
+    return [argv[0], "--with-ft", "ulfm", "-x", f"{RECOVER_ENV}=1"] + \
+        list(argv[1:])

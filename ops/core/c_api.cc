@@ -68,6 +68,8 @@ int kerasdist_shutdown(void) {
 
 int kerasdist_is_initialized(void) { return CurrentRuntime() ? 1 : 0; }
 
+int kerasdist_recoveries(void) { return Recoveries(); }
+
 const char* kerasdist_last_error(void) { return t_last_error.c_str(); }
 
 #define KD_TOPO(field)        \

@@ -36,6 +36,9 @@ typedef struct {
 int kerasdist_init(int has_comm, int comm_f, const char* settings);
 int kerasdist_shutdown(void);
 int kerasdist_is_initialized(void);
+/* How many times this process's job was re-formed among the survivors of a
+ * lost rank (recovery in place; 0 without it). */
+int kerasdist_recoveries(void);
 const char* kerasdist_last_error(void);
 /* -1 when not initialized. */
 int kerasdist_rank(void);

@@ -56,7 +56,7 @@ MPI_Comm DupForSets(bool has_comm, int comm_f) {
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
   if (level != MPI_THREAD_MULTIPLE) return MPI_COMM_NULL;
-  MPI_Comm parent = has_comm ? MPI_Comm_f2c(comm_f) : MPI_COMM_WORLD;
+  MPI_Comm parent = has_comm ? MPI_Comm_f2c(comm_f) : JobWorld();
   MPI_Comm dup = MPI_COMM_NULL;
   if (MPI_Comm_dup(parent, &dup) != MPI_SUCCESS) return MPI_COMM_NULL;
   return dup;

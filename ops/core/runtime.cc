@@ -2,10 +2,12 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 
 #include "backends/gpu/device_backend.h"
 #include "layout.h"
@@ -37,6 +39,34 @@ constexpr double kShutdownReplyTimeoutS = 30.0;
 // How long rank 0 waits, as it stops, for the other ranks' last control
 // messages (a rank that died never sends one).
 constexpr double kGoodbyeTimeoutS = 2.0;
+// With recovery in place (mpi_context.h), a rank the heartbeat lost ends no
+// survivor: its line says so, and the runtime's communicators are revoked,
+// so that every survivor's collectives fail with RanksLost and the runtime
+// re-forms (Loop). Otherwise empty: the heartbeat ends the process.
+std::function<void(const std::string&)> OnLost(MpiContext* mpi) {
+  if (!RecoveryOn()) return {};
+  return [mpi](const std::string& line) {
+    std::string text = line;
+    const std::string ending = "; ending this rank.";
+    const size_t at = text.rfind(ending);
+    if (at != std::string::npos) {
+      text.replace(at, ending.size(),
+                   "; the survivors go on without it (recovery in place).");
+    }
+    std::fputs(text.c_str(), stderr);
+    std::fflush(stderr);
+    mpi->Revoke();
+  };
+}
+
+// How long the survivors have to re-form (MpiContext::Reform): the
+// heartbeat's timeout, or 60 s without a heartbeat.
+double ReformDeadlineS(const Config& config) {
+  return config.heartbeat_timeout_s > 0 ? std::max(10.0,
+                                                   config.heartbeat_timeout_s)
+                                        : 60.0;
+}
+
 // The args of a batch's timeline event.
 std::string BatchArgs(const CollectiveBatch& b) {
   return "\"bytes\":" + std::to_string(b.bytes()) +
@@ -65,7 +95,7 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
   KD_RETURN_IF_ERROR(StartLiveness(
       rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
-      config.network_interface, &rt->liveness_));
+      config.network_interface, &rt->liveness_, OnLost(rt->mpi_.get())));
   rt->host_ = rt->mpi_->MakeHostCommunicator();
   rt->node_ = rt->mpi_->MakeNodeCommunicator();
   rt->leaders_ = rt->mpi_->MakeLeaderCommunicator();
@@ -214,7 +244,12 @@ Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
   if (valid == 0) return failed;
   std::lock_guard<std::mutex> l(mu_);
   if (stopped_ || shutdown_requested_) {
-    return Status::Aborted(
+    // After a lost rank: the same error as the collectives that failed.
+    const StatusCode code = stopped_status_.code() == StatusCode::kRanksLost
+                                ? StatusCode::kRanksLost
+                                : StatusCode::kAborted;
+    return Status(
+        code,
         Labelled("kerasdist has shut down") +
         (stopped_status_.message().empty() ? std::string(".")
                                            : ": " + stopped_status_.message()) +
@@ -276,6 +311,12 @@ void Runtime::Loop() {
     } else {
       IdleWait(idle_rounds++, !pending_.empty());
     }
+  }
+  if (stopped_status().code() == StatusCode::kRanksLost) {
+    // No goodbyes: a lost rank never answers. The job's runtime re-forms
+    // the job among the survivors before Shutdown returns.
+    if (!role_.parent) mpi_->Reform(ReformDeadlineS(config_));
+    return;
   }
   SayGoodbye();
   mpi_->FlushSends(5.0);
@@ -577,7 +618,10 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   Status s = PrepareBatch(head, entries, &batch, &result);
   if (s.ok()) s = RunBatch(resps, entries, batch, result);
   if (!s.ok()) CompleteAll(entries, Result{s, {}});
-  return s.code() == StatusCode::kInternal ? s : Status::OK();
+  return s.code() == StatusCode::kInternal ||
+                 s.code() == StatusCode::kRanksLost
+             ? s
+             : Status::OK();
 }
 
 // A joined rank's part in an allreduce it never submitted: zeros of the

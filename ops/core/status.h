@@ -15,6 +15,9 @@ enum class StatusCode : int {
   kMismatch = 3,         // ranks disagree about a tensor
   kAborted = 4,          // shut down / another rank went away / stall timeout
   kInternal = 5,         // MPI/NCCL failure
+  // A rank of the job was lost and the survivors re-form without it
+  // (recovery in place, transport/mpi_context.h): kerasdist.RanksLostError.
+  kRanksLost = 6,
 };
 
 // [[nodiscard]]: a Status dropped on the floor is a bug the compiler reports.
@@ -38,6 +41,9 @@ class [[nodiscard]] Status {
   }
   static Status Internal(std::string m) {
     return Status(StatusCode::kInternal, std::move(m));
+  }
+  static Status RanksLost(std::string m) {
+    return Status(StatusCode::kRanksLost, std::move(m));
   }
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

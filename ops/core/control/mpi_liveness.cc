@@ -359,8 +359,10 @@ void EndStartupWatch() {
 
 Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
                      const std::string& interface,
-                     std::unique_ptr<Liveness>* out) {
+                     std::unique_ptr<Liveness>* out,
+                     std::function<void(const std::string&)> on_lost) {
   LivenessOptions opt;
+  opt.on_lost = std::move(on_lost);
   MPI_Comm_rank(comm, &opt.rank);
   MPI_Comm_size(comm, &opt.size);
   double times[2] = {interval_s, timeout_s};

@@ -420,8 +420,17 @@ Status MpiStatus(int code, const char* call) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(code, text, &len);
-  return Status::Internal(std::string(call) +
-                          " failed: " + std::string(text, len));
+  const std::string what =
+      std::string(call) + " failed: " + std::string(text, len);
+#ifdef KERASDIST_ULFM
+  int cls = code;
+  MPI_Error_class(code, &cls);
+  if (cls == MPIX_ERR_PROC_FAILED || cls == MPIX_ERR_PROC_FAILED_PENDING ||
+      cls == MPIX_ERR_REVOKED) {
+    return Status::RanksLost("a rank of the job was lost (" + what + ")");
+  }
+#endif
+  return Status::Internal(what);
 }
 
 namespace {
@@ -544,7 +553,8 @@ Status MpiContext::Create(bool has_parent, int parent_f,
         "kerasdist's background thread needs MPI_THREAD_SERIALIZED or "
         "MPI_THREAD_MULTIPLE (mpi4py asks for MULTIPLE by default).");
   }
-  MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : MPI_COMM_WORLD;
+  KD_RETURN_IF_ERROR(CheckRecovery());
+  MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : JobWorld();
   // Before the first collective: a rank that froze or went after MPI_Init
   // is named within the deadline instead of waited for in MPI_Comm_dup.
   KD_RETURN_IF_ERROR(StartupCheckIn(parent));
@@ -567,7 +577,9 @@ Status MpiContext::Create(bool has_parent, int parent_f,
 MpiContext::~MpiContext() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) return;
+  // A revoked communicator is left to MPI: freeing it would wait for the
+  // lost rank.
+  if (finalized || revoked_) return;
   for (MPI_Comm* c : {&leader_comm_, &node_comm_, &comm_}) {
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
   }

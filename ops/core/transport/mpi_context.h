@@ -8,8 +8,21 @@
 #error "this source sees mpi.h: list it in ops/Makefile's CORE_MPI_SRCS"
 #endif
 #include <mpi.h>
+// Open MPI's fault-tolerance extension (ULFM: MPIX_Comm_revoke and
+// MPIX_Comm_shrink), where the MPI built against has it. MPICH builds never
+// see it: their path is what it was.
+#if defined(OPEN_MPI) && defined(__has_include)
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+#endif
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && defined(MPIX_ERR_PROC_FAILED)
+#define KERASDIST_ULFM 1
+#endif
 
+#include <atomic>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -53,6 +66,18 @@ class MpiContext : public ControlChannel {
   std::unique_ptr<Communicator> MakeNodeCommunicator();
   std::unique_ptr<Communicator> MakeLeaderCommunicator();
 
+  // Recovery in place (mpi_recovery.cc). Revoke: every pending and later
+  // call on this context's communicators fails, on every rank, with
+  // Status::RanksLost (thread-safe: the heartbeat's thread calls it too).
+  // Reform: collective over the survivors, from the runtime's thread once it
+  // has stopped: revokes, then shrinks the job's communicator to the ranks
+  // still alive, which the next kd.init() starts from (JobWorld). A shrink
+  // that fails, or takes longer than `deadline_s` (another rank lost or
+  // frozen meanwhile), ends this process with one line: the launcher then
+  // relaunches from the last commit on disk, as without recovery.
+  void Revoke();
+  void Reform(double deadline_s);
+
  private:
   MpiContext() = default;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -64,7 +89,21 @@ class MpiContext : public ControlChannel {
     MPI_Request request;
   };
   std::deque<Pending> sends_;
+  std::atomic<bool> revoked_{false};  // its communicators are not freed
 };
+
+// Recovery in place is on: KERASDIST_RECOVER_IN_PLACE=1 (kerasdist run
+// --recover-in-place sets it) on an MPI with ULFM whose job started with
+// fault tolerance on (Open MPI's mpirun --with-ft ulfm). CheckRecovery, in
+// Create once MPI runs: an error naming what is missing when it was asked
+// for and cannot be had.
+Status CheckRecovery();
+bool RecoveryOn();
+// The communicator a runtime starts from when kd.init() is given none:
+// MPI_COMM_WORLD, or the survivors' after a recovery.
+MPI_Comm JobWorld();
+// How many times this process's job was re-formed in place.
+int Recoveries();
 
 // Collective over `comm`: starts this rank's heartbeat (liveness.h) with
 // rank 0's interval and timeout (seconds); *out stays empty for one rank or
@@ -89,9 +128,11 @@ void SkipFinalizeAtExit();
 void StartStartupWatch(MPI_Comm comm);
 void EndStartupWatch();
 
+// `on_lost`: LivenessOptions::on_lost (empty: print and end the process).
 Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
                      const std::string& interface,
-                     std::unique_ptr<Liveness>* out);
+                     std::unique_ptr<Liveness>* out,
+                     std::function<void(const std::string&)> on_lost = {});
 
 // Turns an MPI error code into a Status naming the call.
 Status MpiStatus(int code, const char* call);

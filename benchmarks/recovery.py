@@ -1,0 +1,221 @@
+"""What a lost rank costs on one host: recovery in place against today's
+relaunch, alternating in one run.
+
+    python benchmarks/recovery.py [--rounds 3] [--kill-step 7]
+
+Both paths run tests/workers/recovery_worker.py (PyTorch SGD under
+`kerasdist.elastic.run`, 3 ranks, a commit every 3 steps, 12 steps) and
+rank 2 SIGKILLs itself mid-step (after its gradient, before its
+allreduce):
+
+- in place: kerasdist built against Open MPI (tests/support/site_mpi.py,
+  built once into a temporary directory) under `kerasdist run
+  --recover-in-place`; the survivors re-form at 2 ranks from the commit in
+  memory.
+- relaunch: the repository's build (the mpich wheel) under `kerasdist run
+  --max-restarts 1`, the commits on disk (KERASDIST_ELASTIC_DIR): the
+  heartbeat ends the survivors, the launcher relaunches 3 ranks, which
+  resume from the last commit on disk.
+
+From the wall times the worker records (time.time(), one host's clock):
+
+- total: from the SIGKILL to the first step completed after it (the
+  earliest rank's);
+- in place, split: detect (SIGKILL to the first survivor's
+  RanksLostError), re-form (from there to the reset callbacks: the shrink,
+  kd.init() on the survivors, the restore) and the rest (sync and the
+  step);
+- relaunch, split: down (SIGKILL to the relaunched ranks' script start:
+  detection, the job's teardown, the launcher's relaunch), start (to
+  kd.init() returning: Python, PyTorch and kerasdist's imports, MPI's
+  start) and the rest (reading the commit, syncing, the step);
+- lost: steps trained before the kill that are trained again (the kill's
+  step minus the commit's).
+
+Prints a Markdown table and the raw figures (JSON).
+
+    python benchmarks/recovery.py --steady [--rounds 3]
+
+The steady state instead: what the recoverable transport costs a job with
+no failure. 2 ranks allreduce float32 Sum of 4 KiB and 16 MiB through the
+core (kerasdist._core.host, no framework), each call after a barrier; the
+median over calls of the slower rank's time, for the Open MPI build under
+`kerasdist run` and under `kerasdist run --recover-in-place`, and the
+mpich build, taking turns.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+KILL_RANK, NP = 2, 3
+
+
+def _run(args, root, directory, kill_step, extra_env, timeout_s=300):
+    from tests.support.helpers import launcher_env
+    from tests.support.helpers import worker_cmd
+    argv = [sys.executable, "-m", "kerasdist.run", *args, "-np", str(NP),
+            *worker_cmd("recovery_worker.py", directory, str(KILL_RANK),
+                        str(kill_step))]
+    env = launcher_env(dict(os.environ, **extra_env), root)
+    out = subprocess.run(argv, capture_output=True, text=True, env=env,
+                         cwd=root or REPO, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args} exited {out.returncode}:\n"
+                           f"{(out.stdout + out.stderr)[-3000:]}")
+    return out
+
+
+def _read(directory, name):
+    with open(os.path.join(directory, name)) as f:
+        return json.load(f)
+
+
+def _first_step_after(ends, kill_at):
+    return min(t for e in ends for t in e["done_at"].values() if t > kill_at)
+
+
+def in_place(root, kill_step, workdir):
+    d = tempfile.mkdtemp(dir=workdir)
+    _run(["--recover-in-place"], root, d, kill_step, {})
+    kill_at = _read(d, "kill.json")["at"]
+    ends = [_read(d, f"end.{r}.json") for r in range(NP) if r != KILL_RANK]
+    lost_at = min(t for e in ends for t in e["lost_at"])
+    reset_at = min(t for e in ends for t in e["reset_at"])
+    first = _first_step_after(ends, kill_at)
+    return {"total": first - kill_at, "detect": lost_at - kill_at,
+            "reform": reset_at - lost_at, "rest": first - reset_at,
+            "lost_steps": kill_step - ends[0]["resumed"][0]}
+
+
+def relaunch(kill_step, workdir):
+    d = tempfile.mkdtemp(dir=workdir)
+    commits = os.path.join(d, "commits")
+    os.makedirs(commits)
+    _run(["--max-restarts", "1"], None, d, kill_step,
+         {"KERASDIST_ELASTIC_DIR": commits})
+    kill_at = _read(d, "kill.json")["at"]
+    starts = [_read(d, f"a1.start.{r}.json") for r in range(NP)]
+    ends = [_read(d, f"a1.end.{r}.json") for r in range(NP)]
+    began = min(s["began"] for s in starts)
+    init_at = max(s["init_at"] for s in starts)
+    first = _first_step_after(ends, kill_at)
+    committed = min(int(s) for s in ends[0]["done_at"]) - 1
+    return {"total": first - kill_at, "down": began - kill_at,
+            "start": init_at - began, "rest": first - init_at,
+            "lost_steps": kill_step - committed}
+
+
+STEADY = """
+import json, sys, time
+import numpy as np
+import kerasdist as kd
+from kerasdist._core import host
+kd.init()
+out = {}
+for nbytes, calls in ((4096, 400), (16 << 20, 20)):
+    x = np.ones(nbytes // 4, np.float32)
+    for i in range(5):
+        host.host_allreduce(x, kd.Sum, f"warm.{nbytes}.{i}")
+    times = []
+    for i in range(calls):
+        host.host_barrier(f"b.{nbytes}.{i}")
+        t = time.perf_counter()
+        host.host_allreduce(x, kd.Sum, f"a.{nbytes}.{i}")
+        times.append(time.perf_counter() - t)
+    slowest = host.host_allreduce(np.array(times), kd.Max, f"max.{nbytes}")
+    out[nbytes] = float(np.median(slowest))
+if kd.rank() == 0:
+    print("STEADY " + json.dumps(out), flush=True)
+"""
+
+
+def steady(root, args, extra_env=None):
+    from tests.support.helpers import launcher_env
+    argv = [sys.executable, "-m", "kerasdist.run", *args, "-np", "2",
+            sys.executable, "-c", STEADY]
+    env = launcher_env(dict(os.environ, **(extra_env or {})), root)
+    out = subprocess.run(argv, capture_output=True, text=True, env=env,
+                         cwd=root or REPO, timeout=300)
+    for line in out.stdout.splitlines():
+        if "STEADY " in line:
+            return {int(k): v for k, v in
+                    json.loads(line.split("STEADY ", 1)[1]).items()}
+    raise RuntimeError(f"{args}: {(out.stdout + out.stderr)[-3000:]}")
+
+
+def steady_main(root, rounds):
+    systems = {"Open MPI": (root, []),
+               "Open MPI --recover-in-place": (root, ["--recover-in-place"]),
+               "mpich": (None, [])}
+    rows = {name: [] for name in systems}
+    for i in range(rounds):
+        for name, (where, args) in systems.items():
+            rows[name].append(steady(where, args))
+        print(f"round {i + 1}: " + ", ".join(
+            f"{n} {r[-1][4096] * 1e6:.0f} us / {r[-1][16 << 20] * 1e3:.1f} ms"
+            for n, r in rows.items()), flush=True)
+    print("\n| system | 4 KiB allreduce (median) | 16 MiB allreduce (median) |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        small = statistics.median(x[4096] for x in r)
+        big = statistics.median(x[16 << 20] for x in r)
+        print(f"| {name} | {small * 1e6:.0f} us | {big * 1e3:.2f} ms |")
+    print("\nraw:", json.dumps(rows))
+
+
+def _median(rows, key):
+    return statistics.median(r[key] for r in rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kill-step", type=int, default=7)
+    p.add_argument("--steady", action="store_true",
+                   help="the steady state's allreduce times instead")
+    args = p.parse_args()
+    from tests.support import site_mpi
+    home = site_mpi.openmpi_home()
+    if home is None:
+        sys.exit(f"no Open MPI: {site_mpi.OPENMPI_INSTALL}")
+    with tempfile.TemporaryDirectory() as workdir:
+        root = site_mpi.build(os.path.join(workdir, "openmpi-build"),
+                              KERASDIST_MPI_HOME=home)
+        if args.steady:
+            steady_main(root, args.rounds)
+            return
+        rows = {"in place": [], "relaunch": []}
+        for i in range(args.rounds):
+            rows["in place"].append(in_place(root, args.kill_step, workdir))
+            rows["relaunch"].append(relaunch(args.kill_step, workdir))
+            print(f"round {i + 1}: in place "
+                  f"{rows['in place'][-1]['total']:.3f} s, relaunch "
+                  f"{rows['relaunch'][-1]['total']:.3f} s", flush=True)
+    ip, rl = rows["in place"], rows["relaunch"]
+    print()
+    print("| path | SIGKILL to next step (median) | split (median) | "
+          "steps trained again |")
+    print("|---|---|---|---|")
+    print(f"| in place | {_median(ip, 'total'):.3f} s | detect "
+          f"{_median(ip, 'detect'):.3f} s, re-form "
+          f"{_median(ip, 'reform'):.3f} s, sync and step "
+          f"{_median(ip, 'rest'):.3f} s | {ip[0]['lost_steps']} |")
+    print(f"| relaunch | {_median(rl, 'total'):.3f} s | detect and "
+          f"relaunch {_median(rl, 'down'):.3f} s, start "
+          f"{_median(rl, 'start'):.3f} s, resume and step "
+          f"{_median(rl, 'rest'):.3f} s | {rl[0]['lost_steps']} |")
+    print(f"\nrelaunch / in place: "
+          f"{_median(rl, 'total') / _median(ip, 'total'):.1f}x")
+    print("\nraw:", json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

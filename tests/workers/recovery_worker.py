@@ -1,0 +1,150 @@
+"""SGD on a linear model in PyTorch (or JAX: RECOVERY_BACKEND=jax) under
+`kerasdist.elastic.run`, for recovery in place
+(tests/cluster/test_recovery.py, benchmarks/recovery.py).
+
+Every rank trains the same weights on its own rows of a fixed data set
+(rows_for: step, rank, size); the gradients are averaged with
+kerasdist.torch.allreduce (kerasdist.jax.allreduce, eager). The state
+(weights and step) is committed in memory every COMMIT_EVERY steps. The
+rank KILL_RANK SIGKILLs itself after computing the gradient of step
+KILL_STEP, before its allreduce, so the others are inside that collective
+when it goes.
+
+Each rank writes DIR/<P>start.<rank>.json (its pid, rank and size at the
+start, and the wall times (time.time()) its script began and kd.init()
+returned) and, when training ends, DIR/<P>end.<start rank>.json: its pid,
+rank and size then, the steps it resumed from after each recovery, the
+final weights, the wall time each step completed, each RanksLostError
+came and each reset ran. <P> is "" in the launcher's first attempt and
+"a<N>." in attempt N (KERASDIST_RESTART_ATTEMPT, after a relaunch). The
+killed rank writes DIR/kill.json (the wall time of its SIGKILL) first.
+Under KERASDIST_ELASTIC_DIR the commits also go to disk (a relaunch
+resumes from them); the kill happens in the first attempt only.
+
+argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
+      KILL, the default, or STOP: the rank freezes instead)
+env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
+     RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
+     RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
+     callback: a second failure while the others recover)
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+BEGAN = time.time()
+import numpy as np  # noqa: E402
+
+import kerasdist.elastic as elastic  # noqa: E402
+
+if os.environ.get("RECOVERY_BACKEND", "torch") == "jax":
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    import kerasdist.jax as kd
+    to_tensor = jnp.asarray
+else:
+    import torch
+
+    import kerasdist.torch as kd
+
+    def to_tensor(array):
+        return torch.tensor(array, dtype=torch.float64)
+
+ROWS, FEATURES, BATCH, LR = 240, 5, 4, 0.05
+
+
+def data():
+    """The fixed data set: (X, y), float64."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(ROWS, FEATURES))
+    y = x @ np.arange(1.0, FEATURES + 1) + 0.1 * rng.normal(size=ROWS)
+    return x, y
+
+
+def rows_for(step, rank, size):
+    """The rows rank `rank` of `size` trains on at `step`."""
+    first = (step * size + rank) * BATCH
+    return np.arange(first, first + BATCH) % ROWS
+
+
+def gradient(w, x, y, rows):
+    """The mean squared error's gradient on `rows` at weights `w`."""
+    xb, yb = x[rows], y[rows]
+    return 2.0 / len(rows) * xb.T @ (xb @ w - yb)
+
+
+def main():
+    DIR = sys.argv[1]
+    KILL_RANK = int(sys.argv[2]) if len(sys.argv) > 3 else -1
+    KILL_STEP = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    STEPS = int(os.environ.get("RECOVERY_STEPS", "12"))
+    COMMIT_EVERY = int(os.environ.get("RECOVERY_COMMIT_EVERY", "3"))
+    STEP_SLEEP = float(os.environ.get("RECOVERY_STEP_SLEEP", "0.05"))
+    SIGNUM = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4
+                                      else "KILL"))
+    DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
+    kd.init()
+    start_rank = kd.rank()
+    attempt = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0") or 0)
+    prefix = f"a{attempt}." if attempt else ""
+    with open(os.path.join(DIR, f"{prefix}start.{start_rank}.json"),
+              "w") as f:
+        json.dump({"pid": os.getpid(), "rank": start_rank,
+                   "size": kd.size(), "began": BEGAN,
+                   "init_at": time.time()}, f)
+    x, y = data()
+    resumed, done_at, lost_at, reset_at = [], {}, [], []
+    state = elastic.ObjectState(w=np.zeros(FEATURES), step=0)
+
+    def on_reset():
+        if start_rank == DIE_IN_RESET:
+            os.kill(os.getpid(), signal.SIGKILL)
+        resumed.append(state.step)
+        reset_at.append(time.time())
+
+    state.register_reset_callbacks([on_reset])
+
+    def allreduce(g, step):
+        try:
+            return kd.allreduce(g, op=kd.Average, name=f"grad.{step}")
+        except elastic.RanksLostError:
+            lost_at.append(time.time())
+            raise
+
+    @elastic.run
+    def train(state):
+        w = np.array(state.w)
+        while state.step < STEPS:
+            rank, size = kd.rank(), kd.size()
+            g = to_tensor(gradient(w, x, y,
+                                      rows_for(state.step, rank, size)))
+            time.sleep(STEP_SLEEP)  # the step's compute
+            if (start_rank, state.step, attempt) == (KILL_RANK, KILL_STEP,
+                                                     0):
+                with open(os.path.join(DIR, "kill.json"), "w") as f:
+                    json.dump({"at": time.time()}, f)
+                os.kill(os.getpid(), SIGNUM)
+            g = np.asarray(allreduce(g, state.step))
+            w = w - LR * g
+            state.w, state.step = w.copy(), state.step + 1
+            done_at[state.step] = time.time()
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    with open(os.path.join(DIR, f"{prefix}end.{start_rank}.json"),
+              "w") as f:
+        json.dump({"pid": os.getpid(), "rank": kd.rank(), "size": kd.size(),
+                   "resumed": resumed, "w": state.w.tolist(),
+                   "done_at": done_at, "lost_at": lost_at,
+                   "reset_at": reset_at}, f)
+    print(f"rank {start_rank} done at size {kd.size()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
