@@ -34,7 +34,8 @@ CHECKS = {
             "load_weights_reads_slices"],
     "np3": ["plain_keras_file_loads_sharded_np3",
             "sharded_np2_file_loads_sharded_np3"],
-    "np1": ["files_load_replicated_and_sharded_np1"],
+    "np1": ["files_load_replicated_and_sharded_np1",
+            "load_model_shard_weights_refusals"],
 }
 
 

@@ -19,6 +19,8 @@ np3  Both .keras files load sharded at 3 ranks (slices only): the weights
      continuing from the file on the concatenated batches.
 np1  Both load replicated (`kd.load_model(path)`) and sharded at one rank:
      exactly the saved weights; a further epoch equals plain Keras'.
+     load_model(shard="weights") refuses a .weights.h5 file and
+     root_rank, each with one line saying what to do.
 
 Prints `OK <check>` per passed check, `DONE` at the end; a failed check
 raises. Truths: plain Keras on one process (keras.models.load_model, fit
@@ -248,6 +250,22 @@ def mode_np1(root):
               f"{name}: replicated epoch")
         continue_from(path, f"{name} sharded at np 1", 1)
     ok("files_load_replicated_and_sharded_np1")
+
+    def refused(make, words):
+        try:
+            make()
+        except ValueError as e:
+            assert all(w in str(e) for w in words), (words, e)
+        else:
+            raise AssertionError(f"accepted: {words}")
+
+    plain = os.path.join(root, "plain.keras")
+    refused(lambda: kd.load_model(os.path.join(root, "plain.weights.h5"),
+                                  shard="weights"),
+            ["shard='weights'", ".keras", "model.load_weights(path)"])
+    refused(lambda: kd.load_model(plain, shard="weights", root_rank=0),
+            ["root_rank", "whole file"])
+    ok("load_model_shard_weights_refusals")
 
 
 def main():
