@@ -106,7 +106,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         shard: the wrapper's `shard=` (`DistributedOptimizer`): with
             "optimizer_state" or "gradients" each rank keeps its shard of
             the saved optimizer state, whatever the number of ranks or
-            the optimizer that saved it.
+            the optimizer that saved it. With "weights" (a `.keras` file)
+            the model is built under `kerasdist.shard_weights()` (no rank
+            ever holds it whole), and each rank reads from the file only
+            its slice of every trainable weight and of every optimizer
+            slot (`kerasdist.shard_weights`); a collective: every rank
+            calls it.
 
     Returns:
         The Keras model, compiled with the distributed optimizer.
@@ -114,7 +119,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     Raises:
         TypeError: if `custom_optimizers` holds something other than
             optimizer classes, or `custom_objects` is not a dict.
-        ValueError: for `legacy_opts=True`.
+        ValueError: for `legacy_opts=True`; with shard="weights", for a
+            file other than a `.keras` one, or with `root_rank`.
         ValueError: for a file Keras cannot read (Keras' own error).
         OSError: with `root_rank`, on every rank, when the root cannot
             read the file.
@@ -147,6 +153,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
                             "name: object; got "
                             f"{type(custom_objects).__name__}.")
         objects.update(custom_objects)
+    if shard == "weights":
+        return _load_sharded(filepath, objects or None, compression,
+                             root_rank)
     if root_rank is None:
         model = keras.models.load_model(filepath,
                                         custom_objects=objects or None)
@@ -168,6 +177,66 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         model.compile(**config)
     else:
         model.optimizer = wrapped
+    return model
+
+
+def _load_sharded(filepath, custom_objects, compression, root_rank):
+    """load_model(shard="weights"): the model built sharded, its weights
+    and optimizer state read by slices (kerasdist/keras/sharding/
+    loading.py)."""
+    import json
+    import os
+    import zipfile
+
+    import keras
+    from keras.src.saving import object_registration
+    from keras.src.saving import serialization_lib
+
+    from kerasdist.keras.distributed_optimizer import DistributedOptimizer
+    from kerasdist.keras.sharding import weights as _weights
+
+    path = os.fspath(filepath)
+    if not path.endswith(".keras"):
+        raise ValueError(
+            "load_model(shard='weights') reads a .keras file (each rank "
+            f"its slices of the weights); got {path!r}. Load a "
+            ".weights.h5 file with model.load_weights(path) on a model "
+            "built under kerasdist.shard_weights().")
+    if root_rank is not None:
+        raise ValueError(
+            "load_model(shard='weights') cannot take root_rank: the root "
+            "would send the whole file to every rank. Give every rank "
+            "the file (a shared file system), and each reads only its "
+            "slices of it.")
+    with zipfile.ZipFile(path, "r") as archive:
+        config = json.loads(archive.read("config.json"))
+    compile_config = config.pop("compile_config", None)
+    config["compile_config"] = None
+    with object_registration.CustomObjectScope(custom_objects or {}):
+        with serialization_lib.ObjectSharingScope(), \
+                _weights.shard_weights():
+            model = serialization_lib.deserialize_keras_object(
+                config, custom_objects=custom_objects, safe_mode=True)
+        if not getattr(model, "built", False):
+            raise ValueError(
+                f"load_model(shard='weights'): the model in {path!r} is "
+                "not built by its config (no build_config), so its "
+                "weights cannot be sharded as it is built. Build it under "
+                "kerasdist.shard_weights() and call "
+                "model.load_weights(path).")
+        _weights.shard_weights(model)
+        if compile_config:
+            args = serialization_lib.deserialize_keras_object(
+                compile_config)
+            optimizer = args.get("optimizer")
+            if optimizer is not None:
+                optimizer = keras.optimizers.get(optimizer)
+                args["optimizer"] = DistributedOptimizer(
+                    optimizer, compression=compression, shard="weights")
+            model.compile(**args)
+            if optimizer is not None:
+                model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
     return model
 
 

@@ -144,6 +144,69 @@ def shared_only(optimizer, record=None):
             del target.load_own_variables
 
 
+# ---- sharded weights (Trainer(shard="weights")) -------------------------
+
+
+def _layer_variables(layer):
+    return list(layer._trainable_variables) + \
+        list(layer._non_trainable_variables)
+
+
+def _has_sharded(layer, paths=()):
+    from kerasdist.keras.sharding import weights as _weights
+
+    return any(_weights.info(v) is not None or
+               getattr(v, "path", None) in paths
+               for v in layer._trainable_variables)
+
+
+@contextlib.contextmanager
+def unsharded_layers(model, record=None):
+    """A context in which the layers holding sharded weights save (in a
+    Keras weight file) only their other variables (moving averages...),
+    under their index among the layer's variables: the shard files hold
+    the sharded ones. Loading, those layers (and, with `record`, the
+    manifest's `optimizer_shards` of a shard="weights" checkpoint, the
+    layers whose weights it names, in a model whose weights are whole)
+    assign only the variables the file holds."""
+    from kerasdist.keras.sharding import weights as _weights
+
+    paths = {e["path"] for e in (record or {}).get("weights") or ()}
+    layers = [layer for layer in model._flatten_layers(include_self=True,
+                                                       recursive=True)
+              if _has_sharded(layer, paths)]
+
+    def saver(layer):
+        def save_own_variables(store):
+            for i, v in enumerate(_layer_variables(layer)):
+                if _weights.info(v) is None:
+                    store[str(i)] = v
+        return save_own_variables
+
+    def loader(layer):
+        def load_own_variables(store):
+            variables = _layer_variables(layer)
+            for key in store.keys():
+                variables[int(key)].assign(store[key])
+        return load_own_variables
+
+    for layer in layers:
+        object.__setattr__(layer, "save_own_variables", saver(layer))
+        object.__setattr__(layer, "load_own_variables", loader(layer))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("save_own_variables", None)
+            layer.__dict__.pop("load_own_variables", None)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
 class ShardWriter:
     """One rank's part of writing a sharded optimizer's checkpoints: its
     shard file, and on rank 0 the weight file's optimizer entry (the
@@ -152,19 +215,29 @@ class ShardWriter:
     checkpoint's name it makes the token that tells this write's files
     from those an earlier attempt left."""
 
-    def __init__(self, optimizer, directory, nonce):
+    def __init__(self, optimizer, directory, nonce, model=None):
         state = _optimizer.shard_state(optimizer)
         self.optimizer = optimizer
+        # shard="weights": the model's weight shards go into the shard
+        # files too, and the weight file holds the layers' other
+        # variables only.
+        self.model = model if _shard_files.weight_shards(optimizer) \
+            else None
         self.rank = state.rank
         self.size = state.layout.size
         self.directory = directory
         self.nonce = int(nonce)
 
     def weights_io(self):
-        return shared_only(self.optimizer)
+        if self.model is None:
+            return shared_only(self.optimizer)
+        return _both(shared_only(self.optimizer),
+                     unsharded_layers(self.model))
 
     def take(self):
-        return _shard_files.take_shard(self.optimizer)
+        values = _shard_files.take_shard(self.optimizer)
+        values.update(_shard_files.take_weight_shards(self.optimizer))
+        return values
 
     def _token(self, stem):
         return f"{self.nonce}:{stem}"
@@ -182,6 +255,9 @@ class ShardWriter:
         """Rank 0: the manifest's `optimizer_shards` once every file of
         the checkpoint `stem` is in place."""
         record = _shard_files.shard_index(self.optimizer)
+        weights = _shard_files.weight_index(self.optimizer)
+        if weights:
+            record["weights"] = weights
         record["files"] = collect(self.directory, stem, self.size,
                                   self._token(stem))
         return record

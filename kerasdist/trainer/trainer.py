@@ -11,6 +11,7 @@ the order they run; its checkpoints (`checkpoints.py`) and metrics live in
 modules of their own.
 """
 
+import contextlib
 import importlib.util
 import os
 
@@ -27,6 +28,7 @@ from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.distributed_optimizer import SHARD_MODES
 from kerasdist.keras.distributed_optimizer import DistributedOptimizer
 from kerasdist.keras.sharding import files as _shard_files
+from kerasdist.keras.sharding import weights as _weights
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import checkpoints
 from kerasdist.trainer import data as _tdata
@@ -123,6 +125,14 @@ class Trainer:
             rank must see: a shared file system on several hosts), rank 0
             the weights and the manifest naming them; a resume at another
             size, or with another `shard`, reads each rank's part.
+            "weights": the model's weights are sharded too
+            (`kerasdist.shard_weights`: `build_model()` runs under
+            `kerasdist.shard_weights()`, so no rank holds the whole
+            model); every rank writes its shard of the weights and of
+            the optimizer state into its shard file, and the weight file
+            holds only the unsharded variables. Such checkpoints resume at
+            any size, sharded or replicated, and a replicated checkpoint
+            resumes sharded (each rank reading its slices).
         jit_compile: `model.compile`'s `jit_compile` (True, False or
             "auto"). None (default): what suits the backend, False on
             TensorFlow and PyTorch, True on JAX. On TensorFlow, True keeps
@@ -189,8 +199,8 @@ class Trainer:
                              "sets them (use the constructor arguments or "
                              "override train_data/val_data).")
         if shard not in SHARD_MODES:
-            raise ValueError(f"shard must be None, 'optimizer_state' or "
-                             f"'gradients'; got {shard!r}.")
+            raise ValueError(f"shard must be None, 'optimizer_state', "
+                             f"'gradients' or 'weights'; got {shard!r}.")
         self.shard = shard
         if jit_compile not in (None, True, False, "auto"):
             raise ValueError(f"jit_compile must be None, True, False or "
@@ -415,14 +425,18 @@ class Trainer:
             return
         keras.utils.set_random_seed(self.seed)
         with _tstate.rank_independent_names():
-            model = self.build_model()
-            if not isinstance(model, keras.Model):
-                raise TypeError(f"build_model() must return a keras.Model, "
-                                f"got {type(model).__name__}.")
-            if not model.built:
-                # Subclassed or Input-less models: build on one batch.
-                x = next(iter(sample_data.batch(1).take(1)))[0]
-                model(x)
+            with self._sharded_build():
+                model = self.build_model()
+                if not isinstance(model, keras.Model):
+                    raise TypeError(f"build_model() must return a "
+                                    f"keras.Model, got "
+                                    f"{type(model).__name__}.")
+                if not model.built:
+                    # Subclassed or Input-less models: build on one batch.
+                    x = next(iter(sample_data.batch(1).take(1)))[0]
+                    model(x)
+            if self.shard == "weights":
+                _weights.shard_weights(model)
             optimizer = self.build_optimizer(self.scaled_learning_rate)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError("build_optimizer() must return a "
@@ -449,6 +463,17 @@ class Trainer:
             self._log(f"loaded checkpoint {source['weights_path']} (after "
                       f"epoch {source['epoch']}, optimizer step "
                       f"{int(self.optimizer.iterations)})")
+
+    def _sharded_build(self):
+        """shard="weights": each layer sharded as soon as it is built."""
+        if self.shard != "weights":
+            return contextlib.nullcontext()
+        return _weights.shard_weights()
+
+    @property
+    def _weights_sharded(self):
+        return bool(self.model is not None and
+                    _weights.shards_in(self.model.trainable_variables))
 
     def _compile(self):
         # By default: TensorFlow, no XLA (as before XLA kernels existed;
@@ -479,8 +504,21 @@ class Trainer:
         if record is not None:
             # A sharded optimizer's checkpoint: the weight file holds the
             # shared optimizer variables, the shard files the slots.
-            with _tshards.shared_only(self.model.optimizer, record):
+            saved_weights = bool(record.get("weights"))
+            with _tshards.shared_only(self.model.optimizer, record), \
+                    (_tshards.unsharded_layers(self.model, record)
+                     if saved_weights else contextlib.nullcontext()):
                 self.model.load_weights(path)
+            if saved_weights and not self._weights_sharded:
+                # shard="weights"' checkpoint, whole weights: rank 0
+                # reads them whole from the shard files (then broadcast).
+                source = _shard_files.ShardFiles(os.path.dirname(path),
+                                                 record)
+                try:
+                    _shard_files.load_whole_weights(
+                        self.model.trainable_variables, source, record)
+                finally:
+                    source.close()
             if self._sharded is None:  # replicated: rank 0 reads them whole
                 self._load_slots(manifest)
         else:
@@ -529,6 +567,8 @@ class Trainer:
         optimizer's rank its own shard, a replicated optimizer all."""
         record = manifest.get("optimizer_shards")
         path = manifest["weights_path"]
+        if self._weights_sharded:
+            self._load_weight_shards(manifest)
         if record is not None:
             source = _shard_files.ShardFiles(os.path.dirname(path), record)
             numels = {int(e["index"]): int(e["numel"])
@@ -545,6 +585,26 @@ class Trainer:
             _shard_files.load_slots(self.model.optimizer, source, numels)
         finally:
             source.close()
+
+    def _load_weight_shards(self, manifest):
+        """Every rank of a shard="weights" model: its slices of the saved
+        weights, from the shard files of a shard="weights" checkpoint, or
+        from the weight file of any other (h5py slices)."""
+        record = manifest.get("optimizer_shards")
+        path = manifest["weights_path"]
+        if record is not None and record.get("weights"):
+            source = _shard_files.ShardFiles(os.path.dirname(path), record)
+            try:
+                _shard_files.load_weight_shards(self.model.optimizer, source,
+                                                record)
+            finally:
+                source.close()
+            return
+        # Whole weights in the weight file: each rank reads its slices
+        # (the optimizer's slots are read below; the shared variables
+        # again, alike).
+        with _tshards.shared_only(self.model.optimizer, record):
+            self.model.load_weights(path)
 
     def _resume_fit(self):
         """Finds and loads the newest checkpoint on rank 0; every rank gets
@@ -638,7 +698,8 @@ class Trainer:
                 self.checkpoint_dir, "checkpoint_dir",
                 "kerasdist.trainer.shared_dir")
             self._shard_writer = _tshards.ShardWriter(
-                self.model.optimizer, self.checkpoint_dir, int(nonce[0]))
+                self.model.optimizer, self.checkpoint_dir, int(nonce[0]),
+                model=self.model)
         if self.checkpoint_dir and self.step_checkpoints and (
                 rank == 0 or self._shard_writer is not None):
             self._steps = _tsnap.StepCheckpoints(

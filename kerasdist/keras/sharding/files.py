@@ -89,10 +89,15 @@ class ShardFiles:
     def read(self, i, lo, hi):
         """Elements [lo, hi) of optimizer variable i, flattened."""
         e = self.entries[i]
+        return self.read_key(str(i), int(e["numel"]), int(e["chunk"]), lo,
+                             hi)
+
+    def read_key(self, key, numel, chunk, lo, hi):
+        """Elements [lo, hi) of the saved variable of dataset `key`
+        (`numel` elements, written in shards of `chunk`), flattened."""
         out = None
-        for k, start, stop, at in pieces(int(e["numel"]),
-                                                   int(e["chunk"]), lo, hi):
-            dataset = self._file(k)[str(i)]
+        for k, start, stop, at in pieces(numel, chunk, lo, hi):
+            dataset = self._file(k)[key]
             part = _decode(dataset, np.asarray(dataset[start:stop]))
             if out is None:
                 out = np.zeros(hi - lo, part.dtype)
@@ -190,3 +195,82 @@ def shard_index(optimizer):
              "chunk": layout.chunks[j], "dtype": layout.dtypes[j]}
             for i, v, j in slot_variables(optimizer)],
     }
+
+
+# ---- sharded weights (kerasdist.shard_weights): each rank's shard --------
+
+
+def weight_shards(optimizer):
+    """[(j, shard variable)] of the model's sharded weights an optimizer
+    with shard="weights" updates (j: its index in the layout); [] for
+    any other optimizer."""
+    from kerasdist.keras.sharding import weights as _weights
+
+    state = shard_state(optimizer)
+    if state is None or not state.variables or \
+            not _weights.is_shard(state.variables[0]):
+        return []
+    return list(enumerate(state.variables))
+
+
+def take_weight_shards(optimizer):
+    """This rank's shard of every sharded weight, copied to host memory:
+    {"w<j>": 1-D array} (shard file datasets beside the slots')."""
+    import keras
+
+    return {f"w{j}": np.array(keras.ops.convert_to_numpy(v), copy=True)
+            for j, v in weight_shards(optimizer)}
+
+
+def weight_index(optimizer):
+    """The manifest's `weights` entry of a shard="weights" checkpoint:
+    each sharded weight's dataset key, path, shape, element count and
+    shard length; [] for another optimizer."""
+    from kerasdist.keras.sharding import weights as _weights
+
+    layout = shard_state(optimizer).layout if weight_shards(optimizer) \
+        else None
+    return [
+        {"key": f"w{j}", "path": _weights.info(v).path,
+         "shape": list(layout.shapes[j]), "numel": layout.numels[j],
+         "chunk": layout.chunks[j], "dtype": layout.dtypes[j]}
+        for j, v in weight_shards(optimizer)]
+
+
+def _check_weights(record, count):
+    saved = record.get("weights") or []
+    if len(saved) != count:
+        raise ValueError(
+            f"the checkpoint holds {len(saved)} sharded weights, this "
+            f"model {count} trainable weights: another model.")
+    return saved
+
+
+def load_weight_shards(optimizer, source, record):
+    """Every rank of a shard="weights" model: assigns each shard variable
+    this rank's elements of the saved weight, read from `source`
+    (ShardFiles) by pieces."""
+    state = shard_state(optimizer)
+    layout, rank = state.layout, state.rank
+    pairs = weight_shards(optimizer)
+    saved = _check_weights(record, len(pairs))
+    for (j, v), e in zip(pairs, saved):
+        n, c = layout.numels[j], layout.chunks[j]
+        _check_numel(v, int(e["numel"]), n)
+        lo, hi = owned(n, c, rank)
+        value = np.zeros(c, numpy_dtype(layout.dtypes[j]))
+        value[:hi - lo] = source.read_key(e["key"], int(e["numel"]),
+                                          int(e["chunk"]), lo, hi)
+        v.assign(value)
+
+
+def load_whole_weights(variables, source, record):
+    """A model whose weights are whole (replicated): assigns each of
+    `variables` (its trainable weights, in order) the whole saved weight
+    from the shard files of a shard="weights" checkpoint."""
+    saved = _check_weights(record, len(variables))
+    for v, e in zip(variables, saved):
+        n = int(e["numel"])
+        _check_numel(v, n, int(np.prod(v.shape)))
+        v.assign(source.read_key(e["key"], n, int(e["chunk"]), 0, n)
+                 .reshape(tuple(v.shape)))

@@ -30,6 +30,7 @@ import numpy as np
 
 from kerasdist import basics
 from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding import loading as _loading
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.layout import owned
 from kerasdist.keras.sharding.layout import partition
@@ -156,6 +157,9 @@ def _own_piece(weight, value):
     """This rank's shard (padded) of a whole value (any array-like)."""
     import keras
 
+    sliced = getattr(value, "kerasdist_own_piece", None)
+    if sliced is not None:  # a saved value read by slice (loading.Lazy)
+        return sliced(weight)
     whole = np.asarray(keras.ops.convert_to_numpy(value))
     if whole.size != weight.numel:
         raise ValueError(
@@ -219,6 +223,7 @@ def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()  # PyTorch's parameters: the shards
     _install_whole_methods(model)
+    _loading.install(model)  # load_weights reads each rank's slices
     return model
 
 
