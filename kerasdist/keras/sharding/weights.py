@@ -26,13 +26,11 @@ rank of the job reads it (as `kerasdist.save_model`).
 import contextlib
 import math
 
-import numpy as np
-
 from kerasdist import basics
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.sharding import loading as _loading
+from kerasdist.keras.sharding import views as _views
 from kerasdist.keras.sharding.layout import itemsize
-from kerasdist.keras.sharding.layout import owned
 from kerasdist.keras.sharding.layout import partition
 
 # With remat=None, a layer whose sharded weights are this many bytes or
@@ -69,106 +67,6 @@ def is_shard(variable):
 
 def shards_in(variables):
     return [v for v in variables if is_shard(v)]
-
-
-def gather(weight, shard_value):
-    """The whole weight from every rank's shard (`shard_value` this
-    rank's, a tensor of the running backend): one allgather, whose
-    gradient is one reduce-scatter averaging the whole gradient over the
-    ranks into this rank's shard."""
-    import keras
-
-    ops = keras.ops
-    framework = _framework.get()
-    name = "kerasdist.w." + weight.path
-
-    @ops.custom_gradient
-    def whole(x):
-        every = framework.collectives.allgather(
-            ops.reshape(x, (1, -1)), name=framework.unique_name(name))
-        flat = ops.reshape(every, (-1,))
-        if flat.shape[0] != weight.numel:
-            flat = flat[:weight.numel]
-        out = ops.reshape(flat, weight.shape)
-
-        def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            rows = ops.reshape(framework.dense(upstream), (-1,))
-            pad = weight.size * weight.chunk - weight.numel
-            if pad:
-                rows = ops.pad(rows, [[0, pad]])
-            rows = ops.reshape(rows, (weight.size, weight.chunk))
-            mine = framework.collectives.reducescatter(
-                rows, op=basics.Average,
-                name=framework.unique_name(name + ".grad"),
-                prescale_factor=1.0, postscale_factor=1.0)
-            return ops.reshape(mine, (-1,))
-
-        return out, grad
-
-    return whole(shard_value)
-
-
-_view_classes = {}
-
-
-def _view_class(base):
-    klass = _view_classes.get(base)
-    if klass is not None:
-        return klass
-
-    class WholeView(base):
-        """A whole weight read from its shards (see the module)."""
-
-        # TensorFlow: a view is no resource variable (it has no handle of
-        # its own); ops take its value.
-        _should_act_as_resource_variable = False
-
-        @property
-        def value(self):
-            weight = self._kerasdist_weight
-            return gather(weight, weight.shard.value)
-
-        def assign(self, value):
-            weight = self._kerasdist_weight
-            weight.shard.assign(_own_piece(weight, value))
-            return value
-
-        def numpy(self):
-            return _framework.get().to_numpy(self.value)
-
-        def __array__(self, dtype=None, copy=None):
-            out = self.numpy()
-            return out.astype(dtype) if dtype else out
-
-        def __repr__(self):
-            chunk = self._kerasdist_weight.chunk
-            return (f"<WholeView path={self.path}, shape={self.shape}, "
-                    f"dtype={self.dtype}, a shard of {chunk} elements on "
-                    "this rank>")
-
-    WholeView.__name__ = f"WholeView{base.__name__}"
-    _view_classes[base] = WholeView
-    return WholeView
-
-
-def _own_piece(weight, value):
-    """This rank's shard (padded) of a whole value (any array-like)."""
-    import keras
-
-    sliced = getattr(value, "kerasdist_own_piece", None)
-    if sliced is not None:  # a saved value read by slice (loading.Lazy)
-        return sliced(weight)
-    whole = np.asarray(keras.ops.convert_to_numpy(value))
-    if whole.size != weight.numel:
-        raise ValueError(
-            f"kerasdist: cannot assign a value of shape {whole.shape} to "
-            f"the sharded weight {weight.path} of shape {weight.shape}.")
-    lo, hi = owned(weight.numel, weight.chunk, weight.rank)
-    piece = np.zeros((weight.chunk,), whole.dtype)
-    piece[:hi - lo] = whole.reshape(-1)[lo:hi]
-    return piece
 
 
 def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
@@ -406,7 +304,7 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
     weight = WeightShard(variable.path, variable.shape, dtype, size, rank)
     whole = framework.collectives.broadcast(
         framework.value(variable), root_rank, f"kerasdist.shard_weights.{k}")
-    piece = _own_piece(weight, whole)
+    piece = _views.own_piece(weight, whole)
     del whole
     shard = keras.Variable(
         initializer=piece, shape=(weight.chunk,), dtype=dtype,
@@ -414,7 +312,7 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
         autocast=getattr(variable, "_autocast", True), name=variable.name)
     shard._path = variable.path
     shard._kerasdist_weight = weight
-    view = object.__new__(_view_class(type(variable)))
+    view = object.__new__(_views.view_class(type(variable)))
     view.__dict__.update(variable.__dict__)
     view._value = None
     view._kerasdist_weight = weight

@@ -1,0 +1,110 @@
+"""The whole views of sharded weights (kerasdist/keras/sharding/weights.py):
+`gather`, the allgather of a weight's shards whose gradient is one
+reduce-scatter into the shard; `view_class`, the variable class whose
+value is that gather; `own_piece`, this rank's shard of a whole value."""
+
+import numpy as np
+
+from kerasdist import basics
+from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding.layout import owned
+
+
+def gather(weight, shard_value):
+    """The whole weight from every rank's shard (`shard_value` this
+    rank's, a tensor of the running backend): one allgather, whose
+    gradient is one reduce-scatter averaging the whole gradient over the
+    ranks into this rank's shard."""
+    import keras
+
+    ops = keras.ops
+    framework = _framework.get()
+    name = "kerasdist.w." + weight.path
+
+    @ops.custom_gradient
+    def whole(x):
+        every = framework.collectives.allgather(
+            ops.reshape(x, (1, -1)), name=framework.unique_name(name))
+        flat = ops.reshape(every, (-1,))
+        if flat.shape[0] != weight.numel:
+            flat = flat[:weight.numel]
+        out = ops.reshape(flat, weight.shape)
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            rows = ops.reshape(framework.dense(upstream), (-1,))
+            pad = weight.size * weight.chunk - weight.numel
+            if pad:
+                rows = ops.pad(rows, [[0, pad]])
+            rows = ops.reshape(rows, (weight.size, weight.chunk))
+            mine = framework.collectives.reducescatter(
+                rows, op=basics.Average,
+                name=framework.unique_name(name + ".grad"),
+                prescale_factor=1.0, postscale_factor=1.0)
+            return ops.reshape(mine, (-1,))
+
+        return out, grad
+
+    return whole(shard_value)
+
+
+_VIEW_CLASSES = {}
+
+
+def view_class(base):
+    klass = _VIEW_CLASSES.get(base)
+    if klass is not None:
+        return klass
+
+    class WholeView(base):
+        """A whole weight read from its shards (see the module)."""
+
+        # TensorFlow: a view is no resource variable (it has no handle of
+        # its own); ops take its value.
+        _should_act_as_resource_variable = False
+
+        @property
+        def value(self):
+            weight = self._kerasdist_weight
+            return gather(weight, weight.shard.value)
+
+        def assign(self, value):
+            weight = self._kerasdist_weight
+            weight.shard.assign(own_piece(weight, value))
+            return value
+
+        def numpy(self):
+            return _framework.get().to_numpy(self.value)
+
+        def __array__(self, dtype=None, copy=None):
+            out = self.numpy()
+            return out.astype(dtype) if dtype else out
+
+        def __repr__(self):
+            chunk = self._kerasdist_weight.chunk
+            return (f"<WholeView path={self.path}, shape={self.shape}, "
+                    f"dtype={self.dtype}, a shard of {chunk} elements on "
+                    "this rank>")
+
+    WholeView.__name__ = f"WholeView{base.__name__}"
+    _VIEW_CLASSES[base] = WholeView
+    return WholeView
+
+
+def own_piece(weight, value):
+    """This rank's shard (padded) of a whole value (any array-like)."""
+    import keras
+
+    sliced = getattr(value, "kerasdist_own_piece", None)
+    if sliced is not None:  # a saved value read by slice (loading.Lazy)
+        return sliced(weight)
+    whole = np.asarray(keras.ops.convert_to_numpy(value))
+    if whole.size != weight.numel:
+        raise ValueError(
+            f"kerasdist: cannot assign a value of shape {whole.shape} to "
+            f"the sharded weight {weight.path} of shape {weight.shape}.")
+    lo, hi = owned(weight.numel, weight.chunk, weight.rank)
+    piece = np.zeros((weight.chunk,), whole.dtype)
+    piece[:hi - lo] = whole.reshape(-1)[lo:hi]
+    return piece
