@@ -62,9 +62,9 @@ std::function<void(const std::string&)> OnLost(MpiContext* mpi) {
 // How long the survivors have to re-form (MpiContext::Reform): the
 // heartbeat's timeout, or 60 s without a heartbeat.
 double ReformDeadlineS(const Config& config) {
-  return config.heartbeat_timeout_s > 0 ? std::max(10.0,
-                                                   config.heartbeat_timeout_s)
-                                        : 60.0;
+  return config.heartbeat_timeout_s > 0
+             ? std::max(10.0, config.heartbeat_timeout_s)
+             : 60.0;
 }
 
 // The args of a batch's timeline event.
@@ -248,12 +248,12 @@ Status Runtime::EnqueueMany(std::vector<Entry>& entries, size_t* queued) {
     const StatusCode code = stopped_status_.code() == StatusCode::kRanksLost
                                 ? StatusCode::kRanksLost
                                 : StatusCode::kAborted;
-    return Status(
-        code,
-        Labelled("kerasdist has shut down") +
-        (stopped_status_.message().empty() ? std::string(".")
-                                           : ": " + stopped_status_.message()) +
-        " Call kerasdist.init() again to start a new runtime.");
+    return Status(code,
+                  Labelled("kerasdist has shut down") +
+                      (stopped_status_.message().empty()
+                           ? std::string(".")
+                           : ": " + stopped_status_.message()) +
+                      " Call kerasdist.init() again to start a new runtime.");
   }
   for (size_t i = 0; i < valid; ++i) {
     const std::string& name = entries[i].req.name;
@@ -618,8 +618,7 @@ Status Runtime::ExecuteBatch(const std::vector<const Response*>& resps) {
   Status s = PrepareBatch(head, entries, &batch, &result);
   if (s.ok()) s = RunBatch(resps, entries, batch, result);
   if (!s.ok()) CompleteAll(entries, Result{s, {}});
-  return s.code() == StatusCode::kInternal ||
-                 s.code() == StatusCode::kRanksLost
+  return s.code() == StatusCode::kInternal || s.code() == StatusCode::kRanksLost
              ? s
              : Status::OK();
 }

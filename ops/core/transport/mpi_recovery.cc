@@ -25,8 +25,7 @@ namespace {
 
 constexpr int kExitPeerLost = 75;  // as the heartbeat's (liveness.cc)
 constexpr char kAskVariable[] = "KERASDIST_RECOVER_IN_PLACE";
-constexpr char kGuide[] =
-    "docs/failures-and-elastic.md, \"Recovery in place\"";
+constexpr char kGuide[] = "docs/failures-and-elastic.md, \"Recovery in place\"";
 
 bool g_recovery = false;
 MPI_Comm g_world = MPI_COMM_NULL;
@@ -93,7 +92,8 @@ Status CheckRecovery() {
       "=1 (kerasdist run --recover-in-place) needs an MPI with ULFM fault "
       "tolerance (Open MPI 5, started by mpirun --with-ft ulfm), but this "
       "kerasdist was built against an MPI without it; build it against Open "
-      "MPI, or leave recovery in place off (" + kGuide + ").");
+      "MPI, or leave recovery in place off (" +
+      kGuide + ").");
 #else
   int* ft = nullptr;
   int flag = 0;
@@ -103,7 +103,8 @@ Status CheckRecovery() {
         std::string(kAskVariable) +
         "=1, but this job's MPI started without fault tolerance: start it "
         "with kerasdist run --recover-in-place, or Open MPI's mpirun "
-        "--with-ft ulfm (" + kGuide + ").");
+        "--with-ft ulfm (" +
+        kGuide + ").");
   }
   g_recovery = true;
   return Status::OK();
