@@ -5,8 +5,8 @@ whose weights `kerasdist.shard_weights` sharded, and
 every sharded weight and of every slot of a sharded optimizer: h5py reads
 the rows of a dataset that hold the rank's elements [lo, hi)
 (`layout.flat_range`), never the whole dataset. Unsharded variables
-(BatchNormalization's moving averages, frozen layers, the optimizer's
-iterations) are read whole, as Keras reads them.
+(BatchNormalization's moving averages, the optimizer's iterations) are
+read whole, as Keras reads them.
 
 Within `sliced(model)`, each layer holding sharded weights and the sharded
 optimizer load through a store that hands, for a sharded weight, a
