@@ -19,10 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.support.helpers import launch  # noqa: E402
+from tests.support.helpers import chained_job  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
-from tests.support.helpers import worker_cmd  # noqa: E402
-from tests.support.helpers import worker_env  # noqa: E402
 
 pytestmark = [pytest.mark.parallel, pytest.mark.slow,
               pytest.mark.timeout(600)]
@@ -36,19 +34,8 @@ def root(tmp_path_factory):
 
 
 def _job(np_, mode, root, checks):
-    before = {"np3": "np2", "np1": "np3"}.get(mode)
-    if before and not (root / f"{before}.ok").exists():
-        pytest.skip(f"the {before} job before it failed")
-    out = launch(np_, worker_cmd("trainer_shard_worker.py", mode, str(root)),
-                 timeout=_TIMEOUT, env=worker_env())
-    assert out.returncode == 0, out.stdout[-6000:]
-    for r in range(np_):
-        lines = rank_lines(out.stdout, r)
-        done = [line[3:] for line in lines if line.startswith("OK ")]
-        assert done == checks, (r, done, out.stdout[-6000:])
-        assert lines[-1] == "DONE", out.stdout[-3000:]
-    (root / f"{mode}.ok").write_text("")
-    return out
+    return chained_job("trainer_shard_worker.py", np_, mode, root, checks,
+                       _TIMEOUT)
 
 
 def test_shard_checkpoints_np2(root):

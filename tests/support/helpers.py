@@ -313,3 +313,26 @@ def without_rank_site_finders():
         yield
     finally:
         sys.meta_path[:] = saved
+
+
+def chained_job(worker, np_, mode, root, checks, timeout):
+    """One launch of `worker` (tests/workers/) with the arguments `mode`
+    and `root`, in a chain of jobs (np2, then np3, then np1) each reading
+    what the one before wrote: skipped if the one before failed; every
+    rank must pass `checks` in order and end with DONE. Marks `mode` done
+    and returns the launch's result."""
+    import pytest
+
+    before = {"np3": "np2", "np1": "np3"}.get(mode)
+    if before and not (root / f"{before}.ok").exists():
+        pytest.skip(f"the {before} job before it failed")
+    out = launch(np_, worker_cmd(worker, mode, str(root)), timeout=timeout,
+                 env=worker_env())
+    assert out.returncode == 0, out.stdout[-6000:]
+    for r in range(np_):
+        lines = rank_lines(out.stdout, r)
+        done = [line[3:] for line in lines if line.startswith("OK ")]
+        assert done == checks, (r, done, out.stdout[-6000:])
+        assert lines[-1] == "DONE", out.stdout[-3000:]
+    (root / f"{mode}.ok").write_text("")
+    return out

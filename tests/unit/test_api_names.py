@@ -5,17 +5,15 @@ name of `kerasdist`, `kerasdist.collectives` and the three framework
 packages to the code that runs: a collective to its method of
 `Collectives`, a process-API name to the module that defines it."""
 
-import atexit
 import importlib.util
 import os
-import shutil
-import tempfile
 
 import jedi
 import pytest
 
 from tests.support.helpers import REPO_ROOT
-from tests.support.helpers import without_rank_site_finders
+from tests.support.static_analysis import ENVIRONMENT
+from tests.support.static_analysis import static_analysis_sees_every_module  # noqa: F401 (a fixture)
 
 
 def _tool():
@@ -27,17 +25,6 @@ def _tool():
 
 
 API_NAMES = _tool()
-ENVIRONMENT = jedi.InterpreterEnvironment()
-# jedi's parse cache of this process's own: two test workers writing the
-# shared one (~/.cache/jedi) at once can leave each other a torn file.
-jedi.settings.cache_directory = tempfile.mkdtemp(prefix="kerasdist-jedi-")
-atexit.register(shutil.rmtree, jedi.settings.cache_directory, True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _static_analysis_sees_every_module():
-    with without_rank_site_finders():
-        yield
 NAMESPACES = ["kerasdist", "kerasdist.collectives", "kerasdist.tensorflow",
               "kerasdist.jax", "kerasdist.torch"]
 

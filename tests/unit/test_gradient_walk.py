@@ -16,28 +16,15 @@ importlib lookup on the way and no call back into the optimizer.
 TensorFlow object itself, `FRAMEWORK.collectives.grouped_allreduce`."""
 
 import ast
-import atexit
 import os
-import shutil
-import tempfile
 
 import jedi
 import pytest
 
 from tests.support.helpers import REPO_ROOT
-from tests.support.helpers import without_rank_site_finders
+from tests.support.static_analysis import ENVIRONMENT
+from tests.support.static_analysis import static_analysis_sees_every_module  # noqa: F401 (a fixture)
 
-ENVIRONMENT = jedi.InterpreterEnvironment()
-# jedi's parse cache of this process's own: two test workers writing the
-# shared one (~/.cache/jedi) at once can leave each other a torn file.
-jedi.settings.cache_directory = tempfile.mkdtemp(prefix="kerasdist-jedi-")
-atexit.register(shutil.rmtree, jedi.settings.cache_directory, True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _static_analysis_sees_every_module():
-    with without_rank_site_finders():
-        yield
 # The sources only, analysed in this process (see test_api_names.py).
 PROJECT = jedi.Project(REPO_ROOT, sys_path=[REPO_ROOT], smart_sys_path=False)
 
