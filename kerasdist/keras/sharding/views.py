@@ -20,11 +20,18 @@ def gather(weight, shard_value):
     ops = keras.ops
     framework = _framework.get()
     name = "kerasdist.w." + weight.path
+    # Named here, in the program that reads the weight: a weight read
+    # twice in one program (tied embeddings: keras-hub's token embedding,
+    # reversed for the logits) gets two names. Inside the custom gradient
+    # JAX traces each gather as a program of its own, where every read
+    # of a weight was numbered 0 and two could meet in flight.
+    gather_name = framework.unique_name(name)
+    grad_name = framework.unique_name(name + ".grad")
 
     @ops.custom_gradient
     def whole(x):
         every = framework.collectives.allgather(
-            ops.reshape(x, (1, -1)), name=framework.unique_name(name))
+            ops.reshape(x, (1, -1)), name=gather_name)
         flat = ops.reshape(every, (-1,))
         if flat.shape[0] != weight.numel:
             flat = flat[:weight.numel]
@@ -40,7 +47,7 @@ def gather(weight, shard_value):
             rows = ops.reshape(rows, (weight.size, weight.chunk))
             mine = framework.collectives.reducescatter(
                 rows, op=basics.Average,
-                name=framework.unique_name(name + ".grad"),
+                name=grad_name,
                 prescale_factor=1.0, postscale_factor=1.0)
             return ops.reshape(mine, (-1,))
 
