@@ -1,7 +1,9 @@
 """Worker for tests/parallel/test_keras_hub.py: a keras-hub task under
-`kerasdist run`, as docs/keras.md's keras-hub section shows it.
+`kerasdist run`, as docs/keras.md's keras-hub section shows it, on the
+Keras backend that KERAS_BACKEND names (tensorflow, jax or torch):
 
-    python -m kerasdist.run -np 2 python tests/workers/keras_hub_worker.py
+    KERAS_BACKEND=jax python -m kerasdist.run -np 2 python \
+        tests/workers/keras_hub_worker.py [--group weights]
 
 A GemmaCausalLM built from a config (random weights, nothing downloaded,
 no tokenizer: token ids in, logits out). keras-hub tasks compile
@@ -9,26 +11,36 @@ themselves in their constructor with their own optimizer, so a `fit`
 without a `compile` trains each rank on its own gradients: kerasdist must
 say so before the first step. Compiled with `kd.DistributedOptimizer` it
 must train as one process on the concatenated batch, fully and with LoRA,
-replicated and sharded. SGD: Adam would turn round-off in a parameter
-whose true gradient is zero into full steps.
+replicated and sharded; with its weights sharded (`kd.shard_weights`,
+`shard="weights"`, the frozen LoRA base sharded too), the same, and then
+`generate()` gives the tokens one process gives. The test runs group
+"weights" on every backend and every check on TensorFlow. SGD: Adam
+would turn round-off in a parameter whose true gradient is zero into
+full steps. Truths are numpy arrays read from the Keras variables
+(keras.ops.convert_to_numpy), on every backend.
 """
 
 import warnings
 
+import keras
+import keras_hub
 import numpy as np
-import tensorflow as tf
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
+import kerasdist as kd
+from tests.support import checks
+from tests.support.checks import check
 
-import keras  # noqa: E402
-import keras_hub  # noqa: E402
+BACKEND = keras.backend.backend()
+if BACKEND == "tensorflow":
+    import tensorflow as tf
 
-import kerasdist as kd  # noqa: E402
-from tests.support import checks  # noqa: E402
-from tests.support.checks import check  # noqa: E402
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.get_logger().setLevel("ERROR")
+elif BACKEND == "torch":
+    import torch
 
-tf.get_logger().setLevel("ERROR")
+    torch.set_num_threads(1)
 kd.init()
 RANK, SIZE = kd.rank(), kd.size()
 B, STEPS, SEQ, VOCAB = 2, 3, 6, 32
@@ -76,14 +88,14 @@ def check_equivalent(label, lora, **kd_args):
     truth.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss())
     truth.fit(x, y, batch_size=SIZE * B, shuffle=False, verbose=0)
     model = task(lora)
-    start = [w.numpy() for w in model.trainable_weights]
+    start = [keras.ops.convert_to_numpy(w) for w in model.trainable_weights]
     model.compile(optimizer=kd.DistributedOptimizer(
         keras.optimizers.SGD(0.5), **kd_args), loss=loss())
     model.fit({k: mine(v) for k, v in x.items()}, mine(y), batch_size=B,
               shuffle=False, verbose=0,
               callbacks=[kd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    got = [w.numpy() for w in model.trainable_weights]
-    want = [w.numpy() for w in truth.trainable_weights]
+    got = [keras.ops.convert_to_numpy(w) for w in model.trainable_weights]
+    want = [keras.ops.convert_to_numpy(w) for w in truth.trainable_weights]
     assert len(got) == len(want) and got, (len(got), len(want))
     for g, w, s, v in zip(got, want, start, model.trainable_weights):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6,
@@ -141,7 +153,7 @@ def check_weights_sharded(label, lora):
                        stop_token_ids=None)["token_ids"])
 
 
-@check("keras_hub_weights_sharded")
+@check("keras_hub_weights_sharded", groups=("default", "weights"))
 def weights_sharded():
     check_weights_sharded("weights sharded", lora=False)
     check_weights_sharded("lora, weights sharded", lora=True)
