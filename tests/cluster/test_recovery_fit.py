@@ -85,6 +85,7 @@ def _train(m, w, schedule):
 
 @pytest.mark.timeout(JOB_S + 60)
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+# Each rank also checks the bad input both refuse, in one line each.
 def test_commit_callback_elastic_batches_fit_recovers_in_place(
         openmpi_tf_root, tmp_path, backend):
     out = launch(3, worker_cmd("elastic_fit_worker.py", str(tmp_path),
@@ -123,6 +124,16 @@ def test_commit_callback_elastic_batches_fit_recovers_in_place(
             end = json.load(f)
         assert (start["size"], end["pid"], end["rank"], end["size"]) == (
             3, start["pid"], new_rank, 2), (start, end)
+        no_position, not_batches, shuffled = start["refused"]
+        assert no_position.startswith(
+            "CommitCallback keeps the position in state.epoch and "
+            "state.batch: create the state with them, KerasState(model, "
+            "epoch=0, batch=0)."), start
+        assert not_batches.startswith(
+            "CommitCallback: `data` must be the ElasticBatches that fit "
+            "trains (got tuple)"), start
+        assert "ElasticBatches: fit asked for batch " in shuffled and \
+            "pass `shuffle=False` to fit" in shuffled, start
         assert end["resumed"] == [list(COMMIT)], end
         assert end["positions"] == positions, end
         assert end["state"] == [m.EPOCHS, 0], end

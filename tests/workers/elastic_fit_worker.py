@@ -36,6 +36,36 @@ def data():
     return x, y[:, None]
 
 
+def _refusals(keras, kd):
+    """The first line of each error that bad input to ElasticBatches and
+    CommitCallback gives (a state without epoch and batch, data that is
+    not an ElasticBatches, fit shuffling the batches)."""
+    import random
+    batches = kd.elastic.ElasticBatches(data(), batch_size=BATCH)
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    attempts = [
+        lambda: kd.elastic.CommitCallback(kd.elastic.ObjectState(x=0),
+                                          batches),
+        lambda: kd.elastic.CommitCallback(
+            kd.elastic.ObjectState(epoch=0, batch=0), data()),
+        # Keras shuffles the batches' order with `random` (seeded: never
+        # the order itself).
+        lambda: (random.seed(0),
+                 model.fit(batches, epochs=1, verbose=0, shuffle=True))]
+    refused = []
+    for attempt in attempts:
+        try:
+            attempt()
+            refused.append(None)
+        except Exception as e:  # TF wraps the data's error in its own
+            said = [line for line in str(e).splitlines()
+                    if "ElasticBatches" in line or "CommitCallback" in line]
+            refused.append(said[0] if said else f"{type(e).__name__}: {e}")
+    return refused
+
+
 def main():
     # Here, not at the top: the test reads data() and the constants
     # without importing a framework.
@@ -51,9 +81,10 @@ def main():
     keras.config.set_floatx("float64")
     kd.init()
     start_rank = kd.rank()
+    refused = _refusals(keras, kd)
     with open(os.path.join(out, f"start.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": start_rank,
-                   "size": kd.size()}, f)
+                   "size": kd.size(), "refused": refused}, f)
     model = keras.Sequential([
         keras.Input((FEATURES,)),
         keras.layers.Dense(1, kernel_initializer="zeros")])
