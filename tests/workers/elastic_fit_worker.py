@@ -12,8 +12,9 @@ epochs), so the others are in that step's allreduce when it goes.
 Each rank writes DIR/start.<rank>.json (pid, rank, size) and, at the end,
 DIR/end.<start rank>.json: pid, rank and size then, the final weights
 (kernel, then bias), the learning rate, the position (epoch, batch, size)
-after every step it trained, and the position each reset resumed from.
-The killed rank writes DIR/kill.json first.
+after every step it trained and the wall time (time.time()) it ended,
+and the position each reset resumed from.
+The killed rank writes DIR/kill.json (the step, the wall time) first.
 
 argv: DIR KILL_RANK KILL_STEP
 """
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -94,7 +96,7 @@ def main():
     batches = kd.elastic.ElasticBatches(data(), batch_size=BATCH,
                                         shuffle=True, seed=SEED)
     state = kd.elastic.KerasState(model, epoch=0, batch=0)
-    positions, resumed, steps = [], [], [0]
+    positions, resumed, steps, done_at = [], [], [0], []
 
     def on_reset():
         opt.learning_rate.assign(LR * kd.size())
@@ -106,7 +108,7 @@ def main():
         def on_train_batch_begin(self, batch, logs=None):
             if (start_rank, steps[0]) == (kill_rank, kill_step):
                 with open(os.path.join(out, "kill.json"), "w") as f:
-                    json.dump({"step": steps[0]}, f)
+                    json.dump({"step": steps[0], "at": time.time()}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch, logs=None):
@@ -114,6 +116,7 @@ def main():
             # After CommitCallback's (listed after it): the position this
             # step reached.
             positions.append([state.epoch, state.batch, kd.size()])
+            done_at.append(time.time())
 
     @kd.elastic.run
     def train(state):
@@ -132,6 +135,7 @@ def main():
                    "lr": float(keras.ops.convert_to_numpy(
                        opt.learning_rate)),
                    "positions": positions, "resumed": resumed,
+                   "done_at": done_at,
                    "state": [state.epoch, state.batch]}, f)
     print(f"rank {start_rank} done at size {kd.size()}", flush=True)
 
