@@ -57,6 +57,23 @@ restart. The data's position is not part of the state (as in Horovod, where
 `fit` starts a new iterator after a reset); `UpdateBatchStateCallback`
 shortens the first epoch after a resume by the batches already done.
 
+`model.fit` that recovers in place, exactly at any size
+(kerasdist/keras/elastic_fit.py, re-exported here): `ElasticBatches` (a
+Keras PyDataset: each epoch's examples in one order for the whole job, shared
+out at the current size from the committed position) and one callback,
+`CommitCallback(state, data, batches_per_commit=K)`, which keeps
+`state.epoch` and `state.batch` (the job's batches, all ranks together),
+commits every K steps and at each epoch's end, and has Keras trace fit's
+step again at a new size:
+
+    data = hvd.elastic.ElasticBatches((x, y), batch_size=32, shuffle=True)
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        state.model.fit(data, epochs=24 - state.epoch, shuffle=False,
+                        callbacks=[hvd.elastic.CommitCallback(state, data)])
+
 Over 500 lines: it is Horovod's `hvd.elastic` whole (the state classes, `run`,
 the callbacks and the commits a restart resumes from), where a Horovod user
 looks for it; files are written through `kerasdist/_core/files.py`.
@@ -717,9 +734,13 @@ def _internal_error(e):
 
 def _ranks_lost(e):
     """Whether `e` says a rank was lost and the survivors re-form in place
-    (RanksLostError, or a TensorFlow error of a kerasdist op that says so)."""
+    (RanksLostError, or a TensorFlow error of a kerasdist op, or XLA's
+    error of a kerasdist FFI call inside `jax.jit`, that says so)."""
+    xla_error = any(c.__module__.split(".")[0] in ("jax", "jaxlib")
+                    for c in type(e).__mro__)
     return isinstance(e, RanksLostError) or (
-        _internal_error(e) and _capi.RANKS_LOST_TEXT in str(e))
+        (_internal_error(e) or xla_error) and
+        _capi.RANKS_LOST_TEXT in str(e))
 
 
 def _recover_in_place(state, error):
@@ -794,7 +815,11 @@ def _run_once(func, state, *args, **kwargs):
         if _ranks_lost(e):
             if isinstance(e, RanksLostError):
                 raise
-            raise RanksLostError(str(e)) from e
+            # A framework's error (TensorFlow's "Graph execution error:"
+            # first): the line that says what happened.
+            said = [line.strip() for line in str(e).splitlines()
+                    if _capi.RANKS_LOST_TEXT in line]
+            raise RanksLostError(said[0] if said else str(e)) from e
         if not _internal_error(e) or _directory() is None:
             raise
         why = str(e).strip().splitlines()[0] if str(e).strip() else \
@@ -928,17 +953,26 @@ _CALLBACK_NAMES = ("CommitStateCallback", "UpdateBatchStateCallback",
                    "UpdateEpochStateCallback")
 
 
+# model.fit recovering in place (kerasdist/keras/elastic_fit.py).
+_FIT_NAMES = ("CommitCallback", "ElasticBatches")
+
+
 def __getattr__(name):
     # The callbacks subclass keras.callbacks.Callback: built on first use,
     # so importing this module does not import Keras.
     if name in _CALLBACK_NAMES:
         globals().update(_callbacks())
         return globals()[name]
+    if name in _FIT_NAMES:
+        from kerasdist.keras import elastic_fit
+        globals().update({n: getattr(elastic_fit, n) for n in _FIT_NAMES})
+        return globals()[name]
     raise AttributeError(f"module 'kerasdist.elastic' has no attribute "
                          f"{name!r}")
 
 
-__all__ = ["CommitStateCallback", "HorovodInternalError",
+__all__ = ["CommitCallback", "CommitStateCallback", "ElasticBatches",
+           "HorovodInternalError",
            "HostsUpdatedInterrupt", "KerasState", "ObjectState",
            "RanksLostError", "State",
            "TensorFlowKerasState", "TensorFlowState",

@@ -54,6 +54,7 @@ _SHARED_GROUPS = {
     "cluster/test_site_mpi.py": "cluster-openmpi",
     "cluster/test_slurm.py": "cluster-openmpi",
     "cluster/test_recovery.py": "cluster-openmpi",
+    "cluster/test_recovery_fit.py": "cluster-openmpi",
     "integration/test_wheel.py": "build",
     "unit/test_build_nccl.py": "build",
     "unit/test_core_cpp.py": "build",

@@ -15,6 +15,9 @@ once for every Keras backend.
   `kerasdist/<framework>/_keras_layer.py`), chosen once;
 - `sharding/`: the sharded optimizer (`shard=`): layout, step, the
   sharded step's class (the replicated step's sibling), shard files;
+- `elastic_fit`: `kerasdist.elastic.ElasticBatches` and `CommitCallback`
+  (`model.fit` recovering in place), with `elastic_schedule`, the order
+  of the examples at any size, a pure function;
 - `compression`, `sync_batch_norm`, `saving`: `kerasdist.Compression`,
   `kerasdist.SyncBatchNormalization`, `kerasdist.save_model` and
   `load_model`.

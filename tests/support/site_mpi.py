@@ -6,8 +6,9 @@ tests that run it under that MPI's own launcher.
 
 `build` copies the kerasdist package (its Python files) to DIR/kerasdist
 and runs ops/Makefile into it with the given make variables: the core and
-the JAX library (TF=0: the Keras checks run on the JAX backend, and no
-TensorFlow op library is needed), no GPU backend. The objects go to the
+the JAX library (TF=0 unless the variables say TF=1: the Keras checks run
+on the JAX backend, and most need no TensorFlow op library), no GPU
+backend. The objects go to the
 source package's object directory, which ops/Makefile keys by compile
 command, so only the sources that include mpi.h (the core's) compile
 again; the JAX library's objects are the editable build's.

@@ -1,0 +1,143 @@
+"""Recovery in place for `model.fit` (docs/failures-and-elastic.md,
+"Recovery in place"), on TensorFlow, JAX and PyTorch: kerasdist built
+against Open MPI (with the TensorFlow op library: openmpi_tf_root) under
+`kerasdist run --recover-in-place -np 3`. A linear Keras model trains
+under `elastic.run` with `ElasticBatches` and `CommitCallback`
+(tests/workers/elastic_fit_worker.py); rank 2 SIGKILLs itself as it
+begins a step in the middle of the second epoch, one step after the last
+commit. The other two keep their processes, resume at size 2 from the
+commit (the step after it is trained again, at the new size), and end
+with the weights numpy computes for that schedule: every example of each
+epoch once, in the epoch's order, the learning rate rescaled."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.support.helpers import WORKERS
+from tests.support.helpers import launch
+from tests.support.helpers import rank_env
+from tests.support.helpers import worker_cmd
+
+pytestmark = pytest.mark.cluster
+
+# The job's step 8 (0-based, 5 steps an epoch at 3 ranks): the second
+# epoch's fourth, begun after the commit at batch 6 (steps 5, 6) and one
+# step (batch 9) that is lost.
+KILL_RANK, KILL_STEP, COMMIT = 2, 8, (1, 6)
+# A job's bound: TensorFlow's import and the retrace of fit's step take
+# tens of seconds on this 2-core machine under load.
+JOB_S = 300
+# Keras' JAX and PyTorch backends, in float64, are 3e-8 and 2e-7 from
+# numpy in one process too on a batch of 6 (some of their loss in
+# float32); TensorFlow 2e-16. The lost step moves the weights 7e-2.
+RTOL = {"tensorflow": 1e-9, "jax": 1e-7, "torch": 1e-6}
+
+
+def _worker():
+    path = os.path.join(WORKERS, "elastic_fit_worker.py")
+    spec = importlib.util.spec_from_file_location("elastic_fit_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _steps(m, epoch, start, size):
+    """(rows of each rank, the batch after) step by step, from batch
+    `start` of `epoch` to its end at `size` ranks: the epoch's order
+    (shuffled by the seed and the epoch), batches of BATCH, the next
+    `size` batches a step; the last step takes what is left (fewer than
+    2 * size batches), its examples split over the ranks."""
+    order = np.random.default_rng([m.SEED, epoch]).permutation(m.N)
+    batches = [order[j:j + m.BATCH] for j in range(0, m.N, m.BATCH)]
+    while start < len(batches):
+        left = len(batches) - start
+        if left >= 2 * size or left == size:
+            yield batches[start:start + size], start + size
+            start += size
+        else:
+            yield (np.array_split(np.concatenate(batches[start:]), size),
+                   len(batches))
+            start = len(batches)
+
+
+def _train(m, w, schedule):
+    """numpy SGD of the worker's model (kernel then bias in `w`) on the
+    schedule [(epoch, start, end, size)]: the gradients of the mean
+    squared error averaged over the ranks, the rate LR * size."""
+    x, y = m.data()
+    trained = []
+    for epoch, start, end, size in schedule:
+        for rows, after in _steps(m, epoch, start, size):
+            if after > end:
+                break
+            grads = []
+            for r in rows:
+                xb = np.hstack([x[r], np.ones((len(r), 1))])
+                grads.append(2.0 / len(r) * xb.T @ (xb @ w - y[r, 0]))
+            w = w - m.LR * size * np.mean(grads, axis=0)
+            trained += [(epoch, i) for r in rows for i in r]
+    return w, trained
+
+
+@pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+# Each rank also checks the bad input both refuse, in one line each.
+def test_commit_callback_elastic_batches_fit_recovers_in_place(
+        openmpi_tf_root, tmp_path, backend):
+    out = launch(3, worker_cmd("elastic_fit_worker.py", str(tmp_path),
+                               str(KILL_RANK), str(KILL_STEP)),
+                 timeout=JOB_S, root=openmpi_tf_root,
+                 launcher_args=["--recover-in-place"],
+                 env=rank_env(KERAS_BACKEND=backend))
+    assert out.returncode == 0, out.stdout
+    assert "exited with signal 9 (SIGKILL); ranks 0, 1 finished without " \
+        "it (recovery in place)." in out.stdout, out.stdout
+    assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
+    # The resumed epoch ends before Keras' count of steps, quietly.
+    assert "ran out of data" not in out.stdout, out.stdout
+    m = _worker()
+    nb = -(-m.N // m.BATCH)  # 15 batches an epoch
+    at3 = [(0, 0, nb, 3), (1, 0, COMMIT[1], 3)]
+    at2 = [(1, COMMIT[1], nb, 2)]
+    truth, trained = _train(m, np.zeros(m.FEATURES + 1), at3 + at2)
+    # The truth trains every example of each epoch once.
+    assert sorted(trained) == [(e, i) for e in range(m.EPOCHS)
+                               for i in range(m.N)]
+    # Not what keeping the lost step (batches 6 to 9 at 3 ranks) gives.
+    kept, _ = _train(m, np.zeros(m.FEATURES + 1),
+                     [(0, 0, nb, 3), (1, 0, 9, 3), (1, 9, nb, 2)])
+    assert not np.allclose(kept, truth, rtol=1e-6, atol=0)
+    # The job's position after each step: 3 batches a step at 3 ranks,
+    # the lost step's 9, then from the commit's 6 at 2 ranks to the
+    # epoch's end (its last step takes the last 3 batches).
+    positions = [[0, b, 3] for b in (3, 6, 9, 12, 15)] + \
+        [[1, b, 3] for b in (3, 6, 9)] + \
+        [[1, b, 2] for b in (8, 10, 12, 15)]
+    for new_rank, rank in enumerate((0, 1)):
+        with open(tmp_path / f"start.{rank}.json") as f:
+            start = json.load(f)
+        with open(tmp_path / f"end.{rank}.json") as f:
+            end = json.load(f)
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], new_rank, 2), (start, end)
+        no_position, not_batches, shuffled = start["refused"]
+        assert no_position.startswith(
+            "CommitCallback keeps the position in state.epoch and "
+            "state.batch: create the state with them, KerasState(model, "
+            "epoch=0, batch=0)."), start
+        assert not_batches.startswith(
+            "CommitCallback: `data` must be the ElasticBatches that fit "
+            "trains (got tuple)"), start
+        assert "ElasticBatches: fit asked for batch " in shuffled and \
+            "pass `shuffle=False` to fit" in shuffled, start
+        assert end["resumed"] == [list(COMMIT)], end
+        assert end["positions"] == positions, end
+        assert end["state"] == [m.EPOCHS, 0], end
+        assert end["lr"] == pytest.approx(m.LR * 2), end
+        np.testing.assert_allclose(end["w"], truth, rtol=RTOL[backend],
+                                   atol=1e-12)
+    assert not os.path.exists(tmp_path / f"end.{KILL_RANK}.json")
