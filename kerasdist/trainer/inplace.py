@@ -55,6 +55,19 @@ def ranks_lost(error):
         _errors.RANKS_LOST_TEXT in str(error)
 
 
+def as_ranks_lost(error):
+    """`error` as a RanksLostError: a framework's error (JAX's
+    "INTERNAL: kerasdist: rank 0: a rank of the job was lost (...)") with
+    the core's message alone."""
+    if isinstance(error, _errors.RanksLostError):
+        return error
+    text = (str(error).strip().splitlines() or [""])[0]
+    marker = "kerasdist: "
+    if marker in text:
+        text = text[text.index(marker) + len(marker):]
+    return _errors.RanksLostError(text)
+
+
 def every_steps(value):
     """Checks `commit_every_steps`; returns it (an int >= 1, or None)."""
     if value is None:
@@ -92,6 +105,16 @@ class Commits:
                       if id(v) not in seen]
         self._variables = variables
         self.last = None
+        if keras.backend.backend() == "tensorflow":
+            # One call for all, as the step checkpoints' Snapshotter does
+            # (one by one took 7.5 ms for 301 k weights with Adam).
+            import tensorflow as tf
+
+            self._read = tf.function(
+                lambda: [tf.identity(v.value) for v in variables])
+        else:
+            self._read = lambda: [keras.ops.convert_to_numpy(v.value)
+                                  for v in variables]
 
     @property
     def sharded(self):
@@ -103,8 +126,7 @@ class Commits:
     def take(self, epoch, samples, rng):
         """Commits the state after `epoch` epochs and `samples` examples
         of the next; `rng`: the seed generators' draw counts."""
-        values = [np.array(keras.ops.convert_to_numpy(v.value), copy=True)
-                  for v in self._variables]
+        values = [np.array(t, copy=True) for t in self._read()]
         shard = _shard_files.take_shard(self._model.optimizer)
         self.last = Commit(values, shard, _tresume.Resumed(
             int(epoch), int(samples), basics.size(), list(rng)))

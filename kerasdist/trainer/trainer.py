@@ -742,7 +742,13 @@ class Trainer:
             if self._commits is None or self._commits.last is None or \
                     not _inplace.ranks_lost(e):
                 raise
-            lost = e
+            if self._commits.sharded:
+                # At once: a sharded step checkpoint in flight waits for
+                # the lost rank's shard file, which never comes.
+                _inplace.end_rank(
+                    f"a rank was lost, and with it its shard of the state "
+                    f"(shard={self.shard!r}), which no other rank holds")
+            lost = _inplace.as_ranks_lost(e)
         else:
             lost = None
         finally:
@@ -758,13 +764,8 @@ class Trainer:
         """Every survivor of a lost rank (`error`): re-forms the job among
         the survivors, goes back to the last commit in memory (the
         learning rate rescaled for the new size, the traced step
-        functions dropped) and returns its point. A sharded state, whose
-        lost shard no other rank holds, ends the rank in one line."""
+        functions dropped) and returns its point."""
         commits = self._commits
-        if commits.sharded:
-            _inplace.end_rank(
-                f"a rank was lost, and with it its shard of the state "
-                f"(shard={self.shard!r}), which no other rank holds")
         point = None
 
         def restore():

@@ -7,7 +7,10 @@ their processes, re-form at size 2, go back to the commit after step 3
 (18 examples of epoch 1) and train on: the rest of epoch 1 re-sharded
 over 2 ranks, epoch 2 at 2 ranks, the learning rate rescaled. Their
 weights equal numpy's SGD with momentum from that commit continued at 2
-ranks, not what a run that kept step 4's weights would give."""
+ranks, not what a run that kept step 4's weights would give. On PyTorch
+(eager) and JAX (the step jitted: traced again at the new size). With a
+sharded optimizer the lost rank's shard is held by no other rank: the
+survivors end in one line each (a relaunch resumes from disk)."""
 
 import importlib.util
 import json
@@ -67,14 +70,20 @@ def _read(directory, name):
         return json.load(f)
 
 
+def _job(root, directory, backend, *args):
+    return launch(3, worker_cmd("trainer_recovery_worker.py", str(directory),
+                                str(KILL_RANK), str(KILL_STEP), *args),
+                  timeout=JOB_S, root=root,
+                  launcher_args=["--recover-in-place"],
+                  env=rank_env(KERAS_BACKEND=backend))
+
+
 @pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_trainer_recovers_in_place_from_the_commit_every_steps(
-        openmpi_root, tmp_path):
-    out = launch(3, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                               str(KILL_RANK), str(KILL_STEP)),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place"],
-                 env=rank_env(KERAS_BACKEND="torch"))
+        openmpi_root, tmp_path, backend):
+    pytest.importorskip(backend)
+    out = _job(openmpi_root, tmp_path, backend)
     assert out.returncode == 0, out.stdout
     assert ("exited with signal 9 (SIGKILL); ranks 0, 1 finished without "
             "it (recovery in place)." in out.stdout), out.stdout
@@ -112,3 +121,24 @@ def test_trainer_recovers_in_place_from_the_commit_every_steps(
         np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
                                    atol=1e-5)
     assert not os.path.exists(tmp_path / f"end.{KILL_RANK}.json")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_with_a_sharded_optimizer_ends_in_one_line(openmpi_root,
+                                                           tmp_path):
+    # shard="optimizer_state": each survivor says why in one line and
+    # ends; the job ends with the first failure's code (rank 2's SIGKILL).
+    out = _job(openmpi_root, tmp_path, "torch", "optimizer_state")
+    assert out.returncode == 137, out.stdout
+    for rank in (0, 1):
+        lines = [line for line in out.stdout.splitlines()
+                 if "recovery in place cannot go on" in line and
+                 line.startswith(f"[{rank}]<stderr>:")]
+        assert lines == [
+            f"[{rank}]<stderr>:kerasdist.Trainer: rank {rank}: recovery in "
+            "place cannot go on: a rank was lost, and with it its shard of "
+            "the state (shard='optimizer_state'), which no other rank "
+            "holds; ending this rank (a relaunch, --max-restarts, resumes "
+            "from the last checkpoint on disk)"], out.stdout
+    assert "re-formed in place" not in out.stdout, out.stdout
+    assert not list(tmp_path.glob("end.*.json"))

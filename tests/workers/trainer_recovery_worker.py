@@ -15,7 +15,8 @@ start) and, when `fit` returns, DIR/end.<start rank>.json: its pid, rank,
 size, optimizer step, learning rate and the final weights. The killed rank
 writes DIR/kill.json first.
 
-argv: DIR KILL_RANK KILL_STEP
+argv: DIR KILL_RANK KILL_STEP [SHARD] (SHARD: the Trainer's `shard`, e.g.
+      optimizer_state; none by default)
 env: KERAS_BACKEND (torch or jax)
 
 The data and settings import without Keras (the test's numpy truth reads
@@ -84,6 +85,7 @@ def _trainer(directory, kill_rank, kill_step, start_rank, **kwargs):
 def main():
     directory, kill_rank, kill_step = sys.argv[1], int(sys.argv[2]), \
         int(sys.argv[3])
+    shard = sys.argv[4] if len(sys.argv) > 4 else None
     import keras
 
     import kerasdist
@@ -98,7 +100,7 @@ def main():
                        shuffle=False,
                        commit_every_steps=COMMIT_EVERY,
                        checkpoint_dir=os.path.join(directory, "ckpt"),
-                       checkpoint_every_steps=4, verbose=2)
+                       checkpoint_every_steps=4, verbose=2, shard=shard)
     trainer.fit()
     model = trainer.model
     with open(os.path.join(directory, f"end.{start_rank}.json"), "w") as f:
