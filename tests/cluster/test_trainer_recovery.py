@@ -2,13 +2,15 @@
 "Recovery in place"), on real processes of this machine: kerasdist built
 against Open MPI under `kerasdist run --recover-in-place -np 3`. A Trainer
 job (tests/workers/trainer_recovery_worker.py) commits in memory every 3
-steps; rank 2 SIGKILLs itself at the start of step 4. The other two keep
+steps; one rank SIGKILLs itself at the start of step 4 (rank 2, or the
+coordinator, rank 0, whose survivors renumber). The other two keep
 their processes, re-form at size 2, go back to the commit after step 3
 (18 examples of epoch 1) and train on: the rest of epoch 1 re-sharded
 over 2 ranks, epoch 2 at 2 ranks, the learning rate rescaled. Their
 weights equal numpy's SGD with momentum from that commit continued at 2
-ranks, not what a run that kept step 4's weights would give. On PyTorch
-(eager) and JAX (the step jitted: traced again at the new size). With a
+ranks, not what a run that kept step 4's weights would give; the new rank
+0 writes the epoch checkpoints. On PyTorch (eager) and JAX (the step
+jitted: traced again at the new size). With a
 sharded optimizer the lost rank's shard is held by no other rank: the
 survivors end in one line each (a relaunch resumes from disk)."""
 
@@ -70,26 +72,29 @@ def _read(directory, name):
         return json.load(f)
 
 
-def _job(root, directory, backend, *args):
+def _job(root, directory, backend, *args, killed=KILL_RANK):
     return launch(3, worker_cmd("trainer_recovery_worker.py", str(directory),
-                                str(KILL_RANK), str(KILL_STEP), *args),
+                                str(killed), str(KILL_STEP), *args),
                   timeout=JOB_S, root=root,
                   launcher_args=["--recover-in-place"],
                   env=rank_env(KERAS_BACKEND=backend))
 
 
 @pytest.mark.timeout(JOB_S + 60)
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("backend,killed", [("torch", KILL_RANK),
+                                            ("jax", 0)])
 def test_trainer_recovers_in_place_from_the_commit_every_steps(
-        openmpi_root, tmp_path, backend):
+        openmpi_root, tmp_path, backend, killed):
     pytest.importorskip(backend)
-    out = _job(openmpi_root, tmp_path, backend)
+    survivors = [r for r in range(3) if r != killed]
+    out = _job(openmpi_root, tmp_path, backend, killed=killed)
     assert out.returncode == 0, out.stdout
-    assert ("exited with signal 9 (SIGKILL); ranks 0, 1 finished without "
-            "it (recovery in place)." in out.stdout), out.stdout
-    assert "kerasdist.Trainer: rank 0: a rank of the job was lost" in \
-        out.stdout and "re-formed in place at 2 rank(s) (was 3)" in \
-        out.stdout, out.stdout
+    assert (f"rank {killed} (host " in out.stdout and "exited with signal "
+            f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
+            "without it (recovery in place)." in out.stdout), out.stdout
+    assert (f"<stderr>:kerasdist.Trainer: rank {survivors[0]}: a rank of "
+            "the job was lost" in out.stdout and "re-formed in place at 2 "
+            "rank(s) (was 3)" in out.stdout), out.stdout
     assert ("kerasdist.Trainer: resuming from the last commit in memory at "
             "epoch 1 of 2, after its first 18 examples; written at 3 ranks, "
             "now 2: the rest of the epoch re-sharded and the learning rate "
@@ -108,7 +113,7 @@ def test_trainer_recovers_in_place_from_the_commit_every_steps(
                             position + 3 * m.BATCH, left - 1), 2, 0,
                   per_epoch)
     assert not np.allclose(truth[0], kept[0], rtol=1e-4, atol=1e-4)
-    for new_rank, rank in enumerate((0, 1)):
+    for new_rank, rank in enumerate(survivors):
         start, end = (_read(tmp_path, f"start.{rank}.json"),
                       _read(tmp_path, f"end.{rank}.json"))
         # The same process, now rank `new_rank` of 2.
@@ -120,7 +125,9 @@ def test_trainer_recovers_in_place_from_the_commit_every_steps(
                                    atol=1e-5)
         np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
                                    atol=1e-5)
-    assert not os.path.exists(tmp_path / f"end.{KILL_RANK}.json")
+    assert not os.path.exists(tmp_path / f"end.{killed}.json")
+    # The disk checkpoints went on: the new rank 0 wrote epoch 2's.
+    assert os.path.exists(tmp_path / "ckpt" / "epoch-000002.json")
 
 
 @pytest.mark.timeout(JOB_S + 60)

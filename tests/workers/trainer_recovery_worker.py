@@ -12,8 +12,9 @@ are in that step's gradient allreduce when it goes.
 
 Each rank writes DIR/start.<rank>.json (its pid, rank and size at the
 start) and, when `fit` returns, DIR/end.<start rank>.json: its pid, rank,
-size, optimizer step, learning rate and the final weights. The killed rank
-writes DIR/kill.json first.
+size, optimizer step, learning rate, the final weights and the wall time
+(time.time()) each step ended ([optimizer step, time] pairs). The killed
+rank writes DIR/kill.json (the step and the wall time) first.
 
 argv: DIR KILL_RANK KILL_STEP [SHARD] (SHARD: the Trainer's `shard`, e.g.
       optimizer_state; none by default)
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -43,9 +45,11 @@ def data():
     return x, y
 
 
-def _trainer(directory, kill_rank, kill_step, start_rank, **kwargs):
+def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
+             **kwargs):
     """The job's Trainer; its callback kills this rank if it is
-    `kill_rank` at the start of step `kill_step`."""
+    `kill_rank` at the start of step `kill_step`, and notes when each step
+    ends in `done_at`."""
     import keras
 
     import kerasdist
@@ -55,8 +59,12 @@ def _trainer(directory, kill_rank, kill_step, start_rank, **kwargs):
             if start_rank == kill_rank and \
                     int(self.model.optimizer.iterations) == kill_step:
                 with open(os.path.join(directory, "kill.json"), "w") as f:
-                    json.dump({"step": kill_step}, f)
+                    json.dump({"step": kill_step, "at": time.time()}, f)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, batch, logs=None):
+            done_at.append([int(self.model.optimizer.iterations),
+                            time.time()])
 
     class Linear(kerasdist.Trainer):
         def build_model(self):
@@ -95,7 +103,8 @@ def main():
     with open(os.path.join(directory, f"start.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": start_rank,
                    "size": kerasdist.size()}, f)
-    trainer = _trainer(directory, kill_rank, kill_step, start_rank,
+    done_at = []
+    trainer = _trainer(directory, kill_rank, kill_step, start_rank, done_at,
                        epochs=EPOCHS, batch_size=BATCH, learning_rate=LR,
                        shuffle=False,
                        commit_every_steps=COMMIT_EVERY,
@@ -112,7 +121,8 @@ def main():
                    "kernel": keras.ops.convert_to_numpy(
                        model.layers[-1].kernel).tolist(),
                    "bias": keras.ops.convert_to_numpy(
-                       model.layers[-1].bias).tolist()}, f)
+                       model.layers[-1].bias).tolist(),
+                   "done_at": done_at}, f)
     print(f"rank {start_rank} done at size {kerasdist.size()}", flush=True)
 
 
