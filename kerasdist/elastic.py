@@ -743,23 +743,23 @@ def _ranks_lost(e):
         _capi.RANKS_LOST_TEXT in str(e))
 
 
-def _recover_in_place(state, error):
+def recover_in_place(error, restore, who="kerasdist.elastic"):
     """After a lost rank (`error`): the runtime has re-formed the job among
-    the survivors; this rank starts it again there, returns to the last
-    commit in memory, runs the reset callbacks and syncs (Horovod's reset).
-    A failure on the way (another rank lost meanwhile) ends the rank with
-    one line: a relaunch resumes from the last commit on disk."""
+    the survivors; this rank starts it again there (new `size()` and
+    `rank()`) and calls `restore()` to go back to the last commit in
+    memory. A failure on the way (another rank lost meanwhile) ends the
+    rank with one line, `who: recovery in place failed: ...`: a relaunch
+    resumes from the last commit on disk. Rank 0 says in one line that the
+    job re-formed. Used by `run` and by kerasdist.Trainer."""
     was, began = basics.size(), time.monotonic()
     try:
         basics.shutdown()  # returns once the survivors have re-formed
         basics.init()
-        state.restore()
-        state.on_reset()
-        state.sync()
+        restore()
     except Exception as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"kerasdist.elastic: recovery in place failed: {why}; ending "
-              f"this rank (a relaunch resumes from the last commit on disk)",
+        print(f"{who}: recovery in place failed: {why}; ending this rank "
+              f"(a relaunch resumes from the last commit on disk)",
               file=sys.stderr, flush=True)
         # At once, without atexit's shutdown and MPI_Finalize: the job's
         # MPI has lost ranks twice, and a normal exit here once hung for
@@ -768,9 +768,20 @@ def _recover_in_place(state, error):
         os._exit(1)
     if _rank() == 0:
         why = (str(error).strip().splitlines() or ["a rank was lost"])[0]
-        _log(f"{why}; re-formed in place at {basics.size()} rank(s) (was "
-             f"{was}) in {time.monotonic() - began:.2f} s, resuming from "
-             f"the last commit")
+        print(f"{who}: {why}; re-formed in place at {basics.size()} "
+              f"rank(s) (was {was}) in {time.monotonic() - began:.2f} s, "
+              f"resuming from the last commit", file=sys.stderr, flush=True)
+
+
+def _recover_in_place(state, error):
+    """`run`'s recovery: the last commit restored, the reset callbacks
+    run, rank 0's state synced (Horovod's reset)."""
+    def restore():
+        state.restore()
+        state.on_reset()
+        state.sync()
+
+    recover_in_place(error, restore)
 
 
 def run(func):

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
+from kerasdist import elastic as _elastic
 from kerasdist._core import host as _host
 from kerasdist._core import resize as _resize
 from kerasdist.keras import framework as _framework
@@ -32,6 +33,7 @@ from kerasdist.keras.sharding import weights as _weights
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import checkpoints
 from kerasdist.trainer import data as _tdata
+from kerasdist.trainer import inplace as _inplace
 from kerasdist.trainer import resume as _tresume
 from kerasdist.trainer import shards as _tshards
 from kerasdist.trainer import snapshot as _tsnap
@@ -46,7 +48,7 @@ _RESERVED_FIT_KWARGS = frozenset({
 _CONFIG_KEYS = ("epochs", "batch_size", "learning_rate", "scale_lr",
                 "warmup_epochs", "seed", "data_is_sharded", "shuffle",
                 "shuffle_buffer", "checkpoint_every_steps",
-                "checkpoint_every_seconds", "shard")
+                "checkpoint_every_seconds", "shard", "commit_every_steps")
 
 
 class Trainer:
@@ -82,6 +84,14 @@ class Trainer:
     shrinking").
     This needs a `checkpoint_dir`.
 
+    Recovery in place: under `kerasdist run --recover-in-place` every rank
+    also commits the training state in memory (`commit_every_steps`); when
+    a rank is lost, the survivors keep their processes, re-form the job
+    among themselves, go back to the last commit and train on from there
+    at the smaller size, as a resume from a step checkpoint at that size
+    would (docs/failures-and-elastic.md, "Recovery in place"). The disk
+    checkpoints stay for the loss of the whole job.
+
     Args:
         epochs: total number of epochs (>= 1).
         batch_size: examples per batch per rank; one step of the job
@@ -100,6 +110,11 @@ class Trainer:
             many steps (rank 0, in the background); None: none.
         checkpoint_every_seconds: also write a step checkpoint when this
             many seconds have passed since the last checkpoint; None: none.
+        commit_every_steps: under `kerasdist run --recover-in-place`,
+            commit the state in memory every this many steps of an epoch
+            (and at the start of `fit` and every epoch end), for the
+            survivors of a lost rank to go on from. None: every 10 steps.
+            Without recovery in place nothing is committed.
         auto_resume: resume from the newest complete checkpoint in
             `checkpoint_dir` if there is one.
         fresh_optimizer: resume from a checkpoint that holds no optimizer
@@ -171,7 +186,8 @@ class Trainer:
                  checkpoint_every_seconds=None, auto_resume=True, seed=0,
                  verbose=1, tensorboard_dir=None, data_is_sharded=False,
                  shuffle=True, shuffle_buffer=None, fit_kwargs=None,
-                 fresh_optimizer=False, shard=None, jit_compile=None):
+                 fresh_optimizer=False, shard=None, jit_compile=None,
+                 commit_every_steps=None):
         self.epochs = _tstate.positive_int("epochs", epochs)
         self.batch_size = _tstate.positive_int("batch_size", batch_size)
         self.keep_checkpoints = _tstate.positive_int("keep_checkpoints",
@@ -182,6 +198,7 @@ class Trainer:
                 checkpoint_dir)
         if self.step_checkpoints:
             _tsnap.check_supported()
+        self.commit_every_steps = _inplace.every_steps(commit_every_steps)
         _tstate.check_numbers(learning_rate, warmup_epochs, seed)
         if shuffle_buffer is not None:
             shuffle_buffer = _tstate.positive_int("shuffle_buffer",
@@ -234,6 +251,7 @@ class Trainer:
         self._plan = None  # the EpochPlan of the _train in progress
         self._step_saved = None  # (epoch, batch) of the last step snapshot
         self._shard_writer = None  # a sharded optimizer's, during _train
+        self._commits = None  # the last commit in memory (recovery in place)
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -539,14 +557,17 @@ class Trainer:
             else:  # every rank reads its slice of each slot (_load_all)
                 with _tshards.shared_only(self.model.optimizer):
                     self.model.load_weights(path)
-        old, new = manifest.get("world_size"), basics.size()
+        self._rescale_learning_rate(manifest.get("world_size"))
+        self.resumed_from = manifest["weights_path"]
+
+    def _rescale_learning_rate(self, old):
+        """A state saved at `old` ranks: its learning rate was scaled for
+        that size (a warmup in progress sets it again each step)."""
+        new = basics.size()
         if old and old != new and self.scale_lr:
-            # Written at another world size: its learning rate was scaled
-            # for that size (a warmup in progress sets it again each step).
             lr = float(keras.ops.convert_to_numpy(
                 self.optimizer.learning_rate))
             self._set_learning_rate(lr * new / old)
-        self.resumed_from = manifest["weights_path"]
 
     @property
     def _sharded(self):
@@ -707,6 +728,8 @@ class Trainer:
                 written=self._step_written, sharded=self._shard_writer)
         if self._resizable:
             _resize.announce(rank)
+        if _inplace.recovering() and self._commits is None:
+            self._commits = _inplace.Commits(self.model)
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
@@ -715,11 +738,49 @@ class Trainer:
                 callbacks=self._callbacks(
                     warmup and self.warmup_epochs > 0, point, end),
                 verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
+        except Exception as e:
+            if self._commits is None or self._commits.last is None or \
+                    not _inplace.ranks_lost(e):
+                raise
+            if self._commits.sharded:
+                # At once: a sharded step checkpoint in flight waits for
+                # the lost rank's shard file, which never comes.
+                _inplace.end_rank(
+                    f"a rank was lost, and with it its shard of the state "
+                    f"(shard={self.shard!r}), which no other rank holds")
+            lost = _inplace.as_ranks_lost(e)
+        else:
+            lost = None
         finally:
             steps, self._steps = self._steps, None
             if steps is not None:
                 steps.close()  # the step checkpoint in flight completes
-        return self.history
+        if lost is None:
+            return self.history
+        point = self._recover(lost, end)
+        return self._train(train, val, point.epoch, end, warmup, point)
+
+    def _recover(self, error, end):
+        """Every survivor of a lost rank (`error`): re-forms the job among
+        the survivors, goes back to the last commit in memory (the
+        learning rate rescaled for the new size, the traced step
+        functions dropped) and returns its point."""
+        commits = self._commits
+        point = None
+
+        def restore():
+            nonlocal point
+            point = commits.restore()
+            self._rescale_learning_rate(point.world_size)
+            _tcb.sync_state(self.model)
+            _inplace.forget_traces(self.model)
+
+        _elastic.recover_in_place(error, restore, "kerasdist.Trainer")
+        self.epochs_done = point.epoch
+        where = _tresume.describe(point, end, basics.size(), self.scale_lr)
+        self._log(f"resuming from the last commit in memory {where} "
+                  f"(optimizer step {int(self.optimizer.iterations)})")
+        return point
 
     def _val_pipeline(self, val):
         val_local, n_local = self._eval_data(val)
@@ -761,6 +822,12 @@ class Trainer:
             cbs.append(_tcb.CheckpointCallback(
                 self._save, None if self._shard_writer is None
                 else self._save_shard))
+        if self._commits is not None:
+            every = self.commit_every_steps or _inplace.DEFAULT_EVERY_STEPS
+            start = (plan.first_epoch, plan.first_position,
+                     point.rng if plan.first_position else [])
+            cbs.append(_inplace.CommitCallback(
+                self._commits, every, plan.position, plan.is_last, start))
         if self._steps is not None:
             cbs.append(_tcb.StepCheckpointCallback(
                 self._save_step, self._steps.busy, plan.is_last,

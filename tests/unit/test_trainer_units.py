@@ -15,6 +15,7 @@ import tensorflow as tf  # noqa: E402
 import kerasdist as kd  # noqa: E402
 from kerasdist.trainer import checkpoints  # noqa: E402
 from kerasdist.trainer import data as _trainer_data  # noqa: E402
+from kerasdist.trainer import inplace as _trainer_inplace  # noqa: E402
 from kerasdist.trainer import snapshot as _trainer_snapshot  # noqa: E402
 from kerasdist.trainer import state as _trainer_state  # noqa: E402
 
@@ -62,11 +63,53 @@ class Tiny(kd.Trainer):
      "checkpoint_every_seconds must be a number > 0, got '60'"),
     ({"checkpoint_every_steps": 10}, "need a checkpoint_dir"),
     ({"checkpoint_every_seconds": 30.0}, "need a checkpoint_dir"),
+    ({"commit_every_steps": 0},
+     "commit_every_steps must be an int >= 1 or None, got 0"),
+    ({"commit_every_steps": True},
+     "commit_every_steps must be an int >= 1 or None, got True"),
 ])
 def test_bad_settings_raise_in_constructor(kwargs, needle):
     with pytest.raises(ValueError) as e:
         Tiny(**kwargs)
     assert needle in str(e.value)
+
+
+def test_in_memory_commit_every_steps_restores_the_state():
+    # What the Trainer commits for recovery in place: the weights and the
+    # optimizer's variables (its step count, learning rate and moments)
+    # as they were, and where the data stood.
+    trainer = Tiny(epochs=1, batch_size=8, verbose=0)
+    trainer.fit()
+    model = trainer.model
+    commits = _trainer_inplace.Commits(model)
+    commits.take(1, 16, [])
+    before = [np.array(keras.ops.convert_to_numpy(v))
+              for v in model.weights + model.optimizer.variables]
+    model.fit(X, Y, epochs=1, batch_size=8, verbose=0)
+    trainer.optimizer.learning_rate = 0.5
+    assert int(trainer.optimizer.iterations) == 10
+    point = commits.restore()
+    assert (point.epoch, point.samples, point.world_size) == (1, 16, 1)
+    after = [keras.ops.convert_to_numpy(v)
+             for v in model.weights + model.optimizer.variables]
+    assert len(before) == len(after) > 4
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert int(trainer.optimizer.iterations) == 5
+    assert not commits.sharded
+
+
+def test_a_jitted_steps_ranks_lost_error_reads_as_one():
+    # JAX's error around a failed kerasdist op carries the core's text:
+    # it counts as a lost rank, told with the core's message alone.
+    error = RuntimeError("INTERNAL: kerasdist: rank 0: a rank of the job "
+                         "was lost (MPI_ERR_PROC_FAILED)\nmore")
+    assert _trainer_inplace.ranks_lost(error)
+    lost = _trainer_inplace.as_ranks_lost(error)
+    assert isinstance(lost, kd.elastic.RanksLostError)
+    assert str(lost) == "rank 0: a rank of the job was lost " \
+        "(MPI_ERR_PROC_FAILED)"
+    assert not _trainer_inplace.ranks_lost(RuntimeError("other"))
 
 
 def test_tensorboard_logs_or_a_clear_error(tmp_path):

