@@ -24,6 +24,12 @@ and:
   handler), and reports the command's resize exit (RESIZE_EXIT_CODE) to
   hydra as 0, so hydra does not stop the other ranks while they write
   their checkpoint and exit too; the marker line still tells the launcher;
+- with recovery in place (KERASDIST_RECOVER_IN_PLACE=1, `kerasdist run
+  --recover-in-place`), watches the command's heartbeat thread through a
+  pipe (KERASDIST_WATCHDOG; see Watchdog) and SIGKILLs the command once
+  it sent nothing for the heartbeat's timeout: a frozen rank (SIGSTOP, a
+  hung process) must die for Open MPI to tell the survivors, who go on
+  without it;
 - sets KERASDIST_HOSTNAME to the name of the host the rank runs on (as
   Horovod's launcher sets HOROVOD_HOSTNAME), so every rank can tell which
   host it is on without asking MPI;
@@ -52,11 +58,13 @@ forwarding and exit markers live in this one file.
 """
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 # Shared with the launcher (kerasdist/run/job.py imports these names).
 MARKER = b"\x1ekerasdist-rank-exit "
@@ -75,6 +83,9 @@ KILL_GRACE_S = 5.0
 ELASTIC_ENV = "KERASDIST_ELASTIC"
 # Set by `kerasdist run --recover-in-place` (kerasdist/run/mpi_command.py).
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
+# "<fd>:<wrapper's pid>": the pipe the command's heartbeat thread feeds
+# (ops/core/control/liveness.h, LivenessOptions::watchdog_fd).
+WATCHDOG_ENV = "KERASDIST_WATCHDOG"
 # The exit code of a rank that stopped at a checkpoint for a resize.
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
@@ -527,6 +538,50 @@ def command_problem(program):
     return None
 
 
+class Watchdog:
+    """Kills a command whose heartbeat thread went silent (recovery in
+    place).
+
+    The thread writes "arm <timeout seconds>" as it starts, "beat" every
+    interval and "off" as it ends (each a line, one write). While armed,
+    `feed` keeps the time of the last line and `overdue` says when nothing
+    came for the timeout: the process is frozen (SIGSTOP) or hung, and the
+    other ranks' heartbeat finds it lost at about the same time. Open MPI
+    tells the survivors of a lost rank only once its process dies, so the
+    wrapper then kills it, and the survivors re-form without it instead of
+    waiting for it until their deadline.
+    """
+
+    def __init__(self):
+        self.timeout = None  # armed while not None
+        self.last = 0.0
+        self.buf = b""
+
+    def feed(self, data, now):
+        """Takes the lines in `data` (bytes read from the pipe)."""
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        for line in lines:
+            words = line.split()
+            if words[:1] == [b"arm"] and len(words) == 2:
+                try:
+                    self.timeout, self.last = float(words[1]), now
+                except ValueError:
+                    pass
+            elif words == [b"beat"]:
+                self.last = now
+            elif words == [b"off"]:
+                self.timeout = None
+
+    def wait_s(self, now):
+        """How long to wait for the next line (None: for ever)."""
+        if self.timeout is None:
+            return None
+        return max(0.0, self.last + self.timeout - now) + 0.05
+
+    def overdue(self, now):
+        return self.timeout is not None and now - self.last > self.timeout
+
+
 class _Wrapper:
     def __init__(self, command, prefix):
         self.command = command
@@ -534,6 +589,38 @@ class _Wrapper:
         self.proc = None
         self.pending = []
         self.kill_timer = None
+        self.watch_fd = None  # the watchdog pipe's reading end
+
+    def _open_watchdog(self):
+        """With recovery in place: the pipe for the command's heartbeat
+        thread (its writing end inherited, named in WATCHDOG_ENV)."""
+        if os.environ.get(RECOVER_ENV) != "1":
+            return None
+        self.watch_fd, write_fd = os.pipe()
+        os.set_inheritable(write_fd, True)
+        os.environ[WATCHDOG_ENV] = f"{write_fd}:{os.getpid()}"
+        return write_fd
+
+    def _watch(self, rank):
+        """Kills the command once its heartbeat is overdue (Watchdog)."""
+        dog = Watchdog()
+        while self.proc.returncode is None:
+            ready, _, _ = select.select([self.watch_fd], [], [],
+                                        dog.wait_s(time.monotonic()))
+            now = time.monotonic()
+            if ready:
+                data = os.read(self.watch_fd, 4096)
+                if not data:
+                    return  # the command (and what it started) closed it
+                dog.feed(data, now)
+            elif dog.overdue(now) and self.proc.returncode is None:
+                _write_all(2, (
+                    f"kerasdist: rank {rank}: its heartbeat sent nothing "
+                    f"for {dog.timeout:g} s (the process is frozen or "
+                    "hung); killing it, so that the other ranks go on "
+                    "without it (recovery in place).\n").encode())
+                kill_job(roots=(self.proc.pid,))
+                return
 
     def _on_signal(self, signum, frame):
         if self.proc is None:
@@ -584,6 +671,7 @@ class _Wrapper:
             # starts with SIGUSR1 ignored until it installs a handler.
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         pipe = subprocess.PIPE
+        watch_write = self._open_watchdog()
         try:
             self.proc = subprocess.Popen(
                 self.command,
@@ -606,8 +694,14 @@ class _Wrapper:
             )
             sys.stderr.flush()
             return 127 if isinstance(e, FileNotFoundError) else 126
+        finally:
+            if watch_write is not None:
+                os.close(watch_write)
         if elastic:
             signal.signal(signal.SIGUSR1, self._on_signal)
+        if self.watch_fd is not None:
+            threading.Thread(target=self._watch, args=(rank,),
+                             daemon=True).start()
         for signum in self.pending:
             self._forward(signum)
 

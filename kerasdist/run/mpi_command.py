@@ -224,6 +224,10 @@ def with_recovery(argv):
     """An Open MPI mpirun command line (build_openmpi_argv's) that keeps
     the survivors of a lost rank (--recover-in-place): ULFM's fault
     tolerance on (--with-ft ulfm), and every rank told to re-form in place
-    (KERASDIST_RECOVER_IN_PLACE=1, passed with -x)."""
-    return [argv[0], "--with-ft", "ulfm", "-x", f"{RECOVER_ENV}=1"] + \
-        list(argv[1:])
+    (KERASDIST_RECOVER_IN_PLACE=1, passed with -x), and no barrier in
+    MPI_Finalize (async_mpi_finalize): its PMIx fence spans every host of
+    the job, and a host whose ranks were all lost never joins it, so the
+    survivors would wait in it for ever (kerasdist's own shutdown already
+    says goodbye to every rank)."""
+    return [argv[0], "--with-ft", "ulfm", "-x", f"{RECOVER_ENV}=1",
+            "--mca", "async_mpi_finalize", "1"] + list(argv[1:])

@@ -22,7 +22,8 @@ Under KERASDIST_ELASTIC_DIR the commits also go to disk (a relaunch
 resumes from them); the kill happens in the first attempt only.
 
 argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
-      KILL, the default, or STOP: the rank freezes instead)
+      KILL, the default, STOP: the rank freezes instead, or CONT: nothing
+      happens to it, while a test cuts its host's link at kill.json)
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset

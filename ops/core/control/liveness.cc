@@ -541,6 +541,7 @@ void Liveness::Stop() {
 void Liveness::Loop() {
   double next_beat = 0;
   std::vector<pollfd> fds;
+  Feed(("arm " + std::to_string(opt_.timeout_s) + "\n").c_str());
   while (!stop_) {
     double now = Now();
     if (now >= next_beat) {
@@ -561,12 +562,21 @@ void Liveness::Loop() {
     CheckSilent(now);
     Settle(now);
   }
+  Feed("off\n");
 }
 
 void Liveness::Beat() {
   for (Peer& p : peers_) {
     if (!p.gone) SendFrame(p.fd, kBeat, opt_.rank);
   }
+  Feed("beat\n");
+}
+
+// One write each, never blocking (a pipe write under PIPE_BUF is whole).
+void Liveness::Feed(const char* text) const {
+  if (opt_.watchdog_fd < 0) return;
+  ssize_t ignored = write(opt_.watchdog_fd, text, std::strlen(text));
+  (void)ignored;
 }
 
 void Liveness::Read(Peer& p, double now) {

@@ -58,6 +58,13 @@ struct LivenessOptions {
   // Called once, from the liveness thread, with the line to print when a
   // peer is lost; the default prints it and ends the process (_exit).
   std::function<void(const std::string&)> on_lost;
+  // Where this rank's own beats also go (-1: nowhere): with recovery in
+  // place, a pipe to the launcher's per-rank wrapper (kerasdist/run/
+  // _rank.py), which kills this process once nothing came for `timeout_s`
+  // (a frozen rank must die for MPI to tell the survivors). The thread
+  // writes "arm <timeout_s>\n" as it starts, "beat\n" each interval and
+  // "off\n" as it ends (a goodbye, or a loss: the survivors re-form).
+  int watchdog_fd = -1;
 };
 
 class Liveness {
@@ -104,6 +111,7 @@ class Liveness {
   Liveness() = default;
   void Loop();
   void Beat();
+  void Feed(const char* text) const;
   void Read(Peer& p, double now);
   bool HandleFrame(Peer& p, const char* frame, double now);
   void CheckSilent(double now);

@@ -1,5 +1,6 @@
 // Starting the heartbeat (liveness.h) over MPI: the ranks agree on rank 0's
 // settings, learn every rank's host and rank 0's addresses, and connect.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -118,6 +119,26 @@ Status ShareKey(MPI_Comm comm, int rank, std::string* key) {
   *key = Sha256(std::string("kerasdist heartbeat|") + (secret ? secret : "") +
                 "|" + std::string(bytes, sizeof(bytes)));
   return Status::OK();
+}
+
+// With recovery in place, the pipe to this rank's wrapper (liveness.h,
+// LivenessOptions::watchdog_fd): KERASDIST_WATCHDOG="<fd>:<wrapper's pid>",
+// from kerasdist/run/_rank.py, for its own child only (not for a process
+// this one starts, which inherits the variable). -1 where there is none.
+int WatchdogFd() {
+  const char* text = std::getenv("KERASDIST_WATCHDOG");
+  if (text == nullptr || !RecoveryOn()) return -1;
+  int fd = -1;
+  long parent = -1;
+  if (std::sscanf(text, "%d:%ld", &fd, &parent) != 2 || fd < 0 ||
+      parent != static_cast<long>(getppid())) {
+    return -1;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISFIFO(st.st_mode)) return -1;
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK);
+  fcntl(fd, F_SETFD, fcntl(fd, F_GETFD, 0) | FD_CLOEXEC);
+  return fd;
 }
 
 Status Connect(const LivenessOptions& opt, std::vector<std::string> addresses,
@@ -372,6 +393,7 @@ Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
   opt.timeout_s = times[1];
   if (opt.size == 1 || opt.timeout_s <= 0) return Status::OK();
   opt.interval_s = std::min(opt.interval_s, opt.timeout_s / 3);
+  opt.watchdog_fd = WatchdogFd();
   KD_RETURN_IF_ERROR(GatherHosts(comm, opt.size, &opt.hosts));
   KD_RETURN_IF_ERROR(ShareKey(comm, opt.rank, &opt.key));
   bool local = false, all_local = false;

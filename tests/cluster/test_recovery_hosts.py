@@ -1,0 +1,147 @@
+"""Recovery in place across test hosts (docs/failures-and-elastic.md,
+"Recovery in place"): kerasdist built against Open MPI
+(tests/cluster/conftest.py's openmpi_root) under `kerasdist run
+--recover-in-place -H kdt0:2,kdt1:1`, Open MPI's daemons on both hosts.
+Rank 2, alone on kdt1 (tests/workers/recovery_worker.py), is lost at step
+7: SIGKILLed or frozen (SIGSTOP), ranks 0 and 1 keep their processes,
+re-form at size 2 and finish with the weights numpy computes. A cut link
+is not recovered in place with Open MPI 5.0 (its process manager cannot
+tell the survivors of ranks it cannot reach): the survivors end at their
+re-forming deadline, each in one line, and nothing is left behind."""
+
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.support.cluster import Cluster
+from tests.support.cluster import processes_in
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import WORKERS
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+HOSTS = "kdt0:2,kdt1:1"
+LOST, STEP, STEPS, COMMIT_EVERY = 2, 7, 12, 3
+TIMEOUT_S = 3  # the heartbeat's
+JOB_S = 240  # PyTorch's import on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require()
+    with Cluster(2) as c:
+        yield c
+
+
+def _worker_module():
+    path = os.path.join(WORKERS, "recovery_worker.py")
+    spec = importlib.util.spec_from_file_location("recovery_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sgd(m, w, first, last, size):
+    x, y = m.data()
+    for step in range(first, last):
+        g = sum(m.gradient(w, x, y, m.rows_for(step, r, size))
+                for r in range(size)) / size
+        w = w - m.LR * g
+    return w
+
+
+def _read(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _run(cluster, tmp_path, signal_name, root):
+    env = worker_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=TIMEOUT_S,
+                     RECOVERY_STEPS=STEPS, RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                     RECOVERY_STEP_SLEEP=0.2)
+    return run_on(cluster, 3, HOSTS, worker_cmd(
+        "recovery_worker.py", str(tmp_path), str(LOST), str(STEP),
+        signal_name), timeout=JOB_S, env=env, root=root,
+        launcher_args=["--recover-in-place"])
+
+
+@pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
+def test_a_rank_lost_on_another_host_is_recovered_in_place(
+        cluster, openmpi_root, tmp_path, signal_name):
+    out = _run(cluster, tmp_path, signal_name, openmpi_root)
+    assert out.returncode == 0, out.stdout[-6000:]
+    if signal_name == "STOP":
+        # Its wrapper, on kdt1, kills it once its heartbeat is silent.
+        assert (f"kerasdist: rank {LOST}: its heartbeat sent nothing for "
+                f"{TIMEOUT_S} s (the process is frozen or hung); killing it"
+                in out.stdout), out.stdout[-6000:]
+    assert (f"rank {LOST} (host kdt1) exited with signal 9 (SIGKILL); ranks "
+            "0, 1 finished without it (recovery in place)." in out.stdout), \
+        out.stdout[-6000:]
+    lost_at = _read(tmp_path / "kill.json")["at"]
+    commit = STEP // COMMIT_EVERY * COMMIT_EVERY
+    m = _worker_module()
+    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                 STEPS, 2)
+    for rank in (0, 1):
+        start = _read(tmp_path / f"start.{rank}.json")
+        end = _read(tmp_path / f"end.{rank}.json")
+        assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
+            start["pid"], rank, 2, [commit]), (start, end)
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+        # The next step: at once after a SIGKILL, within the heartbeat's
+        # timeout after a SIGSTOP (and a few seconds for this machine).
+        took = end["done_at"][str(commit + 1)] - lost_at
+        assert took < (3 if signal_name == "KILL" else TIMEOUT_S + 5), took
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_a_cut_link_ends_the_survivors_at_their_deadline(
+        cluster, openmpi_root, tmp_path):
+    # kdt1's link goes down as rank 2 reaches step 7 (SIGCONT: no signal
+    # to speak of). The heartbeat finds kdt1 lost after 3 s and the
+    # survivors' collectives fail, but Open MPI never learns that rank 2
+    # is gone, so their shrink waits for it until the deadline (10 s);
+    # each ends in one line, code 75 (with --max-restarts: a relaunch).
+    kdt1 = cluster.host("kdt1")
+    marker = tmp_path / "kill.json"
+    cut_at = []
+
+    def cut_when_there():
+        deadline = time.monotonic() + JOB_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.cut(kdt1)
+        cut_at.append(time.time())
+
+    threading.Thread(target=cut_when_there, daemon=True).start()
+    try:
+        out = _run(cluster, tmp_path, "CONT", openmpi_root)
+        ended = time.time()
+    finally:
+        cluster.restore(kdt1)
+    assert out.returncode == 75, out.stdout[-6000:]
+    for rank in (0, 1):
+        assert (f"[{rank}]<stderr>:kerasdist: rank {rank}: lost host kdt1 "
+                f"(rank {LOST}): no heartbeat for {TIMEOUT_S} s"
+                in out.stdout), out.stdout[-6000:]
+        assert (f"[{rank}]<stderr>:kerasdist: rank {rank}: recovery in place "
+                "failed: the survivors did not re-form within 10 s"
+                in out.stdout), out.stdout[-6000:]
+    assert not list(tmp_path.glob("end.*.json"))
+    # The heartbeat's timeout, the deadline, the launcher's stopping.
+    assert cut_at and ended - cut_at[0] < TIMEOUT_S + 10 + 30, (
+        ended - cut_at[0], out.stdout[-6000:])
+    for host in cluster.hosts:
+        left = [c for c in processes_in(cluster, host, settle=10.0)
+                if "recovery_worker" in c]
+        assert left == [], (host.name, left)
