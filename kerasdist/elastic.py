@@ -40,7 +40,11 @@ state to a file that the next attempt starts from:
   same call once the launcher asked any rank to stop for a resize (its
   SIGUSR1, kerasdist/_core/resize.py). `run` then commits the state as it is and
   ends the process with the resize exit code: the launcher relaunches at
-  the new size and the next attempt starts from that commit.
+  the new size and the next attempt starts from that commit. With
+  recovery in place, a job that grows (the launcher wrote a grow request)
+  grows in place instead: the ranks start the new ones, run the reset
+  callbacks and sync the state to them, and go on
+  (kerasdist/_core/grow.py).
 * `HorovodInternalError` (a collective failed) ends the process with an
   error: the launcher's `--max-restarts` relaunches the job, which resumes
   from the last commit. A peer that dies ends the other ranks by itself
@@ -77,6 +81,7 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import files as _files
+from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
@@ -763,14 +768,28 @@ def run(func):
             basics.init()
         if _resize.checking():
             _resize.announce(_rank())
-        _resume(state)
+        if _grow.joined():  # a new rank of a job that grew in place
+            state.sync()
+        else:
+            _resume(state)
         while True:
             try:
                 return _run_once(func, state, *args, **kwargs)
             except RanksLostError as e:
                 _recover_in_place(state, e)
+            except _GrowInPlace as g:
+                _grow.grow(state, g.body, _log)
 
     return wrapper
+
+
+class _GrowInPlace(Exception):
+    """The ranks agreed to grow in place (kerasdist/_core/grow.py) at the
+    commit that raised HostsUpdatedInterrupt; `body`: the request."""
+
+    def __init__(self, body):
+        super().__init__("growing in place")
+        self.body = body
 
 
 def _run_once(func, state, *args, **kwargs):
@@ -781,6 +800,9 @@ def _run_once(func, state, *args, **kwargs):
     except HostsUpdatedInterrupt:
         if not _resize.checking():
             raise
+        body = _grow.request()
+        if body is not None:
+            raise _GrowInPlace(body) from None
         state.save()
         state.persist()
         if basics.size() > 1:

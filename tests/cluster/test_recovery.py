@@ -204,3 +204,58 @@ def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
         assert end["size"] == 3 and min(map(int, end["done_at"])) == \
             commit + 1, end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_grow_in_place_a_discovered_slot_joins_at_the_next_commit(
+        openmpi_root, tmp_path):
+    # Discovery lists a third slot on this host at step 4; the launcher
+    # asks the ranks to resize and writes its grow request; at the commit
+    # of step 6 the two ranks start the third themselves (MPI_Comm_spawn),
+    # keep their processes and train on at 3 ranks with it; the new rank
+    # gets the state by broadcast.
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = launch(2, worker_cmd("recovery_worker.py", str(tmp_path)),
+                 timeout=JOB_S, root=openmpi_root,
+                 launcher_args=["--recover-in-place",
+                                "--host-discovery-script", str(script),
+                                "--min-np", "2", "--max-np", "3",
+                                "--discovery-interval", "0.5"],
+                 env=rank_env(RECOVERY_STEPS=STEPS,
+                              RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                              RECOVERY_GROW_AT=GROW_AT,
+                              RECOVERY_GROW_LIST=listed,
+                              KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120))
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+            "slot(s) now, not 2; in place, at the ranks' next commit"
+            in out.stdout), out.stdout
+    assert "grew in place to 3 rank(s) (was 2) in " in out.stdout, out.stdout
+    assert "attempt 2" not in out.stdout, out.stdout
+    assert _read(tmp_path, "asked.json")["heard"], out.stdout
+    commit = (GROW_AT // COMMIT_EVERY + 1) * COMMIT_EVERY
+    m = _worker_module()
+    # The truth: steps 0..5 at 2 ranks, then 6..11 at 3.
+    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+                 STEPS, 3)
+    assert not np.allclose(truth, _sgd(m, np.zeros(m.FEATURES), 0, STEPS, 2),
+                           rtol=1e-6, atol=0)
+    for rank in range(3):
+        start, end = (_read(tmp_path, f"start.{rank}.json"),
+                      _read(tmp_path, f"end.{rank}.json"))
+        # Ranks 0 and 1: the same processes, from 2 ranks to 3; rank 2
+        # started at 3 and trained from the commit on.
+        assert (end["pid"], end["rank"], end["size"]) == (
+            start["pid"], rank, 3), (start, end)
+        assert start["size"] == (2 if rank < 2 else 3), start
+        assert end["resumed"] == ([commit] if rank < 2 else []), end
+        assert sorted(map(int, end["done_at"])) == list(
+            range(1 if rank < 2 else commit + 1, STEPS + 1)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

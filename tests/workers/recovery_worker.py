@@ -23,6 +23,13 @@ resumes from them); the kill happens in the first attempt only.
 
 argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
       KILL, the default, or STOP: the rank freezes instead)
+Growing in place (RECOVERY_GROW_LIST=FILE, RECOVERY_GROW_AT=STEP): rank 0,
+once STEP steps are done, writes "localhost:3" to FILE (the launcher's
+discovery script prints it) and waits (up to 60 s) for the launcher's
+resize request before it goes on; the job grows at the next commit. A
+rank that joined writes its start file (rank and size of the grown job)
+and, at the end, its end file as the others (its `resumed` is empty).
+
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
@@ -78,6 +85,19 @@ def gradient(w, x, y, rows):
     return 2.0 / len(rows) * xb.T @ (xb @ w - yb)
 
 
+def _ask_to_grow(directory):
+    """Lists a third slot for the launcher's discovery script, then waits
+    for its resize request (the next commit grows the job)."""
+    from kerasdist._core import resize
+    with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
+        f.write("localhost:3\n")
+    deadline = time.monotonic() + 60
+    while not resize.requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(directory, "asked.json"), "w") as f:
+        json.dump({"at": time.time(), "heard": resize.requested()}, f)
+
+
 def main():
     DIR = sys.argv[1]
     KILL_RANK = int(sys.argv[2]) if len(sys.argv) > 3 else -1
@@ -88,6 +108,7 @@ def main():
     SIGNUM = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4
                                       else "KILL"))
     DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
+    GROW_AT = int(os.environ.get("RECOVERY_GROW_AT", "-1"))
     kd.init()
     start_rank = kd.rank()
     attempt = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0") or 0)
@@ -133,6 +154,8 @@ def main():
             w = w - LR * g
             state.w, state.step = w.copy(), state.step + 1
             done_at[state.step] = time.time()
+            if (start_rank, state.step) == (0, GROW_AT):
+                _ask_to_grow(DIR)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
