@@ -352,12 +352,20 @@ class State:
         small allreduce (only in a job that grows and shrinks)."""
         if not _resize.checking():
             return
-        flag = np.array([1 if _resize.requested() else 0], np.int64)
+        # With recovery in place a request to grow starts the new ranks in
+        # the background, and the commit after they joined raises
+        # (kerasdist/_core/grow.py).
+        flag = np.array([1 if _resize.requested() else 0,
+                         1 if _grow.spawning() else 0], np.int64)
         if basics.size() > 1:
             from kerasdist._core import host as _host
             flag = _host.host_allreduce(flag, basics.Max,
                                         "kerasdist.elastic.hosts")
-        if int(flag[0]):
+        if _grow.started():
+            if not int(flag[1]):
+                raise HostsUpdatedInterrupt(False)
+            return
+        if int(flag[0]) and not _grow.begin():
             raise HostsUpdatedInterrupt(False)
 
     def save(self):
@@ -774,22 +782,23 @@ def run(func):
             _resume(state)
         while True:
             try:
-                return _run_once(func, state, *args, **kwargs)
+                result = _run_once(func, state, *args, **kwargs)
             except RanksLostError as e:
                 _recover_in_place(state, e)
-            except _GrowInPlace as g:
-                _grow.grow(state, g.body, _log)
+                continue
+            except _GrowInPlace:
+                _grow.finish(state, _log)
+                continue
+            if _grow.started():  # the new ranks join a job that is done
+                _grow.finish(state, _log)
+            return result
 
     return wrapper
 
 
 class _GrowInPlace(Exception):
-    """The ranks agreed to grow in place (kerasdist/_core/grow.py) at the
-    commit that raised HostsUpdatedInterrupt; `body`: the request."""
-
-    def __init__(self, body):
-        super().__init__("growing in place")
-        self.body = body
+    """The new ranks have joined (kerasdist/_core/grow.py): at this commit
+    every rank starts the runtime on the grown job."""
 
 
 def _run_once(func, state, *args, **kwargs):
@@ -800,9 +809,8 @@ def _run_once(func, state, *args, **kwargs):
     except HostsUpdatedInterrupt:
         if not _resize.checking():
             raise
-        body = _grow.request()
-        if body is not None:
-            raise _GrowInPlace(body) from None
+        if _grow.started():
+            raise _GrowInPlace() from None
         state.save()
         state.persist()
         if basics.size() > 1:

@@ -4,15 +4,23 @@
 Under `kerasdist run --recover-in-place --host-discovery-script`, the
 launcher writes a grow request (kerasdist/run/grow.py) before it asks the
 ranks to resize. `hvd.elastic.run` (kerasdist/elastic.py) then, at the
-commit where the ranks agree on the request (HostsUpdatedInterrupt):
+commit where the ranks agree on the launcher's resize request:
 
-* `request()`: rank 0 reads the request (and removes it), every rank gets
-  it by broadcast; None where there is none (the job then stops for a
-  relaunch, as without recovery in place).
-* `grow(state, request, log)`: stops the runtime, starts the new ranks
-  (MPI_Comm_spawn, ops/core/transport/mpi_grow.cc) and merges them into the
-  job, starts the runtime on the grown job, runs the state's reset
-  callbacks and syncs the state to every rank, the new ones included.
+* `begin()`: rank 0 reads the request (and removes it), every rank gets it
+  by broadcast (`request()`), and every rank starts a thread that starts
+  the new ranks with the others (MPI_Comm_spawn over the job's
+  communicator, ops/core/transport/mpi_grow.cc) and merges them into a new
+  communicator, while the runtime goes on on its own: the ranks train on
+  while the new ones start (their Python, imports, kd.init()). False where
+  there is no request (the job then stops for a relaunch, as without
+  recovery in place).
+* `spawning()`: whether that thread still runs; the commits' check
+  (State.check_host_updates) agrees on it in its one small allreduce, and
+  at the first commit where it has ended on every rank raises
+  HostsUpdatedInterrupt, where `run` calls
+* `finish(state, log)`: starts the runtime on the grown job, runs the
+  state's reset callbacks and syncs the state to every rank, the new ones
+  included.
 * A new rank (KERASDIST_GROWN_RANK set; its kd.init() merged it into the
   job): `joined()` is true, and `run` syncs the state from rank 0 before
   it calls the training function, instead of loading the last commit.
@@ -22,6 +30,7 @@ import ctypes
 import json
 import os
 import sys
+import threading
 import time
 
 from kerasdist import basics
@@ -87,24 +96,64 @@ def request():
     return body
 
 
-def grow(state, body, log):
-    """Every rank of the job: grows it as `body` asks (see the module's
-    doc); `log(line)` says how on rank 0. A failure to start the new ranks
-    leaves the job at its size, said in one line; a failure after that
-    ends this rank with one line (a relaunch resumes from the last commit
-    on disk)."""
-    was, began = basics.size(), time.monotonic()
+# The grow under way on this rank: its thread, its request, MPI's error
+# (None: none), when it began and at how many ranks.
+_grow = {"thread": None}
+
+
+def begin():
+    """Every rank, at the commit where the ranks agreed on a resize
+    request: starts growing as the launcher's request asks, in the
+    background (the ranks go on training meanwhile); False where there is
+    no request (the job then stops for a relaunch). Collective."""
+    body = request()
+    if body is None:
+        return False
     ranks = [(r["argv"], r.get("info", [])) for r in body["ranks"]] \
         if basics.rank() == 0 else []
-    basics.shutdown()
-    failed = None
+
+    def spawn():
+        try:
+            _spawn(ranks)
+        except RuntimeError as e:
+            _grow["error"] = (str(e).strip().splitlines() or
+                              ["MPI's error"])[0]
+
+    thread = threading.Thread(target=spawn, name="kerasdist-grow",
+                              daemon=True)
+    _grow.update(thread=thread, body=body, error=None,
+                 began=time.monotonic(), was=basics.size())
+    _resize.served()
+    thread.start()
+    return True
+
+
+def started():
+    """Whether this rank is growing (begin() started, finish() not yet)."""
+    return _grow["thread"] is not None
+
+
+def spawning():
+    """Whether this rank's part of the start of the new ranks still runs
+    (they have not all joined yet)."""
+    thread = _grow["thread"]
+    return thread is not None and thread.is_alive()
+
+
+def finish(state, log):
+    """Every rank, at the first commit after the new ranks joined (or at
+    the end of training): starts the runtime on the grown job, runs the
+    state's reset callbacks and syncs the state to every rank, the new ones
+    included; `log(line)` says so on rank 0. A failure to start the new
+    ranks leaves the job at its size, said in one line; a failure after
+    that ends this rank with one line (a relaunch resumes from the last
+    commit on disk)."""
+    _grow["thread"].join()
+    grown, _grow["thread"] = dict(_grow), None
+    stopped = time.monotonic()
     try:
-        _spawn(ranks)
-    except RuntimeError as e:
-        failed = (str(e).strip().splitlines() or ["MPI's error"])[0]
-    try:
+        basics.shutdown()
         basics.init()
-        _resize.served()
         state.on_reset()
         state.sync()
     except Exception as e:
@@ -116,14 +165,16 @@ def grow(state, body, log):
         os._exit(1)
     if basics.rank() != 0:
         return
-    took = time.monotonic() - began
-    if failed is not None:
-        log(f"growing in place failed ({failed}); going on at {was} "
-            f"rank(s)")
-    else:
-        log(f"grew in place to {basics.size()} rank(s) (was {was}) in "
-            f"{took:.2f} s ({body.get('why', 'the hosts changed')}), "
-            f"resuming from the last commit")
+    if grown["error"] is not None:
+        log(f"growing in place failed ({grown['error']}); going on at "
+            f"{grown['was']} rank(s)")
+        return
+    now = time.monotonic()
+    log(f"grew in place to {basics.size()} rank(s) (was {grown['was']}; "
+        f"{grown['body'].get('why', 'the hosts changed')}): the new ranks "
+        f"started in {stopped - grown['began']:.2f} s while the others "
+        f"trained, the job re-formed in {now - stopped:.2f} s, resuming "
+        f"from the last commit")
 
 
 def joined():

@@ -210,13 +210,14 @@ GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
 
 
 @pytest.mark.timeout(JOB_S + 60)
-def test_grow_in_place_a_discovered_slot_joins_at_the_next_commit(
-        openmpi_root, tmp_path):
+def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
+                                                           tmp_path):
     # Discovery lists a third slot on this host at step 4; the launcher
-    # asks the ranks to resize and writes its grow request; at the commit
-    # of step 6 the two ranks start the third themselves (MPI_Comm_spawn),
-    # keep their processes and train on at 3 ranks with it; the new rank
-    # gets the state by broadcast.
+    # writes its grow request and asks the ranks to resize; at the next
+    # commit the two ranks start the third themselves (MPI_Comm_spawn, in
+    # the background), train on while it starts, and at the first commit
+    # after it joined re-form at 3 ranks with their processes kept; the
+    # new rank gets the state by broadcast and trains from that commit.
     listed = tmp_path / "hosts.txt"
     listed.write_text("localhost:2\n")
     script = tmp_path / "discover.sh"
@@ -237,19 +238,23 @@ def test_grow_in_place_a_discovered_slot_joins_at_the_next_commit(
     assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
             "slot(s) now, not 2; in place, at the ranks' next commit"
             in out.stdout), out.stdout
-    assert "grew in place to 3 rank(s) (was 2) in " in out.stdout, out.stdout
+    assert "grew in place to 3 rank(s) (was 2; host localhost has 3 " \
+        "slot(s) now, not 2): the new ranks started in " in out.stdout, \
+        out.stdout
     assert "attempt 2" not in out.stdout, out.stdout
     assert _read(tmp_path, "asked.json")["heard"], out.stdout
-    commit = (GROW_AT // COMMIT_EVERY + 1) * COMMIT_EVERY
+    ends = [_read(tmp_path, f"end.{rank}.json") for rank in range(3)]
+    commit = ends[0]["resumed"][0]
+    last = max(STEPS, commit + 6)
+    assert commit % COMMIT_EVERY == 0 and commit > GROW_AT, ends[0]
     m = _worker_module()
-    # The truth: steps 0..5 at 2 ranks, then 6..11 at 3.
+    # The truth: the steps up to the commit at 2 ranks, the rest at 3.
     truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
-                 STEPS, 3)
-    assert not np.allclose(truth, _sgd(m, np.zeros(m.FEATURES), 0, STEPS, 2),
+                 last, 3)
+    assert not np.allclose(truth, _sgd(m, np.zeros(m.FEATURES), 0, last, 2),
                            rtol=1e-6, atol=0)
-    for rank in range(3):
-        start, end = (_read(tmp_path, f"start.{rank}.json"),
-                      _read(tmp_path, f"end.{rank}.json"))
+    for rank, end in enumerate(ends):
+        start = _read(tmp_path, f"start.{rank}.json")
         # Ranks 0 and 1: the same processes, from 2 ranks to 3; rank 2
         # started at 3 and trained from the commit on.
         assert (end["pid"], end["rank"], end["size"]) == (
@@ -257,5 +262,5 @@ def test_grow_in_place_a_discovered_slot_joins_at_the_next_commit(
         assert start["size"] == (2 if rank < 2 else 3), start
         assert end["resumed"] == ([commit] if rank < 2 else []), end
         assert sorted(map(int, end["done_at"])) == list(
-            range(1 if rank < 2 else commit + 1, STEPS + 1)), end
+            range(1 if rank < 2 else commit + 1, last + 1)), end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

@@ -26,9 +26,11 @@ argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
 Growing in place (RECOVERY_GROW_LIST=FILE, RECOVERY_GROW_AT=STEP): rank 0,
 once STEP steps are done, writes "localhost:3" to FILE (the launcher's
 discovery script prints it) and waits (up to 60 s) for the launcher's
-resize request before it goes on; the job grows at the next commit. A
-rank that joined writes its start file (rank and size of the grown job)
-and, at the end, its end file as the others (its `resumed` is empty).
+resize request before it goes on; the job grows at a commit after the new
+rank has started, and trains on until STEPS steps are done and at least
+6 at 3 ranks (up to step 2006). A rank that joined writes its start
+file (rank and size of the grown job) and, at the end, its end file as
+the others (its `resumed` is empty).
 
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
@@ -120,7 +122,7 @@ def main():
                    "init_at": time.time()}, f)
     x, y = data()
     resumed, done_at, lost_at, reset_at = [], {}, [], []
-    state = elastic.ObjectState(w=np.zeros(FEATURES), step=0)
+    state = elastic.ObjectState(w=np.zeros(FEATURES), step=0, end=STEPS)
 
     def on_reset():
         if start_rank == DIE_IN_RESET:
@@ -140,7 +142,7 @@ def main():
     @elastic.run
     def train(state):
         w = np.array(state.w)
-        while state.step < STEPS:
+        while state.step < state.end:
             rank, size = kd.rank(), kd.size()
             g = to_tensor(gradient(w, x, y,
                                       rows_for(state.step, rank, size)))
@@ -156,6 +158,8 @@ def main():
             done_at[state.step] = time.time()
             if (start_rank, state.step) == (0, GROW_AT):
                 _ask_to_grow(DIR)
+            if GROW_AT >= 0 and kd.size() < 3 and state.step < 2000:
+                state.end = max(state.end, state.step + 6)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
