@@ -15,8 +15,12 @@ commits to, on the launcher's file system), written atomically:
     {"old_np": 2, "new_np": 3, "why": "host h has 3 slot(s) now, not 2",
      "ranks": [{"rank": 2, "info": ["host=h"], "argv": [...]}]}
 
-`info` is Open MPI's MPI_Comm_spawn info for the rank ("host=h", and
-"add-host=h:slots" first for a host the job did not run on); `argv` the
+Only onto hosts the job runs on: Open MPI 5.0.11's daemons fail when a
+spawn adds a host (MPI_Comm_spawn's "add-host" info: PMIX_ERROR in
+prrte's pmix_server_dyn.c, then a segfault that ends the job), so a change
+that needs a new host is a relaunch, as without --recover-in-place.
+
+`info` is Open MPI's MPI_Comm_spawn info for the rank ("host=h"); `argv` the
 rank's command: `env KERASDIST_GROWN_RANK=<rank>
 KERASDIST_RECOVER_IN_PLACE=1`, the per-rank wrapper (_rank.py) and the
 user's command. A spawned process inherits mpirun's environment, which
@@ -55,17 +59,26 @@ def placements(old_hosts, new_hosts, old_np, new_np):
     return out
 
 
+def new_hosts(change, old_hosts):
+    """The hosts the new ranks of `change` would go to that the job does
+    not run on, in order."""
+    out = []
+    for _, host, new in placements(old_hosts, change.hosts, change.old_np,
+                                   change.new_np):
+        if new and host not in out:
+            out.append(host)
+    return out
+
+
 def request(change, old_hosts, argv):
     """The grow request (see the module's doc) of a resize.Change that
-    grows, for ranks that run `argv` (the wrapper and the command)."""
+    grows onto hosts the job runs on, for ranks that run `argv` (the
+    wrapper and the command)."""
     env = shutil.which("env") or "/usr/bin/env"
     ranks = []
-    for rank, host, new in placements(old_hosts, change.hosts, change.old_np,
-                                      change.new_np):
-        slots = dict(change.hosts)[host]
-        info = ([f"add-host={host}:{slots}"] if new else []) + \
-            [f"host={host}"]
-        ranks.append({"rank": rank, "info": info,
+    for rank, host, _ in placements(old_hosts, change.hosts, change.old_np,
+                                    change.new_np):
+        ranks.append({"rank": rank, "info": [f"host={host}"],
                       "argv": [env, f"{GROWN_RANK_ENV}={rank}",
                                f"{_rank.RECOVER_ENV}=1"] + list(argv)})
     return {"old_np": change.old_np, "new_np": change.new_np,
@@ -91,12 +104,19 @@ def write_request(directory, body):
 def writer(config, argv):
     """The resize.Watcher's `grow` for a job of `config` (a LaunchConfig):
     a function (change, old_hosts) that writes the request where rank 0
-    finds it, or None where the job does not grow in place."""
+    finds it and returns None, or returns why the job cannot grow so in
+    place (a new host); None where the job does not grow in place."""
     directory = os.environ.get(_rank.ELASTIC_DIR_ENV)
     if not config.recover_in_place or not directory:
         return None
 
     def grow(change, old_hosts):
+        hosts = new_hosts(change, old_hosts)
+        if hosts:
+            return (f"Open MPI 5.0's mpirun cannot start ranks on a host "
+                    f"it did not start the job on ({', '.join(hosts)}: "
+                    f"its daemons fail on MPI_Comm_spawn's add-host)")
         write_request(directory, request(change, old_hosts, argv))
+        return None
 
     return grow

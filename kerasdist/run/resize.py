@@ -105,9 +105,10 @@ class Watcher:
         announce_wait: see ANNOUNCE_WAIT_S.
         clock: the clock of `started` and of step()'s `now`.
         grow: (change, hosts) -> None that asks the ranks to grow in place
-            (kerasdist/run/grow.py's writer), or None: a Change that grows
-            is then asked for with it, and the attempt goes on at its new
-            size instead of ending.
+            (kerasdist/run/grow.py's writer; it returns why not instead
+            where it cannot), or None: a Change that grows is then asked
+            for with it, and the attempt goes on at its new size instead
+            of ending.
     """
 
     def __init__(self, discover, answering, np_, hosts, min_np, max_np,
@@ -228,14 +229,15 @@ class Watcher:
 
     def _grow_in_place(self, change):
         """Writes the grow request of `change`; from then on the attempt
-        runs at its new size. False when it cannot be written (the ranks
-        then stop for a relaunch instead)."""
+        runs at its new size. False when it cannot grow in place, said in
+        one line (the ranks then stop for a relaunch instead)."""
         try:
-            self._grow(change, self.hosts)
+            why_not = self._grow(change, self.hosts)
         except OSError as e:
-            self._say_once(("grow", str(e)),
-                           f"cannot ask the ranks to grow in place ({e}); "
-                           f"relaunching instead.")
+            why_not = f"the request cannot be written: {e}"
+        if why_not:
+            self.log.line(f"cannot grow in place ({why_not}); relaunching "
+                          f"instead.")
             return False
         self.log.line(f"{change.line}; in place, at the ranks' next commit")
         with self._lock:

@@ -43,17 +43,25 @@ def test_grow_placements_take_the_free_slots_in_the_listed_order():
 
 
 def test_grow_request_names_each_new_rank_its_host_and_command():
-    change = resize.Change(1, 3, [("a", 1), ("b", 2)], "host b joined")
-    body = grow.request(change, [("a", 1)], ["python", "_rank.py", "--",
-                                             "train.py"])
+    change = resize.Change(2, 4, [("a", 2), ("b", 3)], "host b has 3")
+    body = grow.request(change, [("a", 2), ("b", 1)], ["python", "_rank.py",
+                                                      "--", "train.py"])
     assert (body["old_np"], body["new_np"], body["why"]) == (
-        1, 3, "host b joined")
+        2, 4, "host b has 3")
     assert [(r["rank"], r["info"]) for r in body["ranks"]] == [
-        (1, ["add-host=b:2", "host=b"]), (2, ["add-host=b:2", "host=b"])]
+        (2, ["host=b"]), (3, ["host=b"])]
     argv = body["ranks"][1]["argv"]
     assert os.path.basename(argv[0]) == "env" and argv[1:] == [
-        "KERASDIST_GROWN_RANK=2", "KERASDIST_RECOVER_IN_PLACE=1", "python",
+        "KERASDIST_GROWN_RANK=3", "KERASDIST_RECOVER_IN_PLACE=1", "python",
         "_rank.py", "--", "train.py"]
+
+
+def test_grow_new_hosts_are_those_the_job_does_not_run_on():
+    change = resize.Change(1, 3, [("a", 2), ("b", 2)], "host b joined")
+    assert grow.new_hosts(change, [("a", 1)]) == ["b"]
+    assert grow.new_hosts(change, [("a", 2)]) == ["b"]
+    change = resize.Change(1, 2, [("a", 2), ("b", 2)], "a has 2")
+    assert grow.new_hosts(change, [("a", 1)]) == []
 
 
 class _Proc:
@@ -108,7 +116,8 @@ def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
     assert w.requested.new_np == 2
 
 
-def test_grow_writer_only_with_recovery_in_place(monkeypatch, tmp_path):
+def test_grow_writer_only_with_recovery_in_place_and_known_hosts(
+        monkeypatch, tmp_path):
     class Config:
         recover_in_place = False
 
@@ -116,6 +125,27 @@ def test_grow_writer_only_with_recovery_in_place(monkeypatch, tmp_path):
     assert grow.writer(Config(), ["cmd"]) is None
     Config.recover_in_place = True
     write = grow.writer(Config(), ["cmd"])
-    write(resize.Change(1, 2, [("a", 2)], "why"), [("a", 1)])
-    with open(tmp_path / grow.REQUEST_NAME) as f:
+    path = tmp_path / grow.REQUEST_NAME
+    # A new host: Open MPI 5.0 cannot add it to the running job.
+    why = write(resize.Change(1, 2, [("a", 1), ("b", 1)], "b joined"),
+                [("a", 1)])
+    assert "cannot start ranks on a host it did not start the job on (b:" \
+        in why and not path.exists()
+    assert write(resize.Change(1, 2, [("a", 2)], "why"), [("a", 1)]) is None
+    with open(path) as f:
         assert [r["info"] for r in json.load(f)["ranks"]] == [["host=a"]]
+
+
+def test_watcher_relaunches_when_it_cannot_grow_in_place(tmp_path):
+    out = io.BytesIO()
+    w = resize.Watcher(lambda: [("a", 1), ("b", 1)], lambda c: (list(c), []),
+                       1, [("a", 1)], 1, 2, 1.0, job.Log(out, out),
+                       started=0.0, clock=lambda: 0.0,
+                       grow=lambda change, hosts: "a new host")
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1] and w.requested.new_np == 2
+    assert out.getvalue() == (
+        b"kerasdist: cannot grow in place (a new host); relaunching "
+        b"instead.\nkerasdist: growing from 1 to 2 ranks: host b joined\n")

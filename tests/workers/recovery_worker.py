@@ -14,23 +14,25 @@ Each rank writes DIR/<P>start.<rank>.json (its pid, rank and size at the
 start, and the wall times (time.time()) its script began and kd.init()
 returned) and, when training ends, DIR/<P>end.<start rank>.json: its pid,
 rank and size then, the steps it resumed from after each recovery, the
-final weights, the wall time each step completed, each RanksLostError
-came and each reset ran. <P> is "" in the launcher's first attempt and
-"a<N>." in attempt N (KERASDIST_RESTART_ATTEMPT, after a relaunch). The
-killed rank writes DIR/kill.json (the wall time of its SIGKILL) first.
-Under KERASDIST_ELASTIC_DIR the commits also go to disk (a relaunch
-resumes from them); the kill happens in the first attempt only.
+final weights, its host's name, the wall time each step completed, each
+RanksLostError came and each reset ran. <P> is "" in the launcher's first
+attempt and "a<N>." in attempt N (KERASDIST_RESTART_ATTEMPT, after a
+relaunch). The killed rank writes DIR/kill.json (the wall time of its
+SIGKILL) first. Under KERASDIST_ELASTIC_DIR the commits also go to disk
+(a relaunch resumes from them); the kill happens in the first attempt
+only.
 
 argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
       KILL, the default, or STOP: the rank freezes instead)
 Growing in place (RECOVERY_GROW_LIST=FILE, RECOVERY_GROW_AT=STEP): rank 0,
-once STEP steps are done, writes "localhost:3" to FILE (the launcher's
-discovery script prints it) and waits (up to 60 s) for the launcher's
-resize request before it goes on; the job grows at a commit after the new
-rank has started, and trains on until STEPS steps are done and at least
-6 at 3 ranks (up to step 2006). A rank that joined writes its start
-file (rank and size of the grown job) and, at the end, its end file as
-the others (its `resumed` is empty).
+once STEP steps are done, writes RECOVERY_GROW_TO (default "localhost:3")
+to FILE (the launcher's discovery script prints it) and waits (up to 60 s)
+for the launcher's resize request before it goes on; the job grows at a
+commit after the new rank has started, and trains on until STEPS steps
+are done and at least 6 at 3 ranks (up to step 2006; in the launcher's
+first attempt: a relaunch trains to the end committed). A rank that joined
+writes its start file (rank and size of the grown job) and, at the end,
+its end file as the others (its `resumed` is empty).
 
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
@@ -41,6 +43,7 @@ env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -92,7 +95,7 @@ def _ask_to_grow(directory):
     for its resize request (the next commit grows the job)."""
     from kerasdist._core import resize
     with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
-        f.write("localhost:3\n")
+        f.write(os.environ.get("RECOVERY_GROW_TO", "localhost:3\n"))
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -158,7 +161,8 @@ def main():
             done_at[state.step] = time.time()
             if (start_rank, state.step) == (0, GROW_AT):
                 _ask_to_grow(DIR)
-            if GROW_AT >= 0 and kd.size() < 3 and state.step < 2000:
+            if GROW_AT >= 0 and kd.size() < 3 and state.step < 2000 and \
+                    not attempt:
                 state.end = max(state.end, state.step + 6)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
@@ -167,6 +171,7 @@ def main():
     with open(os.path.join(DIR, f"{prefix}end.{start_rank}.json"),
               "w") as f:
         json.dump({"pid": os.getpid(), "rank": kd.rank(), "size": kd.size(),
+                   "host": socket.gethostname(),
                    "resumed": resumed, "w": state.w.tolist(),
                    "done_at": done_at, "lost_at": lost_at,
                    "reset_at": reset_at}, f)
