@@ -15,16 +15,13 @@ commits to, on the launcher's file system), written atomically:
     {"old_np": 2, "new_np": 3, "why": "host h has 3 slot(s) now, not 2",
      "ranks": [{"rank": 2, "info": ["host=h"], "argv": [...]}]}
 
-Only onto hosts the job runs on: Open MPI 5.0.11's daemons fail when a
-spawn adds a host (MPI_Comm_spawn's "add-host" info: PMIX_ERROR in
-prrte's pmix_server_dyn.c, then a segfault that ends the job), so a change
-that needs a new host is a relaunch, as without --recover-in-place.
-
-`info` is Open MPI's MPI_Comm_spawn info for the rank ("host=h"); `argv` the
-rank's command: `env KERASDIST_GROWN_RANK=<rank>
-KERASDIST_RECOVER_IN_PLACE=1`, the per-rank wrapper (_rank.py) and the
-user's command. A spawned process inherits mpirun's environment, which
-holds every rank's settings but the one mpirun's `-x` sets.
+Only where every rank runs on this machine (the launcher's, where mpirun
+runs): Open MPI 5.0.11's daemons on other hosts fail on MPI_Comm_spawn, a
+known bug of Open MPI 5.0 (open-mpi/ompi#13521, #12601: PMIX_ERROR in
+prrte's pmix_server_dyn.c, then heap corruption or a segfault that ends
+the whole job, seen on the test hosts in 2 of 5 runs; a host added with
+"add-host" failed both times). A change elsewhere is a relaunch, as
+without --recover-in-place.
 
 Standard library only.
 """
@@ -35,6 +32,7 @@ import shutil
 import tempfile
 
 from kerasdist.run import _rank
+from kerasdist.run import remote
 
 REQUEST_NAME = "grow.json"
 GROWN_RANK_ENV = _rank.GROWN_RANK_ENV
@@ -68,6 +66,22 @@ def new_hosts(change, old_hosts):
         if new and host not in out:
             out.append(host)
     return out
+
+
+def why_not(change, old_hosts, is_local=remote.is_local):
+    """Why the job cannot grow in place as `change` asks, or None: Open
+    MPI 5.0's daemons on other hosts than this machine's fail on
+    MPI_Comm_spawn (see the module's doc)."""
+    hosts = new_hosts(change, old_hosts)
+    if hosts:
+        return (f"Open MPI 5.0's mpirun cannot start ranks on a host it did "
+                f"not start the job on ({', '.join(hosts)})")
+    remote_hosts = [h for h, _ in change.hosts if not is_local(h)]
+    if remote_hosts:
+        return (f"Open MPI 5.0's daemons on other hosts than this one "
+                f"({', '.join(remote_hosts)}) fail on MPI_Comm_spawn "
+                f"(open-mpi/ompi#13521)")
+    return None
 
 
 def request(change, old_hosts, argv):
@@ -111,11 +125,9 @@ def writer(config, argv):
         return None
 
     def grow(change, old_hosts):
-        hosts = new_hosts(change, old_hosts)
-        if hosts:
-            return (f"Open MPI 5.0's mpirun cannot start ranks on a host "
-                    f"it did not start the job on ({', '.join(hosts)}: "
-                    f"its daemons fail on MPI_Comm_spawn's add-host)")
+        why = why_not(change, old_hosts)
+        if why:
+            return why
         write_request(directory, request(change, old_hosts, argv))
         return None
 

@@ -116,7 +116,7 @@ def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
     assert w.requested.new_np == 2
 
 
-def test_grow_writer_only_with_recovery_in_place_and_known_hosts(
+def test_grow_writer_only_with_recovery_in_place_on_this_machine(
         monkeypatch, tmp_path):
     class Config:
         recover_in_place = False
@@ -126,14 +126,29 @@ def test_grow_writer_only_with_recovery_in_place_and_known_hosts(
     Config.recover_in_place = True
     write = grow.writer(Config(), ["cmd"])
     path = tmp_path / grow.REQUEST_NAME
-    # A new host: Open MPI 5.0 cannot add it to the running job.
-    why = write(resize.Change(1, 2, [("a", 1), ("b", 1)], "b joined"),
-                [("a", 1)])
-    assert "cannot start ranks on a host it did not start the job on (b:" \
-        in why and not path.exists()
-    assert write(resize.Change(1, 2, [("a", 2)], "why"), [("a", 1)]) is None
+    assert write(resize.Change(1, 2, [("localhost", 2)], "why"),
+                 [("localhost", 1)]) is None
     with open(path) as f:
-        assert [r["info"] for r in json.load(f)["ranks"]] == [["host=a"]]
+        assert [r["info"] for r in json.load(f)["ranks"]] == [
+            ["host=localhost"]]
+
+
+def test_grow_why_not_a_new_host_nor_another_hosts_daemons():
+    def local(host):
+        return host == "me"
+
+    # Open MPI 5.0 cannot add a host to the job, and its daemons on other
+    # hosts fail on MPI_Comm_spawn.
+    assert grow.why_not(resize.Change(1, 2, [("me", 1), ("b", 1)], "b"),
+                        [("me", 1)], local).startswith(
+        "Open MPI 5.0's mpirun cannot start ranks on a host it did not "
+        "start the job on (b)")
+    assert grow.why_not(resize.Change(2, 3, [("me", 1), ("b", 2)], "b"),
+                        [("me", 1), ("b", 1)], local) == (
+        "Open MPI 5.0's daemons on other hosts than this one (b) fail on "
+        "MPI_Comm_spawn (open-mpi/ompi#13521)")
+    assert grow.why_not(resize.Change(1, 2, [("me", 2)], "me"), [("me", 1)],
+                        local) is None
 
 
 def test_watcher_relaunches_when_it_cannot_grow_in_place(tmp_path):
