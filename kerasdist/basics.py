@@ -135,8 +135,9 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
             watch.started()
             _joined = launch
         # After a recovery in place the job is the survivors, fewer than
-        # the launcher started.
-        if launch is not None and not lib.kerasdist_recoveries():
+        # the launcher started; after growing in place, more.
+        if launch is not None and not lib.kerasdist_recoveries() and \
+                not lib.kerasdist_grows():
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)
             if wrong:

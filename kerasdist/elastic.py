@@ -40,7 +40,11 @@ state to a file that the next attempt starts from:
   same call once the launcher asked any rank to stop for a resize (its
   SIGUSR1, kerasdist/_core/resize.py). `run` then commits the state as it is and
   ends the process with the resize exit code: the launcher relaunches at
-  the new size and the next attempt starts from that commit.
+  the new size and the next attempt starts from that commit. With
+  recovery in place, a job that grows (the launcher wrote a grow request)
+  grows in place instead: the ranks start the new ones, run the reset
+  callbacks and sync the state to them, and go on
+  (kerasdist/_core/grow.py).
 * `HorovodInternalError` (a collective failed) ends the process with an
   error: the launcher's `--max-restarts` relaunches the job, which resumes
   from the last commit. A peer that dies ends the other ranks by itself
@@ -94,6 +98,7 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import files as _files
+from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import files as _shard_files
@@ -364,12 +369,20 @@ class State:
         small allreduce (only in a job that grows and shrinks)."""
         if not _resize.checking():
             return
-        flag = np.array([1 if _resize.requested() else 0], np.int64)
+        # With recovery in place a request to grow starts the new ranks in
+        # the background, and the commit after they joined raises
+        # (kerasdist/_core/grow.py).
+        flag = np.array([1 if _resize.requested() else 0,
+                         1 if _grow.spawning() else 0], np.int64)
         if basics.size() > 1:
             from kerasdist._core import host as _host
             flag = _host.host_allreduce(flag, basics.Max,
                                         "kerasdist.elastic.hosts")
-        if int(flag[0]):
+        if _grow.started():
+            if not int(flag[1]):
+                raise HostsUpdatedInterrupt(False)
+            return
+        if int(flag[0]) and not _grow.begin():
             raise HostsUpdatedInterrupt(False)
 
     def save(self):
@@ -795,14 +808,29 @@ def run(func):
             basics.init()
         if _resize.checking():
             _resize.announce(_rank())
-        _resume(state)
+        if _grow.joined():  # a new rank of a job that grew in place
+            state.sync()
+        else:
+            _resume(state)
         while True:
             try:
-                return _run_once(func, state, *args, **kwargs)
+                result = _run_once(func, state, *args, **kwargs)
             except RanksLostError as e:
                 _recover_in_place(state, e)
+                continue
+            except _GrowInPlace:
+                _grow.finish(state, _log)
+                continue
+            if _grow.started():  # the new ranks join a job that is done
+                _grow.finish(state, _log)
+            return result
 
     return wrapper
+
+
+class _GrowInPlace(Exception):
+    """The new ranks have joined (kerasdist/_core/grow.py): at this commit
+    every rank starts the runtime on the grown job."""
 
 
 def _run_once(func, state, *args, **kwargs):
@@ -813,6 +841,8 @@ def _run_once(func, state, *args, **kwargs):
     except HostsUpdatedInterrupt:
         if not _resize.checking():
             raise
+        if _grow.started():
+            raise _GrowInPlace() from None
         state.save()
         state.persist()
         if basics.size() > 1:

@@ -80,6 +80,12 @@ def requested():
     return _state["requested"]
 
 
+def served():
+    """The request was served in place (the job grew without stopping):
+    the next one is a new request."""
+    _state["requested"] = False
+
+
 def announce(rank):
     """Tells the launcher, once, that this rank checks for resize requests
     (one marker line on stderr, which the launcher removes)."""

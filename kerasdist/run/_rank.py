@@ -86,6 +86,10 @@ RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 # "<fd>:<wrapper's pid>": the pipe the command's heartbeat thread feeds
 # (ops/core/control/liveness.h, LivenessOptions::watchdog_fd).
 WATCHDOG_ENV = "KERASDIST_WATCHDOG"
+# A rank the job's ranks started to grow in place (kerasdist/run/grow.py):
+# its rank in the grown job (its MPI_COMM_WORLD rank is that of the
+# processes started with it).
+GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"
 # The exit code of a rank that stopped at a checkpoint for a resize.
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
@@ -119,7 +123,8 @@ _PR_SET_PDEATHSIG = 1
 def rank_from_env(environ):
     """Returns this process's rank as a string, from the MPI launcher's env
     (or torchrun's RANK, which node mode sets)."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
+    for name in (GROWN_RANK_ENV, "PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                 "PMIX_RANK", "RANK"):
         if environ.get(name, "") != "":
             return environ[name]
     return "?"

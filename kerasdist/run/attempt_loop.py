@@ -17,6 +17,7 @@ import time
 
 from kerasdist.run import _rank
 from kerasdist.run import elastic
+from kerasdist.run import grow
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import intel_mpi
 from kerasdist.run import job
@@ -277,10 +278,12 @@ def _watcher(config, log, np_, hosts):
     def answering(candidates):
         return elastic.answering(candidates, shell, config.network_interface)
 
+    argv = mpi_command.rank_wrapper_argv(
+        **mpi_command.wrapper_options(config)) + list(config.command)
     return resize.Watcher(
         lambda: elastic.discover(config.host_discovery_script), answering,
         np_, hosts, config.min_np, config.max_np, config.discovery_interval,
-        log)
+        log, grow=grow.writer(config, argv))
 
 
 def _candidate_hosts(config, log):

@@ -487,8 +487,8 @@ def _check_elastic(args):
 
 def _check_recovery(args, rec=None):
     """--recover-in-place needs a build against an MPI with ULFM (Open MPI
-    5's mpirun --with-ft ulfm); it does not yet grow or shrink with a
-    discovery script."""
+    5's mpirun --with-ft ulfm). With a discovery script the job grows in
+    place (kerasdist/run/grow.py) and shrinks by relaunching."""
     if not args.recover_in_place:
         return
     rec = site_mpi.record() if rec is None else rec
@@ -500,11 +500,6 @@ def _check_recovery(args, rec=None):
             f"against Open MPI (docs/mpi.md, \"Your cluster's MPI\"), or "
             f"use --max-restarts, which relaunches from the last commit on "
             f"disk (docs/failures-and-elastic.md).")
-    if args.host_discovery_script is not None:
-        raise UsageError(
-            "--recover-in-place does not go with --host-discovery-script "
-            "yet: a job recovers in place from a lost rank, and grows or "
-            "shrinks by relaunching; leave out one of them.")
 
 
 def _check_discovery(args):

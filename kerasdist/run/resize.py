@@ -104,11 +104,16 @@ class Watcher:
         started: clock() at the attempt's start (default: now).
         announce_wait: see ANNOUNCE_WAIT_S.
         clock: the clock of `started` and of step()'s `now`.
+        grow: (change, hosts) -> None that asks the ranks to grow in place
+            (kerasdist/run/grow.py's writer; it returns why not instead
+            where it cannot), or None: a Change that grows is then asked
+            for with it, and the attempt goes on at its new size instead
+            of ending.
     """
 
     def __init__(self, discover, answering, np_, hosts, min_np, max_np,
                  interval, log, started=None, announce_wait=ANNOUNCE_WAIT_S,
-                 clock=time.monotonic):
+                 clock=time.monotonic, grow=None):
         self._discover = discover
         self._answering = answering
         self.np = np_
@@ -118,6 +123,7 @@ class Watcher:
         self.interval = interval
         self.log = log
         self._clock = clock
+        self._grow = grow
         self.started = clock() if started is None else started
         self.announce_wait = announce_wait
         self.change = None  # the Change waiting to be asked for
@@ -200,13 +206,14 @@ class Watcher:
             seen = self.change_seen
         if change is None or self.requested is not None:
             return
+        if resizable and self._grow is not None and \
+                change.new_np > change.old_np and self._grow_in_place(change):
+            _signal(proc)
+            return
         if resizable:
             self.requested, self.requested_at = change, now
             self.log.line(change.line)
-            try:
-                proc.send_signal(signal.SIGUSR1)
-            except (ProcessLookupError, OSError):
-                pass
+            _signal(proc)
             self._stop.set()
             return
         if now >= max(self.started + self.announce_wait,
@@ -219,3 +226,29 @@ class Watcher:
                            f"checkpoint_dir does, and hvd.elastic.run): it "
                            f"goes on at "
                            f"{self.np} rank(s).")
+
+    def _grow_in_place(self, change):
+        """Writes the grow request of `change`; from then on the attempt
+        runs at its new size. False when it cannot grow in place, said in
+        one line (the ranks then stop for a relaunch instead)."""
+        try:
+            why_not = self._grow(change, self.hosts)
+        except OSError as e:
+            why_not = f"the request cannot be written: {e}"
+        if why_not:
+            self.log.line(f"cannot grow in place ({why_not}); relaunching "
+                          f"instead.")
+            return False
+        self.log.line(f"{change.line}; in place, at the ranks' next commit")
+        with self._lock:
+            self.np, self.hosts = change.new_np, list(change.hosts)
+            self.change = self.change_seen = None
+        return True
+
+
+def _signal(proc):
+    """The resize request: SIGUSR1 to mpiexec, which forwards it."""
+    try:
+        proc.send_signal(signal.SIGUSR1)
+    except (ProcessLookupError, OSError):
+        pass

@@ -70,6 +70,31 @@ int kerasdist_is_initialized(void) { return CurrentRuntime() ? 1 : 0; }
 
 int kerasdist_recoveries(void) { return Recoveries(); }
 
+int kerasdist_grow(int count, const char* const* argvs,
+                   const char* const* hosts) {
+  std::vector<std::vector<std::string>> commands;
+  std::vector<std::string> where;
+  for (int i = 0; i < count; ++i) {
+    std::vector<std::string> words;
+    std::string word;
+    for (const char* c = argvs[i]; *c != '\0'; ++c) {
+      if (*c == '\x1f') {
+        words.push_back(word);
+        word.clear();
+      } else {
+        word += *c;
+      }
+    }
+    words.push_back(word);
+    commands.push_back(words);
+    where.push_back(hosts != nullptr && hosts[i] != nullptr ? hosts[i] : "");
+  }
+  Status s = GrowJob(commands, where, 0.0);
+  return s.ok() ? 0 : Fail(s.message());
+}
+
+int kerasdist_grows(void) { return Grows(); }
+
 const char* kerasdist_last_error(void) { return t_last_error.c_str(); }
 
 #define KD_TOPO(field)        \

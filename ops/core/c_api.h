@@ -39,6 +39,16 @@ int kerasdist_is_initialized(void);
 /* How many times this process's job was re-formed among the survivors of a
  * lost rank (recovery in place; 0 without it). */
 int kerasdist_recoveries(void);
+/* Growing in place (recovery in place on; no runtime running): collective
+ * over the job. Rank 0 starts `count` new ranks, the i-th running argvs[i]
+ * (its words separated by '\x1f', the program first) with hosts[i] as
+ * its spawn info ("key=value" lines: "host=h"; "" for none); the other
+ * ranks' arguments are unused. The next kerasdist_init starts on the grown
+ * job. 0, or -1 with kerasdist_last_error(). */
+int kerasdist_grow(int count, const char* const* argvs,
+                   const char* const* hosts);
+/* How many times this process's job grew in place. */
+int kerasdist_grows(void);
 const char* kerasdist_last_error(void);
 /* -1 when not initialized. */
 int kerasdist_rank(void);

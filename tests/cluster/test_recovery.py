@@ -215,3 +215,100 @@ def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
         assert end["size"] == 3 and min(map(int, end["done_at"])) == \
             commit + 1, end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
+
+
+def _grow_job(tmp_path, first, then, min_np=2, backend="torch", **kw):
+    """Runs tests/workers/recovery_worker.py at 2 ranks (`backend`) under
+    --recover-in-place with a discovery script that lists `first`, and
+    `then` once rank 0 has done GROW_AT steps; returns the output."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text(first)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return launch(2, worker_cmd("recovery_worker.py", str(tmp_path)),
+                  timeout=JOB_S,
+                  launcher_args=["--recover-in-place",
+                                 "--host-discovery-script", str(script),
+                                 "--min-np", str(min_np), "--max-np", "3",
+                                 "--discovery-interval", "0.5"],
+                  env=rank_env(RECOVERY_STEPS=STEPS,
+                               RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                               RECOVERY_GROW_AT=GROW_AT,
+                               RECOVERY_GROW_LIST=listed,
+                               RECOVERY_GROW_TO=then,
+                               RECOVERY_BACKEND=backend,
+                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120),
+                  **kw)
+
+
+def _check_grown(out, tmp_path, why):
+    """The job grew from 2 ranks to 3 in place: the two kept their
+    processes, the third trained from the commit they re-formed at, and
+    every rank's weights are numpy's for the steps up to that commit at 2
+    ranks and the rest at 3."""
+    assert out.returncode == 0, out.stdout
+    assert (f"kerasdist: growing from 2 to 3 ranks: {why}; in place, at "
+            f"the ranks' next commit" in out.stdout), out.stdout
+    assert (f"grew in place to 3 rank(s) (was 2; {why}): the new ranks "
+            f"started in " in out.stdout), out.stdout
+    assert "attempt 2" not in out.stdout, out.stdout
+    assert _read(tmp_path, "asked.json")["heard"], out.stdout
+    ends = [_read(tmp_path, f"end.{rank}.json") for rank in range(3)]
+    commit = ends[0]["resumed"][0]
+    last = max(STEPS, commit + 6)
+    assert commit % COMMIT_EVERY == 0 and commit > GROW_AT, ends[0]
+    m = _worker_module()
+    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+                 last, 3)
+    assert not np.allclose(truth, _sgd(m, np.zeros(m.FEATURES), 0, last, 2),
+                           rtol=1e-6, atol=0)
+    for rank, end in enumerate(ends):
+        start = _read(tmp_path, f"start.{rank}.json")
+        # Ranks 0 and 1: the same processes, from 2 ranks to 3; rank 2
+        # started at 3 and trained from the commit on.
+        assert (end["pid"], end["rank"], end["size"]) == (
+            start["pid"], rank, 3), (start, end)
+        assert start["size"] == (2 if rank < 2 else 3), start
+        assert end["resumed"] == ([commit] if rank < 2 else []), end
+        assert sorted(map(int, end["done_at"])) == list(
+            range(1 if rank < 2 else commit + 1, last + 1)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
+                                                           tmp_path):
+    # Discovery lists a third slot on this host at step 4; the launcher
+    # writes its grow request and asks the ranks to resize; at the next
+    # commit the two ranks start the third themselves (MPI_Comm_spawn, in
+    # the background), train on while it starts, and at the first commit
+    # after it joined re-form at 3 ranks with their processes kept; the
+    # new rank gets the state by broadcast and trains from that commit.
+    out = _grow_job(tmp_path, "localhost:2\n", "localhost:3\n",
+                    root=openmpi_root)
+    _check_grown(out, tmp_path, "host localhost has 3 slot(s) now, not 2")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_grow_in_place_leaves_a_shrink_to_a_relaunch(openmpi_root, tmp_path):
+    # Fewer slots listed: no grow request; the ranks commit and stop at
+    # the next commit (step 6), and the launcher relaunches 1 rank, which
+    # resumes from that commit.
+    out = _grow_job(tmp_path, "localhost:2\n", "localhost:1\n", min_np=1,
+                    root=openmpi_root)
+    assert out.returncode == 0, out.stdout
+    assert "kerasdist: shrinking from 2 to 1 ranks: host localhost has 1 " \
+        "slot(s) now, not 2" in out.stdout, out.stdout
+    assert "in place" not in out.stdout, out.stdout
+    commit = (GROW_AT // COMMIT_EVERY + 1) * COMMIT_EVERY
+    m = _worker_module()
+    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+                 commit + 6, 1)
+    end = _read(tmp_path, "a1.end.0.json")
+    assert end["size"] == 1 and sorted(map(int, end["done_at"])) == list(
+        range(commit + 1, commit + 7)), end
+    np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

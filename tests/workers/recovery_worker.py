@@ -14,16 +14,27 @@ Each rank writes DIR/<P>start.<rank>.json (its pid, rank and size at the
 start, and the wall times (time.time()) its script began and kd.init()
 returned) and, when training ends, DIR/<P>end.<start rank>.json: its pid,
 rank and size then, the steps it resumed from after each recovery, the
-final weights, the wall time each step completed, each RanksLostError
-came and each reset ran. <P> is "" in the launcher's first attempt and
-"a<N>." in attempt N (KERASDIST_RESTART_ATTEMPT, after a relaunch). The
-killed rank writes DIR/kill.json (the wall time of its SIGKILL) first.
-Under KERASDIST_ELASTIC_DIR the commits also go to disk (a relaunch
-resumes from them); the kill happens in the first attempt only.
+final weights, its host's name, the wall time each step completed, each
+RanksLostError came and each reset ran. <P> is "" in the launcher's first
+attempt and "a<N>." in attempt N (KERASDIST_RESTART_ATTEMPT, after a
+relaunch). The killed rank writes DIR/kill.json (the wall time of its
+SIGKILL) first. Under KERASDIST_ELASTIC_DIR the commits also go to disk
+(a relaunch resumes from them); the kill happens in the first attempt
+only.
 
 argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
       KILL, the default, STOP: the rank freezes instead, or CONT: nothing
       happens to it, while a test cuts its host's link at kill.json)
+Growing in place (RECOVERY_GROW_LIST=FILE, RECOVERY_GROW_AT=STEP): rank 0,
+once STEP steps are done, writes RECOVERY_GROW_TO (default "localhost:3")
+to FILE (the launcher's discovery script prints it) and waits (up to 60 s)
+for the launcher's resize request before it goes on; the job grows at a
+commit after the new rank has started, and trains on until STEPS steps
+are done and at least 6 at 3 ranks (up to step 2006; in the launcher's
+first attempt: a relaunch trains to the end committed). A rank that joined
+writes its start file (rank and size of the grown job) and, at the end,
+its end file as the others (its `resumed` is empty).
+
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
@@ -33,6 +44,7 @@ env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -79,6 +91,19 @@ def gradient(w, x, y, rows):
     return 2.0 / len(rows) * xb.T @ (xb @ w - yb)
 
 
+def _ask_to_grow(directory):
+    """Lists a third slot for the launcher's discovery script, then waits
+    for its resize request (the next commit grows the job)."""
+    from kerasdist._core import resize
+    with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
+        f.write(os.environ.get("RECOVERY_GROW_TO", "localhost:3\n"))
+    deadline = time.monotonic() + 60
+    while not resize.requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(directory, "asked.json"), "w") as f:
+        json.dump({"at": time.time(), "heard": resize.requested()}, f)
+
+
 def main():
     DIR = sys.argv[1]
     KILL_RANK = int(sys.argv[2]) if len(sys.argv) > 3 else -1
@@ -89,6 +114,7 @@ def main():
     SIGNUM = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4
                                       else "KILL"))
     DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
+    GROW_AT = int(os.environ.get("RECOVERY_GROW_AT", "-1"))
     kd.init()
     start_rank = kd.rank()
     attempt = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0") or 0)
@@ -100,7 +126,7 @@ def main():
                    "init_at": time.time()}, f)
     x, y = data()
     resumed, done_at, lost_at, reset_at = [], {}, [], []
-    state = elastic.ObjectState(w=np.zeros(FEATURES), step=0)
+    state = elastic.ObjectState(w=np.zeros(FEATURES), step=0, end=STEPS)
 
     def on_reset():
         if start_rank == DIE_IN_RESET:
@@ -120,7 +146,7 @@ def main():
     @elastic.run
     def train(state):
         w = np.array(state.w)
-        while state.step < STEPS:
+        while state.step < state.end:
             rank, size = kd.rank(), kd.size()
             g = to_tensor(gradient(w, x, y,
                                       rows_for(state.step, rank, size)))
@@ -134,6 +160,11 @@ def main():
             w = w - LR * g
             state.w, state.step = w.copy(), state.step + 1
             done_at[state.step] = time.time()
+            if (start_rank, state.step) == (0, GROW_AT):
+                _ask_to_grow(DIR)
+            if GROW_AT >= 0 and kd.size() < 3 and state.step < 2000 and \
+                    not attempt:
+                state.end = max(state.end, state.step + 6)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
@@ -141,6 +172,7 @@ def main():
     with open(os.path.join(DIR, f"{prefix}end.{start_rank}.json"),
               "w") as f:
         json.dump({"pid": os.getpid(), "rank": kd.rank(), "size": kd.size(),
+                   "host": socket.gethostname(),
                    "resumed": resumed, "w": state.w.tolist(),
                    "done_at": done_at, "lost_at": lost_at,
                    "reset_at": reset_at}, f)

@@ -554,6 +554,7 @@ Status MpiContext::Create(bool has_parent, int parent_f,
         "MPI_THREAD_MULTIPLE (mpi4py asks for MULTIPLE by default).");
   }
   KD_RETURN_IF_ERROR(CheckRecovery());
+  KD_RETURN_IF_ERROR(JoinParents());
   MPI_Comm parent = has_parent ? MPI_Comm_f2c(parent_f) : JobWorld();
   // Before the first collective: a rank that froze or went after MPI_Init
   // is named within the deadline instead of waited for in MPI_Comm_dup.

@@ -21,10 +21,14 @@
 #endif
 
 #include <atomic>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "../control/control_channel.h"
 #include "../control/liveness.h"
@@ -104,6 +108,43 @@ bool RecoveryOn();
 MPI_Comm JobWorld();
 // How many times this process's job was re-formed in place.
 int Recoveries();
+// The job's communicator from now on (mpi_grow.cc, after growing).
+void SetJobWorld(MPI_Comm comm);
+// Ends this process (exit code 75) with one line unless destroyed within
+// `seconds`: for the calls of recovery and growing that have no deadline
+// of their own. The line: `what` " within N s" `why`.
+class ReformWatch {
+ public:
+  ReformWatch(double seconds, int rank, std::string what, std::string why);
+  ~ReformWatch();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool disarmed_ = false;
+  std::thread thread_;
+};
+
+// Growing in place (mpi_grow.cc; docs/failures-and-elastic.md, "Growing in
+// place"), with recovery in place on. GrowJob: collective over the job's
+// communicator while no runtime runs: rank 0 starts `argvs.size()` new
+// processes (MPI_Comm_spawn_multiple; each argv's first word is the
+// program; `hosts[i]`: its spawn info, "key=value" lines such as
+// "host=h") and every rank merges
+// them into the job's communicator (the new ranks last, in order), which
+// the next kd.init() starts from. The other ranks' arguments are unused.
+// A failed start (MPI's error) leaves the job as it was; one that takes
+// longer than `deadline_s` ends this process with one line.
+Status GrowJob(const std::vector<std::vector<std::string>>& argvs,
+               const std::vector<std::string>& hosts, double deadline_s);
+// In a process GrowJob started (KERASDIST_GROWN_RANK set), under recovery
+// in place: merges with the job that started it, whose communicator
+// JobWorld() is from then on. Nothing elsewhere. In Create, after
+// CheckRecovery.
+Status JoinParents();
+// How many times this process's job grew in place (its joining counts, in a
+// process GrowJob started).
+int Grows();
 
 // Collective over `comm`: starts this rank's heartbeat (liveness.h) with
 // rank 0's interval and timeout (seconds); *out stays empty for one rank or

@@ -36,7 +36,6 @@ bool Asked() {
   return text != nullptr && std::strcmp(text, "1") == 0;
 }
 
-#ifdef KERASDIST_ULFM
 [[noreturn]] void EndThisRank(int rank, const std::string& why) {
   std::fflush(nullptr);
   const std::string line = "kerasdist: rank " + std::to_string(rank) +
@@ -47,39 +46,6 @@ bool Asked() {
   (void)ignored;
   _exit(kExitPeerLost);
 }
-
-// Ends the process with one line unless disarmed within `seconds`: the
-// shrink has no deadline of its own.
-class Deadline {
- public:
-  Deadline(double seconds, int rank) {
-    thread_ = std::thread([this, seconds, rank] {
-      std::unique_lock<std::mutex> l(mu_);
-      const bool done = cv_.wait_for(l, std::chrono::duration<double>(seconds),
-                                     [this] { return disarmed_; });
-      if (!done) {
-        EndThisRank(rank, "the survivors did not re-form within " +
-                              std::to_string(static_cast<int>(seconds)) +
-                              " s (another rank lost or frozen meanwhile)");
-      }
-    });
-  }
-  ~Deadline() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      disarmed_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool disarmed_ = false;
-  std::thread thread_;
-};
-#endif
 
 }  // namespace
 
@@ -119,6 +85,31 @@ MPI_Comm JobWorld() {
 
 int Recoveries() { return g_recoveries; }
 
+void SetJobWorld(MPI_Comm comm) { g_world = comm; }
+
+ReformWatch::ReformWatch(double seconds, int rank, std::string what,
+                         std::string why) {
+  thread_ = std::thread([this, seconds, rank, what, why] {
+    std::unique_lock<std::mutex> l(mu_);
+    const bool done = cv_.wait_for(l, std::chrono::duration<double>(seconds),
+                                   [this] { return disarmed_; });
+    if (!done) {
+      EndThisRank(rank, what + " within " +
+                            std::to_string(static_cast<int>(seconds)) + " s" +
+                            why);
+    }
+  });
+}
+
+ReformWatch::~ReformWatch() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    disarmed_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
 void MpiContext::Revoke() {
 #ifdef KERASDIST_ULFM
   if (!g_recovery) return;
@@ -136,7 +127,8 @@ void MpiContext::Reform(double deadline_s) {
   MPI_Comm shrunk = MPI_COMM_NULL;
   int rc = MPI_SUCCESS;
   {
-    Deadline deadline(deadline_s, topo_.rank);
+    ReformWatch watch(deadline_s, topo_.rank, "the survivors did not re-form",
+                      " (another rank lost or frozen meanwhile)");
     rc = MPIX_Comm_shrink(comm_, &shrunk);
   }
   if (rc != MPI_SUCCESS) {

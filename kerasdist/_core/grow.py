@@ -1,0 +1,184 @@
+"""A rank's side of growing in place (private; docs/failures-and-elastic.md,
+"Growing in place").
+
+Under `kerasdist run --recover-in-place --host-discovery-script`, the
+launcher writes a grow request (kerasdist/run/grow.py) before it asks the
+ranks to resize. `hvd.elastic.run` (kerasdist/elastic.py) then, at the
+commit where the ranks agree on the launcher's resize request:
+
+* `begin()`: rank 0 reads the request (and removes it), every rank gets it
+  by broadcast (`request()`), and every rank starts a thread that starts
+  the new ranks with the others (MPI_Comm_spawn over the job's
+  communicator, ops/core/transport/mpi_grow.cc) and merges them into a new
+  communicator, while the runtime goes on on its own: the ranks train on
+  while the new ones start (their Python, imports, kd.init()). False where
+  there is no request (the job then stops for a relaunch, as without
+  recovery in place).
+* `spawning()`: whether that thread still runs; the commits' check
+  (State.check_host_updates) agrees on it in its one small allreduce, and
+  at the first commit where it has ended on every rank raises
+  HostsUpdatedInterrupt, where `run` calls
+* `finish(state, log)`: starts the runtime on the grown job, runs the
+  state's reset callbacks and syncs the state to every rank, the new ones
+  included.
+* A new rank (KERASDIST_GROWN_RANK set; its kd.init() merged it into the
+  job): `joined()` is true, and `run` syncs the state from rank 0 before
+  it calls the training function, instead of loading the last commit.
+"""
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+
+from kerasdist import basics
+from kerasdist._core import capi as _capi
+from kerasdist._core import resize as _resize
+
+REQUEST_NAME = "grow.json"  # kerasdist/run/grow.py's
+GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"  # kerasdist/run/_rank.py's
+RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
+ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
+
+_joined = {"pending": GROWN_RANK_ENV in os.environ}
+
+
+def _spawn(ranks):
+    """The C API's grow (ops/core/transport/mpi_grow.cc; the runtime
+    stopped): collective. `ranks`: on rank 0, one (argv, info lines) per
+    new rank, where info lines are Open MPI's spawn info ("host=h");
+    ignored elsewhere. Raises RuntimeError with MPI's error when the new
+    ranks cannot be started (the job is as it was)."""
+    lib = _capi.lib()
+    strings = ctypes.POINTER(ctypes.c_char_p)
+    lib.kerasdist_grow.argtypes = [ctypes.c_int, strings, strings]
+    lib.kerasdist_grow.restype = ctypes.c_int
+    n = len(ranks)
+    argvs = (ctypes.c_char_p * max(n, 1))(
+        *["\x1f".join(argv).encode() for argv, _ in ranks])
+    infos = (ctypes.c_char_p * max(n, 1))(
+        *["\n".join(info).encode() for _, info in ranks])
+    if lib.kerasdist_grow(n, argvs, infos) != 0:
+        raise RuntimeError(_capi.last_error())
+
+
+def _read_request():
+    """Rank 0: the launcher's request for this size, or None; removed once
+    read."""
+    directory = os.environ.get(ELASTIC_DIR_ENV)
+    if not directory:
+        return None
+    path = os.path.join(directory, REQUEST_NAME)
+    try:
+        with open(path) as f:
+            body = json.load(f)
+        os.remove(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or body.get("old_np") != basics.size() \
+            or not body.get("ranks"):
+        return None
+    return body
+
+
+def request():
+    """Every rank: the grow request rank 0 read, or None (see the module's
+    doc). Collective in a job with recovery in place; None at once
+    elsewhere."""
+    if os.environ.get(RECOVER_ENV) != "1":
+        return None
+    body = _read_request() if basics.rank() == 0 else None
+    if basics.size() > 1:
+        from kerasdist.objects import broadcast_object
+        body = broadcast_object(body, 0, name="kerasdist.elastic.grow")
+    return body
+
+
+# The grow under way on this rank: its thread, its request, MPI's error
+# (None: none), when it began and at how many ranks.
+_grow = {"thread": None}
+
+
+def begin():
+    """Every rank, at the commit where the ranks agreed on a resize
+    request: starts growing as the launcher's request asks, in the
+    background (the ranks go on training meanwhile); False where there is
+    no request (the job then stops for a relaunch). Collective."""
+    body = request()
+    if body is None:
+        return False
+    ranks = [(r["argv"], r.get("info", [])) for r in body["ranks"]] \
+        if basics.rank() == 0 else []
+
+    def spawn():
+        try:
+            _spawn(ranks)
+        except RuntimeError as e:
+            _grow["error"] = (str(e).strip().splitlines() or
+                              ["MPI's error"])[0]
+
+    thread = threading.Thread(target=spawn, name="kerasdist-grow",
+                              daemon=True)
+    _grow.update(thread=thread, body=body, error=None,
+                 began=time.monotonic(), was=basics.size())
+    _resize.served()
+    thread.start()
+    return True
+
+
+def started():
+    """Whether this rank is growing (begin() started, finish() not yet)."""
+    return _grow["thread"] is not None
+
+
+def spawning():
+    """Whether this rank's part of the start of the new ranks still runs
+    (they have not all joined yet)."""
+    thread = _grow["thread"]
+    return thread is not None and thread.is_alive()
+
+
+def finish(state, log):
+    """Every rank, at the first commit after the new ranks joined (or at
+    the end of training): starts the runtime on the grown job, runs the
+    state's reset callbacks and syncs the state to every rank, the new ones
+    included; `log(line)` says so on rank 0. A failure to start the new
+    ranks leaves the job at its size, said in one line; a failure after
+    that ends this rank with one line (a relaunch resumes from the last
+    commit on disk)."""
+    _grow["thread"].join()
+    grown, _grow["thread"] = dict(_grow), None
+    stopped = time.monotonic()
+    try:
+        basics.shutdown()
+        basics.init()
+        state.on_reset()
+        state.sync()
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"kerasdist.elastic: growing in place failed: {why}; ending "
+              f"this rank (a relaunch resumes from the last commit on disk)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    if basics.rank() != 0:
+        return
+    if grown["error"] is not None:
+        log(f"growing in place failed ({grown['error']}); going on at "
+            f"{grown['was']} rank(s)")
+        return
+    now = time.monotonic()
+    log(f"grew in place to {basics.size()} rank(s) (was {grown['was']}; "
+        f"{grown['body'].get('why', 'the hosts changed')}): the new ranks "
+        f"started in {stopped - grown['began']:.2f} s while the others "
+        f"trained, the job re-formed in {now - stopped:.2f} s, resuming "
+        f"from the last commit")
+
+
+def joined():
+    """True once, in a rank that joined a running job (grown in place),
+    at its first `hvd.elastic.run`."""
+    pending, _joined["pending"] = _joined["pending"], False
+    return pending and os.environ.get(RECOVER_ENV) == "1"

@@ -1,0 +1,166 @@
+"""Growing in place, the launcher's side (kerasdist/run/grow.py, the
+resize.Watcher's `grow`) and the names the rank side shares with it
+(kerasdist/_core/grow.py). The real job: tests/cluster/test_recovery.py."""
+
+import io
+import json
+import os
+import signal
+
+from kerasdist._core import grow as rank_grow
+from kerasdist.run import _rank
+from kerasdist.run import grow
+from kerasdist.run import job
+from kerasdist.run import resize
+
+
+def test_grow_rank_side_names_are_the_launchers():
+    assert rank_grow.REQUEST_NAME == grow.REQUEST_NAME == "grow.json"
+    assert rank_grow.GROWN_RANK_ENV == grow.GROWN_RANK_ENV == \
+        _rank.GROWN_RANK_ENV == "KERASDIST_GROWN_RANK"
+    assert rank_grow.RECOVER_ENV == _rank.RECOVER_ENV
+    assert rank_grow.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV
+
+
+def test_a_grown_rank_is_prefixed_with_its_rank_in_the_grown_job():
+    # Its MPI_COMM_WORLD rank is that of the processes started with it.
+    assert _rank.rank_from_env({"KERASDIST_GROWN_RANK": "2",
+                                "OMPI_COMM_WORLD_RANK": "0"}) == "2"
+    assert _rank.rank_from_env({"OMPI_COMM_WORLD_RANK": "1"}) == "1"
+
+
+def test_grow_placements_take_the_free_slots_in_the_listed_order():
+    # mpirun placed 3 ranks on a:2, b:2 slot by slot: a, a, b.
+    assert grow.placements([("a", 2), ("b", 2)], [("a", 2), ("b", 2),
+                                                  ("c", 2)], 3, 6) == [
+        (3, "b", False), (4, "c", True), (5, "c", True)]
+    # One more slot on the same host.
+    assert grow.placements([("localhost", 2)], [("localhost", 3)], 2, 3) == [
+        (2, "localhost", False)]
+    # Up to new_np only.
+    assert grow.placements([("a", 1)], [("a", 1), ("b", 4)], 1, 3) == [
+        (1, "b", True), (2, "b", True)]
+
+
+def test_grow_request_names_each_new_rank_its_host_and_command():
+    change = resize.Change(2, 4, [("a", 2), ("b", 3)], "host b has 3")
+    body = grow.request(change, [("a", 2), ("b", 1)], ["python", "_rank.py",
+                                                      "--", "train.py"])
+    assert (body["old_np"], body["new_np"], body["why"]) == (
+        2, 4, "host b has 3")
+    assert [(r["rank"], r["info"]) for r in body["ranks"]] == [
+        (2, ["host=b"]), (3, ["host=b"])]
+    argv = body["ranks"][1]["argv"]
+    assert os.path.basename(argv[0]) == "env" and argv[1:] == [
+        "KERASDIST_GROWN_RANK=3", "KERASDIST_RECOVER_IN_PLACE=1", "python",
+        "_rank.py", "--", "train.py"]
+
+
+def test_grow_new_hosts_are_those_the_job_does_not_run_on():
+    change = resize.Change(1, 3, [("a", 2), ("b", 2)], "host b joined")
+    assert grow.new_hosts(change, [("a", 1)]) == ["b"]
+    assert grow.new_hosts(change, [("a", 2)]) == ["b"]
+    change = resize.Change(1, 2, [("a", 2), ("b", 2)], "a has 2")
+    assert grow.new_hosts(change, [("a", 1)]) == []
+
+
+class _Proc:
+    def __init__(self):
+        self.signals = []
+
+    def send_signal(self, signum):
+        self.signals.append(signum)
+
+
+def _grow_watcher(tmp_path, listed):
+    out = io.BytesIO()
+    directory = str(tmp_path / "elastic")
+
+    def write(change, hosts):
+        grow.write_request(directory,
+                           grow.request(change, hosts, ["cmd"]))
+
+    w = resize.Watcher(lambda: listed, lambda c: (list(c), []), 2,
+                       [("localhost", 2)], 2, 3, 1.0, job.Log(out, out),
+                       started=0.0, clock=lambda: 0.0, grow=write)
+    return w, out, os.path.join(directory, grow.REQUEST_NAME)
+
+
+def test_watcher_grows_in_place_and_goes_on_at_the_new_size(tmp_path):
+    w, out, path = _grow_watcher(tmp_path, [("localhost", 3)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc)
+    # The request written before the signal; the attempt goes on at 3.
+    assert proc.signals == [signal.SIGUSR1]
+    with open(path) as f:
+        body = json.load(f)
+    assert [r["rank"] for r in body["ranks"]] == [2]
+    assert out.getvalue() == (
+        b"kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+        b"slot(s) now, not 2; in place, at the ranks' next commit\n")
+    assert (w.np, w.hosts, w.requested) == (3, [("localhost", 3)], None)
+    w.poll()
+    w.step(2.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1]  # nothing more to do
+
+
+def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
+        tmp_path):
+    w, out, path = _grow_watcher(tmp_path, [("localhost", 2)])
+    w.np, w.hosts = 3, [("localhost", 3)]
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
+    assert w.requested.new_np == 2
+
+
+def test_grow_writer_only_with_recovery_in_place_on_this_machine(
+        monkeypatch, tmp_path):
+    class Config:
+        recover_in_place = False
+
+    monkeypatch.setenv(_rank.ELASTIC_DIR_ENV, str(tmp_path))
+    assert grow.writer(Config(), ["cmd"]) is None
+    Config.recover_in_place = True
+    write = grow.writer(Config(), ["cmd"])
+    path = tmp_path / grow.REQUEST_NAME
+    assert write(resize.Change(1, 2, [("localhost", 2)], "why"),
+                 [("localhost", 1)]) is None
+    with open(path) as f:
+        assert [r["info"] for r in json.load(f)["ranks"]] == [
+            ["host=localhost"]]
+
+
+def test_grow_why_not_a_new_host_nor_another_hosts_daemons():
+    def local(host):
+        return host == "me"
+
+    # Open MPI 5.0 cannot add a host to the job, and its daemons on other
+    # hosts fail on MPI_Comm_spawn.
+    assert grow.why_not(resize.Change(1, 2, [("me", 1), ("b", 1)], "b"),
+                        [("me", 1)], local).startswith(
+        "Open MPI 5.0's mpirun cannot start ranks on a host it did not "
+        "start the job on (b)")
+    assert grow.why_not(resize.Change(2, 3, [("me", 1), ("b", 2)], "b"),
+                        [("me", 1), ("b", 1)], local) == (
+        "Open MPI 5.0's daemons on other hosts than this one (b) fail on "
+        "MPI_Comm_spawn (open-mpi/ompi#13521)")
+    assert grow.why_not(resize.Change(1, 2, [("me", 2)], "me"), [("me", 1)],
+                        local) is None
+
+
+def test_watcher_relaunches_when_it_cannot_grow_in_place(tmp_path):
+    out = io.BytesIO()
+    w = resize.Watcher(lambda: [("a", 1), ("b", 1)], lambda c: (list(c), []),
+                       1, [("a", 1)], 1, 2, 1.0, job.Log(out, out),
+                       started=0.0, clock=lambda: 0.0,
+                       grow=lambda change, hosts: "a new host")
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc)
+    assert proc.signals == [signal.SIGUSR1] and w.requested.new_np == 2
+    assert out.getvalue() == (
+        b"kerasdist: cannot grow in place (a new host); relaunching "
+        b"instead.\nkerasdist: growing from 1 to 2 ranks: host b joined\n")
