@@ -96,6 +96,7 @@ from kerasdist._core import capi as _capi
 from kerasdist._core import files as _files
 from kerasdist._core import resize as _resize
 from kerasdist.keras import optimizer as _optimizer
+from kerasdist.keras.sharding import buddies as _buddies
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import step as _shard_step
 
@@ -607,6 +608,10 @@ class TensorFlowKerasState(_VariablesState):
         self._shards.restore()
         super().restore()
 
+    def sync(self):
+        super().sync()
+        self._shards.protect()
+
     def persist(self):
         """Without a sharded optimizer, State.persist. With one, every
         rank writes its shard of the slots to a file of its own beside
@@ -990,6 +995,9 @@ class _ShardCommits:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.values = _shard_files.take_shard(optimizer) if optimizer else {}
+        # The last commit's shards, with a copy of a buddy's where the job
+        # recovers in place (kerasdist/keras/sharding/buddies.py).
+        self.copies = None
         self.pending = None  # rank 0: the shards of the commit it took
         # Rank 0, after taking a replicated optimizer's commit: its slots,
         # whole ({optimizer variable index: value}).
@@ -1004,9 +1012,25 @@ class _ShardCommits:
 
     def save(self):
         if self.sharded():
-            self.values = _shard_files.take_shard(self.optimizer)
+            self.copies = _buddies.commit(self.optimizer, self.copies)
+            self.values = self.copies.values
+
+    def protect(self):
+        """Every rank, at a sync: commits the shards as they are where
+        no buddy holds a copy of them yet (before the first commit)."""
+        if self.sharded() and _buddies.keeps_copies() and (
+                self.copies is None or self.copies.copy is None or
+                self.copies.size != basics.size()):
+            self.save()
 
     def restore(self):
+        if self.sharded() and _buddies.resized(self.optimizer):
+            # Every survivor of a recovery in place: the committed shards
+            # re-partitioned over the new size, from the survivors' own
+            # and buddy copies; ShardsLostError (one line) where one is
+            # lost, which ends the recovery (a relaunch from disk).
+            self.copies = _buddies.recover(self.optimizer, self.copies)
+            self.values = self.copies.values
         for i, v, _ in _shard_files.slot_variables(self.optimizer) \
                 if self.sharded() else ():
             if i in self.values:
