@@ -50,7 +50,11 @@ state to a file that the next attempt starts from:
   processes. `run` restores the last commit from memory, starts the
   runtime again on the survivors (`kd.size()` is the new size), runs the
   reset callbacks, syncs, and calls `func(state)` again, as Horovod does
-  (docs/failures-and-elastic.md, "Recovery in place").
+  (docs/failures-and-elastic.md, "Recovery in place"). A sharded
+  optimizer's shards are committed with a copy on a buddy rank
+  (kerasdist/keras/sharding/buddies.py): the survivors re-partition them
+  over the new size in memory (`_ShardCommits.restore`), or end with one
+  line where a rank and its buddy were both lost.
 
 Whatever was trained after the last commit is trained again after a
 restart. The data's position is not part of the state (as in Horovod, where

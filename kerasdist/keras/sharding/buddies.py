@@ -181,9 +181,10 @@ def resized(optimizer):
     return state is not None and state.layout.size != basics.size()
 
 
-def _holders(copies, old_ranks):
+def holders(copies, old_ranks):
     """{old rank k: (new rank holding k's shard, whether as its copy)} for
-    every old rank; ShardsLostError where a shard is on no survivor."""
+    every old rank of `copies`' commit, given the survivors' old ranks in
+    new rank order; ShardsLostError where a shard is on no survivor."""
     new_of = {k: s for s, k in enumerate(old_ranks)}
     n, d = copies.size, copies.offset
     out = {}
@@ -217,7 +218,7 @@ def _agree(copies):
     return [int(r[0]) for r in table]
 
 
-def _plan(copies, holders, new_size, dest, src):
+def _plan(copies, where, new_size, dest, src):
     """The pieces survivor `src` sends survivor `dest` at the new size:
     [(slot i, old rank k, from the copy, start, stop, at)], in one order
     on both sides."""
@@ -226,7 +227,7 @@ def _plan(copies, holders, new_size, dest, src):
         numel, chunk, _ = copies.slots[i]
         lo, hi = owned(numel, partition([numel], new_size)[0], dest)
         for k, start, stop, at in pieces(numel, chunk, lo, hi):
-            holder, from_copy = holders[k]
+            holder, from_copy = where[k]
             if holder == src:
                 out.append((i, k, from_copy, start, stop, at))
     return out
@@ -238,12 +239,12 @@ def repartition(copies):
     array, padded}), gathered from the survivors' committed shards and
     copies (one alltoall). ShardsLostError where a shard is lost."""
     old_ranks = _agree(copies)
-    holders = _holders(copies, old_ranks)
+    where = holders(copies, old_ranks)
     me, size = basics.rank(), basics.size()
     parts, recv = [], []
     for dest in range(size):
         chunks = []
-        for i, k, from_copy, start, stop, _ in _plan(copies, holders, size,
+        for i, k, from_copy, start, stop, _ in _plan(copies, where, size,
                                                      dest, me):
             held = copies.copy if from_copy else copies.values
             chunks.append(np.ascontiguousarray(
@@ -253,7 +254,7 @@ def repartition(copies):
     for src in range(size):
         recv.append(sum((stop - start) * np.dtype(_files.numpy_dtype(
             copies.slots[i][2])).itemsize for i, _, _, start, stop, _ in
-            _plan(copies, holders, size, me, src)))
+            _plan(copies, where, size, me, src)))
     got = _alltoall(parts, recv, "kerasdist.buddies.repartition")
     out = {}
     for i in sorted(copies.slots):
@@ -262,7 +263,7 @@ def repartition(copies):
                           _files.numpy_dtype(dtype))
     for src in range(size):
         at_byte = 0
-        for i, _, _, start, stop, at in _plan(copies, holders, size, me,
+        for i, _, _, start, stop, at in _plan(copies, where, size, me,
                                               src):
             dtype = out[i].dtype
             n = (stop - start) * dtype.itemsize

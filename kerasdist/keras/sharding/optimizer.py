@@ -8,7 +8,9 @@ collectives (`kerasdist.keras.framework`).
 
 The sharding package, by job: `layout` (which elements each rank owns),
 `step` (the reduce-scatter and allgather of one step), this module (the
-sharded step's class), `files` (the shards in checkpoint files). What
+sharded step's class), `files` (the shards in checkpoint files),
+`buddies` (the shards of an in-memory commit, each also on another rank,
+re-partitioned in memory after a recovery in place). What
 other modules ask of a sharded optimizer (`shard_state`, `whole_state`,
 `whole_variables`) they ask of kerasdist/keras/optimizer.py.
 
