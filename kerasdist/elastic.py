@@ -54,7 +54,11 @@ state to a file that the next attempt starts from:
   processes. `run` restores the last commit from memory, starts the
   runtime again on the survivors (`kd.size()` is the new size), runs the
   reset callbacks, syncs, and calls `func(state)` again, as Horovod does
-  (docs/failures-and-elastic.md, "Recovery in place").
+  (docs/failures-and-elastic.md, "Recovery in place"). A sharded
+  optimizer's shards are committed with a copy on a buddy rank
+  (kerasdist/keras/sharding/buddies.py): the survivors re-partition them
+  over the new size in memory (`_ShardCommits.restore`), or end with one
+  line where a rank and its buddy were both lost.
 
 Whatever was trained after the last commit is trained again after a
 restart. The data's position is not part of the state (as in Horovod, where
@@ -101,6 +105,7 @@ from kerasdist._core import files as _files
 from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
 from kerasdist.keras import optimizer as _optimizer
+from kerasdist.keras.sharding import buddies as _buddies
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.keras.sharding import step as _shard_step
 
@@ -620,6 +625,10 @@ class TensorFlowKerasState(_VariablesState):
         self._shards.restore()
         super().restore()
 
+    def sync(self):
+        super().sync()
+        self._shards.protect()
+
     def persist(self):
         """Without a sharded optimizer, State.persist. With one, every
         rank writes its shard of the slots to a file of its own beside
@@ -1031,6 +1040,9 @@ class _ShardCommits:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.values = _shard_files.take_shard(optimizer) if optimizer else {}
+        # The last commit's shards, with a copy of a buddy's where the job
+        # recovers in place (kerasdist/keras/sharding/buddies.py).
+        self.copies = None
         self.pending = None  # rank 0: the shards of the commit it took
         # Rank 0, after taking a replicated optimizer's commit: its slots,
         # whole ({optimizer variable index: value}).
@@ -1045,9 +1057,25 @@ class _ShardCommits:
 
     def save(self):
         if self.sharded():
-            self.values = _shard_files.take_shard(self.optimizer)
+            self.copies = _buddies.commit(self.optimizer, self.copies)
+            self.values = self.copies.values
+
+    def protect(self):
+        """Every rank, at a sync: commits the shards as they are where
+        no buddy holds a copy of them yet (before the first commit)."""
+        if self.sharded() and _buddies.keeps_copies() and (
+                self.copies is None or self.copies.copy is None or
+                self.copies.size != basics.size()):
+            self.save()
 
     def restore(self):
+        if self.sharded() and _buddies.resized(self.optimizer):
+            # Every survivor of a recovery in place: the committed shards
+            # re-partitioned over the new size, from the survivors' own
+            # and buddy copies; ShardsLostError (one line) where one is
+            # lost, which ends the recovery (a relaunch from disk).
+            self.copies = _buddies.recover(self.optimizer, self.copies)
+            self.values = self.copies.values
         for i, v, _ in _shard_files.slot_variables(self.optimizer) \
                 if self.sharded() else ():
             if i in self.values:

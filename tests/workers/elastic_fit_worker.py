@@ -16,7 +16,13 @@ after every step it trained and the wall time (time.time()) it ended,
 and the position each reset resumed from.
 The killed rank writes DIR/kill.json (the step, the wall time) first.
 
-argv: DIR KILL_RANK KILL_STEP
+With SHARD (a `shard=` mode of DistributedOptimizer: "gradients",
+"optimizer_state"), the optimizer is SGD with momentum MOMENTUM, sharded:
+its momentum survives the lost rank only through the buddy copies
+(kerasdist/keras/sharding/buddies.py); end.<rank>.json then also holds
+the momentum of this rank's shard at the end.
+
+argv: DIR KILL_RANK KILL_STEP [SHARD]
 """
 
 import json
@@ -28,6 +34,7 @@ import time
 import numpy as np
 
 N, FEATURES, BATCH, EPOCHS, LR, SEED, COMMIT_EVERY = 60, 3, 4, 2, 0.01, 5, 2
+MOMENTUM = 0.9
 
 
 def data():
@@ -80,17 +87,23 @@ def main():
 
     out, kill_rank, kill_step = sys.argv[1], int(sys.argv[2]), \
         int(sys.argv[3])
+    shard = sys.argv[4] if len(sys.argv) > 4 else None
     keras.config.set_floatx("float64")
     kd.init()
     start_rank = kd.rank()
-    refused = _refusals(keras, kd)
+    refused = _refusals(keras, kd) if shard is None else []
     with open(os.path.join(out, f"start.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": start_rank,
                    "size": kd.size(), "refused": refused}, f)
     model = keras.Sequential([
         keras.Input((FEATURES,)),
         keras.layers.Dense(1, kernel_initializer="zeros")])
-    opt = kd.DistributedOptimizer(keras.optimizers.SGD(LR * kd.size()))
+    if shard is None:
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(LR * kd.size()))
+    else:
+        opt = kd.DistributedOptimizer(
+            keras.optimizers.SGD(LR * kd.size(), momentum=MOMENTUM),
+            shard=shard)
     model.compile(loss="mse", optimizer=opt)
     opt.build(model.trainable_variables)
     batches = kd.elastic.ElasticBatches(data(), batch_size=BATCH,
@@ -136,7 +149,11 @@ def main():
                        opt.learning_rate)),
                    "positions": positions, "resumed": resumed,
                    "done_at": done_at,
-                   "state": [state.epoch, state.batch]}, f)
+                   "state": [state.epoch, state.batch],
+                   "slots": [np.asarray(keras.ops.convert_to_numpy(v))
+                             .ravel().tolist() for v in
+                             opt.kerasdist_sharded_variables]
+                   if shard else []}, f)
     print(f"rank {start_rank} done at size {kd.size()}", flush=True)
 
 

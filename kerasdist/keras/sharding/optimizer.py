@@ -8,7 +8,9 @@ collectives (`kerasdist.keras.framework`).
 
 The sharding package, by job: `layout` (which elements each rank owns),
 `step` (the reduce-scatter and allgather of one step), this module (the
-sharded step's class), `files` (the shards in checkpoint files). What
+sharded step's class), `files` (the shards in checkpoint files),
+`buddies` (the shards of an in-memory commit, each also on another rank,
+re-partitioned in memory after a recovery in place). What
 other modules ask of a sharded optimizer (`shard_state`, `whole_state`,
 `whole_variables`) they ask of kerasdist/keras/optimizer.py.
 
@@ -107,6 +109,27 @@ class ShardedStep(DistributedBase):
         if settings.backward_passes_per_step > 1:
             # The local sums are of the whole gradients.
             self._kerasdist_accum = framework.accumulators(variables)
+
+    def kerasdist_rebuild(self):
+        """Builds the optimizer again for the job's size now (after a
+        recovery in place re-formed it at another size): new shards and
+        slots of the new layout, zero, in the same places among
+        `self.variables`; the variables every rank shares (iterations,
+        the learning rate) are kept as they are. The caller assigns the
+        slots (kerasdist/keras/sharding/buddies.py `recover`)."""
+        state = self._kerasdist_shard
+        if self._kerasdist_settings.shard == "weights":
+            raise ValueError(
+                "DistributedOptimizer(shard='weights') cannot be built again "
+                "at another size in a running process.")
+        shared = [v for v in self.variables if state.slot_index(v) is None]
+        # Keras' tracked list (the Tracker holds it): emptied in place of
+        # the old slots, which the new build adds again.
+        self._variables[:] = shared
+        self._trainable_variables_indices = {}
+        self._kerasdist_shard = None
+        self.built = False
+        self.build(state.variables)
 
     def add_variable_from_reference(self, reference_variable, *args,
                                     **kwargs):
