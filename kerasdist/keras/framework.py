@@ -95,6 +95,15 @@ class KerasFramework:
         import keras
         return keras.remat(call)
 
+    def after(self, value, anchor):
+        """`value`, computed only once `anchor` has been (a layer's
+        shard, gathered only once the layer's input exists): where a
+        traced program runs every ready op at once (TensorFlow's graph
+        executor), each layer's gathered weights would otherwise all be
+        made at the start of the step. Unchanged where ops run in
+        program order."""
+        return value
+
     def no_grad(self):
         """A context in which assignments are not recorded for autograd."""
         return contextlib.nullcontext()

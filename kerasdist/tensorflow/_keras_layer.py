@@ -79,6 +79,16 @@ class TensorFlow(_framework.KerasFramework):
     def unique_name(self, base):
         return _unique_in_graph(base)
 
+    def after(self, value, anchor):
+        # In model.fit's graph TensorFlow's executor runs every ready op:
+        # each gather reads only its shard, so all of them would run at
+        # the step's start, and a rematerialized layer's second gather
+        # long before its backward, every whole weight alive at once.
+        if anchor is None or tf.executing_eagerly():
+            return value
+        with tf.control_dependencies([anchor]):
+            return tf.identity(value)
+
     def agree_finite(self, finite, prefix):
         check_not_xla()
         agreed = _tf_collectives.allreduce(

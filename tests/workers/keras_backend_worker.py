@@ -1015,7 +1015,8 @@ def weights_custom_loop():
 
     x, y = data()
     truth = truth_fit(dense_model(), keras.optimizers.SGD(0.1), x, y, N * B)
-    m = kd.shard_weights(dense_model())
+    # Every layer rematerialized: its gathers wait for its input.
+    m = kd.shard_weights(dense_model(), remat=True)
     opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="weights")
     xs, ys = my_part(x), my_part(y)
 
@@ -1029,6 +1030,18 @@ def weights_custom_loop():
     for i in range(STEPS):
         step(xs[i * B:(i + 1) * B], ys[i * B:(i + 1) * B])
     assert_close(m.get_weights(), truth, "weights: custom loop")
+    # Each gather (the forward's, the backward's again) is ordered after
+    # its layer's input, else the graph runs them all at the step's start.
+    graph = step.get_concrete_function(xs[:B], ys[:B]).graph
+    gathers = [op for op in graph.get_operations()
+               if op.type == "KerasdistAllgather"]
+    assert len(gathers) == 2 * len(m.trainable_variables), len(gathers)
+    def ordered(op, hops=4):  # reshape(identity(shard)) and the like
+        return bool(op.control_inputs) or hops > 0 and any(
+            ordered(t.op, hops - 1) for t in op.inputs)
+
+    for op in gathers:
+        assert ordered(op.inputs[0].op), op.name
 
 
 @check("shard_weights_refusals")

@@ -27,6 +27,8 @@ def gather(weight, shard_value):
     # of a weight was numbered 0 and two could meet in flight.
     gather_name = framework.unique_name(name)
     grad_name = framework.unique_name(name + ".grad")
+    if ANCHORS:
+        shard_value = framework.after(shard_value, ANCHORS[-1])
 
     @ops.custom_gradient
     def whole(x):
@@ -54,6 +56,11 @@ def gather(weight, shard_value):
         return out, grad
 
     return whole(shard_value)
+
+
+# The inputs of the layer calls running now, innermost last: a gather
+# inside one waits for its layer's input (see KerasFramework.after).
+ANCHORS = []
 
 
 _VIEW_CLASSES = {}

@@ -27,6 +27,7 @@ import contextlib
 import math
 
 from kerasdist import basics
+from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.sharding import loading as _loading
 from kerasdist.keras.sharding import views as _views
@@ -254,10 +255,14 @@ def _regather_in_backward(layer):
         dtype = None if scope is None else scope.dtype
 
         def again(*inputs):
-            if dtype is None:
-                return call(*inputs, **kwargs)
-            with _variables.AutocastScope(dtype):
-                return call(*inputs, **kwargs)
+            _views.ANCHORS.append(inputs[0] if inputs else None)
+            try:
+                if dtype is None:
+                    return call(*inputs, **kwargs)
+                with _variables.AutocastScope(dtype):
+                    return call(*inputs, **kwargs)
+            finally:
+                _views.ANCHORS.pop()
 
         shards = [v for v in layer._trainable_variables if is_shard(v)]
         return _framework.get().regather(again, shards)(*args)
@@ -302,8 +307,11 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
                root_rank, k):
     dtype = keras.backend.standardize_dtype(variable._dtype)
     weight = WeightShard(variable.path, variable.shape, dtype, size, rank)
-    whole = framework.collectives.broadcast(
-        framework.value(variable), root_rank, f"kerasdist.shard_weights.{k}")
+    # On the host, as own_piece reads it anyway: TensorFlow's eager
+    # broadcast op keeps its output buffer for its next call, one kernel
+    # (and one whole weight) a name, for as long as the process lives.
+    whole = _host.host_broadcast(framework.to_numpy(framework.value(
+        variable)), root_rank, f"kerasdist.shard_weights.{k}")
     piece = _views.own_piece(weight, whole)
     del whole
     shard = keras.Variable(
