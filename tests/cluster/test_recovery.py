@@ -5,7 +5,9 @@ of 3 ranks (PyTorch or JAX, tests/workers/recovery_worker.py) SIGKILLs
 itself mid-step; the other two keep their processes,
 re-form at size 2, resume from the last commit in memory and finish, and
 their weights are the ones numpy computes for that commit continued at
-size 2. The default build (mpich) refuses the flag in one line."""
+size 2; with a process set, its old object fails with one error after
+the re-form and the set added again sums right. The default build
+(mpich) refuses the flag in one line."""
 
 import importlib.util
 import json
