@@ -16,7 +16,18 @@ ranks of the job, not of the set. Unlike Horovod, `add_process_set` and
 `remove_process_set` work with or without `init(process_sets="dynamic")`:
 every set has its own runtime, so adding one never changes another's.
 Both are collective over every rank of the job.
+
+A set lives as long as the runtime it was added to: `shutdown()` drops
+every set but the global one, and so does a recovery in place
+(docs/failures-and-elastic.md, "Recovery in place"), whose `init()` starts
+the survivors, renumbered, as a new job. As in Horovod, whose elastic
+reset is `shutdown()` and `init()` too, a set is not re-created: its ranks
+name the old job's processes. Its `ProcessSet` object then fails every
+collective, and `add_process_set`, with one error that says so; a reset
+callback adds the set again with the new ranks.
 """
+
+import weakref
 
 from kerasdist._core import capi as _capi
 
@@ -52,11 +63,27 @@ class ProcessSet:
                 f"ranks (ints) or an mpi4py Comm object; got {ranks!r}")
         self.ranks = ranks
 
+    _dropped = None  # why a set added to an earlier runtime is gone
+
     def _invalidate(self):
         self.process_set_id = None
 
+    def _drop(self, why):
+        self.process_set_id = None
+        self._dropped = why
+
+    def _check_live(self):
+        if self._dropped is not None:
+            raise ValueError(
+                f"{self}: this process set was dropped when {self._dropped}; "
+                "its ranks are the old job's. Add the set again with the new "
+                "ranks (kerasdist.add_process_set([...]) on every rank, e.g. "
+                "in a reset callback: state.register_reset_callbacks) and "
+                "use the ProcessSet it returns.")
+
     def size(self):
         """The number of ranks in the set; None before it is added."""
+        self._check_live()
         if self.process_set_id is None:
             return None
         ranks = _capi.process_set_ranks(self.process_set_id)
@@ -65,6 +92,7 @@ class ProcessSet:
     def rank(self):
         """This process's rank within the set (-1 when not a member); None
         before it is added. Collectives still take ranks of the job."""
+        self._check_live()
         if self.process_set_id is None:
             return None
         r = _capi.process_set_rank(self.process_set_id)
@@ -75,6 +103,7 @@ class ProcessSet:
         known."""
         if self.process_set_id == 0:
             return True
+        self._check_live()
         if self.ranks is None:
             return None
         from kerasdist import basics
@@ -97,6 +126,11 @@ class ProcessSet:
 
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
+
+# The sets added to the running runtime (weak: an object the program let
+# go needs no dropping). The next init() drops them.
+_live = []
+_recoveries_seen = 0  # the core's count of recoveries in place, at init()
 
 
 def _comm_ranks(comm):
@@ -131,11 +165,13 @@ def add_process_set(process_set):
         raise RuntimeError("add_process_set() needs kerasdist.init() first.")
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
+    process_set._check_live()
     if process_set.ranks is None:
         process_set.ranks = _comm_ranks(process_set.mpi_comm)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set} has been added already.")
     process_set.process_set_id = _capi.add_process_set(process_set.ranks)
+    _live.append(weakref.ref(process_set))
     from kerasdist._core import host
     host.forget_set_names(process_set.process_set_id)
     return process_set
@@ -158,7 +194,9 @@ def remove_process_set(process_set):
 def _init_process_sets(process_sets):
     """After the core started (init): adds `process_sets` in order; a list
     that names the same ranks twice adds them once (the later objects are
-    left without an id, as in Horovod)."""
+    left without an id, as in Horovod). The sets of an earlier runtime are
+    dropped first."""
+    _drop_sets()
     global_process_set.ranks = list(range(_size()))
     if process_sets is None or isinstance(process_sets, str):
         if process_sets not in (None, "dynamic"):
@@ -170,16 +208,39 @@ def _init_process_sets(process_sets):
     for ps in process_sets:
         if not isinstance(ps, ProcessSet):
             ps = ProcessSet(ps)
+        ps._dropped = None  # given again: its ranks are this job's
         if ps.ranks is None:
             ps.ranks = _comm_ranks(ps.mpi_comm)
         key = tuple(ps.ranks)
         if key == tuple(global_process_set.ranks) or key in seen:
             ps.process_set_id = 0 if key == tuple(
                 global_process_set.ranks) else None
+            if ps.process_set_id == 0:
+                _live.append(weakref.ref(ps))
             continue
         ps.process_set_id = None
         add_process_set(ps)
         seen[key] = ps
+
+
+def _drop_sets():
+    """At init(): every set added before (to a runtime since shut down) is
+    dropped; its object says why when used."""
+    global _recoveries_seen
+    recoveries = _capi.lib().kerasdist_recoveries()
+    lost, _recoveries_seen = recoveries > _recoveries_seen, recoveries
+    if not _live:
+        return
+    from kerasdist import basics
+    why = (f"the job re-formed in place after a lost rank (now "
+           f"{basics.size()} ranks, renumbered)" if lost else
+           "kerasdist shut down (kerasdist.shutdown()) and started again")
+    for ref in _live:
+        ps = ref()
+        if (ps is not None and ps is not global_process_set
+                and ps.process_set_id is not None):
+            ps._drop(why)
+    del _live[:]
 
 
 def _size():
@@ -201,6 +262,7 @@ def resolve(process_set):
     if process_set is None:
         return 0
     if isinstance(process_set, ProcessSet):
+        process_set._check_live()
         if process_set.process_set_id is None:
             raise ValueError(
                 f"{process_set} has not been added: pass it to "

@@ -153,7 +153,16 @@ class ReplicatedStep(DistributedBase):
         variables' kept (or divided by `size()`)."""
         settings = self._kerasdist_settings
         ps = settings.process_set_id
-        if ps and _capi.process_set_rank(ps) < 0:
+        member = _capi.process_set_rank(ps) if ps else 0
+        if member == -2:
+            # Not a rank outside the set: a set that no longer exists.
+            raise ValueError(
+                f"DistributedOptimizer(process_set=...): process set {ps} "
+                "does not exist any more (removed, or dropped when "
+                "kerasdist shut down or the job re-formed in place after "
+                "a lost rank); add the set again and wrap the optimizer "
+                "again with the ProcessSet add_process_set returns.")
+        if member < 0:
             return grads  # outside the set: its own gradients (Horovod)
         keep, local = self._kerasdist_local.split(variables)
         with _capi.process_set_scope(ps):

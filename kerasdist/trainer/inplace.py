@@ -57,11 +57,14 @@ def ranks_lost(error):
 
 def as_ranks_lost(error):
     """`error` as a RanksLostError: a framework's error (JAX's
-    "INTERNAL: kerasdist: rank 0: a rank of the job was lost (...)") with
-    the core's message alone."""
+    "INTERNAL: kerasdist: rank 0: a rank of the job was lost (...)",
+    TensorFlow's "Graph execution error:" with that line further down)
+    with the core's message alone."""
     if isinstance(error, _errors.RanksLostError):
         return error
-    text = (str(error).strip().splitlines() or [""])[0]
+    lines = str(error).strip().splitlines() or [""]
+    text = next((line.strip() for line in lines
+                 if _errors.RANKS_LOST_TEXT in line), lines[0])
     marker = "kerasdist: "
     if marker in text:
         text = text[text.index(marker) + len(marker):]

@@ -292,9 +292,7 @@ void Runtime::Loop() {
   int idle_rounds = 0;
   while (true) {
     if (role_.parent && role_.parent->has_stopped()) {
-      const std::string why = role_.parent->stopped_status().message();
-      FailAll(Status::Aborted(Labelled("the job's runtime stopped" +
-                                       (why.empty() ? "." : ": " + why))));
+      FailWithParent();
       break;
     }
     bool worked = RunLoopOnce();
@@ -320,6 +318,24 @@ void Runtime::Loop() {
   }
   SayGoodbye();
   mpi_->FlushSends(5.0);
+}
+
+// A process set's runtime whose job's runtime stopped: its collectives fail.
+// After a lost rank (recovery in place) with the job's error, RanksLost, so
+// that kerasdist.elastic recovers from a set's collective as from the job's,
+// and its communicator is revoked, so that no other member stays inside an
+// MPI call on it waiting for the lost rank (or for this one).
+void Runtime::FailWithParent() {
+  const Status parent = role_.parent->stopped_status();
+  const std::string why =
+      parent.message().empty() ? std::string(".") : ": " + parent.message();
+  if (parent.code() == StatusCode::kRanksLost) {
+    mpi_->Revoke();
+    FailAll(
+        Status(StatusCode::kRanksLost, Labelled("the job lost a rank" + why)));
+    return;
+  }
+  FailAll(Status::Aborted(Labelled("the job's runtime stopped" + why)));
 }
 
 // Every control message must be received before MPI finalizes, or MPI warns

@@ -127,6 +127,8 @@ class Runtime {
   // Complete for each of a batch's entries, taking the lock once.
   void CompleteAll(std::vector<Entry>& entries, const Result& r);
   void FailAll(const Status& s);
+  // A process set's runtime, its job's runtime stopped: FailAll.
+  void FailWithParent();
   // `message` prefixed with this runtime's label (a process set's).
   std::string Labelled(const std::string& message) const;
 

@@ -5,7 +5,9 @@ of 3 ranks (PyTorch or JAX, tests/workers/recovery_worker.py) SIGKILLs
 itself mid-step; the other two keep their processes,
 re-form at size 2, resume from the last commit in memory and finish, and
 their weights are the ones numpy computes for that commit continued at
-size 2. The default build (mpich) refuses the flag in one line."""
+size 2; with a process set, its old object fails with one error after
+the re-form and the set added again sums right. The default build
+(mpich) refuses the flag in one line."""
 
 import importlib.util
 import json
@@ -57,11 +59,14 @@ def _read(directory, name):
 
 @pytest.mark.timeout(JOB_S + 60)
 # Rank 0 too: the coordinator, whose survivors renumber. PyTorch, and
-# JAX's eager collectives.
-@pytest.mark.parametrize("killed,backend", [(KILL_RANK, "torch"),
-                                            (0, "torch"), (KILL_RANK, "jax")])
+# JAX's eager collectives; and with a process set (ranks 1 and 2), rank 1
+# inside the set's allreduce when rank 2 goes.
+@pytest.mark.parametrize("killed,backend,with_set", [
+    (KILL_RANK, "torch", False), (0, "torch", False),
+    (KILL_RANK, "jax", False), (KILL_RANK, "torch", True)])
 def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
-                                                     killed, backend):
+                                                     killed, backend,
+                                                     with_set):
     survivors = [r for r in range(3) if r != killed]
     out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path),
                                str(killed), str(KILL_STEP)),
@@ -69,7 +74,8 @@ def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
                  launcher_args=["--recover-in-place"],
                  env=rank_env(RECOVERY_STEPS=STEPS,
                               RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
-                              RECOVERY_BACKEND=backend))
+                              RECOVERY_BACKEND=backend,
+                              RECOVERY_PROCESS_SET=int(with_set)))
     assert out.returncode == 0, out.stdout
     assert (f"rank {killed} (host " in out.stdout and "exited with signal "
             f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
@@ -93,6 +99,29 @@ def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
             3, start["pid"], new_rank, 2), (start, end)
         assert end["resumed"] == [commit], end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    if with_set:
+        _check_process_set_dropped_and_added_again(tmp_path, commit)
+
+
+def _check_process_set_dropped_and_added_again(directory, commit):
+    """test_ranks_lost_error_survivors_recover_in_place with a process set
+    of ranks 1 and 2, rank 2 lost: rank 1's set allreduce failed with
+    RanksLostError (not a hang, not another error), the old ProcessSet
+    then failed with one error saying why, and the set added again in the
+    reset callback (now rank 1 alone) summed the right values."""
+    for rank in (0, 1):
+        end = _read(directory, f"end.{rank}.json")
+        assert len(end["lost_at"]) == 1, end
+        assert end["set_error"] is not None and (
+            "this process set was dropped when the job re-formed in place "
+            "after a lost rank (now 2 ranks, renumbered); its ranks are the "
+            "old job's. Add the set again with the new ranks"
+            in end["set_error"]), end
+    assert _read(directory, "end.0.json")["set_sums"] == {}
+    # Start ranks 1 and 2 sum 2 + 3 before the loss; rank 1 alone, 2, after.
+    sums = _read(directory, "end.1.json")["set_sums"]
+    assert sums == {str(s): 5.0 if s < commit else 2.0
+                    for s in range(STEPS)}, sums
 
 
 def test_recover_in_place_needs_ulfm(openmpi_root):

@@ -9,8 +9,9 @@ their processes, re-form at size 2, go back to the commit after step 3
 over 2 ranks, epoch 2 at 2 ranks, the learning rate rescaled. Their
 weights equal numpy's SGD with momentum from that commit continued at 2
 ranks, not what a run that kept step 4's weights would give; the new rank
-0 writes the epoch checkpoints. On PyTorch (eager) and JAX (the step
-jitted: traced again at the new size). With a
+0 writes the epoch checkpoints. On PyTorch (eager), JAX (the step
+jitted: traced again at the new size) and TensorFlow (the step a
+tf.function with kerasdist's TF ops: traced again too). With a
 sharded optimizer the lost rank's shard is held by no other rank: the
 survivors end in one line each (a relaunch resumes from disk)."""
 
@@ -82,12 +83,16 @@ def _job(root, directory, backend, *args, killed=KILL_RANK):
 
 @pytest.mark.timeout(JOB_S + 60)
 @pytest.mark.parametrize("backend,killed", [("torch", KILL_RANK),
-                                            ("jax", 0)])
+                                            ("jax", 0),
+                                            ("tensorflow", KILL_RANK)])
 def test_trainer_recovers_in_place_from_the_commit_every_steps(
-        openmpi_root, tmp_path, backend, killed):
+        request, tmp_path, backend, killed):
     pytest.importorskip(backend)
+    # TensorFlow's collectives are kerasdist's TF ops: a build with them.
+    root = request.getfixturevalue(
+        "openmpi_tf_root" if backend == "tensorflow" else "openmpi_root")
     survivors = [r for r in range(3) if r != killed]
-    out = _job(openmpi_root, tmp_path, backend, killed=killed)
+    out = _job(root, tmp_path, backend, killed=killed)
     assert out.returncode == 0, out.stdout
     assert (f"rank {killed} (host " in out.stdout and "exited with signal "
             f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "

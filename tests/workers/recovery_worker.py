@@ -38,7 +38,13 @@ its end file as the others (its `resumed` is empty).
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
-     callback: a second failure while the others recover)
+     callback: a second failure while the others recover),
+     RECOVERY_PROCESS_SET=1 (a process set of start ranks 1 and 2, given
+     to kd.init(process_sets=...): each step its members sum their start
+     rank + 1 over it before the job's allreduce, so a member is inside
+     that collective when KILL_RANK goes. The reset callback notes the old
+     set's error and adds the set again, its surviving members renumbered;
+     end.json gets "set_sums" (step: the sum) and "set_error")
 """
 
 import json
@@ -115,7 +121,9 @@ def main():
                                       else "KILL"))
     DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
     GROW_AT = int(os.environ.get("RECOVERY_GROW_AT", "-1"))
-    kd.init()
+    with_set = os.environ.get("RECOVERY_PROCESS_SET") == "1"
+    pset = {"set": kd.ProcessSet([1, 2]), "old": [1, 2], "error": None}
+    kd.init(process_sets=[pset["set"]] if with_set else None)
     start_rank = kd.rank()
     attempt = int(os.environ.get("KERASDIST_RESTART_ATTEMPT", "0") or 0)
     prefix = f"a{attempt}." if attempt else ""
@@ -125,7 +133,7 @@ def main():
                    "size": kd.size(), "began": BEGAN,
                    "init_at": time.time()}, f)
     x, y = data()
-    resumed, done_at, lost_at, reset_at = [], {}, [], []
+    resumed, done_at, lost_at, reset_at, set_sums = [], {}, [], [], {}
     state = elastic.ObjectState(w=np.zeros(FEATURES), step=0, end=STEPS)
 
     def on_reset():
@@ -133,6 +141,33 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         resumed.append(state.step)
         reset_at.append(time.time())
+        if with_set:
+            readd_set()
+
+    def readd_set():
+        """The old set's objects fail; the survivors add it again."""
+        try:
+            kd.allreduce(to_tensor(np.ones(1)), op=kd.Sum, name="stale",
+                         process_set=pset["set"])
+        except ValueError as e:
+            pset["error"] = str(e)
+        starts = np.asarray(kd.allgather(to_tensor(np.array([start_rank])),
+                                         name="starts")).astype(int)
+        ranks = [new for new, old in enumerate(starts) if old in pset["old"]]
+        pset["set"] = kd.add_process_set(ranks)
+        pset["old"] = [int(starts[r]) for r in ranks]
+
+    def set_sum(step):
+        if not with_set or not pset["set"].included():
+            return
+        try:
+            total = kd.allreduce(to_tensor(np.array([start_rank + 1.0])),
+                                 op=kd.Sum, name=f"set.{step}",
+                                 process_set=pset["set"])
+        except elastic.RanksLostError:
+            lost_at.append(time.time())
+            raise
+        set_sums[step] = float(np.asarray(total)[0])
 
     state.register_reset_callbacks([on_reset])
 
@@ -156,6 +191,7 @@ def main():
                 with open(os.path.join(DIR, "kill.json"), "w") as f:
                     json.dump({"at": time.time()}, f)
                 os.kill(os.getpid(), SIGNUM)
+            set_sum(state.step)
             g = np.asarray(allreduce(g, state.step))
             w = w - LR * g
             state.w, state.step = w.copy(), state.step + 1
@@ -175,7 +211,8 @@ def main():
                    "host": socket.gethostname(),
                    "resumed": resumed, "w": state.w.tolist(),
                    "done_at": done_at, "lost_at": lost_at,
-                   "reset_at": reset_at}, f)
+                   "reset_at": reset_at, "set_sums": set_sums,
+                   "set_error": pset["error"]}, f)
     print(f"rank {start_rank} done at size {kd.size()}", flush=True)
 
 

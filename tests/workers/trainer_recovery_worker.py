@@ -18,7 +18,7 @@ rank writes DIR/kill.json (the step and the wall time) first.
 
 argv: DIR KILL_RANK KILL_STEP [SHARD] (SHARD: the Trainer's `shard`, e.g.
       optimizer_state; none by default)
-env: KERAS_BACKEND (torch or jax)
+env: KERAS_BACKEND (torch, jax or tensorflow)
 
 The data and settings import without Keras (the test's numpy truth reads
 them); Keras and kerasdist are imported by `main`.
