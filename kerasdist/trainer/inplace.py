@@ -15,10 +15,14 @@ re-form among themselves (`kerasdist.elastic.recover_in_place`), put the
 last commit back on their variables and train on from its position as a
 resume from a step checkpoint at the new size does: the rest of the epoch
 re-sharded over the ranks left, the learning rate rescaled, the step
-function traced again. A sharded optimizer's commit holds only this rank's
-shard, and the lost rank's shard is held by no other rank: its survivors
-end with one line instead, and a relaunch (`--max-restarts`) resumes from
-the last checkpoint on disk.
+function traced again. A sharded optimizer's commit (shard=
+"optimizer_state" or "gradients") holds this rank's shard of the slots and
+a copy of its buddy's (kerasdist/keras/sharding/buddies.py, one alltoall
+a commit): the survivors re-partition the committed shards over the new
+size in memory and go on as well; where a rank and its buddy were both
+lost they end with one line. With shard="weights" the model's weights are
+sharded too, and their survivors end with one line at once; a relaunch
+(`--max-restarts`) resumes from the last checkpoint on disk.
 """
 
 import os
@@ -30,6 +34,7 @@ import numpy as np
 from kerasdist import basics
 from kerasdist._core import errors as _errors
 from kerasdist.keras import optimizer as _optimizer
+from kerasdist.keras.sharding import buddies as _buddies
 from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import resume as _tresume
@@ -83,7 +88,8 @@ def every_steps(value):
 
 
 class Commit:
-    """One commit: the state's values and where the data stood then
+    """One commit: the state's values, a sharded optimizer's shards
+    (`shard`, a buddies.Copies, or None) and where the data stood then
     (`point`, a resume.Resumed)."""
 
     def __init__(self, values, shard, point):
@@ -121,22 +127,45 @@ class Commits:
 
     @property
     def sharded(self):
-        """Whether a commit holds only this rank's shard of the state."""
-        model = self._model
-        return bool(_shard_files.slot_variables(model.optimizer)) or \
-            len(_optimizer.replicated(model.weights)) != len(model.weights)
+        """Whether a commit holds only this rank's shard of the
+        optimizer's slots (with a buddy's copy: `buddies.commit`)."""
+        return _optimizer.shard_state(self._model.optimizer) is not None
+
+    @property
+    def weights_sharded(self):
+        """Whether the model's weights are sharded (shard="weights"):
+        no commit in memory can restore them at another size."""
+        weights = self._model.weights
+        return len(_optimizer.replicated(weights)) != len(weights)
 
     def take(self, epoch, samples, rng):
         """Commits the state after `epoch` epochs and `samples` examples
-        of the next; `rng`: the seed generators' draw counts."""
+        of the next; `rng`: the seed generators' draw counts. A sharded
+        optimizer's shard goes to its buddy too (a collective: every rank
+        commits at the same steps); the last commit stays as it was if
+        that fails."""
         values = [np.array(t, copy=True) for t in self._read()]
-        shard = _shard_files.take_shard(self._model.optimizer)
+        shard = None
+        if self.sharded:
+            shard = _buddies.commit(self._model.optimizer,
+                                    None if self.last is None
+                                    else self.last.shard)
         self.last = Commit(values, shard, _tresume.Resumed(
             int(epoch), int(samples), basics.size(), list(rng)))
 
     def restore(self):
-        """Puts the last commit back on the variables; returns its point."""
+        """Puts the last commit back on the variables; returns its point.
+        A sharded optimizer laid out for another size (after a lost rank)
+        is built again at the new size with its committed shards
+        re-partitioned over the survivors (`buddies.recover`;
+        ShardsLostError, one line, where a shard is on no survivor)."""
         commit = self.last
+        optimizer = self._model.optimizer
+        if self.sharded and _buddies.resized(optimizer):
+            commit.shard = _buddies.recover(optimizer, commit.shard)
+        elif commit.shard is not None:
+            for i, v, _ in _shard_files.slot_variables(optimizer):
+                v.assign(commit.shard.values[i])
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)
         return commit.point

@@ -35,6 +35,7 @@ rank 0, which then broadcasts) reads each slot whole.
 
 import contextlib
 import os
+import threading
 import time
 
 from kerasdist.keras import optimizer as _optimizer
@@ -68,16 +69,21 @@ def _token_of(path):
     return token.decode() if isinstance(token, bytes) else token
 
 
-def collect(directory, stem, size, token, wait=WAIT_SECONDS):
+def collect(directory, stem, size, token, wait=WAIT_SECONDS, stop=None):
     """Rank 0: waits until every rank's shard file of the write `token` is
     in place; returns the manifest's list of files (name, bytes,
-    sha256)."""
+    sha256). `stop` (a threading.Event): once set, gives up at once (a
+    rank was lost; its file may never come)."""
     files = []
     deadline = time.monotonic() + wait
     for r in range(size):
         name = shard_name(stem, r, size)
         path = os.path.join(directory, name)
         while _token_of(path) != token:
+            if stop is not None and stop.is_set():
+                raise checkpoints.CheckpointError(
+                    f"the checkpoint was abandoned before rank {r}'s shard "
+                    f"file {path} appeared; it is not committed.")
             if time.monotonic() > deadline:
                 raise checkpoints.CheckpointError(
                     f"rank {r}'s shard file {path} of this checkpoint did "
@@ -227,6 +233,13 @@ class ShardWriter:
         self.size = state.layout.size
         self.directory = directory
         self.nonce = int(nonce)
+        self.stop = threading.Event()  # set: `collect` gives up
+
+    def abandon(self):
+        """Rank 0's wait for the other ranks' files of the write in
+        flight ends at once, the checkpoint not committed (a rank was
+        lost: recovery in place)."""
+        self.stop.set()
 
     def weights_io(self):
         if self.model is None:
@@ -259,5 +272,5 @@ class ShardWriter:
         if weights:
             record["weights"] = weights
         record["files"] = collect(self.directory, stem, self.size,
-                                  self._token(stem))
+                                  self._token(stem), stop=self.stop)
         return record

@@ -259,3 +259,14 @@ class StepCheckpoints:
     def close(self):
         """Waits for the write in flight and ends the writer's thread."""
         self._writer.close()
+
+    def abandon(self):
+        """Ends the writer's thread after a lost rank: a sharded write in
+        flight stops waiting for the other ranks' files and is not
+        committed (its error dropped); another write completes first."""
+        if self._sharded is not None:
+            self._sharded.abandon()
+        try:
+            self._writer.close()
+        except checkpoints.CheckpointError:
+            pass

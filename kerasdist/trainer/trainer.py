@@ -730,6 +730,7 @@ class Trainer:
             _resize.announce(rank)
         if _inplace.recovering() and self._commits is None:
             self._commits = _inplace.Commits(self.model)
+        lost = None
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
@@ -742,19 +743,21 @@ class Trainer:
             if self._commits is None or self._commits.last is None or \
                     not _inplace.ranks_lost(e):
                 raise
-            if self._commits.sharded:
+            if self._commits.weights_sharded:
                 # At once: a sharded step checkpoint in flight waits for
                 # the lost rank's shard file, which never comes.
                 _inplace.end_rank(
-                    f"a rank was lost, and with it its shard of the state "
-                    f"(shard={self.shard!r}), which no other rank holds")
+                    f"a rank was lost, and with it its shard of the model's "
+                    f"weights (shard={self.shard!r}), which no other rank "
+                    f"holds")
             lost = _inplace.as_ranks_lost(e)
-        else:
-            lost = None
         finally:
             steps, self._steps = self._steps, None
-            if steps is not None:
+            if steps is not None and lost is None:
                 steps.close()  # the step checkpoint in flight completes
+            elif steps is not None:
+                # A sharded one would wait for the lost rank's shard file.
+                steps.abandon()
         if lost is None:
             return self.history
         point = self._recover(lost, end)

@@ -12,8 +12,10 @@ ranks, not what a run that kept step 4's weights would give; the new rank
 0 writes the epoch checkpoints. On PyTorch (eager), JAX (the step
 jitted: traced again at the new size) and TensorFlow (the step a
 tf.function with kerasdist's TF ops: traced again too). With a
-sharded optimizer the lost rank's shard is held by no other rank: the
-survivors end in one line each (a relaunch resumes from disk)."""
+sharded optimizer (shard="optimizer_state", PyTorch) the lost rank's
+shard of the momentum comes from its buddy's copy and is re-partitioned
+over the survivors in memory: the same numpy truth; where a rank and its
+buddy are both lost, the survivor ends in one line."""
 
 import importlib.util
 import json
@@ -91,8 +93,14 @@ def test_trainer_recovers_in_place_from_the_commit_every_steps(
     # TensorFlow's collectives are kerasdist's TF ops: a build with them.
     root = request.getfixturevalue(
         "openmpi_tf_root" if backend == "tensorflow" else "openmpi_root")
-    survivors = [r for r in range(3) if r != killed]
     out = _job(root, tmp_path, backend, killed=killed)
+    _check_recovered(out, tmp_path, killed)
+
+
+def _check_recovered(out, tmp_path, killed):
+    """The job lost rank `killed` at step KILL_STEP and its survivors
+    went on from the commit after step 3 to numpy's weights."""
+    survivors = [r for r in range(3) if r != killed]
     assert out.returncode == 0, out.stdout
     assert (f"rank {killed} (host " in out.stdout and "exited with signal "
             f"9 (SIGKILL); ranks {survivors[0]}, {survivors[1]} finished "
@@ -136,21 +144,32 @@ def test_trainer_recovers_in_place_from_the_commit_every_steps(
 
 
 @pytest.mark.timeout(JOB_S + 60)
-def test_trainer_with_a_sharded_optimizer_ends_in_one_line(openmpi_root,
-                                                           tmp_path):
-    # shard="optimizer_state": each survivor says why in one line and
-    # ends; the job ends with the first failure's code (rank 2's SIGKILL).
-    out = _job(openmpi_root, tmp_path, "torch", "optimizer_state")
+def test_trainer_with_a_sharded_optimizer_recovers_in_place(openmpi_root,
+                                                            tmp_path):
+    # shard="optimizer_state": each commit copies a rank's shard of the
+    # momentum to its buddy; rank 0 is lost, its shard taken from rank 1's
+    # copy, re-partitioned over the 2 survivors in memory.
+    out = _job(openmpi_root, tmp_path, "torch", "optimizer_state",
+               killed=0)
+    _check_recovered(out, tmp_path, 0)
+    assert "recovery in place cannot go on" not in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_sharded_optimizer_losing_a_rank_and_its_buddy_ends(
+        openmpi_root, tmp_path):
+    # Ranks 0 and 2 lost at once: rank 2's shard lived on rank 2 and on
+    # its buddy, rank 0. The survivor ends with one line; the job with
+    # the first failure's code (a SIGKILL).
+    out = _job(openmpi_root, tmp_path, "torch", "optimizer_state",
+               killed="0,2")
     assert out.returncode == 137, out.stdout
-    for rank in (0, 1):
-        lines = [line for line in out.stdout.splitlines()
-                 if "recovery in place cannot go on" in line and
-                 line.startswith(f"[{rank}]<stderr>:")]
-        assert lines == [
-            f"[{rank}]<stderr>:kerasdist.Trainer: rank {rank}: recovery in "
-            "place cannot go on: a rank was lost, and with it its shard of "
-            "the state (shard='optimizer_state'), which no other rank "
-            "holds; ending this rank (a relaunch, --max-restarts, resumes "
-            "from the last checkpoint on disk)"], out.stdout
+    lines = [line for line in out.stdout.splitlines()
+             if "recovery in place failed" in line]
+    assert lines == [
+        "[1]<stderr>:kerasdist.Trainer: recovery in place failed: rank 2's "
+        "shard of the sharded optimizer's state is lost: it and its buddy, "
+        "rank 0, were both lost (ranks [0, 2]); ending this rank (a "
+        "relaunch resumes from the last commit on disk)"], out.stdout
     assert "re-formed in place" not in out.stdout, out.stdout
     assert not list(tmp_path.glob("end.*.json"))

@@ -6,7 +6,8 @@ momentum 0.9, learning rate 0.01 scaled by the number of ranks) trains for
 EPOCHS epochs on a fixed data set, in order (shuffle=False), BATCH
 examples per rank and step, committed in memory every COMMIT_EVERY steps;
 step checkpoints on disk every 4 steps and epoch checkpoints go to
-DIR/ckpt. The rank KILL_RANK SIGKILLs itself at the start of the step
+DIR/ckpt. The rank KILL_RANK (or each of a comma-separated list)
+SIGKILLs itself at the start of the step
 with index KILL_STEP (the optimizer's iteration count then), so the others
 are in that step's gradient allreduce when it goes.
 
@@ -47,16 +48,16 @@ def data():
 
 def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
              **kwargs):
-    """The job's Trainer; its callback kills this rank if it is
-    `kill_rank` at the start of step `kill_step`, and notes when each step
-    ends in `done_at`."""
+    """The job's Trainer; its callback kills this rank if it is in
+    `kill_rank` (a set) at the start of step `kill_step`, and notes when
+    each step ends in `done_at`."""
     import keras
 
     import kerasdist
 
     class Kill(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            if start_rank == kill_rank and \
+            if start_rank in kill_rank and \
                     int(self.model.optimizer.iterations) == kill_step:
                 with open(os.path.join(directory, "kill.json"), "w") as f:
                     json.dump({"step": kill_step, "at": time.time()}, f)
@@ -91,8 +92,8 @@ def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
 
 
 def main():
-    directory, kill_rank, kill_step = sys.argv[1], int(sys.argv[2]), \
-        int(sys.argv[3])
+    directory, kill_step = sys.argv[1], int(sys.argv[3])
+    kill_rank = {int(r) for r in sys.argv[2].split(",")}
     shard = sys.argv[4] if len(sys.argv) > 4 else None
     import keras
 
