@@ -9,8 +9,6 @@ size 2; with a process set, its old object fails with one error after
 the re-form and the set added again sums right. The default build
 (mpich) refuses the flag in one line."""
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -20,10 +18,12 @@ import pytest
 
 from tests.support import site_mpi
 from tests.support.helpers import REPO_ROOT
-from tests.support.helpers import WORKERS
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
+from tests.support.recovery import read_json
+from tests.support.recovery import sgd
+from tests.support.recovery import worker_module
 
 pytestmark = pytest.mark.cluster
 
@@ -33,28 +33,7 @@ KILL_RANK, KILL_STEP, STEPS, COMMIT_EVERY = 2, 7, 12, 3
 JOB_S = 300
 
 
-def _worker_module():
-    """tests/workers/recovery_worker.py's data and step, for the truth."""
-    path = os.path.join(WORKERS, "recovery_worker.py")
-    spec = importlib.util.spec_from_file_location("recovery_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def _sgd(m, w, first, last, size):
-    """The worker's steps first..last-1 at `size` ranks, in numpy."""
-    x, y = m.data()
-    for step in range(first, last):
-        g = sum(m.gradient(w, x, y, m.rows_for(step, r, size))
-                for r in range(size)) / size
-        w = w - m.LR * g
-    return w
-
-
-def _read(directory, name):
-    with open(os.path.join(directory, name)) as f:
-        return json.load(f)
 
 
 @pytest.mark.timeout(JOB_S + 60)
@@ -83,17 +62,17 @@ def test_ranks_lost_error_survivors_recover_in_place(openmpi_root, tmp_path,
     assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
     assert not os.path.exists(tmp_path / f"end.{killed}.json")
     commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = _worker_module()
+    m = worker_module()
     # The truth: the commit made at 3 ranks, continued at 2.
-    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
                  STEPS, 2)
     # Not what a run that kept the steps after the commit would give.
-    kept = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, KILL_STEP, 3),
+    kept = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, KILL_STEP, 3),
                 KILL_STEP, STEPS, 2)
     assert not np.allclose(truth, kept, rtol=1e-6, atol=0)
     for new_rank, rank in enumerate(survivors):
-        start, end = (_read(tmp_path, f"start.{rank}.json"),
-                      _read(tmp_path, f"end.{rank}.json"))
+        start, end = (read_json(tmp_path, f"start.{rank}.json"),
+                      read_json(tmp_path, f"end.{rank}.json"))
         # The same process, now rank `new_rank` of 2.
         assert (start["size"], end["pid"], end["rank"], end["size"]) == (
             3, start["pid"], new_rank, 2), (start, end)
@@ -110,16 +89,16 @@ def _check_process_set_dropped_and_added_again(directory, commit):
     then failed with one error saying why, and the set added again in the
     reset callback (now rank 1 alone) summed the right values."""
     for rank in (0, 1):
-        end = _read(directory, f"end.{rank}.json")
+        end = read_json(directory, f"end.{rank}.json")
         assert len(end["lost_at"]) == 1, end
         assert end["set_error"] is not None and (
             "this process set was dropped when the job re-formed in place "
             "after a lost rank (now 2 ranks, renumbered); its ranks are the "
             "old job's. Add the set again with the new ranks"
             in end["set_error"]), end
-    assert _read(directory, "end.0.json")["set_sums"] == {}
+    assert read_json(directory, "end.0.json")["set_sums"] == {}
     # Start ranks 1 and 2 sum 2 + 3 before the loss; rank 1 alone, 2, after.
-    sums = _read(directory, "end.1.json")["set_sums"]
+    sums = read_json(directory, "end.1.json")["set_sums"]
     assert sums == {str(s): 5.0 if s < commit else 2.0
                     for s in range(STEPS)}, sums
 
@@ -205,14 +184,14 @@ def test_a_frozen_rank_is_recovered_in_place(openmpi_root, tmp_path):
     assert "exited with signal 9 (SIGKILL); ranks 0, 1 finished without " \
         "it (recovery in place)." in out.stdout, out.stdout
     assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
-    stopped = _read(tmp_path, "kill.json")["at"]
+    stopped = read_json(tmp_path, "kill.json")["at"]
     commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = _worker_module()
-    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
                  STEPS, 2)
     for new_rank, rank in enumerate((0, 1)):
-        start, end = (_read(tmp_path, f"start.{rank}.json"),
-                      _read(tmp_path, f"end.{rank}.json"))
+        start, end = (read_json(tmp_path, f"start.{rank}.json"),
+                      read_json(tmp_path, f"end.{rank}.json"))
         assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
             start["pid"], new_rank, 2, [commit]), (start, end)
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
@@ -236,11 +215,11 @@ def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
     assert "kerasdist: attempt 2 of 2 (the last attempt ended because " \
         "ranks 1, 2 (host " in out.stdout, out.stdout
     assert "resuming from the last commit" in out.stdout, out.stdout
-    m = _worker_module()
-    truth = _sgd(m, np.zeros(m.FEATURES), 0, STEPS, 3)
+    m = worker_module()
+    truth = sgd(m, np.zeros(m.FEATURES), 0, STEPS, 3)
     commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
     for rank in range(3):
-        end = _read(tmp_path, f"a1.end.{rank}.json")
+        end = read_json(tmp_path, f"a1.end.{rank}.json")
         assert end["size"] == 3 and min(map(int, end["done_at"])) == \
             commit + 1, end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
@@ -285,18 +264,18 @@ def _check_grown(out, tmp_path, why):
     assert (f"grew in place to 3 rank(s) (was 2; {why}): the new ranks "
             f"started in " in out.stdout), out.stdout
     assert "attempt 2" not in out.stdout, out.stdout
-    assert _read(tmp_path, "asked.json")["heard"], out.stdout
-    ends = [_read(tmp_path, f"end.{rank}.json") for rank in range(3)]
+    assert read_json(tmp_path, "asked.json")["heard"], out.stdout
+    ends = [read_json(tmp_path, f"end.{rank}.json") for rank in range(3)]
     commit = ends[0]["resumed"][0]
     last = max(STEPS, commit + 6)
     assert commit % COMMIT_EVERY == 0 and commit > GROW_AT, ends[0]
-    m = _worker_module()
-    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
                  last, 3)
-    assert not np.allclose(truth, _sgd(m, np.zeros(m.FEATURES), 0, last, 2),
+    assert not np.allclose(truth, sgd(m, np.zeros(m.FEATURES), 0, last, 2),
                            rtol=1e-6, atol=0)
     for rank, end in enumerate(ends):
-        start = _read(tmp_path, f"start.{rank}.json")
+        start = read_json(tmp_path, f"start.{rank}.json")
         # Ranks 0 and 1: the same processes, from 2 ranks to 3; rank 2
         # started at 3 and trained from the commit on.
         assert (end["pid"], end["rank"], end["size"]) == (
@@ -334,10 +313,10 @@ def test_grow_in_place_leaves_a_shrink_to_a_relaunch(openmpi_root, tmp_path):
         "slot(s) now, not 2" in out.stdout, out.stdout
     assert "in place" not in out.stdout, out.stdout
     commit = (GROW_AT // COMMIT_EVERY + 1) * COMMIT_EVERY
-    m = _worker_module()
-    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
                  commit + 6, 1)
-    end = _read(tmp_path, "a1.end.0.json")
+    end = read_json(tmp_path, "a1.end.0.json")
     assert end["size"] == 1 and sorted(map(int, end["done_at"])) == list(
         range(commit + 1, commit + 7)), end
     np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

@@ -11,7 +11,6 @@ with the weights numpy computes for that schedule: every example of each
 epoch once, in the epoch's order, the learning rate rescaled."""
 
 import importlib.util
-import json
 import os
 
 import numpy as np
@@ -21,6 +20,7 @@ from tests.support.helpers import WORKERS
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
+from tests.support.recovery import read_json
 
 pytestmark = pytest.mark.cluster
 
@@ -91,6 +91,19 @@ def _train(m, w, schedule, momentum=0.0, zero=()):
     return (w, trained, v) if momentum else (w, trained)
 
 
+
+def _survivors(directory):
+    """(start, end) of ranks 0 and 1 (the survivors of rank 2), each the
+    same process at its end, renumbered as rank 0 or 1 of 2."""
+    ends = []
+    for rank in (0, 1):
+        start = read_json(directory, f"start.{rank}.json")
+        end = read_json(directory, f"end.{rank}.json")
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], rank, 2), (start, end)
+        ends.append((start, end))
+    return ends
+
 @pytest.mark.timeout(JOB_S + 60)
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 # Each rank also checks the bad input both refuse, in one line each.
@@ -125,13 +138,7 @@ def test_commit_callback_elastic_batches_fit_recovers_in_place(
     positions = [[0, b, 3] for b in (3, 6, 9, 12, 15)] + \
         [[1, b, 3] for b in (3, 6, 9)] + \
         [[1, b, 2] for b in (8, 10, 12, 15)]
-    for new_rank, rank in enumerate((0, 1)):
-        with open(tmp_path / f"start.{rank}.json") as f:
-            start = json.load(f)
-        with open(tmp_path / f"end.{rank}.json") as f:
-            end = json.load(f)
-        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
-            3, start["pid"], new_rank, 2), (start, end)
+    for start, end in _survivors(tmp_path):
         no_position, not_batches, shuffled = start["refused"]
         assert no_position.startswith(
             "CommitCallback keeps the position in state.epoch and "
@@ -176,13 +183,7 @@ def test_buddies_sharded_optimizer_fit_recovers_in_place(openmpi_root,
                         momentum=m.MOMENTUM, zero=[2])
     assert not np.allclose(lost, truth, rtol=1e-4, atol=0)
     ends = []
-    for new_rank, rank in enumerate((0, 1)):
-        with open(tmp_path / f"start.{rank}.json") as f:
-            start = json.load(f)
-        with open(tmp_path / f"end.{rank}.json") as f:
-            end = json.load(f)
-        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
-            3, start["pid"], new_rank, 2), (start, end)
+    for start, end in _survivors(tmp_path):
         assert end["resumed"] == [list(COMMIT)], end
         np.testing.assert_allclose(end["w"], truth, rtol=RTOL["jax"],
                                    atol=1e-12)

@@ -9,9 +9,6 @@ is not recovered in place with Open MPI 5.0 (its process manager cannot
 tell the survivors of ranks it cannot reach): the survivors end at their
 re-forming deadline, each in one line, and nothing is left behind."""
 
-import importlib.util
-import json
-import os
 import threading
 import time
 
@@ -22,9 +19,11 @@ from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
 from tests.support.cluster import run_on
-from tests.support.helpers import WORKERS
 from tests.support.helpers import worker_cmd
 from tests.support.helpers import worker_env
+from tests.support.recovery import read_json
+from tests.support.recovery import sgd
+from tests.support.recovery import worker_module
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -41,26 +40,7 @@ def cluster():
         yield c
 
 
-def _worker_module():
-    path = os.path.join(WORKERS, "recovery_worker.py")
-    spec = importlib.util.spec_from_file_location("recovery_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def _sgd(m, w, first, last, size):
-    x, y = m.data()
-    for step in range(first, last):
-        g = sum(m.gradient(w, x, y, m.rows_for(step, r, size))
-                for r in range(size)) / size
-        w = w - m.LR * g
-    return w
-
-
-def _read(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def _run(cluster, tmp_path, signal_name, root):
@@ -87,14 +67,14 @@ def test_a_rank_lost_on_another_host_is_recovered_in_place(
     assert (f"rank {LOST} (host kdt1) exited with signal 9 (SIGKILL); ranks "
             "0, 1 finished without it (recovery in place)." in out.stdout), \
         out.stdout[-6000:]
-    lost_at = _read(tmp_path / "kill.json")["at"]
+    lost_at = read_json(tmp_path, "kill.json")["at"]
     commit = STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = _worker_module()
-    truth = _sgd(m, _sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
                  STEPS, 2)
     for rank in (0, 1):
-        start = _read(tmp_path / f"start.{rank}.json")
-        end = _read(tmp_path / f"end.{rank}.json")
+        start = read_json(tmp_path, f"start.{rank}.json")
+        end = read_json(tmp_path, f"end.{rank}.json")
         assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
             start["pid"], rank, 2, [commit]), (start, end)
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
