@@ -91,7 +91,7 @@ class KerasFramework:
         rematerialized: its backward runs it again (gathering the whole
         weights again) instead of keeping what its forward computed.
         Keras' remat: TensorFlow's recompute_grad, PyTorch's
-        checkpoint."""
+        checkpoint; on JAX a custom VJP (kerasdist/jax/_keras_layer.py)."""
         import keras
         return keras.remat(call)
 
@@ -99,9 +99,9 @@ class KerasFramework:
         """`value`, computed only once `anchor` has been (a layer's
         shard, gathered only once the layer's input exists): where a
         traced program runs every ready op at once (TensorFlow's graph
-        executor), each layer's gathered weights would otherwise all be
-        made at the start of the step. Unchanged where ops run in
-        program order."""
+        executor, XLA's schedule on JAX), each layer's gathered weights
+        would otherwise all be made at the start of the step. Unchanged
+        where ops run in program order."""
         return value
 
     def no_grad(self):

@@ -1044,6 +1044,36 @@ def weights_custom_loop():
         assert ordered(op.inputs[0].op), op.name
 
 
+@check("weights_jax_gathers_tied", groups=("jax",))
+def weights_jax_gathers_tied():
+    # XLA schedules by data only: unless each gather depends on its
+    # layer's input (in the backward, on the cotangent), every layer's
+    # whole weights are gathered at the step's start. The jitted step's
+    # temporaries hold two kernels (one layer's, forward or backward),
+    # not six (2 MiB before the ties).
+    import jax
+
+    width, depth = 256, 6
+    m = keras.Sequential([keras.Input((width,))] + [
+        keras.layers.Dense(width, activation="relu") for _ in range(depth)
+    ] + [keras.layers.Dense(1)])
+    kd.shard_weights(m, remat=True)
+    opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                  shard="weights")
+    m.compile(optimizer=opt, loss="mse")
+    x = np.ones((2, width), "float32")
+    y = np.zeros((2, 1), "float32")
+    m.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    state = ([v.value for v in m.trainable_variables],
+             [v.value for v in m.non_trainable_variables],
+             [v.value for v in m.optimizer.variables],
+             [v.value for v in m.metrics_variables])
+    temp = jax.jit(m.train_step).lower(state, (x, y)).compile() \
+        .memory_analysis().temp_size_in_bytes
+    kernel = width * width * 4
+    assert temp < 3 * kernel, (temp, kernel)
+
+
 @check("shard_weights_refusals")
 def shard_weights_refusals():
     def refused(make, words):

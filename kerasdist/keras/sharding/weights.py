@@ -235,8 +235,8 @@ class _ShardedInit:
 
 
 def _regather_in_backward(layer):
-    """The layer's call, rematerialized (Keras' `remat`: JAX's checkpoint,
-    TensorFlow's recompute_grad, PyTorch's checkpoint): its whole weights
+    """The layer's call, rematerialized (TensorFlow's recompute_grad,
+    PyTorch's checkpoint, a custom VJP on JAX): its whole weights
     are freed after its forward and gathered again for its backward,
     rather than kept alive from the forward to the backward."""
 
