@@ -29,6 +29,7 @@ commit where the ranks agree on the launcher's resize request:
 import ctypes
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -71,6 +72,16 @@ def _read_request():
     if not directory:
         return None
     path = os.path.join(directory, REQUEST_NAME)
+    if not os.path.lexists(path):
+        return None
+    why = trusted_request_file(path)
+    if why:
+        print(f"kerasdist.elastic: ignoring the grow request {path}: {why} "
+              f"(a grow request names the commands the new ranks run, so "
+              f"only the launcher's is taken: a regular file of this "
+              f"user's that no other user can write)",
+              file=sys.stderr, flush=True)
+        return None
     try:
         with open(path) as f:
             body = json.load(f)
@@ -81,6 +92,24 @@ def _read_request():
             or not body.get("ranks"):
         return None
     return body
+
+
+def trusted_request_file(path):
+    """Why the grow request at `path` is not the launcher's to take (it
+    names commands to run), or None: it must be a regular file (not a
+    link), owned by this process's user, that no other user can write
+    (the launcher writes it with mode 0600)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"it belongs to user {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & 0o022:
+        return f"other users can write it (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 def request():

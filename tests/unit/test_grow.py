@@ -164,3 +164,23 @@ def test_watcher_relaunches_when_it_cannot_grow_in_place(tmp_path):
     assert out.getvalue() == (
         b"kerasdist: cannot grow in place (a new host); relaunching "
         b"instead.\nkerasdist: growing from 1 to 2 ranks: host b joined\n")
+
+
+def test_trusted_request_file_is_the_launchers_only(tmp_path):
+    # A grow request names commands to run: rank 0 takes only a regular
+    # file of its user's that no other user can write, as the launcher
+    # writes it.
+    grow.write_request(str(tmp_path), {"old_np": 2})
+    path = str(tmp_path / grow.REQUEST_NAME)
+    assert rank_grow.trusted_request_file(path) is None
+    os.chmod(path, 0o666)
+    assert "other users can write it (mode 666)" in \
+        rank_grow.trusted_request_file(path)
+    os.chmod(path, 0o600)
+    link = str(tmp_path / "link.json")
+    os.symlink(path, link)
+    assert rank_grow.trusted_request_file(link) == "it is not a regular file"
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(path, 12345, -1)
+        assert rank_grow.trusted_request_file(path).startswith(
+            "it belongs to user 12345")
