@@ -774,20 +774,8 @@ def recover_in_place(error, restore, who="kerasdist.elastic"):
     resumes from the last commit on disk. Rank 0 says in one line that the
     job re-formed. Used by `run` and by kerasdist.Trainer."""
     was, began = basics.size(), time.monotonic()
-    try:
-        basics.shutdown()  # returns once the survivors have re-formed
-        basics.init()
-        restore()
-    except Exception as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"{who}: recovery in place failed: {why}; ending this rank "
-              f"(a relaunch resumes from the last commit on disk)",
-              file=sys.stderr, flush=True)
-        # At once, without atexit's shutdown and MPI_Finalize: the job's
-        # MPI has lost ranks twice, and a normal exit here once hung for
-        # minutes in the tests (1 run in about 10; where, not found).
-        sys.stdout.flush()
-        os._exit(1)
+    # shutdown() returns once the survivors have re-formed.
+    _grow.restart_or_end(restore, f"{who}: recovery in place failed")
     if _rank() == 0:
         why = (str(error).strip().splitlines() or ["a rank was lost"])[0]
         print(f"{who}: {why}; re-formed in place at {basics.size()} "

@@ -10,17 +10,16 @@ commit (the step after it is trained again, at the new size), and end
 with the weights numpy computes for that schedule: every example of each
 epoch once, in the epoch's order, the learning rate rescaled."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from tests.support.helpers import WORKERS
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
 from tests.support.recovery import read_json
+from tests.support.recovery import worker_module
 
 pytestmark = pytest.mark.cluster
 
@@ -35,14 +34,6 @@ JOB_S = 300
 # numpy in one process too on a batch of 6 (some of their loss in
 # float32); TensorFlow 2e-16. The lost step moves the weights 7e-2.
 RTOL = {"tensorflow": 1e-9, "jax": 1e-7, "torch": 1e-6}
-
-
-def _worker():
-    path = os.path.join(WORKERS, "elastic_fit_worker.py")
-    spec = importlib.util.spec_from_file_location("elastic_fit_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _steps(m, epoch, start, size):
@@ -120,7 +111,7 @@ def test_commit_callback_elastic_batches_fit_recovers_in_place(
     assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
     # The resumed epoch ends before Keras' count of steps, quietly.
     assert "ran out of data" not in out.stdout, out.stdout
-    m = _worker()
+    m = worker_module("elastic_fit_worker")
     nb = -(-m.N // m.BATCH)  # 15 batches an epoch
     at3 = [(0, 0, nb, 3), (1, 0, COMMIT[1], 3)]
     at2 = [(1, COMMIT[1], nb, 2)]
@@ -173,7 +164,7 @@ def test_buddies_sharded_optimizer_fit_recovers_in_place(openmpi_root,
                  env=rank_env(KERAS_BACKEND="jax"))
     assert out.returncode == 0, out.stdout
     assert "re-formed in place at 2 rank(s) (was 3)" in out.stdout, out.stdout
-    m = _worker()
+    m = worker_module("elastic_fit_worker")
     nb = -(-m.N // m.BATCH)
     schedule = [(0, 0, nb, 3), (1, 0, COMMIT[1], 3), (1, COMMIT[1], nb, 2)]
     truth, _, velocity = _train(m, np.zeros(m.FEATURES + 1), schedule,

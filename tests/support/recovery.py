@@ -9,10 +9,10 @@ import os
 from tests.support.helpers import WORKERS
 
 
-def worker_module():
-    """tests/workers/recovery_worker.py, imported (its data and step)."""
-    path = os.path.join(WORKERS, "recovery_worker.py")
-    spec = importlib.util.spec_from_file_location("recovery_worker", path)
+def worker_module(name="recovery_worker"):
+    """tests/workers/<name>.py, imported (its data and step)."""
+    path = os.path.join(WORKERS, name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
