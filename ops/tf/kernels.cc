@@ -179,7 +179,12 @@ void ReleaseReady(void* event, int device) {
 // when TF lets us take it over, else a buffer this kernel allocated before and
 // nobody else holds any more, else a new one. Reusing the buffer spares a
 // fresh allocation per call, which for large tensors means page-faulting
-// every page again (about 5 ms per 64 MiB here).
+// every page again (about 5 ms per 64 MiB here). A kernel's first call keeps
+// nothing: an eager op called once under a name of its own (the broadcast of
+// each variable at the start of training) has a kernel of its own, which TF
+// keeps for good, and a cached buffer would keep a whole copy of the variable
+// resident with it. Kernels called again (a graph's, an eager loop's) cache
+// from their second call on.
 class OutputCache {
  public:
   explicit OutputCache(bool on_gpu = false) : on_gpu_(on_gpu) {}
@@ -198,6 +203,11 @@ class OutputCache {
     if (cached_.size() <= static_cast<size_t>(index)) {
       cached_.resize(index + 1);
       next_.resize(index + 1, 0);
+      called_.resize(index + 1, false);
+    }
+    if (!called_[index]) {
+      called_[index] = true;
+      return ctx->allocate_output(index, in.shape(), out);
     }
     // Two buffers per output: a caller that keeps the previous result while
     // it makes the next call (`last = f(x)` in a loop) still gets reuse.
@@ -228,6 +238,7 @@ class OutputCache {
   std::mutex mu_;
   std::vector<std::array<Tensor, 2>> cached_;
   std::vector<int> next_;
+  std::vector<bool> called_;
 };
 
 // The attributes every reducing op has (allreduce, grouped allreduce,

@@ -6,7 +6,8 @@ different orders (random per-rank delays).
     tf_ops_worker.py [--only CHECK,...]
 
 Named checks (tests/support/checks.py): one per collective eagerly
-(allreduce, grouped_allreduce, allgather, broadcast, alltoall,
+(allreduce, grouped_allreduce, allgather, broadcast,
+broadcast_once_keeps_no_copy, alltoall,
 reducescatter, barrier, broadcast_variables, allreduce_indexed_slices),
 then tf_function and gradients; then what Horovod's own TF tests expect
 (horovod_dtypes_allreduce, horovod_dtypes_moved,
@@ -78,6 +79,31 @@ def broadcast():
            [n - 1, n], "broadcast")
     expect(kd.broadcast(tf.constant([r == 0, True]), 0, name="e.bool"),
            [True, True], "broadcast bool")
+
+
+def resident_mib():
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@check("broadcast_once_keeps_no_copy")
+def broadcast_once_keeps_no_copy():
+    # Eager broadcasts each under a name of its own (as the start of
+    # training broadcasts every variable): TF keeps each one's kernel, and
+    # a kernel that kept its output buffer kept a whole copy of every
+    # variable it sent (8 x 16 MiB here). Freed, each result's memory
+    # serves the next one.
+    x = tf.constant(np.full([4 << 20], float(r), np.float32))
+    before = resident_mib()
+    for k in range(8):
+        out = kd.broadcast(x, 0, name=f"e.once.{k}")
+        expect(out[:3], [0.0] * 3, "broadcast once")
+        del out
+    grew = resident_mib() - before
+    if grew > 64:
+        raise AssertionError(
+            f"8 broadcasts of 16 MiB left {grew:.0f} MiB resident")
 
 
 @check("alltoall")
