@@ -101,6 +101,7 @@ import numpy as np
 
 from kerasdist import basics
 from kerasdist._core import capi as _capi
+from kerasdist._core import errors as _errors
 from kerasdist._core import files as _files
 from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
@@ -863,13 +864,14 @@ def _run_once(func, state, *args, **kwargs):
         raise _resize.Resize() from None
     except Exception as e:
         if _ranks_lost(e):
-            if isinstance(e, RanksLostError):
-                raise
             # A framework's error (TensorFlow's "Graph execution error:"
-            # first): the line that says what happened.
-            said = [line.strip() for line in str(e).splitlines()
-                    if _capi.RANKS_LOST_TEXT in line]
-            raise RanksLostError(said[0] if said else str(e)) from e
+            # first; Keras' "Exception encountered when calling
+            # Dense.call()." around a sharded weight's gather): the line
+            # that says what happened.
+            said = _errors.ranks_lost_line(e)
+            if isinstance(e, RanksLostError) and str(e) == said:
+                raise
+            raise RanksLostError(said) from e
         if not _internal_error(e) or _directory() is None:
             raise
         why = str(e).strip().splitlines()[0] if str(e).strip() else \
