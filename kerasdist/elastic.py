@@ -593,25 +593,19 @@ class TensorFlowKerasState(_VariablesState):
         if not getattr(model, "built", True):
             raise ValueError("Model must be built first. Run "
                              "`model.build(input_shape)`.")
-        if len(_optimizer.replicated(model.weights)) != len(model.weights):
-            raise ValueError(
-                "kerasdist.elastic: a model whose weights "
-                "kerasdist.shard_weights() sharded cannot be an elastic "
-                "state yet (each rank holds its own shard, which a sync "
-                "from rank 0 or a restart at another size would have to "
-                "re-partition). Train it with kerasdist.Trainer's "
-                "checkpoints, or use DistributedOptimizer(shard="
-                "'gradients') with elastic.")
         self.model = model
         self.optimizer = optimizer or model.optimizer
         self.backend = backend
-        # A sharded optimizer's slots (shard=...): this rank's shard, kept
-        # and committed by each rank itself (_ShardCommits).
-        self._shards = _ShardCommits(self.optimizer)
+        # A sharded optimizer's slots (shard=...), and with shard="weights"
+        # the model's weight shards: this rank's shard, kept and committed
+        # by each rank itself (_ShardCommits).
+        self._shards = _ShardCommits(self.optimizer, model)
         super().__init__(**kwargs)
 
     def _variables(self):
-        variables = list(self.model.variables)
+        # Not the shards of sharded weights (kerasdist.shard_weights):
+        # each rank holds its own, which _ShardCommits keeps.
+        variables = _optimizer.replicated(self.model.variables)
         if self.optimizer is not None:
             seen = {id(v) for v in variables}
             variables += [v for v in _optimizer.whole_variables(
@@ -1039,9 +1033,10 @@ class _ShardCommits:
     (each rank of a sharded optimizer reads only its elements; a
     replicated one reads them whole on rank 0)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, model=None):
         self.optimizer = optimizer
-        self.values = _shard_files.take_shard(optimizer) if optimizer else {}
+        self.model = model
+        self.values = _buddies.take(optimizer) if optimizer else {}
         # The last commit's shards, with a copy of a buddy's where the job
         # recovers in place (kerasdist/keras/sharding/buddies.py).
         self.copies = None
@@ -1076,12 +1071,11 @@ class _ShardCommits:
             # re-partitioned over the new size, from the survivors' own
             # and buddy copies; ShardsLostError (one line) where one is
             # lost, which ends the recovery (a relaunch from disk).
-            self.copies = _buddies.recover(self.optimizer, self.copies)
+            self.copies = _buddies.recover(self.optimizer, self.copies,
+                                           self.model)
             self.values = self.copies.values
-        for i, v, _ in _shard_files.slot_variables(self.optimizer) \
-                if self.sharded() else ():
-            if i in self.values:
-                v.assign(self.values[i])
+        if self.sharded():
+            _buddies.assign(self.optimizer, self.values)
 
     def write(self, path, number):
         """Every rank: writes its shard file of a commit beside `path`;
@@ -1117,7 +1111,11 @@ class _ShardCommits:
                   "sha256": np.asarray(table[k][1:], np.int64).tobytes().hex()}
                  for k in range(size)]
         self._stems = (self._stems + [stem])[-2:]
-        return files, _shard_files.shard_index(self.optimizer)
+        index = _shard_files.shard_index(self.optimizer)
+        weights = _shard_files.weight_index(self.optimizer)
+        if weights:  # shard="weights": the model's shards, as the Trainer's
+            index["weights"] = weights
+        return files, index
 
     def remove_unused(self, path, number):
         """Rank 0, after a commit: deletes this state's shard files that
@@ -1137,6 +1135,17 @@ class _ShardCommits:
         names is intact; notes it as the commit's shards."""
         self.pending = None
         self.whole = None
+        sharded = bool(self.optimizer is not None and
+                       _shard_files.weight_shards(self.optimizer))
+        if sharded != bool((record or {}).get("weights")):
+            raise ValueError(
+                "it is a commit of a model whose weights were " +
+                ("whole; this one's kerasdist.shard_weights() sharded (a "
+                 "commit's weights are read at the mode they were "
+                 "committed in)" if sharded else
+                 "sharded (kerasdist.shard_weights); this one's are whole "
+                 "(shard them too, with DistributedOptimizer(shard="
+                 "'weights'))"))
         if record is None:  # none, or a replicated optimizer's slots whole
             return
         for entry in record["files"]:
@@ -1164,6 +1173,9 @@ class _ShardCommits:
                     self.optimizer, source,
                     {int(e["index"]): int(e["numel"])
                      for e in record["variables"]})
+                if record.get("weights"):
+                    _shard_files.load_weight_shards(self.optimizer, source,
+                                                    record)
             finally:
                 source.close()
         self.save()

@@ -1,7 +1,8 @@
-"""A sharded optimizer's committed slots kept twice, so that recovery in
-place (docs/failures-and-elastic.md, "Recovery in place") loses nothing
-when a rank goes: each rank keeps its own shard of the commit and a copy
-of one other rank's (its buddy's), and after a lost rank the survivors
+"""A sharded optimizer's committed slots (with shard="weights", and the
+model's weight shards) kept twice, so that recovery in place
+(docs/failures-and-elastic.md, "Recovery in place") loses nothing when a
+rank goes: each rank keeps its own shard of the commit and a copy of one
+other rank's (its buddy's), and after a lost rank the survivors
 re-partition the committed shards over the new size in memory.
 
     copies = buddies.commit(optimizer, copies)   # every rank, each commit
@@ -9,7 +10,9 @@ re-partition the committed shards over the new size in memory.
     copies = buddies.recover(optimizer, copies)  # every survivor
 
 `commit` takes this rank's shard of every slot to host memory
-(`files.take_shard`) and, in a job started with `--recover-in-place`
+(`files.take_shard`; with shard="weights" its weight shards too,
+`files.take_weight_shards`, keyed "w<j>" as in the shard files) and,
+in a job started with `--recover-in-place`
 (KERASDIST_RECOVER_IN_PLACE=1), sends it to rank (r + d) % N, receiving
 rank (r - d) % N's: d is the smallest offset that puts every rank's copy
 on another host than the rank (`buddy_offset`; 1 where all ranks share a
@@ -19,7 +22,9 @@ One alltoall of the shard's bytes, every rank's the same size.
 `recover`, on every survivor after the runtime re-formed at the new size
 M: the survivors agree on who was who (one small allgather); each old
 rank k's shard is taken from k if it survived, else from its buddy
-(k + d) % N; the optimizer is built again at size M
+(k + d) % N; sharded weights are laid out at size M in place
+(`resize_weights`: the same variables, of the new shard length); the
+optimizer is built again at size M
 (`ShardedStep.kerasdist_rebuild`: new shards and slots of the new
 length, the shared variables kept); each survivor receives the elements
 of its new shard (`layout.owned`) from whoever holds the old shards that
