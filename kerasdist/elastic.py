@@ -26,9 +26,10 @@ state to a file that the next attempt starts from:
   half-written one), then `check_host_updates()`. Without
   KERASDIST_ELASTIC_DIR (a job that is never restarted) nothing is written.
   A sharded optimizer's slots (`DistributedOptimizer(shard=...)` in a
-  KerasState) are never gathered: each rank writes its shard to a file of
-  its own beside the commit, which names them (`_ShardCommits`), and a
-  restart at another size reads each rank's part of them. A replicated
+  KerasState), and sharded weights, are never gathered: each rank writes
+  its shard to a file of its own beside the commit, which names them
+  (`_ShardCommits`), and a restart at another size reads each rank's
+  part of them. A replicated
   optimizer's commit resumes a sharded one: rank 0 broadcasts each slot
   whole and every rank keeps its shard.
 * `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
@@ -55,7 +56,8 @@ state to a file that the next attempt starts from:
   runtime again on the survivors (`kd.size()` is the new size), runs the
   reset callbacks, syncs, and calls `func(state)` again, as Horovod does
   (docs/failures-and-elastic.md, "Recovery in place"). A sharded
-  optimizer's shards are committed with a copy on a buddy rank
+  optimizer's shards (and with `kd.shard_weights`, shard="weights", the
+  model's weight shards) are committed with a copy on a buddy rank
   (kerasdist/keras/sharding/buddies.py): the survivors re-partition them
   over the new size in memory (`_ShardCommits.restore`), or end with one
   line where a rank and its buddy were both lost.
