@@ -26,9 +26,10 @@ state to a file that the next attempt starts from:
   half-written one), then `check_host_updates()`. Without
   KERASDIST_ELASTIC_DIR (a job that is never restarted) nothing is written.
   A sharded optimizer's slots (`DistributedOptimizer(shard=...)` in a
-  KerasState) are never gathered: each rank writes its shard to a file of
-  its own beside the commit, which names them (`_ShardCommits`), and a
-  restart at another size reads each rank's part of them. A replicated
+  KerasState), and sharded weights, are never gathered: each rank writes
+  its shard to a file of its own beside the commit, which names them
+  (`_ShardCommits`), and a restart at another size reads each rank's
+  part of them. A replicated
   optimizer's commit resumes a sharded one: rank 0 broadcasts each slot
   whole and every rank keeps its shard.
 * `run(func)` (the `@hvd.elastic.run` decorator): rank 0 loads the last
@@ -55,7 +56,8 @@ state to a file that the next attempt starts from:
   runtime again on the survivors (`kd.size()` is the new size), runs the
   reset callbacks, syncs, and calls `func(state)` again, as Horovod does
   (docs/failures-and-elastic.md, "Recovery in place"). A sharded
-  optimizer's shards are committed with a copy on a buddy rank
+  optimizer's shards (and with `kd.shard_weights`, shard="weights", the
+  model's weight shards) are committed with a copy on a buddy rank
   (kerasdist/keras/sharding/buddies.py): the survivors re-partition them
   over the new size in memory (`_ShardCommits.restore`), or end with one
   line where a rank and its buddy were both lost.
@@ -101,6 +103,7 @@ import numpy as np
 
 from kerasdist import basics
 from kerasdist._core import capi as _capi
+from kerasdist._core import errors as _errors
 from kerasdist._core import files as _files
 from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
@@ -592,25 +595,19 @@ class TensorFlowKerasState(_VariablesState):
         if not getattr(model, "built", True):
             raise ValueError("Model must be built first. Run "
                              "`model.build(input_shape)`.")
-        if len(_optimizer.replicated(model.weights)) != len(model.weights):
-            raise ValueError(
-                "kerasdist.elastic: a model whose weights "
-                "kerasdist.shard_weights() sharded cannot be an elastic "
-                "state yet (each rank holds its own shard, which a sync "
-                "from rank 0 or a restart at another size would have to "
-                "re-partition). Train it with kerasdist.Trainer's "
-                "checkpoints, or use DistributedOptimizer(shard="
-                "'gradients') with elastic.")
         self.model = model
         self.optimizer = optimizer or model.optimizer
         self.backend = backend
-        # A sharded optimizer's slots (shard=...): this rank's shard, kept
-        # and committed by each rank itself (_ShardCommits).
-        self._shards = _ShardCommits(self.optimizer)
+        # A sharded optimizer's slots (shard=...), and with shard="weights"
+        # the model's weight shards: this rank's shard, kept and committed
+        # by each rank itself (_ShardCommits).
+        self._shards = _ShardCommits(self.optimizer, model)
         super().__init__(**kwargs)
 
     def _variables(self):
-        variables = list(self.model.variables)
+        # Not the shards of sharded weights (kerasdist.shard_weights):
+        # each rank holds its own, which _ShardCommits keeps.
+        variables = _optimizer.replicated(self.model.variables)
         if self.optimizer is not None:
             seen = {id(v) for v in variables}
             variables += [v for v in _optimizer.whole_variables(
@@ -851,13 +848,14 @@ def _run_once(func, state, *args, **kwargs):
         raise _resize.Resize() from None
     except Exception as e:
         if _ranks_lost(e):
-            if isinstance(e, RanksLostError):
-                raise
             # A framework's error (TensorFlow's "Graph execution error:"
-            # first): the line that says what happened.
-            said = [line.strip() for line in str(e).splitlines()
-                    if _capi.RANKS_LOST_TEXT in line]
-            raise RanksLostError(said[0] if said else str(e)) from e
+            # first; Keras' "Exception encountered when calling
+            # Dense.call()." around a sharded weight's gather): the line
+            # that says what happened.
+            said = _errors.ranks_lost_line(e)
+            if isinstance(e, RanksLostError) and str(e) == said:
+                raise
+            raise RanksLostError(said) from e
         if not _internal_error(e) or _directory() is None:
             raise
         why = str(e).strip().splitlines()[0] if str(e).strip() else \
@@ -1025,9 +1023,10 @@ class _ShardCommits:
     (each rank of a sharded optimizer reads only its elements; a
     replicated one reads them whole on rank 0)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, model=None):
         self.optimizer = optimizer
-        self.values = _shard_files.take_shard(optimizer) if optimizer else {}
+        self.model = model
+        self.values = _buddies.take(optimizer) if optimizer else {}
         # The last commit's shards, with a copy of a buddy's where the job
         # recovers in place (kerasdist/keras/sharding/buddies.py).
         self.copies = None
@@ -1062,12 +1061,11 @@ class _ShardCommits:
             # re-partitioned over the new size, from the survivors' own
             # and buddy copies; ShardsLostError (one line) where one is
             # lost, which ends the recovery (a relaunch from disk).
-            self.copies = _buddies.recover(self.optimizer, self.copies)
+            self.copies = _buddies.recover(self.optimizer, self.copies,
+                                           self.model)
             self.values = self.copies.values
-        for i, v, _ in _shard_files.slot_variables(self.optimizer) \
-                if self.sharded() else ():
-            if i in self.values:
-                v.assign(self.values[i])
+        if self.sharded():
+            _buddies.assign(self.optimizer, self.values)
 
     def write(self, path, number):
         """Every rank: writes its shard file of a commit beside `path`;
@@ -1103,7 +1101,11 @@ class _ShardCommits:
                   "sha256": np.asarray(table[k][1:], np.int64).tobytes().hex()}
                  for k in range(size)]
         self._stems = (self._stems + [stem])[-2:]
-        return files, _shard_files.shard_index(self.optimizer)
+        index = _shard_files.shard_index(self.optimizer)
+        weights = _shard_files.weight_index(self.optimizer)
+        if weights:  # shard="weights": the model's shards, as the Trainer's
+            index["weights"] = weights
+        return files, index
 
     def remove_unused(self, path, number):
         """Rank 0, after a commit: deletes this state's shard files that
@@ -1123,6 +1125,17 @@ class _ShardCommits:
         names is intact; notes it as the commit's shards."""
         self.pending = None
         self.whole = None
+        sharded = bool(self.optimizer is not None and
+                       _shard_files.weight_shards(self.optimizer))
+        if sharded != bool((record or {}).get("weights")):
+            raise ValueError(
+                "it is a commit of a model whose weights were " +
+                ("whole; this one's kerasdist.shard_weights() sharded (a "
+                 "commit's weights are read at the mode they were "
+                 "committed in)" if sharded else
+                 "sharded (kerasdist.shard_weights); this one's are whole "
+                 "(shard them too, with DistributedOptimizer(shard="
+                 "'weights'))"))
         if record is None:  # none, or a replicated optimizer's slots whole
             return
         for entry in record["files"]:
@@ -1150,6 +1163,9 @@ class _ShardCommits:
                     self.optimizer, source,
                     {int(e["index"]): int(e["numel"])
                      for e in record["variables"]})
+                if record.get("weights"):
+                    _shard_files.load_weight_shards(self.optimizer, source,
+                                                    record)
             finally:
                 source.close()
         self.save()

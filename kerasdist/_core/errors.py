@@ -28,6 +28,27 @@ class RanksLostError(KerasdistError):
         super().__init__(message, code)
 
 
+def ranks_lost_line(error):
+    """The core's line of an error that says a rank was lost, alone: from
+    a framework's error around it (TensorFlow's "Graph execution error:",
+    XLA's "INTERNAL: kerasdist: ...", Keras' "Exception encountered when
+    calling Dense.call()." with the message in bold around a sharded
+    weight's gather), without the runtime's "kerasdist has shut down: "
+    and its advice to call kerasdist.init() again, which recovery in
+    place does."""
+    import re
+
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+             for line in str(error).strip().splitlines()] or [""]
+    text = next((line for line in lines if RANKS_LOST_TEXT in line),
+                lines[0])
+    for marker in ("kerasdist has shut down: ", "kerasdist: "):
+        if marker in text:
+            text = text[text.index(marker) + len(marker):]
+    hint = text.find(" Call kerasdist.init()")
+    return text[:hint] if hint > 0 else text
+
+
 def error(message, code):
     """The KerasdistError of a failed collective's message and code:
     RanksLostError for a lost rank."""

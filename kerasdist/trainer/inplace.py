@@ -18,15 +18,15 @@ re-sharded over the ranks left, the learning rate rescaled, the step
 function traced again. A sharded optimizer's commit (shard=
 "optimizer_state" or "gradients") holds this rank's shard of the slots and
 a copy of its buddy's (kerasdist/keras/sharding/buddies.py, one alltoall
-a commit): the survivors re-partition the committed shards over the new
-size in memory and go on as well; where a rank and its buddy were both
-lost they end with one line. With shard="weights" the model's weights are
-sharded too, and their survivors end with one line at once; a relaunch
-(`--max-restarts`) resumes from the last checkpoint on disk.
+a commit), and with shard="weights" its shard of the model's weights
+too: the survivors re-partition the committed shards over the new size
+in memory (the weight shards laid out at the new size in place,
+`buddies.resize_weights`) and go on as well; where a rank and its buddy
+were both lost they end with one line, and a relaunch (`--max-restarts`)
+resumes from the last checkpoint on disk.
 """
 
 import os
-import sys
 
 import keras
 import numpy as np
@@ -35,7 +35,6 @@ from kerasdist import basics
 from kerasdist._core import errors as _errors
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import buddies as _buddies
-from kerasdist.keras.sharding import files as _shard_files
 from kerasdist.trainer import callbacks as _tcb
 from kerasdist.trainer import resume as _tresume
 
@@ -63,16 +62,12 @@ def ranks_lost(error):
 def as_ranks_lost(error):
     """`error` as a RanksLostError: a framework's error (JAX's
     "INTERNAL: kerasdist: rank 0: a rank of the job was lost (...)",
-    TensorFlow's "Graph execution error:" with that line further down)
-    with the core's message alone."""
-    if isinstance(error, _errors.RanksLostError):
+    TensorFlow's "Graph execution error:" with that line further down,
+    Keras' "Exception encountered when calling Dense.call()." around a
+    sharded weight's gather) with the core's message alone."""
+    text = _errors.ranks_lost_line(error)
+    if isinstance(error, _errors.RanksLostError) and str(error) == text:
         return error
-    lines = str(error).strip().splitlines() or [""]
-    text = next((line.strip() for line in lines
-                 if _errors.RANKS_LOST_TEXT in line), lines[0])
-    marker = "kerasdist: "
-    if marker in text:
-        text = text[text.index(marker) + len(marker):]
     return _errors.RanksLostError(text)
 
 
@@ -131,17 +126,11 @@ class Commits:
         optimizer's slots (with a buddy's copy: `buddies.commit`)."""
         return _optimizer.shard_state(self._model.optimizer) is not None
 
-    @property
-    def weights_sharded(self):
-        """Whether the model's weights are sharded (shard="weights"):
-        no commit in memory can restore them at another size."""
-        weights = self._model.weights
-        return len(_optimizer.replicated(weights)) != len(weights)
-
     def take(self, epoch, samples, rng):
         """Commits the state after `epoch` epochs and `samples` examples
         of the next; `rng`: the seed generators' draw counts. A sharded
-        optimizer's shard goes to its buddy too (a collective: every rank
+        optimizer's shard (with shard="weights", and the model's weight
+        shards) goes to its buddy too (a collective: every rank
         commits at the same steps); the last commit stays as it was if
         that fails."""
         values = [np.array(t, copy=True) for t in self._read()]
@@ -156,16 +145,17 @@ class Commits:
     def restore(self):
         """Puts the last commit back on the variables; returns its point.
         A sharded optimizer laid out for another size (after a lost rank)
-        is built again at the new size with its committed shards
-        re-partitioned over the survivors (`buddies.recover`;
-        ShardsLostError, one line, where a shard is on no survivor)."""
+        is built again at the new size with its committed shards (and
+        the model's weight shards, shard="weights") re-partitioned over
+        the survivors (`buddies.recover`; ShardsLostError, one line,
+        where a shard is on no survivor)."""
         commit = self.last
         optimizer = self._model.optimizer
         if self.sharded and _buddies.resized(optimizer):
-            commit.shard = _buddies.recover(optimizer, commit.shard)
+            commit.shard = _buddies.recover(optimizer, commit.shard,
+                                            self._model)
         elif commit.shard is not None:
-            for i, v, _ in _shard_files.slot_variables(optimizer):
-                v.assign(commit.shard.values[i])
+            _buddies.assign(optimizer, commit.shard.values)
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)
         return commit.point
@@ -219,15 +209,3 @@ def forget_traces(model):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
 
-
-def end_rank(why):
-    """Ends this rank with one line: recovery in place cannot restore the
-    state (`why`); a relaunch resumes from the last checkpoint on disk."""
-    print(f"kerasdist.Trainer: rank {basics.rank()}: recovery in place "
-          f"cannot go on: {why}; ending this rank (a relaunch, "
-          f"--max-restarts, resumes from the last checkpoint on disk)",
-          file=sys.stderr, flush=True)
-    # As kerasdist.elastic's failed recovery: at once, without atexit's
-    # shutdown and MPI_Finalize in a job that has lost a rank.
-    sys.stdout.flush()
-    os._exit(1)

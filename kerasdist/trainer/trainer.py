@@ -743,13 +743,6 @@ class Trainer:
             if self._commits is None or self._commits.last is None or \
                     not _inplace.ranks_lost(e):
                 raise
-            if self._commits.weights_sharded:
-                # At once: a sharded step checkpoint in flight waits for
-                # the lost rank's shard file, which never comes.
-                _inplace.end_rank(
-                    f"a rank was lost, and with it its shard of the model's "
-                    f"weights (shard={self.shard!r}), which no other rank "
-                    f"holds")
             lost = _inplace.as_ranks_lost(e)
         finally:
             steps, self._steps = self._steps, None

@@ -51,7 +51,8 @@ def test_shard_resume_np3(root):
                           "continues_like_replicated",
                           "resume_replicated_to_sharded_exact",
                           "elastic_resume_2_to_3_sharded_exact",
-                          "elastic_replicated_commit_resumes_sharded_exact"])
+                          "elastic_replicated_commit_resumes_sharded_exact",
+                          "elastic_commit_of_sharded_weights_resumes_at_3"])
 
 
 def test_shard_resume_np1(root):

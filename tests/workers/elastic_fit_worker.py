@@ -17,8 +17,9 @@ and the position each reset resumed from.
 The killed rank writes DIR/kill.json (the step, the wall time) first.
 
 With SHARD (a `shard=` mode of DistributedOptimizer: "gradients",
-"optimizer_state"), the optimizer is SGD with momentum MOMENTUM, sharded:
-its momentum survives the lost rank only through the buddy copies
+"optimizer_state", "weights"), the optimizer is SGD with momentum
+MOMENTUM, sharded: its momentum (with "weights", and the model's weights,
+`kd.shard_weights`) survives the lost rank only through the buddy copies
 (kerasdist/keras/sharding/buddies.py); end.<rank>.json then also holds
 the momentum of this rank's shard at the end.
 
@@ -98,6 +99,8 @@ def main():
     model = keras.Sequential([
         keras.Input((FEATURES,)),
         keras.layers.Dense(1, kernel_initializer="zeros")])
+    if shard == "weights":
+        kd.shard_weights(model)
     if shard is None:
         opt = kd.DistributedOptimizer(keras.optimizers.SGD(LR * kd.size()))
     else:
@@ -140,8 +143,8 @@ def main():
                                 batches_per_commit=COMMIT_EVERY), Record()])
 
     train(state)
-    kernel, bias = (np.asarray(keras.ops.convert_to_numpy(v)).ravel()
-                    for v in model.weights)
+    # Whole (gathered, every rank) where the weights are sharded.
+    kernel, bias = (np.asarray(v).ravel() for v in model.get_weights())
     with open(os.path.join(out, f"end.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": kd.rank(), "size": kd.size(),
                    "w": kernel.tolist() + bias.tolist(),

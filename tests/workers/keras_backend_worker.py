@@ -1094,8 +1094,6 @@ def shard_weights_refusals():
             "shard='weights'")
     refused(lambda: kd.shard_weights(keras.Sequential(
         [keras.layers.Dense(2)])), "not built")
-    refused(lambda: kd.elastic.KerasState(kd.shard_weights(dense_model())),
-            "cannot be an elastic state yet")
     constrained = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
         2, kernel_constraint=keras.constraints.NonNeg())])
     refused(lambda: kd.shard_weights(constrained), "constraint")

@@ -10,9 +10,11 @@ np2  trains 2 epochs sharded (Adam, float64) with step checkpoints
      checkpoint then resumed (ROOT/b): it ends where ROOT/a's ended. Saves
      ROOT/a.npz: the whole state (weights, optimizer variables gathered).
      Commits an hvd.elastic KerasState of a sharded optimizer twice
-     (ROOT/elastic; el2.npz). Under the mixed_float16 policy trains an
-     epoch sharded (ROOT/mixed) and replicated: the same weights and
-     loss scale; ROOT/mixed loads with its state exactly.
+     (ROOT/elastic; el2.npz), and one of a model with sharded weights
+     (shard="weights", ROOT/elastic_w; elw2.npz). Under the
+     mixed_float16 policy trains an epoch sharded (ROOT/mixed) and
+     replicated: the same weights and loss scale; ROOT/mixed loads with
+     its state exactly.
 np3  loads ROOT/a (written by 2 ranks) sharded and replicated: both hold
      a.npz's state exactly; trains on 2 epochs each (ROOT/s3 sharded,
      ROOT/r3 replicated): the same weights and optimizer state (1e-9,
@@ -21,7 +23,8 @@ np3  loads ROOT/a (written by 2 ranks) sharded and replicated: both hold
      (shard="gradients") with el2's state; commits twice more. A commit
      of a replicated optimizer (ROOT/elastic_r) resumes sharded: each
      rank holds its slices of the committed slots, and a further step
-     equals the replicated state's.
+     equals the replicated state's. The commit of sharded weights
+     resumes at 3 ranks with elw2's state, each rank reading its slices.
 np1  loads ROOT/s3 (3 ranks) sharded and replicated, ROOT/r3 (replicated)
      with shard="gradients": each holds what was saved; a damaged or
      missing shard file makes the checkpoint be skipped with a warning
@@ -209,6 +212,8 @@ def elastic_model(root, shard, directory="elastic"):
     os.environ[kd.elastic.ELASTIC_DIR_ENV] = os.path.join(root, directory)
     keras.utils.set_random_seed(5)
     model = Toy(**settings()).build_model()
+    if shard == "weights":
+        kd.shard_weights(model)
     opt = kd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard=shard)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     opt.build(model.trainable_variables)
@@ -284,6 +289,11 @@ def mode_np2(root):
     kd.barrier(name="test.elastic2")
     save_state(state, os.path.join(root, "el2.npz"))
     ok("elastic_commit_writes_a_shard_file_per_rank")
+
+    model, opt, el = elastic_model(root, "weights", "elastic_w")
+    elastic_steps(model, 3, 11)
+    el.commit()
+    save_state(whole_of(model, opt), os.path.join(root, "elw2.npz"))
 
     mixed_float16_like_replicated(root)
     ok("mixed_float16_sharded_like_replicated")
@@ -397,6 +407,18 @@ def mode_np3(root):
 
     elastic_replicated_to_sharded(root)
     ok("elastic_replicated_commit_resumes_sharded_exact")
+
+    model, opt, el = elastic_model(root, "weights", "elastic_w")
+    directory = os.path.join(root, "elastic_w")
+    if kd.rank() == 0:  # np 2's commit, for the state numbered here
+        (commit,) = glob.glob(os.path.join(directory, "state-*.npz"))
+        here = os.path.join(directory, f"state-{el._number}.npz")
+        if commit != here:
+            shutil.copy(commit, here)
+    kd.barrier(name="test.elastic_w")
+    assert_state(resumed(el), load_state(os.path.join(root, "elw2.npz")),
+                 0.0, "elastic sharded weights 2 -> 3")
+    ok("elastic_commit_of_sharded_weights_resumes_at_3")
 
 
 def elastic_replicated_to_sharded(root):

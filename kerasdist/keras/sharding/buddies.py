@@ -1,7 +1,8 @@
-"""A sharded optimizer's committed slots kept twice, so that recovery in
-place (docs/failures-and-elastic.md, "Recovery in place") loses nothing
-when a rank goes: each rank keeps its own shard of the commit and a copy
-of one other rank's (its buddy's), and after a lost rank the survivors
+"""A sharded optimizer's committed slots (with shard="weights", and the
+model's weight shards) kept twice, so that recovery in place
+(docs/failures-and-elastic.md, "Recovery in place") loses nothing when a
+rank goes: each rank keeps its own shard of the commit and a copy of one
+other rank's (its buddy's), and after a lost rank the survivors
 re-partition the committed shards over the new size in memory.
 
     copies = buddies.commit(optimizer, copies)   # every rank, each commit
@@ -9,7 +10,9 @@ re-partition the committed shards over the new size in memory.
     copies = buddies.recover(optimizer, copies)  # every survivor
 
 `commit` takes this rank's shard of every slot to host memory
-(`files.take_shard`) and, in a job started with `--recover-in-place`
+(`files.take_shard`; with shard="weights" its weight shards too,
+`files.take_weight_shards`, keyed "w<j>" as in the shard files) and,
+in a job started with `--recover-in-place`
 (KERASDIST_RECOVER_IN_PLACE=1), sends it to rank (r + d) % N, receiving
 rank (r - d) % N's: d is the smallest offset that puts every rank's copy
 on another host than the rank (`buddy_offset`; 1 where all ranks share a
@@ -19,7 +22,9 @@ One alltoall of the shard's bytes, every rank's the same size.
 `recover`, on every survivor after the runtime re-formed at the new size
 M: the survivors agree on who was who (one small allgather); each old
 rank k's shard is taken from k if it survived, else from its buddy
-(k + d) % N; the optimizer is built again at size M
+(k + d) % N; sharded weights are laid out at size M in place
+(`resize_weights`: the same variables, of the new shard length); the
+optimizer is built again at size M
 (`ShardedStep.kerasdist_rebuild`: new shards and slots of the new
 length, the shared variables kept); each survivor receives the elements
 of its new shard (`layout.owned`) from whoever holds the old shards that
@@ -94,9 +99,43 @@ class Copies:
 
 
 def _slots(optimizer):
+    """{key: (numel, chunk, dtype name)} of what a commit holds: each slot
+    by its optimizer variable index, and with shard="weights" each of the
+    model's weight shards by "w<j>" (j: its index in the layout; the
+    shard files' keys, `files.take_weight_shards`)."""
     layout = shard_state(optimizer).layout
-    return {i: (layout.numels[j], layout.chunks[j], layout.dtypes[j])
-            for i, _, j in _files.slot_variables(optimizer)}
+    out = {i: (layout.numels[j], layout.chunks[j], layout.dtypes[j])
+           for i, _, j in _files.slot_variables(optimizer)}
+    out.update({f"w{j}": (layout.numels[j], layout.chunks[j],
+                          layout.dtypes[j])
+                for j, _ in _files.weight_shards(optimizer)})
+    return out
+
+
+def _keys(slots):
+    """`slots`' keys in one order on every rank: the slots' indices, then
+    the weight shards' "w<j>" by j."""
+    return sorted(slots, key=lambda k: (1, int(k[1:])) if isinstance(k, str)
+                  else (0, k))
+
+
+def take(optimizer):
+    """This rank's shard of every slot and (shard="weights") of every
+    weight, copied to host memory, by `_slots`' keys."""
+    values = _files.take_shard(optimizer)
+    values.update(_files.take_weight_shards(optimizer))
+    return values
+
+
+def assign(optimizer, values):
+    """Assigns the slots and weight shards of `values` (by `_slots`' keys,
+    laid out for the optimizer's size now) to their variables."""
+    for i, v, _ in _files.slot_variables(optimizer):
+        if i in values:
+            v.assign(values[i])
+    for j, v in _files.weight_shards(optimizer):
+        if f"w{j}" in values:
+            v.assign(values[f"w{j}"])
 
 
 def _host_ids():
@@ -111,13 +150,13 @@ def _host_ids():
 def _bytes(values, slots):
     """`values` (by slot index) as one uint8 array, in slot order."""
     parts = [np.ascontiguousarray(values[i]).reshape(-1).view(np.uint8)
-             for i in sorted(slots)]
+             for i in _keys(slots)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 def _unbytes(blob, slots):
     out, at = {}, 0
-    for i in sorted(slots):
+    for i in _keys(slots):
         _, chunk, dtype = slots[i]
         dtype = _files.numpy_dtype(dtype)
         n = chunk * np.dtype(dtype).itemsize
@@ -153,7 +192,7 @@ def commit(optimizer, previous=None):
     previous one stays as it was if the exchange fails."""
     state = shard_state(optimizer)
     rank, size = state.rank, state.layout.size
-    values = _files.take_shard(optimizer)
+    values = take(optimizer)
     slots = _slots(optimizer)
     number = 0 if previous is None else previous.number + 1
     if not keeps_copies() or size != basics.size():
@@ -195,12 +234,15 @@ def holders(copies, old_ranks):
             out[k] = (new_of[(k + d) % n], True)
         else:
             lost = sorted(set(range(n)) - set(old_ranks))
-            raise ShardsLostError(
-                f"rank {k}'s shard of the sharded optimizer's state is "
-                f"lost: " + (f"it and its buddy, rank {(k + d) % n}, were "
-                             f"both lost (ranks {lost})" if d else
-                             "no copies are kept (a job started without "
-                             "--recover-in-place, or a single rank)"))
+            what = "the model's sharded weights" if any(
+                isinstance(key, str) for key in copies.slots) else \
+                "the sharded optimizer's state"
+            why = (f"it and its buddy, rank {(k + d) % n}, were both "
+                   f"lost (ranks {lost})" if d else
+                   "no copies are kept (a job started without "
+                   "--recover-in-place, or a single rank)")
+            raise ShardsLostError(f"rank {k}'s shard of {what} is lost: "
+                                  f"{why}")
     return out
 
 
@@ -223,7 +265,7 @@ def _plan(copies, where, new_size, dest, src):
     [(slot i, old rank k, from the copy, start, stop, at)], in one order
     on both sides."""
     out = []
-    for i in sorted(copies.slots):
+    for i in _keys(copies.slots):
         numel, chunk, _ = copies.slots[i]
         lo, hi = owned(numel, partition([numel], new_size)[0], dest)
         for k, start, stop, at in pieces(numel, chunk, lo, hi):
@@ -257,7 +299,7 @@ def repartition(copies):
             _plan(copies, where, size, me, src)))
     got = _alltoall(parts, recv, "kerasdist.buddies.repartition")
     out = {}
-    for i in sorted(copies.slots):
+    for i in _keys(copies.slots):
         numel, _, dtype = copies.slots[i]
         out[i] = np.zeros(partition([numel], size)[0],
                           _files.numpy_dtype(dtype))
@@ -273,17 +315,51 @@ def repartition(copies):
     return out
 
 
-def recover(optimizer, copies):
+def recover(optimizer, copies, model=None):
     """Every survivor, after a recovery in place re-formed the runtime
-    at a new size: re-partitions the committed slots (`repartition`),
-    builds the sharded optimizer again at the new size, assigns each slot
-    its new shard, and commits again (buddies at the new size). Returns
-    the new Copies. ShardsLostError (nothing changed) where a committed
-    shard is on no survivor."""
+    at a new size: re-partitions the committed slots and weight shards
+    (`repartition`), lays the model's sharded weights out at the new size
+    (`resize_weights`), builds the sharded optimizer again at the new
+    size, assigns each slot its new shard, and commits again (buddies at
+    the new size). Returns the new Copies. ShardsLostError (nothing
+    changed) where a committed shard is on no survivor."""
     if copies is None:
         raise ShardsLostError("no commit of the sharded optimizer's state")
     values = repartition(copies)
+    resize_weights(optimizer, values, model)
     sharded_in(optimizer).kerasdist_rebuild()
-    for i, v, _ in _files.slot_variables(optimizer):
-        v.assign(values[i])
+    assign(optimizer, values)
     return commit(optimizer, copies)
+
+
+def resize_weights(optimizer, values, model=None):
+    """shard="weights", after a recovery in place: each of the model's
+    weight shards becomes this rank's shard at the job's size now, in
+    place (the same Keras variable, now of the new shard length; its
+    `WeightShard` notes the new size, rank and length, which the views'
+    gathers and `own_piece` read), holding `values["w<j>"]` (padded, from
+    `repartition`). On PyTorch each shard's backend value is a new
+    Parameter, which `model`'s layers track again (as
+    `kerasdist.shard_weights` has them). Nothing for another optimizer."""
+    import keras
+
+    from kerasdist.keras.sharding import weights as _weights
+
+    pairs = _files.weight_shards(optimizer)
+    size, rank = basics.size(), basics.rank()
+    for j, v in pairs:
+        weight = _weights.info(v)
+        weight.size, weight.rank = size, rank
+        weight.chunk = partition([weight.numel], size)[0]
+        tensor = v._convert_to_tensor(values[f"w{j}"], dtype=v.dtype)
+        v._shape = (weight.chunk,)
+        v._ndim = 1
+        v._initialize(tensor)
+    if pairs and model is not None and \
+            keras.backend.backend() == "torch":
+        functional = getattr(model, "_functional", None)  # a Sequential's
+        for layer in list(model._flatten_layers(
+                include_self=True, recursive=True)) + \
+                ([functional] if functional else []):
+            if hasattr(layer, "_torch_params"):
+                layer._track_variables()

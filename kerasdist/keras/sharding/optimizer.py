@@ -116,12 +116,10 @@ class ShardedStep(DistributedBase):
         slots of the new layout, zero, in the same places among
         `self.variables`; the variables every rank shares (iterations,
         the learning rate) are kept as they are. The caller assigns the
-        slots (kerasdist/keras/sharding/buddies.py `recover`)."""
+        slots (kerasdist/keras/sharding/buddies.py `recover`). With
+        shard="weights" the model's weight shards are laid out at the new
+        size first (`buddies.resize_weights`)."""
         state = self._kerasdist_shard
-        if self._kerasdist_settings.shard == "weights":
-            raise ValueError(
-                "DistributedOptimizer(shard='weights') cannot be built again "
-                "at another size in a running process.")
         shared = [v for v in self.variables if state.slot_index(v) is None]
         # Keras' tracked list (the Tracker holds it): emptied in place of
         # the old slots, which the new build adds again.
