@@ -35,6 +35,7 @@ from kerasdist.keras.elastic_schedule import batches_done
 from kerasdist.keras.elastic_schedule import epoch_order
 from kerasdist.keras.elastic_schedule import epoch_steps
 from kerasdist.keras.elastic_schedule import step_rows
+from kerasdist.keras.optimizer import restart_overlap
 
 
 def _leaves(data):
@@ -228,9 +229,12 @@ class CommitCallback(keras.callbacks.Callback):
         self._hear_ran_out()
         model, size = self.model, basics.size()
         made = _MADE_AT.get(model)
-        if made is not None and made[0] is model.train_function and \
-                made[1] != size:
-            model.make_train_function(force=True)
+        if made is not None and made[1] != size:
+            if made[0] is model.train_function:
+                model.make_train_function(force=True)
+            # Grown in place: the new ranks' optimizers are new, and reduce
+            # their first step synchronously; so do these.
+            restart_overlap(model.optimizer)
         _MADE_AT[model] = (model.train_function, size)
         self._since_commit = 0
 
