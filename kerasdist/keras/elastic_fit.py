@@ -187,7 +187,9 @@ class CommitCallback(keras.callbacks.Callback):
     every `batches_per_commit` steps and at every epoch's end, starts each
     epoch of `data` at the committed position, and has Keras make the
     model's train function again when the job's size changed since it
-    was made (a recovery in place: its graph may hold the old size).
+    was made (a recovery or a grow in place: its graph may hold the old
+    size; PyTorch's overlap hooks are dropped then too, see
+    kerasdist.keras.optimizer.restart_overlap).
 
     Args:
         state: a `kerasdist.elastic.KerasState` with attributes `epoch`

@@ -8,7 +8,10 @@ begins a step in the middle of the second epoch, one step after the last
 commit. The other two keep their processes, resume at size 2 from the
 commit (the step after it is trained again, at the new size), and end
 with the weights numpy computes for that schedule: every example of each
-epoch once, in the epoch's order, the learning rate rescaled."""
+epoch once, in the epoch's order, the learning rate rescaled. And growing
+in place (PyTorch): 2 ranks grow to 3 at a commit under
+--host-discovery-script, the new rank joining at the job's position, to
+numpy's weights for 2 ranks up to the commit and 3 after."""
 
 import os
 
