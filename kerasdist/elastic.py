@@ -801,7 +801,7 @@ def run(func):
         if not basics.is_initialized():
             basics.init()
         if _resize.checking():
-            _resize.announce(_rank())
+            _resize.announce(_rank(), grows_in_place=True)
         if _grow.joined():  # a new rank of a job that grew in place
             state.sync()
         else:

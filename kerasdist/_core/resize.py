@@ -22,6 +22,7 @@ import threading
 ELASTIC_ENV = "KERASDIST_ELASTIC"
 RESIZE_EXIT_CODE = 76
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+GROWS_IN_PLACE_WORD = b" grows=in-place"
 PROGRESS_MARKER = b"\x1ekerasdist-progress"
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
 RANK_MARKER_TOKEN_ENV = "KERASDIST_RANK_MARKER_TOKEN"
@@ -86,15 +87,20 @@ def served():
     _state["requested"] = False
 
 
-def announce(rank):
+def announce(rank, grows_in_place=False):
     """Tells the launcher, once, that this rank checks for resize requests
-    (one marker line on stderr, which the launcher removes)."""
+    (one marker line on stderr, which the launcher removes), and with
+    `grows_in_place` that it grows in place under --recover-in-place
+    (`hvd.elastic.run`: kerasdist/_core/grow.py); without it the launcher
+    grows the job by a relaunch."""
     if _state["announced"]:
         return
     _state["announced"] = True
+    grows = GROWS_IN_PLACE_WORD.decode() if grows_in_place else ""
     try:
         sys.stderr.flush()
-        os.write(2, RESIZABLE_MARKER + f" rank={rank}{_token()}\n".encode())
+        os.write(2, RESIZABLE_MARKER +
+                 f" rank={rank}{grows}{_token()}\n".encode())
     except OSError:
         pass
 

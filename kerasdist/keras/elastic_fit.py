@@ -35,6 +35,7 @@ from kerasdist.keras.elastic_schedule import batches_done
 from kerasdist.keras.elastic_schedule import epoch_order
 from kerasdist.keras.elastic_schedule import epoch_steps
 from kerasdist.keras.elastic_schedule import step_rows
+from kerasdist.keras.optimizer import restart_overlap
 
 
 def _leaves(data):
@@ -186,7 +187,9 @@ class CommitCallback(keras.callbacks.Callback):
     every `batches_per_commit` steps and at every epoch's end, starts each
     epoch of `data` at the committed position, and has Keras make the
     model's train function again when the job's size changed since it
-    was made (a recovery in place: its graph may hold the old size).
+    was made (a recovery or a grow in place: its graph may hold the old
+    size; PyTorch's overlap hooks are dropped then too, see
+    kerasdist.keras.optimizer.restart_overlap).
 
     Args:
         state: a `kerasdist.elastic.KerasState` with attributes `epoch`
@@ -228,9 +231,12 @@ class CommitCallback(keras.callbacks.Callback):
         self._hear_ran_out()
         model, size = self.model, basics.size()
         made = _MADE_AT.get(model)
-        if made is not None and made[0] is model.train_function and \
-                made[1] != size:
-            model.make_train_function(force=True)
+        if made is not None and made[1] != size:
+            if made[0] is model.train_function:
+                model.make_train_function(force=True)
+            # Grown in place: the new ranks' optimizers are new, and reduce
+            # their first step synchronously; so do these.
+            restart_overlap(model.optimizer)
         _MADE_AT[model] = (model.train_function, size)
         self._since_commit = 0
 

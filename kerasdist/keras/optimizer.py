@@ -212,6 +212,17 @@ def add_local_layers(optimizer, layers):
 # ---- what other modules ask of an optimizer ----------------------------------
 
 
+def restart_overlap(optimizer):
+    """Drops `optimizer`'s reduction overlapped with backprop (PyTorch's
+    autograd hooks), so that its next step reduces synchronously and
+    installs it again, as a new optimizer's first step does: after the job
+    grew in place, the new ranks' optimizers are new, and every rank must
+    run the same collectives. Nothing for other optimizers."""
+    overlap = getattr(optimizer, "_kerasdist_overlap", None)
+    if overlap is not None:
+        overlap.reset()
+
+
 def is_distributed(optimizer):
     """Whether `optimizer` averages gradients across ranks: a
     DistributedOptimizer, replicated or sharded, or a wrapper around one

@@ -94,6 +94,9 @@ GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
+# In that line: the rank grows in place under --recover-in-place
+# (hvd.elastic.run); without it (the Trainer) a grow relaunches.
+GROWS_IN_PLACE_WORD = b" grows=in-place"
 # The line a rank writes on stderr each time it saved progress the next
 # attempt resumes from (a Trainer checkpoint, an elastic commit): a failure
 # after it is restarted without the backoff, and its error is not compared

@@ -277,6 +277,7 @@ class Findings:
         self.failed = threading.Event()
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
+        self.grows_in_place = False  # ... and that it grows in place
         self.progressed = False  # a rank saved progress (a checkpoint)
         self.deadlock = None  # the runtime's deadlock message (text)
         self.last_error = {}  # rank -> its last stderr line (text)
@@ -417,6 +418,8 @@ class _Relay(threading.Thread):
             # it they are the program's output.
             if _rank.is_rank_marker(line, _rank.RESIZABLE_MARKER, token):
                 self.findings.resizable = True
+                if _rank.GROWS_IN_PLACE_WORD + b" " in line:
+                    self.findings.grows_in_place = True
                 continue
             if _rank.is_rank_marker(line, _rank.PROGRESS_MARKER, token):
                 self.findings.progressed = True
@@ -580,7 +583,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             time.sleep(_POLL_S)
             now = time.monotonic()
             if watcher is not None and stopper.since is None:
-                watcher.step(now, findings.resizable, proc)
+                watcher.step(now, findings.resizable, proc,
+                             findings.grows_in_place)
             stopper.step(now)
     finally:
         if watcher is not None:

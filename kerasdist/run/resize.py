@@ -197,16 +197,19 @@ class Watcher:
 
     # -- the launcher's loop ------------------------------------------------
 
-    def step(self, now, resizable, proc):
+    def step(self, now, resizable, proc, grows_in_place=False):
         """Asks the ranks to stop (SIGUSR1 to `proc`, mpiexec) once a
         Change is waiting and a rank said it checks (`resizable`); says
-        once when none has, ANNOUNCE_WAIT_S into the attempt."""
+        once when none has, ANNOUNCE_WAIT_S into the attempt. A Change
+        that grows is asked in place (`grow`) only where the ranks said
+        they grow in place (`grows_in_place`: hvd.elastic.run, not the
+        Trainer), else by a relaunch."""
         with self._lock:
             change = self.change
             seen = self.change_seen
         if change is None or self.requested is not None:
             return
-        if resizable and self._grow is not None and \
+        if resizable and grows_in_place and self._grow is not None and \
                 change.new_np > change.old_np and self._grow_in_place(change):
             _signal(proc)
             return

@@ -42,6 +42,13 @@ class Overlap:
     def __init__(self):
         self.buckets = None
 
+    def reset(self):
+        """Removes the hooks: the next `take` installs them again, for
+        the backward pass after it (as at the first step)."""
+        if self.buckets is not None:
+            self.buckets.remove()
+            self.buckets = None
+
     def take(self, grads, variables, prefix, compression, op, predivide,
              bucket_bytes):
         """PyTorch: what the hooks reduced of `grads` (of `variables`)

@@ -288,8 +288,11 @@ def _check_grown(out, tmp_path, why):
 
 
 @pytest.mark.timeout(JOB_S + 60)
+# PyTorch, and JAX's eager collectives.
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
-                                                           tmp_path):
+                                                           tmp_path,
+                                                           backend):
     # Discovery lists a third slot on this host at step 4; the launcher
     # writes its grow request and asks the ranks to resize; at the next
     # commit the two ranks start the third themselves (MPI_Comm_spawn, in
@@ -297,7 +300,7 @@ def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
     # after it joined re-form at 3 ranks with their processes kept; the
     # new rank gets the state by broadcast and trains from that commit.
     out = _grow_job(tmp_path, "localhost:2\n", "localhost:3\n",
-                    root=openmpi_root)
+                    backend=backend, root=openmpi_root)
     _check_grown(out, tmp_path, "host localhost has 3 slot(s) now, not 2")
 
 

@@ -17,11 +17,14 @@ shard of the momentum comes from its buddy's copy and is re-partitioned
 over the survivors in memory: the same numpy truth; with sharded weights
 (shard="weights", PyTorch) the weight shards too, laid out at the new
 size in place; where a rank and its buddy are both lost, the
-survivor ends in one line."""
+survivor ends in one line. A Trainer job that the
+discovery script grows is relaunched at the new size (it does not grow in
+place), to numpy's weights."""
 
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -194,3 +197,64 @@ def test_trainer_with_sharded_weights_recovers_in_place(openmpi_root,
     out = _job(openmpi_root, tmp_path, "torch", "weights", killed=0)
     _check_recovered(out, tmp_path, 0)
     assert "recovery in place failed" not in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
+                                                            tmp_path):
+    # The Trainer does not grow in place (hvd.elastic.run does): its ranks
+    # announce no grows=in-place, so under --recover-in-place a slot the
+    # discovery script adds relaunches the job at 3 ranks from its step
+    # checkpoint, as without the flag (the launcher writes no grow
+    # request, and the 2 ranks' resize exits are no failure).
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
+                               "-1", "-1"),
+                 timeout=JOB_S, root=openmpi_root,
+                 launcher_args=["--recover-in-place",
+                                "--host-discovery-script", str(script),
+                                "--min-np", "2", "--max-np", "3",
+                                "--discovery-interval", "0.5"],
+                 env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
+                              TRAINER_GROW_LIST=listed))
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+            "slot(s) now, not 2\n") in out.stdout, out.stdout
+    assert "in place, at the ranks' next commit" not in out.stdout, \
+        out.stdout
+    # A resize, not a failure's restart.
+    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
+        out.stdout
+    # Where it stopped depends on when the request came: a step
+    # checkpoint of epoch 1 or its end.
+    m = re.search(r"<stdout>:kerasdist\.Trainer: resuming from \S+ at epoch "
+                  r"(\d) of 2(?:, after its first (\d+) examples)?; written "
+                  r"at 2 ranks, now 3.*\(optimizer step (\d+)\)", out.stdout)
+    assert m, out.stdout
+    epoch, position, step = (int(m.group(1)) - 1, int(m.group(2) or 0),
+                             int(m.group(3)))
+    w = _worker_module()
+    per2, per3 = -(-w.N // 2 // w.BATCH), -(-w.N // 3 // w.BATCH)
+    assert position == (step - epoch * per2) * 2 * w.BATCH, m.group(0)
+    state = (np.zeros((w.FEATURES, w.OUTPUTS)), np.zeros(w.OUTPUTS)) * 2
+    for _ in range(epoch):
+        state = _steps(w, state, 2, 0, per2)
+    state = _steps(w, state, 2, 0, step - epoch * per2)
+    left = -(-((w.N - position) // 3) // w.BATCH)
+    truth = _steps(w, state, 3, position, left)
+    for _ in range(epoch + 1, w.EPOCHS):
+        truth = _steps(w, truth, 3, 0, per3)
+    for rank in range(3):
+        end = _read(tmp_path, f"end.{rank}.json")
+        assert (end["rank"], end["size"]) == (rank, 3), end
+        assert end["step"] == step + left + (w.EPOCHS - epoch - 1) * per3, \
+            end
+        assert end["lr"] == pytest.approx(w.LR * 3, rel=1e-6), end
+        np.testing.assert_allclose(end["kernel"], truth[0], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
+                                   atol=1e-5)

@@ -90,7 +90,7 @@ def test_watcher_grows_in_place_and_goes_on_at_the_new_size(tmp_path):
     w, out, path = _grow_watcher(tmp_path, [("localhost", 3)])
     proc = _Proc()
     w.poll()
-    w.step(1.0, True, proc)
+    w.step(1.0, True, proc, True)
     # The request written before the signal; the attempt goes on at 3.
     assert proc.signals == [signal.SIGUSR1]
     with open(path) as f:
@@ -101,8 +101,43 @@ def test_watcher_grows_in_place_and_goes_on_at_the_new_size(tmp_path):
         b"slot(s) now, not 2; in place, at the ranks' next commit\n")
     assert (w.np, w.hosts, w.requested) == (3, [("localhost", 3)], None)
     w.poll()
-    w.step(2.0, True, proc)
+    w.step(2.0, True, proc, True)
     assert proc.signals == [signal.SIGUSR1]  # nothing more to do
+
+
+def test_watcher_grows_by_relaunching_where_the_ranks_do_not_grow_in_place(
+        tmp_path):
+    # The Trainer's ranks announce no grows=in-place: no request; the
+    # ranks are asked to stop for a relaunch at 3.
+    w, out, path = _grow_watcher(tmp_path, [("localhost", 3)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc, False)
+    assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
+    assert w.requested.new_np == 3
+    assert out.getvalue() == (
+        b"kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+        b"slot(s) now, not 2\n")
+
+
+def test_announce_grows_in_place_marker_is_the_launchers(capfdbinary,
+                                                         monkeypatch):
+    # hvd.elastic.run's announcement says it grows in place; the
+    # launcher's relay finds the word in it (the Trainer's has none).
+    from kerasdist._core import resize as rank_resize
+
+    assert rank_resize.GROWS_IN_PLACE_WORD == _rank.GROWS_IN_PLACE_WORD
+    monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
+    for grows in (True, False):
+        monkeypatch.setitem(rank_resize._state, "announced", False)
+        rank_resize.announce(1, grows_in_place=grows)
+        line = capfdbinary.readouterr().err
+        findings = job.Findings()
+        relay = job._Relay(io.BytesIO(), None, None, findings)
+        monkeypatch.setattr(relay, "_pieces", lambda: iter([line]))
+        relay.run()
+        assert (findings.resizable, findings.grows_in_place) == (True,
+                                                                 grows), line
 
 
 def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
@@ -111,7 +146,7 @@ def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
     w.np, w.hosts = 3, [("localhost", 3)]
     proc = _Proc()
     w.poll()
-    w.step(1.0, True, proc)
+    w.step(1.0, True, proc, True)
     assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
     assert w.requested.new_np == 2
 
@@ -159,7 +194,7 @@ def test_watcher_relaunches_when_it_cannot_grow_in_place(tmp_path):
                        grow=lambda change, hosts: "a new host")
     proc = _Proc()
     w.poll()
-    w.step(1.0, True, proc)
+    w.step(1.0, True, proc, True)
     assert proc.signals == [signal.SIGUSR1] and w.requested.new_np == 2
     assert out.getvalue() == (
         b"kerasdist: cannot grow in place (a new host); relaunching "

@@ -23,6 +23,15 @@ MOMENTUM, sharded: its momentum (with "weights", and the model's weights,
 (kerasdist/keras/sharding/buddies.py); end.<rank>.json then also holds
 the momentum of this rank's shard at the end.
 
+Growing in place (FIT_GROW_LIST=FILE, FIT_GROW_AT=STEP; KILL_RANK -1):
+rank 0, once the job's step STEP is done, writes "localhost:3" to FILE
+(the launcher's discovery script prints it) and waits (up to 60 s) for
+the launcher's resize request; from the commit where the ranks begin to
+start the new rank, each rank holds its next step until its part of that
+start has ended (up to 120 s), so that the job grows at a commit in the
+middle of training, whatever the new rank's start costs. A rank that
+joined writes its files as the others (its `resumed` is empty).
+
 argv: DIR KILL_RANK KILL_STEP [SHARD]
 """
 
@@ -44,6 +53,27 @@ def data():
     x = rng.normal(size=(N, FEATURES))
     y = x @ np.arange(1.0, FEATURES + 1) + 0.5 + 0.1 * rng.normal(size=N)
     return x, y[:, None]
+
+
+def _ask_to_grow(directory):
+    """Lists a third slot for the launcher's discovery script, then waits
+    for its resize request (the next commit begins to grow the job)."""
+    from kerasdist._core import resize
+    with open(os.environ["FIT_GROW_LIST"], "w") as f:
+        f.write("localhost:3\n")
+    deadline = time.monotonic() + 60
+    while not resize.requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(directory, "asked.json"), "w") as f:
+        json.dump({"at": time.time(), "heard": resize.requested()}, f)
+
+
+def _wait_for_the_new_ranks():
+    """Holds this rank while its part of starting the new ranks runs."""
+    from kerasdist._core import grow
+    deadline = time.monotonic() + 120
+    while grow.spawning() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _refusals(keras, kd):
@@ -92,7 +122,8 @@ def main():
     keras.config.set_floatx("float64")
     kd.init()
     start_rank = kd.rank()
-    refused = _refusals(keras, kd) if shard is None else []
+    grow_at = int(os.environ.get("FIT_GROW_AT", "-1"))
+    refused = _refusals(keras, kd) if shard is None and grow_at < 0 else []
     with open(os.path.join(out, f"start.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": start_rank,
                    "size": kd.size(), "refused": refused}, f)
@@ -133,6 +164,10 @@ def main():
             # step reached.
             positions.append([state.epoch, state.batch, kd.size()])
             done_at.append(time.time())
+            if grow_at >= 0:
+                if (start_rank, steps[0], kd.size()) == (0, grow_at, 2):
+                    _ask_to_grow(out)
+                _wait_for_the_new_ranks()
 
     @kd.elastic.run
     def train(state):

@@ -19,7 +19,12 @@ rank writes DIR/kill.json (the step and the wall time) first.
 
 argv: DIR KILL_RANK KILL_STEP [SHARD] (SHARD: the Trainer's `shard`, e.g.
       optimizer_state; none by default)
-env: KERAS_BACKEND (torch, jax or tensorflow)
+env: KERAS_BACKEND (torch, jax or tensorflow); TRAINER_GROW_LIST=FILE and
+     TRAINER_GROW_AT=STEP: rank 0 of a job of 2 ranks writes
+     "localhost:3" to FILE (the launcher's discovery script prints it) once
+     the optimizer's step STEP is done, and waits (up to 60 s) for the
+     launcher's resize request, so that the job stops for it at its next
+     step checkpoint, whatever the steps cost.
 
 The data and settings import without Keras (the test's numpy truth reads
 them); Keras and kerasdist are imported by `main`.
@@ -64,8 +69,17 @@ def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch, logs=None):
-            done_at.append([int(self.model.optimizer.iterations),
-                            time.time()])
+            step = int(self.model.optimizer.iterations)
+            done_at.append([step, time.time()])
+            if (start_rank, kerasdist.size(), str(step)) == (
+                    0, 2, os.environ.get("TRAINER_GROW_AT")):
+                with open(os.environ["TRAINER_GROW_LIST"], "w") as f:
+                    f.write("localhost:3\n")
+                from kerasdist._core import resize
+                deadline = time.monotonic() + 60
+                while not resize.requested() and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.05)
 
     class Linear(kerasdist.Trainer):
         def build_model(self):
