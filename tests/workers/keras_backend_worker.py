@@ -1008,10 +1008,11 @@ def weights_fit_frozen_layer():
 
 
 def three_layers(seed=1):
+    # The middle kernel is 1 MiB (views.ALONE_BYTES): gathered alone.
     return seeded(keras.Sequential([
-        keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
-        keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)]),
-        seed)
+        keras.Input((4,)), keras.layers.Dense(512, activation="tanh"),
+        keras.layers.Dense(512, activation="tanh"), keras.layers.Dense(1)]),
+        seed, scale=0.05)
 
 
 def timeline_rows(path, last):
@@ -1046,8 +1047,9 @@ def timeline_rows(path, last):
 def weights_one_gather_per_layer():
     # Three Dense layers, a kernel and a bias each (6 variables): a step
     # gathers each layer's weights in one allgather and reduce-scatters
-    # their gradients in one (3 + 3 collectives; one a variable made
-    # 6 + 6), and trains as one process does.
+    # their gradients in one, but the 1 MiB kernel's alone (4 + 4
+    # collectives; one a variable made 6 + 6), and trains as one process
+    # does.
     m, _ = check_weights("weights_one_gather_per_layer",
                          lambda: keras.optimizers.SGD(0.1, momentum=0.5),
                          model=three_layers, remat=False)
@@ -1069,8 +1071,10 @@ def weights_one_gather_per_layer():
                       if "kerasdist.w." in n and "REDUCESCATTER" in p)
     print(f"weights_one_gather_per_layer: a step's gathers {gathers}, "
           f"reduce-scatters {scatters}", flush=True)
-    assert len(gathers) == 3, rows
-    assert len(scatters) == 3, rows
+    assert len(gathers) == 4, rows
+    assert len(scatters) == 4, rows
+    alone = [n for n in gathers if "/kernel" in n and "/kernel+" not in n]
+    assert len(alone) == 1, gathers
     assert all(rows[n]["ALLGATHER"] == 1 for n in gathers), rows
 
 

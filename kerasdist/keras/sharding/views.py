@@ -62,8 +62,8 @@ def gather(weight, shard_value):
     return whole(shard_value)
 
 
-# A layer's weights this many bytes or more whole gather alone (see
-# gather_layer).
+# A layer's weights this many bytes or more whole gather alone, where
+# they are read (see gather_layer).
 ALONE_BYTES = 1 << 20
 
 
@@ -75,20 +75,24 @@ def gather_layer(weights):
     reshaped; its gradient concatenates the whole gradients into one
     (size, sum of the chunks) buffer and reduce-scatters it once. Grouped
     by dtype and by trainable (a frozen weight's gradient, never asked
-    for, is never computed): one collective a group. A weight of
-    ALONE_BYTES or more whole gathers alone: taken out of a group it
-    would be copied whole (its block of every rank's row is not
-    contiguous), a layer more in flight, and its collective's own cost
-    is small beside its transfer."""
+    for, is never computed): one collective a group.
+
+    A weight of ALONE_BYTES or more whole is left out: the view gathers
+    it alone where the call reads it, as any read outside a call. Taken
+    out of a group it would be copied whole (its block of every rank's
+    row is not contiguous), one layer more in flight, to save a
+    collective whose own cost is small beside its transfer; and a large
+    weight a call may not read (keras-hub's untied ReversibleEmbedding
+    reads one of its two tables a call) is never gathered for nothing."""
     import keras
 
     groups = {}
     for weight in weights:
+        if weight.numel * itemsize(weight.dtype) >= ALONE_BYTES:
+            continue
         value = weight.shard.value
-        dtype = keras.backend.standardize_dtype(value.dtype)
-        key = (dtype, bool(weight.shard.trainable))
-        if weight.numel * itemsize(dtype) >= ALONE_BYTES:
-            key = id(weight)
+        key = (keras.backend.standardize_dtype(value.dtype),
+               bool(weight.shard.trainable))
         groups.setdefault(key, []).append((weight, value))
     out = {}
     for members in groups.values():
