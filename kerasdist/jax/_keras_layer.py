@@ -86,7 +86,7 @@ def _regathered(call, shards):
         # traced after that scope has closed).
         mapping = dict(outer.state_mapping)
 
-        def with_values(values, inputs):
+        def with_values(values, inputs, anchor=None):
             # The shards' values are arguments: a custom VJP must not
             # close over the step's tracers.
             scope = stateless_scope.StatelessScope(
@@ -95,7 +95,8 @@ def _regathered(call, shards):
             scope.state_mapping.update(
                 {id(v): x for v, x in zip(shards, values)})
             with scope:
-                out = call(*inputs)
+                out = call(*inputs) if anchor is None else \
+                    call(*inputs, anchor=anchor)
             if scope.losses:
                 raise ValueError(
                     "kerasdist.shard_weights: a layer whose weights are "
@@ -114,9 +115,14 @@ def _regathered(call, shards):
 
         def backward(saved, cotangent):
             values, inputs = saved
-            # The second gathers wait for the cotangent reaching here.
+            # The second gathers wait for the cotangent reaching here,
+            # not for the saved input: XLA recomputes an input's element
+            # from its producers (an activation of the layer before,
+            # reading that layer's gathered weights), which would keep
+            # the forward's gathered weights alive until here.
             values = [_tie(v, cotangent) for v in values]
-            _, vjp = jax.vjp(with_values, values, inputs)
+            _, vjp = jax.vjp(
+                lambda v, i: with_values(v, i, cotangent), values, inputs)
             return vjp(cotangent)
 
         run.defvjp(forward, backward)

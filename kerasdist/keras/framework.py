@@ -90,6 +90,8 @@ class KerasFramework:
         """`call` (a layer's, reading the sharded weights `shards`)
         rematerialized: its backward runs it again (gathering the whole
         weights again) instead of keeping what its forward computed.
+        `call(*inputs, anchor=x)` has its gathers wait for `x` rather
+        than for its first input.
         Keras' remat: TensorFlow's recompute_grad, PyTorch's
         checkpoint; on JAX a custom VJP (kerasdist/jax/_keras_layer.py)."""
         import keras
@@ -103,6 +105,14 @@ class KerasFramework:
         would otherwise all be made at the start of the step. Unchanged
         where ops run in program order."""
         return value
+
+    def split_columns(self, x, sizes):
+        """A 2-D tensor's column blocks of `sizes` (ints) columns each,
+        by one split: its gradient is one concatenation, never a
+        whole-size buffer a block."""
+        import keras
+        ends = np.cumsum(sizes)[:-1].tolist()
+        return keras.ops.split(x, ends, axis=1)
 
     def no_grad(self):
         """A context in which assignments are not recorded for autograd."""

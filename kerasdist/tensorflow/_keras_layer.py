@@ -89,6 +89,11 @@ class TensorFlow(_framework.KerasFramework):
         with tf.control_dependencies([anchor]):
             return tf.identity(value)
 
+    def split_columns(self, x, sizes):
+        # Sizes as ints: keras.ops.split passes tensors, and the blocks'
+        # shapes would be known only when run.
+        return tf.split(x, [int(n) for n in sizes], axis=1)
+
     def agree_finite(self, finite, prefix):
         check_not_xla()
         agreed = _tf_collectives.allreduce(

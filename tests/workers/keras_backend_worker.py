@@ -1007,6 +1007,77 @@ def weights_fit_frozen_layer():
     np.testing.assert_array_equal(got[0], frozen_first().get_weights()[0])
 
 
+def three_layers(seed=1):
+    # The middle kernel is 1 MiB (views.ALONE_BYTES): gathered alone.
+    return seeded(keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(512, activation="tanh"),
+        keras.layers.Dense(512, activation="tanh"), keras.layers.Dense(1)]),
+        seed, scale=0.05)
+
+
+def timeline_rows(path, last):
+    """{row name: {phase: count}} of rank 0's timeline, once the row
+    `last` (the collective run last before the timeline stopped) has an
+    event: the writer flushes the events in the order they ran, on its
+    own thread, up to 200 ms after."""
+    import json
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with open(path) as f:
+                events = json.load(f)
+        except (OSError, ValueError):
+            events = []
+        names = {e["tid"]: e["args"].get("tensor", e["args"]["name"])
+                 for e in events if e.get("name") == "thread_name"}
+        rows = {}
+        for e in events:
+            if e.get("ph") == "X" and e["tid"] in names:
+                phases = rows.setdefault(names[e["tid"]], {})
+                phases[e["name"]] = phases.get(e["name"], 0) + 1
+        if last in rows:
+            return rows
+        assert time.monotonic() < deadline, f"{path}: no {last}: {rows}"
+        time.sleep(0.05)
+
+
+@check("weights_one_gather_per_layer")
+def weights_one_gather_per_layer():
+    # Three Dense layers, a kernel and a bias each (6 variables): a step
+    # gathers each layer's weights in one allgather and reduce-scatters
+    # their gradients in one, but the 1 MiB kernel's alone (4 + 4
+    # collectives; one a variable made 6 + 6), and trains as one process
+    # does.
+    m, _ = check_weights("weights_one_gather_per_layer",
+                         lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                         model=three_layers, remat=False)
+    x, y = data()
+    path = os.path.join(DIR, "weights_one_gather_per_layer.json")
+    kd.timeline.start_timeline(path)
+    m.fit(my_part(x)[:B], my_part(y)[:B], batch_size=B, epochs=1,
+          shuffle=False, verbose=0)
+    gather(np.zeros(1, "float32"))  # after every rank's step
+    last = f"test.gather.{_seq[0]}"
+    kd.timeline.stop_timeline()
+    if R != 0:
+        return
+    rows = timeline_rows(path, last)
+    # TensorFlow's names begin with the graph's name scope.
+    gathers = sorted(n for n, p in rows.items()
+                     if "kerasdist.w." in n and "ALLGATHER" in p)
+    scatters = sorted(n for n, p in rows.items()
+                      if "kerasdist.w." in n and "REDUCESCATTER" in p)
+    print(f"weights_one_gather_per_layer: a step's gathers {gathers}, "
+          f"reduce-scatters {scatters}", flush=True)
+    assert len(gathers) == 4, rows
+    assert len(scatters) == 4, rows
+    alone = [n for n in gathers if "/kernel" in n and "/kernel+" not in n]
+    assert len(alone) == 1, gathers
+    assert all(rows[n]["ALLGATHER"] == 1 for n in gathers), rows
+
+
 @check("weights_custom_loop", groups=("tensorflow",))
 def weights_custom_loop():
     # A tf.GradientTape loop: the tape's gradients of the shards are
@@ -1030,12 +1101,13 @@ def weights_custom_loop():
     for i in range(STEPS):
         step(xs[i * B:(i + 1) * B], ys[i * B:(i + 1) * B])
     assert_close(m.get_weights(), truth, "weights: custom loop")
-    # Each gather (the forward's, the backward's again) is ordered after
-    # its layer's input, else the graph runs them all at the step's start.
+    # Each layer's gather (the forward's, the backward's again: one for
+    # its kernel and bias together) is ordered after its layer's input,
+    # else the graph runs them all at the step's start.
     graph = step.get_concrete_function(xs[:B], ys[:B]).graph
     gathers = [op for op in graph.get_operations()
                if op.type == "KerasdistAllgather"]
-    assert len(gathers) == 2 * len(m.trainable_variables), len(gathers)
+    assert len(gathers) == 2 * len(m.layers), len(gathers)
     def ordered(op, hops=4):  # reshape(identity(shard)) and the like
         return bool(op.control_inputs) or hops > 0 and any(
             ordered(t.op, hops - 1) for t in op.inputs)
@@ -1049,8 +1121,12 @@ def weights_jax_gathers_tied():
     # XLA schedules by data only: unless each gather depends on its
     # layer's input (in the backward, on the cotangent), every layer's
     # whole weights are gathered at the step's start. The jitted step's
-    # temporaries hold two kernels (one layer's, forward or backward),
-    # not six (2 MiB before the ties).
+    # temporaries hold under four kernels (one layer's gathered kernel
+    # and bias, the kernel's copy out of them, its gradient and the
+    # gradients' buffer for the one reduce-scatter), not eight (2 MiB
+    # before the ties; seven when the backward's second gathers waited
+    # for the saved input, which XLA recomputed from the layer before's
+    # gathered weights, keeping those alive).
     import jax
 
     width, depth = 256, 6
@@ -1071,7 +1147,7 @@ def weights_jax_gathers_tied():
     temp = jax.jit(m.train_step).lower(state, (x, y)).compile() \
         .memory_analysis().temp_size_in_bytes
     kernel = width * width * 4
-    assert temp < 3 * kernel, (temp, kernel)
+    assert temp < 4 * kernel, (temp, kernel)
 
 
 @check("shard_weights_refusals")

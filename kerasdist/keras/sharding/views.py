@@ -1,12 +1,16 @@
 """The whole views of sharded weights (kerasdist/keras/sharding/weights.py):
 `gather`, the allgather of a weight's shards whose gradient is one
-reduce-scatter into the shard; `view_class`, the variable class whose
-value is that gather; `own_piece`, this rank's shard of a whole value."""
+reduce-scatter into the shard; `gather_layer`, the same for all of one
+layer's sharded weights at once (one allgather and one reduce-scatter a
+dtype, FSDP's flat parameter), which the views read while the layer's call
+runs (`FRAMES`); `view_class`, the variable class whose value is that
+gather; `own_piece`, this rank's shard of a whole value."""
 
 import numpy as np
 
 from kerasdist import basics
 from kerasdist.keras import framework as _framework
+from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.layout import owned
 
 
@@ -58,9 +62,106 @@ def gather(weight, shard_value):
     return whole(shard_value)
 
 
+# A layer's weights this many bytes or more whole gather alone, where
+# they are read (see gather_layer).
+ALONE_BYTES = 1 << 20
+
+
+def gather_layer(weights):
+    """{id(weight): its whole value} for one layer's sharded `weights`
+    (their `WeightShard`s), gathered together when the layer's call
+    begins: the shards' values (as the call reads them: the running
+    step's, autocast) concatenated, one allgather of that row, split and
+    reshaped; its gradient concatenates the whole gradients into one
+    (size, sum of the chunks) buffer and reduce-scatters it once. Grouped
+    by dtype and by trainable (a frozen weight's gradient, never asked
+    for, is never computed): one collective a group.
+
+    A weight of ALONE_BYTES or more whole is left out: the view gathers
+    it alone where the call reads it, as any read outside a call. Taken
+    out of a group it would be copied whole (its block of every rank's
+    row is not contiguous), one layer more in flight, to save a
+    collective whose own cost is small beside its transfer; and a large
+    weight a call may not read (keras-hub's untied ReversibleEmbedding
+    reads one of its two tables a call) is never gathered for nothing."""
+    import keras
+
+    groups = {}
+    for weight in weights:
+        if weight.numel * itemsize(weight.dtype) >= ALONE_BYTES:
+            continue
+        value = weight.shard.value
+        key = (keras.backend.standardize_dtype(value.dtype),
+               bool(weight.shard.trainable))
+        groups.setdefault(key, []).append((weight, value))
+    out = {}
+    for members in groups.values():
+        group = [w for w, _ in members]
+        values = [v for _, v in members]
+        if len(group) == 1:  # as a weight read alone
+            wholes = [gather(group[0], values[0])]
+        else:
+            wholes = _gather_group(group, values)
+        out.update({id(w): x for w, x in zip(group, wholes)})
+    return out
+
+
+def _gather_group(weights, values):
+    import keras
+
+    ops = keras.ops
+    framework = _framework.get()
+    size = weights[0].size
+    chunks = [w.chunk for w in weights]
+    total = sum(chunks)
+    # One name a layer's group, unique in the program as gather's.
+    name = f"kerasdist.w.{weights[0].path}+{len(weights) - 1}"
+    gather_name = framework.unique_name(name)
+    grad_name = framework.unique_name(name + ".grad")
+    flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values])
+    if ANCHORS:
+        flat = framework.after(flat, ANCHORS[-1])
+
+    @ops.custom_gradient
+    def rows(x):
+        every = framework.collectives.allgather(
+            ops.reshape(x, (1, -1)), name=gather_name)
+        every = ops.reshape(every, (size, total))
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            # The split's gradient: every whole gradient in one buffer.
+            buffer = ops.reshape(framework.dense(upstream), (size, total))
+            mine = framework.collectives.reducescatter(
+                buffer, op=basics.Average, name=grad_name,
+                prescale_factor=1.0, postscale_factor=1.0)
+            return ops.reshape(mine, (-1,))
+
+        return every, grad
+
+    # Column block j of every rank's row is weight j's shards in rank
+    # order: its flattened (padded) whole value.
+    wholes = []
+    for weight, piece in zip(weights, framework.split_columns(
+            rows(flat), chunks)):
+        piece = ops.reshape(piece, (-1,))
+        if weight.size * weight.chunk != weight.numel:
+            piece = piece[:weight.numel]
+        wholes.append(ops.reshape(piece, weight.shape))
+    return wholes
+
+
 # The inputs of the layer calls running now, innermost last: a gather
 # inside one waits for its layer's input (see KerasFramework.after).
 ANCHORS = []
+
+# The whole weights of the sharded layers whose calls run now, innermost
+# last ({id(WeightShard): value}, from gather_layer): a view reads its
+# value from the innermost only, so a layer whose call is rematerialized
+# never reads a tensor of a call around it (its recomputation could not
+# differentiate it); a weight read anywhere else gathers alone.
+FRAMES = []
 
 
 _VIEW_CLASSES = {}
@@ -81,6 +182,10 @@ def view_class(base):
         @property
         def value(self):
             weight = self._kerasdist_weight
+            if FRAMES:
+                whole = FRAMES[-1].get(id(weight))
+                if whole is not None:
+                    return whole
             return gather(weight, weight.shard.value)
 
         def assign(self, value):

@@ -14,7 +14,11 @@ after use. The view's gradient is the reduce-scatter (average over the
 ranks) of the whole weight's gradient straight into the shard, so Keras'
 trainers, on every backend, compute gradients of the shards: the
 optimizer (`ShardedStep` in "weights" mode) updates the shards in place,
-with nothing to gather after the step.
+with nothing to gather after the step. A layer's own sharded weights are
+gathered together when its call begins, in one allgather (FSDP's flat
+parameter; one a dtype, a weight of 1 MiB or more alone), and their
+gradients reduce-scattered together; a weight read anywhere else
+(`layer.kernel` outside a call) gathers alone.
 
 Everything else a user reads sees whole weights: `model.get_weights()`,
 `set_weights`, `save`/`save_weights`/`load_weights`, `summary()` run with
@@ -181,6 +185,8 @@ class _Sharder:
         # Not a layer with state of its own (BatchNormalization's moving
         # averages): its call, run again, would update it twice.
         mine = [info(v) for v in layer._trainable_variables if is_shard(v)]
+        if mine:
+            _gather_per_call(layer)
         large = sum(w.numel * itemsize(w.dtype) for w in mine) >= \
             REMAT_BYTES
         if mine and not layer._non_trainable_variables and (
@@ -234,6 +240,30 @@ class _ShardedInit:
         return False
 
 
+def _gather_per_call(layer):
+    """The layer's call, gathering all of its own sharded weights at once
+    when it begins (`views.gather_layer`: one allgather, and one
+    reduce-scatter for their gradients, rather than one a weight); its
+    views read them while it runs. Inside `_regather_in_backward`'s
+    call, so that the backward's recomputation gathers again."""
+    call = layer.call
+    if getattr(call, "_kerasdist_grouped", False) or \
+            getattr(call, "_kerasdist_regather", False):
+        return
+
+    def grouped(*args, **kwargs):
+        weights = [info(v) for v in layer._trainable_variables
+                   if is_shard(v)]
+        _views.FRAMES.append(_views.gather_layer(weights))
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _views.FRAMES.pop()
+
+    grouped._kerasdist_grouped = True
+    object.__setattr__(layer, "call", grouped)
+
+
 def _regather_in_backward(layer):
     """The layer's call, rematerialized (TensorFlow's recompute_grad,
     PyTorch's checkpoint, a custom VJP on JAX): its whole weights
@@ -254,8 +284,12 @@ def _regather_in_backward(layer):
         scope = _variables.get_autocast_scope()
         dtype = None if scope is None else scope.dtype
 
-        def again(*inputs):
-            _views.ANCHORS.append(inputs[0] if inputs else None)
+        def again(*inputs, anchor=None):
+            # What the gathers wait for: the layer's input, or (JAX's
+            # recomputation in the backward) the cotangent.
+            if anchor is None and inputs:
+                anchor = inputs[0]
+            _views.ANCHORS.append(anchor)
             try:
                 if dtype is None:
                     return call(*inputs, **kwargs)
