@@ -88,6 +88,31 @@ def _model(keras, kind, params, width=2048):
     return keras.Model(inputs, out), (seq, d)
 
 
+def _xla_temp_bytes(model, shape):
+    """On JAX, the temporaries XLA's buffer assignment gives the jitted
+    train step (`memory_analysis()` of it compiled, as Keras jits it: the
+    state donated); printed whole on rank 0. 0 elsewhere."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return 0
+    import jax
+
+    def spec(vs):
+        return [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in vs]
+
+    state = (spec(model.trainable_variables),
+             spec(model.non_trainable_variables),
+             spec(model.optimizer.variables), spec(model.metrics_variables))
+    data = (jax.ShapeDtypeStruct((2,) + shape, "float32"),
+            jax.ShapeDtypeStruct((2, 1), "float32"))
+    stats = jax.jit(model.train_step, donate_argnums=0).lower(
+        state, data).compile().memory_analysis()
+    if os.environ.get("PMI_RANK", "0") == "0":
+        print(f"XLA {stats}", file=sys.stderr, flush=True)
+    return stats.temp_size_in_bytes
+
+
 def join_cgroup(prefix):
     """Moves this rank into `prefix`_r<rank> (benchmarks/memory_cap.py's
     per-rank memory cap), before it imports anything large."""
@@ -103,8 +128,10 @@ def rank_main(args):
     import kerasdist as kd
 
     kd.init()
-    base = _rss_bytes()
+    # Before the base: on JAX and PyTorch it imports TensorFlow where it is
+    # installed (about 400 MiB), which is not the model's.
     keras.utils.set_random_seed(0)
+    base = _rss_bytes()
     shard = None if args.mode == "replicated" else args.mode
     if shard == "weights":
         # Built sharded, one layer whole at a time.
@@ -125,9 +152,18 @@ def rank_main(args):
     # The peak of training: the weights' initial values, made before they
     # are copied into the variables, are not part of it.
     gc.collect()
+    built = _rss_bytes()
     _reset_peak()
 
+    first = []
+
     class Clock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, b, logs=None):
+            if b == 1:
+                # Step 1 traces and compiles the step: its peak apart.
+                first.append(_peak_bytes())
+                _reset_peak()
+
         def on_train_batch_end(self, b, logs=None):
             ends.append(time.perf_counter())
 
@@ -147,6 +183,10 @@ def rank_main(args):
     steps = np.diff(ends)
     step = float(np.median(steps)) if len(steps) else float("nan")
     trained_peak = _peak_bytes()
+    later_peak = trained_peak if first else 0
+    first_peak = first[0] if first else trained_peak
+    trained_peak = max(first_peak, later_peak)
+    xla_temp = _xla_temp_bytes(model, shape) if args.xla else 0
     save_peak = 0
     if args.save:
         import tempfile
@@ -157,7 +197,10 @@ def rank_main(args):
             save_peak = _peak_bytes()
     mine = np.array([held / n_params, (trained_peak - base) / n_params,
                      step, (save_peak - base) / n_params,
-                     (max(trained_peak, save_peak) - base) / n_params],
+                     (max(trained_peak, save_peak) - base) / n_params,
+                     (first_peak - base) / n_params,
+                     (later_peak - base) / n_params, xla_temp / n_params,
+                     (built - base) / n_params],
                     "float64")
     every = np.asarray(kd.allgather(mine[None, :].astype("float32"),
                                     name="bench.memory.report"))
@@ -168,7 +211,12 @@ def rank_main(args):
             "peak_bytes_per_param": float(every[:, 1].max()),
             "step_s": float(every[:, 2].max()),
             "save_peak_bytes_per_param": float(every[0, 3]),
-            "whole_peak_bytes_per_param": float(every[0, 4])}), flush=True)
+            "whole_peak_bytes_per_param": float(every[0, 4]),
+            "step1_peak_bytes_per_param": float(every[:, 5].max()),
+            "later_peak_bytes_per_param": float(every[:, 6].max()),
+            "xla_temp_bytes_per_param": float(every[:, 7].max()),
+            "built_bytes_per_param": float(every[:, 8].max())}),
+            flush=True)
 
 
 def drive(args):
@@ -180,7 +228,8 @@ def drive(args):
                    "--mode", mode, "--model", args.model, "--params",
                    str(args.params), "--width", str(args.width),
                    "--steps", str(args.steps)] + (
-                       ["--save"] if args.save else [])
+                       ["--save"] if args.save else []) + (
+                       ["--xla"] if args.xla else [])
             env = dict(os.environ, KERAS_BACKEND=args.backend,
                        TF_CPP_MIN_LOG_LEVEL="3",
                        PYTHONPATH=REPO_ROOT + os.pathsep +
@@ -192,15 +241,19 @@ def drive(args):
             if out.returncode != 0 or not found:
                 sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
                          + (out.stdout + out.stderr)[-3000:])
+            for line in out.stderr.splitlines():
+                if "XLA " in line:
+                    print(f"np={n} {mode}: {line}", flush=True)
             rows.append(json.loads(found[0]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.model}, {rows[0]['params'] / 1e6:.1f}M parameters, "
           f"Adam, {args.backend}; bytes per parameter (max over ranks)")
-    print("| np | optimizer | held | theory held | peak RSS | step s |"
-          " step / replicated |" + (" save peak (rank 0) | job peak "
-                                    "(rank 0) |" if args.save else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if args.save
-                                             else ""))
+    print("| np | optimizer | held | theory held | peak RSS | step 1 peak |"
+          " later steps' peak | peak / held | step s | step / replicated |"
+          + (" save peak (rank 0) | job peak (rank 0) |" if args.save
+             else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + (
+        "---|---|" if args.save else ""))
     for r in rows:
         n = r["np"]
         theory = {"replicated": 12.0, "weights": 16.0 / n}.get(
@@ -209,7 +262,10 @@ def drive(args):
                     and x["mode"] == "replicated"), r)
         print(f"| {n} | {r['mode']} | {r['held_bytes_per_param']:.2f} | "
               f"{theory:.2f} | {r['peak_bytes_per_param']:.2f} | "
-              f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |"
+              f"{r['step1_peak_bytes_per_param']:.2f} | "
+              f"{r['later_peak_bytes_per_param']:.2f} | "
+              f"{r['peak_bytes_per_param'] / r['held_bytes_per_param']:.2f}"
+              f" | {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |"
               + (f" {r['save_peak_bytes_per_param']:.2f} | "
                  f"{r['whole_peak_bytes_per_param']:.2f} |" if args.save
                  else ""))
@@ -233,6 +289,8 @@ def main():
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json")
+    p.add_argument("--xla", action="store_true",
+                   help="on JAX, also XLA's temporaries of the step")
     p.add_argument("--save", action="store_true",
                    help="also measure kd.save_model's peak on rank 0")
     args = p.parse_args()

@@ -110,6 +110,10 @@ def auto_name(kind, name):
     return f"{kind}.{func}.{k}"
 
 
+# The targets whose result has its input's shape, written in place inside
+# jax.jit (the core's allreduce reads each element before it writes it).
+_IN_PLACE = frozenset(("allreduce", "grouped_allreduce"))
+
 # target -> (core op, result allocated by the core)
 _HOST_OPS = {
     "allreduce": (_capi.OP_ALLREDUCE, False),
@@ -139,10 +143,17 @@ def call(target, out_types, *args, **attrs):
                 f"kerasdist.jax {target} inside jax.jit runs on the CPU "
                 "only: its result's size depends on the other ranks. Call "
                 "it outside jax.jit (eagerly, through host memory).")
+        # An allreduce's result takes its input's buffer (the core reduces
+        # in place): XLA copies the input first only where it is still
+        # used after, so a step's gradients are not held twice.
+        aliases = ({i: i for i in range(len(args))}
+                   if target in _IN_PLACE and jax.default_backend() == "cpu"
+                   else None)
         # The set is fixed at trace time: the program keeps the set its
         # collectives were traced on.
         return jax.ffi.ffi_call(f"kerasdist_{target}", out_types,
-                                has_side_effect=True)(
+                                has_side_effect=True,
+                                input_output_aliases=aliases)(
             *args, process_set=np.int32(_capi.current_process_set()),
             **attrs)
     return _run_eager(target, out_types, args, attrs)

@@ -405,6 +405,30 @@ def jit_program():
         expect(outs[27], np.max(xs, 0)[:3], "program grouped max 2")
 
 
+@check("jit_allreduce_in_place")
+def jit_allreduce_in_place():
+    """Inside jax.jit an allreduce's result takes its input's buffer (no
+    second copy of a step's gradients), and an input still used after it
+    is copied first, never overwritten."""
+    def f(x):
+        y = kd.allreduce(x * 2.0, op=kd.Sum)  # x * 2 is dead after it
+        z = kd.grouped_allreduce([y * 3.0], op=kd.Sum)[0]
+        w = kd.allreduce(x, op=kd.Sum)  # x: a live argument
+        return z, w, x + 1.0
+
+    x = np.arange(1 << 17, dtype=np.float64) + r
+    xs = [np.arange(1 << 17, dtype=np.float64) + k for k in range(n)]
+    z, w, x1 = jax.jit(f)(jnp.asarray(x))
+    expect(z, sum(sum(v * 2.0 for v in xs) * 3.0 for _ in range(n)),
+           "in place: two allreduces")
+    expect(w, sum(xs), "in place: allreduce of a live input")
+    expect(x1, x + 1.0, "in place: the live input unchanged")
+    temp = jax.jit(f).lower(jnp.asarray(x)).compile().memory_analysis()
+    if temp.temp_size_in_bytes > 0.5 * x.nbytes:
+        fail("in place: XLA keeps a temporary copy of the array",
+             temp.temp_size_in_bytes, x.nbytes)
+
+
 @check("jit_trace_time_names")
 def jit_trace_time_names():
     # Trace-time names: numbered per trace and prefixed with the function,

@@ -41,18 +41,6 @@ from kerasdist.keras.sharding.layout import Layout
 from kerasdist.keras.sharding.layout import ShardState
 from kerasdist.keras.sharding.layout import size_and_rank
 
-# The most bytes of shards one call of the Keras optimizer's update takes
-# (see ShardedStep._backend_update_step).
-UPDATE_BYTES = 16 << 20
-
-
-def _nbytes(variable):
-    import math
-
-    from kerasdist.keras.sharding.layout import itemsize
-    return math.prod(variable.shape) * itemsize(
-        str(variable.dtype).replace("torch.", ""))
-
 
 class ShardedStep(DistributedBase):
     """The sharded step (see the module docstring): the sibling of
@@ -264,22 +252,6 @@ class ShardedStep(DistributedBase):
             self.apply(list(grads), state.variables)
         return ([scope.get_current_value(v) for v in state.variables],
                 [scope.get_current_value(v) for v in self.variables])
-
-    def _backend_update_step(self, grads, trainable_variables,
-                             learning_rate):
-        # The update in groups of at most UPDATE_BYTES of shards: Keras'
-        # PyTorch optimizers update a whole list at once (torch._foreach),
-        # with temporaries of the list's size; in groups the temporaries
-        # are one group's.
-        grads, variables = list(grads), list(trainable_variables)
-        start, size = 0, 0
-        for i, v in enumerate(variables):
-            size += _nbytes(v)
-            if size >= UPDATE_BYTES or i == len(variables) - 1:
-                super()._backend_update_step(grads[start:i + 1],
-                                             variables[start:i + 1],
-                                             learning_rate)
-                start, size = i + 1, 0
 
     def _clip_gradients(self, grads):
         import keras
