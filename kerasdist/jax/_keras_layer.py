@@ -14,6 +14,9 @@ class Jax(_framework.KerasFramework):
     collectives = _jax_collectives
     # The collectives are XLA custom calls: the train step stays compiled.
     jit_compile = True
+    # XLA's CPU step page-faults its temporaries anew from mmap: slower
+    # (kerasdist.keras.optimizer._large_blocks_from_mmap).
+    mmap_large_blocks = False
 
     def regather(self, call, shards=()):
         # Not jax.checkpoint: its recomputation depends on the residuals

@@ -62,10 +62,15 @@ class KerasFramework:
         name: Keras' name of the backend.
         jit_compile: the `jit_compile` that fits a train step with
             kerasdist inside.
+        mmap_large_blocks: whether a DistributedOptimizer has glibc
+            return large freed blocks at once (see
+            kerasdist.keras.optimizer); off where the step allocates its
+            large temporaries anew each step (XLA on the CPU).
     """
 
     name = None
     jit_compile = False
+    mmap_large_blocks = True
 
     # This framework's collectives module (`kerasdist/<framework>/
     # collectives.py`), named by each subclass with a plain import, so a

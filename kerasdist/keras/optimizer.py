@@ -58,34 +58,19 @@ def _nbytes(variable):
         str(variable.dtype).replace("torch.", ""))
 
 
-# glibc's M_MMAP_THRESHOLD (mallopt) and the threshold set: 1 MiB.
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 1 << 20
-_MALLOPT = []
+def _large_blocks_from_mmap():
+    """Has glibc return a step's large freed blocks at once
+    (kerasdist.keras.sharding.weights.return_large_blocks): PyTorch's
+    replicated resident set, 25M MLP at np=2, stays at 16.8 bytes a
+    parameter between steps instead of growing to 31.9 over 3 steps. Not
+    on JAX: XLA's CPU step allocates its temporaries anew each step, and
+    each one of 1 MiB or more then comes from mmap, page-faulted again:
+    the W3 MLP-20's replicated step took 1.3-1.4x as long at np=1 (1.1x
+    at np=2). `kd.shard_weights` sets it on every backend."""
+    from kerasdist.keras.sharding.weights import return_large_blocks
 
-
-def _return_large_blocks():
-    """Has glibc serve allocations of 1 MiB or more from mmap, so that a
-    freed one goes back to the system at once (as `kd.shard_weights`
-    does). By default glibc raises that threshold as blocks are freed, up
-    to 32 MiB, and keeps freed blocks below it in its heap: a step's
-    gradients and the update's temporaries (PyTorch, JAX on the CPU) then
-    stay resident between steps, and the next step's come on top (PyTorch,
-    25M MLP at np=2, replicated: 16.8 -> 31.9 bytes a parameter resident
-    after 3 steps without it, 16.8 steady with it). Not where the process
-    set MALLOC_MMAP_THRESHOLD_ itself (glibc's own variable), nor off
-    glibc."""
-    import os
-    import platform
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or _MALLOPT:
-        return
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    import ctypes
-
-    _MALLOPT.append(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD,
-                                              _MMAP_THRESHOLD))
+    if _framework.get().mmap_large_blocks:
+        return_large_blocks()
 
 
 class DistributedBase:
@@ -101,7 +86,7 @@ class DistributedBase:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        _return_large_blocks()
+        _large_blocks_from_mmap()
         self._kerasdist_accum = None
         self._kerasdist_reduced = False
         self._kerasdist_local = _reduction.LocalVariables()

@@ -109,7 +109,7 @@ def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
             (it would act on shards), or a weight a layer does not keep
             as an attribute (its reads could not be redirected).
     """
-    _return_large_blocks()
+    return_large_blocks()
     if model is None:
         return _ShardedInit(root_rank, remat, frozen)
     if not model.built:
@@ -136,7 +136,7 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 20
 
 
-def _return_large_blocks():
+def return_large_blocks():
     """Has glibc serve allocations of 1 MiB or more from mmap, so that a
     freed one goes back to the system at once. By default glibc raises
     that threshold as blocks are freed, up to 32 MiB, and keeps freed
