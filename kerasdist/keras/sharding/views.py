@@ -18,48 +18,8 @@ def gather(weight, shard_value):
     """The whole weight from every rank's shard (`shard_value` this
     rank's, a tensor of the running backend): one allgather, whose
     gradient is one reduce-scatter averaging the whole gradient over the
-    ranks into this rank's shard."""
-    import keras
-
-    ops = keras.ops
-    framework = _framework.get()
-    name = "kerasdist.w." + weight.path
-    # Named here, in the program that reads the weight: a weight read
-    # twice in one program (tied embeddings: keras-hub's token embedding,
-    # reversed for the logits) gets two names. Inside the custom gradient
-    # JAX traces each gather as a program of its own, where every read
-    # of a weight was numbered 0 and two could meet in flight.
-    gather_name = framework.unique_name(name)
-    grad_name = framework.unique_name(name + ".grad")
-    if ANCHORS:
-        shard_value = framework.after(shard_value, ANCHORS[-1])
-
-    @ops.custom_gradient
-    def whole(x):
-        every = framework.collectives.allgather(
-            ops.reshape(x, (1, -1)), name=gather_name)
-        flat = ops.reshape(every, (-1,))
-        if flat.shape[0] != weight.numel:
-            flat = flat[:weight.numel]
-        out = ops.reshape(flat, weight.shape)
-
-        def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            rows = ops.reshape(framework.dense(upstream), (-1,))
-            pad = weight.size * weight.chunk - weight.numel
-            if pad:
-                rows = ops.pad(rows, [[0, pad]])
-            rows = ops.reshape(rows, (weight.size, weight.chunk))
-            mine = framework.collectives.reducescatter(
-                rows, op=basics.Average,
-                name=grad_name,
-                prescale_factor=1.0, postscale_factor=1.0)
-            return ops.reshape(mine, (-1,))
-
-        return out, grad
-
-    return whole(shard_value)
+    ranks into this rank's shard (`_gather_group` for a group of one)."""
+    return _gather_group([weight], [shard_value])[0]
 
 
 # A layer's weights this many bytes or more whole gather alone, where
@@ -98,15 +58,18 @@ def gather_layer(weights):
     for members in groups.values():
         group = [w for w, _ in members]
         values = [v for _, v in members]
-        if len(group) == 1:  # as a weight read alone
-            wholes = [gather(group[0], values[0])]
-        else:
-            wholes = _gather_group(group, values)
+        wholes = _gather_group(group, values)
         out.update({id(w): x for w, x in zip(group, wholes)})
     return out
 
 
 def _gather_group(weights, values):
+    """The whole values of `weights` (`WeightShard`s of one dtype) from
+    every rank's shards (`values`, this rank's): the shards concatenated
+    into one row, one allgather of it, every weight's column block of
+    the (size, sum of the chunks) result reshaped; its gradient is the
+    whole gradients in one such buffer, reduce-scattered once (the
+    average over the ranks) into this rank's row."""
     import keras
 
     ops = keras.ops
@@ -114,11 +77,20 @@ def _gather_group(weights, values):
     size = weights[0].size
     chunks = [w.chunk for w in weights]
     total = sum(chunks)
-    # One name a layer's group, unique in the program as gather's.
-    name = f"kerasdist.w.{weights[0].path}+{len(weights) - 1}"
+    # Named here, in the program that reads the weights: a weight read
+    # twice in one program (tied embeddings: keras-hub's token embedding,
+    # reversed for the logits) gets two names. Inside the custom gradient
+    # JAX traces each gather as a program of its own, where every read
+    # would be numbered 0 and two could meet in flight.
+    name = "kerasdist.w." + weights[0].path
+    if len(weights) > 1:
+        name += f"+{len(weights) - 1}"
     gather_name = framework.unique_name(name)
     grad_name = framework.unique_name(name + ".grad")
-    flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values])
+    if len(values) == 1:
+        flat = ops.reshape(values[0], (-1,))
+    else:
+        flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values])
     if ANCHORS:
         flat = framework.after(flat, ANCHORS[-1])
 
@@ -142,9 +114,11 @@ def _gather_group(weights, values):
 
     # Column block j of every rank's row is weight j's shards in rank
     # order: its flattened (padded) whole value.
+    every = rows(flat)
+    pieces = ([every] if len(weights) == 1
+              else framework.split_columns(every, chunks))
     wholes = []
-    for weight, piece in zip(weights, framework.split_columns(
-            rows(flat), chunks)):
+    for weight, piece in zip(weights, pieces):
         piece = ops.reshape(piece, (-1,))
         if weight.size * weight.chunk != weight.numel:
             piece = piece[:weight.numel]
