@@ -21,6 +21,7 @@ import pytest
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
+from tests.support.recovery import grown_ends
 from tests.support.recovery import read_json
 from tests.support.recovery import worker_module
 
@@ -284,15 +285,10 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
                  env=rank_env(KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
                               FIT_GROW_LIST=listed,
                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120))
-    assert out.returncode == 0, out.stdout
     why = "host localhost has 3 slot(s) now, not 2"
-    assert (f"grew in place to 3 rank(s) (was 2; {why}): the new ranks "
-            f"started in " in out.stdout), out.stdout
-    assert "attempt 2" not in out.stdout, out.stdout
+    ends = grown_ends(out, tmp_path, why)
     assert "ran out of data" not in out.stdout, out.stdout
-    assert read_json(tmp_path, "asked.json")["heard"], out.stdout
     m = worker_module("elastic_fit_worker")
-    ends = [read_json(tmp_path, f"end.{rank}.json") for rank in range(3)]
     commit = ends[0]["resumed"][0]
     nb = -(-m.N // m.BATCH)
     # At a commit after the one that began the grow, before the end.
@@ -310,13 +306,6 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
         if commit[1] else [p[:2] for p in positions].index(
             [commit[0] - 1, nb]) + 1
     for rank, end in enumerate(ends):
-        start = read_json(tmp_path, f"start.{rank}.json")
-        # Ranks 0 and 1: the same processes, from 2 ranks to 3; rank 2
-        # started at 3 and trained from the commit on.
-        assert (end["pid"], end["rank"], end["size"]) == (
-            start["pid"], rank, 3), (start, end)
-        assert start["size"] == (2 if rank < 2 else 3), start
-        assert end["resumed"] == ([commit] if rank < 2 else []), end
         # A step that reached a commit within an epoch is trained (its
         # weights are the commit's), but the grow's interrupt, raised by
         # that commit, ends fit before the worker's callback after

@@ -33,3 +33,24 @@ def read_json(directory, name):
     """The JSON file `name` a rank wrote in `directory`."""
     with open(os.path.join(directory, name)) as f:
         return json.load(f)
+
+
+def grown_ends(out, directory, why):
+    """The end.<rank>.json of the 3 ranks of a job that grew from 2 to 3
+    ranks in place (rank 0 said so, `why` its reason, in `out`, the
+    launcher's output, with no second attempt), after checking that
+    ranks 0 and 1 kept their processes and rank 2 started at 3 ranks."""
+    assert out.returncode == 0, out.stdout
+    assert (f"grew in place to 3 rank(s) (was 2; {why}): the new ranks "
+            f"started in " in out.stdout), out.stdout
+    assert "attempt 2" not in out.stdout, out.stdout
+    assert read_json(directory, "asked.json")["heard"], out.stdout
+    ends = [read_json(directory, f"end.{rank}.json") for rank in range(3)]
+    commit = ends[0]["resumed"][0]
+    for rank, end in enumerate(ends):
+        start = read_json(directory, f"start.{rank}.json")
+        assert (end["pid"], end["rank"], end["size"]) == (
+            start["pid"], rank, 3), (start, end)
+        assert start["size"] == (2 if rank < 2 else 3), start
+        assert end["resumed"] == ([commit] if rank < 2 else []), end
+    return ends
