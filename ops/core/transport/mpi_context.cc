@@ -149,36 +149,36 @@ void DisarmSigbus() { sigaction(SIGBUS, &g_previous_sigbus, nullptr); }
 
 bool g_skip_finalize = false;
 
+// Why this rank ends without MPI_Finalize, or "" to finalize.
+std::string WhyNotFinalize() {
+  if (g_skip_finalize)
+    return "kd.init() failed (its error above says why), so this rank ends "
+           "without MPI_Finalize, which would wait for ranks that wait for "
+           "it.";
+  if (PmiServerGone())
+    // The process's own exit status stands; MPI's finalize is skipped.
+    return "the job's rendezvous server (rank 0's, on the coordinator's "
+           "port) has gone, so MPI cannot finalize; this process ends "
+           "without MPI_Finalize. Its work up to here is done; the server "
+           "is killed only from outside the job (the OOM killer, a signal "
+           "to its process), or after rank 0 ended 30 s before.";
+  return "";
+}
+
 void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  if (g_skip_finalize) {
-    const std::string line =
-        "kerasdist: rank " + std::to_string(g_world_rank) +
-        ": kd.init() failed (its error above says why), so this rank ends "
-        "without MPI_Finalize, which would wait for ranks that wait for "
-        "it.\n";
-    std::fflush(nullptr);
-    ssize_t ignored = write(2, line.data(), line.size());
-    (void)ignored;
+  const std::string why = WhyNotFinalize();
+  if (why.empty()) {
+    MPI_Finalize();
     return;
   }
-  if (PmiServerGone()) {
-    // The process's own exit status stands; MPI's finalize is skipped.
-    const std::string line =
-        "kerasdist: rank " + std::to_string(g_world_rank) +
-        ": the job's rendezvous server (rank 0's, on the coordinator's "
-        "port) has gone, so MPI cannot finalize; this process ends without "
-        "MPI_Finalize. Its work up to here is done; the server is killed "
-        "only from outside the job (the OOM killer, a signal to its "
-        "process), or after rank 0 ended 30 s before.\n";
-    std::fflush(nullptr);
-    ssize_t ignored = write(2, line.data(), line.size());
-    (void)ignored;
-    return;
-  }
-  MPI_Finalize();
+  const std::string line =
+      "kerasdist: rank " + std::to_string(g_world_rank) + ": " + why + "\n";
+  std::fflush(nullptr);
+  ssize_t ignored = write(2, line.data(), line.size());
+  (void)ignored;
 }
 
 // ---- MPI has no float16 / bfloat16: reduction functions of our own -------
