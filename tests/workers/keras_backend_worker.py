@@ -1150,6 +1150,40 @@ def weights_jax_gathers_tied():
     assert temp < 4 * kernel, (temp, kernel)
 
 
+def remat_model(seed=1):
+    """dense_model with every layer built under keras.RematScope("full"):
+    Keras recomputes each layer's call in the backward."""
+    with keras.RematScope(mode="full"):
+        return dense_model(seed)
+
+
+@check("remat_scope_every_mode")
+def remat_scope_every_mode():
+    # keras.RematScope with the replicated optimizer and each shard=
+    # mode: one process without remat is the truth (the recomputation
+    # changes no value). With sharded weights a layer is recomputed with
+    # its gathers (on JAX Keras' jax.checkpoint refuses them; the
+    # model's own remat, around its layers, is left out). On TensorFlow
+    # Keras' remat fails in a traced step whatever the optimizer
+    # (keras#21207): sharded weights only, whose layers kerasdist
+    # recomputes itself.
+    x, y = data()
+    adam = functools.partial(keras.optimizers.Adam, 0.01)
+    truth = truth_fit(dense_model(), adam(), x, y, N * B)
+    assert np.max(np.abs(flat(truth) - flat(dense_model().get_weights()))) \
+        > 100 * ATOL, "remat: the truth did not train"
+    modes = ("weights",) if BACKEND == "tensorflow" else (
+        None, "optimizer_state", "gradients", "weights")
+    for shard in modes:
+        m = remat_model()
+        if shard == "weights":
+            kd.shard_weights(m, remat=False)
+        got = fit(m, kd.DistributedOptimizer(adam(), shard=shard),
+                  my_part(x), my_part(y), B)
+        assert_close(got, truth, f"remat_scope_every_mode[{shard}]")
+        same_on_all_ranks(got, f"remat_scope_every_mode[{shard}]")
+
+
 @check("shard_weights_refusals")
 def shard_weights_refusals():
     def refused(make, words):

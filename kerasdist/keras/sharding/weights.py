@@ -185,6 +185,7 @@ class _Sharder:
         # Not a layer with state of its own (BatchNormalization's moving
         # averages): its call, run again, would update it twice.
         mine = [info(v) for v in layer._trainable_variables if is_shard(v)]
+        _keras_remat_regathers(layer)
         if mine:
             _gather_per_call(layer)
         large = sum(w.numel * itemsize(w.dtype) for w in mine) >= \
@@ -269,11 +270,11 @@ def _regather_in_backward(layer):
     PyTorch's checkpoint, a custom VJP on JAX): its whole weights
     are freed after its forward and gathered again for its backward,
     rather than kept alive from the forward to the backward."""
+    if not getattr(layer.call, "_kerasdist_regather", False):
+        object.__setattr__(layer, "call", _regathered(layer, layer.call))
 
-    call = layer.call
-    if getattr(call, "_kerasdist_regather", False):
-        return
 
+def _regathered(layer, call):
     from keras.src.backend.common import variables as _variables
 
     def regathered(*args, **kwargs):
@@ -302,7 +303,41 @@ def _regather_in_backward(layer):
         return _framework.get().regather(again, shards)(*args)
 
     regathered._kerasdist_regather = True
-    object.__setattr__(layer, "call", regathered)
+    return regathered
+
+
+def _keras_remat_regathers(layer):
+    """A layer that Keras rematerializes (built under `keras.RematScope`)
+    and that reads sharded weights: Keras' own remat around the gathers
+    is jax.checkpoint on JAX, which refuses collectives ("Effects not
+    supported in partial-eval of `checkpoint`"), and TensorFlow's
+    recompute_grad, which refuses the call's keyword arguments in a
+    traced step (keras#21207). A layer with sharded weights of its own
+    is rematerialized as `_regather_in_backward` does instead (its
+    recomputation gathers again), unless kerasdist does already or it has
+    state of its own (BatchNormalization: its call run again would update
+    it twice); a layer that only holds sharded layers (a model, a block)
+    is not rematerialized itself (its layers are, each as it asks). The
+    "activations" mode (the activation alone recomputed, no gather in
+    it) stays Keras'."""
+    keras_remat = layer.rematerialized_call
+    if getattr(keras_remat, "_kerasdist_remat", False):
+        return
+
+    def rematerialized_call(layer_call, *args, **kwargs):
+        wrapped = keras_remat(layer_call, *args, **kwargs)
+        mode = getattr(getattr(layer, "_remat_mode", None), "mode", None)
+        if wrapped is layer_call or mode == "activations" or \
+                not any(is_shard(v) for v in layer.weights):
+            return wrapped
+        own = any(is_shard(v) for v in layer._trainable_variables)
+        if not own or layer._non_trainable_variables or \
+                getattr(layer_call, "_kerasdist_regather", False):
+            return layer_call
+        return _regathered(layer, layer_call)
+
+    rematerialized_call._kerasdist_remat = True
+    object.__setattr__(layer, "rematerialized_call", rematerialized_call)
 
 
 def _layers(model):
