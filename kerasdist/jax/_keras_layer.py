@@ -106,7 +106,8 @@ def _regathered(call, shards):
                     "gathered again for its backward adds a loss inside "
                     "its call (add_loss), which JAX cannot carry out of "
                     "the regathered call. Build the model with "
-                    "kd.shard_weights(remat=False).")
+                    "kd.shard_weights(remat=False), and not under "
+                    "keras.RematScope.")
             return out
 
         @jax.custom_vjp

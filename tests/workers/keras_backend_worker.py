@@ -1207,6 +1207,18 @@ def shard_weights_refusals():
     constrained = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
         2, kernel_constraint=keras.constraints.NonNeg())])
     refused(lambda: kd.shard_weights(constrained), "constraint")
+    if BACKEND == "jax":
+        # A loss added inside a call JAX recomputes (a custom VJP).
+        class LossInCall(keras.layers.Dense):
+            def call(self, inputs):
+                self.add_loss(0.0 * keras.ops.sum(self.kernel))
+                return super().call(inputs)
+
+        lossy = kd.shard_weights(keras.Sequential(
+            [keras.Input((4,)), LossInCall(1)]), remat=True)
+        refused(lambda: fit(lossy, kd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), shard="weights"), x[:B], y[:B], B),
+            "adds a loss inside its call (add_loss)")
 
 
 @check("shard_refusals", groups=("tensorflow",))
