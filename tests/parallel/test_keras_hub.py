@@ -5,11 +5,11 @@ the first step when it keeps its own optimizer; with its weights sharded
 (`kd.shard_weights`, `shard="weights"`), fully and with LoRA, the same
 weights and then the same `generate()` as one process.
 
-Every check on TensorFlow at np=2. The sharded weights also on JAX at
-np=2 and on PyTorch at np=3 (shards that do not divide evenly): each
+Every check on TensorFlow at np=2. The sharded weights also at np=2 and
+3 on every backend (at 3, shards that do not divide evenly): each
 backend's gathers and reduce-scatters inside its own step, and keras-hub's
 own generate loop (JAX's jitted while loop, PyTorch's eager one). One
-launch a backend.
+launch a backend and size.
 """
 
 import pytest
@@ -34,5 +34,6 @@ add_job_tests(globals(), {
     f"test_keras_hub_{backend}_np{np_}": WorkerChecks(
         "keras_hub_worker.py", np=np_, groups=("weights",),
         requires=("keras_hub", backend), env={"KERAS_BACKEND": backend})
-    for backend, np_ in (("jax", 2), ("torch", 3))},
+    for backend, np_ in (("tensorflow", 3), ("jax", 2), ("jax", 3),
+                         ("torch", 2), ("torch", 3))},
     marks=(pytest.mark.slow,))
