@@ -1116,6 +1116,55 @@ def weights_custom_loop():
         assert ordered(op.inputs[0].op), op.name
 
 
+@check("weights_custom_loop_jax_torch", groups=("jax", "torch"))
+def weights_custom_loop_jax_torch():
+    # Keras' own custom-loop recipes for each backend: PyTorch's eager
+    # backward and `apply`; JAX's jitted `stateless_call` and
+    # `stateless_apply`. The shards' gradients are averaged already.
+    x, y = data()
+    truth = truth_fit(dense_model(), keras.optimizers.SGD(0.1), x, y, N * B)
+    m = kd.shard_weights(dense_model())
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard="weights")
+    opt.build(m.trainable_variables)
+    xs, ys = my_part(x), my_part(y)
+    batches = [(xs[i * B:(i + 1) * B], ys[i * B:(i + 1) * B])
+               for i in range(STEPS)]
+    if BACKEND == "torch":
+        import torch
+
+        for xb, yb in batches:
+            loss = torch.mean(torch.square(m(xb) - torch.as_tensor(yb)))
+            m.zero_grad()
+            loss.backward()
+            grads = [v.value.grad for v in m.trainable_variables]
+            with torch.no_grad():
+                opt.apply(grads, m.trainable_variables)
+    else:
+        import jax
+
+        def loss_fn(tv, ntv, xb, yb):
+            out, ntv = m.stateless_call(tv, ntv, xb)
+            return jax.numpy.mean(jax.numpy.square(out - yb)), ntv
+
+        @jax.jit
+        def step(state, xb, yb):
+            tv, ntv, ov = state
+            (_, ntv), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                tv, ntv, xb, yb)
+            tv, ov = opt.stateless_apply(ov, grads, tv)
+            return tv, ntv, ov
+
+        state = ([v.value for v in m.trainable_variables],
+                 [v.value for v in m.non_trainable_variables],
+                 [v.value for v in opt.variables])
+        for xb, yb in batches:
+            state = step(state, xb, yb)
+        for v, value in zip(m.trainable_variables, state[0]):
+            v.assign(value)
+    assert_close(m.get_weights(), truth, "weights: custom loop")
+    same_on_all_ranks(m.get_weights(), "weights: custom loop")
+
+
 @check("weights_jax_gathers_tied", groups=("jax",))
 def weights_jax_gathers_tied():
     # XLA schedules by data only: unless each gather depends on its
