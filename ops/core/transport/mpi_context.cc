@@ -153,6 +153,12 @@ void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  // A rank that left the job (shrinking in place) ends without
+  // MPI_Finalize: with ULFM on, Open MPI's finalize first agrees with every
+  // live process of MPI_COMM_WORLD (a shrink and a barrier over it), so it
+  // would wait for the ranks that stay to end. They no longer talk to it;
+  // ULFM takes its end as a process gone, as after a lost rank.
+  if (LeftJob()) return;
   if (g_skip_finalize) {
     const std::string line =
         "kerasdist: rank " + std::to_string(g_world_rank) +
