@@ -230,7 +230,7 @@ GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
 
 
 def _grow_job(tmp_path, first, then, min_np=2, backend="torch", np_=2,
-              resize_size=3, **kw):
+              resize_size=3, extra_args=(), extra_env=None, **kw):
     """Runs tests/workers/recovery_worker.py at `np_` ranks (`backend`)
     under --recover-in-place with a discovery script that lists `first`,
     and `then` once rank 0 has done GROW_AT steps (the job trains 6 steps
@@ -245,7 +245,8 @@ def _grow_job(tmp_path, first, then, min_np=2, backend="torch", np_=2,
                   launcher_args=["--recover-in-place",
                                  "--host-discovery-script", str(script),
                                  "--min-np", str(min_np), "--max-np", "3",
-                                 "--discovery-interval", "0.5"],
+                                 "--discovery-interval", "0.5",
+                                 *extra_args],
                   env=rank_env(RECOVERY_STEPS=STEPS,
                                RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
                                RECOVERY_GROW_AT=GROW_AT,
@@ -253,7 +254,8 @@ def _grow_job(tmp_path, first, then, min_np=2, backend="torch", np_=2,
                                RECOVERY_GROW_TO=then,
                                RECOVERY_RESIZE_SIZE=resize_size,
                                RECOVERY_BACKEND=backend,
-                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120),
+                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120,
+                               **(extra_env or {})),
                   **kw)
 
 
@@ -353,4 +355,35 @@ def test_shrink_in_place_the_highest_rank_leaves_at_a_commit(openmpi_root,
         # The reset callbacks ran once, at the commit; every step once.
         assert end["resumed"] == [commit], end
         assert end["trained"] == list(range(last)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_a_failed_shrink_in_place_falls_back_to_a_relaunch(openmpi_root,
+                                                           tmp_path):
+    # As above, but rank 1 dies in its reset callback, after the split:
+    # rank 0's sync fails, it says so in one line and ends, and under
+    # --max-restarts 1 the launcher relaunches 2 ranks, which resume from
+    # the commit on disk (step 6) and end with numpy's weights.
+    out = _grow_job(tmp_path, "localhost:3\n", "localhost:2\n", np_=3,
+                    resize_size=2, extra_args=["--max-restarts", "1"],
+                    extra_env={"RECOVERY_DIE_IN_RESET": 1},
+                    root=openmpi_root)
+    assert out.returncode == 0, out.stdout
+    lines = [line for line in out.stdout.splitlines()
+             if "shrinking in place failed: " in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "[0]<stderr>:kerasdist.elastic: shrinking in place failed: "), (
+        out.stdout)
+    assert "rank 2 leaves the job" in out.stdout, out.stdout
+    assert "kerasdist: attempt 2 of 2 on 2 rank(s) (localhost:2) (the " \
+        "last attempt ended because " in out.stdout, out.stdout
+    commit = read_json(tmp_path, "left.2.json")["step"]
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                 commit + 6, 2)
+    for rank in range(2):
+        end = read_json(tmp_path, f"a1.end.{rank}.json")
+        assert end["size"] == 2 and end["trained"] == list(
+            range(commit, commit + 6)), end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

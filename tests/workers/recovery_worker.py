@@ -44,7 +44,8 @@ every end file "trained" (the steps trained, in order).
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
-     callback: a second failure while the others recover),
+     callback, in the first attempt: a second failure while the others
+     recover, or a failure while the job shrinks in place),
      RECOVERY_PROCESS_SET=1 (a process set of start ranks 1 and 2, given
      to kd.init(process_sets=...): each step its members sum their start
      rank + 1 over it before the job's allreduce, so a member is inside
@@ -147,7 +148,7 @@ def main():
     state = elastic.ObjectState(w=np.zeros(FEATURES), step=0, end=STEPS)
 
     def on_reset():
-        if start_rank == DIE_IN_RESET:
+        if start_rank == DIE_IN_RESET and not attempt:
             os.kill(os.getpid(), signal.SIGKILL)
         resumed.append(state.step)
         reset_at.append(time.time())
