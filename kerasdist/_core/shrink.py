@@ -54,8 +54,11 @@ def take(body):
     size (the job then stops for a relaunch)."""
     if not is_request(body) or body.get("old_np") != basics.size():
         return False
-    leave = sorted({int(r) for r in body["leave"]
-                    if 0 <= int(r) < basics.size()})
+    try:
+        leave = sorted({int(r) for r in body["leave"]
+                        if 0 <= int(r) < basics.size()})
+    except (TypeError, ValueError):  # not the launcher's: no shrink
+        return False
     if not leave or len(leave) >= basics.size():
         return False
     _pending["body"] = dict(body, leave=leave)
