@@ -34,6 +34,16 @@ From the wall times the worker records (time.time(), one host's clock):
 
 Prints a Markdown table and the raw figures (JSON).
 
+    python benchmarks/recovery.py --shrink [--rounds 3]
+
+A shrink instead (docs/failures-and-elastic.md, "Shrinking in place"): 3
+ranks of the same worker under a discovery script (interval 0.5 s) that
+lists 2 slots once rank 0 has done 4 steps; from that change to the first
+step done at 2 ranks, in place (the Open MPI build, --recover-in-place:
+rank 2 leaves at the next commit, ranks 0 and 1 go on) against the
+relaunch (the mpich build: every rank commits and exits, the launcher
+starts 2), taking turns.
+
     python benchmarks/recovery.py --steady [--rounds 3]
 
 The steady state instead: what the recoverable transport costs a job with
@@ -113,6 +123,89 @@ def relaunch(kill_step, workdir):
             "lost_steps": kill_step - committed}
 
 
+def _shrink(root, args, workdir):
+    """A job of 3 ranks whose discovery script lists 2 slots once rank 0
+    has done 4 steps; returns (directory, attempt prefix of the ranks at
+    2)."""
+    from tests.support.helpers import launcher_env
+    from tests.support.helpers import worker_cmd
+    d = tempfile.mkdtemp(dir=workdir)
+    listed = os.path.join(d, "hosts.txt")
+    with open(listed, "w") as f:
+        f.write("localhost:3\n")
+    script = os.path.join(d, "discover.sh")
+    with open(script, "w") as f:
+        f.write(f"#!/bin/sh\ncat {listed}\n")
+    os.chmod(script, 0o755)
+    argv = [sys.executable, "-m", "kerasdist.run", *args,
+            "--host-discovery-script", script, "--min-np", "2",
+            "--max-np", "3", "--discovery-interval", "0.5", "-np", "3",
+            *worker_cmd("recovery_worker.py", d)]
+    env = launcher_env(dict(os.environ, RECOVERY_GROW_AT="4",
+                            RECOVERY_GROW_LIST=listed,
+                            RECOVERY_GROW_TO="localhost:2\n",
+                            RECOVERY_RESIZE_SIZE="2"), root)
+    out = subprocess.run(argv, capture_output=True, text=True, env=env,
+                         cwd=root or REPO, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args} exited {out.returncode}:\n"
+                           f"{(out.stdout + out.stderr)[-3000:]}")
+    return d
+
+
+def shrink_in_place(root, workdir):
+    """From the discovery script's change to the first step at 2 ranks,
+    split: asked (the launcher noticed and signalled), commit (the ranks
+    reached their next commit), re-form and step (the split, kd.init() on
+    the two, the reset, one step)."""
+    d = _shrink(root, ["--recover-in-place"], workdir)
+    asked = _read(d, "asked.json")
+    commit = _read(d, "left.2.json")["step"]
+    done = _read(d, "end.0.json")["done_at"]
+    first = done[str(commit + 1)]
+    return {"total": first - asked["listed"],
+            "asked": asked["at"] - asked["listed"],
+            "commit": done[str(commit)] - asked["at"],
+            "rest": first - done[str(commit)]}
+
+
+def shrink_relaunch(workdir):
+    """The same job on the repository's build (mpich) without
+    --recover-in-place: the ranks commit, exit 76 and are relaunched at
+    2; split: asked, commit, and the relaunch to its first step."""
+    d = _shrink(None, [], workdir)
+    asked = _read(d, "asked.json")
+    # The worker's record of a rank that ended by SystemExit (the resize).
+    done = _read(d, "left.0.json")["done_at"]
+    commit = max(int(k) for k in done)
+    first = min(_read(d, "a1.end.0.json")["done_at"].values())
+    return {"total": first - asked["listed"],
+            "asked": asked["at"] - asked["listed"],
+            "commit": done[str(commit)] - asked["at"],
+            "rest": first - done[str(commit)]}
+
+
+def shrink_main(root, rounds, workdir):
+    rows = {"in place": [], "relaunch": []}
+    for i in range(rounds):
+        rows["in place"].append(shrink_in_place(root, workdir))
+        rows["relaunch"].append(shrink_relaunch(workdir))
+        print(f"round {i + 1}: in place {rows['in place'][-1]['total']:.3f}"
+              f" s, relaunch {rows['relaunch'][-1]['total']:.3f} s",
+              flush=True)
+    print("\n| path | listed to the first step at 2 (median) | split "
+          "(median) |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        rest = "re-form and step" if name == "in place" else \
+            "relaunch and step"
+        print(f"| {name} | {_median(r, 'total'):.2f} s | asked "
+              f"{_median(r, 'asked'):.2f} s, to the commit "
+              f"{_median(r, 'commit'):.2f} s, {rest} "
+              f"{_median(r, 'rest'):.2f} s |")
+    print("\nraw:", json.dumps(rows, indent=1))
+
+
 STEADY = """
 import json, sys, time
 import numpy as np
@@ -181,6 +274,8 @@ def main():
     p.add_argument("--kill-step", type=int, default=7)
     p.add_argument("--steady", action="store_true",
                    help="the steady state's allreduce times instead")
+    p.add_argument("--shrink", action="store_true",
+                   help="a shrink from 3 ranks to 2 (discovery) instead")
     args = p.parse_args()
     from tests.support import site_mpi
     home = site_mpi.openmpi_home()
@@ -191,6 +286,9 @@ def main():
                               KERASDIST_MPI_HOME=home)
         if args.steady:
             steady_main(root, args.rounds)
+            return
+        if args.shrink:
+            shrink_main(root, args.rounds, workdir)
             return
         rows = {"in place": [], "relaunch": []}
         for i in range(args.rounds):

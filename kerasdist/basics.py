@@ -134,10 +134,10 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
             # rendezvous, reports a rank that ends (watch.started).
             watch.started()
             _joined = launch
-        # After a recovery in place the job is the survivors, fewer than
-        # the launcher started; after growing in place, more.
+        # After a recovery or a shrink in place the job is the survivors,
+        # fewer than the launcher started; after growing in place, more.
         if launch is not None and not lib.kerasdist_recoveries() and \
-                not lib.kerasdist_grows():
+                not lib.kerasdist_grows() and not lib.kerasdist_shrinks():
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)
             if wrong:

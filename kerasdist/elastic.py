@@ -45,7 +45,10 @@ state to a file that the next attempt starts from:
   recovery in place, a job that grows (the launcher wrote a grow request)
   grows in place instead: the ranks start the new ones, run the reset
   callbacks and sync the state to them, and go on
-  (kerasdist/_core/grow.py).
+  (kerasdist/_core/grow.py); one that shrinks (a shrink request naming
+  the ranks that leave) shrinks in place: at that commit the leavers exit
+  with 0 and the others split off, run the reset callbacks and go on
+  (kerasdist/_core/shrink.py).
 * `HorovodInternalError` (a collective failed) ends the process with an
   error: the launcher's `--max-restarts` relaunches the job, which resumes
   from the last commit. A peer that dies ends the other ranks by itself
@@ -107,6 +110,7 @@ from kerasdist._core import errors as _errors
 from kerasdist._core import files as _files
 from kerasdist._core import grow as _grow
 from kerasdist._core import resize as _resize
+from kerasdist._core import shrink as _shrink
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.sharding import buddies as _buddies
 from kerasdist.keras.sharding import files as _shard_files
@@ -390,7 +394,14 @@ class State:
             if not int(flag[1]):
                 raise HostsUpdatedInterrupt(False)
             return
-        if int(flag[0]) and not _grow.begin():
+        if not int(flag[0]):
+            return
+        # The launcher's request in place, if any (rank 0 reads it, every
+        # rank gets it): a shrink ends the function at this commit, a grow
+        # starts the new ranks in the background; without one the job
+        # stops for a relaunch.
+        body = _grow.request()
+        if _shrink.take(body) or not _grow.begin(body):
             raise HostsUpdatedInterrupt(False)
 
     def save(self):
@@ -815,6 +826,10 @@ def run(func):
             except _GrowInPlace:
                 _grow.finish(state, _log)
                 continue
+            except _ShrinkInPlace:
+                # Those that leave end here (SystemExit(0)).
+                _shrink.finish(state, _log)
+                continue
             if _grow.started():  # the new ranks join a job that is done
                 _grow.finish(state, _log)
             return result
@@ -827,6 +842,12 @@ class _GrowInPlace(Exception):
     every rank starts the runtime on the grown job."""
 
 
+class _ShrinkInPlace(Exception):
+    """The ranks agreed to shrink in place (kerasdist/_core/shrink.py): at
+    this commit those that leave end, and the others start the runtime on
+    the job without them."""
+
+
 def _run_once(func, state, *args, **kwargs):
     """`func(state, ...)` once, as `run` handles its ends but a lost rank
     with recovery in place (raised as RanksLostError for `run` to take)."""
@@ -837,6 +858,8 @@ def _run_once(func, state, *args, **kwargs):
             raise
         if _grow.started():
             raise _GrowInPlace() from None
+        if _shrink.pending():
+            raise _ShrinkInPlace() from None
         state.save()
         state.persist()
         if basics.size() > 1:

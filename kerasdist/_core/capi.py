@@ -95,7 +95,8 @@ def lib():
         i64 = ctypes.c_int64
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank",
                      "cross_size", "is_initialized", "shutdown", "mpi_built",
-                     "nccl_built", "simd16", "recoveries", "grows"):
+                     "nccl_built", "simd16", "recoveries", "grows",
+                     "shrinks"):
             getattr(l, "kerasdist_" + name).restype = i
             getattr(l, "kerasdist_" + name).argtypes = []
         l.kerasdist_init.argtypes = [i, i, s]

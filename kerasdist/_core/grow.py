@@ -89,7 +89,7 @@ def _read_request():
     except (OSError, ValueError):
         return None
     if not isinstance(body, dict) or body.get("old_np") != basics.size() \
-            or not body.get("ranks"):
+            or not (body.get("ranks") or body.get("leave")):
         return None
     return body
 
@@ -114,8 +114,9 @@ def trusted_request_file(path):
 
 def request():
     """Every rank: the grow request rank 0 read, or None (see the module's
-    doc). Collective in a job with recovery in place; None at once
-    elsewhere."""
+    doc); or a shrink request, which names the ranks that leave instead
+    (kerasdist/_core/shrink.py). Collective in a job with recovery in
+    place; None at once elsewhere."""
     if os.environ.get(RECOVER_ENV) != "1":
         return None
     body = _read_request() if basics.rank() == 0 else None
@@ -130,13 +131,13 @@ def request():
 _grow = {"thread": None}
 
 
-def begin():
+def begin(body):
     """Every rank, at the commit where the ranks agreed on a resize
-    request: starts growing as the launcher's request asks, in the
-    background (the ranks go on training meanwhile); False where there is
-    no request (the job then stops for a relaunch). Collective."""
-    body = request()
-    if body is None:
+    request (`body`: request()'s): starts growing as the launcher's
+    request asks, in the background (the ranks go on training meanwhile);
+    False where there is no grow request (the job then stops for a
+    relaunch, or shrinks in place)."""
+    if body is None or not body.get("ranks"):
         return False
     ranks = [(r["argv"], r.get("info", [])) for r in body["ranks"]] \
         if basics.rank() == 0 else []
@@ -200,26 +201,35 @@ def finish(state, log):
         f"from the last commit")
 
 
-def restart_or_end(then, failed):
+def restart_or_end(then, failed, between=None):
     """Starts the runtime again on the job as it is now (shutdown, then
-    init: after a lost rank the survivors, after a grow the merged job)
-    and calls `then()`. Any failure on the way ends this rank at once with
-    one line, `failed: why; ending this rank (...)`: a relaunch resumes
-    from the last commit on disk. Used by growing (`finish`) and by
-    recovery in place (kerasdist.elastic.recover_in_place)."""
+    init: after a lost rank the survivors, after a grow the merged job;
+    `between()`, if given, runs in between: a shrink's split) and calls
+    `then()`. Any failure on the way ends this rank at once with one line
+    (end_rank). Used by growing (`finish`), shrinking
+    (kerasdist/_core/shrink.py) and recovery in place
+    (kerasdist.elastic.recover_in_place)."""
     try:
         basics.shutdown()
+        if between is not None:
+            between()
         basics.init()
         then()
     except Exception as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"{failed}: {why}; ending this rank (a relaunch resumes from "
-              f"the last commit on disk)", file=sys.stderr, flush=True)
-        # At once, without atexit's shutdown and MPI_Finalize: the job's
-        # MPI has lost ranks twice, and a normal exit here once hung for
-        # minutes in the tests (1 run in about 10; where, not found).
-        sys.stdout.flush()
-        os._exit(1)
+        end_rank(failed, e)
+
+
+def end_rank(failed, error):
+    """Ends this rank at once with one line, `failed: why; ending this
+    rank (...)`: a relaunch resumes from the last commit on disk."""
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(f"{failed}: {why}; ending this rank (a relaunch resumes from "
+          f"the last commit on disk)", file=sys.stderr, flush=True)
+    # At once, without atexit's shutdown and MPI_Finalize: the job's MPI
+    # has lost ranks twice, and a normal exit here once hung for minutes in
+    # the tests (1 run in about 10; where, not found).
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def joined():

@@ -1,5 +1,6 @@
-"""Growing in place: `kerasdist run --recover-in-place
---host-discovery-script` (docs/failures-and-elastic.md, "Growing in place").
+"""Growing and shrinking in place: `kerasdist run --recover-in-place
+--host-discovery-script` (docs/failures-and-elastic.md, "Growing in place"
+and "Shrinking in place").
 
 When the discovery script lists more slots, the launcher (resize.Watcher)
 writes a grow request, then sends its resize request (SIGUSR1) as for a
@@ -17,6 +18,17 @@ commits to, on the launcher's file system), written atomically:
 
     {"old_np": 2, "new_np": 3, "why": "host h has 3 slot(s) now, not 2",
      "ranks": [{"rank": 2, "info": ["host=h"], "argv": [...]}]}
+
+Shrinking in place (fewer slots listed) writes the same file with the
+ranks that leave instead (`leavers`: on each host the highest ranks beyond
+its slots now, every rank of a host no longer listed), which end with exit
+code 0 at the next commit while the others split off and go on
+(kerasdist/_core/shrink.py):
+
+    {"old_np": 3, "new_np": 2, "why": "...", "leave": [2]}
+
+A shrink that would leave fewer ranks than the hosts listed hold (another
+host listed at the same time) is a relaunch.
 
 Only where every rank runs on this machine (the launcher's, where mpirun
 runs): Open MPI 5.0.11's daemons on other hosts fail on MPI_Comm_spawn, a
@@ -102,6 +114,35 @@ def request(change, old_hosts, argv):
             "why": change.why, "ranks": ranks}
 
 
+def leavers(old_hosts, new_hosts, old_np, new_np):
+    """The ranks that leave when a job of old_np ranks, which mpirun placed
+    on `old_hosts` slot by slot, host by host (its -H order), shrinks to
+    new_np ranks on `new_hosts` ([(host, slots), ...]): on each host, its
+    highest ranks beyond the slots listed for it now (all of them on a host
+    no longer listed). None where the ranks that stay would not be new_np
+    (a host listed that the job does not run on): that shrink is a
+    relaunch."""
+    listed, left, rank, leave, kept = dict(new_hosts), old_np, 0, [], 0
+    for host, slots in old_hosts or ():
+        used = min(slots, left)
+        left -= used
+        stay = min(used, listed.get(host, 0))
+        leave += range(rank + stay, rank + used)
+        rank, kept = rank + used, kept + stay
+    return leave if kept == new_np and rank == old_np else None
+
+
+def shrink_request(change, old_hosts):
+    """The request of a resize.Change that shrinks in place (see the
+    module's doc; "leave" in place of "ranks"), or None where it cannot
+    (leavers)."""
+    leave = leavers(old_hosts, change.hosts, change.old_np, change.new_np)
+    if not leave:
+        return None
+    return {"old_np": change.old_np, "new_np": change.new_np,
+            "why": change.why, "leave": leave}
+
+
 def write_request(directory, body):
     """Writes `body` to DIRECTORY/grow.json, atomically."""
     os.makedirs(directory, exist_ok=True)
@@ -128,6 +169,13 @@ def writer(config, argv):
         return None
 
     def grow(change, old_hosts):
+        if change.new_np < change.old_np:
+            body = shrink_request(change, old_hosts)
+            if body is None:
+                return ("the ranks that stay would not fill the hosts "
+                        "listed: a host the job does not run on is listed")
+            write_request(directory, body)
+            return None
         why = why_not(change, old_hosts)
         if why:
             return why

@@ -487,8 +487,9 @@ def _check_elastic(args):
 
 def _check_recovery(args, rec=None):
     """--recover-in-place needs a build against an MPI with ULFM (Open MPI
-    5's mpirun --with-ft ulfm). With a discovery script the job grows in
-    place (kerasdist/run/grow.py) and shrinks by relaunching."""
+    5's mpirun --with-ft ulfm). With a discovery script the job grows and
+    shrinks in place (kerasdist/run/grow.py) where its ranks run
+    hvd.elastic.run."""
     if not args.recover_in_place:
         return
     rec = site_mpi.record() if rec is None else rec

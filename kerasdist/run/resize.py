@@ -104,11 +104,11 @@ class Watcher:
         started: clock() at the attempt's start (default: now).
         announce_wait: see ANNOUNCE_WAIT_S.
         clock: the clock of `started` and of step()'s `now`.
-        grow: (change, hosts) -> None that asks the ranks to grow in place
-            (kerasdist/run/grow.py's writer; it returns why not instead
-            where it cannot), or None: a Change that grows is then asked
-            for with it, and the attempt goes on at its new size instead
-            of ending.
+        grow: (change, hosts) -> None that asks the ranks to grow or
+            shrink in place (kerasdist/run/grow.py's writer; it returns
+            why not instead where it cannot), or None: a Change is then
+            asked for with it, and the attempt goes on at its new size
+            instead of ending.
     """
 
     def __init__(self, discover, answering, np_, hosts, min_np, max_np,
@@ -203,14 +203,14 @@ class Watcher:
         once when none has, ANNOUNCE_WAIT_S into the attempt. A Change
         that grows is asked in place (`grow`) only where the ranks said
         they grow in place (`grows_in_place`: hvd.elastic.run, not the
-        Trainer), else by a relaunch."""
+        Trainer), else by a relaunch; so is one that shrinks."""
         with self._lock:
             change = self.change
             seen = self.change_seen
         if change is None or self.requested is not None:
             return
         if resizable and grows_in_place and self._grow is not None and \
-                change.new_np > change.old_np and self._grow_in_place(change):
+                self._grow_in_place(change):
             _signal(proc)
             return
         if resizable:
@@ -231,20 +231,28 @@ class Watcher:
                            f"{self.np} rank(s).")
 
     def _grow_in_place(self, change):
-        """Writes the grow request of `change`; from then on the attempt
-        runs at its new size. False when it cannot grow in place, said in
-        one line (the ranks then stop for a relaunch instead)."""
+        """Writes the grow (or shrink) request of `change`; from then on
+        the attempt runs at its new size. False when it cannot resize in
+        place, said in one line (the ranks then stop for a relaunch
+        instead)."""
+        verb = "grow" if change.new_np > change.old_np else "shrink"
         try:
             why_not = self._grow(change, self.hosts)
         except OSError as e:
             why_not = f"the request cannot be written: {e}"
         if why_not:
-            self.log.line(f"cannot grow in place ({why_not}); relaunching "
+            self.log.line(f"cannot {verb} in place ({why_not}); relaunching "
                           f"instead.")
             return False
         self.log.line(f"{change.line}; in place, at the ranks' next commit")
+        hosts = list(change.hosts)
+        if verb == "shrink":
+            # The ranks that stay keep their order: the hosts in the job's.
+            order = [h for h, _ in self.hosts]
+            hosts.sort(key=lambda h: order.index(h[0]) if h[0] in order
+                       else len(order))
         with self._lock:
-            self.np, self.hosts = change.new_np, list(change.hosts)
+            self.np, self.hosts = change.new_np, hosts
             self.change = self.change_seen = None
         return True
 

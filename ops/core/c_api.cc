@@ -95,6 +95,13 @@ int kerasdist_grow(int count, const char* const* argvs,
 
 int kerasdist_grows(void) { return Grows(); }
 
+int kerasdist_shrink(int leave, double deadline_s) {
+  Status s = ShrinkJob(leave != 0, deadline_s);
+  return s.ok() ? 0 : Fail(s.message());
+}
+
+int kerasdist_shrinks(void) { return Shrinks(); }
+
 const char* kerasdist_last_error(void) { return t_last_error.c_str(); }
 
 #define KD_TOPO(field)        \

@@ -49,6 +49,15 @@ int kerasdist_grow(int count, const char* const* argvs,
                    const char* const* hosts);
 /* How many times this process's job grew in place. */
 int kerasdist_grows(void);
+/* Shrinking in place (recovery in place on; no runtime running):
+ * collective over the job. The ranks with a nonzero `leave` leave it; the
+ * next kerasdist_init of the others starts on the job without them.
+ * deadline_s: how long the split may take (0: the rendezvous timeout)
+ * before this process ends with one line. 0, or -1 with
+ * kerasdist_last_error(). */
+int kerasdist_shrink(int leave, double deadline_s);
+/* How many times this process's job shrank in place (this rank staying). */
+int kerasdist_shrinks(void);
 const char* kerasdist_last_error(void);
 /* -1 when not initialized. */
 int kerasdist_rank(void);

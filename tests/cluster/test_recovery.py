@@ -5,7 +5,8 @@ of 3 ranks (PyTorch or JAX, tests/workers/recovery_worker.py) SIGKILLs
 itself mid-step; the other two keep their processes,
 re-form at size 2, resume from the last commit in memory and finish, and
 their weights are the ones numpy computes for that commit continued at
-size 2; with a process set, its old object fails with one error after
+size 2; growing (2 ranks to 3) and shrinking (3 to 2) in place under a
+discovery script; with a process set, its old object fails with one error after
 the re-form and the set added again sums right. The default build
 (mpich) refuses the flag in one line."""
 
@@ -229,28 +230,33 @@ def test_a_failed_recovery_falls_back_to_a_relaunch(openmpi_root, tmp_path):
 GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
 
 
-def _grow_job(tmp_path, first, then, min_np=2, backend="torch", **kw):
-    """Runs tests/workers/recovery_worker.py at 2 ranks (`backend`) under
-    --recover-in-place with a discovery script that lists `first`, and
-    `then` once rank 0 has done GROW_AT steps; returns the output."""
+def _grow_job(tmp_path, first, then, min_np=2, backend="torch", np_=2,
+              resize_size=3, extra_args=(), extra_env=None, **kw):
+    """Runs tests/workers/recovery_worker.py at `np_` ranks (`backend`)
+    under --recover-in-place with a discovery script that lists `first`,
+    and `then` once rank 0 has done GROW_AT steps (the job trains 6 steps
+    at `resize_size` ranks); returns the output."""
     listed = tmp_path / "hosts.txt"
     listed.write_text(first)
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
-    return launch(2, worker_cmd("recovery_worker.py", str(tmp_path)),
+    return launch(np_, worker_cmd("recovery_worker.py", str(tmp_path)),
                   timeout=JOB_S,
                   launcher_args=["--recover-in-place",
                                  "--host-discovery-script", str(script),
                                  "--min-np", str(min_np), "--max-np", "3",
-                                 "--discovery-interval", "0.5"],
+                                 "--discovery-interval", "0.5",
+                                 *extra_args],
                   env=rank_env(RECOVERY_STEPS=STEPS,
                                RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
                                RECOVERY_GROW_AT=GROW_AT,
                                RECOVERY_GROW_LIST=listed,
                                RECOVERY_GROW_TO=then,
+                               RECOVERY_RESIZE_SIZE=resize_size,
                                RECOVERY_BACKEND=backend,
-                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120),
+                               KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120,
+                               **(extra_env or {})),
                   **kw)
 
 
@@ -295,21 +301,79 @@ def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
 
 
 @pytest.mark.timeout(JOB_S + 60)
-def test_grow_in_place_leaves_a_shrink_to_a_relaunch(openmpi_root, tmp_path):
-    # Fewer slots listed: no grow request; the ranks commit and stop at
-    # the next commit (step 6), and the launcher relaunches 1 rank, which
-    # resumes from that commit.
-    out = _grow_job(tmp_path, "localhost:2\n", "localhost:1\n", min_np=1,
+# PyTorch, and JAX's eager collectives.
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_shrink_in_place_the_highest_rank_leaves_at_a_commit(openmpi_root,
+                                                             tmp_path,
+                                                             backend):
+    # Discovery lists 2 slots of the 3 at step 4: the launcher writes its
+    # shrink request (rank 2 leaves, the highest on the host) and asks the
+    # ranks to resize; at the next commit (step 6) rank 2 exits with 0 and
+    # ranks 0 and 1 split off (MPI_Comm_split), keep their processes, run
+    # the reset callbacks and train on at 2 ranks from that commit: no step
+    # restored, lost or trained twice.
+    why = "host localhost has 2 slot(s) now, not 3"
+    out = _grow_job(tmp_path, "localhost:3\n", "localhost:2\n", np_=3,
+                    resize_size=2, backend=backend, root=openmpi_root)
+    assert out.returncode == 0, out.stdout
+    assert (f"kerasdist: shrinking from 3 to 2 ranks: {why}; in place, at "
+            f"the ranks' next commit" in out.stdout), out.stdout
+    assert f"shrank in place to 2 rank(s) (was 3; {why}): rank(s) 2 " \
+        "left" in out.stdout, out.stdout
+    assert "rank 2 leaves the job" in out.stdout, out.stdout
+    assert "attempt 2" not in out.stdout and "exited with" not in \
+        out.stdout, out.stdout
+    assert read_json(tmp_path, "asked.json")["heard"], out.stdout
+    left = read_json(tmp_path, "left.2.json")
+    start2 = read_json(tmp_path, "start.2.json")
+    commit = left["step"]
+    assert commit % COMMIT_EVERY == 0 and commit > GROW_AT, left
+    assert (left["pid"], left["code"]) == (start2["pid"], 0), left
+    assert left["trained"] == list(range(commit)), left
+    m = worker_module()
+    at_commit = sgd(m, np.zeros(m.FEATURES), 0, commit, 3)
+    np.testing.assert_allclose(left["w"], at_commit, rtol=1e-12, atol=1e-12)
+    last = max(STEPS, commit + 6)
+    truth = sgd(m, at_commit, commit, last, 2)
+    assert not np.allclose(truth, sgd(m, np.zeros(m.FEATURES), 0, last, 3),
+                           rtol=1e-6, atol=0)
+    for rank in range(2):
+        start = read_json(tmp_path, f"start.{rank}.json")
+        end = read_json(tmp_path, f"end.{rank}.json")
+        assert (end["pid"], end["rank"], end["size"], start["size"]) == (
+            start["pid"], rank, 2, 3), (start, end)
+        # The reset callbacks ran once, at the commit; every step once.
+        assert end["resumed"] == [commit], end
+        assert end["trained"] == list(range(last)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_a_failed_shrink_in_place_falls_back_to_a_relaunch(openmpi_root,
+                                                           tmp_path):
+    # As above, but rank 1 dies in its reset callback, after the split:
+    # rank 0's sync fails, it says so in one line and ends, and under
+    # --max-restarts 1 the launcher relaunches 2 ranks, which resume from
+    # the commit on disk (step 6) and end with numpy's weights.
+    out = _grow_job(tmp_path, "localhost:3\n", "localhost:2\n", np_=3,
+                    resize_size=2, extra_args=["--max-restarts", "1"],
+                    extra_env={"RECOVERY_DIE_IN_RESET": 1},
                     root=openmpi_root)
     assert out.returncode == 0, out.stdout
-    assert "kerasdist: shrinking from 2 to 1 ranks: host localhost has 1 " \
-        "slot(s) now, not 2" in out.stdout, out.stdout
-    assert "in place" not in out.stdout, out.stdout
-    commit = (GROW_AT // COMMIT_EVERY + 1) * COMMIT_EVERY
+    lines = [line for line in out.stdout.splitlines()
+             if "shrinking in place failed: " in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "[0]<stderr>:kerasdist.elastic: shrinking in place failed: "), (
+        out.stdout)
+    assert "rank 2 leaves the job" in out.stdout, out.stdout
+    assert "kerasdist: attempt 2 of 2 on 2 rank(s) (localhost:2) (the " \
+        "last attempt ended because " in out.stdout, out.stdout
+    commit = read_json(tmp_path, "left.2.json")["step"]
     m = worker_module()
-    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
-                 commit + 6, 1)
-    end = read_json(tmp_path, "a1.end.0.json")
-    assert end["size"] == 1 and sorted(map(int, end["done_at"])) == list(
-        range(commit + 1, commit + 7)), end
-    np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                 commit + 6, 2)
+    for rank in range(2):
+        end = read_json(tmp_path, f"a1.end.{rank}.json")
+        assert end["size"] == 2 and end["trained"] == list(
+            range(commit, commit + 6)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)

@@ -11,7 +11,8 @@ with the weights numpy computes for that schedule: every example of each
 epoch once, in the epoch's order, the learning rate rescaled. And growing
 in place (PyTorch, JAX): 2 ranks grow to 3 at a commit under
 --host-discovery-script, the new rank joining at the job's position, to
-numpy's weights for 2 ranks up to the commit and 3 after."""
+numpy's weights for 2 ranks up to the commit and 3 after; and shrinking
+in place (PyTorch): 3 ranks to 2, rank 2 leaving at a commit."""
 
 import os
 
@@ -234,14 +235,15 @@ def _check_sharded(root, tmp_path, shard, backend, rtol=None, vtol=1e-8):
 GROW_AT = 1
 
 
-def _schedule_grown(m, commit):
+def _schedule_grown(m, commit, was=2, now=3):
     """The schedule [(epoch, start, end, size)] of a job grown from 2 ranks
-    to 3 at the position `commit` (epoch, batch)."""
+    to 3 (or resized from `was` to `now`) at the position `commit` (epoch,
+    batch)."""
     nb = -(-m.N // m.BATCH)
     epoch, batch = commit
-    return ([(e, 0, nb, 2) for e in range(epoch)] + [(epoch, 0, batch, 2)] +
-            [(epoch, batch, nb, 3)] +
-            [(e, 0, nb, 3) for e in range(epoch + 1, m.EPOCHS)])
+    return ([(e, 0, nb, was) for e in range(epoch)] +
+            [(epoch, 0, batch, was)] + [(epoch, batch, nb, now)] +
+            [(e, 0, nb, now) for e in range(epoch + 1, m.EPOCHS)])
 
 
 def _positions(m, schedule):
@@ -316,4 +318,76 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
         assert end["state"] == [m.EPOCHS, 0], end
         assert end["lr"] == pytest.approx(m.LR * 3), end
         np.testing.assert_allclose(end["w"], truth, rtol=RTOL[backend],
+                                   atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
+    """`model.fit` with CommitCallback and ElasticBatches shrinks from 3
+    ranks to 2 in place (PyTorch) when the discovery script lists 2
+    slots: at the next commit rank 2 exits with 0, ranks 0 and 1 keep
+    their processes and go on from the job's position there (no step
+    restored), fit's step made again and the learning rate rescaled to 2
+    ranks; every example of each epoch is trained once: numpy's weights
+    for the steps up to the commit at 3 ranks and the rest at 2."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = launch(3, worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1",
+                               "-1"),
+                 timeout=JOB_S, root=openmpi_root,
+                 launcher_args=["--recover-in-place",
+                                "--host-discovery-script", str(script),
+                                "--min-np", "2", "--max-np", "3",
+                                "--discovery-interval", "0.5"],
+                 env=rank_env(KERAS_BACKEND="torch", FIT_GROW_AT=GROW_AT,
+                              FIT_GROW_LIST=listed, FIT_GROW_TO="localhost:2"))
+    assert out.returncode == 0, out.stdout
+    why = "host localhost has 2 slot(s) now, not 3"
+    assert f"shrank in place to 2 rank(s) (was 3; {why}): rank(s) 2 " \
+        "left" in out.stdout, out.stdout
+    assert "attempt 2" not in out.stdout and "exited with" not in \
+        out.stdout, out.stdout
+    assert "ran out of data" not in out.stdout, out.stdout
+    assert read_json(tmp_path, "asked.json")["heard"], out.stdout
+    m = worker_module("elastic_fit_worker")
+    ends = [read_json(tmp_path, f"end.{rank}.json") for rank in range(2)]
+    left = read_json(tmp_path, "left.2.json")
+    commit = ends[0]["resumed"][0]
+    assert left["state"] == commit and left["code"] == 0, left
+    assert left["pid"] == read_json(tmp_path, "start.2.json")["pid"], left
+    nb = -(-m.N // m.BATCH)
+    # At the first commit after the request, before the end.
+    assert 3 * (GROW_AT + 1) <= commit[0] * nb + commit[1] and \
+        commit[0] < m.EPOCHS, commit
+    schedule = _schedule_grown(m, commit, 3, 2)
+    truth, trained = _train(m, np.zeros(m.FEATURES + 1), schedule)
+    assert sorted(trained) == [(e, i) for e in range(m.EPOCHS)
+                               for i in range(m.N)]
+    at3, _ = _train(m, np.zeros(m.FEATURES + 1),
+                    [(e, 0, nb, 3) for e in range(m.EPOCHS)])
+    assert not np.allclose(at3, truth, rtol=1e-4, atol=0)
+    positions = _positions(m, schedule)
+    after = positions.index([commit[0], commit[1], 3]) + 1 \
+        if commit[1] else [p[:2] for p in positions].index(
+            [commit[0] - 1, nb]) + 1
+    unnoted = after - 1 if commit[1] else after
+    # The one that left: the steps up to the commit, its weights then.
+    assert left["positions"] == positions[:unnoted], left
+    at_commit, _ = _train(m, np.zeros(m.FEATURES + 1), schedule[:-(
+        m.EPOCHS - commit[0])])
+    np.testing.assert_allclose(left["w"], at_commit, rtol=RTOL["torch"],
+                               atol=1e-12)
+    for rank, end in enumerate(ends):
+        start = read_json(tmp_path, f"start.{rank}.json")
+        assert (end["pid"], end["rank"], end["size"], start["size"]) == (
+            start["pid"], rank, 2, 3), (start, end)
+        assert end["resumed"] == [commit], end
+        assert end["positions"] == positions[:unnoted] + positions[after:], \
+            end
+        assert end["state"] == [m.EPOCHS, 0], end
+        assert end["lr"] == pytest.approx(m.LR * 2), end
+        np.testing.assert_allclose(end["w"], truth, rtol=RTOL["torch"],
                                    atol=1e-12)

@@ -140,15 +140,111 @@ def test_announce_grows_in_place_marker_is_the_launchers(capfdbinary,
                                                                  grows), line
 
 
-def test_watcher_shrinks_by_relaunching_even_when_it_grows_in_place(
-        tmp_path):
-    w, out, path = _grow_watcher(tmp_path, [("localhost", 2)])
-    w.np, w.hosts = 3, [("localhost", 3)]
+def _shrink_watcher(monkeypatch, tmp_path, listed, np_, hosts):
+    """A Watcher of a job of np_ ranks on `hosts` under --recover-in-place,
+    the launcher's own request writer (grow.writer), `listed` listed."""
+    class Config:
+        recover_in_place = True
+
+    monkeypatch.setenv(_rank.ELASTIC_DIR_ENV, str(tmp_path))
+    out = io.BytesIO()
+    w = resize.Watcher(lambda: listed, lambda c: (list(c), []), np_, hosts,
+                       1, np_, 1.0, job.Log(out, out), started=0.0,
+                       clock=lambda: 0.0,
+                       grow=grow.writer(Config(), ["cmd"]))
+    return w, out, os.path.join(str(tmp_path), grow.REQUEST_NAME)
+
+
+def test_watcher_shrinks_in_place_and_goes_on_at_the_new_size(
+        monkeypatch, tmp_path):
+    # 3 ranks on localhost, 2 slots listed: the request names rank 2 (the
+    # highest) as leaving, then the signal; the attempt goes on at 2.
+    w, out, path = _shrink_watcher(monkeypatch, tmp_path,
+                                   [("localhost", 2)], 3, [("localhost", 3)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc, True)
+    assert proc.signals == [signal.SIGUSR1]
+    with open(path) as f:
+        assert json.load(f) == {
+            "old_np": 3, "new_np": 2, "leave": [2],
+            "why": "host localhost has 2 slot(s) now, not 3"}
+    assert out.getvalue() == (
+        b"kerasdist: shrinking from 3 to 2 ranks: host localhost has 2 "
+        b"slot(s) now, not 3; in place, at the ranks' next commit\n")
+    assert (w.np, w.hosts, w.requested) == (2, [("localhost", 2)], None)
+
+
+def test_watcher_shrinks_in_place_keeping_the_jobs_host_order(monkeypatch,
+                                                             tmp_path):
+    # Host a left; b listed first: the ranks on b (2, 3) stay, renumbered
+    # 0 and 1, on b then c, the job's order.
+    w, out, path = _shrink_watcher(
+        monkeypatch, tmp_path, [("c", 1), ("b", 2)], 4,
+        [("a", 1), ("b", 2), ("c", 1)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc, True)
+    with open(path) as f:
+        assert json.load(f)["leave"] == [0]
+    assert (w.np, w.hosts) == (3, [("b", 2), ("c", 1)])
+
+
+def test_watcher_shrinks_by_relaunching_where_the_ranks_do_not_grow_in_place(
+        monkeypatch, tmp_path):
+    # The Trainer's ranks announce no grows=in-place: no request; the
+    # ranks are asked to stop for a relaunch at 2.
+    w, out, path = _shrink_watcher(monkeypatch, tmp_path,
+                                   [("localhost", 2)], 3, [("localhost", 3)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc, False)
+    assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
+    assert w.requested.new_np == 2
+
+
+def test_watcher_relaunches_a_shrink_that_lists_a_new_host(monkeypatch,
+                                                          tmp_path):
+    # a:2 left, b:1 listed in its place next to c:1: 2 ranks, but only
+    # one of the job's would stay; a relaunch, said in one line.
+    w, out, path = _shrink_watcher(monkeypatch, tmp_path,
+                                   [("b", 1), ("c", 1)], 3,
+                                   [("a", 2), ("c", 1)])
     proc = _Proc()
     w.poll()
     w.step(1.0, True, proc, True)
     assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
     assert w.requested.new_np == 2
+    assert out.getvalue().startswith(
+        b"kerasdist: cannot shrink in place (the ranks that stay would not "
+        b"fill the hosts listed: a host the job does not run on is "
+        b"listed); relaunching instead.\n")
+
+
+def test_grow_leavers_are_each_hosts_highest_ranks_beyond_its_slots():
+    # mpirun placed 5 ranks on a:2, b:3 as a, a, b, b, b.
+    assert grow.leavers([("a", 2), ("b", 3)], [("a", 2), ("b", 1)], 5,
+                        3) == [3, 4]
+    assert grow.leavers([("a", 2), ("b", 3)], [("a", 1), ("b", 3)], 5,
+                        4) == [1]
+    # A host no longer listed: all its ranks.
+    assert grow.leavers([("a", 2), ("b", 3)], [("b", 3)], 5, 3) == [0, 1]
+    # A host listed that the job does not run on: not in place.
+    assert grow.leavers([("a", 2), ("b", 3)], [("a", 2), ("c", 1)], 5,
+                        3) is None
+    # Slots the job did not use (-np below the hosts' slots).
+    assert grow.leavers([("a", 4)], [("a", 2)], 3, 2) == [2]
+
+
+def test_shrink_request_is_known_by_the_ranks_that_leave():
+    from kerasdist._core import shrink as rank_shrink
+
+    change = resize.Change(3, 2, [("a", 2)], "host a has 2 slot(s) now")
+    body = grow.shrink_request(change, [("a", 3)])
+    assert body["leave"] == [2] and rank_shrink.is_request(body)
+    assert not rank_shrink.is_request(grow.request(
+        resize.Change(2, 3, [("a", 3)], "why"), [("a", 2)], ["cmd"]))
+    assert not rank_shrink.is_request(None)
 
 
 def test_grow_writer_only_with_recovery_in_place_on_this_machine(

@@ -31,6 +31,10 @@ start the new rank, each rank holds its next step until its part of that
 start has ended (up to 120 s), so that the job grows at a commit in the
 middle of training, whatever the new rank's start costs. A rank that
 joined writes its files as the others (its `resumed` is empty).
+Shrinking in place: the same with FIT_GROW_TO (what rank 0 writes to
+FILE, "localhost:2" to shrink a job of 3); a rank that leaves (`run`
+raises SystemExit) writes DIR/left.<start rank>.json (pid, exit code,
+weights, positions) and exits.
 
 argv: DIR KILL_RANK KILL_STEP [SHARD]
 """
@@ -60,7 +64,7 @@ def _ask_to_grow(directory):
     for its resize request (the next commit begins to grow the job)."""
     from kerasdist._core import resize
     with open(os.environ["FIT_GROW_LIST"], "w") as f:
-        f.write("localhost:3\n")
+        f.write(os.environ.get("FIT_GROW_TO", "localhost:3") + "\n")
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -121,7 +125,7 @@ def main():
     shard = sys.argv[4] if len(sys.argv) > 4 else None
     keras.config.set_floatx("float64")
     kd.init()
-    start_rank = kd.rank()
+    start_rank, size_at_start = kd.rank(), kd.size()
     grow_at = int(os.environ.get("FIT_GROW_AT", "-1"))
     refused = _refusals(keras, kd) if shard is None and grow_at < 0 else []
     with open(os.path.join(out, f"start.{start_rank}.json"), "w") as f:
@@ -165,7 +169,8 @@ def main():
             positions.append([state.epoch, state.batch, kd.size()])
             done_at.append(time.time())
             if grow_at >= 0:
-                if (start_rank, steps[0], kd.size()) == (0, grow_at, 2):
+                if (start_rank, steps[0], kd.size()) == (0, grow_at,
+                                                         size_at_start):
                     _ask_to_grow(out)
                 _wait_for_the_new_ranks()
 
@@ -177,7 +182,16 @@ def main():
                                 state, batches,
                                 batches_per_commit=COMMIT_EVERY), Record()])
 
-    train(state)
+    try:
+        train(state)
+    except SystemExit as e:  # this rank left the job (shrinking in place)
+        kernel, bias = (np.asarray(v).ravel() for v in model.get_weights())
+        with open(os.path.join(out, f"left.{start_rank}.json"), "w") as f:
+            json.dump({"pid": os.getpid(), "code": e.code,
+                       "w": kernel.tolist() + bias.tolist(),
+                       "positions": positions,
+                       "state": [state.epoch, state.batch]}, f)
+        raise
     # Whole (gathered, every rank) where the weights are sharded.
     kernel, bias = (np.asarray(v).ravel() for v in model.get_weights())
     with open(os.path.join(out, f"end.{start_rank}.json"), "w") as f:

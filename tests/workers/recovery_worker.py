@@ -34,11 +34,18 @@ are done and at least 6 at 3 ranks (up to step 2006; in the launcher's
 first attempt: a relaunch trains to the end committed). A rank that joined
 writes its start file (rank and size of the grown job) and, at the end,
 its end file as the others (its `resumed` is empty).
+Shrinking in place: the same with RECOVERY_GROW_TO listing fewer slots and
+RECOVERY_RESIZE_SIZE (default 3) the size the job trains 6 steps at; a
+rank that leaves (`run` raises SystemExit) writes DIR/left.<start rank>.json
+(its pid, the exit code, its weights and steps) and exits. asked.json has
+"listed" (the wall time the list changed) and "at" (the request heard);
+every end file "trained" (the steps trained, in order).
 
 env: RECOVERY_STEPS (default 12), RECOVERY_COMMIT_EVERY (3),
      RECOVERY_STEP_SLEEP (seconds of compute per step, 0.05),
      RECOVERY_DIE_IN_RESET (a start rank that SIGKILLs itself in its reset
-     callback: a second failure while the others recover),
+     callback, in the first attempt: a second failure while the others
+     recover, or a failure while the job shrinks in place),
      RECOVERY_PROCESS_SET=1 (a process set of start ranks 1 and 2, given
      to kd.init(process_sets=...): each step its members sum their start
      rank + 1 over it before the job's allreduce, so a member is inside
@@ -101,13 +108,15 @@ def _ask_to_grow(directory):
     """Lists a third slot for the launcher's discovery script, then waits
     for its resize request (the next commit grows the job)."""
     from kerasdist._core import resize
+    listed = time.time()
     with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
         f.write(os.environ.get("RECOVERY_GROW_TO", "localhost:3\n"))
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)
     with open(os.path.join(directory, "asked.json"), "w") as f:
-        json.dump({"at": time.time(), "heard": resize.requested()}, f)
+        json.dump({"listed": listed, "at": time.time(),
+                   "heard": resize.requested()}, f)
 
 
 def main():
@@ -121,6 +130,7 @@ def main():
                                       else "KILL"))
     DIE_IN_RESET = int(os.environ.get("RECOVERY_DIE_IN_RESET", "-1"))
     GROW_AT = int(os.environ.get("RECOVERY_GROW_AT", "-1"))
+    RESIZE_SIZE = int(os.environ.get("RECOVERY_RESIZE_SIZE", "3"))
     with_set = os.environ.get("RECOVERY_PROCESS_SET") == "1"
     pset = {"set": kd.ProcessSet([1, 2]), "old": [1, 2], "error": None}
     kd.init(process_sets=[pset["set"]] if with_set else None)
@@ -134,10 +144,11 @@ def main():
                    "init_at": time.time()}, f)
     x, y = data()
     resumed, done_at, lost_at, reset_at, set_sums = [], {}, [], [], {}
+    trained = []
     state = elastic.ObjectState(w=np.zeros(FEATURES), step=0, end=STEPS)
 
     def on_reset():
-        if start_rank == DIE_IN_RESET:
+        if start_rank == DIE_IN_RESET and not attempt:
             os.kill(os.getpid(), signal.SIGKILL)
         resumed.append(state.step)
         reset_at.append(time.time())
@@ -194,17 +205,27 @@ def main():
             set_sum(state.step)
             g = np.asarray(allreduce(g, state.step))
             w = w - LR * g
+            trained.append(state.step)
             state.w, state.step = w.copy(), state.step + 1
             done_at[state.step] = time.time()
             if (start_rank, state.step) == (0, GROW_AT):
                 _ask_to_grow(DIR)
-            if GROW_AT >= 0 and kd.size() < 3 and state.step < 2000 and \
+            if GROW_AT >= 0 and kd.size() != RESIZE_SIZE and \
+                    state.step < 2000 and \
                     not attempt:
                 state.end = max(state.end, state.step + 6)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
 
-    train(state)
+    try:
+        train(state)
+    except SystemExit as e:  # this rank left the job (shrinking in place)
+        with open(os.path.join(DIR, f"{prefix}left.{start_rank}.json"),
+                  "w") as f:
+            json.dump({"pid": os.getpid(), "code": e.code,
+                       "w": state.w.tolist(), "step": state.step,
+                       "done_at": done_at, "trained": trained}, f)
+        raise
     with open(os.path.join(DIR, f"{prefix}end.{start_rank}.json"),
               "w") as f:
         json.dump({"pid": os.getpid(), "rank": kd.rank(), "size": kd.size(),
@@ -212,6 +233,7 @@ def main():
                    "resumed": resumed, "w": state.w.tolist(),
                    "done_at": done_at, "lost_at": lost_at,
                    "reset_at": reset_at, "set_sums": set_sums,
+                   "trained": trained,
                    "set_error": pset["error"]}, f)
     print(f"rank {start_rank} done at size {kd.size()}", flush=True)
 

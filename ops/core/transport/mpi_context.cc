@@ -169,6 +169,12 @@ void FinalizeAtExit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  // A rank that left the job (shrinking in place) ends without
+  // MPI_Finalize: with ULFM on, Open MPI's finalize first agrees with every
+  // live process of MPI_COMM_WORLD (a shrink and a barrier over it), so it
+  // would wait for the ranks that stay to end. They no longer talk to it;
+  // ULFM takes its end as a process gone, as after a lost rank.
+  if (LeftJob()) return;
   const std::string why = WhyNotFinalize();
   if (why.empty()) {
     MPI_Finalize();

@@ -145,6 +145,18 @@ Status JoinParents();
 // How many times this process's job grew in place (its joining counts, in a
 // process GrowJob started).
 int Grows();
+// Shrinking in place (mpi_grow.cc), with recovery in place on: collective
+// over the job's communicator while no runtime runs. The ranks with
+// `leave` leave the job (LeftJob() is true from then on: this process
+// runs no runtime again, and ends without MPI_Finalize, whose agreement
+// under ULFM would wait for the others' end); the others'
+// next kd.init() starts from a communicator of theirs (MPI_Comm_split,
+// in their order). MPI's error where the split fails; one that takes
+// longer than `deadline_s` ends this process with one line.
+Status ShrinkJob(bool leave, double deadline_s);
+// How many times this process's job shrank in place (this rank staying).
+int Shrinks();
+bool LeftJob();
 
 // Collective over `comm`: starts this rank's heartbeat (liveness.h) with
 // rank 0's interval and timeout (seconds); *out stays empty for one rank or

@@ -4,8 +4,12 @@
 // Open MPI's mpirun places on the hosts named) and merge the
 // intercommunicator into the job's communicator; the new processes' kd.init()
 // merges with the job that started them. The next kd.init() of every rank
-// starts from the merged communicator, as after a shrink. Built against an
-// MPI without ULFM it is only the error that says it cannot be had.
+// starts from the merged communicator, as after a shrink. Shrinking in
+// place (ShrinkJob) is the other way round, and cooperative: the ranks
+// that leave and those that stay split the job's communicator
+// (MPI_Comm_split, MPI_UNDEFINED for the leavers), and the next kd.init() of
+// those that stay starts from theirs. Built against an MPI without ULFM it
+// is only the error that says it cannot be had.
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -19,6 +23,8 @@ namespace {
 // Set for every process GrowJob starts: its rank in the grown job.
 constexpr char kGrownVariable[] = "KERASDIST_GROWN_RANK";
 int g_grows = 0;
+int g_shrinks = 0;
+bool g_left = false;
 
 #ifdef KERASDIST_ULFM
 // "key=value" lines into `info`.
@@ -153,6 +159,47 @@ Status JoinParents() {
   return Status::OK();
 }
 
+Status ShrinkJob(bool leave, double deadline_s) {
+#ifndef KERASDIST_ULFM
+  (void)leave;
+  (void)deadline_s;
+  return Status::Precondition(
+      "shrinking in place needs recovery in place (kerasdist run "
+      "--recover-in-place, on Open MPI 5)");
+#else
+  if (!RecoveryOn()) {
+    return Status::Precondition(
+        "shrinking in place needs recovery in place (kerasdist run "
+        "--recover-in-place)");
+  }
+  MPI_Comm world = JobWorld();
+  int rank = 0;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
+  MPI_Comm kept = MPI_COMM_NULL;
+  int rc = MPI_SUCCESS;
+  {
+    ReformWatch watch(deadline_s > 0 ? deadline_s : GrowDeadlineS(), rank,
+                      "shrinking in place: the ranks did not split",
+                      " (a rank lost or frozen meanwhile)");
+    rc = MPI_Comm_split(world, leave ? MPI_UNDEFINED : 0, rank, &kept);
+  }
+  if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Comm_split");
+  if (leave) {
+    g_left = true;
+  } else {
+    MPI_Comm_set_errhandler(kept, MPI_ERRORS_RETURN);
+    SetJobWorld(kept);
+    ++g_shrinks;
+  }
+  return Status::OK();
+#endif
+}
+
 int Grows() { return g_grows; }
+
+int Shrinks() { return g_shrinks; }
+
+bool LeftJob() { return g_left; }
 
 }  // namespace kerasdist::core
