@@ -61,6 +61,10 @@ namespace {
       return errors::Aborted(message);
     case core::StatusCode::kInternal:
       return errors::Internal(message);
+    // Horovod's TF elastic `run` takes UnknownError of its ops as an
+    // internal error (kerasdist/elastic.py _ranks_lost reads the text).
+    case core::StatusCode::kRanksLost:
+      return errors::Unknown(message);
   }
   return errors::Unknown(message);
 }
