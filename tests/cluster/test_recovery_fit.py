@@ -258,6 +258,26 @@ def _positions(m, schedule):
     return out
 
 
+def _resizing_fit(openmpi_root, tmp_path, np_, backend, **env):
+    """elastic_fit_worker.py at `np_` ranks on this host under
+    --recover-in-place with a discovery script listing `np_` slots (the
+    worker lists others at step GROW_AT), between 2 and 3 ranks."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text(f"localhost:{np_}\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return launch(np_, worker_cmd("elastic_fit_worker.py", str(tmp_path),
+                                  "-1", "-1"),
+                  timeout=JOB_S, root=openmpi_root,
+                  launcher_args=["--recover-in-place",
+                                 "--host-discovery-script", str(script),
+                                 "--min-np", "2", "--max-np", "3",
+                                 "--discovery-interval", "0.5"],
+                  env=rank_env(KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
+                               FIT_GROW_LIST=listed, **env))
+
+
 @pytest.mark.timeout(JOB_S + 60)
 # PyTorch and JAX (its step jitted: traced again at 3 on the ranks that
 # were there). TensorFlow passed by hand (173 s here with its op
@@ -272,21 +292,8 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
     rescaled to 3 ranks, fit's step made again for 3 ranks; every example
     of each epoch is trained once: numpy's weights for the steps up to the
     commit at 2 ranks and the rest at 3."""
-    listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    out = launch(2, worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1",
-                               "-1"),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place",
-                                "--host-discovery-script", str(script),
-                                "--min-np", "2", "--max-np", "3",
-                                "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
-                              FIT_GROW_LIST=listed,
-                              KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120))
+    out = _resizing_fit(openmpi_root, tmp_path, 2, backend,
+                        KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
     why = "host localhost has 3 slot(s) now, not 2"
     ends = grown_ends(out, tmp_path, why)
     assert "ran out of data" not in out.stdout, out.stdout
@@ -330,20 +337,8 @@ def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
     restored), fit's step made again and the learning rate rescaled to 2
     ranks; every example of each epoch is trained once: numpy's weights
     for the steps up to the commit at 3 ranks and the rest at 2."""
-    listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    out = launch(3, worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1",
-                               "-1"),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place",
-                                "--host-discovery-script", str(script),
-                                "--min-np", "2", "--max-np", "3",
-                                "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND="torch", FIT_GROW_AT=GROW_AT,
-                              FIT_GROW_LIST=listed, FIT_GROW_TO="localhost:2"))
+    out = _resizing_fit(openmpi_root, tmp_path, 3, "torch",
+                        FIT_GROW_TO="localhost:2")
     assert out.returncode == 0, out.stdout
     why = "host localhost has 2 slot(s) now, not 3"
     assert f"shrank in place to 2 rank(s) (was 3; {why}): rank(s) 2 " \
