@@ -58,6 +58,29 @@ def _nbytes(variable):
         str(variable.dtype).replace("torch.", ""))
 
 
+class _UpdateGroups:
+    """The bounds [start, stop) of the groups of `variables` (in order)
+    that `DistributedBase._backend_update_step` updates one call each:
+    each closes once it holds UPDATE_BYTES or more, the last at the end.
+    Computed once for a list of variables (the same every step). A plain
+    object: Keras' optimizer tracks lists and tuples set on it, and would
+    take these variables for its own."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        self.bounds, start, size = [], 0, 0
+        for i, v in enumerate(self.variables):
+            size += _nbytes(v)
+            if size >= UPDATE_BYTES or i == len(self.variables) - 1:
+                self.bounds.append((start, i + 1))
+                start, size = i + 1, 0
+
+    def of(self, variables):
+        """Whether these groups are those of `variables`."""
+        return len(variables) == len(self.variables) and all(
+            a is b for a, b in zip(variables, self.variables))
+
+
 def _large_blocks_from_mmap():
     """Has glibc return a step's large freed blocks at once
     (kerasdist.keras.sharding.weights.return_large_blocks): PyTorch's
@@ -119,15 +142,17 @@ class DistributedBase:
         # whole model); in groups the temporaries are one group's. Every
         # backend's update is per variable, so the groups change nothing
         # else.
+        # The groups are computed once per list of variables (the same
+        # list every step), not at every step.
         grads, variables = list(grads), list(trainable_variables)
-        start, size = 0, 0
-        for i, v in enumerate(variables):
-            size += _nbytes(v)
-            if size >= UPDATE_BYTES or i == len(variables) - 1:
-                super()._backend_update_step(grads[start:i + 1],
-                                             variables[start:i + 1],
-                                             learning_rate)
-                start, size = i + 1, 0
+        groups = getattr(self, "_kerasdist_update_groups", None)
+        if groups is None or not groups.of(variables):
+            groups = _UpdateGroups(variables)
+            self._kerasdist_update_groups = groups
+        for start, stop in groups.bounds:
+            super()._backend_update_step(grads[start:stop],
+                                         variables[start:stop],
+                                         learning_rate)
 
 
 class ReplicatedStep(DistributedBase):
