@@ -16,9 +16,10 @@ ranks agree on the launcher's resize request (State.check_host_updates):
   leave: ops/core/transport/mpi_grow.cc); a rank that leaves says so in
   one line and ends with exit code 0 (SystemExit(0)); the others start the
   runtime on the job without them (new `kd.size()` and `kd.rank()`, in
-  their order), run the state's reset callbacks and sync the state, and
-  train on from the commit they all just made: nothing is restored and no
-  step is lost or trained twice.
+  their order), restore the commit they all just made (the same values;
+  a sharded state laid out over them, the leavers' shards from their
+  buddies' copies), run the state's reset callbacks, sync the state, and
+  train on from that commit: no step is lost or trained twice.
 
 A failure on the way (a rank lost during the split) ends the rank with one
 line: the launcher's relaunch resumes from the last commit on disk.
@@ -109,6 +110,12 @@ def finish(state, log):
         raise SystemExit(0)
 
     def reset():
+        # The commit just made, restored: the same values, and a sharded
+        # state's shards (the optimizer's, the model's weights') laid out
+        # over the ranks that stay, the leavers' from their buddies'
+        # copies (kerasdist/keras/sharding/buddies.py), as after a lost
+        # rank.
+        state.restore()
         state.on_reset()
         state.sync()
 

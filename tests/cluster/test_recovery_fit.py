@@ -258,8 +258,10 @@ def _positions(m, schedule):
     return out
 
 
-def _resizing_fit(openmpi_root, tmp_path, np_, backend, **env):
-    """elastic_fit_worker.py at `np_` ranks on this host under
+def _resizing_fit(openmpi_root, tmp_path, np_, backend, shard=None,
+                  **env):
+    """elastic_fit_worker.py at `np_` ranks on this host (with
+    DistributedOptimizer(shard=`shard`) where given) under
     --recover-in-place with a discovery script listing `np_` slots (the
     worker lists others at step GROW_AT), between 2 and 3 ranks."""
     listed = tmp_path / "hosts.txt"
@@ -268,7 +270,7 @@ def _resizing_fit(openmpi_root, tmp_path, np_, backend, **env):
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
     return launch(np_, worker_cmd("elastic_fit_worker.py", str(tmp_path),
-                                  "-1", "-1"),
+                                  "-1", "-1", *([shard] if shard else [])),
                   timeout=JOB_S, root=openmpi_root,
                   launcher_args=["--recover-in-place",
                                  "--host-discovery-script", str(script),
@@ -329,15 +331,21 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
 
 
 @pytest.mark.timeout(JOB_S + 60)
-def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
+# PyTorch replicated; JAX with shard="gradients" (SGD with momentum):
+# rank 2's shard of the momentum comes from its buddy's copy on rank 0.
+@pytest.mark.parametrize("backend,shard", [("torch", None),
+                                           ("jax", "gradients")])
+def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path,
+                                              backend, shard):
     """`model.fit` with CommitCallback and ElasticBatches shrinks from 3
-    ranks to 2 in place (PyTorch) when the discovery script lists 2
-    slots: at the next commit rank 2 exits with 0, ranks 0 and 1 keep
-    their processes and go on from the job's position there (no step
-    restored), fit's step made again and the learning rate rescaled to 2
-    ranks; every example of each epoch is trained once: numpy's weights
-    for the steps up to the commit at 3 ranks and the rest at 2."""
-    out = _resizing_fit(openmpi_root, tmp_path, 3, "torch",
+    ranks to 2 in place when the discovery script lists 2 slots: at the
+    next commit rank 2 exits with 0, ranks 0 and 1 keep their processes
+    and go on from the job's position there (no step lost), fit's step
+    made again and the learning rate rescaled to 2 ranks, a sharded
+    optimizer's state laid out over the 2; every example of each epoch
+    is trained once: numpy's weights for the steps up to the commit at 3
+    ranks and the rest at 2."""
+    out = _resizing_fit(openmpi_root, tmp_path, 3, backend, shard,
                         FIT_GROW_TO="localhost:2")
     assert out.returncode == 0, out.stdout
     why = "host localhost has 2 slot(s) now, not 3"
@@ -358,11 +366,13 @@ def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
     assert 3 * (GROW_AT + 1) <= commit[0] * nb + commit[1] and \
         commit[0] < m.EPOCHS, commit
     schedule = _schedule_grown(m, commit, 3, 2)
-    truth, trained = _train(m, np.zeros(m.FEATURES + 1), schedule)
+    momentum = m.MOMENTUM if shard else 0.0
+    truth, trained = _train(m, np.zeros(m.FEATURES + 1), schedule,
+                            momentum)[:2]
     assert sorted(trained) == [(e, i) for e in range(m.EPOCHS)
                                for i in range(m.N)]
-    at3, _ = _train(m, np.zeros(m.FEATURES + 1),
-                    [(e, 0, nb, 3) for e in range(m.EPOCHS)])
+    at3 = _train(m, np.zeros(m.FEATURES + 1),
+                 [(e, 0, nb, 3) for e in range(m.EPOCHS)], momentum)[0]
     assert not np.allclose(at3, truth, rtol=1e-4, atol=0)
     positions = _positions(m, schedule)
     after = positions.index([commit[0], commit[1], 3]) + 1 \
@@ -371,9 +381,9 @@ def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
     unnoted = after - 1 if commit[1] else after
     # The one that left: the steps up to the commit, its weights then.
     assert left["positions"] == positions[:unnoted], left
-    at_commit, _ = _train(m, np.zeros(m.FEATURES + 1), schedule[:-(
-        m.EPOCHS - commit[0])])
-    np.testing.assert_allclose(left["w"], at_commit, rtol=RTOL["torch"],
+    at_commit = _train(m, np.zeros(m.FEATURES + 1), schedule[:-(
+        m.EPOCHS - commit[0])], momentum)[0]
+    np.testing.assert_allclose(left["w"], at_commit, rtol=RTOL[backend],
                                atol=1e-12)
     for rank, end in enumerate(ends):
         start = read_json(tmp_path, f"start.{rank}.json")
@@ -384,5 +394,5 @@ def test_commit_callback_fit_shrinks_in_place(openmpi_root, tmp_path):
             end
         assert end["state"] == [m.EPOCHS, 0], end
         assert end["lr"] == pytest.approx(m.LR * 2), end
-        np.testing.assert_allclose(end["w"], truth, rtol=RTOL["torch"],
+        np.testing.assert_allclose(end["w"], truth, rtol=RTOL[backend],
                                    atol=1e-12)
