@@ -401,8 +401,23 @@ class State:
         # starts the new ranks in the background; without one the job
         # stops for a relaunch.
         body = _grow.request()
-        if _shrink.take(body) or not _grow.begin(body):
+        if _shrink.take(body):
             raise HostsUpdatedInterrupt(False)
+        if _grow.is_request(body) and self._holds_shards():
+            # The new ranks would need their pieces of every shard, which
+            # the broadcast that syncs them does not give: a relaunch at
+            # the new size from this commit (its shard files).
+            if _rank() == 0:
+                _log("cannot grow in place with sharded state (shard=) "
+                     "yet; relaunching at the new size from this commit")
+            raise HostsUpdatedInterrupt(False)
+        if not _grow.begin(body):
+            raise HostsUpdatedInterrupt(False)
+
+    def _holds_shards(self):
+        """Whether this state commits a sharded optimizer's shards (and
+        sharded weights): KerasState's."""
+        return False
 
     def save(self):
         """Saves the state in memory."""
@@ -614,6 +629,9 @@ class TensorFlowKerasState(_VariablesState):
         # by each rank itself (_ShardCommits).
         self._shards = _ShardCommits(self.optimizer, model)
         super().__init__(**kwargs)
+
+    def _holds_shards(self):
+        return self._shards.sharded()
 
     def _variables(self):
         # Not the shards of sharded weights (kerasdist.shard_weights):

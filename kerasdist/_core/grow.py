@@ -131,13 +131,19 @@ def request():
 _grow = {"thread": None}
 
 
+def is_request(body):
+    """Whether the in-place request `body` (request()'s) asks to grow: it
+    names the ranks to start."""
+    return isinstance(body, dict) and bool(body.get("ranks"))
+
+
 def begin(body):
     """Every rank, at the commit where the ranks agreed on a resize
     request (`body`: request()'s): starts growing as the launcher's
     request asks, in the background (the ranks go on training meanwhile);
     False where there is no grow request (the job then stops for a
     relaunch, or shrinks in place)."""
-    if body is None or not body.get("ranks"):
+    if not is_request(body):
         return False
     ranks = [(r["argv"], r.get("info", [])) for r in body["ranks"]] \
         if basics.rank() == 0 else []

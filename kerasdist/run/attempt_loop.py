@@ -172,7 +172,8 @@ class _Loop:
             # What MPICH's dead ranks left in /dev/shm on this host.
             shm.remove_orphans(began_at - 1.0)
         if outcome.resized:
-            self.announced = watcher.requested.new_np
+            self.announced = (watcher.requested or
+                              watcher.in_place).new_np
         return outcome
 
     def announce(self, attempt, np_, hosts):

@@ -594,7 +594,10 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
     for relay in relays:
         relay.join(timeout=5.0)
     log.end_line()
-    resize = None if watcher is None else watcher.requested
+    # The ranks stopped for the resize asked, or declined one asked in
+    # place (every rank of the size before it stopped for a relaunch).
+    resize = None if watcher is None else (watcher.requested or
+                                           watcher.in_place)
     if resize is not None and stopper.reason is None and \
             findings.only_resize_exits() and \
             len(findings.ranks_failed()) == resize.old_np:
@@ -710,7 +713,8 @@ class _Stopper:
     def _resizing(self, now):
         """Whether only ranks asked to stop for a resize have exited, with
         the resize code, and the rest still has time to follow."""
-        if self.watcher is None or self.watcher.requested is None or \
+        if self.watcher is None or (self.watcher.requested or
+                                    self.watcher.in_place) is None or \
                 not self.findings.only_resize_exits():
             return False
         self.resize_exit_at = self.resize_exit_at or now

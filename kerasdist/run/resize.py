@@ -130,6 +130,9 @@ class Watcher:
         self.change_seen = None  # when it was first seen
         self.requested = None  # the Change the ranks were asked for
         self.requested_at = None
+        # The Change last asked for in place: the ranks may still decline
+        # it (a grow with sharded state) and stop for a relaunch.
+        self.in_place = None
         self._said = set()  # one-off lines already printed
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -254,6 +257,7 @@ class Watcher:
         with self._lock:
             self.np, self.hosts = change.new_np, hosts
             self.change = self.change_seen = None
+            self.in_place = change
         return True
 
 

@@ -331,6 +331,30 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
 
 
 @pytest.mark.timeout(JOB_S + 60)
+def test_sharded_fit_grows_by_a_relaunch(openmpi_root, tmp_path):
+    """A grow asked in place of a job with a sharded optimizer (JAX,
+    shard="gradients"): its new ranks would need their pieces of every
+    shard, so the ranks decline it at the commit with one line and stop,
+    and the launcher relaunches at 3 from that commit on disk: numpy's
+    weights for the steps up to it at 2 ranks and the rest at 3."""
+    out = _resizing_fit(openmpi_root, tmp_path, 2, "jax", "gradients")
+    assert out.returncode == 0, out.stdout
+    assert "cannot grow in place with sharded state (shard=) yet; " \
+        "relaunching at the new size from this commit" in out.stdout, \
+        out.stdout
+    assert "grew in place" not in out.stdout, out.stdout
+    m = worker_module("elastic_fit_worker")
+    ends = [read_json(tmp_path, f"end.{rank}.json") for rank in range(3)]
+    commit = ends[0]["resumed"][0]
+    truth = _train(m, np.zeros(m.FEATURES + 1), _schedule_grown(m, commit),
+                   m.MOMENTUM)[0]
+    for end in ends:
+        assert end["size"] == 3, end
+        np.testing.assert_allclose(end["w"], truth, rtol=RTOL["jax"],
+                                   atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
 # PyTorch replicated; JAX with shard="gradients" (SGD with momentum):
 # rank 2's shard of the momentum comes from its buddy's copy on rank 0.
 @pytest.mark.parametrize("backend,shard", [("torch", None),

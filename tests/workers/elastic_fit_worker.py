@@ -169,8 +169,10 @@ def main():
             positions.append([state.epoch, state.batch, kd.size()])
             done_at.append(time.time())
             if grow_at >= 0:
-                if (start_rank, steps[0], kd.size()) == (0, grow_at,
-                                                         size_at_start):
+                # In the first attempt only (a relaunch lists no more).
+                if (start_rank, steps[0], kd.size()) == (
+                        0, grow_at, size_at_start) and os.environ.get(
+                        "KERASDIST_RESTART_ATTEMPT", "0") == "0":
                     _ask_to_grow(out)
                 _wait_for_the_new_ranks()
 
