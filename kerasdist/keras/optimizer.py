@@ -4,9 +4,8 @@ written once for every Keras backend.
 Where the allreduce goes. On Keras 3 every path that updates weights goes
 through `Optimizer.apply(grads, trainable_variables)`:
 
-- `model.fit` (TF trainer `train_step`) calls `apply_gradients`, which calls
-  `apply`;
-- custom loops call `apply_gradients` or `apply`;
+- `model.fit` (TF trainer `train_step`) and custom loops call
+  `apply_gradients` (which calls `apply`) or `apply`;
 - `LossScaleOptimizer.apply` checks finiteness and calls its inner
   optimizer's `apply`;
 - Keras' JAX train step calls `stateless_apply` (which calls `apply`,
@@ -31,10 +30,9 @@ is an instance of that class and saves under its name.
 
 The reduction (`kerasdist.keras.reduction`, written once) runs on the
 Keras backend's own tensors through the backend's `KerasFramework`
-(`kerasdist.keras.framework.get()`, from the framework's own package): TF
-ops on TensorFlow, `kerasdist.jax`'s XLA custom calls inside JAX's jitted
-step, `kerasdist.torch`'s custom ops in PyTorch's eager step. Nothing here
-asks which framework runs.
+(`kerasdist.keras.framework.get()`): TF ops on TensorFlow, XLA custom
+calls in JAX's jitted step, `kerasdist.torch`'s custom ops in PyTorch's
+eager step. Nothing here asks which framework runs.
 """
 
 import sys
@@ -445,6 +443,9 @@ def _adopt_loss_scale_optimizer(wrapper, inner):
         return
     if getattr(wrapper, "inner_optimizer", None) is not inner:
         return
+    # No backprop hooks releasing the gradients it unscales (sharding).
+    inner._kerasdist_loss_scaled = True
+    restart_overlap(inner)
     base = type(wrapper)
     if getattr(base, "_kerasdist_synced", False):
         return

@@ -12,6 +12,7 @@ from kerasdist._core import capi
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.reduction import source_label
 from kerasdist.torch import _overlap
+from kerasdist.torch import _shard_overlap
 from kerasdist.torch import collectives as _torch_collectives
 
 
@@ -41,13 +42,55 @@ class Overlap:
 
     def __init__(self):
         self.buckets = None
+        self.shards = None
 
     def reset(self):
-        """Removes the hooks: the next `take` installs them again, for
-        the backward pass after it (as at the first step)."""
+        """Removes the hooks: the next `take` (or `take_shards`) installs
+        them again, for the backward pass after it (as at the first
+        step)."""
         if self.buckets is not None:
             self.buckets.remove()
             self.buckets = None
+        if self.shards is not None:
+            self.shards.remove()
+            self.shards = None
+
+    def take_shards(self, grads, variables, layout, settings):
+        """The sharded optimizer's (`kerasdist.keras.sharding.optimizer`):
+        what the hooks reduce-scattered of `grads` (one per variable of
+        `layout`, None where a variable has none) during backprop, as
+        `(shards, rest)`: `shards` holds this rank's reduced shard where
+        the hooks served, `rest` the indices the optimizer reduce-scatters
+        synchronously (all of them at first). Installed at the first call
+        (or when the variables or the layout change), to act from the
+        next backward pass on, where they can serve: several ranks, not
+        inside `torch.compile`, one backward pass a step, and gradients
+        that are the variables' `.grad` (Keras' torch `fit`, or a loop
+        that calls `loss.backward()` then `apply` with them)."""
+        everything = [i for i, g in enumerate(grads) if g is not None]
+        shards = self.shards
+        key = (tuple(id(v) for v in variables), id(layout))
+        if torch.compiler.is_compiling():
+            if shards is not None:
+                shards.drain()
+            return [None] * len(grads), everything
+        if shards is not None and shards.key != key:
+            shards.remove()
+            shards = self.shards = None
+        if shards is None:
+            self.shards = _install_shards(grads, variables, key, layout,
+                                          settings)
+            return [None] * len(grads), everything
+        return shards.collect(grads)
+
+    def install_shards(self, variables, layout, settings):
+        """Installs the sharded optimizer's hooks when it is built, before
+        the first backward pass (`model.fit` builds it first): so the
+        first step releases the whole gradients too (see `take_shards`)."""
+        if self.shards is None and not torch.compiler.is_compiling():
+            self.shards = _install_shards(
+                None, variables, (tuple(id(v) for v in variables),
+                                  id(layout)), layout, settings)
 
     def take(self, grads, variables, prefix, compression, op, predivide,
              bucket_bytes):
@@ -107,6 +150,31 @@ def _install(grads, variables, key, prefix, compression, op, predivide,
         compression, capi.current_process_set())
     buckets.key, buckets.where = key, where
     return buckets
+
+
+def _install_shards(grads, variables, key, layout, settings):
+    """The ShardBuckets for a sharded optimizer's variables, or None where
+    hooks cannot serve (see `Overlap.take_shards`); `grads` None: at
+    build, before any gradient."""
+    from kerasdist.keras.compression import Compression
+
+    params = [v.value for v in variables]
+    if grads is None:  # at build: every trainable parameter
+        grads = [p if p.requires_grad else None for p in params]
+    elif not all(g is None or (g is p.grad and p.is_leaf)
+                 for g, p in zip(grads, params)):
+        return None
+    if (layout.size == 1 or settings.backward_passes_per_step > 1
+            or not all(p.is_leaf for p in params)
+            or not any(g is not None for g in grads)):
+        return None
+    shards = _shard_overlap.ShardBuckets(
+        [p if g is not None else None for g, p in zip(grads, params)],
+        layout, settings.prefix, settings.compression or Compression.none,
+        settings.op, settings.gradient_predivide_factor,
+        settings.process_set_id, release=settings.shard == "gradients")
+    shards.key = key
+    return shards
 
 
 FRAMEWORK = Torch()

@@ -136,6 +136,47 @@ def start_grouped_allreduce(xs, name, op, prescale=1.0, postscale=1.0,
                             float(postscale), process_set)
 
 
+class PendingReducescatter:
+    """A reducescatter of a 2-D torch tensor (one row a rank) enqueued in
+    the core and not yet waited for: `done()` says whether it finished,
+    `wait()` returns this rank's row, flat. The input is kept alive (the
+    core reads it in place) until then."""
+
+    def __init__(self, x, name, op, prescale, postscale, process_set):
+        _host_only(x, "reducescatter")
+        self._input = x.contiguous()
+        self._handle = _start(_capi.OP_REDUCESCATTER, name, self._input,
+                              None, reduce_op=op, prescale=prescale,
+                              postscale=postscale, process_set=process_set)
+
+    def done(self):
+        """Whether the core has finished it (never blocks; a failure is
+        raised by `wait`)."""
+        try:
+            self._handle.wait(timeout=0)
+        except TimeoutError:
+            return False
+        except _capi.KerasdistError:
+            pass
+        return True
+
+    def wait(self):
+        try:
+            self._handle.wait()
+            return _owned(self._handle, self._input).reshape(-1)
+        finally:
+            self._input = None
+
+
+def start_reducescatter(x, name, op, prescale=1.0, postscale=1.0,
+                        process_set=None):
+    """Enqueues a reducescatter of `x` (rows: one per rank) without
+    waiting for it (the sharded optimizer's overlap); returns a
+    `PendingReducescatter`."""
+    return PendingReducescatter(x, name, int(op), float(prescale),
+                                float(postscale), process_set)
+
+
 @torch.library.custom_op("kerasdist::grouped_allreduce", mutates_args=())
 def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
              postscale: float) -> list[torch.Tensor]:

@@ -1318,6 +1318,86 @@ def shard_gradients_released():
         assert all((g is not None) == kept for g in grads), (shard, grads)
 
 
+@check("shard_reduce_scatter_in_backprop", groups=("torch",))
+def shard_reduce_scatter_in_backprop():
+    """PyTorch: from the second step on, the sharded optimizer's
+    reduce-scatters start from autograd hooks, each bucket as backprop
+    makes its last gradient; with shard="gradients" the hooks drop the
+    whole `.grad` as they go (None after backward) and apply takes the
+    shards: one process's weights, in fit and in a custom loop. A second
+    backward pass, or other gradients than `.grad`, after the release
+    fail with one error each; "optimizer_state" keeps `.grad`, and a
+    gradient changed in place goes through the synchronous path."""
+    import torch
+
+    def refused(make, words, error=ValueError):
+        try:
+            make()
+        except error as e:
+            assert all(w in str(e) for w in words), (words, e)
+        else:
+            raise AssertionError(f"accepted: {words}")
+
+    x, y = data()
+    for shard in ("gradients", "optimizer_state"):
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5),
+                                      shard=shard, **TINY_BUCKETS)
+        check_shard(f"backprop {shard}", lambda: keras.optimizers.SGD(
+            0.1, momentum=0.5), shard=shard, **TINY_BUCKETS)
+        model = dense_model()
+        variables = model.trainable_variables
+        truth = truth_fit(dense_model(), keras.optimizers.SGD(
+            0.1, momentum=0.5), x, y, N * B)
+        xs, ys = my_part(x), my_part(y)
+        for s in range(STEPS):
+            for v in variables:
+                v.value.grad = None
+            xb = torch.as_tensor(xs[s * B:(s + 1) * B])
+            yb = torch.as_tensor(ys[s * B:(s + 1) * B])
+            torch.mean((model(xb) - yb) ** 2).backward()
+            grads = [v.value.grad for v in variables]
+            if s and shard == "gradients":
+                assert all(g is None for g in grads), s
+            if s == STEPS - 1 and shard == "optimizer_state":
+                grads[0].mul_(1.0)  # a new version: reduced again
+            opt.apply(grads, variables)
+        got = [keras.ops.convert_to_numpy(v) for v in variables]
+        assert_close(got, truth, f"backprop {shard}: custom loop")
+        ev = opt._kerasdist_overlap.shards.last_events
+        want = ("collect", (0,)) if shard == "optimizer_state" else (
+            "collect", ())
+        assert ev[-1] == want, ev
+        starts = [e for e in ev if e[0] == "start"]
+        assert len(starts) == 3, ev
+        last_grad = max(i for i, e in enumerate(ev) if e[0] == "grad")
+        assert ev.index(starts[0]) < last_grad, ev
+    # A LossScaleOptimizer unscales its own copies: no release, the
+    # loss scale's truth.
+    check_shard("backprop gradients: loss scale",
+                      lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                      shard="gradients", wrap=lambda o: keras.optimizers.
+                      LossScaleOptimizer(o, initial_scale=2.0**10),
+                      **TINY_BUCKETS)
+    # After the release: a second backward pass, other gradients.
+    xb, yb = torch.as_tensor(x[:B]), torch.as_tensor(y[:B])
+    model = dense_model()
+    opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                  shard="gradients")
+    variables = model.trainable_variables
+    for _ in range(2):  # the first step installs the hooks
+        torch.mean((model(xb) - yb) ** 2).backward()
+        opt.apply([v.value.grad for v in variables], variables)
+    torch.mean((model(xb) - yb) ** 2).backward()
+    refused(lambda: torch.mean((model(xb) - yb) ** 2).backward(),
+            ["second backward pass", "backward_passes_per_step"],
+            RuntimeError)
+    for v in variables:
+        v.value.grad = None
+    torch.mean((model(xb) - yb) ** 2).backward()
+    refused(lambda: opt.apply([torch.ones_like(v.value) for v in variables],
+                              variables), ["other gradients", "None"])
+
+
 @check("shard_save_model_model_checkpoint_any_size")
 def shard_save_model_model_checkpoint_any_size():
     """A sharded fit's files (kd.callbacks.ModelCheckpoint, kd.save_model)

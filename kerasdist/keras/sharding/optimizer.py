@@ -94,6 +94,12 @@ class ShardedStep(DistributedBase):
                                            framework)
         super().build(shadows)
         _summary.install()
+        overlap = self._kerasdist_overlap if settings.overlap else None
+        if (overlap is not None and not weights
+                and not getattr(self, "_kerasdist_loss_scaled", False)):
+            # PyTorch: the backward's hooks from the first step on.
+            overlap.install_shards(variables, self._kerasdist_shard.layout,
+                                   settings)
         if settings.backward_passes_per_step > 1:
             # The local sums are of the whole gradients.
             self._kerasdist_accum = framework.accumulators(variables)
@@ -212,9 +218,18 @@ class ShardedStep(DistributedBase):
             rest = list(grads)
             for i in local:
                 rest[i] = None
+            # PyTorch: what the backward's hooks reduce-scattered (and,
+            # with shard="gradients", released); the rest here.
+            early = self._kerasdist_backprop_shards(rest, local)
+            for i, shard in enumerate(early):
+                if shard is not None:
+                    rest[i] = None
             chunks = _step.scatter(
                 framework, layout, rest, settings.prefix, compression,
                 settings.op, settings.gradient_predivide_factor)
+            for i, shard in enumerate(early):
+                if shard is not None:
+                    chunks[i] = shard
             for i in local:
                 chunks[i] = _step.own_shard(
                     ops, framework.dense(grads[i]), layout.numels[i],
@@ -238,6 +253,24 @@ class ShardedStep(DistributedBase):
             for v in state.variables:
                 if v.constraint is not None:
                     v.assign(v.constraint(v))
+
+    def _kerasdist_backprop_shards(self, grads, local):
+        """This rank's shards that PyTorch's backward hooks reduced, one
+        per variable (None where they did not: the synchronous step
+        reduces those); all None elsewhere."""
+        settings = self._kerasdist_settings
+        overlap = self._kerasdist_overlap if settings.overlap else None
+        if overlap is None or local:
+            return [None] * len(grads)
+        state = self._kerasdist_shard
+        if getattr(self, "_kerasdist_loss_scaled", False):
+            # A LossScaleOptimizer hands on its own (unscaled) copies of
+            # the gradients: no hooks (kerasdist.keras.optimizer's
+            # `_adopt_loss_scale_optimizer` removed them).
+            return [None] * len(grads)
+        shards, _ = overlap.take_shards(grads, state.variables,
+                                        state.layout, settings)
+        return shards
 
     def stateless_apply(self, optimizer_variables, grads,
                         trainable_variables):
