@@ -403,21 +403,22 @@ class State:
         body = _grow.request()
         if _shrink.take(body):
             raise HostsUpdatedInterrupt(False)
-        if _grow.is_request(body) and self._holds_shards():
-            # The new ranks would need their pieces of every shard, which
-            # the broadcast that syncs them does not give: a relaunch at
-            # the new size from this commit (its shard files).
-            if _rank() == 0:
-                _log("cannot grow in place with sharded state (shard=) "
-                     "yet; relaunching at the new size from this commit")
-            raise HostsUpdatedInterrupt(False)
+        if _grow.is_request(body):
+            why = self._cannot_grow()
+            if why:
+                # A relaunch at the new size from this commit (its files).
+                if _rank() == 0:
+                    _log(f"cannot grow in place: {why}; relaunching at "
+                         f"the new size from this commit")
+                raise HostsUpdatedInterrupt(False)
         if not _grow.begin(body):
             raise HostsUpdatedInterrupt(False)
 
-    def _holds_shards(self):
-        """Whether this state commits a sharded optimizer's shards (and
-        sharded weights): KerasState's."""
-        return False
+    def _cannot_grow(self):
+        """Why this state cannot grow in place (one phrase, the same on
+        every rank), or None: KerasState's sharded optimizer laid out
+        over other ranks than the job's."""
+        return None
 
     def save(self):
         """Saves the state in memory."""
@@ -630,8 +631,15 @@ class TensorFlowKerasState(_VariablesState):
         self._shards = _ShardCommits(self.optimizer, model)
         super().__init__(**kwargs)
 
-    def _holds_shards(self):
-        return self._shards.sharded()
+    def _cannot_grow(self):
+        # A sharded optimizer grows in place with the job (its shards laid
+        # out again at the new size, `_ShardCommits.grow`) only where it
+        # is laid out over the whole job (not a process set).
+        if self._shards.sharded() and _buddies.resized(self.optimizer):
+            return ("the sharded optimizer (shard=) is laid out over "
+                    f"{_optimizer.shard_state(self.optimizer).layout.size} "
+                    f"of the job's {basics.size()} ranks")
+        return None
 
     def _variables(self):
         # Not the shards of sharded weights (kerasdist.shard_weights):
@@ -652,6 +660,10 @@ class TensorFlowKerasState(_VariablesState):
         super().restore()
 
     def sync(self):
+        # After a grow in place: the commit's shards laid out over the
+        # grown job first (the old ranks' optimizer is built again at the
+        # new size), then the variables every rank shares by broadcast.
+        self._shards.grow()
         super().sync()
         self._shards.protect()
 
@@ -1095,6 +1107,28 @@ class _ShardCommits:
                 self.copies is None or self.copies.copy is None or
                 self.copies.size != basics.size()):
             self.save()
+
+    def grow(self):
+        """Every rank at a sync: where the job grew in place (an old
+        rank's shards laid out for fewer ranks than the job now has; the
+        ranks agree on it in one small allreduce), the last commit's
+        shards re-partitioned over the grown job, the new ranks receiving
+        theirs from the old (`buddies.grow`); nothing elsewhere."""
+        if not self.sharded() or basics.size() == 1:
+            return
+        from kerasdist._core import host as _host
+        flag = np.array([1 if _buddies.resized(self.optimizer) else 0],
+                        np.int64)
+        flag = _host.host_allreduce(flag, basics.Max,
+                                    "kerasdist.elastic.shards_grown")
+        if int(flag[0]):
+            self.copies = _buddies.grow(self.optimizer, self.copies,
+                                        self.model)
+            self.values = self.copies.values
+            # The shard files' names go on as the old ranks' (a commit's
+            # stem is the same on every rank; rank 0 is an old rank).
+            self._nonce, self._count, self._stems = _broadcast_object(
+                (self._nonce, self._count, self._stems))
 
     def restore(self):
         if self.sharded() and _buddies.resized(self.optimizer):
