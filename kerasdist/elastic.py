@@ -45,10 +45,12 @@ state to a file that the next attempt starts from:
   recovery in place, a job that grows (the launcher wrote a grow request)
   grows in place instead: the ranks start the new ones, run the reset
   callbacks and sync the state to them, and go on
-  (kerasdist/_core/grow.py); one that shrinks (a shrink request naming
-  the ranks that leave) shrinks in place: at that commit the leavers exit
-  with 0 and the others split off, run the reset callbacks and go on
-  (kerasdist/_core/shrink.py).
+  (kerasdist/_core/grow.py); a sharded optimizer's commit is laid out
+  over the grown job first, the new ranks receiving their shards from
+  the old ranks' (`_ShardCommits.grow`); one that shrinks (a shrink
+  request naming the ranks that leave) shrinks in place: at that commit
+  the leavers exit with 0 and the others split off, run the reset
+  callbacks and go on (kerasdist/_core/shrink.py).
 * `HorovodInternalError` (a collective failed) ends the process with an
   error: the launcher's `--max-restarts` relaunches the job, which resumes
   from the last commit. A peer that dies ends the other ranks by itself

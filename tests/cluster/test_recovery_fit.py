@@ -11,8 +11,11 @@ with the weights numpy computes for that schedule: every example of each
 epoch once, in the epoch's order, the learning rate rescaled. And growing
 in place (PyTorch, JAX): 2 ranks grow to 3 at a commit under
 --host-discovery-script, the new rank joining at the job's position, to
-numpy's weights for 2 ranks up to the commit and 3 after; and shrinking
-in place (PyTorch): 3 ranks to 2, rank 2 leaving at a commit."""
+numpy's weights for 2 ranks up to the commit and 3 after, with a sharded
+optimizer (JAX; PyTorch with sharded weights) too, the new rank
+receiving its shard of the commit; and
+shrinking in place (PyTorch; JAX sharded): 3 ranks to 2, rank 2 leaving
+at a commit."""
 
 import os
 
@@ -330,12 +333,22 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
                                    atol=1e-12)
 
 
+# The momentum's bound: PyTorch's float32 parts of the loss leave 1.5e-8
+# of 0.2 (one run, shard="gradients"); a shard left at zero is 1e-1 off.
+ATOL_VELOCITY_GROWN = {"jax": 1e-8, "torch": 1e-7}
+
+
 @pytest.mark.timeout(JOB_S + 60)
-# JAX with shard="gradients"; shard="weights" (the model's weights laid
-# out again at 3 ranks in place) on JAX too.
-@pytest.mark.parametrize("shard", ["gradients", "weights"])
-def test_sharded_fit_grows_in_place(openmpi_root, tmp_path, shard):
-    """A job with a sharded optimizer (JAX, SGD with momentum) grows from
+# JAX with shard="gradients"; PyTorch with shard="weights" (the model's
+# weights laid out again at 3 ranks in place, new Parameters; the new
+# rank's first fit infers shapes alone: views.py gathers nothing there).
+# JAX with shard="weights" and PyTorch with shard="gradients" passed too
+# (one run each, 11 s and 22 s more of the suite).
+@pytest.mark.parametrize("backend,shard", [("jax", "gradients"),
+                                           ("torch", "weights")])
+def test_sharded_fit_grows_in_place(openmpi_root, tmp_path, backend,
+                                    shard):
+    """A job with a sharded optimizer (SGD with momentum) grows from
     2 ranks to 3 in place: ranks 0 and 1 keep their processes, rank 2
     joins at a commit holding nothing of it and receives its shard of the
     momentum (with shard="weights", of the weights too) from the old
@@ -343,7 +356,7 @@ def test_sharded_fit_grows_in_place(openmpi_root, tmp_path, shard):
     the kernel was rank 1's at 2 ranks); no relaunch. Numpy's weights and
     momentum for the steps up to the commit at 2 ranks and the rest at
     3, not those of a momentum shard left at zero."""
-    out = _resizing_fit(openmpi_root, tmp_path, 2, "jax", shard,
+    out = _resizing_fit(openmpi_root, tmp_path, 2, backend, shard,
                         KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
     why = "host localhost has 3 slot(s) now, not 2"
     ends = grown_ends(out, tmp_path, why)
@@ -368,13 +381,13 @@ def test_sharded_fit_grows_in_place(openmpi_root, tmp_path, shard):
     for end in ends:
         assert end["state"] == [m.EPOCHS, 0], end
         assert end["lr"] == pytest.approx(m.LR * 3), end
-        np.testing.assert_allclose(end["w"], truth, rtol=RTOL["jax"],
+        np.testing.assert_allclose(end["w"], truth, rtol=RTOL[backend],
                                    atol=1e-12)
     # The momentum's shards at 3 ranks (kernel: one element each; bias:
     # rank 0's), whole again.
     kernel = sum((end["slots"][0] for end in ends), [])[:m.FEATURES]
     np.testing.assert_allclose(kernel + ends[0]["slots"][1][:1], velocity,
-                               rtol=0, atol=1e-8)
+                               rtol=0, atol=ATOL_VELOCITY_GROWN[backend])
 
 
 @pytest.mark.timeout(JOB_S + 60)

@@ -34,6 +34,12 @@ cannot be: a rank and its buddy both lost, or the survivors' copies of
 different commits (a rank lost during a commit): the caller falls back to
 the relaunch from the last commit on disk.
 
+`grow`, on every rank after the job grew in place (the old ranks, whose
+optimizer is still laid out at the old size, and the new ones, which
+hold nothing of the commit): as `recover`, but every old rank is there,
+so each sends the pieces of its own committed shard and the new ranks
+only receive (their row in the agreement says they hold no commit).
+
 Used by kerasdist.elastic (`_ShardCommits`); the Trainer's recovery may
 use `commit` and `recover` alike.
 """
