@@ -1092,6 +1092,9 @@ class _ShardCommits:
         self._nonce = None
         self._count = 0
         self._stems = []  # this state's newest commits' stems, oldest first
+        # The job's size at the last commit (kd.size()): another now after
+        # a grow in place (`grow`).
+        self.job_size = None
 
     def sharded(self):
         return self.optimizer is not None and \
@@ -1100,6 +1103,7 @@ class _ShardCommits:
     def save(self):
         if self.sharded():
             self.copies = _buddies.commit(self.optimizer, self.copies)
+            self.job_size = basics.size()
             self.values = self.copies.values
 
     def protect(self):
@@ -1119,14 +1123,18 @@ class _ShardCommits:
         if not self.sharded() or basics.size() == 1:
             return
         from kerasdist._core import host as _host
-        flag = np.array([1 if _buddies.resized(self.optimizer) else 0],
-                        np.int64)
+        # An old rank: committed at another job size, its shards still
+        # laid out for it (not an optimizer on a process set).
+        grown = self.job_size not in (None, basics.size()) and \
+            _buddies.resized(self.optimizer)
+        flag = np.array([1 if grown else 0], np.int64)
         flag = _host.host_allreduce(flag, basics.Max,
                                     "kerasdist.elastic.shards_grown")
         if int(flag[0]):
             self.copies = _buddies.grow(self.optimizer, self.copies,
                                         self.model)
             self.values = self.copies.values
+            self.job_size = basics.size()
             # The shard files' names go on as the old ranks' (a commit's
             # stem is the same on every rank; rank 0 is an old rank).
             self._nonce, self._count, self._stems = _broadcast_object(
