@@ -45,10 +45,12 @@ state to a file that the next attempt starts from:
   recovery in place, a job that grows (the launcher wrote a grow request)
   grows in place instead: the ranks start the new ones, run the reset
   callbacks and sync the state to them, and go on
-  (kerasdist/_core/grow.py); one that shrinks (a shrink request naming
-  the ranks that leave) shrinks in place: at that commit the leavers exit
-  with 0 and the others split off, run the reset callbacks and go on
-  (kerasdist/_core/shrink.py).
+  (kerasdist/_core/grow.py); a sharded optimizer's commit is laid out
+  over the grown job first, the new ranks receiving their shards from
+  the old ranks' (`_ShardCommits.grow`); one that shrinks (a shrink
+  request naming the ranks that leave) shrinks in place: at that commit
+  the leavers exit with 0 and the others split off, run the reset
+  callbacks and go on (kerasdist/_core/shrink.py).
 * `HorovodInternalError` (a collective failed) ends the process with an
   error: the launcher's `--max-restarts` relaunches the job, which resumes
   from the last commit. A peer that dies ends the other ranks by itself
@@ -403,21 +405,22 @@ class State:
         body = _grow.request()
         if _shrink.take(body):
             raise HostsUpdatedInterrupt(False)
-        if _grow.is_request(body) and self._holds_shards():
-            # The new ranks would need their pieces of every shard, which
-            # the broadcast that syncs them does not give: a relaunch at
-            # the new size from this commit (its shard files).
-            if _rank() == 0:
-                _log("cannot grow in place with sharded state (shard=) "
-                     "yet; relaunching at the new size from this commit")
-            raise HostsUpdatedInterrupt(False)
+        if _grow.is_request(body):
+            why = self._cannot_grow()
+            if why:
+                # A relaunch at the new size from this commit (its files).
+                if _rank() == 0:
+                    _log(f"cannot grow in place: {why}; relaunching at "
+                         f"the new size from this commit")
+                raise HostsUpdatedInterrupt(False)
         if not _grow.begin(body):
             raise HostsUpdatedInterrupt(False)
 
-    def _holds_shards(self):
-        """Whether this state commits a sharded optimizer's shards (and
-        sharded weights): KerasState's."""
-        return False
+    def _cannot_grow(self):
+        """Why this state cannot grow in place (one phrase, the same on
+        every rank), or None: KerasState's sharded optimizer laid out
+        over other ranks than the job's."""
+        return None
 
     def save(self):
         """Saves the state in memory."""
@@ -630,8 +633,15 @@ class TensorFlowKerasState(_VariablesState):
         self._shards = _ShardCommits(self.optimizer, model)
         super().__init__(**kwargs)
 
-    def _holds_shards(self):
-        return self._shards.sharded()
+    def _cannot_grow(self):
+        # A sharded optimizer grows in place with the job (its shards laid
+        # out again at the new size, `_ShardCommits.grow`) only where it
+        # is laid out over the whole job (not a process set).
+        if self._shards.sharded() and _buddies.resized(self.optimizer):
+            return ("the sharded optimizer (shard=) is laid out over "
+                    f"{_optimizer.shard_state(self.optimizer).layout.size} "
+                    f"of the job's {basics.size()} ranks")
+        return None
 
     def _variables(self):
         # Not the shards of sharded weights (kerasdist.shard_weights):
@@ -652,6 +662,10 @@ class TensorFlowKerasState(_VariablesState):
         super().restore()
 
     def sync(self):
+        # After a grow in place: the commit's shards laid out over the
+        # grown job first (the old ranks' optimizer is built again at the
+        # new size), then the variables every rank shares by broadcast.
+        self._shards.grow()
         super().sync()
         self._shards.protect()
 
@@ -1078,6 +1092,9 @@ class _ShardCommits:
         self._nonce = None
         self._count = 0
         self._stems = []  # this state's newest commits' stems, oldest first
+        # The job's size at the last commit (kd.size()): another now after
+        # a grow in place (`grow`).
+        self.job_size = None
 
     def sharded(self):
         return self.optimizer is not None and \
@@ -1086,6 +1103,7 @@ class _ShardCommits:
     def save(self):
         if self.sharded():
             self.copies = _buddies.commit(self.optimizer, self.copies)
+            self.job_size = basics.size()
             self.values = self.copies.values
 
     def protect(self):
@@ -1095,6 +1113,32 @@ class _ShardCommits:
                 self.copies is None or self.copies.copy is None or
                 self.copies.size != basics.size()):
             self.save()
+
+    def grow(self):
+        """Every rank at a sync: where the job grew in place (an old
+        rank's shards laid out for fewer ranks than the job now has; the
+        ranks agree on it in one small allreduce), the last commit's
+        shards re-partitioned over the grown job, the new ranks receiving
+        theirs from the old (`buddies.grow`); nothing elsewhere."""
+        if not self.sharded() or basics.size() == 1:
+            return
+        from kerasdist._core import host as _host
+        # An old rank: committed at another job size, its shards still
+        # laid out for it (not an optimizer on a process set).
+        grown = self.job_size not in (None, basics.size()) and \
+            _buddies.resized(self.optimizer)
+        flag = np.array([1 if grown else 0], np.int64)
+        flag = _host.host_allreduce(flag, basics.Max,
+                                    "kerasdist.elastic.shards_grown")
+        if int(flag[0]):
+            self.copies = _buddies.grow(self.optimizer, self.copies,
+                                        self.model)
+            self.values = self.copies.values
+            self.job_size = basics.size()
+            # The shard files' names go on as the old ranks' (a commit's
+            # stem is the same on every rank; rank 0 is an old rank).
+            self._nonce, self._count, self._stems = _broadcast_object(
+                (self._nonce, self._count, self._stems))
 
     def restore(self):
         if self.sharded() and _buddies.resized(self.optimizer):

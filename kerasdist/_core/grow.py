@@ -238,6 +238,15 @@ def end_rank(failed, error):
     os._exit(1)
 
 
+def joining():
+    """Whether this rank joined a running job (grown in place) and has not
+    taken the job's state yet (its first `hvd.elastic.run` syncs it): what
+    it starts with is replaced by the job's (kd.shard_weights then skips
+    its broadcast of the initial weights, which the old ranks do not
+    run)."""
+    return _joined["pending"] and os.environ.get(RECOVER_ENV) == "1"
+
+
 def joined():
     """True once, in a rank that joined a running job (grown in place),
     at its first `hvd.elastic.run`."""

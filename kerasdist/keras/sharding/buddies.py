@@ -34,6 +34,12 @@ cannot be: a rank and its buddy both lost, or the survivors' copies of
 different commits (a rank lost during a commit): the caller falls back to
 the relaunch from the last commit on disk.
 
+`grow`, on every rank after the job grew in place (the old ranks, whose
+optimizer is still laid out at the old size, and the new ones, which
+hold nothing of the commit): as `recover`, but every old rank is there,
+so each sends the pieces of its own committed shard and the new ranks
+only receive (their row in the agreement says they hold no commit).
+
 Used by kerasdist.elastic (`_ShardCommits`); the Trainer's recovery may
 use `commit` and `recover` alike.
 """
@@ -247,16 +253,22 @@ def holders(copies, old_ranks):
 
 
 def _agree(copies):
-    """The survivors' old ranks, in new rank order; ShardsLostError unless
-    every survivor holds copies of one commit at one size."""
+    """The old rank of every rank now, in new rank order (-1 for a rank
+    that holds no commit: `copies` None, a rank that joined a job grown
+    in place, which only receives); ShardsLostError unless every rank
+    that holds one holds copies of one commit at one size."""
     from kerasdist._core import host as _host
     row = np.array([[copies.rank, copies.size, copies.offset,
-                     copies.number, copies.copy is not None]], np.int64)
+                     copies.number, copies.copy is not None]
+                    if copies is not None else [-1, -1, -1, -1, 0]],
+                   np.int64)
     table = _host.host_allgather(row, "kerasdist.buddies.agree")
-    if len({tuple(r[1:]) for r in table.tolist()}) != 1:
+    held = {tuple(r[1:]) for r in table.tolist() if r[0] >= 0}
+    if len(held) != 1:
         raise ShardsLostError(
-            "the survivors hold the sharded optimizer's state of different "
-            "commits (a rank was lost during a commit)")
+            "the ranks hold the sharded optimizer's state of different "
+            "commits (a rank was lost during a commit)" if held else
+            "no rank holds a commit of the sharded optimizer's state")
     return [int(r[0]) for r in table]
 
 
@@ -280,8 +292,14 @@ def repartition(copies):
     shard of every slot at the new size ({optimizer variable index: 1-D
     array, padded}), gathered from the survivors' committed shards and
     copies (one alltoall). ShardsLostError where a shard is lost."""
-    old_ranks = _agree(copies)
-    where = holders(copies, old_ranks)
+    return _exchange(copies, holders(copies, _agree(copies)))
+
+
+def _exchange(copies, where):
+    """This rank's shard of every slot of `copies`' commit at the job's
+    size now, in one alltoall: each old rank k's shard sent by the rank
+    `where[k]` names (from its own shard or its copy); a rank that holds
+    nothing sends nothing (`copies.values` None: it only receives)."""
     me, size = basics.rank(), basics.size()
     parts, recv = [], []
     for dest in range(size):
@@ -363,3 +381,34 @@ def resize_weights(optimizer, values, model=None):
                 ([functional] if functional else []):
             if hasattr(layer, "_torch_params"):
                 layer._track_variables()
+
+
+def grow(optimizer, copies, model=None):
+    """Every rank after the job grew in place (kerasdist/_core/grow.py),
+    the old ranks and the new: the last commit's shards laid out at the
+    new size. An old rank (`copies`: its commit, made at the old size
+    where the grow began; its optimizer still laid out for it) sends the
+    pieces of its own shard that each rank owns at the new size; a new
+    rank (`copies` None or not of the commit: it holds nothing of it)
+    only receives its shard. Then, as `recover`: the old ranks lay the
+    model's sharded weights out at the new size (`resize_weights`) and
+    build the optimizer again (`kerasdist_rebuild`), every rank assigns
+    its new shard and commits again at the new size (buddies included,
+    the commit's number the same on every rank). Nothing is gathered
+    whole: a rank receives only its shard. Returns the new Copies."""
+    from kerasdist.objects import broadcast_object
+
+    holds = copies is not None and resized(optimizer)
+    old_ranks = _agree(copies if holds else None)
+    first = next(s for s, k in enumerate(old_ranks) if k >= 0)
+    size, offset, number, slots = broadcast_object(
+        (copies.size, copies.offset, copies.number, copies.slots)
+        if holds else None, first, name="kerasdist.buddies.grow")
+    if not holds:
+        copies = Copies(None, None, -1, size, offset, slots, number)
+    values = _exchange(copies, holders(copies, old_ranks))
+    if holds:
+        resize_weights(optimizer, values, model)
+        sharded_in(optimizer).kerasdist_rebuild()
+    assign(optimizer, values)
+    return commit(optimizer, copies)

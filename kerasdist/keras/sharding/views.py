@@ -71,8 +71,14 @@ def _gather_group(weights, values):
     whole gradients in one such buffer, reduce-scattered once (the
     average over the ranks) into this rank's row."""
     import keras
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     ops = keras.ops
+    if in_symbolic_scope():
+        # Keras infers shapes (compute_output_spec; on PyTorch it runs the
+        # call eagerly where meta tensors fail): nothing to gather, and a
+        # rank that joined a grown job builds alone.
+        return [ops.zeros(w.shape, dtype=w.dtype) for w in weights]
     framework = _framework.get()
     size = weights[0].size
     chunks = [w.chunk for w in weights]

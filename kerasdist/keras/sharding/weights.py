@@ -31,6 +31,7 @@ import contextlib
 import math
 
 from kerasdist import basics
+from kerasdist._core import grow as _grow
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.sharding import loading as _loading
@@ -379,8 +380,10 @@ def _shard_one(keras, framework, layer, variable, attrs, size, rank,
     # On the host, as own_piece reads it anyway: TensorFlow's eager
     # broadcast op keeps its output buffer for its next call, one kernel
     # (and one whole weight) a name, for as long as the process lives.
-    whole = _host.host_broadcast(framework.to_numpy(framework.value(
-        variable)), root_rank, f"kerasdist.shard_weights.{k}")
+    whole = framework.to_numpy(framework.value(variable))
+    if not _grow.joining():  # a new rank of a grown job: the commit's
+        whole = _host.host_broadcast(whole, root_rank,
+                                     f"kerasdist.shard_weights.{k}")
     piece = _views.own_piece(weight, whole)
     del whole
     shard = keras.Variable(
