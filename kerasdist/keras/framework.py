@@ -154,6 +154,11 @@ class KerasFramework:
 
         return average
 
+    def eager(self, fn):
+        """`fn`, run outside the framework's compiler where a compiled
+        step would trace it (PyTorch's torch.compile); `fn` elsewhere."""
+        return fn
+
     def unique_name(self, base):
         """`base`, made unique within the program being traced where
         several collectives of one name could meet (identical on every

@@ -1371,6 +1371,13 @@ def shard_reduce_scatter_in_backprop():
         assert len(starts) == 3, ev
         last_grad = max(i for i, e in enumerate(ev) if e[0] == "grad")
         assert ev.index(starts[0]) < last_grad, ev
+    # Keras' jit_compile=True (torch.compile): the optimizer's apply runs
+    # outside the compiled step, the hooks as in eager.
+    got = fit(dense_model(), kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.5), shard="gradients",
+        **TINY_BUCKETS), my_part(x), my_part(y), B, jit_compile=True)
+    assert_close(got, truth_fit(dense_model(), keras.optimizers.SGD(
+        0.1, momentum=0.5), x, y, N * B), "backprop gradients: jit_compile")
     # A LossScaleOptimizer unscales its own copies: no release, the
     # loss scale's truth.
     check_shard("backprop gradients: loss scale",

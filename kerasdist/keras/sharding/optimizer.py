@@ -150,6 +150,12 @@ class ShardedStep(DistributedBase):
                 if state.slot_index(v) is not None]
 
     def apply(self, grads, trainable_variables=None):
+        # PyTorch: outside torch.compile (Keras' jit_compile=True), whose
+        # tracing cannot size an allgather's result.
+        return _framework.get().eager(self._kerasdist_apply)(
+            grads, trainable_variables)
+
+    def _kerasdist_apply(self, grads, trainable_variables):
         settings = self._kerasdist_settings
         framework = _framework.get()
         framework.check_apply()
