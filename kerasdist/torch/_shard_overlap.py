@@ -35,6 +35,7 @@ import weakref
 
 import torch
 
+from kerasdist._core import errors as _errors
 from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.step import ALONE_BYTES
@@ -81,7 +82,11 @@ class ShardBuckets:
         self.params = list(params)
         self.layout = layout
         self.release = release
-        self._names = [f"{prefix}.backprop{n}" for n in layout.names]
+        # The synchronous step's names (step.scatter), for the same
+        # collectives: a rank whose hooks reduced a bucket meets a rank
+        # that reduces it in apply (its first step, hooks installed
+        # later, a bucket one of its gradients missed).
+        self._names = [prefix + n for n in layout.names]
         self._bucket_of = {i: k for k, members in enumerate(layout.buckets)
                            for i in members}
         self._op, self._prescale, self._postscale = _reduction.scales(
@@ -116,11 +121,19 @@ class ShardBuckets:
             h.remove()
 
     def drain(self):
-        """Waits for every enqueued reducescatter and forgets the step."""
+        """Waits for every enqueued reducescatter and forgets the step. A
+        failed one is forgotten too: its error reached the step already
+        (from `collect`, or the hook that took it), and a recovery in
+        place drops the hooks with the ranks' pending collectives
+        failed."""
         try:
             for parts in self._pending.values():
                 for _, pending, _ in parts:
-                    pending.wait()
+                    if pending is not None:
+                        try:
+                            pending.wait()
+                        except _errors.KerasdistError:
+                            pass
         finally:
             self._reset()
 

@@ -34,6 +34,7 @@ from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.compression import Compression
 from kerasdist.keras.optimizer import DistributedBase
+from kerasdist.keras.optimizer import restart_overlap
 from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding import summary as _summary
 from kerasdist.keras.sharding import weights as _weights
@@ -114,6 +115,9 @@ class ShardedStep(DistributedBase):
         shard="weights" the model's weight shards are laid out at the new
         size first (`buddies.resize_weights`)."""
         state = self._kerasdist_shard
+        # PyTorch's backprop hooks work on the old layout: the new build
+        # installs them again.
+        restart_overlap(self)
         shared = [v for v in self.variables if state.slot_index(v) is None]
         # Keras' tracked list (the Tracker holds it): emptied in place of
         # the old slots, which the new build adds again.
