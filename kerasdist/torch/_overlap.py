@@ -53,7 +53,33 @@ def plan_for(params, name, op, predivide, bucket_bytes,
                            one_bucket=True)
 
 
-class GradientBuckets:
+class ParamHooks:
+    """A post-accumulate-grad hook on each parameter that calls
+    `self.ready(index, param)`, held weakly (a dropped owner's hooks stop
+    acting at once); `remove` takes them off and `drain`s what is in
+    flight. The base of GradientBuckets and the sharded optimizer's
+    ShardBuckets (kerasdist/torch/_shard_overlap.py)."""
+
+    def _hook_params(self, params):
+        """Hooks every parameter of `params` (None: none for it)."""
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(_hook, ref, i))
+            for i, p in enumerate(params) if p is not None]
+
+    def remove(self):
+        """Removes the hooks (and waits for what is in flight)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.drain()
+
+    def __del__(self):
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+
+
+class GradientBuckets(ParamHooks):
     """Hooks and in-flight allreduces for one optimizer's parameters.
 
     Args:
@@ -85,10 +111,7 @@ class GradientBuckets:
         self._process_set = process_set
         self.events, self.last_events = [], []
         self._reset()
-        ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(
-            functools.partial(_hook, ref, i))
-            for i, p in enumerate(self.params)]
+        self._hook_params(self.params)
 
     def _reset(self):
         self._grads = {}      # index -> gradient seen by its hook
@@ -101,17 +124,6 @@ class GradientBuckets:
         """True if `params` are this object's parameters, in order."""
         return len(params) == len(self.params) and all(
             a is b for a, b in zip(params, self.params))
-
-    def remove(self):
-        """Removes the hooks (and waits for what is in flight)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self.drain()
-
-    def __del__(self):
-        for h in getattr(self, "_hooks", ()):
-            h.remove()
 
     # ---- from autograd ------------------------------------------------------
 

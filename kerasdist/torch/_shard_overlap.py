@@ -30,9 +30,6 @@ gradients were released cannot be served (they are gone): one clear
 error.
 """
 
-import functools
-import weakref
-
 import torch
 
 from kerasdist._core import errors as _errors
@@ -40,19 +37,13 @@ from kerasdist.keras import reduction as _reduction
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.step import ALONE_BYTES
 from kerasdist.torch import collectives as _collectives
+from kerasdist.torch._overlap import ParamHooks
 
 # The most bytes of whole gradients waiting in enqueued reducescatters
 # (with `release`): past it, a hook waits for the oldest before backprop
 # goes on, so a core that falls behind backprop does not let every whole
 # gradient pile up (as FSDP's limit on all-gathers in flight).
 IN_FLIGHT_BYTES = 64 << 20
-
-
-def _hook(ref, index, param):
-    # Weak: a dropped optimizer's buckets stop acting at once.
-    buckets = ref()
-    if buckets is not None:
-        buckets.ready(index, param)
 
 
 def _rows(grad, numel, chunk, size):
@@ -63,7 +54,7 @@ def _rows(grad, numel, chunk, size):
     return flat.reshape(size, chunk)
 
 
-class ShardBuckets:
+class ShardBuckets(ParamHooks):
     """Hooks and in-flight reducescatters for one sharded optimizer.
 
     Args:
@@ -95,10 +86,7 @@ class ShardBuckets:
         self._process_set = process_set
         self.events = []
         self._reset()
-        ref = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(
-            functools.partial(_hook, ref, i))
-            for i, p in enumerate(self.params) if p is not None]
+        self._hook_params(self.params)
 
     def _reset(self):
         self._grads = {}       # index -> the gradient its hook saw
@@ -108,17 +96,6 @@ class ShardBuckets:
         self._shards = {}      # index -> this rank's reduced shard
         self._released = set()
         self._inflight = []    # (bucket, part, input bytes), oldest first
-
-    def remove(self):
-        """Removes the hooks (and waits for what is in flight)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self.drain()
-
-    def __del__(self):
-        for h in getattr(self, "_hooks", ()):
-            h.remove()
 
     def drain(self):
         """Waits for every enqueued reducescatter and forgets the step. A

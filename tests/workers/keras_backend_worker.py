@@ -1270,16 +1270,19 @@ def shard_weights_refusals():
             "adds a loss inside its call (add_loss)")
 
 
+def refused_saying(make, words, error=ValueError):
+    """`make()` raises `error` whose message holds every one of `words`."""
+    try:
+        make()
+    except error as e:
+        assert all(w in str(e) for w in words), (words, e)
+    else:
+        raise AssertionError(f"accepted: {words}")
+
+
 @check("shard_refusals", groups=("tensorflow",))
 def shard_refusals():
-    def refused(make, words):
-        try:
-            make()
-        except ValueError as e:
-            assert all(w in str(e) for w in words), (words, e)
-        else:
-            raise AssertionError(f"accepted: {words}")
-
+    refused = refused_saying
     sgd = keras.optimizers.SGD
     refused(lambda: kd.DistributedOptimizer(sgd(0.1), shard="all"),
             ["shard must be None", "'weights'", "'all'"])
@@ -1330,14 +1333,7 @@ def shard_reduce_scatter_in_backprop():
     gradient changed in place goes through the synchronous path."""
     import torch
 
-    def refused(make, words, error=ValueError):
-        try:
-            make()
-        except error as e:
-            assert all(w in str(e) for w in words), (words, e)
-        else:
-            raise AssertionError(f"accepted: {words}")
-
+    refused = refused_saying
     x, y = data()
     for shard in ("gradients", "optimizer_state"):
         opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.5),
