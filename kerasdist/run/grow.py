@@ -23,7 +23,9 @@ Shrinking in place (fewer slots listed) writes the same file with the
 ranks that leave instead (`leavers`: on each host the highest ranks beyond
 its slots now, every rank of a host no longer listed), which end with exit
 code 0 at the next commit while the others split off and go on
-(kerasdist/_core/shrink.py):
+(kerasdist/_core/shrink.py), where the ranks said they shrink in place
+(" shrinks=in-place": `hvd.elastic.run`, and the Trainer with its commits
+in memory, kerasdist/trainer/trainer.py):
 
     {"old_np": 3, "new_np": 2, "why": "...", "leave": [2]}
 

@@ -24,6 +24,12 @@ in memory (the weight shards laid out at the new size in place,
 `buddies.resize_weights`) and go on as well; where a rank and its buddy
 were both lost they end with one line, and a relaunch (`--max-restarts`)
 resumes from the last checkpoint on disk.
+
+A shrink the launcher asks for (`kerasdist run --host-discovery-script`)
+is done in place the same way: at a step where the ranks agree on the
+request they commit, raise ShrinkInPlace out of `model.fit`, and the
+Trainer ends the ranks that leave (exit code 0) and goes on with the
+others from that commit (kerasdist/_core/shrink.py).
 """
 
 import os
@@ -159,6 +165,13 @@ class Commits:
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)
         return commit.point
+
+
+class ShrinkInPlace(Exception):
+    """The ranks agreed to shrink in place as the launcher asked
+    (kerasdist/_core/shrink.py has taken its request) and committed the
+    state: raised out of `model.fit` for the Trainer to end the ranks
+    that leave and go on with the others from that commit."""
 
 
 class CommitCallback(keras.callbacks.Callback):

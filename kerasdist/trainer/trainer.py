@@ -14,6 +14,8 @@ modules of their own.
 import contextlib
 import importlib.util
 import os
+import sys
+import types
 
 import keras
 import numpy as np
@@ -22,8 +24,10 @@ import tensorflow as tf
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist import elastic as _elastic
+from kerasdist._core import grow as _grow
 from kerasdist._core import host as _host
 from kerasdist._core import resize as _resize
+from kerasdist._core import shrink as _shrink
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.distributed_optimizer import SHARD_MODES
@@ -82,7 +86,8 @@ class Trainer:
     `SystemExit`); the launcher starts the job again at the new size, and
     it resumes there as above (docs/failures-and-elastic.md, "Growing and
     shrinking").
-    This needs a `checkpoint_dir`.
+    This needs a `checkpoint_dir`. Under `--recover-in-place` a shrink is
+    done in place instead (below).
 
     Recovery in place: under `kerasdist run --recover-in-place` every rank
     also commits the training state in memory (`commit_every_steps`); when
@@ -90,7 +95,10 @@ class Trainer:
     among themselves, go back to the last commit and train on from there
     at the smaller size, as a resume from a step checkpoint at that size
     would (docs/failures-and-elastic.md, "Recovery in place"). The disk
-    checkpoints stay for the loss of the whole job.
+    checkpoints stay for the loss of the whole job. A shrink the launcher
+    asks for is done in place too: at the next commit's step the ranks
+    no longer placed end with exit code 0 and the others go on from a
+    commit made there, as after a lost rank ("Shrinking in place").
 
     Args:
         epochs: total number of epochs (>= 1).
@@ -252,6 +260,9 @@ class Trainer:
         self._step_saved = None  # (epoch, batch) of the last step snapshot
         self._shard_writer = None  # a sharded optimizer's, during _train
         self._commits = None  # the last commit in memory (recovery in place)
+        # The ranks agreed on a resize request that is no shrink in place:
+        # the job stops for a relaunch at its next checkpoint boundary.
+        self._relaunching = False
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -726,11 +737,13 @@ class Trainer:
             self._steps = _tsnap.StepCheckpoints(
                 self.model, self.checkpoint_dir, self.keep_checkpoints,
                 written=self._step_written, sharded=self._shard_writer)
-        if self._resizable:
-            _resize.announce(rank)
         if _inplace.recovering() and self._commits is None:
             self._commits = _inplace.Commits(self.model)
-        lost = None
+        if self._resizable:
+            # With commits in memory it shrinks in place; it grows by a
+            # relaunch.
+            _resize.announce(rank, shrinks_in_place=self._shrinks_in_place)
+        lost = shrink = None
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
@@ -739,6 +752,8 @@ class Trainer:
                 callbacks=self._callbacks(
                     warmup and self.warmup_epochs > 0, point, end),
                 verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
+        except _inplace.ShrinkInPlace as e:
+            shrink = e
         except Exception as e:
             if self._commits is None or self._commits.last is None or \
                     not _inplace.ranks_lost(e):
@@ -751,9 +766,12 @@ class Trainer:
             elif steps is not None:
                 # A sharded one would wait for the lost rank's shard file.
                 steps.abandon()
-        if lost is None:
+        if shrink is not None:
+            point = self._shrink(end)
+        elif lost is None:
             return self.history
-        point = self._recover(lost, end)
+        else:
+            point = self._recover(lost, end)
         return self._train(train, val, point.epoch, end, warmup, point)
 
     def _recover(self, error, end):
@@ -761,22 +779,74 @@ class Trainer:
         the survivors, goes back to the last commit in memory (the
         learning rate rescaled for the new size, the traced step
         functions dropped) and returns its point."""
-        commits = self._commits
-        point = None
+        restore, point = self._commit_restorer()
+        _elastic.recover_in_place(error, restore, "kerasdist.Trainer")
+        return self._from_commit(point[0], end)
+
+    def _shrink(self, end):
+        """Every rank, at the commit where the ranks agreed to shrink in
+        place (`_shrink_here`): the ranks that leave end with exit code 0
+        (SystemExit); the others split off, start the runtime on the
+        smaller job and go back to that commit as `_recover` does.
+        Returns its point."""
+        restore, point = self._commit_restorer()
+
+        def log(text):
+            print(f"kerasdist.Trainer: {text}", file=sys.stderr, flush=True)
+
+        _shrink.finish(types.SimpleNamespace(
+            restore=restore, on_reset=lambda: None, sync=lambda: None), log)
+        return self._from_commit(point[0], end)
+
+    def _commit_restorer(self):
+        """(restore, point): `restore()` puts the last commit in memory
+        back on the variables at the job's size now (the learning rate
+        rescaled, the state synced from rank 0, the traced step functions
+        dropped) and sets point[0] to its point."""
+        commits, point = self._commits, [None]
 
         def restore():
-            nonlocal point
-            point = commits.restore()
-            self._rescale_learning_rate(point.world_size)
+            point[0] = commits.restore()
+            self._rescale_learning_rate(point[0].world_size)
             _tcb.sync_state(self.model)
             _inplace.forget_traces(self.model)
 
-        _elastic.recover_in_place(error, restore, "kerasdist.Trainer")
+        return restore, point
+
+    def _from_commit(self, point, end):
         self.epochs_done = point.epoch
         where = _tresume.describe(point, end, basics.size(), self.scale_lr)
         self._log(f"resuming from the last commit in memory {where} "
                   f"(optimizer step {int(self.optimizer.iterations)})")
         return point
+
+    @property
+    def _shrinks_in_place(self):
+        """Whether the job shrinks in place when the launcher asks: an
+        elastic job that checks for resizes, with commits in memory
+        (--recover-in-place)."""
+        return self._resizable and self._commits is not None
+
+    def _shrink_here(self, epoch, batch):
+        """Every rank, at a step boundary (`batch`) or an epoch end (batch
+        None) where the ranks agreed on a resize request, every callback
+        done with the step (the commits' steps, and the step checkpoints'
+        where a relaunch would stop): where the launcher's request (rank 0
+        reads it, every rank gets it) is a shrink in place, commits the
+        state here and raises ShrinkInPlace; otherwise returns, and the
+        job stops for a relaunch at its next checkpoint boundary (a grow,
+        a shrink that cannot be done in place)."""
+        if self._relaunching:
+            return
+        if not _shrink.take(_grow.request()):
+            self._relaunching = True
+            return
+        if batch is None:
+            self._commits.take(epoch + 1, 0, [])
+        else:
+            self._commits.take(epoch, self._plan.position(epoch, batch),
+                               _tcb.seed_counters(self.model))
+        raise _inplace.ShrinkInPlace()
 
     def _val_pipeline(self, val):
         val_local, n_local = self._eval_data(val)
@@ -832,6 +902,13 @@ class Trainer:
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
+        if self._shrinks_in_place:
+            # At the commits' steps, after every callback has seen the
+            # step: a shrink the launcher asks for is done in place.
+            cbs.append(_tcb.ResizeCallback(
+                self._shrink_here, plan.is_last, end,
+                every_steps=self.commit_every_steps or
+                _inplace.DEFAULT_EVERY_STEPS))
         if self._resizable:
             # With only checkpoint_every_seconds, rank 0 alone knows when a
             # step checkpoint is due: the ranks agree at every step.
@@ -852,7 +929,11 @@ class Trainer:
         """Every rank, at a step boundary (`batch`) or an epoch end (batch
         None) where they agreed to stop for a resize: rank 0 writes the
         step checkpoint the next attempt resumes from, then every rank
-        ends the process (exit code _resize.RESIZE_EXIT_CODE)."""
+        ends the process (exit code _resize.RESIZE_EXIT_CODE). A job that
+        shrinks in place does so here instead where the launcher asks for
+        a shrink (`_shrink_here`)."""
+        if self._shrinks_in_place:
+            self._shrink_here(epoch, batch)
         if batch is not None and self._steps is not None:
             self._steps.wait()
             if self._step_saved != (epoch, batch):

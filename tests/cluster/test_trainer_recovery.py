@@ -19,7 +19,9 @@ over the survivors in memory: the same numpy truth; with sharded weights
 size in place; where a rank and its buddy are both lost, the
 survivor ends in one line. A Trainer job that the
 discovery script grows is relaunched at the new size (it does not grow in
-place), to numpy's weights."""
+place), to numpy's weights; one that it shrinks (3 ranks to 2) shrinks in
+place at its next commit: the leaver exits 0, the others (the same
+processes) go on from that commit, to numpy's weights."""
 
 import importlib.util
 import json
@@ -258,3 +260,75 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                                    atol=1e-5)
         np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
+                                                         tmp_path):
+    # The discovery script lists 2 slots of the 3 after step 1: the
+    # Trainer announced that it shrinks in place, so the launcher writes
+    # its shrink request (rank 2 leaves) and asks the ranks; at the next
+    # commit in memory (step 3, 18 examples of epoch 1) rank 2 ends with
+    # exit code 0 and ranks 0 and 1 split off, keep their processes and go
+    # on from that commit at 2 ranks: the rest of epoch 1 re-sharded, the
+    # learning rate rescaled. The same numpy truth as after a lost rank at
+    # step 4, which the commit after step 3 also resumed from: no example
+    # trained twice or skipped.
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = launch(3, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
+                               "-1", "-1"),
+                 timeout=JOB_S, root=openmpi_root,
+                 launcher_args=["--recover-in-place",
+                                "--host-discovery-script", str(script),
+                                "--min-np", "2", "--max-np", "3",
+                                "--discovery-interval", "0.5"],
+                 env=rank_env(KERAS_BACKEND="torch", TRAINER_SHRINK_AT=1,
+                              TRAINER_GROW_LIST=listed))
+    why = "host localhost has 2 slot(s) now, not 3"
+    assert out.returncode == 0, out.stdout
+    assert (f"kerasdist: shrinking from 3 to 2 ranks: {why}; in place, at "
+            "the ranks' next commit") in out.stdout, out.stdout
+    assert "rank 2 leaves the job" in out.stdout, out.stdout
+    assert (f"kerasdist.Trainer: shrank in place to 2 rank(s) (was 3; "
+            f"{why}): rank(s) 2 left") in out.stdout, out.stdout
+    assert ("kerasdist.Trainer: resuming from the last commit in memory at "
+            "epoch 1 of 2, after its first 18 examples; written at 3 ranks, "
+            "now 2: the rest of the epoch re-sharded and the learning rate "
+            "rescaled (optimizer step 3)") in out.stdout, out.stdout
+    # No relaunch, no failure (rank 2's exit code is 0).
+    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
+        out.stdout
+    assert "exited with" not in out.stdout, out.stdout
+    m = _worker_module()
+    zero = (np.zeros((m.FEATURES, m.OUTPUTS)), np.zeros(m.OUTPUTS)) * 2
+    commit = m.COMMIT_EVERY
+    position = commit * m.BATCH * 3
+    left = (m.N - position) // (2 * m.BATCH)
+    per_epoch = -(-m.N // 2 // m.BATCH)
+    truth = _steps(m, _steps(m, _steps(m, zero, 3, 0, commit), 2, position,
+                             left), 2, 0, per_epoch)
+    # Not what the job at 3 ranks throughout would give.
+    per3 = -(-m.N // 3 // m.BATCH)
+    at3 = _steps(m, _steps(m, zero, 3, 0, per3), 3, 0, per3)
+    assert not np.allclose(truth[0], at3[0], rtol=1e-4, atol=1e-4)
+    for rank in range(2):
+        start, end = (_read(tmp_path, f"start.{rank}.json"),
+                      _read(tmp_path, f"end.{rank}.json"))
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], rank, 2), (start, end)
+        # Every step once: 3 at 3 ranks, then 9 + 14 at 2.
+        assert end["step"] == commit + left + per_epoch, end
+        steps = [s for s, _ in end["done_at"]]
+        assert steps == list(range(1, end["step"] + 1)), end
+        assert end["lr"] == pytest.approx(m.LR * 2, rel=1e-6), end
+        np.testing.assert_allclose(end["kernel"], truth[0], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
+                                   atol=1e-5)
+    assert _read(tmp_path, "start.2.json")["size"] == 3
+    assert not os.path.exists(tmp_path / "end.2.json")
+    assert os.path.exists(tmp_path / "ckpt" / "epoch-000002.json")
