@@ -18,10 +18,11 @@ over the survivors in memory: the same numpy truth; with sharded weights
 (shard="weights", PyTorch) the weight shards too, laid out at the new
 size in place; where a rank and its buddy are both lost, the
 survivor ends in one line. A Trainer job that the
-discovery script grows is relaunched at the new size (it does not grow in
-place), to numpy's weights; one that it shrinks (3 ranks to 2) shrinks in
-place at its next commit: the leaver exits 0, the others (the same
-processes) go on from that commit, to numpy's weights."""
+discovery script grows (2 ranks to 3) grows in place, the new rank taking
+the commit by broadcast, and with a sharded optimizer is relaunched at
+the new size; one that it shrinks (3 ranks to 2) shrinks in place at its
+next commit: the leaver exits 0, the others (the same processes) go on
+from that commit; all to numpy's weights."""
 
 import importlib.util
 import json
@@ -204,25 +205,13 @@ def test_trainer_with_sharded_weights_recovers_in_place(openmpi_root,
 @pytest.mark.timeout(JOB_S + 60)
 def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                                                             tmp_path):
-    # The Trainer does not grow in place (hvd.elastic.run does): its ranks
-    # announce no grows=in-place, so under --recover-in-place a slot the
-    # discovery script adds relaunches the job at 3 ranks from its step
-    # checkpoint, as without the flag (the launcher writes no grow
-    # request, and the 2 ranks' resize exits are no failure).
-    listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    out = launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                               "-1", "-1"),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place",
-                                "--host-discovery-script", str(script),
-                                "--min-np", "2", "--max-np", "3",
-                                "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
-                              TRAINER_GROW_LIST=listed))
+    # A Trainer with a sharded optimizer does not grow in place (a
+    # replicated one does, below): its ranks announce no grows=in-place,
+    # so under --recover-in-place a slot the discovery script adds
+    # relaunches the job at 3 ranks from its step checkpoint, as without
+    # the flag (the launcher writes no grow request, and the 2 ranks'
+    # resize exits are no failure).
+    out = _grow_job(tmp_path, openmpi_root, "optimizer_state")
     assert out.returncode == 0, out.stdout
     assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
             "slot(s) now, not 2\n") in out.stdout, out.stdout
@@ -237,6 +226,32 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                   r"(\d) of 2(?:, after its first (\d+) examples)?; written "
                   r"at 2 ranks, now 3.*\(optimizer step (\d+)\)", out.stdout)
     assert m, out.stdout
+    _check_grown(tmp_path, m)
+
+
+def _grow_job(tmp_path, root, *args):
+    """A Trainer job of 2 ranks under --recover-in-place that the
+    discovery script grows to 3 after step 1 (worker's TRAINER_GROW_AT)."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
+                                "-1", "-1", *args),
+                  timeout=JOB_S, root=root,
+                  launcher_args=["--recover-in-place",
+                                 "--host-discovery-script", str(script),
+                                 "--min-np", "2", "--max-np", "3",
+                                 "--discovery-interval", "0.5"],
+                  env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
+                               TRAINER_GROW_LIST=listed))
+
+
+def _check_grown(tmp_path, m, in_place=False):
+    """The 3 ranks' weights are numpy's for the job at 2 ranks up to the
+    point `m` (the resume line's match: epoch, examples, optimizer step)
+    and at 3 from there."""
     epoch, position, step = (int(m.group(1)) - 1, int(m.group(2) or 0),
                              int(m.group(3)))
     w = _worker_module()
@@ -253,6 +268,10 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
     for rank in range(3):
         end = _read(tmp_path, f"end.{rank}.json")
         assert (end["rank"], end["size"]) == (rank, 3), end
+        if in_place:  # ranks 0 and 1 the same processes throughout
+            start = _read(tmp_path, f"start.{rank}.json")
+            assert (start["pid"], start["size"]) == (
+                end["pid"], 2 if rank < 2 else 3), (start, end)
         assert end["step"] == step + left + (w.EPOCHS - epoch - 1) * per3, \
             end
         assert end["lr"] == pytest.approx(w.LR * 3, rel=1e-6), end
@@ -332,3 +351,29 @@ def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
     assert _read(tmp_path, "start.2.json")["size"] == 3
     assert not os.path.exists(tmp_path / "end.2.json")
     assert os.path.exists(tmp_path / "ckpt" / "epoch-000002.json")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
+                                                       tmp_path):
+    # A replicated Trainer grows in place: the launcher writes its grow
+    # request (the ranks announced grows=in-place), the 2 ranks start rank
+    # 2 at their next commit's step and train on; at the first commit's
+    # step after it joined they commit, re-form at 3, send it the commit
+    # and its point, and all 3 train on from there: the 2 old ranks in
+    # their processes, no relaunch, numpy's weights.
+    out = _grow_job(tmp_path, openmpi_root)
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+            "slot(s) now, not 2; in place, at the ranks' next commit") in \
+        out.stdout, out.stdout
+    assert "kerasdist.Trainer: grew in place to 3 rank(s) (was 2" in \
+        out.stdout, out.stdout
+    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
+        out.stdout
+    m = re.search(r"<stdout>:kerasdist\.Trainer: resuming from the last "
+                  r"commit in memory at epoch (\d) of 2(?:, after its first "
+                  r"(\d+) examples)?; written at 2 ranks, now 3.*\(optimizer "
+                  r"step (\d+)\)", out.stdout)
+    assert m, out.stdout
+    _check_grown(tmp_path, m, in_place=True)
