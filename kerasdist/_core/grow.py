@@ -24,6 +24,10 @@ commit where the ranks agree on the launcher's resize request:
 * A new rank (KERASDIST_GROWN_RANK set; its kd.init() merged it into the
   job): `joined()` is true, and `run` syncs the state from rank 0 before
   it calls the training function, instead of loading the last commit.
+
+kerasdist.Trainer (kerasdist/trainer/trainer.py) takes the same steps at
+its commits' steps; its new ranks' `Trainer.fit()` takes the commit and
+its point from rank 0 where `joined()` is true.
 """
 
 import ctypes

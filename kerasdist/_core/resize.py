@@ -23,6 +23,7 @@ ELASTIC_ENV = "KERASDIST_ELASTIC"
 RESIZE_EXIT_CODE = 76
 RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 GROWS_IN_PLACE_WORD = b" grows=in-place"
+SHRINKS_IN_PLACE_WORD = b" shrinks=in-place"
 PROGRESS_MARKER = b"\x1ekerasdist-progress"
 MARKERS_READ_ENV = "KERASDIST_MARKERS_READ"
 RANK_MARKER_TOKEN_ENV = "KERASDIST_RANK_MARKER_TOKEN"
@@ -87,20 +88,26 @@ def served():
     _state["requested"] = False
 
 
-def announce(rank, grows_in_place=False):
+def announce(rank, grows_in_place=False, shrinks_in_place=None):
     """Tells the launcher, once, that this rank checks for resize requests
     (one marker line on stderr, which the launcher removes), and with
     `grows_in_place` that it grows in place under --recover-in-place
     (`hvd.elastic.run`: kerasdist/_core/grow.py); without it the launcher
-    grows the job by a relaunch."""
+    grows the job by a relaunch. `shrinks_in_place` (by default
+    `grows_in_place`): that it shrinks in place
+    (kerasdist/_core/shrink.py; the Trainer says so, but not that it
+    grows in place); without it a shrink is a relaunch."""
     if _state["announced"]:
         return
     _state["announced"] = True
-    grows = GROWS_IN_PLACE_WORD.decode() if grows_in_place else ""
+    if shrinks_in_place is None:
+        shrinks_in_place = grows_in_place
+    words = (GROWS_IN_PLACE_WORD.decode() if grows_in_place else "") + \
+        (SHRINKS_IN_PLACE_WORD.decode() if shrinks_in_place else "")
     try:
         sys.stderr.flush()
         os.write(2, RESIZABLE_MARKER +
-                 f" rank={rank}{grows}{_token()}\n".encode())
+                 f" rank={rank}{words}{_token()}\n".encode())
     except OSError:
         pass
 

@@ -21,6 +21,11 @@ ranks agree on the launcher's resize request (State.check_host_updates):
   buddies' copies), run the state's reset callbacks, sync the state, and
   train on from that commit: no step is lost or trained twice.
 
+The Trainer (kerasdist/trainer/trainer.py) uses the same two steps at a
+step where its ranks agree on the request: `take(body)`, a commit in
+memory, then `finish` with a state whose `restore()` puts that commit
+back at the new size.
+
 A failure on the way (a rank lost during the split) ends the rank with one
 line: the launcher's relaunch resumes from the last commit on disk.
 """

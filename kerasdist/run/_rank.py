@@ -97,6 +97,9 @@ RESIZABLE_MARKER = b"\x1ekerasdist-resizable"
 # In that line: the rank grows in place under --recover-in-place
 # (hvd.elastic.run); without it (the Trainer) a grow relaunches.
 GROWS_IN_PLACE_WORD = b" grows=in-place"
+# ... and that it shrinks in place (hvd.elastic.run, and the Trainer with
+# its commits in memory); without it a shrink relaunches.
+SHRINKS_IN_PLACE_WORD = b" shrinks=in-place"
 # The line a rank writes on stderr each time it saved progress the next
 # attempt resumes from (a Trainer checkpoint, an elastic commit): a failure
 # after it is restarted without the backoff, and its error is not compared

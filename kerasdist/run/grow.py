@@ -5,8 +5,9 @@ and "Shrinking in place").
 When the discovery script lists more slots, the launcher (resize.Watcher)
 writes a grow request, then sends its resize request (SIGUSR1) as for a
 relaunch; only where the ranks announced that they grow in place
-(`hvd.elastic.run`'s " grows=in-place" in its resizable marker line; the
-Trainer's has none, and a job of it is relaunched at the new size). At
+(`hvd.elastic.run`'s " grows=in-place" in its resizable marker line, and
+the Trainer's with a replicated state; a Trainer with `shard=` has none,
+and a job of it is relaunched at the new size). At
 the next commit `hvd.elastic.run` (kerasdist/elastic.py) finds the
 request: rank 0 reads it (and removes it), and the ranks start the new
 ones themselves (MPI_Comm_spawn, ops/core/transport/mpi_grow.cc) with the
@@ -23,7 +24,9 @@ Shrinking in place (fewer slots listed) writes the same file with the
 ranks that leave instead (`leavers`: on each host the highest ranks beyond
 its slots now, every rank of a host no longer listed), which end with exit
 code 0 at the next commit while the others split off and go on
-(kerasdist/_core/shrink.py):
+(kerasdist/_core/shrink.py), where the ranks said they shrink in place
+(" shrinks=in-place": `hvd.elastic.run`, and the Trainer with its commits
+in memory, kerasdist/trainer/trainer.py):
 
     {"old_np": 3, "new_np": 2, "why": "...", "leave": [2]}
 

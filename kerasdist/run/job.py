@@ -278,6 +278,7 @@ class Findings:
         self.stopping = threading.Event()  # the launcher is stopping the job
         self.resizable = False  # a rank said it checks for resize requests
         self.grows_in_place = False  # ... and that it grows in place
+        self.shrinks_in_place = False  # ... and that it shrinks in place
         self.progressed = False  # a rank saved progress (a checkpoint)
         self.deadlock = None  # the runtime's deadlock message (text)
         self.last_error = {}  # rank -> its last stderr line (text)
@@ -420,6 +421,8 @@ class _Relay(threading.Thread):
                 self.findings.resizable = True
                 if _rank.GROWS_IN_PLACE_WORD + b" " in line:
                     self.findings.grows_in_place = True
+                if _rank.SHRINKS_IN_PLACE_WORD + b" " in line:
+                    self.findings.shrinks_in_place = True
                 continue
             if _rank.is_rank_marker(line, _rank.PROGRESS_MARKER, token):
                 self.findings.progressed = True
@@ -584,7 +587,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             now = time.monotonic()
             if watcher is not None and stopper.since is None:
                 watcher.step(now, findings.resizable, proc,
-                             findings.grows_in_place)
+                             findings.grows_in_place,
+                             findings.shrinks_in_place)
             stopper.step(now)
     finally:
         if watcher is not None:

@@ -200,19 +200,26 @@ class Watcher:
 
     # -- the launcher's loop ------------------------------------------------
 
-    def step(self, now, resizable, proc, grows_in_place=False):
+    def step(self, now, resizable, proc, grows_in_place=False,
+             shrinks_in_place=None):
         """Asks the ranks to stop (SIGUSR1 to `proc`, mpiexec) once a
         Change is waiting and a rank said it checks (`resizable`); says
         once when none has, ANNOUNCE_WAIT_S into the attempt. A Change
         that grows is asked in place (`grow`) only where the ranks said
         they grow in place (`grows_in_place`: hvd.elastic.run, not the
-        Trainer), else by a relaunch; so is one that shrinks."""
+        Trainer), else by a relaunch; one that shrinks only where they
+        said they shrink in place (`shrinks_in_place`, by default
+        `grows_in_place`: hvd.elastic.run and the Trainer)."""
         with self._lock:
             change = self.change
             seen = self.change_seen
         if change is None or self.requested is not None:
             return
-        if resizable and grows_in_place and self._grow is not None and \
+        if shrinks_in_place is None:
+            shrinks_in_place = grows_in_place
+        in_place = grows_in_place if change.new_np > change.old_np else \
+            shrinks_in_place
+        if resizable and in_place and self._grow is not None and \
                 self._grow_in_place(change):
             _signal(proc)
             return

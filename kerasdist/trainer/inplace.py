@@ -24,6 +24,17 @@ in memory (the weight shards laid out at the new size in place,
 `buddies.resize_weights`) and go on as well; where a rank and its buddy
 were both lost they end with one line, and a relaunch (`--max-restarts`)
 resumes from the last checkpoint on disk.
+
+A shrink the launcher asks for (`kerasdist run --host-discovery-script`)
+is done in place the same way: at a step where the ranks agree on the
+request they commit, raise ResizeInPlace out of `model.fit`, and the
+Trainer ends the ranks that leave (exit code 0) and goes on with the
+others from that commit (kerasdist/_core/shrink.py). A grow the launcher
+asks for starts the new ranks in the background (kerasdist/_core/grow.py)
+while the others train; at the first commit's step after they joined
+the ranks commit, re-form with them, send them the commit and its point
+by broadcast, and every rank trains on from there (a replicated state
+only; a sharded one grows by a relaunch).
 """
 
 import os
@@ -159,6 +170,46 @@ class Commits:
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)
         return commit.point
+
+
+class ResizeInPlace(Exception):
+    """The ranks agreed to shrink in place as the launcher asked
+    (kerasdist/_core/shrink.py has taken its request), or the new ranks
+    of a grow in place have joined (kerasdist/_core/grow.py), and the
+    state is committed: raised out of `model.fit` for the Trainer to
+    re-form the job and go on from that commit."""
+
+
+class ResizeCheckCallback(keras.callbacks.Callback):
+    """Calls `check(epoch, batch)` every `every_steps` steps of an epoch
+    but its last, and at every epoch end but the last (batch None): the
+    Trainer's check for a resize in place, on every rank at the same
+    steps. Place it after the callbacks that see a step."""
+
+    def __init__(self, check, every_steps, is_last, last_epoch):
+        super().__init__()
+        self._check = check
+        self.every_steps = every_steps
+        self._is_last = is_last  # is_last(epoch, batch)
+        self.last_epoch = last_epoch  # fit's `epochs`
+        self._epoch = 0
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        if self._steps % self.every_steps or \
+                self._is_last(self._epoch, batch):
+            return
+        _tcb.sync_model_state(self)
+        self._check(self._epoch, batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 < self.last_epoch:
+            self._check(epoch, None)
 
 
 class CommitCallback(keras.callbacks.Callback):

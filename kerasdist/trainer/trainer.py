@@ -14,6 +14,8 @@ modules of their own.
 import contextlib
 import importlib.util
 import os
+import sys
+import types
 
 import keras
 import numpy as np
@@ -22,8 +24,10 @@ import tensorflow as tf
 from kerasdist import basics
 from kerasdist import callbacks as kd_callbacks
 from kerasdist import elastic as _elastic
+from kerasdist._core import grow as _grow
 from kerasdist._core import host as _host
 from kerasdist._core import resize as _resize
+from kerasdist._core import shrink as _shrink
 from kerasdist.keras import framework as _framework
 from kerasdist.keras import optimizer as _optimizer
 from kerasdist.keras.distributed_optimizer import SHARD_MODES
@@ -82,7 +86,8 @@ class Trainer:
     `SystemExit`); the launcher starts the job again at the new size, and
     it resumes there as above (docs/failures-and-elastic.md, "Growing and
     shrinking").
-    This needs a `checkpoint_dir`.
+    This needs a `checkpoint_dir`. Under `--recover-in-place` a shrink,
+    and a grow of a replicated state, is done in place instead (below).
 
     Recovery in place: under `kerasdist run --recover-in-place` every rank
     also commits the training state in memory (`commit_every_steps`); when
@@ -90,7 +95,13 @@ class Trainer:
     among themselves, go back to the last commit and train on from there
     at the smaller size, as a resume from a step checkpoint at that size
     would (docs/failures-and-elastic.md, "Recovery in place"). The disk
-    checkpoints stay for the loss of the whole job.
+    checkpoints stay for the loss of the whole job. A shrink the launcher
+    asks for is done in place too: at the next commit's step the ranks
+    no longer placed end with exit code 0 and the others go on from a
+    commit made there, as after a lost rank ("Shrinking in place"); so
+    is a grow with a replicated state: the new ranks start while the
+    others train, and at the first commit's step after they joined they
+    get that commit by broadcast ("Growing in place").
 
     Args:
         epochs: total number of epochs (>= 1).
@@ -252,6 +263,9 @@ class Trainer:
         self._step_saved = None  # (epoch, batch) of the last step snapshot
         self._shard_writer = None  # a sharded optimizer's, during _train
         self._commits = None  # the last commit in memory (recovery in place)
+        # The ranks agreed on a resize request that is no shrink in place:
+        # the job stops for a relaunch at its next checkpoint boundary.
+        self._relaunching = False
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -323,8 +337,13 @@ class Trainer:
             val = _tdata.as_dataset(val, "val_data()")
         self._prepare(train)
         self._resume.begin_fit()
-        point = (self._resume_fit() if self._resume.source is None
-                 else self._source_point)
+        if _inplace.recovering() and _grow.joined():
+            # A new rank of a job that grew in place: the others' commit.
+            point = self._share_commit(None)
+            self.epochs_done = point.epoch
+        else:
+            point = (self._resume_fit() if self._resume.source is None
+                     else self._source_point)
         return self._train(train, val, self.epochs_done, self.epochs,
                            point=point)
 
@@ -726,11 +745,14 @@ class Trainer:
             self._steps = _tsnap.StepCheckpoints(
                 self.model, self.checkpoint_dir, self.keep_checkpoints,
                 written=self._step_written, sharded=self._shard_writer)
-        if self._resizable:
-            _resize.announce(rank)
         if _inplace.recovering() and self._commits is None:
             self._commits = _inplace.Commits(self.model)
-        lost = None
+        if self._resizable:
+            # With commits in memory it shrinks in place; it grows by a
+            # relaunch.
+            _resize.announce(rank, grows_in_place=self._grows_in_place,
+                             shrinks_in_place=self._shrinks_in_place)
+        lost = shrink = None
         try:
             self.history = self.model.fit(
                 pipeline, epochs=end, initial_epoch=plan.first_epoch,
@@ -739,6 +761,8 @@ class Trainer:
                 callbacks=self._callbacks(
                     warmup and self.warmup_epochs > 0, point, end),
                 verbose=self.verbose if rank == 0 else 0, **self.fit_kwargs)
+        except _inplace.ResizeInPlace as e:
+            shrink = e
         except Exception as e:
             if self._commits is None or self._commits.last is None or \
                     not _inplace.ranks_lost(e):
@@ -751,9 +775,19 @@ class Trainer:
             elif steps is not None:
                 # A sharded one would wait for the lost rank's shard file.
                 steps.abandon()
-        if lost is None:
+        if shrink is not None and _grow.started():
+            point = self._grow(end)
+        elif shrink is not None:
+            point = self._shrink(end)
+        elif lost is None:
+            if _grow.started():
+                # The new ranks join a job that is done: they get its end.
+                history = self.history
+                self._grow(end)
+                self.history = history
             return self.history
-        point = self._recover(lost, end)
+        else:
+            point = self._recover(lost, end)
         return self._train(train, val, point.epoch, end, warmup, point)
 
     def _recover(self, error, end):
@@ -761,22 +795,146 @@ class Trainer:
         the survivors, goes back to the last commit in memory (the
         learning rate rescaled for the new size, the traced step
         functions dropped) and returns its point."""
-        commits = self._commits
-        point = None
+        restore, point = self._commit_restorer()
+        _elastic.recover_in_place(error, restore, "kerasdist.Trainer")
+        return self._from_commit(point[0], end)
+
+    def _shrink(self, end):
+        """Every rank, at the commit where the ranks agreed to shrink in
+        place (`_resize_here`): the ranks that leave end with exit code 0
+        (SystemExit); the others split off, start the runtime on the
+        smaller job and go back to that commit as `_recover` does.
+        Returns its point."""
+        restore, point = self._commit_restorer()
+
+        def log(text):
+            print(f"kerasdist.Trainer: {text}", file=sys.stderr, flush=True)
+
+        _shrink.finish(types.SimpleNamespace(
+            restore=restore, on_reset=lambda: None, sync=lambda: None), log)
+        return self._from_commit(point[0], end)
+
+    def _grow(self, end):
+        """Every rank, where the new ranks of a grow in place have joined
+        (or at the end of training): starts the runtime on the grown job,
+        puts the commit just made back and sends it, with its point, to
+        the new ranks (`_share_commit`); returns its point."""
+        point = [None]
+
+        def on_reset():
+            point[0] = self._commits.restore()
+
+        def sync():
+            point[0] = self._share_commit(point[0])
+
+        def log(text):
+            print(f"kerasdist.Trainer: {text}", file=sys.stderr, flush=True)
+
+        _grow.finish(types.SimpleNamespace(on_reset=on_reset, sync=sync),
+                     log)
+        return self._from_commit(point[0], end)
+
+    def _share_commit(self, point):
+        """Every rank of a job that grew in place, the new ones included
+        (`point` None there): rank 0's commit point and state, the
+        learning rate rescaled for the new size, the traced step
+        functions dropped. Returns the point."""
+        from kerasdist.objects import broadcast_object
+        point = broadcast_object(point, 0, name="kerasdist.trainer.grow")
+        _tcb.sync_state(self.model)
+        self._rescale_learning_rate(point.world_size)
+        _inplace.forget_traces(self.model)
+        # The new ranks' optimizers are new: every rank's next step
+        # reduces as a new optimizer's first does (PyTorch's overlap).
+        _optimizer.restart_overlap(self.model.optimizer)
+        return point
+
+    def _commit_restorer(self):
+        """(restore, point): `restore()` puts the last commit in memory
+        back on the variables at the job's size now (the learning rate
+        rescaled, the state synced from rank 0, the traced step functions
+        dropped) and sets point[0] to its point."""
+        commits, point = self._commits, [None]
 
         def restore():
-            nonlocal point
-            point = commits.restore()
-            self._rescale_learning_rate(point.world_size)
+            point[0] = commits.restore()
+            self._rescale_learning_rate(point[0].world_size)
             _tcb.sync_state(self.model)
             _inplace.forget_traces(self.model)
 
-        _elastic.recover_in_place(error, restore, "kerasdist.Trainer")
+        return restore, point
+
+    def _from_commit(self, point, end):
         self.epochs_done = point.epoch
         where = _tresume.describe(point, end, basics.size(), self.scale_lr)
         self._log(f"resuming from the last commit in memory {where} "
                   f"(optimizer step {int(self.optimizer.iterations)})")
         return point
+
+    @property
+    def _shrinks_in_place(self):
+        """Whether the job shrinks in place when the launcher asks: an
+        elastic job that checks for resizes, with commits in memory
+        (--recover-in-place)."""
+        return self._resizable and self._commits is not None
+
+    @property
+    def _grows_in_place(self):
+        """Whether the job grows in place when the launcher asks: as
+        `_shrinks_in_place`, with a replicated state (a sharded one grows
+        by a relaunch)."""
+        return self._shrinks_in_place and self.shard is None
+
+    def _check_resize(self, epoch, batch):
+        """Every rank, at the commits' steps and epoch ends (batch None),
+        every callback done with the step: the ranks agree in one small
+        allreduce on the launcher's resize request and on whether a grow
+        in place is still starting its new ranks; a request is served
+        here (`_resize_here`), and where the new ranks have joined the
+        state is committed and ResizeInPlace raised."""
+        if self._relaunching:
+            return
+        flag = np.array([1 if _resize.requested() else 0,
+                         1 if _grow.spawning() else 0], np.int64)
+        flag = _host.host_allreduce(flag, basics.Max,
+                                    "kerasdist.trainer.resize_in_place")
+        if _grow.started():
+            if not int(flag[1]):
+                self._commit_here(epoch, batch)
+                raise _inplace.ResizeInPlace()
+            return
+        if int(flag[0]):
+            self._resize_here(epoch, batch)
+
+    def _resize_here(self, epoch, batch):
+        """Every rank, at a step boundary (`batch`) or an epoch end (batch
+        None) where the ranks agreed on a resize request, every callback
+        done with the step: where the launcher's request (rank 0 reads
+        it, every rank gets it) is a shrink in place, commits the state
+        here and raises ResizeInPlace; where it is a grow in place, starts
+        the new ranks in the background and returns True (the others
+        train on meanwhile); otherwise returns False, and the job stops
+        for a relaunch at its next checkpoint boundary (a grow of a
+        sharded state, a resize that cannot be done in place)."""
+        if _grow.started():
+            return True
+        if self._relaunching:
+            return False
+        body = _grow.request()
+        if _shrink.take(body):
+            self._commit_here(epoch, batch)
+            raise _inplace.ResizeInPlace()
+        if self._grows_in_place and _grow.begin(body):
+            return True
+        self._relaunching = True
+        return False
+
+    def _commit_here(self, epoch, batch):
+        if batch is None:
+            self._commits.take(epoch + 1, 0, [])
+        else:
+            self._commits.take(epoch, self._plan.position(epoch, batch),
+                               _tcb.seed_counters(self.model))
 
     def _val_pipeline(self, val):
         val_local, n_local = self._eval_data(val)
@@ -832,6 +990,13 @@ class Trainer:
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
+        if self._shrinks_in_place:
+            # At the commits' steps, after every callback has seen the
+            # step: a resize the launcher asks for is done in place.
+            cbs.append(_inplace.ResizeCheckCallback(
+                self._check_resize,
+                self.commit_every_steps or _inplace.DEFAULT_EVERY_STEPS,
+                plan.is_last, end))
         if self._resizable:
             # With only checkpoint_every_seconds, rank 0 alone knows when a
             # step checkpoint is due: the ranks agree at every step.
@@ -852,7 +1017,11 @@ class Trainer:
         """Every rank, at a step boundary (`batch`) or an epoch end (batch
         None) where they agreed to stop for a resize: rank 0 writes the
         step checkpoint the next attempt resumes from, then every rank
-        ends the process (exit code _resize.RESIZE_EXIT_CODE)."""
+        ends the process (exit code _resize.RESIZE_EXIT_CODE). A job that
+        resizes in place does so here instead where the launcher asks for
+        it in place (`_resize_here`)."""
+        if self._shrinks_in_place and self._resize_here(epoch, batch):
+            return
         if batch is not None and self._steps is not None:
             self._steps.wait()
             if self._step_saved != (epoch, batch):

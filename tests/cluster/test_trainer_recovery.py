@@ -18,8 +18,11 @@ over the survivors in memory: the same numpy truth; with sharded weights
 (shard="weights", PyTorch) the weight shards too, laid out at the new
 size in place; where a rank and its buddy are both lost, the
 survivor ends in one line. A Trainer job that the
-discovery script grows is relaunched at the new size (it does not grow in
-place), to numpy's weights."""
+discovery script grows (2 ranks to 3) grows in place, the new rank taking
+the commit by broadcast, and with a sharded optimizer is relaunched at
+the new size; one that it shrinks (3 ranks to 2) shrinks in place at its
+next commit: the leaver exits 0, the others (the same processes) go on
+from that commit; all to numpy's weights."""
 
 import importlib.util
 import json
@@ -202,25 +205,13 @@ def test_trainer_with_sharded_weights_recovers_in_place(openmpi_root,
 @pytest.mark.timeout(JOB_S + 60)
 def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                                                             tmp_path):
-    # The Trainer does not grow in place (hvd.elastic.run does): its ranks
-    # announce no grows=in-place, so under --recover-in-place a slot the
-    # discovery script adds relaunches the job at 3 ranks from its step
-    # checkpoint, as without the flag (the launcher writes no grow
-    # request, and the 2 ranks' resize exits are no failure).
-    listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    out = launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                               "-1", "-1"),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place",
-                                "--host-discovery-script", str(script),
-                                "--min-np", "2", "--max-np", "3",
-                                "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
-                              TRAINER_GROW_LIST=listed))
+    # A Trainer with a sharded optimizer does not grow in place (a
+    # replicated one does, below): its ranks announce no grows=in-place,
+    # so under --recover-in-place a slot the discovery script adds
+    # relaunches the job at 3 ranks from its step checkpoint, as without
+    # the flag (the launcher writes no grow request, and the 2 ranks'
+    # resize exits are no failure).
+    out = _grow_job(tmp_path, openmpi_root, "optimizer_state")
     assert out.returncode == 0, out.stdout
     assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
             "slot(s) now, not 2\n") in out.stdout, out.stdout
@@ -235,6 +226,32 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                   r"(\d) of 2(?:, after its first (\d+) examples)?; written "
                   r"at 2 ranks, now 3.*\(optimizer step (\d+)\)", out.stdout)
     assert m, out.stdout
+    _check_grown(tmp_path, m)
+
+
+def _grow_job(tmp_path, root, *args):
+    """A Trainer job of 2 ranks under --recover-in-place that the
+    discovery script grows to 3 after step 1 (worker's TRAINER_GROW_AT)."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
+                                "-1", "-1", *args),
+                  timeout=JOB_S, root=root,
+                  launcher_args=["--recover-in-place",
+                                 "--host-discovery-script", str(script),
+                                 "--min-np", "2", "--max-np", "3",
+                                 "--discovery-interval", "0.5"],
+                  env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
+                               TRAINER_GROW_LIST=listed))
+
+
+def _check_grown(tmp_path, m, in_place=False):
+    """The 3 ranks' weights are numpy's for the job at 2 ranks up to the
+    point `m` (the resume line's match: epoch, examples, optimizer step)
+    and at 3 from there."""
     epoch, position, step = (int(m.group(1)) - 1, int(m.group(2) or 0),
                              int(m.group(3)))
     w = _worker_module()
@@ -251,6 +268,10 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
     for rank in range(3):
         end = _read(tmp_path, f"end.{rank}.json")
         assert (end["rank"], end["size"]) == (rank, 3), end
+        if in_place:  # ranks 0 and 1 the same processes throughout
+            start = _read(tmp_path, f"start.{rank}.json")
+            assert (start["pid"], start["size"]) == (
+                end["pid"], 2 if rank < 2 else 3), (start, end)
         assert end["step"] == step + left + (w.EPOCHS - epoch - 1) * per3, \
             end
         assert end["lr"] == pytest.approx(w.LR * 3, rel=1e-6), end
@@ -258,3 +279,101 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
                                    atol=1e-5)
         np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
                                    atol=1e-5)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
+                                                         tmp_path):
+    # The discovery script lists 2 slots of the 3 after step 1: the
+    # Trainer announced that it shrinks in place, so the launcher writes
+    # its shrink request (rank 2 leaves) and asks the ranks; at the next
+    # commit in memory (step 3, 18 examples of epoch 1) rank 2 ends with
+    # exit code 0 and ranks 0 and 1 split off, keep their processes and go
+    # on from that commit at 2 ranks: the rest of epoch 1 re-sharded, the
+    # learning rate rescaled. The same numpy truth as after a lost rank at
+    # step 4, which the commit after step 3 also resumed from: no example
+    # trained twice or skipped.
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = launch(3, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
+                               "-1", "-1"),
+                 timeout=JOB_S, root=openmpi_root,
+                 launcher_args=["--recover-in-place",
+                                "--host-discovery-script", str(script),
+                                "--min-np", "2", "--max-np", "3",
+                                "--discovery-interval", "0.5"],
+                 env=rank_env(KERAS_BACKEND="torch", TRAINER_SHRINK_AT=1,
+                              TRAINER_GROW_LIST=listed))
+    why = "host localhost has 2 slot(s) now, not 3"
+    assert out.returncode == 0, out.stdout
+    assert (f"kerasdist: shrinking from 3 to 2 ranks: {why}; in place, at "
+            "the ranks' next commit") in out.stdout, out.stdout
+    assert "rank 2 leaves the job" in out.stdout, out.stdout
+    assert (f"kerasdist.Trainer: shrank in place to 2 rank(s) (was 3; "
+            f"{why}): rank(s) 2 left") in out.stdout, out.stdout
+    assert ("kerasdist.Trainer: resuming from the last commit in memory at "
+            "epoch 1 of 2, after its first 18 examples; written at 3 ranks, "
+            "now 2: the rest of the epoch re-sharded and the learning rate "
+            "rescaled (optimizer step 3)") in out.stdout, out.stdout
+    # No relaunch, no failure (rank 2's exit code is 0).
+    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
+        out.stdout
+    assert "exited with" not in out.stdout, out.stdout
+    m = _worker_module()
+    zero = (np.zeros((m.FEATURES, m.OUTPUTS)), np.zeros(m.OUTPUTS)) * 2
+    commit = m.COMMIT_EVERY
+    position = commit * m.BATCH * 3
+    left = (m.N - position) // (2 * m.BATCH)
+    per_epoch = -(-m.N // 2 // m.BATCH)
+    truth = _steps(m, _steps(m, _steps(m, zero, 3, 0, commit), 2, position,
+                             left), 2, 0, per_epoch)
+    # Not what the job at 3 ranks throughout would give.
+    per3 = -(-m.N // 3 // m.BATCH)
+    at3 = _steps(m, _steps(m, zero, 3, 0, per3), 3, 0, per3)
+    assert not np.allclose(truth[0], at3[0], rtol=1e-4, atol=1e-4)
+    for rank in range(2):
+        start, end = (_read(tmp_path, f"start.{rank}.json"),
+                      _read(tmp_path, f"end.{rank}.json"))
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], rank, 2), (start, end)
+        # Every step once: 3 at 3 ranks, then 9 + 14 at 2.
+        assert end["step"] == commit + left + per_epoch, end
+        steps = [s for s, _ in end["done_at"]]
+        assert steps == list(range(1, end["step"] + 1)), end
+        assert end["lr"] == pytest.approx(m.LR * 2, rel=1e-6), end
+        np.testing.assert_allclose(end["kernel"], truth[0], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(end["bias"], truth[1], rtol=1e-4,
+                                   atol=1e-5)
+    assert _read(tmp_path, "start.2.json")["size"] == 3
+    assert not os.path.exists(tmp_path / "end.2.json")
+    assert os.path.exists(tmp_path / "ckpt" / "epoch-000002.json")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
+                                                       tmp_path):
+    # A replicated Trainer grows in place: the launcher writes its grow
+    # request (the ranks announced grows=in-place), the 2 ranks start rank
+    # 2 at their next commit's step and train on; at the first commit's
+    # step after it joined they commit, re-form at 3, send it the commit
+    # and its point, and all 3 train on from there: the 2 old ranks in
+    # their processes, no relaunch, numpy's weights.
+    out = _grow_job(tmp_path, openmpi_root)
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+            "slot(s) now, not 2; in place, at the ranks' next commit") in \
+        out.stdout, out.stdout
+    assert "kerasdist.Trainer: grew in place to 3 rank(s) (was 2" in \
+        out.stdout, out.stdout
+    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
+        out.stdout
+    m = re.search(r"<stdout>:kerasdist\.Trainer: resuming from the last "
+                  r"commit in memory at epoch (\d) of 2(?:, after its first "
+                  r"(\d+) examples)?; written at 2 ranks, now 3.*\(optimizer "
+                  r"step (\d+)\)", out.stdout)
+    assert m, out.stdout
+    _check_grown(tmp_path, m, in_place=True)

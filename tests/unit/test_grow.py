@@ -127,17 +127,23 @@ def test_announce_grows_in_place_marker_is_the_launchers(capfdbinary,
     from kerasdist._core import resize as rank_resize
 
     assert rank_resize.GROWS_IN_PLACE_WORD == _rank.GROWS_IN_PLACE_WORD
+    assert rank_resize.SHRINKS_IN_PLACE_WORD == _rank.SHRINKS_IN_PLACE_WORD
     monkeypatch.setenv(_rank.RANK_MARKER_TOKEN_ENV, "t1")
-    for grows in (True, False):
+    # hvd.elastic.run: both; the Trainer with commits in memory: shrinks
+    # only; without: neither.
+    for grows, shrinks, said in ((True, None, (True, True)),
+                                 (False, True, (False, True)),
+                                 (False, None, (False, False))):
         monkeypatch.setitem(rank_resize._state, "announced", False)
-        rank_resize.announce(1, grows_in_place=grows)
+        rank_resize.announce(1, grows_in_place=grows,
+                             shrinks_in_place=shrinks)
         line = capfdbinary.readouterr().err
         findings = job.Findings()
         relay = job._Relay(io.BytesIO(), None, None, findings)
         monkeypatch.setattr(relay, "_pieces", lambda: iter([line]))
         relay.run()
-        assert (findings.resizable, findings.grows_in_place) == (True,
-                                                                 grows), line
+        assert (findings.resizable, findings.grows_in_place,
+                findings.shrinks_in_place) == (True, *said), line
 
 
 def _shrink_watcher(monkeypatch, tmp_path, listed, np_, hosts):
@@ -201,6 +207,23 @@ def test_watcher_shrinks_by_relaunching_where_the_ranks_do_not_grow_in_place(
     w.step(1.0, True, proc, False)
     assert proc.signals == [signal.SIGUSR1] and not os.path.exists(path)
     assert w.requested.new_np == 2
+
+
+def test_watcher_shrinks_in_place_where_the_ranks_shrink_but_grow_by_relaunch(
+        monkeypatch, tmp_path):
+    # The Trainer with commits in memory announces shrinks=in-place but
+    # no grows=in-place: a shrink is asked in place, a grow by a relaunch.
+    w, out, path = _shrink_watcher(monkeypatch, tmp_path,
+                                   [("localhost", 2)], 3, [("localhost", 3)])
+    proc = _Proc()
+    w.poll()
+    w.step(1.0, True, proc, False, True)
+    assert proc.signals == [signal.SIGUSR1] and os.path.exists(path)
+    assert (w.np, w.requested) == (2, None)
+    w, out, path = _grow_watcher(tmp_path, [("localhost", 3)])
+    w.poll()
+    w.step(1.0, True, proc, False, True)
+    assert not os.path.exists(path) and w.requested.new_np == 3
 
 
 def test_watcher_relaunches_a_shrink_that_lists_a_new_host(monkeypatch,

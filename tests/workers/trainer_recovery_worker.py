@@ -24,7 +24,11 @@ env: KERAS_BACKEND (torch, jax or tensorflow); TRAINER_GROW_LIST=FILE and
      "localhost:3" to FILE (the launcher's discovery script prints it) once
      the optimizer's step STEP is done, and waits (up to 60 s) for the
      launcher's resize request, so that the job stops for it at its next
-     step checkpoint, whatever the steps cost.
+     step checkpoint, whatever the steps cost; TRAINER_SHRINK_AT=STEP
+     instead: rank 0 of a job of 3 ranks writes "localhost:2" there, and
+     waits likewise (the job shrinks in place at its next commit). Rank 0
+     waits (up to 120 s) at the end of a step while a grow in place starts
+     its new ranks.
 
 The data and settings import without Keras (the test's numpy truth reads
 them); Keras and kerasdist are imported by `main`.
@@ -71,14 +75,24 @@ def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations)
             done_at.append([step, time.time()])
-            if (start_rank, kerasdist.size(), str(step)) == (
-                    0, 2, os.environ.get("TRAINER_GROW_AT")):
+            at = (start_rank, kerasdist.size(), str(step))
+            sizes = {(0, 2, os.environ.get("TRAINER_GROW_AT")): 3,
+                     (0, 3, os.environ.get("TRAINER_SHRINK_AT")): 2}
+            if at in sizes:
                 with open(os.environ["TRAINER_GROW_LIST"], "w") as f:
-                    f.write("localhost:3\n")
+                    f.write(f"localhost:{sizes[at]}\n")
                 from kerasdist._core import resize
                 deadline = time.monotonic() + 60
                 while not resize.requested() and \
                         time.monotonic() < deadline:
+                    time.sleep(0.05)
+            from kerasdist._core import grow
+            if start_rank == 0 and grow.spawning():
+                # A grow in place: the job trains on while the new rank
+                # starts; here it waits for it (up to 120 s), so that the
+                # new rank joins before the training ends.
+                deadline = time.monotonic() + 120
+                while grow.spawning() and time.monotonic() < deadline:
                     time.sleep(0.05)
 
     class Linear(kerasdist.Trainer):
