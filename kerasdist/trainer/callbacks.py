@@ -215,7 +215,33 @@ def resize_agreed():
                                      "kerasdist.trainer.resize")[0])
 
 
-class ResizeCallback(keras.callbacks.Callback):
+class EveryStepsCallback(keras.callbacks.Callback):
+    """Counts an epoch's steps for the callbacks that act every
+    `every_steps` steps of an epoch but its last (`is_last(epoch,
+    batch)`: the epoch end follows there); None: never between epoch
+    ends. `_due(batch)`, from `on_train_batch_end`, says whether this step
+    is one; the same steps on every rank."""
+
+    def __init__(self, every_steps, is_last):
+        super().__init__()
+        self.every_steps = every_steps
+        self._is_last = is_last  # is_last(epoch, batch)
+        self._epoch = 0
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._steps = 0
+
+    def _due(self, batch):
+        if self.every_steps is None:
+            return False
+        self._steps += 1
+        return not (self._steps % self.every_steps
+                    or self._is_last(self._epoch, batch))
+
+
+class ResizeCallback(EveryStepsCallback):
     """Stops the job for a resize at a checkpoint boundary, once the
     launcher asked any rank (kerasdist/_core/resize.py).
 
@@ -230,24 +256,12 @@ class ResizeCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, stop, is_last, last_epoch, every_steps=None):
-        super().__init__()
+        super().__init__(every_steps, is_last)
         self._stop_job = stop
-        self._is_last = is_last  # is_last(epoch, batch)
         self.last_epoch = last_epoch  # fit's `epochs`
-        self.every_steps = every_steps
-        self._epoch = 0
-        self._steps = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.every_steps is None:
-            return
-        self._steps += 1
-        if self._steps % self.every_steps or \
-                self._is_last(self._epoch, batch):
+        if not self._due(batch):
             return
         if resize_agreed():
             sync_model_state(self)

@@ -180,29 +180,19 @@ class ResizeInPlace(Exception):
     re-form the job and go on from that commit."""
 
 
-class ResizeCheckCallback(keras.callbacks.Callback):
+class ResizeCheckCallback(_tcb.EveryStepsCallback):
     """Calls `check(epoch, batch)` every `every_steps` steps of an epoch
     but its last, and at every epoch end but the last (batch None): the
     Trainer's check for a resize in place, on every rank at the same
     steps. Place it after the callbacks that see a step."""
 
     def __init__(self, check, every_steps, is_last, last_epoch):
-        super().__init__()
+        super().__init__(every_steps, is_last)
         self._check = check
-        self.every_steps = every_steps
-        self._is_last = is_last  # is_last(epoch, batch)
         self.last_epoch = last_epoch  # fit's `epochs`
-        self._epoch = 0
-        self._steps = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
-        if self._steps % self.every_steps or \
-                self._is_last(self._epoch, batch):
+        if not self._due(batch):
             return
         _tcb.sync_model_state(self)
         self._check(self._epoch, batch)
@@ -212,7 +202,7 @@ class ResizeCheckCallback(keras.callbacks.Callback):
             self._check(epoch, None)
 
 
-class CommitCallback(keras.callbacks.Callback):
+class CommitCallback(_tcb.EveryStepsCallback):
     """Commits the state in memory (`commits.take`) at the start of
     training, every `every_steps` steps of an epoch but its last, and at
     every epoch end (`position(epoch, batch)`: the examples of the epoch
@@ -221,27 +211,17 @@ class CommitCallback(keras.callbacks.Callback):
     at an epoch end (the learning-rate schedules)."""
 
     def __init__(self, commits, every_steps, position, is_last, start):
-        super().__init__()
+        super().__init__(every_steps, is_last)
         self._commits = commits
-        self.every_steps = every_steps
         self._position = position  # position(epoch, batch)
-        self._is_last = is_last  # is_last(epoch, batch)
         self._start = start  # (epoch, samples, rng) of the fit's start
-        self._epoch = 0
-        self._steps = 0
 
     def on_train_begin(self, logs=None):
         _tcb.sync_model_state(self)
         self._commits.take(*self._start)
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._steps = 0
-
     def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
-        if self._steps % self.every_steps or \
-                self._is_last(self._epoch, batch):
+        if not self._due(batch):
             return
         _tcb.sync_model_state(self)
         self._commits.take(self._epoch, self._position(self._epoch, batch),
