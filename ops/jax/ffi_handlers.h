@@ -12,9 +12,12 @@
 // independent work meanwhile, as TF does with its AsyncOpKernels.
 //
 // Results whose size depends on other ranks (allgather, alltoall,
-// reducescatter) land in memory the core owns and are copied into XLA's
-// buffer after their shape is checked: XLA sized that buffer at trace time,
-// and a rank that disagrees must get an error, never a write past its end.
+// reducescatter) are written straight into XLA's buffer once negotiation
+// has given their shape and it matches the buffer's (the core's `allocate`
+// callback): XLA sized that buffer at trace time, and a rank that disagrees
+// must get an error, never a write past its end. No copy: a copy held one
+// more whole result per collective in flight (in a sharded step, whose
+// gathers are all in flight at once, the weights' size again).
 //
 // KERASDIST_FFI_TRACE names the includer's compiled function in errors
 // ("jax.jit" unless defined first).
@@ -34,6 +37,7 @@
 #include <vector>
 
 #include "core/c_api.h"
+#include "core/status.h"
 #include "core/types.h"
 #include "jax/ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -170,34 +174,41 @@ struct Pending {
   std::vector<int64_t> shape;
   const void* in = nullptr;
   void* out = nullptr;
-  size_t out_bytes = 0;
-  bool copy_out = false;
+  bool negotiated = false;  // sized by negotiation: `out` via Allocate
   std::vector<int64_t> out_dims;
+  std::string error;  // Allocate's, valid until Done
 };
 
-// Moves a core-owned result into XLA's buffer after checking its shape;
-// the failure's message, empty when all went well.
-std::string Check(const Pending& p, const kerasdist_result& r) {
-  if (r.status != 0) return r.message;
-  if (!p.copy_out) return "";
-  std::vector<int64_t> got(r.shape, r.shape + r.ndim);
+std::string ShapeError(const Pending& p, const std::vector<int64_t>& got) {
+  return "collective '" + p.name + "' produced shape " + DimsText(got) +
+         " but this rank's " KERASDIST_FFI_TRACE " trace expected " +
+         DimsText(p.out_dims) +
+         ". Inside " KERASDIST_FFI_TRACE
+         ", allgather needs the same first dimension on "
+         "every rank and alltoall an even split (splits=None); call it "
+         "outside " KERASDIST_FFI_TRACE " for uneven sizes.";
+}
+
+// kerasdist_allocate_fn of a result sized by negotiation: XLA's own buffer
+// when the negotiated shape is the one it was sized for, else an error.
+int32_t Allocate(void* arg, int32_t ndim, const int64_t* shape, void** data,
+                 const char** message) {
+  Pending& p = *static_cast<Pending*>(arg);
+  std::vector<int64_t> got(shape, shape + ndim);
   if (got != p.out_dims) {
-    return "collective '" + p.name + "' produced shape " + DimsText(got) +
-           " but this rank's " KERASDIST_FFI_TRACE " trace expected " +
-           DimsText(p.out_dims) +
-           ". Inside " KERASDIST_FFI_TRACE
-           ", allgather needs the same first dimension on "
-           "every rank and alltoall an even split (splits=None); call it "
-           "outside " KERASDIST_FFI_TRACE " for uneven sizes.";
+    p.error = ShapeError(p, got);
+    *message = p.error.c_str();
+    return static_cast<int32_t>(
+        ::kerasdist::core::StatusCode::kInvalidArgument);
   }
-  if (p.out_bytes > 0) std::memcpy(p.out, r.data, p.out_bytes);
-  return "";
+  *data = p.out;
+  return 0;
 }
 
 // The core's completion callback of one tensor.
 void Done(void* arg, const kerasdist_result* r) {
   std::unique_ptr<Pending> p(static_cast<Pending*>(arg));
-  p->call->Ended(p->member, Check(*p, *r));
+  p->call->Ended(p->member, r->status == 0 ? "" : r->message);
 }
 
 // Enqueues `members` (of one call) with one kerasdist_enqueue_tensors
@@ -212,9 +223,13 @@ ffi::Error Submit(const Spec& s,
   for (size_t i = 0; i < n; ++i) {
     Pending& p = *members[i];
     requests[i] = Request(p.name, s, p.dtype, p.shape, -1);
-    tensors[i] = {
-        &requests[i], p.in, p.copy_out ? nullptr : p.out, nullptr, nullptr,
-        &Done,        &p};
+    tensors[i] = {&requests[i],
+                  p.in,
+                  p.negotiated ? nullptr : p.out,
+                  nullptr,
+                  p.negotiated ? &Allocate : nullptr,
+                  &Done,
+                  &p};
     p.call->Add();  // before the enqueue: the callback may come at once
   }
   int32_t queued = 0;
@@ -229,12 +244,12 @@ ffi::Error Submit(const Spec& s,
                                      kerasdist_last_error());
 }
 
-// Member `member` of `call`: `in`, its result straight into `out`, or, with
-// `copy_out`, into core-owned memory that Check copies after checking its
-// shape. Null for a dtype the core does not reduce.
+// Member `member` of `call`: `in`, its result straight into `out`, which
+// with `negotiated` Allocate hands over once the result's shape is checked.
+// Null for a dtype the core does not reduce.
 std::unique_ptr<Pending> Member(Call* call, size_t member, std::string name,
                                 const ffi::AnyBuffer& in,
-                                const ffi::AnyBuffer& out, bool copy_out) {
+                                const ffi::AnyBuffer& out, bool negotiated) {
   auto p = std::make_unique<Pending>();
   if (!ToCore(in.element_type(), &p->dtype)) return nullptr;
   p->call = call;
@@ -243,18 +258,17 @@ std::unique_ptr<Pending> Member(Call* call, size_t member, std::string name,
   p->shape = Dims(in);
   p->in = in.untyped_data();
   p->out = out.untyped_data();
-  p->out_bytes = out.size_bytes();
-  p->copy_out = copy_out;
+  p->negotiated = negotiated;
   p->out_dims = Dims(out);
   return p;
 }
 
 ffi::Future One(std::string_view name, const Spec& s, const ffi::AnyBuffer& in,
-                ffi::AnyBuffer* out, bool copy_out) {
+                ffi::AnyBuffer* out, bool negotiated) {
   Call* call = new Call(1);
   ffi::Future future = call->future();
   std::vector<std::unique_ptr<Pending>> members;
-  members.push_back(Member(call, 0, std::string(name), in, *out, copy_out));
+  members.push_back(Member(call, 0, std::string(name), in, *out, negotiated));
   if (!members[0]) {
     call->Enqueued(ffi::Error::InvalidArgument(
         "kerasdist: collective '" + std::string(name) +
