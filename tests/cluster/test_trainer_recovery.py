@@ -20,9 +20,10 @@ size in place; where a rank and its buddy are both lost, the
 survivor ends in one line. A Trainer job that the
 discovery script grows (2 ranks to 3) grows in place, the new rank taking
 the commit by broadcast, and with a sharded optimizer is relaunched at
-the new size; one that it shrinks (3 ranks to 2) shrinks in place at its
-next commit: the leaver exits 0, the others (the same processes) go on
-from that commit; all to numpy's weights."""
+the new size; one that it shrinks (3 ranks to 2; JAX with sharded
+weights) shrinks in place at its next commit: the leaver exits 0, the
+others (the same processes) go on from that commit, the weight shards
+laid out again over them; all to numpy's weights."""
 
 import importlib.util
 import json
@@ -292,20 +293,23 @@ def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
     # on from that commit at 2 ranks: the rest of epoch 1 re-sharded, the
     # learning rate rescaled. The same numpy truth as after a lost rank at
     # step 4, which the commit after step 3 also resumed from: no example
-    # trained twice or skipped.
+    # trained twice or skipped. On JAX with shard="weights": the leaver's
+    # shards of the weights and of the momentum come back from its
+    # buddy's copy of that commit (the lost-rank recovery's restore) and
+    # are laid out over the 2 in place; the end's weights gathered whole.
     listed = tmp_path / "hosts.txt"
     listed.write_text("localhost:3\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
     out = launch(3, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                               "-1", "-1"),
+                               "-1", "-1", "weights"),
                  timeout=JOB_S, root=openmpi_root,
                  launcher_args=["--recover-in-place",
                                 "--host-discovery-script", str(script),
                                 "--min-np", "2", "--max-np", "3",
                                 "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND="torch", TRAINER_SHRINK_AT=1,
+                 env=rank_env(KERAS_BACKEND="jax", TRAINER_SHRINK_AT=1,
                               TRAINER_GROW_LIST=listed))
     why = "host localhost has 2 slot(s) now, not 3"
     assert out.returncode == 0, out.stdout
