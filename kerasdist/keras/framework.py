@@ -111,6 +111,18 @@ class KerasFramework:
         where ops run in program order."""
         return value
 
+    def gather_rows(self, row, size, name):
+        """Sharded weights' allgather: every rank's `row` (1, c), the
+        same shape on each by the layout, stacked (size, c)."""
+        return self.collectives.allgather(row, name=name)
+
+    def scatter_rows(self, rows, name):
+        """Their gradients' reduce-scatter: the average of `rows`
+        (size, c) over the ranks, this rank's row (1, c)."""
+        return self.collectives.reducescatter(
+            rows, op=basics.Average, name=name, prescale_factor=1.0,
+            postscale_factor=1.0)
+
     def split_columns(self, x, sizes):
         """A 2-D tensor's column blocks of `sizes` (ints) columns each,
         by one split: its gradient is one concatenation, never a

@@ -1165,6 +1165,33 @@ def weights_custom_loop_jax_torch():
     same_on_all_ranks(m.get_weights(), "weights: custom loop")
 
 
+@check("weights_fit_jit_compile", groups=("torch",))
+def weights_fit_jit_compile():
+    # Keras' jit_compile=True on PyTorch (torch.compile of the step): the
+    # sharded weights' gathers and their gradients' reduce-scatters are
+    # ops whose shapes the layout gives, traced into the compiled step.
+    import torch
+
+    x, y = data()
+    truth = truth_fit(dense_model(), keras.optimizers.SGD(
+        0.1, momentum=0.5), x, y, N * B)
+    m = kd.shard_weights(dense_model())
+    got = fit(m, kd.DistributedOptimizer(keras.optimizers.SGD(
+        0.1, momentum=0.5), shard="weights"), my_part(x), my_part(y), B,
+        jit_compile=True)
+    assert_close(got, truth, "weights: jit_compile")
+    # A layout the ranks do not share (a step compiled at another size):
+    # an error on every rank, never a result of another shape.
+    try:
+        torch.ops.kerasdist.shard_gather(torch.ones(1, 3),
+                                         "weights.jit.layout", N + 1)
+    except RuntimeError as e:
+        assert f"gave {N} row(s) where its layout expects {N + 1}" in \
+            str(e), str(e)
+    else:
+        raise AssertionError("a gather against another layout: no error")
+
+
 @check("weights_jax_gathers_tied", groups=("jax",))
 def weights_jax_gathers_tied():
     # XLA schedules by data only: unless each gather depends on its

@@ -8,7 +8,6 @@ gather; `own_piece`, this rank's shard of a whole value."""
 
 import numpy as np
 
-from kerasdist import basics
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.layout import owned
@@ -102,8 +101,8 @@ def _gather_group(weights, values):
 
     @ops.custom_gradient
     def rows(x):
-        every = framework.collectives.allgather(
-            ops.reshape(x, (1, -1)), name=gather_name)
+        every = framework.gather_rows(ops.reshape(x, (1, -1)), size,
+                                      gather_name)
         every = ops.reshape(every, (size, total))
 
         def grad(*args, upstream=None):
@@ -111,10 +110,8 @@ def _gather_group(weights, values):
                 (upstream,) = args
             # The split's gradient: every whole gradient in one buffer.
             buffer = ops.reshape(framework.dense(upstream), (size, total))
-            mine = framework.collectives.reducescatter(
-                buffer, op=basics.Average, name=grad_name,
-                prescale_factor=1.0, postscale_factor=1.0)
-            return ops.reshape(mine, (-1,))
+            return ops.reshape(framework.scatter_rows(buffer, grad_name),
+                               (-1,))
 
         return every, grad
 
