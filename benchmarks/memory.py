@@ -3,7 +3,7 @@
 
     python benchmarks/memory.py [--backend tensorflow] [--sizes 1,2,4]
         [--params 100e6] [--model mlp|transformer] [--steps 4]
-        [--json FILE] [--save]
+        [--json FILE] [--save] [--marginal 300e6]
 
 For each size N and each of replicated, shard="optimizer_state",
 shard="gradients" and shard="weights" (`kd.shard_weights(model)` first;
@@ -26,6 +26,12 @@ plus the whole gradients while a step runs; sharded weights 16/N held
 (weight, gradient and moments of each shard), plus the whole weights the
 step gathers.
 
+- with --marginal P, the marginal peak: the same job again with a model
+  of about P parameters, and the peak's bytes added per parameter between
+  the two sizes. The peak per parameter of one size also divides the
+  process's constants (the framework's start, compiling the step, the
+  allocator's pools) by the parameters; the marginal peak leaves them
+  out: what a model that does not fit pays for each parameter more.
 - with --save, save: the peak resident set while `kd.save_model` writes
   the trained model to a .keras file (VmHWM started afresh before it),
   above the same base: rank 0's, the writer; and whole: the job's peak,
@@ -219,43 +225,66 @@ def rank_main(args):
             flush=True)
 
 
+def _job(args, n, mode, params):
+    """One job of `n` ranks training a model of about `params`
+    parameters in `mode`: rank 0's result."""
+    cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
+           sys.executable, os.path.abspath(__file__), "--rank",
+           "--mode", mode, "--model", args.model, "--params",
+           str(params), "--width", str(args.width),
+           "--steps", str(args.steps)] + (
+               ["--save"] if args.save else []) + (
+               ["--xla"] if args.xla else [])
+    env = dict(os.environ, KERAS_BACKEND=args.backend,
+               TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=REPO_ROOT + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run(cmd, env=env, capture_output=True,
+                         text=True, timeout=3600)
+    found = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
+             if "RESULT " in l]
+    if out.returncode != 0 or not found:
+        sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
+                 + (out.stdout + out.stderr)[-3000:])
+    for line in out.stderr.splitlines():
+        if "XLA " in line:
+            print(f"np={n} {mode}: {line}", flush=True)
+    return json.loads(found[0])
+
+
+def _marginal(small, large):
+    """The peak's bytes per parameter added between two sizes of the
+    model: what a parameter more costs, without the process's constants
+    (the framework's start, compiling the step, allocator pools), which
+    the peak per parameter of one size divides by its parameters."""
+    added = (large["peak_bytes_per_param"] * large["params"]
+             - small["peak_bytes_per_param"] * small["params"])
+    return added / (large["params"] - small["params"])
+
+
 def drive(args):
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         for mode in args.modes.split(","):
-            cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
-                   sys.executable, os.path.abspath(__file__), "--rank",
-                   "--mode", mode, "--model", args.model, "--params",
-                   str(args.params), "--width", str(args.width),
-                   "--steps", str(args.steps)] + (
-                       ["--save"] if args.save else []) + (
-                       ["--xla"] if args.xla else [])
-            env = dict(os.environ, KERAS_BACKEND=args.backend,
-                       TF_CPP_MIN_LOG_LEVEL="3",
-                       PYTHONPATH=REPO_ROOT + os.pathsep +
-                       os.environ.get("PYTHONPATH", ""))
-            out = subprocess.run(cmd, env=env, capture_output=True,
-                                 text=True, timeout=3600)
-            found = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
-                     if "RESULT " in l]
-            if out.returncode != 0 or not found:
-                sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
-                         + (out.stdout + out.stderr)[-3000:])
-            for line in out.stderr.splitlines():
-                if "XLA " in line:
-                    print(f"np={n} {mode}: {line}", flush=True)
-            rows.append(json.loads(found[0]))
+            rows.append(_job(args, n, mode, args.params))
             print(json.dumps(rows[-1]), flush=True)
+            if args.marginal:
+                large = _job(args, n, mode, args.marginal)
+                print(json.dumps(large), flush=True)
+                rows[-1]["marginal_peak_bytes_per_param"] = _marginal(
+                    rows[-1], large)
     print(f"\n{args.model}, {rows[0]['params'] / 1e6:.1f}M parameters, "
           f"Adam, {args.backend}; bytes per parameter (max over ranks)")
     print("| np | optimizer | held | theory held | peak RSS | step 1 peak |"
           " later steps' peak | peak / held | step s | step / replicated |"
           + (" save peak (rank 0) | job peak (rank 0) |" if args.save
-             else ""))
+             else "") + (f" marginal peak (to {args.marginal / 1e6:.0f}M)"
+                         " | marginal / held |" if args.marginal else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + (
-        "---|---|" if args.save else ""))
+        "---|---|" if args.save else "") + ("---|---|" if args.marginal
+                                           else ""))
     for r in rows:
-        n = r["np"]
+        n, held = r["np"], r["held_bytes_per_param"]
         theory = {"replicated": 12.0, "weights": 16.0 / n}.get(
             r["mode"], 4 + 12.0 / n)
         ref = next((x for x in rows if x["np"] == n
@@ -268,7 +297,10 @@ def drive(args):
               f" | {r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f} |"
               + (f" {r['save_peak_bytes_per_param']:.2f} | "
                  f"{r['whole_peak_bytes_per_param']:.2f} |" if args.save
-                 else ""))
+                 else "")
+              + (f" {r['marginal_peak_bytes_per_param']:.2f} | "
+                 f"{r['marginal_peak_bytes_per_param'] / held:.2f} |"
+                 if args.marginal else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -283,6 +315,10 @@ def main():
     p.add_argument("--modes", default=",".join(MODES),
                    help="which of " + ", ".join(MODES))
     p.add_argument("--params", type=float, default=100e6)
+    p.add_argument("--marginal", type=float,
+                   help="also train a model of this many parameters and "
+                   "print the peak's bytes per parameter added between "
+                   "the two sizes (the process's constants left out)")
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--width", type=int, default=2048,
                    help="the MLP's layer width")
@@ -295,6 +331,8 @@ def main():
                    help="also measure kd.save_model's peak on rank 0")
     args = p.parse_args()
     args.params = int(args.params)
+    if args.marginal:
+        args.marginal = int(args.marginal)
     if args.rank:
         if args.cgroup:
             join_cgroup(args.cgroup)
