@@ -15,15 +15,16 @@
 // reducescatter) are written straight into XLA's buffer once negotiation
 // has given their shape and it matches the buffer's (the core's `allocate`
 // callback): XLA sized that buffer at trace time, and a rank that disagrees
-// must get an error, never a write past its end. No copy: a copy held one
-// more whole result per collective in flight (in a sharded step, whose
-// gathers are all in flight at once, the weights' size again).
+// must get an error, never a write past its end (its result goes to
+// scratch memory, so that it still takes part in the collective). No copy
+// where the shapes agree: one memcpy fewer per result.
 //
 // KERASDIST_FFI_TRACE names the includer's compiled function in errors
 // ("jax.jit" unless defined first).
 #ifndef KERASDIST_OPS_JAX_FFI_HANDLERS_H_
 #define KERASDIST_OPS_JAX_FFI_HANDLERS_H_
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -37,7 +38,6 @@
 #include <vector>
 
 #include "core/c_api.h"
-#include "core/status.h"
 #include "core/types.h"
 #include "jax/ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -176,7 +176,8 @@ struct Pending {
   void* out = nullptr;
   bool negotiated = false;  // sized by negotiation: `out` via Allocate
   std::vector<int64_t> out_dims;
-  std::string error;  // Allocate's, valid until Done
+  std::string error;          // Allocate's shape error, for Done
+  std::vector<char> scratch;  // where such a result lands instead
 };
 
 std::string ShapeError(const Pending& p, const std::vector<int64_t>& got) {
@@ -190,25 +191,33 @@ std::string ShapeError(const Pending& p, const std::vector<int64_t>& got) {
 }
 
 // kerasdist_allocate_fn of a result sized by negotiation: XLA's own buffer
-// when the negotiated shape is the one it was sized for, else an error.
+// when the negotiated shape is the one it was sized for. Else the result
+// lands in scratch memory and Done reports the error: this rank still
+// takes part in the collective, as another rank, whose trace guessed the
+// shape right, does (returning an error here would leave it waiting).
 int32_t Allocate(void* arg, int32_t ndim, const int64_t* shape, void** data,
                  const char** message) {
   Pending& p = *static_cast<Pending*>(arg);
   std::vector<int64_t> got(shape, shape + ndim);
-  if (got != p.out_dims) {
-    p.error = ShapeError(p, got);
-    *message = p.error.c_str();
-    return static_cast<int32_t>(
-        ::kerasdist::core::StatusCode::kInvalidArgument);
+  if (got == p.out_dims) {
+    *data = p.out;
+    return 0;
   }
-  *data = p.out;
+  p.error = ShapeError(p, got);
+  int64_t elements = 1;
+  for (int64_t d : got) elements *= d;
+  const int64_t bytes = elements * ::kerasdist::core::DataTypeSize(
+                                       static_cast<DataType>(p.dtype));
+  p.scratch.resize(std::max<int64_t>(1, bytes));
+  *data = p.scratch.data();
   return 0;
 }
 
 // The core's completion callback of one tensor.
 void Done(void* arg, const kerasdist_result* r) {
   std::unique_ptr<Pending> p(static_cast<Pending*>(arg));
-  p->call->Ended(p->member, r->status == 0 ? "" : r->message);
+  p->call->Ended(p->member,
+                 r->status != 0 ? std::string(r->message) : p->error);
 }
 
 // Enqueues `members` (of one call) with one kerasdist_enqueue_tensors

@@ -451,16 +451,30 @@ checks.group("jit_ranks", default=False)
 
 @check("jit_uneven_allgather_fails_clearly")
 def jit_uneven_allgather_fails_clearly():
+    # Rank r sends r + 1 rows: a rank whose trace-time guess (size()
+    # times its own rows) misses the rows that arrive fails with the
+    # message. At -np 3 rank 1's guess is right (6 rows) and it gets
+    # them: the others still take part in the collective (their results
+    # land in scratch memory), so it never waits for them.
+    rows, total = r + 1, n * (n + 1) // 2
     try:
-        # rank 0 sends 1 row, the others 2: no rank's guess (size()
-        # times its own rows) matches the 2n - 1 rows that arrive.
-        jax.jit(lambda t: kd.allgather(t))(jnp.ones([1 + (r > 0), 2]))
-        np.asarray(0)
+        got = np.asarray(jax.jit(lambda t: kd.allgather(t))(
+            jnp.full([rows, 2], float(r))))
     except Exception as e:  # XLA re-raises the handler's error
+        if n * rows == total:
+            fail("uneven allgather in jit, the right guess", str(e)[:300])
         if "same first dimension on every rank" not in str(e):
             fail("uneven allgather in jit", str(e)[:300])
     else:
-        fail("uneven allgather in jit", "no error", "an error")
+        if n * rows != total:
+            fail("uneven allgather in jit", "no error", "an error")
+        want = np.concatenate([np.full([k + 1, 2], float(k))
+                               for k in range(n)])
+        expect(got, want, "uneven allgather in jit, the right guess")
+    # Every rank is free for the next collective.
+    expect(np.asarray(kd.allreduce(jnp.ones(2), op=kd.Sum,
+                                   name="jit.uneven.after")),
+           np.full(2, float(n)), "a collective after it")
 
 
 @check("jit_shape_mismatch_reaches_every_rank")
