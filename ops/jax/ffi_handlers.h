@@ -164,8 +164,8 @@ class Call {
 };
 
 // One tensor of a call: its request's dtype, shape and input (null: a
-// barrier), where its result goes and, for results the core owns, the shape
-// XLA allocated for it.
+// barrier), where its result goes and, for results sized by negotiation,
+// the shape XLA allocated for it.
 struct Pending {
   Call* call = nullptr;
   size_t member = 0;
