@@ -38,51 +38,10 @@ class Torch(_framework.KerasFramework):
         return x.numel() * x.element_size()
 
     def gather_rows(self, row, size, name):
-        return _shard_gather(row, name, size)
+        return _torch_collectives.shard_gather(row, name, size)
 
     def scatter_rows(self, rows, name):
-        return _shard_scatter(rows, name)
-
-
-# Sharded weights' collectives as ops torch.compile (Keras' jit_compile=True)
-# traces: their shapes follow from the layout, the same on every rank, so
-# they have fake implementations, which kerasdist.torch's allgather and
-# reducescatter (sized by the other ranks) cannot have. A result of
-# another shape (a compiled step traced before the job changed size) is
-# an error, never a tensor of a shape the compiled code did not expect.
-@torch.library.custom_op("kerasdist::shard_gather", mutates_args=())
-def _shard_gather(row: torch.Tensor, name: str, size: int) -> torch.Tensor:
-    every = _torch_collectives.allgather(row, name)
-    _check_rows(every, size * row.shape[0], name)
-    return every
-
-
-@_shard_gather.register_fake
-def _(row, name, size):
-    return row.new_empty((size * row.shape[0],) + tuple(row.shape[1:]))
-
-
-@torch.library.custom_op("kerasdist::shard_scatter", mutates_args=())
-def _shard_scatter(rows: torch.Tensor, name: str) -> torch.Tensor:
-    mine = _torch_collectives.reducescatter(rows, basics.Average, name, 1.0,
-                                            1.0)
-    _check_rows(mine, 1, name)
-    return mine
-
-
-@_shard_scatter.register_fake
-def _(rows, name):
-    return rows.new_empty((1,) + tuple(rows.shape[1:]))
-
-
-def _check_rows(result, rows, name):
-    if result.shape[0] != rows:
-        raise RuntimeError(
-            f"kerasdist: the sharded weights' collective '{name}' gave "
-            f"{result.shape[0]} row(s) where its layout expects {rows}: "
-            f"the ranks disagree on the layout (this rank's is for "
-            f"{basics.size()} rank(s) now). A step compiled before the job "
-            "changed size must be compiled again.")
+        return _torch_collectives.shard_scatter(rows, name)
 
 
 class Overlap:

@@ -183,13 +183,17 @@ def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
     return PendingAllreduce(xs, name, op, prescale, postscale).wait()
 
 
-@torch.library.custom_op("kerasdist::allgather", mutates_args=())
-def _allgather(x: torch.Tensor, name: str) -> torch.Tensor:
+def _allgather_now(x, name):
     _host_only(x, "allgather")
     x = x.contiguous()
     h = _start(_capi.OP_ALLGATHER, name, x, None)
     h.wait()
     return _owned(h, x)
+
+
+@torch.library.custom_op("kerasdist::allgather", mutates_args=())
+def _allgather(x: torch.Tensor, name: str) -> torch.Tensor:
+    return _allgather_now(x, name)
 
 
 @torch.library.custom_op("kerasdist::broadcast", mutates_args=())
@@ -212,15 +216,49 @@ def _alltoall(x: torch.Tensor, name: str,
     return _owned(h, x), torch.tensor(recv, dtype=torch.int64)
 
 
-@torch.library.custom_op("kerasdist::reducescatter", mutates_args=())
-def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
-                   postscale: float) -> torch.Tensor:
+def _reducescatter_now(x, name, op, prescale, postscale):
     _host_only(x, "reducescatter")
     x = x.contiguous()
     h = _start(_capi.OP_REDUCESCATTER, name, x, None, reduce_op=op,
                prescale=prescale, postscale=postscale)
     h.wait()
     return _owned(h, x)
+
+
+@torch.library.custom_op("kerasdist::reducescatter", mutates_args=())
+def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
+                   postscale: float) -> torch.Tensor:
+    return _reducescatter_now(x, name, op, prescale, postscale)
+
+
+# Sharded weights' collectives (kerasdist/keras/sharding/views.py, through
+# the Keras layer's Torch framework): a gather of every rank's row and its
+# gradient's reduce-scatter, as ops torch.compile (Keras' jit_compile=True)
+# traces: their shapes follow from the shards' layout, the same on every
+# rank, so they have fake implementations, which allgather and
+# reducescatter (sized by the other ranks) cannot have. A result of another
+# shape (a step compiled before the job changed size) is an error, never
+# a tensor of a shape the compiled code did not expect.
+@torch.library.custom_op("kerasdist::shard_gather", mutates_args=())
+def shard_gather(row: torch.Tensor, name: str, size: int) -> torch.Tensor:
+    return _as_laid_out(_allgather_now(row, name), size * row.shape[0], name)
+
+
+@torch.library.custom_op("kerasdist::shard_scatter", mutates_args=())
+def shard_scatter(rows: torch.Tensor, name: str) -> torch.Tensor:
+    return _as_laid_out(_reducescatter_now(rows, name, int(basics.Average),
+                                           1.0, 1.0), 1, name)
+
+
+def _as_laid_out(result, rows, name):
+    if result.shape[0] != rows:
+        raise RuntimeError(
+            f"kerasdist: the sharded weights' collective '{name}' gave "
+            f"{result.shape[0]} row(s) where its layout expects {rows}: "
+            f"the ranks disagree on the layout (this rank's is for "
+            f"{basics.size()} rank(s) now). A step compiled before the job "
+            "changed size must be compiled again.")
+    return result
 
 
 # ---- shapes for torch.compile ------------------------------------------------
@@ -243,6 +281,16 @@ def _(xs, name, op, prescale, postscale):
 @_broadcast.register_fake
 def _(x, name, root):
     return torch.empty_like(x)
+
+
+@shard_gather.register_fake
+def _(row, name, size):
+    return row.new_empty((size * row.shape[0],) + tuple(row.shape[1:]))
+
+
+@shard_scatter.register_fake
+def _(rows, name):
+    return rows.new_empty((1,) + tuple(rows.shape[1:]))
 
 
 # ---- gradients (as the TF ops': kerasdist/tensorflow/collectives.py) -------
