@@ -230,23 +230,30 @@ def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
     _check_grown(tmp_path, m)
 
 
-def _grow_job(tmp_path, root, *args):
-    """A Trainer job of 2 ranks under --recover-in-place that the
-    discovery script grows to 3 after step 1 (worker's TRAINER_GROW_AT)."""
+def _resizing_job(tmp_path, root, np_, backend, resize, *args):
+    """A Trainer job of `np_` ranks under --recover-in-place whose
+    discovery script lists `np_` slots until the worker rewrites it after
+    step 1 (`resize`: TRAINER_GROW_AT, to 3, or TRAINER_SHRINK_AT, to 2)."""
     listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:2\n")
+    listed.write_text(f"localhost:{np_}\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
-    return launch(2, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                                "-1", "-1", *args),
+    return launch(np_, worker_cmd("trainer_recovery_worker.py",
+                                  str(tmp_path), "-1", "-1", *args),
                   timeout=JOB_S, root=root,
                   launcher_args=["--recover-in-place",
                                  "--host-discovery-script", str(script),
                                  "--min-np", "2", "--max-np", "3",
                                  "--discovery-interval", "0.5"],
-                  env=rank_env(KERAS_BACKEND="torch", TRAINER_GROW_AT=1,
-                               TRAINER_GROW_LIST=listed))
+                  env=rank_env(KERAS_BACKEND=backend, TRAINER_GROW_LIST=listed,
+                               **{resize: 1}))
+
+
+def _grow_job(tmp_path, root, *args):
+    """A Trainer job of 2 ranks that the discovery script grows to 3."""
+    return _resizing_job(tmp_path, root, 2, "torch", "TRAINER_GROW_AT",
+                         *args)
 
 
 def _check_grown(tmp_path, m, in_place=False):
@@ -297,20 +304,8 @@ def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
     # shards of the weights and of the momentum come back from its
     # buddy's copy of that commit (the lost-rank recovery's restore) and
     # are laid out over the 2 in place; the end's weights gathered whole.
-    listed = tmp_path / "hosts.txt"
-    listed.write_text("localhost:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    out = launch(3, worker_cmd("trainer_recovery_worker.py", str(tmp_path),
-                               "-1", "-1", "weights"),
-                 timeout=JOB_S, root=openmpi_root,
-                 launcher_args=["--recover-in-place",
-                                "--host-discovery-script", str(script),
-                                "--min-np", "2", "--max-np", "3",
-                                "--discovery-interval", "0.5"],
-                 env=rank_env(KERAS_BACKEND="jax", TRAINER_SHRINK_AT=1,
-                              TRAINER_GROW_LIST=listed))
+    out = _resizing_job(tmp_path, openmpi_root, 3, "jax",
+                        "TRAINER_SHRINK_AT", "weights")
     why = "host localhost has 2 slot(s) now, not 3"
     assert out.returncode == 0, out.stdout
     assert (f"kerasdist: shrinking from 3 to 2 ranks: {why}; in place, at "
