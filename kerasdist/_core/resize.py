@@ -95,8 +95,8 @@ def announce(rank, grows_in_place=False, shrinks_in_place=None):
     (`hvd.elastic.run`: kerasdist/_core/grow.py); without it the launcher
     grows the job by a relaunch. `shrinks_in_place` (by default
     `grows_in_place`): that it shrinks in place
-    (kerasdist/_core/shrink.py; the Trainer says so, but not that it
-    grows in place); without it a shrink is a relaunch."""
+    (kerasdist/_core/shrink.py; the Trainer and `hvd.elastic.run` say
+    both); without it a shrink is a relaunch."""
     if _state["announced"]:
         return
     _state["announced"] = True

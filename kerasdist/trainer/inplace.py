@@ -33,8 +33,9 @@ others from that commit (kerasdist/_core/shrink.py). A grow the launcher
 asks for starts the new ranks in the background (kerasdist/_core/grow.py)
 while the others train; at the first commit's step after they joined
 the ranks commit, re-form with them, send them the commit and its point
-by broadcast, and every rank trains on from there (a replicated state
-only; a sharded one grows by a relaunch).
+by broadcast, and every rank trains on from there; a sharded state's
+committed shards are laid out over the grown job, each new rank receiving
+only its own shards from the old ranks (`buddies.grow`).
 """
 
 import os
@@ -153,16 +154,19 @@ class Commits:
         self.last = Commit(values, shard, _tresume.Resumed(
             int(epoch), int(samples), basics.size(), list(rng)))
 
-    def restore(self):
+    def restore(self, grown=False):
         """Puts the last commit back on the variables; returns its point.
         A sharded optimizer laid out for another size (after a lost rank)
         is built again at the new size with its committed shards (and
         the model's weight shards, shard="weights") re-partitioned over
         the survivors (`buddies.recover`; ShardsLostError, one line,
-        where a shard is on no survivor)."""
+        where a shard is on no survivor). `grown`: the job grew in place;
+        the shards wait for `grow`, which the new ranks join."""
         commit = self.last
         optimizer = self._model.optimizer
-        if self.sharded and _buddies.resized(optimizer):
+        if grown and self.sharded:
+            pass
+        elif self.sharded and _buddies.resized(optimizer):
             commit.shard = _buddies.recover(optimizer, commit.shard,
                                             self._model)
         elif commit.shard is not None:
@@ -170,6 +174,25 @@ class Commits:
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)
         return commit.point
+
+    def grow(self, point):
+        """Every rank of a job that grew in place, the new ones too (their
+        state synced from rank 0 already, `self.last` None there), at
+        the commit `point`: a sharded optimizer's committed shards (and
+        the model's weight shards) laid out over the grown job, each new
+        rank receiving its shards from the old ranks (`buddies.grow`, a
+        collective), and committed again at the new size, one commit on
+        every rank. Nothing for a replicated state."""
+        if not self.sharded:
+            return
+        copies = _buddies.grow(self._model.optimizer,
+                               None if self.last is None else self.last.shard,
+                               self._model)
+        if self.last is None:
+            self.last = Commit([np.array(t, copy=True) for t in self._read()],
+                               copies, point)
+        else:
+            self.last.shard = copies
 
 
 class ResizeInPlace(Exception):

@@ -86,8 +86,8 @@ class Trainer:
     `SystemExit`); the launcher starts the job again at the new size, and
     it resumes there as above (docs/failures-and-elastic.md, "Growing and
     shrinking").
-    This needs a `checkpoint_dir`. Under `--recover-in-place` a shrink,
-    and a grow of a replicated state, is done in place instead (below).
+    This needs a `checkpoint_dir`. Under `--recover-in-place` a shrink or
+    a grow is done in place instead (below).
 
     Recovery in place: under `kerasdist run --recover-in-place` every rank
     also commits the training state in memory (`commit_every_steps`); when
@@ -99,9 +99,10 @@ class Trainer:
     asks for is done in place too: at the next commit's step the ranks
     no longer placed end with exit code 0 and the others go on from a
     commit made there, as after a lost rank ("Shrinking in place"); so
-    is a grow with a replicated state: the new ranks start while the
-    others train, and at the first commit's step after they joined they
-    get that commit by broadcast ("Growing in place").
+    is a grow: the new ranks start while the others train, and at the
+    first commit's step after they joined they get that commit by
+    broadcast, a sharded state's shards laid out over the grown job
+    ("Growing in place").
 
     Args:
         epochs: total number of epochs (>= 1).
@@ -748,10 +749,8 @@ class Trainer:
         if _inplace.recovering() and self._commits is None:
             self._commits = _inplace.Commits(self.model)
         if self._resizable:
-            # With commits in memory it shrinks in place; it grows by a
-            # relaunch.
-            _resize.announce(rank, grows_in_place=self._grows_in_place,
-                             shrinks_in_place=self._shrinks_in_place)
+            # With commits in memory it grows and shrinks in place.
+            _resize.announce(rank, grows_in_place=self._resizes_in_place)
         lost = shrink = None
         try:
             self.history = self.model.fit(
@@ -822,7 +821,7 @@ class Trainer:
         point = [None]
 
         def on_reset():
-            point[0] = self._commits.restore()
+            point[0] = self._commits.restore(grown=True)
 
         def sync():
             point[0] = self._share_commit(point[0])
@@ -842,6 +841,10 @@ class Trainer:
         from kerasdist.objects import broadcast_object
         point = broadcast_object(point, 0, name="kerasdist.trainer.grow")
         _tcb.sync_state(self.model)
+        if self._commits is None:  # a new rank
+            self._commits = _inplace.Commits(self.model)
+        # A sharded state: the commit's shards laid out over the grown job.
+        self._commits.grow(point)
         self._rescale_learning_rate(point.world_size)
         _inplace.forget_traces(self.model)
         # The new ranks' optimizers are new: every rank's next step
@@ -872,18 +875,11 @@ class Trainer:
         return point
 
     @property
-    def _shrinks_in_place(self):
-        """Whether the job shrinks in place when the launcher asks: an
-        elastic job that checks for resizes, with commits in memory
-        (--recover-in-place)."""
+    def _resizes_in_place(self):
+        """Whether the job grows and shrinks in place when the launcher
+        asks: an elastic job that checks for resizes, with commits in
+        memory (--recover-in-place)."""
         return self._resizable and self._commits is not None
-
-    @property
-    def _grows_in_place(self):
-        """Whether the job grows in place when the launcher asks: as
-        `_shrinks_in_place`, with a replicated state (a sharded one grows
-        by a relaunch)."""
-        return self._shrinks_in_place and self.shard is None
 
     def _check_resize(self, epoch, batch):
         """Every rank, at the commits' steps and epoch ends (batch None),
@@ -914,8 +910,8 @@ class Trainer:
         here and raises ResizeInPlace; where it is a grow in place, starts
         the new ranks in the background and returns True (the others
         train on meanwhile); otherwise returns False, and the job stops
-        for a relaunch at its next checkpoint boundary (a grow of a
-        sharded state, a resize that cannot be done in place)."""
+        for a relaunch at its next checkpoint boundary (a resize that
+        cannot be done in place: a grow onto another host)."""
         if _grow.started():
             return True
         if self._relaunching:
@@ -924,7 +920,7 @@ class Trainer:
         if _shrink.take(body):
             self._commit_here(epoch, batch)
             raise _inplace.ResizeInPlace()
-        if self._grows_in_place and _grow.begin(body):
+        if self._resizes_in_place and _grow.begin(body):
             return True
         self._relaunching = True
         return False
@@ -990,7 +986,7 @@ class Trainer:
         cbs.extend(self.callbacks() or [])
         if self.tensorboard_dir and rank == 0:
             cbs.append(keras.callbacks.TensorBoard(self.tensorboard_dir))
-        if self._shrinks_in_place:
+        if self._resizes_in_place:
             # At the commits' steps, after every callback has seen the
             # step: a resize the launcher asks for is done in place.
             cbs.append(_inplace.ResizeCheckCallback(
@@ -1020,7 +1016,7 @@ class Trainer:
         ends the process (exit code _resize.RESIZE_EXIT_CODE). A job that
         resizes in place does so here instead where the launcher asks for
         it in place (`_resize_here`)."""
-        if self._shrinks_in_place and self._resize_here(epoch, batch):
+        if self._resizes_in_place and self._resize_here(epoch, batch):
             return
         if batch is not None and self._steps is not None:
             self._steps.wait()

@@ -19,11 +19,12 @@ over the survivors in memory: the same numpy truth; with sharded weights
 size in place; where a rank and its buddy are both lost, the
 survivor ends in one line. A Trainer job that the
 discovery script grows (2 ranks to 3) grows in place, the new rank taking
-the commit by broadcast, and with a sharded optimizer is relaunched at
-the new size; one that it shrinks (3 ranks to 2; JAX with sharded
-weights) shrinks in place at its next commit: the leaver exits 0, the
-others (the same processes) go on from that commit, the weight shards
-laid out again over them; all to numpy's weights."""
+the commit by broadcast (with sharded weights, PyTorch, its shards from
+the old ranks, the commit laid out at 3); one that it shrinks (3 ranks
+to 2; JAX with sharded weights) shrinks in place at its next commit:
+the leaver exits 0, the others (the same processes) go on from that
+commit, the weight shards laid out again over them; all to numpy's
+weights."""
 
 import importlib.util
 import json
@@ -203,33 +204,6 @@ def test_trainer_with_sharded_weights_recovers_in_place(openmpi_root,
     assert "recovery in place failed" not in out.stdout, out.stdout
 
 
-@pytest.mark.timeout(JOB_S + 60)
-def test_trainer_grows_by_a_relaunch_under_recover_in_place(openmpi_root,
-                                                            tmp_path):
-    # A Trainer with a sharded optimizer does not grow in place (a
-    # replicated one does, below): its ranks announce no grows=in-place,
-    # so under --recover-in-place a slot the discovery script adds
-    # relaunches the job at 3 ranks from its step checkpoint, as without
-    # the flag (the launcher writes no grow request, and the 2 ranks'
-    # resize exits are no failure).
-    out = _grow_job(tmp_path, openmpi_root, "optimizer_state")
-    assert out.returncode == 0, out.stdout
-    assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
-            "slot(s) now, not 2\n") in out.stdout, out.stdout
-    assert "in place, at the ranks' next commit" not in out.stdout, \
-        out.stdout
-    # A resize, not a failure's restart.
-    assert not re.search(r"^kerasdist: attempt \d", out.stdout, re.M), \
-        out.stdout
-    # Where it stopped depends on when the request came: a step
-    # checkpoint of epoch 1 or its end.
-    m = re.search(r"<stdout>:kerasdist\.Trainer: resuming from \S+ at epoch "
-                  r"(\d) of 2(?:, after its first (\d+) examples)?; written "
-                  r"at 2 ranks, now 3.*\(optimizer step (\d+)\)", out.stdout)
-    assert m, out.stdout
-    _check_grown(tmp_path, m)
-
-
 def _resizing_job(tmp_path, root, np_, backend, resize, *args):
     """A Trainer job of `np_` ranks under --recover-in-place whose
     discovery script lists `np_` slots until the worker rewrites it after
@@ -353,15 +327,19 @@ def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
 
 
 @pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("shard", [None, "weights"])
 def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
-                                                       tmp_path):
-    # A replicated Trainer grows in place: the launcher writes its grow
-    # request (the ranks announced grows=in-place), the 2 ranks start rank
-    # 2 at their next commit's step and train on; at the first commit's
-    # step after it joined they commit, re-form at 3, send it the commit
-    # and its point, and all 3 train on from there: the 2 old ranks in
-    # their processes, no relaunch, numpy's weights.
-    out = _grow_job(tmp_path, openmpi_root)
+                                                       tmp_path, shard):
+    # The Trainer grows in place: the launcher writes its grow request
+    # (the ranks announced grows=in-place), the 2 ranks start rank 2 at
+    # their next commit's step and train on; at the first commit's step
+    # after it joined they commit, re-form at 3, send it the commit and
+    # its point, and all 3 train on from there: the 2 old ranks in their
+    # processes, no relaunch, numpy's weights. With shard="weights" the
+    # commit's shards of the weights and of the momentum (laid out at 2)
+    # are laid out at 3 in place, rank 2 receiving its shards from ranks 0
+    # and 1; the end's weights gathered whole.
+    out = _grow_job(tmp_path, openmpi_root, *([shard] if shard else []))
     assert out.returncode == 0, out.stdout
     assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
             "slot(s) now, not 2; in place, at the ranks' next commit") in \
