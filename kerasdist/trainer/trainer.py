@@ -267,6 +267,9 @@ class Trainer:
         # The ranks agreed on a resize request that is no shrink in place:
         # the job stops for a relaunch at its next checkpoint boundary.
         self._relaunching = False
+        # fit() and fine_tune() calls so far: a rank that joins a job grown
+        # in place runs the script from its start and joins at its first.
+        self._calls = 0
 
     # ---- what a subclass overrides --------------------------------------
 
@@ -336,11 +339,12 @@ class Trainer:
         val = self.val_data()
         if val is not None:
             val = _tdata.as_dataset(val, "val_data()")
+        self._calls += 1
         self._prepare(train)
         self._resume.begin_fit()
         if _inplace.recovering() and _grow.joined():
             # A new rank of a job that grew in place: the others' commit.
-            point = self._share_commit(None)
+            point, _ = self._share_commit(None, None)
             self.epochs_done = point.epoch
         else:
             point = (self._resume_fit() if self._resume.source is None
@@ -432,6 +436,7 @@ class Trainer:
         if learning_rate is not None:
             _tstate.check_numbers(learning_rate, 0, self.seed)
         _tstate.start()
+        self._calls += 1
         dataset = _tdata.as_dataset(data, "fine_tune(data)")
         if val_data is not None:
             val_data = _tdata.as_dataset(val_data, "fine_tune(val_data)")
@@ -445,7 +450,12 @@ class Trainer:
         end += epochs
         self._resume.begin_fine_tune(start, end)
         point = None
-        if self._resume.fine_tune_key is not None:
+        if _inplace.recovering() and _grow.joined():
+            # A new rank of a job that grew in place: the others' commit,
+            # and the epoch they fine-tune to.
+            point, end = self._share_commit(None, None)
+            start = self.epochs_done = point.epoch
+        elif self._resume.fine_tune_key is not None:
             start, point = self._resume_fine_tune(start, end)
         return self._train(dataset, val_data, start, end, warmup=False,
                            point=point)
@@ -493,7 +503,10 @@ class Trainer:
         # LossScaleOptimizer around this one (building it builds both),
         # whose loss scale a checkpoint holds too.
         model.optimizer.build(model.trainable_variables)
-        if self._resume.source is not None:
+        if self._resume.source is not None and not (
+                _inplace.recovering() and _grow.joining()):
+            # (A rank that joined a job grown in place takes the job's
+            # state from its commit instead.)
             self._source_point = self._resume.load_source(
                 self._load_on_rank0, self._rng_count(), self._load_all)
             _tcb.sync_state(model)
@@ -824,7 +837,7 @@ class Trainer:
             point[0] = self._commits.restore(grown=True)
 
         def sync():
-            point[0] = self._share_commit(point[0])
+            point[0], _ = self._share_commit(point[0], end)
 
         def log(text):
             print(f"kerasdist.Trainer: {text}", file=sys.stderr, flush=True)
@@ -833,13 +846,17 @@ class Trainer:
                      log)
         return self._from_commit(point[0], end)
 
-    def _share_commit(self, point):
+    def _share_commit(self, point, end):
         """Every rank of a job that grew in place, the new ones included
-        (`point` None there): rank 0's commit point and state, the
-        learning rate rescaled for the new size, the traced step
-        functions dropped. Returns the point."""
+        (`point` and `end` None there): rank 0's commit point, the epoch
+        its training call ends at (`end`) and its state, the learning
+        rate rescaled for the new size, the traced step functions
+        dropped. Returns (point, end)."""
         from kerasdist.objects import broadcast_object
-        point = broadcast_object(point, 0, name="kerasdist.trainer.grow")
+        point, end, key = broadcast_object(
+            (point, end, self._resume.fine_tune_key), 0,
+            name="kerasdist.trainer.grow")
+        self._resume.fine_tune_key = key
         _tcb.sync_state(self.model)
         if self._commits is None:  # a new rank
             self._commits = _inplace.Commits(self.model)
@@ -850,7 +867,7 @@ class Trainer:
         # The new ranks' optimizers are new: every rank's next step
         # reduces as a new optimizer's first does (PyTorch's overlap).
         _optimizer.restart_overlap(self.model.optimizer)
-        return point
+        return point, end
 
     def _commit_restorer(self):
         """(restore, point): `restore()` puts the last commit in memory
@@ -920,7 +937,14 @@ class Trainer:
         if _shrink.take(body):
             self._commit_here(epoch, batch)
             raise _inplace.ResizeInPlace()
-        if self._resizes_in_place and _grow.begin(body):
+        if self._resizes_in_place and self._calls > 1:
+            if basics.rank() == 0:
+                print(f"kerasdist.Trainer: cannot grow in place: a new rank "
+                      f"runs the script from its start and joins the job "
+                      f"at its first fit() or fine_tune(), and this is "
+                      f"call {self._calls}; relaunching at the next step "
+                      f"checkpoint instead.", file=sys.stderr, flush=True)
+        elif self._resizes_in_place and _grow.begin(body):
             return True
         self._relaunching = True
         return False

@@ -204,10 +204,11 @@ def test_trainer_with_sharded_weights_recovers_in_place(openmpi_root,
     assert "recovery in place failed" not in out.stdout, out.stdout
 
 
-def _resizing_job(tmp_path, root, np_, backend, resize, *args):
+def _resizing_job(tmp_path, root, np_, backend, resize, *args, **env):
     """A Trainer job of `np_` ranks under --recover-in-place whose
     discovery script lists `np_` slots until the worker rewrites it after
-    step 1 (`resize`: TRAINER_GROW_AT, to 3, or TRAINER_SHRINK_AT, to 2)."""
+    step 1 (`resize`: TRAINER_GROW_AT, to 3, or TRAINER_SHRINK_AT, to 2);
+    `env`: more of the worker's variables."""
     listed = tmp_path / "hosts.txt"
     listed.write_text(f"localhost:{np_}\n")
     script = tmp_path / "discover.sh"
@@ -221,13 +222,13 @@ def _resizing_job(tmp_path, root, np_, backend, resize, *args):
                                  "--min-np", "2", "--max-np", "3",
                                  "--discovery-interval", "0.5"],
                   env=rank_env(KERAS_BACKEND=backend, TRAINER_GROW_LIST=listed,
-                               **{resize: 1}))
+                               **{resize: 1}, **env))
 
 
-def _grow_job(tmp_path, root, *args):
+def _grow_job(tmp_path, root, *args, **env):
     """A Trainer job of 2 ranks that the discovery script grows to 3."""
     return _resizing_job(tmp_path, root, 2, "torch", "TRAINER_GROW_AT",
-                         *args)
+                         *args, **env)
 
 
 def _check_grown(tmp_path, m, in_place=False):
@@ -327,9 +328,11 @@ def test_trainer_shrinks_in_place_under_recover_in_place(openmpi_root,
 
 
 @pytest.mark.timeout(JOB_S + 60)
-@pytest.mark.parametrize("shard", [None, "weights"])
+@pytest.mark.parametrize("shard,call", [(None, "fit"),
+                                        ("weights", "fine_tune")])
 def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
-                                                       tmp_path, shard):
+                                                       tmp_path, shard,
+                                                       call):
     # The Trainer grows in place: the launcher writes its grow request
     # (the ranks announced grows=in-place), the 2 ranks start rank 2 at
     # their next commit's step and train on; at the first commit's step
@@ -338,8 +341,11 @@ def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
     # processes, no relaunch, numpy's weights. With shard="weights" the
     # commit's shards of the weights and of the momentum (laid out at 2)
     # are laid out at 3 in place, rank 2 receiving its shards from ranks 0
-    # and 1; the end's weights gathered whole.
-    out = _grow_job(tmp_path, openmpi_root, *([shard] if shard else []))
+    # and 1; the end's weights gathered whole. That job trains with
+    # fine_tune() (its first call, on a fresh Trainer), which the new
+    # rank joins as it joins fit(): the same truth.
+    out = _grow_job(tmp_path, openmpi_root, *([shard] if shard else []),
+                    TRAINER_CALLS=call)
     assert out.returncode == 0, out.stdout
     assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
             "slot(s) now, not 2; in place, at the ranks' next commit") in \

@@ -28,7 +28,10 @@ env: KERAS_BACKEND (torch, jax or tensorflow); TRAINER_GROW_LIST=FILE and
      instead: rank 0 of a job of 3 ranks writes "localhost:2" there, and
      waits likewise (the job shrinks in place at its next commit). Rank 0
      waits (up to 120 s) at the end of a step while a grow in place starts
-     its new ranks.
+     its new ranks. TRAINER_CALLS: the Trainer's training calls, "fit"
+     (the default) or "fine_tune" (`fine_tune(data(), EPOCHS)` on the
+     fresh Trainer, which trains as fit does), or "fit,fine_tune" (then
+     one epoch more of fine-tuning).
 
 The data and settings import without Keras (the test's numpy truth reads
 them); Keras and kerasdist are imported by `main`.
@@ -139,7 +142,12 @@ def main():
                        commit_every_steps=COMMIT_EVERY,
                        checkpoint_dir=os.path.join(directory, "ckpt"),
                        checkpoint_every_steps=4, verbose=2, shard=shard)
-    trainer.fit()
+    for call in os.environ.get("TRAINER_CALLS", "fit").split(","):
+        if call == "fit":
+            trainer.fit()
+        else:
+            trainer.fine_tune(data(), EPOCHS if trainer.model is None
+                              else 1)
     model = trainer.model
     with open(os.path.join(directory, f"end.{start_rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": kerasdist.rank(),
