@@ -3,13 +3,14 @@
 
     python benchmarks/memory.py [--backend tensorflow] [--sizes 1,2,4]
         [--params 100e6] [--model mlp|transformer] [--steps 4]
-        [--json FILE] [--save] [--marginal 300e6]
+        [--json FILE] [--save] [--marginal 300e6] [--optimizer sgd]
 
 For each size N and each of replicated, shard="optimizer_state",
 shard="gradients" and shard="weights" (`kd.shard_weights(model)` first;
 --modes picks some), one job of N ranks (`kerasdist run -np N`) trains a
 model of about --params parameters (random weights: a deep MLP of square
-layers, or a stack of transformer blocks) with Adam, batch 2 a rank, for
+layers, or a stack of transformer blocks) with Adam (or plain SGD,
+--optimizer sgd: no moments), batch 2 a rank, for
 --steps steps. Each rank reports, as bytes per parameter:
 
 - held: what the framework holds after training, weights + optimizer
@@ -147,7 +148,9 @@ def rank_main(args):
         kd.shard_weights(model)
     else:
         model, shape = _model(keras, args.model, args.params, args.width)
-    opt = kd.DistributedOptimizer(keras.optimizers.Adam(1e-4), shard=shard)
+    inner = (keras.optimizers.SGD(1e-4) if args.optimizer == "sgd"
+             else keras.optimizers.Adam(1e-4))
+    opt = kd.DistributedOptimizer(inner, shard=shard)
     model.compile(optimizer=opt, loss="mse")
     opt.build(model.trainable_variables)
     batch = 2
@@ -232,7 +235,7 @@ def _job(args, n, mode, params):
            sys.executable, os.path.abspath(__file__), "--rank",
            "--mode", mode, "--model", args.model, "--params",
            str(params), "--width", str(args.width),
-           "--steps", str(args.steps)] + (
+           "--steps", str(args.steps), "--optimizer", args.optimizer] + (
                ["--save"] if args.save else []) + (
                ["--xla"] if args.xla else [])
     env = dict(os.environ, KERAS_BACKEND=args.backend,
@@ -324,6 +327,9 @@ def main():
                    help="the MLP's layer width")
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="sgd: no moments, to tell the update's memory "
+                   "from the step's")
     p.add_argument("--json")
     p.add_argument("--xla", action="store_true",
                    help="on JAX, also XLA's temporaries of the step")
