@@ -164,12 +164,10 @@ class Commits:
         the shards wait for `grow`, which the new ranks join."""
         commit = self.last
         optimizer = self._model.optimizer
-        if grown and self.sharded:
-            pass
-        elif self.sharded and _buddies.resized(optimizer):
+        if not grown and self.sharded and _buddies.resized(optimizer):
             commit.shard = _buddies.recover(optimizer, commit.shard,
                                             self._model)
-        elif commit.shard is not None:
+        elif not grown and commit.shard is not None:
             _buddies.assign(optimizer, commit.shard.values)
         for variable, value in zip(self._variables, commit.values):
             variable.assign(value)

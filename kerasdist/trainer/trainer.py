@@ -928,7 +928,9 @@ class Trainer:
         the new ranks in the background and returns True (the others
         train on meanwhile); otherwise returns False, and the job stops
         for a relaunch at its next checkpoint boundary (a resize that
-        cannot be done in place: a grow onto another host)."""
+        cannot be done in place: a grow onto another host, or during a
+        training call after the first, which a new rank would not
+        join)."""
         if _grow.started():
             return True
         if self._relaunching:
