@@ -231,10 +231,10 @@ def _grow_job(tmp_path, root, *args, **env):
                          *args, **env)
 
 
-def _check_grown(tmp_path, m, in_place=False):
+def _check_grown(tmp_path, m):
     """The 3 ranks' weights are numpy's for the job at 2 ranks up to the
     point `m` (the resume line's match: epoch, examples, optimizer step)
-    and at 3 from there."""
+    and at 3 from there; ranks 0 and 1 kept their processes."""
     epoch, position, step = (int(m.group(1)) - 1, int(m.group(2) or 0),
                              int(m.group(3)))
     w = _worker_module()
@@ -251,10 +251,10 @@ def _check_grown(tmp_path, m, in_place=False):
     for rank in range(3):
         end = _read(tmp_path, f"end.{rank}.json")
         assert (end["rank"], end["size"]) == (rank, 3), end
-        if in_place:  # ranks 0 and 1 the same processes throughout
-            start = _read(tmp_path, f"start.{rank}.json")
-            assert (start["pid"], start["size"]) == (
-                end["pid"], 2 if rank < 2 else 3), (start, end)
+        # Ranks 0 and 1 the same processes throughout.
+        start = _read(tmp_path, f"start.{rank}.json")
+        assert (start["pid"], start["size"]) == (
+            end["pid"], 2 if rank < 2 else 3), (start, end)
         assert end["step"] == step + left + (w.EPOCHS - epoch - 1) * per3, \
             end
         assert end["lr"] == pytest.approx(w.LR * 3, rel=1e-6), end
@@ -359,4 +359,4 @@ def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
                   r"(\d+) examples)?; written at 2 ranks, now 3.*\(optimizer "
                   r"step (\d+)\)", out.stdout)
     assert m, out.stdout
-    _check_grown(tmp_path, m, in_place=True)
+    _check_grown(tmp_path, m)
