@@ -242,17 +242,25 @@ def _job(args, n, mode, params):
                TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=REPO_ROOT + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
+    result, stderr = run_job(cmd, env, f"np={n} {mode}")
+    for line in stderr.splitlines():
+        if "XLA " in line:
+            print(f"np={n} {mode}: {line}", flush=True)
+    return result
+
+
+def run_job(cmd, env, what):
+    """Runs one job's launcher `cmd`; returns (the JSON of its rank 0's
+    "RESULT " line, its stderr). Exits naming `what`, with the output's
+    end, where the job failed or printed no result."""
     out = subprocess.run(cmd, env=env, capture_output=True,
                          text=True, timeout=3600)
     found = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
              if "RESULT " in l]
     if out.returncode != 0 or not found:
-        sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
+        sys.exit(f"{what} failed ({out.returncode}):\n"
                  + (out.stdout + out.stderr)[-3000:])
-    for line in out.stderr.splitlines():
-        if "XLA " in line:
-            print(f"np={n} {mode}: {line}", flush=True)
-    return json.loads(found[0])
+    return json.loads(found[0]), out.stderr
 
 
 def _marginal(small, large):

@@ -28,7 +28,6 @@ JSON line; the driver prints the table.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -136,14 +135,7 @@ def drive(args):
                    "--steps", str(args.steps)]
             env = dict(os.environ, OMP_NUM_THREADS=str(
                 max(1, (os.cpu_count() or 1) // n)))
-            out = subprocess.run(cmd, env=env, capture_output=True,
-                                 text=True, timeout=3600)
-            found = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines()
-                     if "RESULT " in l]
-            if out.returncode != 0 or not found:
-                sys.exit(f"np={n} {mode} failed ({out.returncode}):\n"
-                         + (out.stdout + out.stderr)[-3000:])
-            rows.append(json.loads(found[0]))
+            rows.append(memory.run_job(cmd, env, f"np={n} {mode}")[0])
             print(json.dumps(rows[-1]), flush=True)
     print(f"\nPyTorch MLP, {rows[0]['params'] / 1e6:.1f}M parameters, Adam, "
           f"gloo; bytes per parameter (max over ranks)")
