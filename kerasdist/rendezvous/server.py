@@ -121,6 +121,8 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
         self.started = time.monotonic()
         self.formed_at = None  # when every rank had said hello
         self.failed = False
+        self.told = []         # hello connections told to end the rank
+        self.told_at = None
         self.port = 0          # the port it listens on
         self.refused = None    # the line of a refusal (hello.refuse)
         self.refused_at = None
@@ -239,7 +241,7 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
                 return (time.monotonic() - self.refused_at >
                         min(self.timeout, _REFUSED_S))
             if self.failed:
-                return True
+                return not self.telling()
             if len(self.pmi_done) >= self.size:
                 return True  # every rank's MPI has finalized or gone
             return (self.parent_gone_at is not None and

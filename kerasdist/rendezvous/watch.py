@@ -18,6 +18,7 @@ import hmac
 import os
 import sys
 import threading
+import time
 
 if __package__:
     from kerasdist.rendezvous import protocol
@@ -25,6 +26,9 @@ else:  # beside server.py, run by path
     import protocol
 
 _watching = []  # (the hello's connection, its signer), kept for life
+# After telling the ranks to end: how long the server waits for their
+# processes to end before it closes their MPI's connections (telling()).
+_TOLD_S = 10.0
 
 
 def start_watch(sock, check, sign, launch):
@@ -99,6 +103,18 @@ class Watchers:
         for r, c in self.watchers.items():
             if r not in self.pmi_done or r in self.dead:
                 self.reply(c, f"{head} msg={line}")
+                self.told.append(c)
+        self.told_at = time.monotonic()
+
+    def telling(self):  # with self.cv held
+        """Whether ranks told to end (tell_watchers) may still be reading
+        it: the server keeps their MPI's connections open until each
+        told rank's process has ended (its hello's connection closed), or
+        for _TOLD_S. Closing them at once would end a rank's MPI inside
+        MPI_Init, before its watch thread had printed the line: MPICH
+        crashes (SIGSEGV) when its PMI connection closes there."""
+        return (any(c in self.conns for c in self.told) and
+                time.monotonic() - self.told_at < _TOLD_S)
 
     def fail_start(self, how="its MPI's connection to the rendezvous "
                    "closed without MPI_Finalize"):  # with self.cv held
