@@ -2,7 +2,7 @@
 (`DistributedOptimizer(shard=...)`), and their step times.
 
     python benchmarks/memory.py [--backend tensorflow] [--sizes 1,2,4]
-        [--params 100e6] [--model mlp|transformer] [--steps 4]
+        [--params 100e6] [--model mlp|transformer] [--width W] [--steps 4]
         [--json FILE] [--save] [--marginal 300e6] [--optimizer sgd]
 
 For each size N and each of replicated, shard="optimizer_state",
@@ -76,14 +76,18 @@ def _peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _model(keras, kind, params, width=2048):
+def _model(keras, kind, params, width=None):
     if kind == "mlp":
+        width = width or 2048
         depth = max(1, round(params / (width * (width + 1))))
         layers = [keras.Input((width,))]
         layers += [keras.layers.Dense(width, activation="relu")
                    for _ in range(depth)]
         return keras.Sequential(layers + [keras.layers.Dense(1)]), (width,)
-    d, seq = 1024, 16
+    # The transformer's width d: a block is 12 d^2 parameters (attention
+    # 4 d^2, the feed-forward 8 d^2), so at one size a wider model has
+    # fewer blocks, and each block's graph costs less a parameter.
+    d, seq = width or 1024, 16
     blocks = max(1, round(params / (12 * d * d)))
     x = inputs = keras.Input((seq, d))
     for _ in range(blocks):
@@ -234,8 +238,9 @@ def _job(args, n, mode, params):
     cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(n),
            sys.executable, os.path.abspath(__file__), "--rank",
            "--mode", mode, "--model", args.model, "--params",
-           str(params), "--width", str(args.width),
-           "--steps", str(args.steps), "--optimizer", args.optimizer] + (
+           str(params), "--steps", str(args.steps),
+           "--optimizer", args.optimizer] + (
+               ["--width", str(args.width)] if args.width else []) + (
                ["--save"] if args.save else []) + (
                ["--xla"] if args.xla else [])
     env = dict(os.environ, KERAS_BACKEND=args.backend,
@@ -331,8 +336,9 @@ def main():
                    "print the peak's bytes per parameter added between "
                    "the two sizes (the process's constants left out)")
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
-    p.add_argument("--width", type=int, default=2048,
-                   help="the MLP's layer width")
+    p.add_argument("--width", type=int,
+                   help="the MLP's layer width (default 2048), or the "
+                   "transformer's model width d (default 1024)")
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
