@@ -6,7 +6,8 @@ itself mid-step; the other two keep their processes,
 re-form at size 2, resume from the last commit in memory and finish, and
 their weights are the ones numpy computes for that commit continued at
 size 2; growing (2 ranks to 3) and shrinking (3 to 2) in place under a
-discovery script; with a process set, its old object fails with one error after
+discovery script (a rank lost while the job grows: a relaunch); with a
+process set, its old object fails with one error after
 the re-form and the set added again sums right. The default build
 (mpich) refuses the flag in one line."""
 
@@ -231,17 +232,19 @@ GROW_AT = 4  # rank 0 lists a third slot once 4 steps are done
 
 
 def _grow_job(tmp_path, first, then, min_np=2, backend="torch", np_=2,
-              resize_size=3, extra_args=(), extra_env=None, **kw):
+              resize_size=3, extra_args=(), extra_env=None, kill=(), **kw):
     """Runs tests/workers/recovery_worker.py at `np_` ranks (`backend`)
     under --recover-in-place with a discovery script that lists `first`,
     and `then` once rank 0 has done GROW_AT steps (the job trains 6 steps
-    at `resize_size` ranks); returns the output."""
+    at `resize_size` ranks; `kill`: the worker's KILL_RANK, KILL_STEP);
+    returns the output."""
     listed = tmp_path / "hosts.txt"
     listed.write_text(first)
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(0o755)
-    return launch(np_, worker_cmd("recovery_worker.py", str(tmp_path)),
+    return launch(np_, worker_cmd("recovery_worker.py", str(tmp_path),
+                                  *map(str, kill)),
                   timeout=JOB_S,
                   launcher_args=["--recover-in-place",
                                  "--host-discovery-script", str(script),
@@ -298,6 +301,38 @@ def test_grow_in_place_a_discovered_slot_joins_at_a_commit(openmpi_root,
     out = _grow_job(tmp_path, "localhost:2\n", "localhost:3\n",
                     backend=backend, root=openmpi_root)
     _check_grown(out, tmp_path, "host localhost has 3 slot(s) now, not 2")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_a_rank_lost_while_new_ranks_start_falls_back_to_a_relaunch(
+        openmpi_root, tmp_path):
+    # The job grows at the commit of step 6, and rank 1 SIGKILLs itself
+    # at step 20, while the new rank is still starting (PyTorch's import
+    # alone takes seconds): the start is a collective of the job as it
+    # was, which would wait for rank 1 for ever. Rank 0 ends in one line,
+    # and --max-restarts relaunches 3 ranks from the last commit on disk.
+    kill_step = 20
+    out = _grow_job(tmp_path, "localhost:2\n", "localhost:3\n", min_np=1,
+                    root=openmpi_root, kill=(1, kill_step),
+                    extra_args=["--max-restarts", "1"])
+    assert out.returncode == 0, out.stdout
+    assert ("[0]<stderr>:kerasdist.elastic: recovery in place failed: "
+            "rank 0: a rank of the job was lost (") in out.stdout, out.stdout
+    assert ("; lost while new ranks were starting (growing in place), "
+            "whose start needs every rank of the job; ending this rank (a "
+            "relaunch resumes from the last commit on disk)") in out.stdout
+    assert "kerasdist: attempt 2 of 2 on 3 rank(s)" in out.stdout, out.stdout
+    assert "re-formed in place" not in out.stdout, out.stdout
+    m = worker_module()
+    ends = [read_json(tmp_path, f"a1.end.{rank}.json") for rank in range(3)]
+    commit = min(map(int, ends[0]["done_at"])) - 1
+    last = max(map(int, ends[0]["done_at"]))
+    assert commit == kill_step // COMMIT_EVERY * COMMIT_EVERY, ends[0]
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+                last, 3)
+    for end in ends:
+        assert end["size"] == 3, end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.timeout(JOB_S + 60)
