@@ -92,10 +92,11 @@ def _gather_group(weights, values):
         name += f"+{len(weights) - 1}"
     gather_name = framework.unique_name(name)
     grad_name = framework.unique_name(name + ".grad")
-    if len(values) == 1:
-        flat = ops.reshape(values[0], (-1,))
-    else:
-        flat = ops.concatenate([ops.reshape(v, (-1,)) for v in values])
+    # Shards are 1-D already: no reshape, each a node more in a traced
+    # step (TensorFlow keeps every node's graph, a cost a layer).
+    values = [v if len(v.shape) == 1 else ops.reshape(v, (-1,))
+              for v in values]
+    flat = values[0] if len(values) == 1 else ops.concatenate(values)
     if ANCHORS:
         flat = framework.after(flat, ANCHORS[-1])
 
@@ -122,9 +123,8 @@ def _gather_group(weights, values):
               else framework.split_columns(every, chunks))
     wholes = []
     for weight, piece in zip(weights, pieces):
-        piece = ops.reshape(piece, (-1,))
-        if weight.size * weight.chunk != weight.numel:
-            piece = piece[:weight.numel]
+        if weight.size * weight.chunk != weight.numel:  # padded
+            piece = ops.reshape(piece, (-1,))[:weight.numel]
         wholes.append(ops.reshape(piece, weight.shape))
     return wholes
 
