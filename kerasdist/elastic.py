@@ -810,18 +810,19 @@ def recover_in_place(error, restore, who="kerasdist.elastic"):
     the survivors; this rank starts it again there (new `size()` and
     `rank()`) and calls `restore()` to go back to the last commit in
     memory. A failure on the way (another rank lost meanwhile), or a rank
-    lost while new ranks start (growing in place), ends the rank with one
-    line, `who: recovery in place failed: ...`: a relaunch resumes from
-    the last commit on disk. Rank 0 says in one line that the
+    lost while the job grows in place, ends the rank with one line,
+    `who: recovery in place failed: ...`: a relaunch resumes from the
+    last commit on disk. Rank 0 says in one line that the
     job re-formed. Used by `run` and by kerasdist.Trainer."""
     was, began = basics.size(), time.monotonic()
     if _grow.started():
         # The new ranks' start (MPI_Comm_spawn, then the merge) is a
-        # collective of the job as it was, the lost rank included: it
-        # would never end, and the job could neither re-form nor grow.
+        # collective of the job as it was, the lost rank included, and
+        # so is the re-form that lets them in: neither would ever end.
         _grow.end_rank(f"{who}: recovery in place failed", RuntimeError(
-            f"{error}; lost while new ranks were starting (growing in "
-            f"place), whose start needs every rank of the job"))
+            f"{error}; lost while the job was growing in place, which "
+            f"needs every rank of the job until the new ones have "
+            f"joined"))
     # shutdown() returns once the survivors have re-formed.
     _grow.restart_or_end(restore, f"{who}: recovery in place failed")
     if _rank() == 0:

@@ -318,9 +318,10 @@ def test_a_rank_lost_while_new_ranks_start_falls_back_to_a_relaunch(
     assert out.returncode == 0, out.stdout
     assert ("[0]<stderr>:kerasdist.elastic: recovery in place failed: "
             "rank 0: a rank of the job was lost (") in out.stdout, out.stdout
-    assert ("; lost while new ranks were starting (growing in place), "
-            "whose start needs every rank of the job; ending this rank (a "
-            "relaunch resumes from the last commit on disk)") in out.stdout
+    assert ("; lost while the job was growing in place, which needs "
+            "every rank of the job until the new ones have joined; ending "
+            "this rank (a relaunch resumes from the last commit on "
+            "disk)") in out.stdout
     assert "kerasdist: attempt 2 of 2 on 3 rank(s)" in out.stdout, out.stdout
     assert "re-formed in place" not in out.stdout, out.stdout
     m = worker_module()
