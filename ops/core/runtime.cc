@@ -406,11 +406,23 @@ bool Runtime::RunLoopOnce() {
                                   : WorkerRound(msg, &worked);
   if (s.ok()) s = mpi_->ProgressSends();
   if (!s.ok()) {
+    if (s.code() == StatusCode::kRanksLost) RevokeJob();
     FailAll(Status(s.code(), "rank " + std::to_string(topology().rank) + ": " +
                                  s.message()));
     return true;
   }
   return worked;
+}
+
+// A lost rank seen by a process set's collective: the job's communicators
+// are revoked too, before the caller hears of it, so that this rank's
+// recovery (its job runtime's shutdown) can send nothing more on them and
+// every rank's job runtime fails with RanksLost and re-forms. Otherwise
+// this rank's shutdown request could reach the coordinator before the
+// loss did, which would end the job ("rank N shut down") instead.
+void Runtime::RevokeJob() {
+  mpi_->Revoke();
+  if (role_.parent) role_.parent->mpi_->Revoke();
 }
 
 // Moves the front ends' new entries to pending_ and describes them for the

@@ -129,6 +129,7 @@ class Runtime {
   void FailAll(const Status& s);
   // A process set's runtime, its job's runtime stopped: FailAll.
   void FailWithParent();
+  void RevokeJob();
   // `message` prefixed with this runtime's label (a process set's).
   std::string Labelled(const std::string& message) const;
 
