@@ -92,10 +92,9 @@ def _gather_group(weights, values):
         name += f"+{len(weights) - 1}"
     gather_name = framework.unique_name(name)
     grad_name = framework.unique_name(name + ".grad")
-    # Shards are 1-D already: no reshape, each a node more in a traced
-    # step (TensorFlow keeps every node's graph, a cost a layer).
-    values = [v if len(v.shape) == 1 else ops.reshape(v, (-1,))
-              for v in values]
+    # Shards are 1-D already (weights.py makes them so): no reshape, each
+    # a node more in a traced step (TensorFlow keeps every node's graph,
+    # a cost a layer).
     flat = values[0] if len(values) == 1 else ops.concatenate(values)
     if ANCHORS:
         flat = framework.after(flat, ANCHORS[-1])
