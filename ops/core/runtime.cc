@@ -414,12 +414,13 @@ bool Runtime::RunLoopOnce() {
   return worked;
 }
 
-// A lost rank seen by a process set's collective: the job's communicators
-// are revoked too, before the caller hears of it, so that this rank's
-// recovery (its job runtime's shutdown) can send nothing more on them and
-// every rank's job runtime fails with RanksLost and re-forms. Otherwise
-// this rank's shutdown request could reach the coordinator before the
-// loss did, which would end the job ("rank N shut down") instead.
+// A lost rank found by this runtime's round (the job's or a process
+// set's): its communicators and the job's are revoked before the callers
+// hear of it (Reform revokes again, for the heartbeat's losses), so that
+// this rank's recovery (its job runtime's shutdown) can send nothing more
+// on them and every rank's job runtime fails with RanksLost and re-forms.
+// Otherwise a set member's shutdown request could reach the coordinator
+// before the loss did, which would end the job ("rank N shut down").
 void Runtime::RevokeJob() {
   mpi_->Revoke();
   if (role_.parent) role_.parent->mpi_->Revoke();
