@@ -264,6 +264,7 @@ def test_srun_pmi2_with_the_intel_build(site):
     code, out = _run(s.prefix() + [
         "salloc", "-N2", "-n2", "srun", "--mpi=pmi2",
         *worker_cmd("site_mpi_worker.py", "--collectives")], env)
+    s.wait_jobs_done()  # the hosts' step daemons end with the test
     assert code == 0, out[-4000:]
     _collectives_passed(out, 2)
     assert _topo_hosts(out) == ["kdt0", "kdt1"], out[-3000:]

@@ -37,6 +37,16 @@ def slurm():
         yield s
 
 
+@pytest.fixture(autouse=True)
+def _jobs_end_with_their_test(request):
+    """Each test's Slurm jobs have ended (their step daemons with them)
+    before the next begins, and before the check that a test leaves no
+    process running."""
+    yield
+    if "slurm" in request.fixturenames:
+        request.getfixturevalue("slurm").wait_jobs_done()
+
+
 def in_allocation(s, launcher_args, command, np_=None, alloc=("-N2", "-n4"),
                   timeout=120):
     """`salloc ALLOC kerasdist run [LAUNCHER_ARGS] [-np NP] COMMAND`."""

@@ -173,6 +173,18 @@ SlurmdTimeout=30
             return all(states.get(n) == "idle" for n in want)
         self._wait(idle, "slurmd on every host (sinfo: idle)", timeout)
 
+    def wait_jobs_done(self, timeout=30.0):
+        """Waits until the controller lists no job, completing ones
+        included: `salloc` and `srun` return before the hosts' step
+        daemons (slurmstepd) have ended, and a test that ends then
+        leaves them running."""
+        def none():
+            out = subprocess.run(
+                self.prefix() + [_which("squeue"), "-h", "-o", "%i %t"],
+                capture_output=True, text=True, env=self.env(), timeout=30)
+            return out.returncode == 0 and not out.stdout.strip()
+        self._wait(none, "end of every Slurm job (squeue: empty)", timeout)
+
     def _wait(self, predicate, what, timeout=30.0):
         deadline = time.monotonic() + timeout
         while not predicate():
