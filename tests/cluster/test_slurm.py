@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm_cluster():
     require()
     reason = slurm_lib.unavailable_reason()
     if reason:
@@ -37,14 +37,13 @@ def slurm():
         yield s
 
 
-@pytest.fixture(autouse=True)
-def _jobs_end_with_their_test(request):
-    """Each test's Slurm jobs have ended (their step daemons with them)
-    before the next begins, and before the check that a test leaves no
-    process running."""
-    yield
-    if "slurm" in request.fixturenames:
-        request.getfixturevalue("slurm").wait_jobs_done()
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The module's Slurm; each test's jobs have ended (their step
+    daemons with them) before the next test begins, and before the check
+    that a test leaves no process running."""
+    yield slurm_cluster
+    slurm_cluster.wait_jobs_done()
 
 
 def in_allocation(s, launcher_args, command, np_=None, alloc=("-N2", "-n4"),
