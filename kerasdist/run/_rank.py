@@ -24,12 +24,14 @@ and:
   handler), and reports the command's resize exit (RESIZE_EXIT_CODE) to
   hydra as 0, so hydra does not stop the other ranks while they write
   their checkpoint and exit too; the marker line still tells the launcher;
-- with recovery in place (KERASDIST_RECOVER_IN_PLACE=1, `kerasdist run
-  --recover-in-place`), watches the command's heartbeat thread through a
-  pipe (KERASDIST_WATCHDOG; see Watchdog) and SIGKILLs the command once
-  it sent nothing for the heartbeat's timeout: a frozen rank (SIGSTOP, a
-  hung process) must die for Open MPI to tell the survivors, who go on
-  without it;
+- watches the command's heartbeat thread through a pipe
+  (KERASDIST_WATCHDOG; see Watchdog) and SIGKILLs the command once it sent
+  nothing for the heartbeat's timeout. The thread feeds the pipe with
+  recovery in place (KERASDIST_RECOVER_IN_PLACE=1, `kerasdist run
+  --recover-in-place`), where a frozen rank (SIGSTOP, a hung process) must
+  die for Open MPI to tell the survivors, who go on without it, and in a
+  job of one rank, which no other rank's heartbeat watches: there a frozen
+  rank must die for the launcher to end (or restart) the job;
 - sets KERASDIST_HOSTNAME to the name of the host the rank runs on (as
   Horovod's launcher sets HOROVOD_HOSTNAME), so every rank can tell which
   host it is on without asking MPI;
@@ -551,7 +553,7 @@ def command_problem(program):
 
 class Watchdog:
     """Kills a command whose heartbeat thread went silent (recovery in
-    place).
+    place, or a job of one rank).
 
     The thread writes "arm <timeout seconds>" as it starts, "beat" every
     interval and "off" as it ends (each a line, one write). While armed,
@@ -560,7 +562,9 @@ class Watchdog:
     other ranks' heartbeat finds it lost at about the same time. Open MPI
     tells the survivors of a lost rank only once its process dies, so the
     wrapper then kills it, and the survivors re-form without it instead of
-    waiting for it until their deadline.
+    waiting for it until their deadline. A rank alone in its job has no
+    other rank to find it lost: killed, it ends the job, which the launcher
+    restarts (--max-restarts) instead of waiting for ever.
     """
 
     def __init__(self):
@@ -603,10 +607,9 @@ class _Wrapper:
         self.watch_fd = None  # the watchdog pipe's reading end
 
     def _open_watchdog(self):
-        """With recovery in place: the pipe for the command's heartbeat
-        thread (its writing end inherited, named in WATCHDOG_ENV)."""
-        if os.environ.get(RECOVER_ENV) != "1":
-            return None
+        """The pipe for the command's heartbeat thread (its writing end
+        inherited, named in WATCHDOG_ENV); the thread decides whether to
+        feed it (liveness.h, watchdog_fd)."""
         self.watch_fd, write_fd = os.pipe()
         os.set_inheritable(write_fd, True)
         os.environ[WATCHDOG_ENV] = f"{write_fd}:{os.getpid()}"
@@ -625,11 +628,14 @@ class _Wrapper:
                     return  # the command (and what it started) closed it
                 dog.feed(data, now)
             elif dog.overdue(now) and self.proc.returncode is None:
+                why = ("so that the other ranks go on without it (recovery "
+                       "in place)" if os.environ.get(RECOVER_ENV) == "1"
+                       else "so that the job ends: no other rank can find "
+                       "it lost")
                 _write_all(2, (
                     f"kerasdist: rank {rank}: its heartbeat sent nothing "
                     f"for {dog.timeout:g} s (the process is frozen or "
-                    "hung); killing it, so that the other ranks go on "
-                    "without it (recovery in place).\n").encode())
+                    f"hung); killing it, {why}.\n").encode())
                 kill_job(roots=(self.proc.pid,))
                 return
 

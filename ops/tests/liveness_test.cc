@@ -153,6 +153,29 @@ KD_TEST(LivenessTellsAGoodbyeFromADeath) {
   CHECK(said1.line.empty());
 }
 
+// A job of one rank (no port, no peer): the thread only feeds the
+// watchdog pipe, "arm", a beat each interval, "off" when stopped.
+KD_TEST(LivenessAloneOnlyFeedsTheWatchdog) {
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  Said said;
+  LivenessOptions o = Options(0, 1, &said);
+  o.watchdog_fd = fds[1];
+  std::unique_ptr<Liveness> alone;
+  CHECK_OK(Liveness::StartCoordinator(o, -1, &alone));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  alone->Stop();
+  close(fds[1]);
+  std::string fed;
+  char buf[256];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof(buf))) > 0;) fed.append(buf, n);
+  close(fds[0]);
+  CHECK_CONTAINS(fed, "arm 0.5");
+  CHECK_CONTAINS(fed, "beat\nbeat\nbeat\n");
+  CHECK(fed.size() >= 4 && fed.substr(fed.size() - 4) == "off\n");
+  CHECK(said.line.empty());
+}
+
 // Foreign connections on rank 0's port while the workers connect: idle
 // ones, half a hello, a forged 16-byte hello (the old protocol), a hello
 // with a wrong proof. None counts as a rank, none delays the real ones.

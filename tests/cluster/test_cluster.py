@@ -131,12 +131,15 @@ def _connects(cluster, host, to, port, timeout):
 def test_drop_is_silent_and_cut_is_restored(cluster):
     system.require("nftables")
     h0, h1 = cluster.hosts
+    # The server listens until its stdin closes, so that the test ends it
+    # and waits for it (nsenter waits for its child) rather than leaving a
+    # SIGKILLed process still exiting when the test ends.
     server = cluster.popen(h1, [sys.executable, "-c",
-                                "import socket, time\n"
+                                "import socket, sys\n"
                                 "s = socket.socket()\n"
                                 "s.bind(('0.0.0.0', 5002)); s.listen(16)\n"
-                                "time.sleep(120)"],
-                           start_new_session=True)
+                                "sys.stdin.read()"],
+                           stdin=subprocess.PIPE, start_new_session=True)
     try:
         _wait_for(lambda: _connects(cluster, h0, "kdt1", 5002, 2) == "ok")
         cluster.drop(h1)
@@ -149,10 +152,14 @@ def test_drop_is_silent_and_cut_is_restored(cluster):
         cluster.restore(h0)
         _wait_for(lambda: _connects(cluster, h0, "kdt1", 5002, 2) == "ok")
     finally:
-        # nsenter forks the server into the host's PID namespace: end the
-        # group (nsenter and the server), not nsenter alone.
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        server.stdin.close()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            # nsenter forks the server into the host's PID namespace: end
+            # the group (nsenter and the server), not nsenter alone.
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def _gone(pid):

@@ -23,6 +23,7 @@ from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import launcher_env  # noqa: E402
 from tests.support.helpers import pid_file_code  # noqa: E402
 from tests.support.helpers import python_cmd  # noqa: E402
+from tests.support.helpers import rank_env  # noqa: E402
 from tests.support.helpers import rank_lines  # noqa: E402
 from tests.support.helpers import recorded_pids  # noqa: E402
 
@@ -255,6 +256,35 @@ def test_max_restarts_relaunches_failed_job():
             "(SIGKILL))") in out.stdout
     for r in (0, 1):
         assert rank_lines(out.stdout, r)[-1] == "attempt 1", out.stdout
+
+
+def test_a_frozen_rank_alone_in_its_job_is_killed_and_restarted():
+    # No other rank's heartbeat watches a job of one rank: its wrapper
+    # kills it once its heartbeat thread is silent for the timeout, and
+    # the launcher restarts the job. Before, the job waited for ever.
+    code = ("import os, signal, time\n"
+            "import kerasdist as kd\n"
+            "kd.init()\n"
+            "a = os.environ['KERASDIST_RESTART_ATTEMPT']\n"
+            "print('attempt', a, 'size', kd.size(), flush=True)\n"
+            "time.sleep(3)  # beats go on while the main thread waits\n"
+            "if a == '0':\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "kd.shutdown()\n")
+    start = time.monotonic()
+    out = launch(1, python_cmd(code), timeout=90,
+                 env=rank_env(KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=2),
+                 launcher_args=("--max-restarts", "1"))
+    assert out.returncode == 0, out.stdout
+    assert ("kerasdist: rank 0: its heartbeat sent nothing for 2 s (the "
+            "process is frozen or hung); killing it, so that the job ends: "
+            "no other rank can find it lost.") in out.stdout, out.stdout
+    assert ("kerasdist: attempt 2 of 2 (the last attempt ended because "
+            f"rank 0 (host {socket.gethostname()}) exited with signal 9 "
+            "(SIGKILL))") in out.stdout, out.stdout
+    assert rank_lines(out.stdout, 0) == ["attempt 0 size 1",
+                                         "attempt 1 size 1"], out.stdout
+    assert time.monotonic() - start < 60
 
 
 def test_max_restarts_gives_up_with_last_code():

@@ -222,6 +222,13 @@ class _Child:
             os.close(fd)
         os.environ.clear()
         os.environ.update(h["env"])
+        # The rank wrapper's watchdog pipe (kerasdist/run/_rank.py) is for
+        # the wrapper's own child, named by its parent's pid: `run` was that
+        # child, and this process stands in for it, a child of the server.
+        watchdog = os.environ.get("KERASDIST_WATCHDOG", "")
+        if ":" in watchdog:
+            os.environ["KERASDIST_WATCHDOG"] = (
+                f"{watchdog.split(':', 1)[0]}:{os.getppid()}")
         os.chdir(h["cwd"])
         os.sched_setaffinity(0, h["affinity"])
         # The rank's ignored signals (SIGUSR1 in an elastic job); the rest

@@ -4,7 +4,8 @@ goes silent (here: it stops itself with SIGSTOP, as a frozen rank) is
 SIGKILLed after the timeout, and the wrapper dies of the same signal (so
 Open MPI would tell the survivors); a feed that said "off" (a heartbeat
 that ended: the survivors re-form) is not watched; without recovery in
-place there is no pipe at all."""
+place the pipe is there too (the heartbeat thread of a job of one rank
+feeds it), and a frozen command is killed without dying of its signal."""
 
 import os
 import signal
@@ -64,10 +65,15 @@ def test_watchdog_leaves_a_disarmed_command():
     assert "killing it" not in out.stderr, out.stderr
 
 
-def test_watchdog_pipe_only_with_recovery_in_place():
-    out, _ = _wrap("off", recover="0")
-    assert out.returncode == 1 and "KeyError: 'KERASDIST_WATCHDOG'" in \
-        out.stderr, out.stderr
+def test_watchdog_without_recovery_in_place_ends_the_job():
+    # The pipe is there in every job; the heartbeat thread feeds it where
+    # no other rank watches this one (a job of one rank).
+    out, _ = _wrap("stop", recover="0")
+    assert out.returncode == 128 + signal.SIGKILL, out
+    assert ("kerasdist: rank 4: its heartbeat sent nothing for 0.6 s (the "
+            "process is frozen or hung); killing it, so that the job ends: "
+            "no other rank can find it lost.") in out.stderr, out
+    assert "status=-9 " in out.stderr, out.stderr
 
 
 def test_watchdog_lines():

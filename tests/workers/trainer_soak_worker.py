@@ -76,9 +76,12 @@ class Fault(keras.callbacks.Callback):
         # in that moment would be a restart with the backoff, which the
         # test asserts never happens after progress.
         time.sleep(1.0)
-        with open(os.path.join(STATE, f"fault.{ATTEMPT}"), "w") as f:
+        # Whole or not at all: the test reads each new fault file at once.
+        path = os.path.join(STATE, f"fault.{ATTEMPT}")
+        with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()} {self.kind} {kd.rank()} "
                     f"{socket.gethostname()}\n")
+        os.replace(path + ".tmp", path)
         print(f"worker: attempt {ATTEMPT}: {self.kind} on rank {kd.rank()} "
               f"after {self.steps} steps", flush=True)
         if self.kind == "kill":

@@ -500,7 +500,7 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
   Handshakes hs(l->opt_);
   std::vector<std::pair<int, int>> proven;
   while (hs.missing() > 0 && Now() < until) hs.Poll(listen_fd, &proven);
-  close(listen_fd);
+  if (listen_fd >= 0) close(listen_fd);
   for (const auto& [rank, fd] : proven) {
     l->peers_.push_back(Peer{rank, fd, Now()});
   }

@@ -59,9 +59,10 @@ struct LivenessOptions {
   // peer is lost; the default prints it and ends the process (_exit).
   std::function<void(const std::string&)> on_lost;
   // Where this rank's own beats also go (-1: nowhere): with recovery in
-  // place, a pipe to the launcher's per-rank wrapper (kerasdist/run/
-  // _rank.py), which kills this process once nothing came for `timeout_s`
-  // (a frozen rank must die for MPI to tell the survivors). The thread
+  // place, or in a job of one rank, a pipe to the launcher's per-rank
+  // wrapper (kerasdist/run/_rank.py), which kills this process once nothing
+  // came for `timeout_s` (a frozen rank must die for MPI to tell the
+  // survivors; alone, for the launcher to learn of it). The thread
   // writes "arm <timeout_s>\n" as it starts, "beat\n" each interval and
   // "off\n" as it ends (a goodbye, or a loss: the survivors re-form).
   int watchdog_fd = -1;
@@ -85,7 +86,8 @@ class Liveness {
   static std::vector<std::string> Addresses(const std::string& prefer);
   // A worker: connects to the first of `addresses` that answers and says
   // hello. Rank 0: accepts one hello from every worker (within
-  // `timeout_s`). Either way the thread starts; *out owns it.
+  // `timeout_s`; with `size` 1 none, and `listen_fd` may be -1). Either way
+  // the thread starts; *out owns it.
   static Status StartWorker(const LivenessOptions& opt,
                             const std::vector<std::string>& addresses, int port,
                             std::unique_ptr<Liveness>* out);

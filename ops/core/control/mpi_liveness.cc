@@ -121,13 +121,15 @@ Status ShareKey(MPI_Comm comm, int rank, std::string* key) {
   return Status::OK();
 }
 
-// With recovery in place, the pipe to this rank's wrapper (liveness.h,
-// LivenessOptions::watchdog_fd): KERASDIST_WATCHDOG="<fd>:<wrapper's pid>",
-// from kerasdist/run/_rank.py, for its own child only (not for a process
-// this one starts, which inherits the variable). -1 where there is none.
-int WatchdogFd() {
+// The pipe to this rank's wrapper (liveness.h, LivenessOptions::
+// watchdog_fd): KERASDIST_WATCHDOG="<fd>:<wrapper's pid>", from kerasdist/
+// run/_rank.py, for its own child only (not for a process this one starts,
+// which inherits the variable). Used with recovery in place, and in a job
+// of one rank, which no other rank watches: a frozen rank must die for the
+// launcher to learn of it. -1 where there is none or it is not used.
+int WatchdogFd(int size) {
   const char* text = std::getenv("KERASDIST_WATCHDOG");
-  if (text == nullptr || !RecoveryOn()) return -1;
+  if (text == nullptr || (!RecoveryOn() && size > 1)) return -1;
   int fd = -1;
   long parent = -1;
   if (std::sscanf(text, "%d:%ld", &fd, &parent) != 2 || fd < 0 ||
@@ -391,9 +393,14 @@ Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
   if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Bcast");
   opt.interval_s = times[0] > 0 ? times[0] : 1.0;
   opt.timeout_s = times[1];
-  if (opt.size == 1 || opt.timeout_s <= 0) return Status::OK();
+  if (opt.timeout_s <= 0) return Status::OK();
   opt.interval_s = std::min(opt.interval_s, opt.timeout_s / 3);
-  opt.watchdog_fd = WatchdogFd();
+  opt.watchdog_fd = WatchdogFd(opt.size);
+  if (opt.size == 1) {
+    // No peer: the thread only feeds the wrapper's watchdog, if any.
+    if (opt.watchdog_fd < 0) return Status::OK();
+    return Liveness::StartCoordinator(opt, -1, out);
+  }
   KD_RETURN_IF_ERROR(GatherHosts(comm, opt.size, &opt.hosts));
   KD_RETURN_IF_ERROR(ShareKey(comm, opt.rank, &opt.key));
   bool local = false, all_local = false;
