@@ -58,8 +58,9 @@ std::vector<Setting> RuntimeSettings() {
        "a rank not heard from for this long is lost: every rank that learns "
        "of it prints one line naming the lost ranks and their host and ends "
        "with exit code 75, so the job never hangs on a dead host, a cut link "
-       "or a frozen rank (rank 0's value holds for all; 0 turns the "
-       "heartbeat off). See [failures-and-elastic.md]"
+       "or a frozen rank (a rank alone in its job, frozen this long, is "
+       "killed by its launcher's wrapper; rank 0's value holds for all; 0 "
+       "turns the heartbeat off). See [failures-and-elastic.md]"
        "(failures-and-elastic.md#when-things-fail)"},
       {"KERASDIST_HEARTBEAT_INTERVAL_SECONDS", "heartbeat_interval_seconds",
        true, &C::heartbeat_interval_s, 0, {},
