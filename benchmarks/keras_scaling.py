@@ -49,9 +49,10 @@ per process on each (XLA_FLAGS / torch.set_num_threads). `--overhead` adds a
 and a table of the per-step overhead of kerasdist at np=1 against it, per
 backend and model. `--shard` adds rows at np=2 with
 `DistributedOptimizer(shard="optimizer_state")`, `shard="gradients"` and
-`shard="weights"` (after `kd.shard_weights(model)`)
-(the sharded optimizer's step time against the replicated `kerasdist` row
-of the same round).
+`shard="weights"` (after `kd.shard_weights(model)`; `shard-weights-units`
+with `min_unit_bytes` 1 MiB: the smaller layers gather together at the
+model's call) (the sharded optimizer's step time against the replicated
+`kerasdist` row of the same round).
 Run it alone: the machine has 2 cores.
 """
 
@@ -153,8 +154,12 @@ def setup_rank(model_name, communicate=True, backend="tensorflow",
     else:
         data = _batches(x, y)
     model = _build(model_name)
-    if shard == "weights":
-        kd.shard_weights(model)
+    if shard in ("weights", "weights-units"):
+        # -units: the layers under 1 MiB whole gather together at the
+        # model's call (shard_weights' min_unit_bytes).
+        kd.shard_weights(model, min_unit_bytes=(
+            1 << 20 if shard == "weights-units" else 0))
+        shard = "weights"
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
     model.compile(
         optimizer=(kd.DistributedOptimizer(sgd, shard=shard) if communicate
@@ -369,7 +374,8 @@ def _parse(argv=None):
     parser.add_argument("--shard", action="store_true",
                         help="also DistributedOptimizer(shard=...) at np=2, "
                         "each mode (rows shard-optimizer_state, "
-                        "shard-gradients and shard-weights)")
+                        "shard-gradients, shard-weights and "
+                        "shard-weights-units)")
     parser.add_argument("--np4", action="store_true",
                         help="also run kerasdist at np=4 (oversubscribed on "
                         "a 2-core machine), reported separately")
@@ -403,7 +409,8 @@ def _runs(args):
         if args.shard:
             runs += [(backend, "shard-optimizer_state", 2),
                      (backend, "shard-gradients", 2),
-                     (backend, "shard-weights", 2)]
+                     (backend, "shard-weights", 2),
+                     (backend, "shard-weights-units", 2)]
     return runs
 
 

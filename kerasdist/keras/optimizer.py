@@ -81,14 +81,14 @@ class _UpdateGroups:
 
 def _large_blocks_from_mmap():
     """Has glibc return a step's large freed blocks at once
-    (kerasdist.keras.sharding.weights.return_large_blocks): PyTorch's
+    (kerasdist.keras.sharding.malloc.return_large_blocks): PyTorch's
     replicated resident set, 25M MLP at np=2, stays at 16.8 bytes a
     parameter between steps instead of growing to 31.9 over 3 steps. Not
     on JAX: XLA's CPU step allocates its temporaries anew each step, and
     each one of 1 MiB or more then comes from mmap, page-faulted again:
     the W3 MLP-20's replicated step took 1.3-1.4x as long at np=1 (1.1x
     at np=2). `kd.shard_weights` sets it on every backend."""
-    from kerasdist.keras.sharding.weights import return_large_blocks
+    from kerasdist.keras.sharding.malloc import return_large_blocks
 
     if _framework.get().mmap_large_blocks:
         return_large_blocks()

@@ -962,6 +962,29 @@ def weights_fit_cnn_attention():
                   x_y=shaped_data((5, 4)), remat=True)
 
 
+@check("weights_fit_units")
+def weights_fit_units():
+    # min_unit_bytes: layers smaller than it gather together when the
+    # model's call begins (one allgather and one reduce-scatter a step for
+    # all of them), not each at its own call; the same training either way.
+    m, _ = check_weights("weights_fit_units",
+                         lambda: keras.optimizers.SGD(0.1, momentum=0.5),
+                         min_unit_bytes=1 << 20)
+    assert "call" in vars(m), "the model's call gathers nothing"
+    assert not [layer.name for layer in m.layers if "call" in vars(layer)]
+    # With batch normalization (state it updates itself, left whole).
+    x, y = shaped_data((5, 5, 2))
+    truth = truth_fit(cnn_model(), keras.optimizers.SGD(0.1, momentum=0.5),
+                      x, y, N * B)
+    m = kd.shard_weights(cnn_model(norm=kd.SyncBatchNormalization),
+                         min_unit_bytes=1 << 20)
+    got = fit(m, kd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.5), shard="weights"),
+        my_part(x), my_part(y), B)
+    assert_close(got, truth, "weights: units, CNN with batch norm", 1e-4)
+    same_on_all_ranks(got, "weights: units, CNN")
+
+
 @check("weights_fit_built_sharded_bfloat16")
 def weights_fit_built_sharded_bfloat16():
     # Built inside shard_weights(): each layer sharded once built; under
@@ -1283,6 +1306,8 @@ def shard_weights_refusals():
     constrained = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
         2, kernel_constraint=keras.constraints.NonNeg())])
     refused(lambda: kd.shard_weights(constrained), "constraint")
+    refused(lambda: kd.shard_weights(min_unit_bytes=1 << 20),
+            "applies to a built model")
     if BACKEND == "jax":
         # A loss added inside a call JAX recomputes (a custom VJP).
         class LossInCall(keras.layers.Dense):

@@ -35,6 +35,8 @@ from kerasdist._core import grow as _grow
 from kerasdist._core import host as _host
 from kerasdist.keras import framework as _framework
 from kerasdist.keras.sharding import loading as _loading
+from kerasdist.keras.sharding import malloc as _malloc
+from kerasdist.keras.sharding import units as _units
 from kerasdist.keras.sharding import views as _views
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.layout import partition
@@ -75,7 +77,8 @@ def shards_in(variables):
     return [v for v in variables if is_shard(v)]
 
 
-def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
+def shard_weights(model=None, root_rank=0, remat=None, frozen=True,
+                  min_unit_bytes=0):
     """Shards the trainable weights of a built Keras model over every rank
     (ZeRO-3, FSDP's full sharding): afterwards each rank holds 1/N of
     every trainable weight, and the layers read whole weights by
@@ -104,14 +107,28 @@ def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
             are gathered for the forward and never updated. State a layer
             updates itself (BatchNormalization's moving averages) stays
             whole on every rank.
+        min_unit_bytes: a layer whose sharded weights are this many
+            bytes or more whole gathers them at its own call (a unit of
+            its own, as FSDP's size-based wrapping); the smaller ones
+            (not rematerialized) are gathered together when the model's
+            call begins, one allgather and one reduce-scatter a step for
+            all of them (FSDP's root unit), their whole weights alive
+            from the forward to the backward. Fewer collectives a step
+            for a model of many small layers. 0 (default): every layer
+            is a unit of its own.
 
     Raises:
         ValueError: for a model not built yet, a weight with a constraint
             (it would act on shards), or a weight a layer does not keep
             as an attribute (its reads could not be redirected).
     """
-    return_large_blocks()
+    _malloc.return_large_blocks()
     if model is None:
+        if min_unit_bytes:
+            raise ValueError(
+                "kerasdist.shard_weights(min_unit_bytes=...) applies to a "
+                "built model: give it to the shard_weights(model) call "
+                "made after the `with kerasdist.shard_weights():` block.")
         return _ShardedInit(root_rank, remat, frozen)
     if not model.built:
         raise ValueError(
@@ -127,40 +144,12 @@ def shard_weights(model=None, root_rank=0, remat=None, frozen=True):
     for layer in _layers(model) + ([functional] if functional else []):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()  # PyTorch's parameters: the shards
+    if min_unit_bytes:
+        _units.gather_small_layers_at_the_call(
+            _layers(model), min_unit_bytes, _own_shards)
     _install_whole_methods(model)
     _loading.install(model)  # load_weights reads each rank's slices
     return model
-
-
-# glibc's M_MMAP_THRESHOLD (mallopt) and the threshold set: 1 MiB.
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 1 << 20
-
-
-def return_large_blocks():
-    """Has glibc serve allocations of 1 MiB or more from mmap, so that a
-    freed one goes back to the system at once. By default glibc raises
-    that threshold as blocks are freed, up to 32 MiB, and keeps freed
-    blocks below it in its heap: with sharded weights on the CPU, where
-    every layer's gathered weights and gradients come and go as blocks of
-    that size, the resident set then grows to several times what is live
-    (a 100M MLP under a 1536 MiB cap per rank trained 13 layers at np=4
-    with PyTorch, 48 with this). Not where the process set
-    MALLOC_MMAP_THRESHOLD_ itself (glibc's own variable), nor off glibc."""
-    import os
-    import platform
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or _MALLOPT:
-        return
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    import ctypes
-
-    _MALLOPT.append(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD,
-                                              MMAP_THRESHOLD))
-
-
-_MALLOPT = []
 
 
 class _Sharder:
@@ -343,6 +332,11 @@ def _keras_remat_regathers(layer):
 
 def _layers(model):
     return list(model._flatten_layers(include_self=True, recursive=True))
+
+
+def _own_shards(layer):
+    """The `WeightShard`s of `layer`'s own sharded weights."""
+    return [info(v) for v in layer._trainable_variables if is_shard(v)]
 
 
 def _plan(layer, frozen):
