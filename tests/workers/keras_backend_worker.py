@@ -970,8 +970,19 @@ def weights_fit_units():
     m, _ = check_weights("weights_fit_units",
                          lambda: keras.optimizers.SGD(0.1, momentum=0.5),
                          min_unit_bytes=1 << 20)
-    assert "call" in vars(m), "the model's call gathers nothing"
-    assert not [layer.name for layer in m.layers if "call" in vars(layer)]
+
+    def gathers(call):
+        return [getattr(call, f"_kerasdist_{k}", False)
+                for k in ("unit", "grouped")]
+
+    assert gathers(m.call) == [True, False], "the model gathers no unit"
+    assert not [layer.name for layer in m.layers if any(gathers(layer.call))]
+    # Sharded again (as after building under the context): the same unit,
+    # no layer gathering its own again.
+    unit = m.call
+    kd.shard_weights(m, min_unit_bytes=1 << 20)
+    assert m.call is unit
+    assert not [layer.name for layer in m.layers if any(gathers(layer.call))]
     # With batch normalization (state it updates itself, left whole).
     x, y = shaped_data((5, 5, 2))
     truth = truth_fit(cnn_model(), keras.optimizers.SGD(0.1, momentum=0.5),

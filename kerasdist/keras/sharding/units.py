@@ -34,7 +34,9 @@ def gather_small_layers_at_the_call(layers, min_unit_bytes, own_shards):
             continue  # rematerialized, or inside another's call
         mine = own_shards(layer)
         if sum(w.numel * itemsize(w.dtype) for w in mine) < min_unit_bytes:
-            object.__delattr__(layer, "call")  # the class's call again
+            # The call it had before, for good: not wrapped again.
+            object.__setattr__(layer, "call", call._kerasdist_inner)
+            object.__setattr__(layer, "_kerasdist_in_unit", True)
             small.append(layer)
     if not small:
         return small
@@ -48,5 +50,6 @@ def gather_small_layers_at_the_call(layers, min_unit_bytes, own_shards):
         finally:
             _views.FRAMES.pop()
 
+    unit._kerasdist_unit = True
     object.__setattr__(model, "call", unit)
     return small

@@ -239,7 +239,8 @@ def _gather_per_call(layer):
     call, so that the backward's recomputation gathers again."""
     call = layer.call
     if getattr(call, "_kerasdist_grouped", False) or \
-            getattr(call, "_kerasdist_regather", False):
+            getattr(call, "_kerasdist_regather", False) or \
+            getattr(layer, "_kerasdist_in_unit", False):  # units.py's
         return
 
     def grouped(*args, **kwargs):
@@ -252,6 +253,7 @@ def _gather_per_call(layer):
             _views.FRAMES.pop()
 
     grouped._kerasdist_grouped = True
+    grouped._kerasdist_inner = call
     object.__setattr__(layer, "call", grouped)
 
 
