@@ -44,11 +44,7 @@ def gather_small_layers_at_the_call(layers, min_unit_bytes, own_shards):
 
     def unit(*args, **kwargs):
         weights = [w for layer in small for w in own_shards(layer)]
-        _views.FRAMES.append(_views.gather_layer(weights))
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _views.FRAMES.pop()
+        return _views.call_in_frame(weights, call, args, kwargs)
 
     unit._kerasdist_unit = True
     object.__setattr__(model, "call", unit)

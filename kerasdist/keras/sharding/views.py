@@ -140,6 +140,16 @@ ANCHORS = []
 FRAMES = []
 
 
+def call_in_frame(weights, call, args, kwargs):
+    """`call(*args, **kwargs)` with `weights` (`WeightShard`s) gathered
+    together first (gather_layer) as the innermost frame."""
+    FRAMES.append(gather_layer(weights))
+    try:
+        return call(*args, **kwargs)
+    finally:
+        FRAMES.pop()
+
+
 _VIEW_CLASSES = {}
 
 

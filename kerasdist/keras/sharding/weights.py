@@ -174,7 +174,7 @@ class _Sharder:
             layer._track_variables()
         # Not a layer with state of its own (BatchNormalization's moving
         # averages): its call, run again, would update it twice.
-        mine = [info(v) for v in layer._trainable_variables if is_shard(v)]
+        mine = _own_shards(layer)
         _keras_remat_regathers(layer)
         if mine:
             _gather_per_call(layer)
@@ -244,13 +244,7 @@ def _gather_per_call(layer):
         return
 
     def grouped(*args, **kwargs):
-        weights = [info(v) for v in layer._trainable_variables
-                   if is_shard(v)]
-        _views.FRAMES.append(_views.gather_layer(weights))
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _views.FRAMES.pop()
+        return _views.call_in_frame(_own_shards(layer), call, args, kwargs)
 
     grouped._kerasdist_grouped = True
     grouped._kerasdist_inner = call
