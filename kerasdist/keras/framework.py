@@ -116,6 +116,20 @@ class KerasFramework:
         same shape on each by the layout, stacked (size, c)."""
         return self.collectives.allgather(row, name=name)
 
+    def put(self, variable, value):
+        """Sets a Keras variable to `value`, a tensor of its shape and
+        dtype already (the sharded optimizer's per-step copies): Keras'
+        `assign`, or where a framework can, the copy alone."""
+        variable.assign(value)
+
+    def gather_each(self, rows, names, size):
+        """The sharded optimizer's allgathers (`rows`, 1-D, the same
+        shapes on every rank; `names`, one each; `size` ranks): yields
+        each result (size * c,) in order. Here one after another; a framework
+        that can start several before waiting (PyTorch) does."""
+        for row, name in zip(rows, names):
+            yield self.collectives.allgather(row, name=name)
+
     def scatter_rows(self, rows, name):
         """Their gradients' reduce-scatter: the average of `rows`
         (size, c) over the ranks, this rank's row (1, c)."""

@@ -191,6 +191,33 @@ def _allgather_now(x, name):
     return _owned(h, x)
 
 
+class PendingAllgather:
+    """An allgather of a CPU torch tensor enqueued in the core and not yet
+    waited for: `wait()` returns every rank's tensor, concatenated on the
+    first axis. The input is kept alive (the core reads it in place) until
+    then."""
+
+    def __init__(self, x, name, process_set=None):
+        _host_only(x, "allgather")
+        self._input = x.contiguous()
+        self._handle = _start(_capi.OP_ALLGATHER, name, self._input, None,
+                              process_set=process_set)
+
+    def wait(self):
+        try:
+            self._handle.wait()
+            return _owned(self._handle, self._input)
+        finally:
+            self._input = None
+
+
+def start_allgather(x, name, process_set=None):
+    """Enqueues an allgather of `x` without waiting for it (the sharded
+    optimizer's gathers, several in flight); returns a
+    `PendingAllgather`."""
+    return PendingAllgather(x, name, process_set)
+
+
 @torch.library.custom_op("kerasdist::allgather", mutates_args=())
 def _allgather(x: torch.Tensor, name: str) -> torch.Tensor:
     return _allgather_now(x, name)

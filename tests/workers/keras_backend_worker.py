@@ -1384,6 +1384,45 @@ def shard_gradients_released():
         assert all((g is not None) == kept for g in grads), (shard, grads)
 
 
+@check("shard_gathers_ahead", groups=("torch",))
+def shard_gathers_ahead():
+    """PyTorch starts the sharded optimizer's allgathers ahead, up to a
+    bound of bytes in flight (`Torch.gather_each`): with a bound that
+    lets only one run at a time the fit is still one process's; results
+    come in order; a caller that stops early leaves nothing behind (the
+    collectives after it meet)."""
+    import torch
+
+    from kerasdist.keras import framework as _framework
+    from kerasdist.torch import _keras_layer
+
+    bound = _keras_layer.GATHER_AHEAD_BYTES
+    _keras_layer.GATHER_AHEAD_BYTES = 1
+    try:
+        check_shard("shard_gathers_one_at_a_time",
+                    lambda: keras.optimizers.Adam(0.001), shard="gradients",
+                    model=wide_model)
+    finally:
+        _keras_layer.GATHER_AHEAD_BYTES = bound
+    framework = _framework.get()
+    rows = [torch.full((k + 1,), float(10 * k + kd.rank()))
+            for k in range(4)]
+    names = [f"gathers_ahead.{k}" for k in range(4)]
+    every = list(framework.gather_each(rows, names, N))
+    for k, got in enumerate(every):
+        want = np.concatenate([np.full(k + 1, 10.0 * k + r)
+                               for r in range(N)])
+        np.testing.assert_array_equal(got.numpy(), want)
+    early = framework.gather_each(rows, [n + ".early" for n in names], N)
+    np.testing.assert_array_equal(next(early).numpy(),
+                                  np.arange(N, dtype=np.float32))
+    early.close()
+    total = kd.allreduce(np.ones(3, np.float32), op=kd.Sum,
+                         name="gathers_ahead.after")
+    np.testing.assert_array_equal(np.asarray(total), np.full(3, float(N)))
+    print("shard_gathers_ahead: ok", flush=True)
+
+
 @check("shard_reduce_scatter_in_backprop", groups=("torch",))
 def shard_reduce_scatter_in_backprop():
     """PyTorch: from the second step on, the sharded optimizer's

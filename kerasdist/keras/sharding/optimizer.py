@@ -248,8 +248,8 @@ class ShardedStep(DistributedBase):
             with framework.no_grad():
                 for i, (v, s) in enumerate(zip(state.variables,
                                                state.shadows)):
-                    s.assign(_step.shard_of(framework, state.layout, v,
-                                            i, state.rank))
+                    framework.put(s, _step.shard_of(
+                        framework, state.layout, v, i, state.rank))
             # The user's optimizer class's own apply, on the shards.
             if active is None:
                 super().apply(chunks, state.shadows)

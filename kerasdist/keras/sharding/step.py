@@ -17,6 +17,8 @@ back into the weights, and the clipping norms summed over the ranks.
    it: identical bits on every rank.
 """
 
+import contextlib
+
 from kerasdist import basics
 from kerasdist.keras import reduced as _reduced
 from kerasdist.keras import reduction as _reduction
@@ -89,44 +91,55 @@ def gather(framework, layout, shards, targets, prefix):
     """Assigns to each of `targets` (the model's variables) the
     concatenation of every rank's shard (`shards`, this rank's, one per
     variable): one allgather per large shard, one per bucket for the small
-    ones."""
+    ones. They are started together where the framework can
+    (`gather_each`: PyTorch keeps several in flight), each variable
+    assigned as its own arrives."""
     import keras
 
     ops = keras.ops
-    with framework.no_grad():
-        for k, bucket in enumerate(layout.buckets):
-            name = f"{prefix}{layout.names[k]}.gather"
-            small = []
-            for p, i in enumerate(bucket):
-                if layout.chunks[i] * itemsize(layout.dtypes[i]) < \
-                        ALONE_BYTES:
-                    small.append(i)
-                    continue
-                everyone = framework.collectives.allgather(
-                    ops.reshape(shards[i], (1, -1)),
-                    name=framework.unique_name(f"{name}.{p}"))
-                _assign_whole(ops, layout, i, ops.reshape(everyone, (-1,)),
-                              targets[i])
-            if not small:
+    rows, names, members = [], [], []
+    for k, bucket in enumerate(layout.buckets):
+        name = f"{prefix}{layout.names[k]}.gather"
+        small = []
+        for p, i in enumerate(bucket):
+            if layout.chunks[i] * itemsize(layout.dtypes[i]) < ALONE_BYTES:
+                small.append(i)
                 continue
-            parts = [shards[i] for i in small]
-            row = parts[0] if len(parts) == 1 else ops.concatenate(parts)
-            everyone = framework.collectives.allgather(
-                ops.reshape(row, (1, -1)),
-                name=framework.unique_name(name))
+            rows.append(shards[i])
+            names.append(f"{name}.{p}")
+            members.append([i])
+        if not small:
+            continue
+        parts = [shards[i] for i in small]
+        rows.append(parts[0] if len(parts) == 1 else ops.concatenate(parts))
+        names.append(name)
+        members.append(small)
+    # A shard is 1-D: its allgather is the variable flattened (and
+    # padded); a bucket's, one row a rank of its members side by side.
+    every = framework.gather_each(
+        rows, [framework.unique_name(n) for n in names], layout.size)
+    with framework.no_grad(), contextlib.closing(every):
+        for everyone, group in zip(every, members):
+            if len(group) == 1:
+                _assign_whole(framework, layout, group[0], everyone,
+                              targets[group[0]])
+                continue
+            everyone = ops.reshape(everyone, (layout.size, -1))
             start = 0
-            for i in small:
+            for i in group:
                 chunk = layout.chunks[i]
                 block = everyone[:, start:start + chunk]
                 start += chunk
-                _assign_whole(ops, layout, i, ops.reshape(block, (-1,)),
-                              targets[i])
+                _assign_whole(framework, layout, i,
+                              ops.reshape(block, (-1,)), targets[i])
 
 
-def _assign_whole(ops, layout, i, flat, target):
+def _assign_whole(framework, layout, i, flat, target):
+    import keras
+
     if layout.size * layout.chunks[i] != layout.numels[i]:
         flat = flat[:layout.numels[i]]
-    target.assign(ops.reshape(flat, layout.shapes[i]))
+    framework.put(target, keras.ops.reshape(flat, layout.shapes[i]))
 
 
 def shard_of(framework, layout, variable, i, rank):
