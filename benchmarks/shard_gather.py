@@ -1,6 +1,8 @@
-"""The sharded optimizer's allgather of the updated shards on PyTorch
+"""The sharded step's gathers on PyTorch, timed alone: the sharded
+optimizer's allgather of the updated shards
 (`kerasdist.keras.sharding.step.gather`, the end of every sharded step),
-timed alone.
+and the forward and backward of a model under `kd.shard_weights` (a
+layer's gather at its call, its reduce-scatter in the backward).
 
     python benchmarks/shard_gather.py [--np 2] [--rounds 3] [--calls 100]
 
@@ -16,6 +18,13 @@ of --calls gathers after the ranks meet; the table shows rank 0's
 milliseconds a gather, the median and range over the rounds, and
 `one / ahead`. The weights are checked against the shards they came from
 after the last round.
+
+Then the same model under `kd.shard_weights(model)`, a forward and a
+backward of a batch of 64 a rank (no optimizer), a round being the mean
+of --calls // 4 of them: `torch`, the default (`Torch.gather_whole`,
+each layer's gather and its gradient in torch's own ops), against
+`keras-ops` (the Keras-ops form TensorFlow and JAX use,
+`KerasFramework.gather_whole`), alternating.
 """
 
 import argparse
@@ -70,18 +79,59 @@ def _worker(rounds, calls):
     for i, v in enumerate(variables):
         whole = everyone[i][:layout.numels[i]].reshape(layout.shapes[i])
         np.testing.assert_array_equal(np.asarray(v.value.detach()), whole)
+    steps = _weights_rounds(rounds, max(1, calls // 4))
     if kd.rank() == 0:
-        print(f"# {len(variables)} variables, "
-              f"{sum(layout.numels) / 1e6:.1f}M parameters, "
-              f"{len(layout.buckets)} buckets, np={kd.size()}; "
-              f"ms a gather over {rounds} rounds of {calls}")
-        for system, values in times.items():
-            ms = sorted(1e3 * t for t in values)
-            print(f"{system:>6} median {ms[len(ms) // 2]:7.2f}  "
-                  f"range {ms[0]:.2f}-{ms[-1]:.2f}")
-        ratio = sorted(o / a for o, a in zip(times["one"], times["ahead"]))
-        print(f"one / ahead: median {ratio[len(ratio) // 2]:.2f}x  "
-              f"range {ratio[0]:.2f}-{ratio[-1]:.2f}x")
+        _print(f"{len(variables)} variables, "
+               f"{sum(layout.numels) / 1e6:.1f}M parameters, "
+               f"{len(layout.buckets)} buckets, np={kd.size()}; ms a "
+               f"gather over {rounds} rounds of {calls}", times, "one",
+               "ahead")
+        _print("ms a forward and backward under shard_weights", steps,
+               "keras-ops", "torch")
+
+
+def _print(title, times, slow, fast):
+    print(f"# {title}")
+    for system, values in times.items():
+        ms = sorted(1e3 * t for t in values)
+        print(f"{system:>9} median {ms[len(ms) // 2]:7.2f}  "
+              f"range {ms[0]:.2f}-{ms[-1]:.2f}")
+    ratio = sorted(o / a for o, a in zip(times[slow], times[fast]))
+    print(f"{slow} / {fast}: median {ratio[len(ratio) // 2]:.2f}x  "
+          f"range {ratio[0]:.2f}-{ratio[-1]:.2f}x")
+
+
+def _weights_rounds(rounds, calls):
+    import keras
+    import numpy as np
+    import torch
+
+    import kerasdist as kd
+    from kerasdist.keras import framework as _framework
+    from kerasdist.torch import _keras_layer
+
+    model = keras.Sequential(
+        [keras.Input((3072,))]
+        + [keras.layers.Dense(256, activation="relu") for _ in range(20)]
+        + [keras.layers.Dense(10)])
+    kd.shard_weights(model)
+    x = torch.randn(64, 3072)
+    native = _keras_layer.Torch.gather_whole
+    forms = {"torch": native,
+             "keras-ops": _framework.KerasFramework.gather_whole}
+    times = {name: [] for name in forms}
+    try:
+        for r in range(rounds):
+            for name, form in forms.items():
+                _keras_layer.Torch.gather_whole = form
+                kd.allreduce(np.zeros(1, np.float32), name=f"meet.w.{name}.{r}")
+                start = time.perf_counter()
+                for _ in range(calls):
+                    model(x).sum().backward()
+                times[name].append((time.perf_counter() - start) / calls)
+    finally:
+        _keras_layer.Torch.gather_whole = native
+    return times
 
 
 def main():

@@ -116,6 +116,51 @@ class KerasFramework:
         same shape on each by the layout, stacked (size, c)."""
         return self.collectives.allgather(row, name=name)
 
+    def gather_whole(self, flat, shapes, numels, chunks, size, gather_name,
+                     grad_name):
+        """Sharded weights' whole values (kerasdist/keras/sharding/
+        views.py): `flat`, this rank's shards of them side by side (1-D,
+        `chunks` elements each), allgathered (`gather_name`) into
+        (size, sum of the chunks), each weight's column block reshaped to
+        its shape (`shapes`, `numels`: padding dropped). Its gradient
+        puts the whole gradients in one such buffer and reduce-scatters
+        it once (`grad_name`, the average over the ranks) into this
+        rank's row. Here in Keras ops; a framework with cheaper ops of
+        its own (PyTorch) does the same in them."""
+        import keras
+
+        ops = keras.ops
+        total = sum(chunks)
+
+        @ops.custom_gradient
+        def rows(x):
+            every = self.gather_rows(ops.reshape(x, (1, -1)), size,
+                                     gather_name)
+            every = ops.reshape(every, (size, total))
+
+            def grad(*args, upstream=None):
+                if upstream is None:
+                    (upstream,) = args
+                # The split's gradient: every whole gradient in one buffer.
+                buffer = ops.reshape(self.dense(upstream), (size, total))
+                return ops.reshape(self.scatter_rows(buffer, grad_name),
+                                   (-1,))
+
+            return every, grad
+
+        # Column block j of every rank's row is weight j's shards in rank
+        # order: its flattened (padded) whole value.
+        every = rows(flat)
+        pieces = ([every] if len(chunks) == 1
+                  else self.split_columns(every, chunks))
+        wholes = []
+        for piece, shape, numel, chunk in zip(pieces, shapes, numels,
+                                              chunks):
+            if size * chunk != numel:  # padded
+                piece = ops.reshape(piece, (-1,))[:numel]
+            wholes.append(ops.reshape(piece, shape))
+        return wholes
+
     def put(self, variable, value):
         """Sets a Keras variable to `value`, a tensor of its shape and
         dtype already (the sharded optimizer's per-step copies): Keras'

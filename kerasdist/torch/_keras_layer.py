@@ -47,6 +47,21 @@ class Torch(_framework.KerasFramework):
     def scatter_rows(self, rows, name):
         return _torch_collectives.shard_scatter(rows, name)
 
+    def gather_whole(self, flat, shapes, numels, chunks, size, gather_name,
+                     grad_name):
+        # The Keras-ops form's steps in torch's own ops, about a tenth of
+        # their Python each (a dozen a layer and step).
+        every = _WholeRows.apply(flat, size, gather_name, grad_name)
+        pieces = ([every] if len(chunks) == 1
+                  else torch.split(every, list(chunks), dim=1))
+        wholes = []
+        for piece, shape, numel, chunk in zip(pieces, shapes, numels,
+                                              chunks):
+            if size * chunk != numel:  # padded
+                piece = piece.reshape(-1)[:numel]
+            wholes.append(piece.reshape(tuple(shape)))
+        return wholes
+
     def put(self, variable, value):
         # Keras' own assign ends in this copy (its _direct_assign), after
         # a conversion and checks that a tensor of the variable's shape
@@ -84,6 +99,24 @@ class Torch(_framework.KerasFramework):
                     handle.wait()
                 except Exception:  # noqa: BLE001 - the caller's error wins
                     pass
+
+
+class _WholeRows(torch.autograd.Function):
+    """Every rank's row of sharded weights (`Torch.gather_whole`): one
+    allgather forward, one reduce-scatter (the average) of the whole
+    gradients' buffer backward."""
+
+    @staticmethod
+    def forward(ctx, flat, size, gather_name, grad_name):
+        ctx.size, ctx.grad_name = size, grad_name
+        return _torch_collectives.shard_gather(flat.reshape(1, -1),
+                                               gather_name, size)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        mine = _torch_collectives.shard_scatter(
+            upstream.reshape(ctx.size, -1), ctx.grad_name)
+        return mine.reshape(-1), None, None, None
 
 
 class Overlap:

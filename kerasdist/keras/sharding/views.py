@@ -81,7 +81,6 @@ def _gather_group(weights, values):
     framework = _framework.get()
     size = weights[0].size
     chunks = [w.chunk for w in weights]
-    total = sum(chunks)
     # Named here, in the program that reads the weights: a weight read
     # twice in one program (tied embeddings: keras-hub's token embedding,
     # reversed for the logits) gets two names. Inside the custom gradient
@@ -98,34 +97,9 @@ def _gather_group(weights, values):
     flat = values[0] if len(values) == 1 else ops.concatenate(values)
     if ANCHORS:
         flat = framework.after(flat, ANCHORS[-1])
-
-    @ops.custom_gradient
-    def rows(x):
-        every = framework.gather_rows(ops.reshape(x, (1, -1)), size,
-                                      gather_name)
-        every = ops.reshape(every, (size, total))
-
-        def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            # The split's gradient: every whole gradient in one buffer.
-            buffer = ops.reshape(framework.dense(upstream), (size, total))
-            return ops.reshape(framework.scatter_rows(buffer, grad_name),
-                               (-1,))
-
-        return every, grad
-
-    # Column block j of every rank's row is weight j's shards in rank
-    # order: its flattened (padded) whole value.
-    every = rows(flat)
-    pieces = ([every] if len(weights) == 1
-              else framework.split_columns(every, chunks))
-    wholes = []
-    for weight, piece in zip(weights, pieces):
-        if weight.size * weight.chunk != weight.numel:  # padded
-            piece = ops.reshape(piece, (-1,))[:weight.numel]
-        wholes.append(ops.reshape(piece, weight.shape))
-    return wholes
+    return framework.gather_whole(
+        flat, [w.shape for w in weights], [w.numel for w in weights],
+        chunks, size, gather_name, grad_name)
 
 
 # The inputs of the layer calls running now, innermost last: a gather
