@@ -121,6 +121,10 @@ def lib():
         l.kerasdist_enqueue.argtypes = [ctypes.POINTER(_Request),
                                         ctypes.c_void_p, ctypes.c_void_p]
         l.kerasdist_enqueue.restype = i64
+        l.kerasdist_enqueue_into.argtypes = [
+            ctypes.POINTER(_Request), ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int32, ctypes.POINTER(i64)]
+        l.kerasdist_enqueue_into.restype = i64
         l.kerasdist_enqueue_group.argtypes = [
             ctypes.POINTER(_Request), ctypes.POINTER(ctypes.c_void_p),
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
@@ -453,11 +457,20 @@ class Handle:
     it."""
 
     def __init__(self, op, name, dtype_code, shape, input_ptr, output_ptr,
-                 **kwargs):
+                 into_shape=None, **kwargs):
+        """`into_shape`: `output_ptr` holds a result of that shape, which
+        negotiation sizes (kerasdist_enqueue_into): the core writes there
+        only if the result has it; `output()` gives the shape it had."""
         req = _Request()
         keep = _fill_request(req, op, name, dtype_code, shape, **kwargs)
-        self.handle = lib().kerasdist_enqueue(ctypes.byref(req), input_ptr,
-                                              output_ptr)
+        if into_shape is None:
+            self.handle = lib().kerasdist_enqueue(ctypes.byref(req),
+                                                  input_ptr, output_ptr)
+        else:
+            dims = (ctypes.c_int64 * max(1, len(into_shape)))(*into_shape)
+            self.handle = lib().kerasdist_enqueue_into(
+                ctypes.byref(req), input_ptr, output_ptr, len(into_shape),
+                dims)
         del keep
         if self.handle == 0:
             raise error(last_error(), 1)

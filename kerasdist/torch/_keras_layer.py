@@ -17,7 +17,7 @@ from kerasdist.torch import collectives as _torch_collectives
 
 # The most bytes of gathered results the sharded optimizer's allgathers
 # may have in flight at once (`Torch.gather_each`).
-GATHER_AHEAD_BYTES = 64 << 20
+GATHER_AHEAD_BYTES = 16 << 20
 
 
 class Torch(_framework.KerasFramework):
@@ -87,7 +87,8 @@ class Torch(_framework.KerasFramework):
                     waiting -= held
                     yield handle.wait()
                 pending.append(
-                    (_torch_collectives.start_allgather(row, name), nbytes))
+                    (_torch_collectives.start_allgather(row, name, size),
+                     nbytes))
                 waiting += nbytes
             while pending:
                 yield pending.pop(0)[0].wait()

@@ -191,31 +191,55 @@ def _allgather_now(x, name):
     return _owned(h, x)
 
 
-class PendingAllgather:
-    """An allgather of a CPU torch tensor enqueued in the core and not yet
-    waited for: `wait()` returns every rank's tensor, concatenated on the
-    first axis. The input is kept alive (the core reads it in place) until
-    then."""
+def _start_into(op, name, x, out, **kwargs):
+    """Enqueues `op` of `x` to write its result straight into `out`, a
+    tensor of the shape the caller's layout gives it (`_finish_into`)."""
+    return _start(op, name, x, out, into_shape=tuple(out.shape), **kwargs)
 
-    def __init__(self, x, name, process_set=None):
+
+def _finish_into(handle, out, name):
+    """Waits for `handle` (from `_start_into`) and returns `out`, or fails
+    where the ranks' result had another shape than `out` (the core then
+    wrote elsewhere)."""
+    handle.wait()
+    _, shape = handle.output()
+    if tuple(shape) != tuple(out.shape):
+        raise RuntimeError(
+            f"kerasdist: the sharded weights' collective '{name}' gave "
+            f"{shape[0] if shape else 0} row(s) where its layout expects "
+            f"{out.shape[0]}: the ranks disagree on the layout (this "
+            f"rank's is for {basics.size()} rank(s) now). A step compiled "
+            "before the job changed size must be compiled again.")
+    return out
+
+
+class PendingAllgather:
+    """An allgather of a 1-D CPU torch tensor, the same length on each of
+    `size` ranks, enqueued in the core and not yet waited for: `wait()`
+    returns every rank's tensor, concatenated, which the core wrote in
+    place. The input and output are kept alive (the core reads and writes
+    them in place) until then."""
+
+    def __init__(self, x, name, size, process_set=None):
         _host_only(x, "allgather")
+        self._name = name
         self._input = x.contiguous()
-        self._handle = _start(_capi.OP_ALLGATHER, name, self._input, None,
-                              process_set=process_set)
+        self._output = x.new_empty((size * x.shape[0],))
+        self._handle = _start_into(_capi.OP_ALLGATHER, name, self._input,
+                                   self._output, process_set=process_set)
 
     def wait(self):
         try:
-            self._handle.wait()
-            return _owned(self._handle, self._input)
+            return _finish_into(self._handle, self._output, self._name)
         finally:
-            self._input = None
+            self._input = self._output = None
 
 
-def start_allgather(x, name, process_set=None):
-    """Enqueues an allgather of `x` without waiting for it (the sharded
-    optimizer's gathers, several in flight); returns a
-    `PendingAllgather`."""
-    return PendingAllgather(x, name, process_set)
+def start_allgather(x, name, size, process_set=None):
+    """Enqueues an allgather of `x` (1-D, as long on each of `size` ranks)
+    without waiting for it (the sharded optimizer's gathers, several in
+    flight); returns a `PendingAllgather`."""
+    return PendingAllgather(x, name, size, process_set)
 
 
 @torch.library.custom_op("kerasdist::allgather", mutates_args=())
@@ -268,24 +292,22 @@ def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
 # a tensor of a shape the compiled code did not expect.
 @torch.library.custom_op("kerasdist::shard_gather", mutates_args=())
 def shard_gather(row: torch.Tensor, name: str, size: int) -> torch.Tensor:
-    return _as_laid_out(_allgather_now(row, name), size * row.shape[0], name)
+    _host_only(row, "allgather")
+    row = row.contiguous()
+    out = row.new_empty((size * row.shape[0],) + tuple(row.shape[1:]))
+    return _finish_into(_start_into(_capi.OP_ALLGATHER, name, row, out),
+                        out, name)
 
 
 @torch.library.custom_op("kerasdist::shard_scatter", mutates_args=())
 def shard_scatter(rows: torch.Tensor, name: str) -> torch.Tensor:
-    return _as_laid_out(_reducescatter_now(rows, name, int(basics.Average),
-                                           1.0, 1.0), 1, name)
-
-
-def _as_laid_out(result, rows, name):
-    if result.shape[0] != rows:
-        raise RuntimeError(
-            f"kerasdist: the sharded weights' collective '{name}' gave "
-            f"{result.shape[0]} row(s) where its layout expects {rows}: "
-            f"the ranks disagree on the layout (this rank's is for "
-            f"{basics.size()} rank(s) now). A step compiled before the job "
-            "changed size must be compiled again.")
-    return result
+    _host_only(rows, "reducescatter")
+    rows = rows.contiguous()
+    out = rows.new_empty((1,) + tuple(rows.shape[1:]))
+    return _finish_into(_start_into(
+        _capi.OP_REDUCESCATTER, name, rows, out,
+        reduce_op=int(basics.Average), prescale=1.0, postscale=1.0), out,
+        name)
 
 
 # ---- shapes for torch.compile ------------------------------------------------

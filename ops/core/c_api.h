@@ -193,6 +193,18 @@ int kerasdist_enqueue_cb(const kerasdist_request* request, const void* input,
  * result). Returns a handle > 0, or 0 with kerasdist_last_error(). */
 int64_t kerasdist_enqueue(const kerasdist_request* request, const void* input,
                           void* output);
+
+/* kerasdist_enqueue of a collective whose result negotiation sizes
+ * (allgather, alltoall, reducescatter) into the caller's `output`, which
+ * holds a result of shape `shape` (`ndim` dims): the core writes there when
+ * the negotiated shape is that one; else the result lands in memory the
+ * handle owns, as with kerasdist_enqueue (this rank still takes part, so no
+ * other waits), and the caller, seeing the other shape from
+ * kerasdist_handle_output, says so. Never written past `shape`'s bytes. */
+int64_t kerasdist_enqueue_into(const kerasdist_request* request,
+                               const void* input, void* output, int32_t ndim,
+                               const int64_t* shape);
+
 /* kerasdist_enqueue of `n` requests with one kerasdist_enqueue_tensors call
  * (a grouped allreduce's members: the core sees the group whole). Sets
  * handles[i] for each; returns 0 when all were queued, else -1 with

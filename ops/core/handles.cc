@@ -28,6 +28,9 @@ struct Handle {
   int64_t element_size = 1;
   bool on_device = false;
   std::vector<char> owned;  // a result the handle allocated
+  // kerasdist_enqueue_into: the caller's buffer, for a result of these dims.
+  void* into = nullptr;
+  std::vector<int64_t> into_dims;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -58,6 +61,12 @@ int32_t Allocate(void* arg, int32_t ndim, const int64_t* shape, void** data,
     return static_cast<int32_t>(StatusCode::kInvalidArgument);
   }
   const std::vector<int64_t> dims(shape, shape + ndim);
+  if (h.into != nullptr && dims == h.into_dims) {
+    *data = h.into;
+    return 0;
+  }
+  // Another shape than the caller's buffer holds: the result lands here, the
+  // rank taking part as the others do, and the caller sees the shape.
   h.owned.resize(std::max<int64_t>(NumElements(dims) * h.element_size, 1));
   *data = h.owned.data();
   return 0;
@@ -75,24 +84,11 @@ void Done(void* arg, const kerasdist_result* r) {
   h.cv.notify_all();
 }
 
-}  // namespace
-
-}  // namespace kerasdist::core
-
-using namespace kerasdist::core;
-
-extern "C" {
-
-int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
-                          void* output) {
-  int64_t id = 0;
-  kerasdist_enqueue_group(r, &input, &output, 1, &id);
-  return id;
-}
-
-int kerasdist_enqueue_group(const kerasdist_request* requests,
-                            const void* const* inputs, void* const* outputs,
-                            int32_t n, int64_t* handles) {
+// kerasdist_enqueue_group, where `into` (if not null) holds where the one
+// request's result goes when it has `into_dims`.
+int EnqueueHandles(const kerasdist_request* requests, const void* const* inputs,
+                   void* const* outputs, int32_t n, int64_t* handles,
+                   const Handle* into) {
   if (n < 0 || (n > 0 && (inputs == nullptr || handles == nullptr))) {
     kerasdist_enqueue_tensors(nullptr, -1, nullptr);  // sets the error
     return -1;
@@ -106,6 +102,10 @@ int kerasdist_enqueue_group(const kerasdist_request* requests,
     if (r != nullptr && IsValidDataType(r->dtype)) {
       h->element_size = DataTypeSize(static_cast<DataType>(r->dtype));
       h->on_device = r->device >= 0;
+    }
+    if (into != nullptr) {
+      h->into = into->into;
+      h->into_dims = into->into_dims;
     }
     h->self = h;  // the core's reference, dropped by Done
     void* output = outputs ? outputs[i] : nullptr;
@@ -129,6 +129,39 @@ int kerasdist_enqueue_group(const kerasdist_request* requests,
     handles[i] = 0;
   }
   return -1;
+}
+
+}  // namespace
+
+}  // namespace kerasdist::core
+
+using namespace kerasdist::core;
+
+extern "C" {
+
+int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
+                          void* output) {
+  int64_t id = 0;
+  EnqueueHandles(r, &input, &output, 1, &id, nullptr);
+  return id;
+}
+
+int64_t kerasdist_enqueue_into(const kerasdist_request* r, const void* input,
+                               void* output, int32_t ndim,
+                               const int64_t* shape) {
+  Handle into;
+  into.into = output;
+  if (ndim > 0 && shape != nullptr) into.into_dims.assign(shape, shape + ndim);
+  int64_t id = 0;
+  void* none = nullptr;
+  EnqueueHandles(r, &input, &none, 1, &id, &into);
+  return id;
+}
+
+int kerasdist_enqueue_group(const kerasdist_request* requests,
+                            const void* const* inputs, void* const* outputs,
+                            int32_t n, int64_t* handles) {
+  return EnqueueHandles(requests, inputs, outputs, n, handles, nullptr);
 }
 
 int kerasdist_wait(int64_t handle, double timeout_s) {

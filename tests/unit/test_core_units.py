@@ -97,3 +97,19 @@ def test_enqueue_group_before_init_queues_nothing():
                                                ids) == -1
     assert list(ids) == [0, 0]
     assert "not initialized" in _capi.last_error()
+
+
+def test_enqueue_into_before_init_gives_no_handle():
+    # kerasdist_enqueue_into (a result written into the caller's buffer)
+    # refuses as kerasdist_enqueue does: no handle, the core's message,
+    # and the buffer untouched.
+    import numpy as np
+
+    assert not _capi.lib().kerasdist_is_initialized()
+    x = np.ones(4, np.float32)
+    out = np.full(8, -7.0, np.float32)
+    with pytest.raises(_capi.KerasdistError, match="not initialized"):
+        _capi.Handle(_capi.OP_ALLGATHER, "into", _capi.DTYPES[x.dtype],
+                     x.shape, x.ctypes.data, out.ctypes.data,
+                     into_shape=(8,), process_set=0)
+    assert (out == -7.0).all()

@@ -1390,7 +1390,8 @@ def shard_gathers_ahead():
     bound of bytes in flight (`Torch.gather_each`): with a bound that
     lets only one run at a time the fit is still one process's; results
     come in order; a caller that stops early leaves nothing behind (the
-    collectives after it meet)."""
+    collectives after it meet). The gathers write into tensors of the
+    layout's shape, and only where the result has it."""
     import torch
 
     from kerasdist.keras import framework as _framework
@@ -1420,6 +1421,24 @@ def shard_gathers_ahead():
     total = kd.allreduce(np.ones(3, np.float32), op=kd.Sum,
                          name="gathers_ahead.after")
     np.testing.assert_array_equal(np.asarray(total), np.full(3, float(N)))
+    # The core writes a result straight into the caller's buffer only
+    # where it has the shape the caller gave (kerasdist_enqueue_into):
+    # told to expect one element less, it writes nothing there.
+    from kerasdist._core import capi
+    from kerasdist.torch import collectives as _tc
+
+    x = torch.full((3,), float(kd.rank()))
+    for expect, written in ((3 * N, True), (3 * N - 1, False)):
+        buffer = torch.full((3 * N + 2,), -7.0)
+        h = _tc._start(capi.OP_ALLGATHER, f"into.{expect}", x, buffer,
+                       into_shape=(expect,))
+        h.wait()
+        _, shape = h.output()
+        assert tuple(shape) == (3 * N,), shape
+        want = np.full(3 * N + 2, -7.0, np.float32)
+        if written:
+            want[:3 * N] = np.repeat(np.arange(N, dtype=np.float32), 3)
+        np.testing.assert_array_equal(buffer.numpy(), want)
     print("shard_gathers_ahead: ok", flush=True)
 
 
