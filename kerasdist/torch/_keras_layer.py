@@ -66,6 +66,13 @@ class Torch(_framework.KerasFramework):
         # Keras' own assign ends in this copy (its _direct_assign), after
         # a conversion and checks that a tensor of the variable's shape
         # and dtype does not need: a tenth of a millisecond a variable.
+        # Inside a StatelessScope (`stateless_apply`) the scope takes the
+        # value, as Keras' assign has it.
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+        if in_stateless_scope():
+            variable.assign(value)
+            return
         with torch.no_grad():
             variable.value.copy_(value)
 

@@ -205,7 +205,7 @@ def _finish_into(handle, out, name):
     _, shape = handle.output()
     if tuple(shape) != tuple(out.shape):
         raise RuntimeError(
-            f"kerasdist: the sharded weights' collective '{name}' gave "
+            f"kerasdist: the sharded state's collective '{name}' gave "
             f"{shape[0] if shape else 0} row(s) where its layout expects "
             f"{out.shape[0]}: the ranks disagree on the layout (this "
             f"rank's is for {basics.size()} rank(s) now). A step compiled "

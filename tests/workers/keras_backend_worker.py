@@ -1442,6 +1442,40 @@ def shard_gathers_ahead():
     print("shard_gathers_ahead: ok", flush=True)
 
 
+@check("shard_stateless_apply_torch", groups=("torch",))
+def shard_stateless_apply_torch():
+    """PyTorch: a sharded optimizer's `stateless_apply` returns the new
+    values and leaves the model's variables as they were (its own copies
+    go through Keras' StatelessScope); training by it is one process's."""
+    import torch
+
+    make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    x, y = data()
+    truth = truth_fit(dense_model(), make(), x, y, N * B)
+    m = dense_model()
+    opt = kd.DistributedOptimizer(make(), shard="gradients")
+    opt.build(m.trainable_variables)
+    xs, ys = my_part(x), my_part(y)
+    ov = [v.value.detach().clone() for v in opt.variables]
+    for i in range(STEPS):
+        xb, yb = xs[i * B:(i + 1) * B], ys[i * B:(i + 1) * B]
+        params = [v.value for v in m.trainable_variables]
+        loss = torch.mean(torch.square(m(xb) - torch.as_tensor(yb)))
+        grads = torch.autograd.grad(loss, params)
+        before = [p.detach().clone() for p in params]
+        # Copies: Keras' own update on PyTorch writes into the values it
+        # is given (its foreach ops), as the plain optimizer does.
+        tv, ov = opt.stateless_apply(ov, list(grads),
+                                     [p.detach().clone() for p in params])
+        for b, v in zip(before, m.trainable_variables):
+            assert torch.equal(b, v.value.detach()), \
+                f"stateless_apply changed {v.path}"
+        for v, value in zip(m.trainable_variables, tv):
+            v.assign(value)
+    assert_close(m.get_weights(), truth, "shard: stateless_apply")
+    same_on_all_ranks(m.get_weights(), "shard: stateless_apply")
+
+
 @check("shard_reduce_scatter_in_backprop", groups=("torch",))
 def shard_reduce_scatter_in_backprop():
     """PyTorch: from the second step on, the sharded optimizer's
