@@ -149,6 +149,13 @@ int64_t kerasdist_enqueue(const kerasdist_request* r, const void* input,
 int64_t kerasdist_enqueue_into(const kerasdist_request* r, const void* input,
                                void* output, int32_t ndim,
                                const int64_t* shape) {
+  // An op whose result has the input's shape writes into `output` anyway.
+  const bool negotiated =
+      r != nullptr && IsValidOpType(r->op) &&
+      (static_cast<OpType>(r->op) == OpType::kAllgather ||
+       static_cast<OpType>(r->op) == OpType::kAlltoall ||
+       static_cast<OpType>(r->op) == OpType::kReducescatter);
+  if (!negotiated) return kerasdist_enqueue(r, input, output);
   Handle into;
   into.into = output;
   if (ndim > 0 && shape != nullptr) into.into_dims.assign(shape, shape + ndim);

@@ -1439,6 +1439,14 @@ def shard_gathers_ahead():
         if written:
             want[:3 * N] = np.repeat(np.arange(N, dtype=np.float32), 3)
         np.testing.assert_array_equal(buffer.numpy(), want)
+    # An op whose result has its input's shape writes into the buffer
+    # whatever shape it was told (as kerasdist_enqueue).
+    out = torch.zeros(3)
+    h = _tc._start(capi.OP_ALLREDUCE, "into.allreduce", x, out,
+                   into_shape=(99,), reduce_op=int(kd.Sum))
+    h.wait()
+    np.testing.assert_array_equal(out.numpy(),
+                                  np.full(3, float(sum(range(N)))))
     print("shard_gathers_ahead: ok", flush=True)
 
 
