@@ -134,45 +134,30 @@ def lib():
             ctypes.POINTER(_Request), ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, DONE_FN, ctypes.c_void_p]
         l.kerasdist_enqueue_cb.restype = i
-        l.kerasdist_wait.argtypes = [i64, d]
-        l.kerasdist_wait.restype = i
-        l.kerasdist_handle_status.argtypes = [i64]
-        l.kerasdist_handle_status.restype = i
-        l.kerasdist_handle_message.argtypes = [i64]
-        l.kerasdist_handle_message.restype = s
-        l.kerasdist_handle_output.argtypes = [
-            i64, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(i64)]
-        l.kerasdist_handle_output.restype = ctypes.c_void_p
-        l.kerasdist_handle_recv_splits.argtypes = [i64, ctypes.POINTER(i64)]
-        l.kerasdist_handle_recv_splits.restype = i
         pi64, pd, pi = (ctypes.POINTER(i64), ctypes.POINTER(d),
                         ctypes.POINTER(i))
-        l.kerasdist_start_timeline.argtypes = [s, i]
-        l.kerasdist_start_timeline.restype = i
-        l.kerasdist_stop_timeline.argtypes = []
-        l.kerasdist_stop_timeline.restype = i
-        l.kerasdist_label_tensor.argtypes = [s, s]
-        l.kerasdist_label_tensor.restype = i
-        l.kerasdist_stats.argtypes = [pi64, pi64, pd]
-        l.kerasdist_stats.restype = i
-        l.kerasdist_set_tunables.argtypes = [i64, d, i]
-        l.kerasdist_set_tunables.restype = i
-        l.kerasdist_get_tunables.argtypes = [pi64, pd, pi]
-        l.kerasdist_get_tunables.restype = i
-        l.kerasdist_release.argtypes = [i64]
-        l.kerasdist_release.restype = None
-        pi32 = ctypes.POINTER(ctypes.c_int32)
-        l.kerasdist_add_process_set.argtypes = [pi32, ctypes.c_int32]
-        l.kerasdist_add_process_set.restype = i
-        l.kerasdist_remove_process_set.argtypes = [ctypes.c_int32]
-        l.kerasdist_remove_process_set.restype = i
-        l.kerasdist_process_set_ids.argtypes = [pi32, ctypes.c_int32]
-        l.kerasdist_process_set_ids.restype = i
-        l.kerasdist_process_set_ranks.argtypes = [ctypes.c_int32, pi32,
-                                                  ctypes.c_int32]
-        l.kerasdist_process_set_ranks.restype = i
-        l.kerasdist_process_set_rank.argtypes = [ctypes.c_int32]
-        l.kerasdist_process_set_rank.restype = i
+        c32 = ctypes.c_int32
+        pi32 = ctypes.POINTER(c32)
+        for name, restype, argtypes in (
+                ("wait", i, [i64, d]),
+                ("handle_status", i, [i64]),
+                ("handle_message", s, [i64]),
+                ("handle_output", ctypes.c_void_p, [i64, pi32, pi64]),
+                ("handle_recv_splits", i, [i64, pi64]),
+                ("start_timeline", i, [s, i]),
+                ("stop_timeline", i, []),
+                ("label_tensor", i, [s, s]),
+                ("stats", i, [pi64, pi64, pd]),
+                ("set_tunables", i, [i64, d, i]),
+                ("get_tunables", i, [pi64, pd, pi]),
+                ("release", None, [i64]),
+                ("add_process_set", i, [pi32, c32]),
+                ("remove_process_set", i, [c32]),
+                ("process_set_ids", i, [pi32, c32]),
+                ("process_set_ranks", i, [c32, pi32, c32]),
+                ("process_set_rank", i, [c32])):
+            fn = getattr(l, "kerasdist_" + name)
+            fn.restype, fn.argtypes = restype, argtypes
         _lib = l
         return l
 

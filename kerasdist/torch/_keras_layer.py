@@ -94,7 +94,7 @@ class Torch(_framework.KerasFramework):
                     waiting -= held
                     yield handle.wait()
                 pending.append(
-                    (_torch_collectives.start_allgather(row, name, size),
+                    (_torch_collectives.PendingAllgather(row, name, size),
                      nbytes))
                 waiting += nbytes
             while pending:

@@ -192,15 +192,13 @@ def _allgather_now(x, name):
 
 
 def _start_into(op, name, x, out, **kwargs):
-    """Enqueues `op` of `x` to write its result straight into `out`, a
-    tensor of the shape the caller's layout gives it (`_finish_into`)."""
+    """Enqueues `op` of `x` to write its result into `out` (its shape)."""
     return _start(op, name, x, out, into_shape=tuple(out.shape), **kwargs)
 
 
 def _finish_into(handle, out, name):
-    """Waits for `handle` (from `_start_into`) and returns `out`, or fails
-    where the ranks' result had another shape than `out` (the core then
-    wrote elsewhere)."""
+    """Waits for `handle` (`_start_into`) and returns `out`; fails where the
+    result had another shape (the core then wrote elsewhere)."""
     handle.wait()
     _, shape = handle.output()
     if tuple(shape) != tuple(out.shape):
@@ -214,11 +212,10 @@ def _finish_into(handle, out, name):
 
 
 class PendingAllgather:
-    """An allgather of a 1-D CPU torch tensor, the same length on each of
-    `size` ranks, enqueued in the core and not yet waited for: `wait()`
-    returns every rank's tensor, concatenated, which the core wrote in
-    place. The input and output are kept alive (the core reads and writes
-    them in place) until then."""
+    """An allgather of a 1-D CPU tensor as long on each of `size` ranks,
+    enqueued, not yet waited for (the sharded optimizer's, several in
+    flight): `wait()` returns the tensors concatenated. The input and
+    output live (the core reads and writes them in place) until then."""
 
     def __init__(self, x, name, size, process_set=None):
         _host_only(x, "allgather")
@@ -233,13 +230,6 @@ class PendingAllgather:
             return _finish_into(self._handle, self._output, self._name)
         finally:
             self._input = self._output = None
-
-
-def start_allgather(x, name, size, process_set=None):
-    """Enqueues an allgather of `x` (1-D, as long on each of `size` ranks)
-    without waiting for it (the sharded optimizer's gathers, several in
-    flight); returns a `PendingAllgather`."""
-    return PendingAllgather(x, name, size, process_set)
 
 
 @torch.library.custom_op("kerasdist::allgather", mutates_args=())
