@@ -21,6 +21,7 @@ from tests.support.helpers import STRAY_CHILDREN  # noqa: E402
 from tests.support.helpers import assert_all_gone  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import launcher_env  # noqa: E402
+from tests.support.helpers import parent_pid  # noqa: E402
 from tests.support.helpers import pid_file_code  # noqa: E402
 from tests.support.helpers import python_cmd  # noqa: E402
 from tests.support.helpers import rank_env  # noqa: E402
@@ -416,6 +417,12 @@ def test_sigint_to_launcher_stops_all_ranks(tmp_path, signum):
         while len(list(tmp_path.glob("pid.*"))) < 2:
             assert time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.05)
+        # Each rank's parent: its wrapper (kerasdist/run/_rank.py), which
+        # must end too, not only the ranks.
+        wrappers = [parent_pid(p) for p in recorded_pids(tmp_path).values()]
+        for w in wrappers:
+            with open(f"/proc/{w}/cmdline", "rb") as f:
+                assert b"/run/_rank.py" in f.read(), w
         proc.send_signal(signum)
         out, _ = proc.communicate(timeout=_TEARDOWN_S)
     finally:
@@ -426,7 +433,7 @@ def test_sigint_to_launcher_stops_all_ranks(tmp_path, signum):
     else:
         assert proc.returncode == 128 + signum, out
         assert f"received {signal.Signals(signum).name}" in out
-    assert_all_gone(tmp_path)
+    assert_all_gone(tmp_path, also=wrappers)
 
 
 def test_np3_oversubscribes_and_no_prefix():

@@ -185,11 +185,13 @@ def recorded_pids(directory):
             for p in sorted(directory.glob("pid.*"))}
 
 
-def assert_all_gone(directory, within=5):
-    """Asserts that every process recorded by pid_file_code in `directory`
-    has ended (a zombie counts as ended) within `within` seconds."""
+def assert_all_gone(directory, within=5, also=()):
+    """Asserts that every process recorded by pid_file_code in `directory`,
+    and every pid in `also`, has ended (a zombie counts as ended) within
+    `within` seconds."""
     pids = recorded_pids(directory)
     assert pids, "no rank recorded its pid"
+    pids.update({f"pid {p}": p for p in also})
     deadline = time.monotonic() + within
     while True:
         alive = {n: p for n, p in pids.items() if is_running(p)}
@@ -197,6 +199,12 @@ def assert_all_gone(directory, within=5):
             break
         time.sleep(0.1)
     assert not alive, f"processes still running: {alive}"
+
+
+def parent_pid(pid):
+    """The parent of live process `pid`, by /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(")")[-1].split()[1])
 
 
 def is_running(pid):
