@@ -5,13 +5,11 @@ functions check the arguments and resolve the names first.
 The ops call the core through its C API (ctypes): each enqueues its tensor,
 which the core negotiates by name with the other ranks and fuses with what
 else is in flight, and waits for it. The wait is the handle API's: one
-blocking C call with the GIL released, since a torch op returns its
-finished tensor; the C API's completion callback would remove no thread or
-polling here, only run Python (taking the GIL) on the core's background
-thread. No C++ extension is compiled. CPU
-tensors take every collective; CUDA tensors (a core built with
-KERASDIST_WITH_NCCL) take allreduce, grouped_allreduce and broadcast, whose
-results have the input's shape and so can be allocated on the GPU first.
+blocking C call with the GIL released (a completion callback would only
+run Python on the core's thread). No C++ extension is compiled. CPU tensors
+take every collective; CUDA tensors (a core built with KERASDIST_WITH_NCCL)
+take allreduce, grouped_allreduce and broadcast, whose results have the
+input's shape and so can be allocated on the GPU first.
 """
 
 import ctypes
@@ -23,6 +21,7 @@ from kerasdist import basics
 from kerasdist import build_probes
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
+from kerasdist.process_sets import global_process_set as _global_set
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
           torch.float64: np.float64, torch.int8: np.int8,
@@ -145,9 +144,17 @@ class PendingReducescatter:
     def __init__(self, x, name, op, prescale, postscale, process_set):
         _host_only(x, "reducescatter")
         self._input = x.contiguous()
-        self._handle = _start(_capi.OP_REDUCESCATTER, name, self._input,
-                              None, reduce_op=op, prescale=prescale,
-                              postscale=postscale, process_set=process_set)
+        # Rows that split evenly: the core writes this rank's share into
+        # our tensor (no copy out of it); else it keeps the result itself.
+        n, kw = (process_set or _global_set).size(), dict(
+            reduce_op=op, prescale=prescale, postscale=postscale,
+            process_set=process_set)
+        self._output = (x.new_empty((x.shape[0] // n, *x.shape[1:]))
+                        if x.dim() and x.shape[0] % n == 0 else None)
+        self._handle = (
+            _start(_capi.OP_REDUCESCATTER, name, self._input, None, **kw)
+            if self._output is None else _start_into(
+                _capi.OP_REDUCESCATTER, name, self._input, self._output, **kw))
 
     def done(self):
         """Whether the core has finished it (never blocks; a failure is
@@ -163,9 +170,12 @@ class PendingReducescatter:
     def wait(self):
         try:
             self._handle.wait()
-            return _owned(self._handle, self._input).reshape(-1)
+            out = self._output
+            if out is None or tuple(self._handle.output()[1]) != out.shape:
+                out = _owned(self._handle, self._input)
+            return out.reshape(-1)
         finally:
-            self._input = None
+            self._input = self._output = None
 
 
 def start_reducescatter(x, name, op, prescale=1.0, postscale=1.0,
@@ -181,14 +191,6 @@ def start_reducescatter(x, name, op, prescale=1.0, postscale=1.0,
 def _grouped(xs: list[torch.Tensor], name: str, op: int, prescale: float,
              postscale: float) -> list[torch.Tensor]:
     return PendingAllreduce(xs, name, op, prescale, postscale).wait()
-
-
-def _allgather_now(x, name):
-    _host_only(x, "allgather")
-    x = x.contiguous()
-    h = _start(_capi.OP_ALLGATHER, name, x, None)
-    h.wait()
-    return _owned(h, x)
 
 
 def _start_into(op, name, x, out, **kwargs):
@@ -234,7 +236,11 @@ class PendingAllgather:
 
 @torch.library.custom_op("kerasdist::allgather", mutates_args=())
 def _allgather(x: torch.Tensor, name: str) -> torch.Tensor:
-    return _allgather_now(x, name)
+    _host_only(x, "allgather")
+    x = x.contiguous()
+    h = _start(_capi.OP_ALLGATHER, name, x, None)
+    h.wait()
+    return _owned(h, x)
 
 
 @torch.library.custom_op("kerasdist::broadcast", mutates_args=())
@@ -257,19 +263,15 @@ def _alltoall(x: torch.Tensor, name: str,
     return _owned(h, x), torch.tensor(recv, dtype=torch.int64)
 
 
-def _reducescatter_now(x, name, op, prescale, postscale):
+@torch.library.custom_op("kerasdist::reducescatter", mutates_args=())
+def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
+                   postscale: float) -> torch.Tensor:
     _host_only(x, "reducescatter")
     x = x.contiguous()
     h = _start(_capi.OP_REDUCESCATTER, name, x, None, reduce_op=op,
                prescale=prescale, postscale=postscale)
     h.wait()
     return _owned(h, x)
-
-
-@torch.library.custom_op("kerasdist::reducescatter", mutates_args=())
-def _reducescatter(x: torch.Tensor, name: str, op: int, prescale: float,
-                   postscale: float) -> torch.Tensor:
-    return _reducescatter_now(x, name, op, prescale, postscale)
 
 
 # Sharded weights' collectives (kerasdist/keras/sharding/views.py, through
@@ -302,9 +304,8 @@ def shard_scatter(rows: torch.Tensor, name: str) -> torch.Tensor:
 
 # ---- shapes for torch.compile ------------------------------------------------
 # The ops whose result has the input's shape can be traced by torch.compile
-# (Keras' `jit_compile=True` on the torch backend): the compiled step calls
-# them as it would eagerly. The others' result sizes depend on the other
-# ranks, so a compiled function falls back to eager around them.
+# (Keras' `jit_compile=True` on torch); the others' result sizes depend on
+# the other ranks, so a compiled function falls back to eager around them.
 
 
 @_allreduce.register_fake
