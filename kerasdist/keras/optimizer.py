@@ -118,6 +118,7 @@ class DistributedBase:
         (divided by `size()` unless `scale_local_gradients=False`).
         Every rank must register the same variables."""
         self._kerasdist_local.add_variable(var, "register_local_var")
+        restart_overlap(self)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -139,9 +140,7 @@ class DistributedBase:
         # alive together (Adam: 16 bytes a parameter of float32 for the
         # whole model); in groups the temporaries are one group's. Every
         # backend's update is per variable, so the groups change nothing
-        # else.
-        # The groups are computed once per list of variables (the same
-        # list every step), not at every step.
+        # else. Computed once per list of variables (the same each step).
         grads, variables = list(grads), list(trainable_variables)
         groups = getattr(self, "_kerasdist_update_groups", None)
         if groups is None or not groups.of(variables):
@@ -277,6 +276,7 @@ def add_local_layers(optimizer, layers):
     """Keeps the gradients of `layers`' trainable weights on each rank
     (`PartialDistributedOptimizer`'s `local_layers`)."""
     optimizer._kerasdist_local.add_layers(layers)
+    restart_overlap(optimizer)
 
 
 # ---- what other modules ask of an optimizer ----------------------------------
@@ -284,10 +284,10 @@ def add_local_layers(optimizer, layers):
 
 def restart_overlap(optimizer):
     """Drops `optimizer`'s reduction overlapped with backprop (PyTorch's
-    autograd hooks), so that its next step reduces synchronously and
-    installs it again, as a new optimizer's first step does: after the job
-    grew in place, the new ranks' optimizers are new, and every rank must
-    run the same collectives. Nothing for other optimizers."""
+    autograd hooks): its next step installs it again, as a new optimizer's
+    first does (after a grow in place, where the new ranks' optimizers are
+    new; after the local variables changed: the hooks reduce in place).
+    Nothing for other optimizers."""
     overlap = getattr(optimizer, "_kerasdist_overlap", None)
     if overlap is not None:
         overlap.reset()

@@ -189,9 +189,10 @@ class Overlap:
         """PyTorch: what the hooks reduced of `grads` (of `variables`)
         during backprop, as `(out, rest)`: `out` is `grads` with the
         reduced ones in place, `rest` the positions still to reduce (the
-        optimizer reduces them synchronously; all of them at first). At
-        the first call, or when the variables change, the hooks are
-        (re)installed, to act from the next backward pass on. Hooks are
+        optimizer reduces them synchronously). At the first call, or when
+        the variables change, the hooks are (re)installed, to act from the
+        next backward pass on, and that call's gradients go through their
+        buckets, started there (every rank alike). Hooks are
         installed only where they can be used: several ranks, not inside
         `torch.compile`, not Adasum (whose result depends on what is
         reduced together), and gradients that are the variables' `.grad`
@@ -211,9 +212,15 @@ class Overlap:
             buckets.remove()
             buckets = self.buckets = None
         if buckets is None:
-            self.buckets = _install(grads, variables, key, prefix,
-                                    compression, op, predivide, bucket_bytes)
-            return list(grads), everything
+            self.buckets = buckets = _install(
+                grads, variables, key, prefix, compression, op, predivide,
+                bucket_bytes)
+            if buckets is None:
+                return list(grads), everything
+            # This step's backward ran before the hooks: its buckets start
+            # now, as the hooks would have started them (in place where
+            # they reduce in place: no second copy of the gradients).
+            buckets.start_all([grads[j] for j in buckets.where])
         where = buckets.where
         sub, redo = buckets.collect([grads[j] for j in where])
         out = list(grads)
@@ -227,7 +234,9 @@ class Overlap:
 def _install(grads, variables, key, prefix, compression, op, predivide,
              bucket_bytes):
     """The GradientBuckets for these variables, or None where hooks
-    cannot serve (see `Overlap.reduce`)."""
+    cannot serve (see `Overlap.take`)."""
+    from kerasdist.keras.compression import Compression
+
     if _process_sets.current_size() == 1 or op == basics.Adasum:
         return None
     where = [j for j, g in enumerate(grads) if g is not None]
@@ -239,7 +248,8 @@ def _install(grads, variables, key, prefix, compression, op, predivide,
         params, _overlap.plan_for(
             params, f"{prefix}.overlap", op, predivide, bucket_bytes,
             labels=[source_label(variables[j], j) for j in where]),
-        compression, capi.current_process_set())
+        compression, capi.current_process_set(),
+        inplace=op == basics.Average and compression is Compression.none)
     buckets.key, buckets.where = key, where
     return buckets
 

@@ -90,14 +90,21 @@ class GradientBuckets(ParamHooks):
         compression: a `kerasdist.Compression` (compress in the hook,
             decompress in `collect`).
         process_set: the core's process set id.
+        inplace: reduce into the wires themselves (the `.grad` tensors,
+            uncompressed), as DDP does, and have backward end only once
+            its buckets have (see `_start`). Only for an average: a
+            bucket that then takes the synchronous path is averaged
+            again, which leaves the average as it is.
 
     `last_events` records the last step: ("grad", i) when parameter i's
     hook ran, ("start", k) when bucket k's allreduce was enqueued,
     ("collect", redo) when apply took the results.
     """
 
-    def __init__(self, params, plan, compression, process_set):
+    def __init__(self, params, plan, compression, process_set,
+                 inplace=False):
         self.params = list(params)
+        self.inplace = inplace
         self.buckets = plan.buckets
         self.names = plan.names
         self._bucket_of = {}
@@ -146,14 +153,34 @@ class GradientBuckets(ParamHooks):
         if self._left[k] == 0 and k not in self._broken:
             self._start(k)
 
-    def _start(self, k):
+    def start_all(self, grads):
+        """Starts every bucket from `grads` (one per parameter), the
+        gradients of a backward pass the hooks did not see (the step that
+        installed them), as the hooks would have; `collect` follows."""
+        for k, members in enumerate(self.buckets):
+            for i in members:
+                self._grads[i] = grads[i]
+                self._versions[i] = grads[i]._version
+            if all(grads[i].layout == torch.strided for i in members):
+                self._start(k, in_backward=False)
+            else:
+                self._broken.add(k)
+
+    def _start(self, k, in_backward=True):
         members = self.buckets[k]
         with torch.no_grad():
             wires = [self._compression.compress(self._grads[i])
                      for i in members]
         pending = _collectives.start_grouped_allreduce(
             [w for w, _ in wires], self.names[k], self._op, self._prescale,
-            self._postscale, process_set=self._process_set)
+            self._postscale, process_set=self._process_set,
+            inplace=self.inplace)
+        if self.inplace and in_backward:
+            # The core writes into the gradients: backward returns only
+            # once it is done (the engine's final callback, as DDP's),
+            # so nothing done to `.grad` after backward meets its writes.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                pending.settle)
         # The core reads the inputs in place: the hook's versions are
         # taken after compression, which may be the gradient itself.
         for i in members:

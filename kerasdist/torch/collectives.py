@@ -12,6 +12,7 @@ take allreduce, grouped_allreduce and broadcast, whose results have the
 input's shape and so can be allocated on the GPU first.
 """
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -97,14 +98,15 @@ def _allreduce(x: torch.Tensor, name: str, op: int, prescale: float,
 
 class PendingAllreduce:
     """A grouped allreduce enqueued in the core and not yet waited for:
-    `wait()` returns the reduced tensors. The inputs are kept alive (the
-    core reads them in place) until then."""
+    `wait()` returns the reduced tensors (`inplace`: the contiguous inputs
+    themselves). The inputs are kept alive until then."""
 
-    def __init__(self, xs, name, op, prescale, postscale, process_set=None):
+    def __init__(self, xs, name, op, prescale, postscale, process_set=None,
+                 inplace=False):
         # Every member is enqueued before any is waited for, so the core
         # sees the whole group at once and fuses it.
         xs = [x.contiguous() for x in xs]
-        outs = [torch.empty_like(x) for x in xs]
+        outs = xs if inplace else [torch.empty_like(x) for x in xs]
         # Checked before anything is enqueued: a group short of a member
         # would keep the other ranks waiting for it.
         devices = [_device(x, "grouped_allreduce") for x in xs]
@@ -118,6 +120,12 @@ class PendingAllreduce:
             reduce_op=op, prescale=prescale, postscale=postscale,
             process_set=process_set)
 
+    def settle(self):
+        """Waits for every member to end; `wait` raises a failure."""
+        for h in self._handles:
+            with contextlib.suppress(_capi.KerasdistError):
+                h.wait()
+
     def wait(self):
         try:
             for h in self._handles:
@@ -128,11 +136,11 @@ class PendingAllreduce:
 
 
 def start_grouped_allreduce(xs, name, op, prescale=1.0, postscale=1.0,
-                            process_set=None):
+                            process_set=None, inplace=False):
     """Enqueues a grouped allreduce of torch tensors without waiting for
     it (the gradient buckets' overlap); returns a `PendingAllreduce`."""
     return PendingAllreduce(list(xs), name, int(op), float(prescale),
-                            float(postscale), process_set)
+                            float(postscale), process_set, inplace)
 
 
 class PendingReducescatter:
@@ -397,10 +405,6 @@ def _alltoall_grad(ctx, grad, _splits_grad):
     return back, None, None
 
 
-def _reducescatter_context(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
 def _reducescatter_grad(ctx, grad):
     name, op, prescale, postscale = ctx.args
     _differentiable(op)
@@ -410,19 +414,15 @@ def _reducescatter_grad(ctx, grad):
     return gathered * scale, None, None, None, None
 
 
-torch.library.register_autograd("kerasdist::allreduce", _allreduce_grad,
-                                setup_context=_keep_args)
-torch.library.register_autograd("kerasdist::grouped_allreduce", _grouped_grad,
-                                setup_context=_keep_args)
-torch.library.register_autograd("kerasdist::allgather", _allgather_grad,
-                                setup_context=_allgather_context)
-torch.library.register_autograd("kerasdist::broadcast", _broadcast_grad,
-                                setup_context=_keep_args)
-torch.library.register_autograd("kerasdist::alltoall", _alltoall_grad,
-                                setup_context=_alltoall_context)
-torch.library.register_autograd("kerasdist::reducescatter",
-                                _reducescatter_grad,
-                                setup_context=_reducescatter_context)
+for _op, _grad, _setup in (
+        ("allreduce", _allreduce_grad, _keep_args),
+        ("grouped_allreduce", _grouped_grad, _keep_args),
+        ("allgather", _allgather_grad, _allgather_context),
+        ("broadcast", _broadcast_grad, _keep_args),
+        ("alltoall", _alltoall_grad, _alltoall_context),
+        ("reducescatter", _reducescatter_grad, _keep_args)):
+    torch.library.register_autograd(f"kerasdist::{_op}", _grad,
+                                    setup_context=_setup)
 
 
 # ---- what the public collectives call ---------------------------------------

@@ -455,6 +455,13 @@ def fit_overlap_buckets():
         keras.optimizers.Adam(0.01), overlap=False), my_part(x), my_part(y),
         B)
     assert_close(got, off, "overlap on vs off", atol=1e-6)
+    if keras.backend.backend() == "torch":
+        # torch.compile's step: the optimizer's apply and the hooks
+        # (reducing in place) run outside the compiled code.
+        jit = fit(dense_model(), kd.DistributedOptimizer(
+            keras.optimizers.Adam(0.01), **TINY_BUCKETS), my_part(x),
+            my_part(y), B, jit_compile=True)
+        assert_close(jit, off, "overlap: jit_compile", atol=1e-5)
 
 
 @check("overlap_starts_before_backprop_ends", groups=("torch",))
@@ -480,6 +487,14 @@ def overlap_starts_before_backprop_ends():
     for k, members in enumerate(b.buckets):
         ready = max(ev.index(("grad", i)) for i in members)
         assert ev.index(("start", k)) == ready + 1, (k, ev)
+    # The first step (backward before the hooks existed) goes through the
+    # same buckets, started once it has installed them.
+    first = kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                    **TINY_BUCKETS)
+    fit(dense_model(), first, my_part(x)[:B], my_part(y)[:B], B)
+    ev = first._kerasdist_overlap.buckets.last_events
+    assert len([e for e in ev if e[0] == "start"]) == 3, ev
+    assert ev[-1] == ("collect", ()), ev
     # overlap=False: no hooks.
     plain = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), overlap=False)
     fit(dense_model(), plain, my_part(x), my_part(y), B)
@@ -544,6 +559,47 @@ def overlap_custom_loop_local_none():
     redo = opt2._kerasdist_overlap.buckets.last_events[-1]
     assert redo == ("collect", (0, 1, 2)), redo
     same_on_all_ranks(on[:3] + on[4:], "custom loop")
+
+
+@check("overlap_grads_averaged_in_place", groups=("torch",))
+def overlap_grads_averaged_in_place():
+    """Once the hooks are installed (at the first apply), `backward()`
+    returns with every `.grad` holding the average over the ranks, in the
+    same tensor, as with DDP (the hooks' allreduces write into it, and
+    backward waits for them); `apply` takes them as they are (nothing
+    left to reduce). With op=Sum the hooks reduce out of place and `.grad`
+    stays this rank's own."""
+    import torch
+    x, y = data()
+    x, y = my_part(x), my_part(y)
+    for op, averaged in ((kd.Average, True), (kd.Sum, False)):
+        model = dense_model()
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=op,
+                                      **TINY_BUCKETS)
+        variables = model.trainable_variables
+        params = [v.value for v in variables]
+        for s in range(2):
+            xb = torch.as_tensor(x[s * B:(s + 1) * B])
+            yb = torch.as_tensor(y[s * B:(s + 1) * B])
+            for p in params:
+                p.grad = None
+            loss = torch.mean((model(xb) - yb) ** 2)
+            local = [g.clone() for g in torch.autograd.grad(
+                loss, params, retain_graph=True)]
+            loss.backward()
+            grads = [p.grad for p in params]
+            if s == 1:
+                for i, (g, mine) in enumerate(zip(grads, local)):
+                    want = (kd.allreduce(mine, op=kd.Average,
+                                         name=f"in_place.{i}")
+                            if averaged else mine)
+                    assert_close(g.numpy(), want.numpy(),
+                                 f".grad {i} after backward, op {op}",
+                                 atol=1e-6)
+            opt.apply(grads, variables)
+        b = opt._kerasdist_overlap.buckets
+        assert b.inplace is averaged, (op, b.inplace)
+        assert b.last_events[-1] == ("collect", ()), b.last_events
 
 
 @check("overlap_process_set_of_one", groups=("torch",))
