@@ -22,7 +22,6 @@ from kerasdist import basics
 from kerasdist import build_probes
 from kerasdist._core import capi as _capi
 from kerasdist._core import host as _host
-from kerasdist.process_sets import global_process_set as _global_set
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32,
           torch.float64: np.float64, torch.int8: np.int8,
@@ -120,8 +119,7 @@ class PendingAllreduce:
             reduce_op=op, prescale=prescale, postscale=postscale,
             process_set=process_set)
 
-    def settle(self):
-        """Waits for every member to end; `wait` raises a failure."""
+    def settle(self):  # every member ended; `wait` raises a failure
         for h in self._handles:
             with contextlib.suppress(_capi.KerasdistError):
                 h.wait()
@@ -153,12 +151,14 @@ class PendingReducescatter:
         _host_only(x, "reducescatter")
         self._input = x.contiguous()
         # Rows that split evenly: the core writes this rank's share into
-        # our tensor (no copy out of it); else it keeps the result itself.
-        n, kw = (process_set or _global_set).size(), dict(
+        # our tensor (no copy out of it); else it keeps the result.
+        ps = _capi.current_process_set() if process_set is None else int(
+            process_set)
+        n, kw = len(_capi.process_set_ranks(ps) or ()), dict(
             reduce_op=op, prescale=prescale, postscale=postscale,
-            process_set=process_set)
+            process_set=ps)
         self._output = (x.new_empty((x.shape[0] // n, *x.shape[1:]))
-                        if x.dim() and x.shape[0] % n == 0 else None)
+                        if n and x.dim() and x.shape[0] % n == 0 else None)
         self._handle = (
             _start(_capi.OP_REDUCESCATTER, name, self._input, None, **kw)
             if self._output is None else _start_into(

@@ -716,6 +716,37 @@ def shard_fit_sgd_momentum():
 
 
 @check("shard_fit_adam")
+@check("overlap_process_set_np3", groups=("torch_np3",))
+def overlap_process_set_np3():
+    """On a process set of two of the three ranks (an id of its own), the
+    replicated optimizer's in-place buckets and the sharded one's backprop
+    reduce-scatters (written into rows of their own) train as one process
+    on the pair's batch of 2 B; rank 2 only takes part in making the
+    set."""
+    pair = kd.add_process_set([0, 1])
+    try:
+        if R > 1:
+            return
+        x, y = data()
+        n = 2 * B * STEPS
+        x, y = x[:n], y[:n]
+        sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.5)  # noqa: E731
+        truth = truth_fit(dense_model(), sgd(), x, y, 2 * B)
+        mine = x.reshape(STEPS, 2, B, -1)[:, R].reshape(STEPS * B, -1)
+        ys = y.reshape(STEPS, 2, B, -1)[:, R].reshape(STEPS * B, -1)
+        for shard in (None, "gradients"):
+            opt = kd.DistributedOptimizer(sgd(), shard=shard,
+                                          process_set=pair, **TINY_BUCKETS)
+            got = fit(dense_model(), opt, mine, ys, B)
+            assert_close(got, truth, f"process set of two, shard={shard}")
+            hooks = (opt._kerasdist_overlap.buckets if shard is None
+                     else opt._kerasdist_overlap.shards)
+            assert hooks is not None and hooks.last_events[-1][0] == (
+                "collect"), shard
+    finally:
+        kd.remove_process_set(pair)
+
+
 @check("shard_fit_adam_np3", groups=("jax_np3", "torch_np3"))
 def shard_fit_adam():
     check_shard("shard_fit_adam", lambda: keras.optimizers.Adam(0.01))
