@@ -150,19 +150,13 @@ class PendingReducescatter:
     def __init__(self, x, name, op, prescale, postscale, process_set):
         _host_only(x, "reducescatter")
         self._input = x.contiguous()
-        # Rows that split evenly: the core writes this rank's share into
-        # our tensor (no copy out of it); else it keeps the result.
-        ps = _capi.current_process_set() if process_set is None else int(
-            process_set)
-        n, kw = len(_capi.process_set_ranks(ps) or ()), dict(
+        # This rank's row goes straight into our tensor (no copy out of
+        # the core); a result of another shape stays the core's (`wait`).
+        self._output = x.new_empty((1, *x.shape[1:]))
+        self._handle = _start_into(
+            _capi.OP_REDUCESCATTER, name, self._input, self._output,
             reduce_op=op, prescale=prescale, postscale=postscale,
-            process_set=ps)
-        self._output = (x.new_empty((x.shape[0] // n, *x.shape[1:]))
-                        if n and x.dim() and x.shape[0] % n == 0 else None)
-        self._handle = (
-            _start(_capi.OP_REDUCESCATTER, name, self._input, None, **kw)
-            if self._output is None else _start_into(
-                _capi.OP_REDUCESCATTER, name, self._input, self._output, **kw))
+            process_set=process_set)
 
     def done(self):
         """Whether the core has finished it (never blocks; a failure is
@@ -179,7 +173,7 @@ class PendingReducescatter:
         try:
             self._handle.wait()
             out = self._output
-            if out is None or tuple(self._handle.output()[1]) != out.shape:
+            if tuple(self._handle.output()[1]) != out.shape:
                 out = _owned(self._handle, self._input)
             return out.reshape(-1)
         finally:
