@@ -78,6 +78,16 @@ MARKER_TOKEN_ENV = "KERASDIST_MARKER_TOKEN"
 HOSTNAME_ENV = "KERASDIST_HOSTNAME"
 # Seconds between forwarding an ending signal and SIGKILL.
 KILL_GRACE_S = 5.0
+# The exit code of a rank whose heartbeat lost a peer (ops/core/control/
+# liveness.cc, kerasdist/rendezvous/protocol.py: this file imports neither).
+PEER_LOST_EXIT_CODE = 75
+# Seconds a wrapper stays after the marker of a command that died of a
+# signal or lost a peer. The process manager ends every rank once one
+# exits badly, and a host's ranks die together (a host's processes killed,
+# the out-of-memory killer); the rank that survived them ends at once. This
+# moment lets the others' wrappers, a little slower, write their markers
+# before the process manager ends them, so the launcher names them all.
+REPORT_GRACE_S = 0.5
 
 # Elastic jobs (kerasdist/run/resize.py). The rank side keeps its own copy
 # of these (kerasdist/_core/resize.py: it may not import the launcher); a unit
@@ -792,11 +802,14 @@ def main(argv=None):
     _write_all(2, format_marker(rank, socket.gethostname(), status, token))
     if elastic and status == RESIZE_EXIT_CODE:
         return 0  # the launcher has the marker; hydra must not clean up
-    if status < 0 and os.environ.get(RECOVER_ENV) == "1":
+    recovering = os.environ.get(RECOVER_ENV) == "1"
+    if status < 0 and recovering:
         # Recovery in place (Open MPI's ULFM): its process manager tells
         # the survivors of a rank lost only when the rank's process dies
         # of a signal, so this one dies of the command's.
         _die_of(-status)
+    if not recovering and (status < 0 or status == PEER_LOST_EXIT_CODE):
+        time.sleep(REPORT_GRACE_S)
     # A command killed by signal N is reported to mpiexec as exit 128+N;
     # the launcher, not hydra, decides what to do about a failed rank.
     return 128 - status if status < 0 else status

@@ -649,6 +649,8 @@ def test_rank_side_names_are_the_launchers():
     from kerasdist import elastic
     assert elastic.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV == \
         "KERASDIST_ELASTIC_DIR"
+    from kerasdist.rendezvous import protocol
+    assert _rank.PEER_LOST_EXIT_CODE == protocol.EXIT_PEER_LOST
     # Not the heartbeat's code (a lost peer), nor a signal's (128+N).
     assert _rank.RESIZE_EXIT_CODE not in (0, 1, 2, 75, 124)
     assert _rank.RESIZE_EXIT_CODE < 128
