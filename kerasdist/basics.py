@@ -8,6 +8,7 @@ import threading
 
 from kerasdist import autotune
 from kerasdist._core import capi as _capi
+from kerasdist._core import keras_backend
 from kerasdist._core import ray_worker as _ray_worker
 from kerasdist._core import resize as _resize
 from kerasdist._core import site_mpi
@@ -162,7 +163,25 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     _resize.install()
     if starting:
         _add_init_process_sets(process_sets)
+        _large_blocks_on_keras_torch()
     autotune.maybe_start()
+
+
+def _large_blocks_on_keras_torch():
+    """On Keras' PyTorch backend, has glibc serve blocks of 1 MiB or more
+    from mmap from here on, as a DistributedOptimizer does once made
+    (kerasdist/keras/sharding/malloc.py). Made after the model, it was too
+    late for the model's build: the initializers' freed blocks stayed in
+    glibc's heap, which the step did not reuse, a second copy of the
+    weights (4 bytes a parameter) resident for good. Not on the other
+    backends: TensorFlow's build leaves none, and on JAX the threshold
+    slows the step (kerasdist/keras/optimizer.py). Keras' backend is read
+    as Keras will choose it (KERAS_BACKEND, else keras.json), without
+    importing Keras."""
+    backend, _ = keras_backend.active_backend(os.environ)
+    if backend == "torch":
+        from kerasdist.keras.sharding.malloc import return_large_blocks
+        return_large_blocks()
 
 
 # Called with init()'s `process_sets` once the core has started

@@ -16,7 +16,6 @@ their lines print.
 import argparse
 import ctypes
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -27,6 +26,7 @@ import kerasdist
 from kerasdist._core import build_check as _build_check
 from kerasdist._core import capi as _capi
 from kerasdist._core import site_mpi
+from kerasdist._core.keras_backend import active_backend
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "--"
 # TensorFlow's start-up chatter would drown the report.
@@ -115,25 +115,6 @@ def torch_check(torch_version):
                       "--no-build-isolation -e '.[torch]')")
     return (OK, f"PyTorch {torch_version} (kerasdist.torch needs nothing "
                 "built)")
-
-
-def active_backend(environ):
-    """(backend, where it comes from) as Keras will choose it:
-    KERAS_BACKEND, else keras.json's "backend", else TensorFlow."""
-    name = environ.get("KERAS_BACKEND")
-    if name:
-        return name, "KERAS_BACKEND"
-    home = environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras")
-    path = os.path.join(home, "keras.json")
-    try:
-        with open(path) as f:
-            name = json.load(f).get("backend")
-    except (OSError, ValueError, AttributeError):
-        name = None
-    if name:
-        return name, path
-    return "tensorflow", "Keras' default"
 
 
 def backend_check(backend, where, version):
