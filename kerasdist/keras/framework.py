@@ -205,10 +205,13 @@ class KerasFramework:
     def assign_broadcast(self, variables, root_rank, names):
         """Assigns `root_rank`'s value of each variable to it, on every
         rank (one broadcast per variable, named by `names`)."""
+        from kerasdist.keras.sharding.malloc import give_back_freed
+
         impl = self.collectives
         with self.no_grad():
             for v, n in zip(variables, names):
                 v.assign(impl.broadcast(self.value(v), root_rank, n))
+        give_back_freed()
 
     def assign_average(self, variables, name):
         """A function that replaces each variable by its average over the
