@@ -144,10 +144,10 @@ def test_example(backend, example, files, tmp_path):
     assert sorted(os.listdir(tmp_path)) == files
 
 
-# The resident set a model's build leaves, above the process before it,
-# against its weights' bytes, on Keras' PyTorch backend with kerasdist
-# started first, as a training script does.
-_BUILD_RESIDENT = """
+# The head of both scripts below: kerasdist started first, as a training
+# script does, a resident-set reader and a 16.8M-parameter model.
+_RESIDENT_HEAD = """
+import numpy as np
 import keras
 import kerasdist as kd
 kd.init()
@@ -155,9 +155,16 @@ def resident():
     with open("/proc/self/status") as f:
         line = next(l for l in f if l.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
+def dense_model():
+    return keras.Sequential([keras.Input((1024,))] +
+                            [keras.layers.Dense(1024) for _ in range(16)])
+"""
+
+# The resident set a model's build leaves, above the process before it,
+# against its weights' bytes, on Keras' PyTorch backend.
+_BUILD_RESIDENT = _RESIDENT_HEAD + """
 before = resident()
-model = keras.Sequential([keras.Input((1024,))] +
-                         [keras.layers.Dense(1024) for _ in range(16)])
+model = dense_model()
 print("built", (resident() - before) / (4 * model.count_params()))
 """
 
@@ -177,17 +184,8 @@ def test_torch_model_build_leaves_no_second_copy_of_the_weights():
 
 # What the start's broadcast (BroadcastGlobalVariablesCallback) leaves
 # resident, against the state it replaced (weights and Adam's moments).
-_BROADCAST_RESIDENT = """
-import numpy as np
-import keras
-import kerasdist as kd
-kd.init()
-def resident():
-    with open("/proc/self/status") as f:
-        line = next(l for l in f if l.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-model = keras.Sequential([keras.Input((1024,))] +
-                         [keras.layers.Dense(1024) for _ in range(16)])
+_BROADCAST_RESIDENT = _RESIDENT_HEAD + """
+model = dense_model()
 model.compile(kd.DistributedOptimizer(keras.optimizers.Adam()), "mse")
 model.optimizer.build(model.trainable_variables)
 state = 4 * sum(int(np.prod(v.shape))

@@ -1,5 +1,7 @@
-"""glibc's allocator for sharded weights on the CPU (see
-`return_large_blocks`)."""
+"""glibc's allocator on the CPU: large blocks served from mmap
+(`return_large_blocks`: sharded weights, the optimizer wrapper, and
+`kd.init()` on Keras' PyTorch backend) and freed memory given back
+(`give_back_freed`: the start's broadcast)."""
 
 # glibc's M_MMAP_THRESHOLD (mallopt) and the threshold set: 1 MiB.
 _M_MMAP_THRESHOLD = -3

@@ -19,6 +19,7 @@
 #include <map>
 #include <sstream>
 
+#include "../transport/sockets.h"
 #include "hmac.h"
 
 namespace kerasdist::core {
@@ -46,11 +47,7 @@ struct Frame {
 constexpr uint32_t kMagic = 0x6b646862;  // "kdhb"
 static_assert(sizeof(Frame) == 16, "a frame is 16 bytes on the wire");
 
-double Now() {
-  return std::chrono::duration<double>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+double Now() { return MonotonicSeconds(); }
 
 bool SendFrame(int fd, uint32_t type, int rank = 0, uint32_t reason = 0) {
   Frame f{type, rank, reason, kMagic};
@@ -59,40 +56,9 @@ bool SendFrame(int fd, uint32_t type, int rank = 0, uint32_t reason = 0) {
   return send(fd, &f, sizeof(f), MSG_NOSIGNAL | MSG_DONTWAIT) == sizeof(f);
 }
 
-void SetNonBlocking(int fd) {
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL, 0) | O_NONBLOCK);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
-
-std::string Errno(const char* what) {
-  return std::string(what) + ": " + std::strerror(errno);
-}
-
 // A connect that gives up after kConnectTimeoutS; the socket or -1.
 int ConnectWithTimeout(const std::string& address, int port) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, address.c_str(), &sa.sin_addr) != 1) return -1;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  SetNonBlocking(fd);
-  int rc = connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
-  if (rc != 0 && errno == EINPROGRESS) {
-    pollfd p{fd, POLLOUT, 0};
-    int err = ETIMEDOUT;
-    socklen_t len = sizeof(err);
-    if (poll(&p, 1, static_cast<int>(kConnectTimeoutS * 1000)) == 1) {
-      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    }
-    rc = err == 0 ? 0 : -1;
-  }
-  if (rc != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
+  return core::ConnectWithTimeout(address, port, kConnectTimeoutS);
 }
 
 constexpr size_t kNonceBytes = 32;
@@ -107,37 +73,8 @@ std::string Proof(const std::string& key, const char* label,
                     std::string(label) + first + second + std::to_string(rank));
 }
 
-// Reads exactly `n` bytes into *out, waiting up to `timeout_s`.
-bool ReadExactly(int fd, size_t n, double timeout_s, std::string* out) {
-  out->assign(n, '\0');
-  size_t got = 0;
-  const double until = Now() + timeout_s;
-  while (got < n && Now() < until) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) != 1) continue;
-    ssize_t r = recv(fd, &(*out)[got], n - got, 0);
-    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) return false;
-    if (r > 0) got += r;
-  }
-  return got == n;
-}
-
 bool SendAll(int fd, const std::string& data) {
-  size_t sent = 0;
-  const double until = Now() + kConnectTimeoutS;
-  while (sent < data.size() && Now() < until) {
-    ssize_t n = send(fd, data.data() + sent, data.size() - sent,
-                     MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      sent += n;
-    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-      return false;
-    } else {
-      pollfd p{fd, POLLOUT, 0};
-      poll(&p, 1, 100);
-    }
-  }
-  return sent == data.size();
+  return core::SendAll(fd, data, kConnectTimeoutS);
 }
 
 std::string ReasonText(LostReason reason, double timeout_s) {
@@ -204,27 +141,7 @@ std::string DescribeLost(const std::vector<std::string>& hosts,
 }
 
 Status Liveness::Listen(const std::string& address, int* fd, int* port) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_ANY);
-  if (!address.empty() &&
-      inet_pton(AF_INET, address.c_str(), &sa.sin_addr) != 1) {
-    return Status::InvalidArgument("heartbeat listen: '" + address +
-                                   "' is not an IPv4 address");
-  }
-  int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return Status::Internal(Errno("heartbeat socket"));
-  socklen_t len = sizeof(sa);
-  if (bind(s, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-      listen(s, 1024) != 0 ||
-      getsockname(s, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-    Status st = Status::Internal(Errno("heartbeat listen"));
-    close(s);
-    return st;
-  }
-  *fd = s;
-  *port = ntohs(sa.sin_port);
-  return Status::OK();
+  return ListenTcp(address, "heartbeat listen", fd, port);
 }
 
 std::string Liveness::InterfaceAddress(const std::string& name) {
@@ -306,7 +223,8 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
   std::unique_ptr<Liveness> l(new Liveness());
   l->opt_ = opt;
   l->peers_.push_back(Peer{0, fd, Now()});
-  if (pipe2(l->wake_, O_CLOEXEC) != 0) return Status::Internal(Errno("pipe"));
+  if (pipe2(l->wake_, O_CLOEXEC) != 0)
+    return Status::Internal(ErrnoText("pipe"));
   l->thread_ = std::thread(&Liveness::Loop, l.get());
   *out = std::move(l);
   return Status::OK();
@@ -315,11 +233,11 @@ Status Liveness::StartWorker(const LivenessOptions& opt,
 Status Liveness::Handshake(int fd, const LivenessOptions& opt,
                            double timeout_s) {
   const std::string mine = RandomBytes(kNonceBytes);
-  if (mine.empty()) return Status::Internal(Errno("getrandom"));
+  if (mine.empty()) return Status::Internal(ErrnoText("getrandom"));
   Frame f{kHello, opt.rank, 0, kMagic};
   std::string hello(reinterpret_cast<const char*>(&f), sizeof(f));
   if (!SendAll(fd, hello + mine)) {
-    return Status::Internal(Errno("heartbeat hello"));
+    return Status::Internal(ErrnoText("heartbeat hello"));
   }
   std::string answer;
   if (!ReadExactly(fd, kNonceBytes + kMacBytes, timeout_s, &answer)) {
@@ -341,7 +259,7 @@ Status Liveness::Handshake(int fd, const LivenessOptions& opt,
         "the job has the same KERASDIST_JOB_SECRET");
   }
   if (!SendAll(fd, Proof(opt.key, "kdhb worker", theirs, mine, opt.rank))) {
-    return Status::Internal(Errno("heartbeat proof"));
+    return Status::Internal(ErrnoText("heartbeat proof"));
   }
   return Status::OK();
 }
@@ -509,7 +427,8 @@ Status Liveness::StartCoordinator(const LivenessOptions& opt, int listen_fd,
     l->peers_.clear();
     return MissingWorkers(hs, opt.size);
   }
-  if (pipe2(l->wake_, O_CLOEXEC) != 0) return Status::Internal(Errno("pipe"));
+  if (pipe2(l->wake_, O_CLOEXEC) != 0)
+    return Status::Internal(ErrnoText("pipe"));
   l->thread_ = std::thread(&Liveness::Loop, l.get());
   *out = std::move(l);
   return Status::OK();
