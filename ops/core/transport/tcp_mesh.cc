@@ -5,8 +5,10 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -312,23 +314,6 @@ struct TcpMesh::Transfer {
     return dest < 0 ? 0 : kHeader + send_header.bytes;
   }
   int64_t recv_total() const { return source < 0 ? 0 : kHeader + recv_bytes; }
-  // Where the next byte to send (or to receive) is, and how many follow.
-  const char* send_at(int64_t* n) const {
-    if (sent < kHeader) {
-      *n = kHeader - sent;
-      return reinterpret_cast<const char*>(&send_header) + sent;
-    }
-    *n = send_header.bytes - (sent - kHeader);
-    return send + (sent - kHeader);
-  }
-  char* recv_at(int64_t* n) {
-    if (got < kHeader) {
-      *n = kHeader - got;
-      return reinterpret_cast<char*>(&recv_header) + got;
-    }
-    *n = recv_bytes - (got - kHeader);
-    return recv + (got - kHeader);
-  }
 };
 
 namespace {
@@ -337,13 +322,36 @@ std::string HeaderWhat(const char (&what)[16]) {
   return std::string(what, strnlen(what, sizeof(what)));
 }
 
-std::string Closed(int peer) {
-  return Rank(peer) +
-         " closed its connection (its process ended, its host "
-         "went down, or it left the mesh after losing a peer)";
+}  // namespace
+
+Status TcpMesh::Lost(const Transfer& t, int peer, const char* verb) {
+  std::string m =
+      "mesh: " + Rank(opt_.rank) + ": " + t.what + ": " + Rank(peer);
+  if (*verb == '\0') {
+    m += " closed its connection (its process ended, its host went down, or "
+         "it left the mesh after losing a peer).";
+  } else {
+    m += std::string(" ") + verb + " nothing for " +
+         std::to_string(static_cast<int>(opt_.timeout_s)) +
+         " s (the process is frozen, or its host or link is down).";
+  }
+  return Fail(Status::RanksLost(m));
 }
 
-}  // namespace
+Status TcpMesh::CheckHeader(const Transfer& t) {
+  const Transfer::Header& h = t.recv_header;
+  const std::string theirs = HeaderWhat(h.what);
+  if (std::memcmp(h.magic, "kdtx", 4) == 0 && theirs == t.what &&
+      h.bytes == t.recv_bytes) {
+    return Status::OK();
+  }
+  return Fail(Status::Mismatch(
+      "mesh: " + Rank(opt_.rank) + ": " + t.what + ": expected " +
+      std::to_string(t.recv_bytes) + " bytes of " + t.what + " from " +
+      Rank(t.source) + ", which sent " + std::to_string(h.bytes) +
+      " bytes of " + theirs +
+      " (the ranks ran different collectives, or sizes)."));
+}
 
 Status TcpMesh::Exchange(const char* what, int dest, const void* send,
                          int64_t send_bytes, int source, void* recv,
@@ -365,56 +373,77 @@ Status TcpMesh::Exchange(const char* what, int dest, const void* send,
   return Run(t);
 }
 
+namespace {
+
+// One non-blocking sendmsg (or recvmsg) of what is left of a header and
+// its payload, together: 1 when bytes moved, 0 when none could, -1 when
+// the connection is gone.
+int MoveSome(bool out, int fd, char* header, int64_t header_bytes,
+             char* payload, int64_t payload_bytes, int64_t* done) {
+  iovec parts[2];
+  int count = 0;
+  if (*done < header_bytes) {
+    parts[count++] = {header + *done,
+                      static_cast<size_t>(header_bytes - *done)};
+  }
+  const int64_t into = std::max<int64_t>(0, *done - header_bytes);
+  if (payload_bytes > into) {
+    parts[count++] = {payload + into,
+                      static_cast<size_t>(payload_bytes - into)};
+  }
+  msghdr m{};
+  m.msg_iov = parts;
+  m.msg_iovlen = count;
+  ssize_t r = out ? sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT)
+                  : recvmsg(fd, &m, MSG_DONTWAIT);
+  if (r > 0) {
+    *done += r;
+    return 1;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  return out && r == 0 ? 0 : -1;
+}
+
+}  // namespace
+
+// Sends and receives whatever the sockets take, polling only when neither
+// moved; a header is checked as soon as it is whole.
 Status TcpMesh::Run(Transfer& t) {
-  const std::string me = "mesh: " + Rank(opt_.rank) + ": " + t.what + ": ";
+  constexpr int64_t kH = Transfer::kHeader;
   double last = MonotonicSeconds();
+  bool checked = t.source < 0;
   while (t.sent < t.send_total() || t.got < t.recv_total()) {
     const bool sending = t.sent < t.send_total();
     const bool receiving = t.got < t.recv_total();
+    int sent = 0, got = 0;
+    if (sending) {
+      sent =
+          MoveSome(true, fds_[t.dest], reinterpret_cast<char*>(&t.send_header),
+                   kH, const_cast<char*>(t.send), t.send_header.bytes, &t.sent);
+      if (sent < 0) return Lost(t, t.dest, "");
+    }
+    if (receiving) {
+      got = MoveSome(false, fds_[t.source],
+                     reinterpret_cast<char*>(&t.recv_header), kH, t.recv,
+                     t.recv_bytes, &t.got);
+      if (got < 0) return Lost(t, t.source, "");
+    }
+    if (!checked && t.got >= kH) {
+      checked = true;
+      KD_RETURN_IF_ERROR(CheckHeader(t));
+    }
+    const double now = MonotonicSeconds();
+    if (sent > 0 || got > 0) {
+      last = now;
+      continue;
+    }
+    if (now - last > opt_.timeout_s) {
+      return Lost(t, receiving ? t.source : t.dest,
+                  receiving ? "sent" : "took");
+    }
     pollfd polls[2] = {{sending ? fds_[t.dest] : -1, POLLOUT, 0},
                        {receiving ? fds_[t.source] : -1, POLLIN, 0}};
     poll(polls, 2, 100);
-    bool moved = false;
-    if (sending && polls[0].revents != 0) {
-      int64_t n = 0;
-      const char* at = t.send_at(&n);
-      ssize_t r = ::send(fds_[t.dest], at, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (r < 0 && errno != EAGAIN && errno != EINTR) {
-        return Fail(Status::RanksLost(me + Closed(t.dest) + "."));
-      }
-      if (r > 0) t.sent += r, moved = true;
-    }
-    if (receiving && polls[1].revents != 0) {
-      int64_t n = 0;
-      char* at = t.recv_at(&n);
-      ssize_t r = ::recv(fds_[t.source], at, n, MSG_DONTWAIT);
-      if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
-        return Fail(Status::RanksLost(me + Closed(t.source) + "."));
-      }
-      if (r > 0) t.got += r, moved = true;
-      if (r > 0 && t.got == Transfer::kHeader) {
-        const Transfer::Header& h = t.recv_header;
-        const std::string theirs = HeaderWhat(h.what);
-        if (std::memcmp(h.magic, "kdtx", 4) != 0 || theirs != t.what ||
-            h.bytes != t.recv_bytes) {
-          return Fail(Status::Mismatch(
-              me + "expected " + std::to_string(t.recv_bytes) + " bytes of " +
-              t.what + " from " + Rank(t.source) + ", which sent " +
-              std::to_string(h.bytes) + " bytes of " + theirs +
-              " (the ranks ran different collectives, or sizes)."));
-        }
-      }
-    }
-    const double now = MonotonicSeconds();
-    if (moved) {
-      last = now;
-    } else if (now - last > opt_.timeout_s) {
-      const bool in = receiving;
-      return Fail(Status::RanksLost(
-          me + Rank(in ? t.source : t.dest) + (in ? " sent" : " took") +
-          " nothing for " + std::to_string(static_cast<int>(opt_.timeout_s)) +
-          " s (the process is frozen, or its host or link is down)."));
-    }
   }
   return Status::OK();
 }

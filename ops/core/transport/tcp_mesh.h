@@ -87,6 +87,10 @@ class TcpMesh {
   Status AcceptHigher(int listen_fd, double deadline);
   Status Fail(Status s);
   Status Run(Transfer& t);
+  // Fails the mesh: `peer` closed (`verb` "") or "sent" / "took" nothing
+  // for the timeout.
+  Status Lost(const Transfer& t, int peer, const char* verb);
+  Status CheckHeader(const Transfer& t);
 
   TcpMeshOptions opt_;
   std::vector<int> fds_;  // by rank; -1 for this rank
