@@ -1,5 +1,7 @@
 #include "harness.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -121,6 +123,52 @@ void RunHosts(const std::vector<int>& hosts,
     // ranks may still exchange messages when a third has finished).
     CHECK_OK(comm.Barrier());
   });
+}
+
+TcpJob ListenTcp(int n) {
+  using kerasdist::core::TcpMesh;
+  TcpJob job;
+  job.opt.size = n;
+  job.opt.key = "the job's key";
+  job.opt.generation = 7;
+  job.opt.connect_timeout_s = 10;
+  job.opt.timeout_s = 10;
+  for (int r = 0; r < n; ++r) {
+    int fd = -1, port = 0;
+    CHECK_OK(TcpMesh::Listen("127.0.0.1", &fd, &port));
+    job.listeners.push_back(fd);
+    job.opt.addresses.push_back("127.0.0.1:" + std::to_string(port));
+  }
+  return job;
+}
+
+void RunTcpRanks(
+    int n, const std::function<void(kerasdist::core::TcpCommunicator&)>& fn,
+    const std::function<void(kerasdist::core::TcpMeshOptions&)>& tweak) {
+  using namespace kerasdist::core;
+  TcpJob job = ListenTcp(n);
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        TcpMeshOptions opt = job.opt;
+        opt.rank = r;
+        if (tweak) tweak(opt);
+        std::unique_ptr<TcpMesh> mesh;
+        CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
+        TcpCommunicator comm(std::move(mesh));
+        fn(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int fd : job.listeners) close(fd);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 }  // namespace kdtest

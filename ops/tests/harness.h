@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../core/transport/local_communicator.h"
+#include "../core/transport/tcp_communicator.h"
 
 namespace kdtest {
 
@@ -35,6 +36,23 @@ struct Registrar {
 void RunRanks(
     int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
     double timeout_s = 5.0);
+
+// Runs fn on a thread per rank, each with a TcpCommunicator over real
+// sockets on loopback (its own listener; the mesh's key "the job's key",
+// generation 7, 10 s timeouts, changed per rank by `tweak`), and fails as
+// RunRanks does.
+void RunTcpRanks(
+    int n, const std::function<void(kerasdist::core::TcpCommunicator&)>& fn,
+    const std::function<void(kerasdist::core::TcpMeshOptions&)>& tweak =
+        nullptr);
+
+// Rank 0's options of an n-rank loopback mesh and every rank's listener,
+// listening (RunTcpRanks's; the tests of forming use them directly).
+struct TcpJob {
+  std::vector<int> listeners;
+  kerasdist::core::TcpMeshOptions opt;
+};
+TcpJob ListenTcp(int n);
 
 // What a rank of RunHosts is given: a communicator over every rank, one
 // over its host's ranks and, on each host's first rank only, one over the

@@ -7,6 +7,7 @@
 // reference.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -150,8 +151,7 @@ void RunBatch(Backend& backend, const std::vector<const Response*>& resps,
 }
 
 // Every rank's message to every rank (rank 0 needs them: an allgather).
-std::vector<RankMessage> Exchange(LocalCommunicator& comm,
-                                  const RankMessage& m) {
+std::vector<RankMessage> Exchange(Communicator& comm, const RankMessage& m) {
   const int n = comm.size();
   const std::string bytes = Serialize(m);
   int64_t len = static_cast<int64_t>(bytes.size());
@@ -170,7 +170,7 @@ std::vector<RankMessage> Exchange(LocalCommunicator& comm,
   return out;
 }
 
-CoordinatorMessage BroadcastDecision(LocalCommunicator& comm,
+CoordinatorMessage BroadcastDecision(Communicator& comm,
                                      const std::string& bytes) {
   int64_t len = static_cast<int64_t>(bytes.size());
   CHECK_OK(comm.Broadcast(&len, 8, 0));
@@ -184,16 +184,16 @@ CoordinatorMessage BroadcastDecision(LocalCommunicator& comm,
 
 // One rank's state across the steps of a run.
 struct RankState {
-  LocalCommunicator& comm;
+  Communicator& comm;
   CommunicatorBackend backend;
   ResponseCache cache{64};
   Coordinator coord;  // used on rank 0 only
   std::mt19937 rng;
   std::vector<std::string> log;  // the batches run, by names
 
-  RankState(LocalCommunicator& c, const Config& config, unsigned seed)
+  RankState(Communicator& c, const Config& config, unsigned seed)
       : comm(c),
-        backend("local", &c, c.rank()),
+        backend(c.Name().c_str(), &c, c.rank()),
         coord(c.size(), config),
         rng(seed) {}
 };
@@ -264,30 +264,56 @@ size_t RunStep(RankState& st, int step) {
   return cached;
 }
 
-KD_TEST(NegotiatedStepsOverThreads) {
+// Two steps of every seed at n ranks under `run` (threads over the local
+// communicator, or over TCP): every rank runs the same batches, the second
+// step from the cache; returns how many batches fused.
+int NegotiatedSteps(
+    int n, int seeds,
+    const std::function<void(int, const std::function<void(Communicator&)>&)>&
+        run) {
   int fused = 0;
   Config config;
   config.fusion_threshold_bytes = 128;  // some tensors fuse, some do not
-  for (int n = 1; n <= 4; ++n) {
-    for (unsigned seed = 0; seed < 8; ++seed) {
-      std::vector<std::vector<std::string>> logs(n);
-      RunRanks(n, [&](LocalCommunicator& comm) {
-        RankState st(comm, config, seed * 131 + comm.rank());
-        RunStep(st, 0);
-        // The second step's requests equal the first's: all from the cache.
-        const size_t cached = RunStep(st, 1);
-        CHECK_MSG(cached == Requests(comm.rank(), n).size(),
-                  std::to_string(cached) + " cached");
-        logs[comm.rank()] = st.log;
-      });
-      for (int r = 1; r < n; ++r) {
-        CHECK_MSG(logs[r] == logs[0],
-                  "rank " + std::to_string(r) + " ran other batches");
-      }
-      for (const std::string& line : logs[0]) {
-        fused += std::count(line.begin(), line.end(), ' ') > 1;
-      }
+  for (unsigned seed = 0; seed < static_cast<unsigned>(seeds); ++seed) {
+    std::vector<std::vector<std::string>> logs(n);
+    run(n, [&](Communicator& comm) {
+      RankState st(comm, config, seed * 131 + comm.rank());
+      RunStep(st, 0);
+      // The second step's requests equal the first's: all from the cache.
+      const size_t cached = RunStep(st, 1);
+      CHECK_MSG(cached == Requests(comm.rank(), n).size(),
+                std::to_string(cached) + " cached");
+      logs[comm.rank()] = st.log;
+    });
+    for (int r = 1; r < n; ++r) {
+      CHECK_MSG(logs[r] == logs[0],
+                "rank " + std::to_string(r) + " ran other batches");
     }
+    for (const std::string& line : logs[0]) {
+      fused += std::count(line.begin(), line.end(), ' ') > 1;
+    }
+  }
+  return fused;
+}
+
+KD_TEST(NegotiatedStepsOverThreads) {
+  int fused = 0;
+  for (int n = 1; n <= 4; ++n) {
+    fused += NegotiatedSteps(n, 8, [](int n, const auto& fn) {
+      RunRanks(n, [&](LocalCommunicator& comm) { fn(comm); });
+    });
+  }
+  CHECK_MSG(fused > 0, "no batch was fused: the test no longer covers fusion");
+}
+
+// The same protocol and CommunicatorBackend over the TCP transport's
+// sockets (tcp_communicator.h).
+KD_TEST(NegotiatedStepsOverTcp) {
+  int fused = 0;
+  for (int n = 2; n <= 3; ++n) {
+    fused += NegotiatedSteps(n, 8, [](int n, const auto& fn) {
+      RunTcpRanks(n, [&](TcpCommunicator& comm) { fn(comm); });
+    });
   }
   CHECK_MSG(fused > 0, "no batch was fused: the test no longer covers fusion");
 }

@@ -7,8 +7,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <exception>
-#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -22,56 +20,6 @@ namespace {
 
 using namespace kerasdist::core;
 using Seconds = std::chrono::duration<double>;
-
-struct Job {
-  std::vector<int> listeners;
-  TcpMeshOptions opt;  // rank 0's; each rank's differs in `rank`
-};
-
-Job Listen(int n) {
-  Job job;
-  job.opt.size = n;
-  job.opt.key = "the job's key";
-  job.opt.generation = 7;
-  job.opt.connect_timeout_s = 10;
-  job.opt.timeout_s = 10;
-  for (int r = 0; r < n; ++r) {
-    int fd = -1, port = 0;
-    CHECK_OK(TcpMesh::Listen("127.0.0.1", &fd, &port));
-    job.listeners.push_back(fd);
-    job.opt.addresses.push_back("127.0.0.1:" + std::to_string(port));
-  }
-  return job;
-}
-
-// Runs fn on a thread per rank, each forming its mesh with `opt` (changed
-// per rank by `tweak`), and rethrows the first failure once all ended.
-void RunTcp(int n, const std::function<void(TcpCommunicator&)>& fn,
-            const std::function<void(TcpMeshOptions&)>& tweak = nullptr) {
-  Job job = Listen(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        TcpMeshOptions opt = job.opt;
-        opt.rank = r;
-        if (tweak) tweak(opt);
-        std::unique_ptr<TcpMesh> mesh;
-        CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
-        TcpCommunicator comm(std::move(mesh));
-        fn(comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int fd : job.listeners) close(fd);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
 
 // Rank r's element i: small integers, exact in float32 sums.
 float Value(int r, int64_t i) { return static_cast<float>((r + 1) * (i % 97)); }
@@ -148,7 +96,7 @@ void CheckReducescatterAndAlltoall(TcpCommunicator& comm) {
 
 KD_TEST(TcpCollectivesGiveWhatTheyShould) {
   for (int n = 1; n <= 4; ++n) {
-    RunTcp(n, [&](TcpCommunicator& comm) {
+    RunTcpRanks(n, [&](TcpCommunicator& comm) {
       // Fewer elements than ranks, uneven blocks, and more than a segment.
       for (int64_t count : {int64_t{1}, int64_t{7}, int64_t{1000},
                             2 * TcpCommunicator::kSegmentBytes / 4 + 13}) {
@@ -162,7 +110,7 @@ KD_TEST(TcpCollectivesGiveWhatTheyShould) {
 
 KD_TEST(TcpPeerThatClosesFailsItsPeersNamingIt) {
   const auto start = std::chrono::steady_clock::now();
-  RunTcp(3, [&](TcpCommunicator& comm) {
+  RunTcpRanks(3, [&](TcpCommunicator& comm) {
     std::vector<float> buf(1000, 1.0f);
     CHECK_OK(
         comm.Allreduce(buf.data(), 1000, DataType::kFloat32, ReduceOp::kSum));
@@ -185,7 +133,7 @@ KD_TEST(TcpPeerThatClosesFailsItsPeersNamingIt) {
 }
 
 KD_TEST(TcpFrozenPeerFailsItsPeersAfterTheTimeout) {
-  RunTcp(
+  RunTcpRanks(
       2,
       [&](TcpCommunicator& comm) {
         if (comm.rank() == 1) {
@@ -204,7 +152,7 @@ KD_TEST(TcpFrozenPeerFailsItsPeersAfterTheTimeout) {
 }
 
 KD_TEST(TcpDisagreeingCallsFailNamingBothSides) {
-  RunTcp(2, [&](TcpCommunicator& comm) {
+  RunTcpRanks(2, [&](TcpCommunicator& comm) {
     std::vector<float> buf(16, 1.0f);
     Status s =
         comm.rank() == 0
@@ -222,7 +170,7 @@ KD_TEST(TcpDisagreeingCallsFailNamingBothSides) {
 KD_TEST(TcpMeshAdmitsOnlyRanksThatProveTheKey) {
   // A stranger's garbage and an idle connection at rank 0's port while the
   // mesh forms: the mesh forms anyway, without them.
-  Job job = Listen(2);
+  TcpJob job = ListenTcp(2);
   std::string port = job.opt.addresses[0].substr(10);
   std::thread stranger([&] {
     int idle = ConnectWithTimeout("127.0.0.1", std::stoi(port), 1.0);
@@ -258,10 +206,10 @@ KD_TEST(TcpMeshAdmitsOnlyRanksThatProveTheKey) {
   for (int fd : job.listeners) close(fd);
 }
 
-KD_TEST(TcpMeshRefusesAWrongKeyAndAnotherGeneration) {
-  for (int which = 0; which < 2; ++which) {
-    Job job = Listen(2);
-    job.opt.connect_timeout_s = 1.5;
+KD_TEST(TcpMeshRefusesAWrongKeyAnotherGenerationAndChannel) {
+  for (int which = 0; which < 3; ++which) {
+    TcpJob job = ListenTcp(2);
+    job.opt.connect_timeout_s = 1.0;
     std::vector<Status> got(2);
     std::vector<std::thread> ranks;
     for (int r = 0; r < 2; ++r) {
@@ -270,6 +218,7 @@ KD_TEST(TcpMeshRefusesAWrongKeyAndAnotherGeneration) {
         opt.rank = r;
         if (r == 1 && which == 0) opt.key = "another job's key";
         if (r == 1 && which == 1) opt.generation = 6;  // a mesh before
+        if (r == 1 && which == 2) opt.channel = TcpMeshOptions::kControl;
         std::unique_ptr<TcpMesh> mesh;
         got[r] = TcpMesh::Form(opt, job.listeners[r], &mesh);
       });
@@ -282,7 +231,9 @@ KD_TEST(TcpMeshRefusesAWrongKeyAndAnotherGeneration) {
       CHECK_CONTAINS(got[1].message(), "did not prove the job's key");
     } else {
       CHECK_CONTAINS(got[0].message(),
-                     "a hello of generation 6, this mesh's is 7");
+                     which == 1
+                         ? "a hello of generation 6, this mesh's is 7"
+                         : "a hello for channel 1, this listener's is 0");
       CHECK_CONTAINS(got[1].message(), "could not connect to rank 0");
     }
   }

@@ -23,7 +23,7 @@ constexpr char kMagic[4] = {'k', 'd', 't', 'm'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
-constexpr size_t kHelloBytes = 4 + 4 + 8 + 4 + 4 + kNonceBytes;
+constexpr size_t kHelloBytes = 4 + 4 + 4 + 8 + 4 + 4 + kNonceBytes;
 
 template <typename T>
 void Put(std::string* out, T v) {
@@ -37,12 +37,13 @@ T Get(const std::string& in, size_t at) {
   return v;
 }
 
-std::string Hello(uint64_t generation, int from, int to,
-                  const std::string& nonce) {
+// magic, version, channel, generation, from, to, nonce.
+std::string Hello(const TcpMeshOptions& opt, int to, const std::string& nonce) {
   std::string h(kMagic, sizeof(kMagic));
   Put(&h, kVersion);
-  Put(&h, generation);
-  Put<int32_t>(&h, from);
+  Put<uint32_t>(&h, opt.channel);
+  Put(&h, opt.generation);
+  Put<int32_t>(&h, opt.rank);
   Put<int32_t>(&h, to);
   return h + nonce;
 }
@@ -73,8 +74,13 @@ std::string CheckHello(const std::string& h, const TcpMeshOptions& opt,
       Get<uint32_t>(h, 4) != kVersion) {
     return "not a kerasdist mesh hello";
   }
-  const uint64_t generation = Get<uint64_t>(h, 8);
-  const int from = Get<int32_t>(h, 16), to = Get<int32_t>(h, 20);
+  const uint32_t channel = Get<uint32_t>(h, 8);
+  const uint64_t generation = Get<uint64_t>(h, 12);
+  const int from = Get<int32_t>(h, 20), to = Get<int32_t>(h, 24);
+  if (channel != opt.channel) {
+    return "a hello for channel " + std::to_string(channel) +
+           ", this listener's is " + std::to_string(opt.channel);
+  }
   if (generation != opt.generation) {
     return "a hello of generation " + std::to_string(generation) +
            ", this mesh's is " + std::to_string(opt.generation);
@@ -107,7 +113,7 @@ bool Advance(Pending& p, const TcpMeshOptions& opt, const std::vector<int>& fds,
     if (!why->empty()) return false;
     p.hello.swap(p.in);
     p.in.clear();
-    p.from = Get<int32_t>(p.hello, 16);
+    p.from = Get<int32_t>(p.hello, 20);
     if (!SendAll(p.fd,
                  p.nonce + Proof(opt.key, "kdtm-listener", p.hello, p.nonce),
                  TcpMesh::kHandshakeS)) {
@@ -180,7 +186,7 @@ Status TcpMesh::Dial(int peer, double deadline) {
   }
   const std::string nonce = RandomBytes(kNonceBytes);
   if (nonce.empty()) return Status::Internal(ErrnoText("getrandom"));
-  const std::string hello = Hello(opt_.generation, opt_.rank, peer, nonce);
+  const std::string hello = Hello(opt_, peer, nonce);
   std::string why = "it did not answer";
   while (MonotonicSeconds() < deadline) {
     int fd = ConnectWithTimeout(host, port, 1.0);

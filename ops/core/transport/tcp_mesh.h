@@ -8,8 +8,8 @@
 // address from a rendezvous; rank r then dials every rank below it and
 // accepts one connection from every rank above it. Every port is open to
 // anyone who reaches it, so a connection counts only once both ends proved
-// the job's key: the dialer sends a hello (generation, its rank, the rank
-// it dials, a nonce), the listener answers with its nonce and an
+// the job's key: the dialer sends a hello (channel, generation, its rank,
+// the rank it dials, a nonce), the listener answers with its nonce and an
 // HMAC-SHA256 of both under the key, the dialer with its own HMAC. A
 // listener handles handshakes side by side, each with a deadline, at most
 // kMaxPending at once (the oldest dropped), so idle or hostile connections
@@ -45,6 +45,10 @@ struct TcpMeshOptions {
   std::string key;
   // The mesh's generation: the same on every rank of one mesh.
   uint64_t generation = 0;
+  // What the mesh carries (kData, kControl): each on listeners of its own,
+  // and a hello for another is refused.
+  uint32_t channel = 0;
+  static constexpr uint32_t kData = 0, kControl = 1;
   double connect_timeout_s = 30.0;  // forming the whole mesh
   double timeout_s = 30.0;          // a transfer that moves nothing
 };
@@ -66,6 +70,9 @@ class TcpMesh {
   int rank() const { return opt_.rank; }
   int size() const { return opt_.size; }
   const TcpMeshOptions& options() const { return opt_; }
+  // The connection to `peer` (-1 for this rank), for a channel that moves
+  // its own frames (tcp_control.h); Exchange is then not used.
+  int fd(int peer) const { return fds_[peer]; }
 
   // Sends `send_bytes` of `send` to rank `dest` and receives exactly
   // `recv_bytes` from rank `source` into `recv`, side by side (-1: no
