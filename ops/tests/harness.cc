@@ -171,6 +171,30 @@ void RunTcpRanks(
   }
 }
 
+void RunTcpHosts(const std::vector<int>& hosts,
+                 const std::function<void(HostRanks&)>& fn) {
+  using namespace kerasdist::core;
+  std::vector<std::string> names;
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    for (int i = 0; i < hosts[h]; ++i)
+      names.push_back("host" + std::to_string(h));
+  }
+  const int n = static_cast<int>(names.size());
+  TcpJob job = ListenTcp(n);
+  RunThreads(n, [&](int r) {
+    TcpMeshOptions opt = job.opt;
+    opt.rank = r;
+    std::unique_ptr<TcpMesh> mesh;
+    CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
+    std::unique_ptr<Communicator> all, node, leaders;
+    MakeNodeCommunicators(std::move(mesh), names, &all, &node, &leaders);
+    HostRanks ranks{all.get(), node.get(), leaders.get()};
+    fn(ranks);
+    CHECK_OK(all->Barrier());  // every rank done before any closes
+  });
+  for (int fd : job.listeners) close(fd);
+}
+
 }  // namespace kdtest
 
 int main(int argc, char** argv) {

@@ -58,9 +58,9 @@ TcpJob ListenTcp(int n);
 // over its host's ranks and, on each host's first rank only, one over the
 // hosts' first ranks (as the runtime makes them over MPI).
 struct HostRanks {
-  kerasdist::core::LocalCommunicator* comm = nullptr;
-  kerasdist::core::LocalCommunicator* node = nullptr;
-  kerasdist::core::LocalCommunicator* leaders = nullptr;
+  kerasdist::core::Communicator* comm = nullptr;
+  kerasdist::core::Communicator* node = nullptr;
+  kerasdist::core::Communicator* leaders = nullptr;
 };
 
 // Runs fn on a thread per rank of a job whose host h holds `hosts[h]`
@@ -68,6 +68,12 @@ struct HostRanks {
 void RunHosts(const std::vector<int>& hosts,
               const std::function<void(HostRanks&)>& fn,
               double timeout_s = 5.0);
+
+// RunHosts over TCP: every rank's mesh on loopback, host h's ranks named
+// "host<h>", the communicators as the runtime will make them over TCP
+// (MakeNodeCommunicators).
+void RunTcpHosts(const std::vector<int>& hosts,
+                 const std::function<void(HostRanks&)>& fn);
 
 }  // namespace kdtest
 

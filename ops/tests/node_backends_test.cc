@@ -11,6 +11,7 @@
 // process) run as they do between processes.
 #include <cfloat>
 #include <cmath>
+#include <functional>
 #include <memory>
 
 #include "../core/backends/backends.h"
@@ -206,7 +207,9 @@ KD_TEST(ShmReducescatterAndAllgather) {
   }
 }
 
-KD_TEST(HierarchicalAllreduceMatchesTheReference) {
+void HierarchicalAllreduce(
+    const std::function<void(const std::vector<int>&,
+                             const std::function<void(HostRanks&)>&)>& run) {
   for (bool cma : {true, false}) {
     const Config config = AllSizes(cma ? "KERASDIST_CMA_ALLREDUCE=1"
                                        : "KERASDIST_CMA_ALLREDUCE=0");
@@ -214,13 +217,25 @@ KD_TEST(HierarchicalAllreduceMatchesTheReference) {
          std::vector<std::vector<int>>{{2, 2}, {3, 1}, {1, 2}}) {
       int n = 0;
       for (int h : hosts) n += h;
-      RunHosts(hosts, [&](HostRanks& r) {
+      run(hosts, [&](HostRanks& r) {
         const BackendList list = MakeList(config, r);
         RunCases(list, r.comm->rank(), n,
                  [](const ReduceCase&) { return "hier"; });
       });
     }
   }
+}
+
+KD_TEST(HierarchicalAllreduceMatchesTheReference) {
+  HierarchicalAllreduce(
+      [](const auto& hosts, const auto& fn) { RunHosts(hosts, fn); });
+}
+
+// The same over the TCP transport: the leaders' and the job's
+// communicators are views of one mesh.
+KD_TEST(HierarchicalAllreduceOverTcp) {
+  HierarchicalAllreduce(
+      [](const auto& hosts, const auto& fn) { RunTcpHosts(hosts, fn); });
 }
 
 KD_TEST(HierarchicalAllgatherKeepsRankOrder) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <exception>
 #include <numeric>
 #include <thread>
 
@@ -108,6 +109,45 @@ KD_TEST(TcpCollectivesGiveWhatTheyShould) {
   }
 }
 
+// Hosts interleaved by rank: a node's ranks in rank order, the leaders
+// each host's first rank, hosts in the order of their first rank.
+KD_TEST(TcpNodeCommunicatorsFollowTheHostNames) {
+  const std::vector<std::string> hosts = {"b", "a", "b", "a", "a"};
+  TcpJob job = ListenTcp(5);
+  std::vector<std::thread> ranks;
+  std::vector<std::exception_ptr> errors(5);
+  for (int r = 0; r < 5; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        TcpMeshOptions opt = job.opt;
+        opt.rank = r;
+        std::unique_ptr<TcpMesh> mesh;
+        CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
+        std::unique_ptr<Communicator> all, node, leaders;
+        MakeNodeCommunicators(std::move(mesh), hosts, &all, &node, &leaders);
+        CHECK(all->rank() == r && all->size() == 5);
+        const std::vector<int> b = {0, 2}, a = {1, 3, 4};
+        const std::vector<int>& mine = hosts[r] == "b" ? b : a;
+        CHECK(node->size() == static_cast<int>(mine.size()));
+        CHECK(mine[node->rank()] == r);
+        CHECK((leaders != nullptr) == (r == 0 || r == 1));
+        if (leaders) CHECK(leaders->size() == 2 && leaders->rank() == r);
+        int32_t v = r;  // the node's ranks summed
+        CHECK_OK(node->Allreduce(&v, 1, DataType::kInt32, ReduceOp::kSum));
+        CHECK(v == (hosts[r] == "b" ? 2 : 8));
+        CHECK_OK(all->Barrier());
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int fd : job.listeners) close(fd);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 KD_TEST(TcpPeerThatClosesFailsItsPeersNamingIt) {
   const auto start = std::chrono::steady_clock::now();
   RunTcpRanks(3, [&](TcpCommunicator& comm) {
@@ -161,7 +201,7 @@ KD_TEST(TcpDisagreeingCallsFailNamingBothSides) {
     if (comm.rank() == 0) {  // rank 1's send may well have gone
       CHECK(s.code() == StatusCode::kMismatch);
       CHECK_CONTAINS(s.message(),
-                     "expected 32 bytes of allreduce from rank 1, "
+                     "expected 64 bytes of allreduce from rank 1, "
                      "which sent 24 bytes of broadcast");
     }
   });

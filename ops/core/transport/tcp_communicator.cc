@@ -26,6 +26,24 @@ int Mod(int a, int n) { return ((a % n) + n) % n; }
 
 }  // namespace
 
+TcpCommunicator::TcpCommunicator(std::shared_ptr<TcpMesh> mesh,
+                                 std::vector<int> members)
+    : mesh_(std::move(mesh)), members_(std::move(members)) {
+  if (members_.empty()) {
+    for (int r = 0; r < mesh_->size(); ++r) members_.push_back(r);
+  }
+  rank_ = static_cast<int>(
+      std::find(members_.begin(), members_.end(), mesh_->rank()) -
+      members_.begin());
+}
+
+Status TcpCommunicator::Exchange(const char* what, int dest, const void* send,
+                                 int64_t send_bytes, int source, void* recv,
+                                 int64_t recv_bytes) {
+  return mesh_->Exchange(what, dest < 0 ? -1 : members_[dest], send, send_bytes,
+                         source < 0 ? -1 : members_[source], recv, recv_bytes);
+}
+
 Status TcpCommunicator::Check(const char* what, ReduceOp op, int root,
                               const std::vector<int64_t>* sizes) const {
   if (op == ReduceOp::kAverage) {
@@ -55,6 +73,9 @@ Status TcpCommunicator::Allreduce(void* buf, int64_t count, DataType dt,
   const int n = size(), r = rank();
   if (n == 1 || count == 0) return Status::OK();
   const int64_t width = DataTypeSize(dt);
+  if ((n & (n - 1)) == 0 && count * width <= kDoublingBytes) {
+    return AllreduceDoubling(buf, count, dt, op);
+  }
   const std::vector<int64_t> at = Offsets(EvenBlocks(count, n));
   char* data = static_cast<char*>(buf);
   const int64_t segment = std::max<int64_t>(1, kSegmentBytes / width);
@@ -66,7 +87,7 @@ Status TcpCommunicator::Allreduce(void* buf, int64_t count, DataType dt,
     for (int64_t k = 0; k < std::max(out_n, in_n); k += segment) {
       const int64_t sn = std::clamp<int64_t>(out_n - k, 0, segment);
       const int64_t rn = std::clamp<int64_t>(in_n - k, 0, segment);
-      KD_RETURN_IF_ERROR(mesh_->Exchange(
+      KD_RETURN_IF_ERROR(Exchange(
           "allreduce", sn > 0 ? right() : -1, data + (at[out] + k) * width,
           sn * width, rn > 0 ? left() : -1, scratch_.data(), rn * width));
       char* into = data + (at[in] + k) * width;
@@ -75,10 +96,31 @@ Status TcpCommunicator::Allreduce(void* buf, int64_t count, DataType dt,
   }
   for (int s = 0; s < n - 1; ++s) {
     const int out = Mod(r + 1 - s, n), in = Mod(r - s, n);
+    KD_RETURN_IF_ERROR(Exchange("allreduce", right(), data + at[out] * width,
+                                (at[out + 1] - at[out]) * width, left(),
+                                data + at[in] * width,
+                                (at[in + 1] - at[in]) * width));
+  }
+  return Status::OK();
+}
+
+// Each pair combines the same two buffers in the same order (the lower
+// rank's first: even a NaN's payload comes out the same on both), so every
+// rank ends with the same bits.
+Status TcpCommunicator::AllreduceDoubling(void* buf, int64_t count, DataType dt,
+                                          ReduceOp op) {
+  const int64_t bytes = count * DataTypeSize(dt);
+  char* data = static_cast<char*>(buf);
+  scratch_.resize(bytes);
+  for (int mask = 1; mask < size(); mask <<= 1) {
+    const int peer = rank() ^ mask;
     KD_RETURN_IF_ERROR(
-        mesh_->Exchange("allreduce", right(), data + at[out] * width,
-                        (at[out + 1] - at[out]) * width, left(),
-                        data + at[in] * width, (at[in + 1] - at[in]) * width));
+        Exchange("allreduce", peer, data, bytes, peer, scratch_.data(), bytes));
+    if (peer < rank()) {
+      Combine(data, scratch_.data(), data, count, dt, op);
+    } else {
+      Combine(data, data, scratch_.data(), count, dt, op);
+    }
   }
   return Status::OK();
 }
@@ -94,9 +136,9 @@ Status TcpCommunicator::Allgatherv(const void* in, void* out,
   }
   for (int s = 0; s < n - 1; ++s) {
     const int send = Mod(r - s, n), recv = Mod(r - s - 1, n);
-    KD_RETURN_IF_ERROR(mesh_->Exchange("allgather", right(), data + at[send],
-                                       bytes[send], left(), data + at[recv],
-                                       bytes[recv]));
+    KD_RETURN_IF_ERROR(Exchange("allgather", right(), data + at[send],
+                                bytes[send], left(), data + at[recv],
+                                bytes[recv]));
   }
   return Status::OK();
 }
@@ -106,7 +148,7 @@ Status TcpCommunicator::Gatherv(const void* in, void* out,
   KD_RETURN_IF_ERROR(Check("gatherv", ReduceOp::kSum, root, &bytes));
   const int r = rank();
   if (r != root) {
-    return mesh_->Exchange("gatherv", root, in, bytes[r], -1, nullptr, 0);
+    return Exchange("gatherv", root, in, bytes[r], -1, nullptr, 0);
   }
   const std::vector<int64_t> at = Offsets(bytes);
   char* data = static_cast<char*>(out);
@@ -115,7 +157,7 @@ Status TcpCommunicator::Gatherv(const void* in, void* out,
   for (int p = 0; p < size(); ++p) {
     if (p == root) continue;
     KD_RETURN_IF_ERROR(
-        mesh_->Exchange("gatherv", -1, nullptr, 0, p, data + at[p], bytes[p]));
+        Exchange("gatherv", -1, nullptr, 0, p, data + at[p], bytes[p]));
   }
   return Status::OK();
 }
@@ -129,16 +171,16 @@ Status TcpCommunicator::Broadcast(void* buf, int64_t bytes, int root) {
   int mask = 1;
   while (mask < n) {
     if (me & mask) {
-      KD_RETURN_IF_ERROR(mesh_->Exchange("broadcast", -1, nullptr, 0,
-                                         Mod(me - mask + root, n), buf, bytes));
+      KD_RETURN_IF_ERROR(Exchange("broadcast", -1, nullptr, 0,
+                                  Mod(me - mask + root, n), buf, bytes));
       break;
     }
     mask <<= 1;
   }
   for (mask >>= 1; mask > 0; mask >>= 1) {
     if (me + mask < n) {
-      KD_RETURN_IF_ERROR(mesh_->Exchange("broadcast", Mod(me + mask + root, n),
-                                         buf, bytes, -1, nullptr, 0));
+      KD_RETURN_IF_ERROR(Exchange("broadcast", Mod(me + mask + root, n), buf,
+                                  bytes, -1, nullptr, 0));
     }
   }
   return Status::OK();
@@ -165,9 +207,8 @@ Status TcpCommunicator::Alltoallv(const void* in,
     std::memmove(dst + rat[r], src + sat[r], send_bytes[r]);
   for (int k = 1; k < n; ++k) {
     const int to = Mod(r + k, n), from = Mod(r - k, n);
-    KD_RETURN_IF_ERROR(mesh_->Exchange("alltoall", to, src + sat[to],
-                                       send_bytes[to], from, dst + rat[from],
-                                       recv_bytes[from]));
+    KD_RETURN_IF_ERROR(Exchange("alltoall", to, src + sat[to], send_bytes[to],
+                                from, dst + rat[from], recv_bytes[from]));
   }
   return Status::OK();
 }
@@ -194,9 +235,9 @@ Status TcpCommunicator::Reducescatter(const void* in, void* out,
   const char* sending = src + at[Mod(r - 1, n)] * width;
   for (int s = 0; s < n - 1; ++s) {
     const int send = Mod(r - s - 1, n), recv = Mod(r - s - 2, n);
-    KD_RETURN_IF_ERROR(mesh_->Exchange("reducescatter", right(), sending,
-                                       counts[send] * width, left(), arrived,
-                                       counts[recv] * width));
+    KD_RETURN_IF_ERROR(Exchange("reducescatter", right(), sending,
+                                counts[send] * width, left(), arrived,
+                                counts[recv] * width));
     char* into = s == n - 2 ? static_cast<char*>(out) : running;
     Combine(into, arrived, src + at[recv] * width, counts[recv], dt, op);
     sending = running;
@@ -209,16 +250,37 @@ Status TcpCommunicator::Reducescatter(const void* in, void* out,
 Status TcpCommunicator::Barrier() {
   const int n = size(), r = rank();
   for (int step = 1; step < n; step <<= 1) {
-    KD_RETURN_IF_ERROR(mesh_->Exchange("barrier", Mod(r + step, n), nullptr, 0,
-                                       Mod(r - step, n), nullptr, 0));
+    KD_RETURN_IF_ERROR(Exchange("barrier", Mod(r + step, n), nullptr, 0,
+                                Mod(r - step, n), nullptr, 0));
   }
   return Status::OK();
 }
 
 Status TcpCommunicator::SendRecv(const void* send, int64_t send_bytes, int dest,
                                  void* recv, int64_t recv_bytes, int source) {
-  return mesh_->Exchange("sendrecv", dest, send, send_bytes, source, recv,
-                         recv_bytes);
+  return Exchange("sendrecv", dest, send, send_bytes, source, recv, recv_bytes);
+}
+
+void MakeNodeCommunicators(const std::shared_ptr<TcpMesh>& mesh,
+                           const std::vector<std::string>& hosts,
+                           std::unique_ptr<Communicator>* all,
+                           std::unique_ptr<Communicator>* node,
+                           std::unique_ptr<Communicator>* leaders) {
+  std::vector<int> mine, firsts;
+  std::vector<std::string> seen;
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) {
+    if (hosts[r] == hosts[mesh->rank()]) mine.push_back(r);
+    if (std::find(seen.begin(), seen.end(), hosts[r]) == seen.end()) {
+      seen.push_back(hosts[r]);
+      firsts.push_back(r);
+    }
+  }
+  *all = std::make_unique<TcpCommunicator>(mesh);
+  *node = std::make_unique<TcpCommunicator>(mesh, mine);
+  leaders->reset();
+  if (mine.front() == mesh->rank()) {
+    *leaders = std::make_unique<TcpCommunicator>(mesh, firsts);
+  }
 }
 
 }  // namespace kerasdist::core
