@@ -33,14 +33,9 @@
 #include "../control/control_channel.h"
 #include "../control/liveness.h"
 #include "communicator.h"
+#include "topology.h"
 
 namespace kerasdist::core {
-
-struct Topology {
-  int rank = 0, size = 1;
-  int local_rank = 0, local_size = 1;
-  int cross_rank = 0, cross_size = 1;
-};
 
 class MpiContext : public ControlChannel {
  public:

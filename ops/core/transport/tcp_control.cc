@@ -20,10 +20,12 @@ TcpControl::TcpControl(std::unique_ptr<TcpMesh> mesh)
     : mesh_(std::move(mesh)), peers_(mesh_->size()) {}
 
 Status TcpControl::Broken(int peer, const std::string& why) {
-  if (broken_.ok()) {
-    broken_ =
-        Status::RanksLost("control: rank " + std::to_string(mesh_->rank()) +
-                          ": rank " + std::to_string(peer) + " " + why + ".");
+  const std::string me = "control: rank " + std::to_string(mesh_->rank());
+  if (broken_.ok() && mesh_->revoked()) {
+    broken_ = Status::RanksLost(me + ": revoked: " + mesh_->revoked_why());
+  } else if (broken_.ok()) {
+    broken_ = Status::RanksLost(me + ": rank " + std::to_string(peer) + " " +
+                                why + ".");
   }
   return broken_;
 }
@@ -46,6 +48,7 @@ Status TcpControl::SendControl(int dest, std::string bytes) {
 
 Status TcpControl::ProgressSends() {
   KD_RETURN_IF_ERROR(broken_);
+  if (mesh_->revoked()) return Broken(-1, "");
   for (int r = 0; r < mesh_->size(); ++r) {
     Peer& p = peers_[r];
     while (p.out_at < p.out.size()) {

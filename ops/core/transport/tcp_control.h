@@ -32,6 +32,8 @@ class TcpControl : public ControlChannel {
   Status PollControl(bool* got, int* src, std::string* bytes) override;
   Status ProgressSends() override;
   void FlushSends(double timeout_s) override;
+  // From any thread: every call from then on fails (TcpMesh::Revoke).
+  void Revoke(const std::string& why) { mesh_->Revoke(why); }
 
  private:
   struct Peer {

@@ -287,7 +287,20 @@ void TcpMesh::Abort(const std::string& why) {
   }
 }
 
+void TcpMesh::Revoke(const std::string& why) {
+  if (revoked_.load()) return;
+  revoked_why_ = why;
+  revoked_.store(true);
+  for (int fd : fds_) {
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
+  }
+}
+
 Status TcpMesh::Fail(Status s) {
+  if (revoked_.load()) {
+    s = Status::RanksLost("mesh: rank " + std::to_string(opt_.rank) +
+                          ": revoked: " + revoked_why_);
+  }
   if (broken_.ok()) broken_ = s;
   for (int fd : fds_) {
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
@@ -363,6 +376,7 @@ Status TcpMesh::Exchange(const char* what, int dest, const void* send,
                          int64_t send_bytes, int source, void* recv,
                          int64_t recv_bytes) {
   KD_RETURN_IF_ERROR(broken_);
+  if (revoked_.load()) return Fail(Status::OK());
   if (dest == opt_.rank || source == opt_.rank || dest >= opt_.size ||
       source >= opt_.size) {
     return Status::Internal(std::string("mesh: ") + what + ": " +

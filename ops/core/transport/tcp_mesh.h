@@ -27,6 +27,7 @@
 #ifndef KERASDIST_CORE_TRANSPORT_TCP_MESH_H_
 #define KERASDIST_CORE_TRANSPORT_TCP_MESH_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -84,8 +85,16 @@ class TcpMesh {
   // Breaks the mesh: the peers see their connections close, and every
   // later call here fails with `why`.
   void Abort(const std::string& why);
-  // Why the mesh broke; OK while it works.
+  // Why the mesh broke; OK while it works (the owning thread's view).
   const Status& broken() const { return broken_; }
+  // From any thread: shuts every connection down (without closing: the
+  // owning thread may be inside Exchange), so that the call in progress
+  // and every later one fail, "revoked: `why`", and the peers' fail as
+  // their connections end (as MPIX_Comm_revoke does to a communicator).
+  void Revoke(const std::string& why);
+  bool revoked() const { return revoked_.load(); }
+  // Why, once revoked() (read after it).
+  const std::string& revoked_why() const { return revoked_why_; }
 
  private:
   struct Transfer;
@@ -102,6 +111,8 @@ class TcpMesh {
   TcpMeshOptions opt_;
   std::vector<int> fds_;  // by rank; -1 for this rank
   Status broken_;
+  std::atomic<bool> revoked_{false};
+  std::string revoked_why_;  // written before revoked_, read after
 };
 
 // "a.b.c.d:port" into its parts; false when it is not one.
