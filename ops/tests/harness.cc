@@ -56,8 +56,6 @@ void Fail(const char* file, int line, const std::string& what) {
 
 void Register(const char* name, void (*fn)()) { Tests().push_back({name, fn}); }
 
-namespace {
-
 // Runs body(r) on `n` threads and rethrows the first rank's failure after
 // every thread has ended.
 void RunThreads(int n, const std::function<void(int)>& body) {
@@ -82,8 +80,6 @@ void RunThreads(int n, const std::function<void(int)>& body) {
   if (!first.empty())
     throw Failure{"with " + std::to_string(n) + " ranks, " + first};
 }
-
-}  // namespace
 
 void RunRanks(
     int n, const std::function<void(kerasdist::core::LocalCommunicator&)>& fn,
@@ -147,28 +143,16 @@ void RunTcpRanks(
     const std::function<void(kerasdist::core::TcpMeshOptions&)>& tweak) {
   using namespace kerasdist::core;
   TcpJob job = ListenTcp(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        TcpMeshOptions opt = job.opt;
-        opt.rank = r;
-        if (tweak) tweak(opt);
-        std::unique_ptr<TcpMesh> mesh;
-        CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
-        TcpCommunicator comm(std::move(mesh));
-        fn(comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunThreads(n, [&](int r) {
+    TcpMeshOptions opt = job.opt;
+    opt.rank = r;
+    if (tweak) tweak(opt);
+    std::unique_ptr<TcpMesh> mesh;
+    CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
+    TcpCommunicator comm(std::move(mesh));
+    fn(comm);
+  });
   for (int fd : job.listeners) close(fd);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
 }
 
 void RunTcpHosts(const std::vector<int>& hosts,
@@ -193,6 +177,18 @@ void RunTcpHosts(const std::vector<int>& hosts,
     CHECK_OK(all->Barrier());  // every rank done before any closes
   });
   for (int fd : job.listeners) close(fd);
+}
+
+void ReceiveControl(kerasdist::core::ControlChannel& c, int* src,
+                    std::string* bytes) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  bool got = false;
+  while (!got) {
+    CHECK_OK(c.PollControl(&got, src, bytes));
+    CHECK_MSG(got || std::chrono::steady_clock::now() < until,
+              "no control message within 5 s");
+    if (!got) std::this_thread::yield();
+  }
 }
 
 }  // namespace kdtest

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/control/control_channel.h"
 #include "../core/transport/local_communicator.h"
 #include "../core/transport/tcp_communicator.h"
 
@@ -29,6 +30,15 @@ void Register(const char* name, void (*fn)());
 struct Registrar {
   Registrar(const char* name, void (*fn)()) { Register(name, fn); }
 };
+
+// Runs body(r) on `n` threads and rethrows the first rank's failure after
+// every thread has ended.
+void RunThreads(int n, const std::function<void(int)>& body);
+
+// Polls `c` until a message comes (bounded: a lost message fails the
+// test after 5 s, never hangs).
+void ReceiveControl(kerasdist::core::ControlChannel& c, int* src,
+                    std::string* bytes);
 
 // Runs fn(comm) on `n` threads, rank r with a LocalCommunicator of rank r
 // over one group, and rethrows the first rank's failure after every thread

@@ -12,18 +12,6 @@ namespace {
 
 using namespace kerasdist::core;
 
-// Polls until a message comes (bounded: a lost message fails, never hangs).
-void Receive(ControlChannel& c, int* src, std::string* bytes) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  bool got = false;
-  while (!got) {
-    CHECK_OK(c.PollControl(&got, src, bytes));
-    CHECK_MSG(got || std::chrono::steady_clock::now() < until,
-              "no control message within 5 s");
-    if (!got) std::this_thread::yield();
-  }
-}
-
 KD_TEST(ControlMessagesArriveInOrderPerSender) {
   const int kPerRank = 20;
   for (int n = 1; n <= 4; ++n) {
@@ -43,12 +31,12 @@ KD_TEST(ControlMessagesArriveInOrderPerSender) {
           m.cached.push_back(i);
           CHECK_OK(control.SendControl(0, Serialize(m)));
         }
-        Receive(control, &src, &bytes);
+        ReceiveControl(control, &src, &bytes);
         CHECK(src == 0 && bytes == "done " + std::to_string(me));
       } else {
         std::vector<int> next(n, 0);
         for (int k = 0; k < kPerRank * (n - 1); ++k) {
-          Receive(control, &src, &bytes);
+          ReceiveControl(control, &src, &bytes);
           RankMessage m;
           CHECK_OK(Deserialize(bytes, &m));
           CHECK_MSG(m.cached == std::vector<int32_t>{next[src]++},

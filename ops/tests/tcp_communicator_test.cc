@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -114,38 +115,26 @@ KD_TEST(TcpCollectivesGiveWhatTheyShould) {
 KD_TEST(TcpNodeCommunicatorsFollowTheHostNames) {
   const std::vector<std::string> hosts = {"b", "a", "b", "a", "a"};
   TcpJob job = ListenTcp(5);
-  std::vector<std::thread> ranks;
-  std::vector<std::exception_ptr> errors(5);
-  for (int r = 0; r < 5; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        TcpMeshOptions opt = job.opt;
-        opt.rank = r;
-        std::unique_ptr<TcpMesh> mesh;
-        CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
-        std::unique_ptr<Communicator> all, node, leaders;
-        MakeNodeCommunicators(std::move(mesh), hosts, &all, &node, &leaders);
-        CHECK(all->rank() == r && all->size() == 5);
-        const std::vector<int> b = {0, 2}, a = {1, 3, 4};
-        const std::vector<int>& mine = hosts[r] == "b" ? b : a;
-        CHECK(node->size() == static_cast<int>(mine.size()));
-        CHECK(mine[node->rank()] == r);
-        CHECK((leaders != nullptr) == (r == 0 || r == 1));
-        if (leaders) CHECK(leaders->size() == 2 && leaders->rank() == r);
-        int32_t v = r;  // the node's ranks summed
-        CHECK_OK(node->Allreduce(&v, 1, DataType::kInt32, ReduceOp::kSum));
-        CHECK(v == (hosts[r] == "b" ? 2 : 8));
-        CHECK_OK(all->Barrier());
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
+  RunThreads(5, [&](int r) {
+    TcpMeshOptions opt = job.opt;
+    opt.rank = r;
+    std::unique_ptr<TcpMesh> mesh;
+    CHECK_OK(TcpMesh::Form(opt, job.listeners[r], &mesh));
+    std::unique_ptr<Communicator> all, node, leaders;
+    MakeNodeCommunicators(std::move(mesh), hosts, &all, &node, &leaders);
+    CHECK(all->rank() == r && all->size() == 5);
+    const std::vector<int> b = {0, 2}, a = {1, 3, 4};
+    const std::vector<int>& mine = hosts[r] == "b" ? b : a;
+    CHECK(node->size() == static_cast<int>(mine.size()));
+    CHECK(mine[node->rank()] == r);
+    CHECK((leaders != nullptr) == (r == 0 || r == 1));
+    if (leaders) CHECK(leaders->size() == 2 && leaders->rank() == r);
+    int32_t v = r;  // the node's ranks summed
+    CHECK_OK(node->Allreduce(&v, 1, DataType::kInt32, ReduceOp::kSum));
+    CHECK(v == (hosts[r] == "b" ? 2 : 8));
+    CHECK_OK(all->Barrier());
+  });
   for (int fd : job.listeners) close(fd);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
 }
 
 KD_TEST(TcpPeerThatClosesFailsItsPeersNamingIt) {
@@ -207,6 +196,26 @@ KD_TEST(TcpDisagreeingCallsFailNamingBothSides) {
   });
 }
 
+// Forms rank 0's and rank 1's meshes of `job` side by side (rank 1's
+// options changed by `tweak`); their statuses.
+std::vector<Status> FormBoth(
+    const TcpJob& job, std::vector<std::unique_ptr<TcpMesh>>* meshes,
+    const std::function<void(TcpMeshOptions&)>& tweak = nullptr) {
+  std::vector<Status> got(2);
+  meshes->resize(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      TcpMeshOptions opt = job.opt;
+      opt.rank = r;
+      if (r == 1 && tweak) tweak(opt);
+      got[r] = TcpMesh::Form(opt, job.listeners[r], &(*meshes)[r]);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return got;
+}
+
 KD_TEST(TcpMeshAdmitsOnlyRanksThatProveTheKey) {
   // A stranger's garbage and an idle connection at rank 0's port while the
   // mesh forms: the mesh forms anyway, without them.
@@ -222,17 +231,8 @@ KD_TEST(TcpMeshAdmitsOnlyRanksThatProveTheKey) {
     close(noisy);
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  std::vector<std::unique_ptr<TcpMesh>> meshes(2);
-  std::vector<Status> got(2);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      TcpMeshOptions opt = job.opt;
-      opt.rank = r;
-      got[r] = TcpMesh::Form(opt, job.listeners[r], &meshes[r]);
-    });
-  }
-  for (auto& t : ranks) t.join();
+  std::vector<std::unique_ptr<TcpMesh>> meshes;
+  std::vector<Status> got = FormBoth(job, &meshes);
   stranger.join();
   CHECK_OK(got[0]);
   CHECK_OK(got[1]);
@@ -250,20 +250,12 @@ KD_TEST(TcpMeshRefusesAWrongKeyAnotherGenerationAndChannel) {
   for (int which = 0; which < 3; ++which) {
     TcpJob job = ListenTcp(2);
     job.opt.connect_timeout_s = 1.0;
-    std::vector<Status> got(2);
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < 2; ++r) {
-      ranks.emplace_back([&, r] {
-        TcpMeshOptions opt = job.opt;
-        opt.rank = r;
-        if (r == 1 && which == 0) opt.key = "another job's key";
-        if (r == 1 && which == 1) opt.generation = 6;  // a mesh before
-        if (r == 1 && which == 2) opt.channel = TcpMeshOptions::kControl;
-        std::unique_ptr<TcpMesh> mesh;
-        got[r] = TcpMesh::Form(opt, job.listeners[r], &mesh);
-      });
-    }
-    for (auto& t : ranks) t.join();
+    std::vector<std::unique_ptr<TcpMesh>> meshes;
+    std::vector<Status> got = FormBoth(job, &meshes, [&](TcpMeshOptions& opt) {
+      if (which == 0) opt.key = "another job's key";
+      if (which == 1) opt.generation = 6;  // a mesh before
+      if (which == 2) opt.channel = TcpMeshOptions::kControl;
+    });
     for (int fd : job.listeners) close(fd);
     CHECK(!got[0].ok() && !got[1].ok());
     CHECK_CONTAINS(got[0].message(), "rank 1 did not connect within 1 s");

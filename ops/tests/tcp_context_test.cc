@@ -45,31 +45,19 @@ void RunContexts(const std::vector<std::string>& hosts,
                  const std::function<void(TcpContext&)>& fn) {
   const int n = static_cast<int>(hosts.size());
   TcpJob data = ListenTcp(n), control = ListenTcp(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        TcpContextOptions opt;
-        opt.mesh = data.opt;
-        opt.mesh.rank = r;
-        opt.control_addresses = control.opt.addresses;
-        opt.host = hosts[r];
-        std::unique_ptr<TcpContext> ctx;
-        CHECK_OK(TcpContext::Form(opt, data.listeners[r], control.listeners[r],
-                                  &ctx));
-        fn(*ctx);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  RunThreads(n, [&](int r) {
+    TcpContextOptions opt;
+    opt.mesh = data.opt;
+    opt.mesh.rank = r;
+    opt.control_addresses = control.opt.addresses;
+    opt.host = hosts[r];
+    std::unique_ptr<TcpContext> ctx;
+    CHECK_OK(
+        TcpContext::Form(opt, data.listeners[r], control.listeners[r], &ctx));
+    fn(*ctx);
+  });
   for (int fd : data.listeners) close(fd);
   for (int fd : control.listeners) close(fd);
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
 }
 
 KD_TEST(TcpContextFormsAndCarriesAStep) {

@@ -16,18 +16,6 @@ namespace {
 
 using namespace kerasdist::core;
 
-// Polls until a message comes (bounded: a lost message fails, never hangs).
-void Receive(ControlChannel& c, int* src, std::string* bytes) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  bool got = false;
-  while (!got) {
-    CHECK_OK(c.PollControl(&got, src, bytes));
-    CHECK_MSG(got || std::chrono::steady_clock::now() < until,
-              "no control message within 5 s");
-    if (!got) std::this_thread::yield();
-  }
-}
-
 // Rank `rank`'s control mesh of `job` (listeners of its own).
 std::unique_ptr<TcpMesh> ControlMesh(const TcpJob& job, int rank) {
   TcpMeshOptions opt = job.opt;
@@ -64,12 +52,12 @@ KD_TEST(TcpControlMessagesArriveInOrderPerSender) {
           CHECK_OK(channel.SendControl(0, Serialize(m)));
         }
         CHECK_OK(channel.SendControl(0, big));
-        Receive(channel, &src, &bytes);
+        ReceiveControl(channel, &src, &bytes);
         CHECK(src == 0 && bytes == "done " + std::to_string(me));
       } else {
         std::vector<int> next(n, 0);
         for (int k = 0; k < (kPerRank + 1) * (n - 1); ++k) {
-          Receive(channel, &src, &bytes);
+          ReceiveControl(channel, &src, &bytes);
           if (next[src] == kPerRank) {
             CHECK_MSG(bytes == big,
                       "the big message from rank " + std::to_string(src));
@@ -106,7 +94,7 @@ KD_TEST(TcpControlDeliversAGoodbyeThenFailsSendsToTheClosedPeer) {
     }
     int src = -1;
     std::string bytes;
-    Receive(*channel, &src, &bytes);
+    ReceiveControl(*channel, &src, &bytes);
     CHECK(src == 1 && bytes == "bye");
     CHECK_OK(comm.Barrier());  // rank 1's end is written by now
     bool got = true;
