@@ -246,6 +246,47 @@ KD_TEST(TcpMeshAdmitsOnlyRanksThatProveTheKey) {
   for (int fd : job.listeners) close(fd);
 }
 
+// A foreign client that knows the hello's format (nothing in it is
+// secret) but not the key: its proof is refused and it never joins.
+KD_TEST(TcpMeshRefusesAHelloWhoseProofIsWrong) {
+  TcpJob job = ListenTcp(2);
+  job.opt.connect_timeout_s = 1.0;
+  std::thread stranger([&] {
+    const int port = std::stoi(job.opt.addresses[0].substr(10));
+    int fd = ConnectWithTimeout("127.0.0.1", port, 1.0);
+    CHECK(fd >= 0);
+    std::string hello = "kdtm";
+    auto put = [&](const void* p, size_t n) {
+      hello.append(static_cast<const char*>(p), n);
+    };
+    const uint32_t version = 1, channel = TcpMeshOptions::kData;
+    const uint64_t generation = job.opt.generation;
+    const int32_t from = 1, to = 0;
+    put(&version, 4);
+    put(&channel, 4);
+    put(&generation, 8);
+    put(&from, 4);
+    put(&to, 4);
+    hello += std::string(32, 'n');  // its nonce
+    std::string answer;
+    CHECK(SendAll(fd, hello, 1.0));
+    CHECK(ReadExactly(fd, 64, 1.0, &answer));       // the listener's proof
+    CHECK(SendAll(fd, std::string(32, 'p'), 1.0));  // not a proof
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    close(fd);
+  });
+  TcpMeshOptions opt = job.opt;
+  opt.rank = 0;
+  std::unique_ptr<TcpMesh> mesh;
+  Status s = TcpMesh::Form(opt, job.listeners[0], &mesh);
+  stranger.join();
+  for (int fd : job.listeners) close(fd);
+  CHECK(s.code() == StatusCode::kRanksLost);
+  CHECK_CONTAINS(s.message(),
+                 "rank 1 did not connect within 1 s (last refused: it did "
+                 "not prove the job's key");
+}
+
 KD_TEST(TcpMeshRefusesAWrongKeyAnotherGenerationAndChannel) {
   for (int which = 0; which < 3; ++which) {
     TcpJob job = ListenTcp(2);
