@@ -12,6 +12,7 @@ from kerasdist._core import keras_backend
 from kerasdist._core import ray_worker as _ray_worker
 from kerasdist._core import resize as _resize
 from kerasdist._core import site_mpi
+from kerasdist._core import tcp_start as _tcp_start
 from kerasdist.rendezvous import client
 from kerasdist.rendezvous import conventions
 from kerasdist.rendezvous import protocol
@@ -111,12 +112,13 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
     _capi.resolve_settings(overrides)
     lib = _capi.lib()
     with _lock:
-        pmi_env, launch = {}, None
+        pmi_env, launch, tcp = {}, None, None
         if comm is None and not is_initialized():
             launch, pmi_env = _join_launch(lib)
+            tcp = _tcp_start.prepare(lib, launch, pmi_env)
         starting = not is_initialized()
-        saved = {k: os.environ.get(k) for k in pmi_env}
-        os.environ.update(pmi_env)
+        saved = {k: os.environ.get(k) for k in pmi_env if not tcp}
+        os.environ.update({k: v for k, v in pmi_env.items() if k in saved})
         try:
             failed = lib.kerasdist_init(int(comm is not None), comm_f,
                                         overrides.encode()) != 0
@@ -127,6 +129,8 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+            if tcp:  # the meshes formed (or failed): the server is done
+                tcp.done()
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
@@ -217,12 +221,13 @@ def _join_launch(lib):
     returns the PMI variables for MPI_Init: (launch, {name: value}), {}
     where there is nothing to join."""
     launch = conventions.detect(os.environ)
+    tcp = _tcp_start.check(launch, _joined)  # KERASDIST_TRANSPORT=tcp
     # The MPI kerasdist was built against must speak the launcher's
     # protocol (kerasdist/_core/site_mpi.py): one line, not MPI_Init's abort
     # or a job of one on every process.
     wrong = (site_mpi.check_launch(os.environ) if launch.convention == "mpi"
              else site_mpi.check_rendezvous(launch.convention)
-             if launch.coordinator is not None else None)
+             if launch.coordinator is not None and not tcp else None)
     if wrong:
         raise RuntimeError(f"kerasdist.init() failed: {wrong}")
     if launch.convention == "single" and _ray_worker.in_ray_worker():
@@ -245,7 +250,7 @@ def _join_launch(lib):
             f"{launch.rank}. Start a new process for the other job.")
     mpi_started = ctypes.c_int(0)
     lib.MPI_Initialized(ctypes.byref(mpi_started))
-    if mpi_started.value:
+    if mpi_started.value and not tcp:
         raise RuntimeError(
             f"kerasdist.init(): MPI was started before it (importing "
             f"mpi4py.MPI starts it), as a job of one, so this process "

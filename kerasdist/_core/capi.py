@@ -101,8 +101,11 @@ def lib():
             getattr(l, "kerasdist_" + name).argtypes = []
         l.kerasdist_init.argtypes = [i, i, s]
         l.kerasdist_init.restype = i
-        for name in ("last_error", "build_info", "config_variables",
-                     "current_config", "settings_table", "dtypes",
+        l.kerasdist_set_tcp_job.argtypes = [s]
+        l.kerasdist_set_tcp_job.restype = i
+        for name in ("last_error", "transport", "build_info",
+                     "config_variables", "current_config", "settings_table",
+                     "dtypes",
                      "reduce_ops", "op_types", "timeline_phases"):
             getattr(l, "kerasdist_" + name).restype = s
             getattr(l, "kerasdist_" + name).argtypes = []

@@ -21,6 +21,8 @@
 #include "half_kernels.h"
 #include "process_sets.h"
 #include "timeline.h"
+#include "transport/mpi_context.h"
+#include "transport/tcp_job.h"
 #include "types.h"
 
 #ifndef KERASDIST_VERSION
@@ -59,6 +61,17 @@ extern "C" {
 int kerasdist_init(int has_comm, int comm_f, const char* settings) {
   Status s = StartJob(settings, has_comm != 0, comm_f);
   return s.ok() ? 0 : Fail(s.message());
+}
+
+int kerasdist_set_tcp_job(const char* spec) {
+  Status s = SetTcpJob(spec ? spec : "");
+  return s.ok() ? 0 : Fail(s.message());
+}
+
+const char* kerasdist_transport(void) {
+  std::shared_ptr<Runtime> rt = CurrentRuntime();
+  t_text = rt ? rt->transport_name() : "";
+  return t_text.c_str();
 }
 
 int kerasdist_shutdown(void) {

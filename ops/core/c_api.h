@@ -34,6 +34,12 @@ typedef struct {
  * lines that override the environment. Returns 0, or -1 with
  * kerasdist_last_error(). */
 int kerasdist_init(int has_comm, int comm_f, const char* settings);
+/* The next kerasdist_init without a communicator runs over TCP, the job as
+ * `spec` describes it (transport/tcp_job.h; "" withdraws it). 0, or -1
+ * with kerasdist_last_error(). */
+int kerasdist_set_tcp_job(const char* spec);
+/* The running job's transport, "mpi" or "tcp"; "" when not initialized. */
+const char* kerasdist_transport(void);
 int kerasdist_shutdown(void);
 int kerasdist_is_initialized(void);
 /* How many times this process's job was re-formed among the survivors of a

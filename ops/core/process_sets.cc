@@ -53,6 +53,9 @@ std::string SetLabel(int32_t id, const std::vector<int32_t>& ranks) {
 // itself. (A communicator of an earlier init is left alone: freeing it is
 // collective, and a rank may shut down alone.)
 MPI_Comm DupForSets(bool has_comm, int comm_f) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return MPI_COMM_NULL;  // a TCP job: no sets yet
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
   if (level != MPI_THREAD_MULTIPLE) return MPI_COMM_NULL;
@@ -118,6 +121,11 @@ Status AllAgree(const std::vector<int64_t>& values, const char* what) {
 Status RequireSets(std::shared_ptr<Runtime>* rt) {
   *rt = CurrentRuntime();
   if (!*rt) return Status::Precondition(kNotInitialized);
+  if ((*rt)->transport_name() != "mpi") {
+    return Status::Precondition(
+        "process sets other than the global one need the MPI transport; "
+        "this job runs over TCP (KERASDIST_TRANSPORT=tcp).");
+  }
   if (g_sets_comm == MPI_COMM_NULL) {
     return Status::Precondition(
         "process sets need MPI initialized with MPI_THREAD_MULTIPLE (each "

@@ -12,6 +12,8 @@
 #include "backends/gpu/device_backend.h"
 #include "layout.h"
 #include "scale.h"
+#include "transport/mpi_context.h"
+#include "transport/tcp_job.h"
 #include "validate.h"
 
 namespace kerasdist::core {
@@ -43,9 +45,10 @@ constexpr double kGoodbyeTimeoutS = 2.0;
 // survivor: its line says so, and the runtime's communicators are revoked,
 // so that every survivor's collectives fail with RanksLost and the runtime
 // re-forms (Loop). Otherwise empty: the heartbeat ends the process.
-std::function<void(const std::string&)> OnLost(MpiContext* mpi) {
-  if (!RecoveryOn()) return {};
-  return [mpi](const std::string& line) {
+std::function<void(const std::string&)> OnLost(JobTransport* transport,
+                                               bool recovery) {
+  if (!recovery) return {};
+  return [transport](const std::string& line) {
     std::string text = line;
     const std::string ending = "; ending this rank.";
     const size_t at = text.rfind(ending);
@@ -55,7 +58,7 @@ std::function<void(const std::string&)> OnLost(MpiContext* mpi) {
     }
     std::fputs(text.c_str(), stderr);
     std::fflush(stderr);
-    mpi->Revoke();
+    transport->Revoke();
   };
 }
 
@@ -92,15 +95,9 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
       if (!started) SkipFinalizeAtExit();
     }
   } end_watch;
-  KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &rt->mpi_));
-  KD_RETURN_IF_ERROR(StartLiveness(
-      rt->mpi_->comm(), config.heartbeat_interval_s, config.heartbeat_timeout_s,
-      config.network_interface, &rt->liveness_, OnLost(rt->mpi_.get())));
-  rt->host_ = rt->mpi_->MakeHostCommunicator();
-  rt->node_ = rt->mpi_->MakeNodeCommunicator();
-  rt->leaders_ = rt->mpi_->MakeLeaderCommunicator();
+  KD_RETURN_IF_ERROR(rt->StartTransport(has_comm, parent_comm_f));
   bool oversubscribed = false;
-  KD_RETURN_IF_ERROR(NodeOversubscribed(rt->mpi_->comm(), &oversubscribed));
+  KD_RETURN_IF_ERROR(NodeOversubscribed(*rt->node_, &oversubscribed));
   rt->spin_while_pending_ = !oversubscribed;
   NodeContext ctx;
   ctx.comm = rt->host_.get();
@@ -124,13 +121,33 @@ Status Runtime::Start(const Config& config, bool has_comm, int parent_comm_f,
   // Rank 0 alone opens the timeline: every rank learns whether it could,
   // so that kd.init() fails on all of them, not on rank 0 alone while the
   // others wait for it in their first collective.
-  KD_RETURN_IF_ERROR(AgreeStarted(rt->mpi_->comm(), timeline));
+  KD_RETURN_IF_ERROR(AgreeStarted(*rt->host_, timeline));
   rt->last_stall_check_ = Clock::now();
   rt->last_work_ = Clock::now();
   rt->thread_ = std::thread(&Runtime::Loop, rt.get());
   end_watch.started = true;
   *out = std::move(rt);
   return Status::OK();
+}
+
+Status Runtime::StartTransport(bool has_comm, int parent_comm_f) {
+  if (!has_comm && !role_.parent && TcpJobPending()) {
+    KD_RETURN_IF_ERROR(FormTcpJob(&transport_));
+  } else {
+    std::unique_ptr<MpiContext> mpi;
+    KD_RETURN_IF_ERROR(MpiContext::Create(has_comm, parent_comm_f, &mpi));
+    transport_ = std::move(mpi);
+  }
+  transport_->MakeCommunicators(&host_, &node_, &leaders_);
+  LivenessStart start;
+  start.interval_s = config_.heartbeat_interval_s;
+  start.timeout_s = config_.heartbeat_timeout_s;
+  start.interface = config_.network_interface;
+  // Recovery in place re-forms MPI's communicator (ULFM); a TCP job is
+  // relaunched as without it.
+  start.recovery = transport_->Name() == "mpi" && RecoveryOn();
+  start.on_lost = OnLost(transport_.get(), start.recovery);
+  return StartLiveness(*host_, start, &liveness_);
 }
 
 Runtime::~Runtime() {
@@ -313,11 +330,11 @@ void Runtime::Loop() {
   if (stopped_status().code() == StatusCode::kRanksLost) {
     // No goodbyes: a lost rank never answers. The job's runtime re-forms
     // the job among the survivors before Shutdown returns.
-    if (!role_.parent) mpi_->Reform(ReformDeadlineS(config_));
+    if (!role_.parent) transport_->Reform(ReformDeadlineS(config_));
     return;
   }
   SayGoodbye();
-  mpi_->FlushSends(5.0);
+  transport_->FlushSends(5.0);
 }
 
 // A process set's runtime whose job's runtime stopped: its collectives fail.
@@ -330,7 +347,7 @@ void Runtime::FailWithParent() {
   const std::string why =
       parent.message().empty() ? std::string(".") : ": " + parent.message();
   if (parent.code() == StatusCode::kRanksLost) {
-    mpi_->Revoke();
+    transport_->Revoke();
     FailAll(
         Status(StatusCode::kRanksLost, Labelled("the job lost a rank" + why)));
     return;
@@ -352,7 +369,7 @@ void Runtime::SayGoodbye() {
     bye.shutdown = true;
     sent_shutdown_ = true;
     // Best effort: the job is ending, and a failure here changes nothing.
-    (void)mpi_->SendControl(0, Serialize(bye));
+    (void)transport_->SendControl(0, Serialize(bye));
     return;
   }
   said_goodbye_.resize(topo.size, false);
@@ -366,7 +383,7 @@ void Runtime::SayGoodbye() {
     int src = 0;
     std::string bytes;
     RankMessage m;
-    if (!mpi_->PollControl(&got, &src, &bytes).ok()) return;
+    if (!transport_->PollControl(&got, &src, &bytes).ok()) return;
     if (!got) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     } else if (Deserialize(bytes, &m).ok() && m.shutdown &&
@@ -404,7 +421,7 @@ bool Runtime::RunLoopOnce() {
   bool worked = TakeIncoming(&msg);
   Status s = topology().rank == 0 ? CoordinatorRound(msg, &worked)
                                   : WorkerRound(msg, &worked);
-  if (s.ok()) s = mpi_->ProgressSends();
+  if (s.ok()) s = transport_->ProgressSends();
   if (!s.ok()) {
     if (s.code() == StatusCode::kRanksLost) RevokeJob();
     FailAll(Status(s.code(), "rank " + std::to_string(topology().rank) + ": " +
@@ -422,8 +439,8 @@ bool Runtime::RunLoopOnce() {
 // Otherwise a set member's shutdown request could reach the coordinator
 // before the loss did, which would end the job ("rank N shut down").
 void Runtime::RevokeJob() {
-  mpi_->Revoke();
-  if (role_.parent) role_.parent->mpi_->Revoke();
+  transport_->Revoke();
+  if (role_.parent) role_.parent->transport_->Revoke();
 }
 
 // Moves the front ends' new entries to pending_ and describes them for the
@@ -484,7 +501,7 @@ Status Runtime::ReceiveFromWorkers(bool* worked) {
     bool got = false;
     int src = 0;
     std::string bytes;
-    KD_RETURN_IF_ERROR(mpi_->PollControl(&got, &src, &bytes));
+    KD_RETURN_IF_ERROR(transport_->PollControl(&got, &src, &bytes));
     if (!got) return Status::OK();
     RankMessage m;
     KD_RETURN_IF_ERROR(Deserialize(bytes, &m));
@@ -520,7 +537,7 @@ Status Runtime::CheckStalls(Clock::time_point now, bool* stopped) {
   out.shutdown_reason = report.shutdown_reason;
   const std::string bytes = Serialize(out);
   for (int r = 1; r < topology().size; ++r) {
-    KD_RETURN_IF_ERROR(mpi_->SendControl(r, bytes));
+    KD_RETURN_IF_ERROR(transport_->SendControl(r, bytes));
   }
   *stopped = true;
   return Execute(out);
@@ -566,7 +583,7 @@ Status Runtime::DecideAndRun(Clock::time_point now) {
   }
   const std::string bytes = Serialize(out);
   for (int r = 1; r < topology().size; ++r) {
-    KD_RETURN_IF_ERROR(mpi_->SendControl(r, bytes));
+    KD_RETURN_IF_ERROR(transport_->SendControl(r, bytes));
   }
   return Execute(out);
 }
@@ -574,12 +591,12 @@ Status Runtime::DecideAndRun(Clock::time_point now) {
 // Ranks other than 0: send this rank's news, run every decision that came,
 // and give up on a shutdown rank 0 never answers.
 Status Runtime::WorkerRound(const RankMessage& mine, bool* worked) {
-  if (*worked) KD_RETURN_IF_ERROR(mpi_->SendControl(0, Serialize(mine)));
+  if (*worked) KD_RETURN_IF_ERROR(transport_->SendControl(0, Serialize(mine)));
   while (true) {
     bool got = false;
     int src = 0;
     std::string bytes;
-    KD_RETURN_IF_ERROR(mpi_->PollControl(&got, &src, &bytes));
+    KD_RETURN_IF_ERROR(transport_->PollControl(&got, &src, &bytes));
     if (!got) break;
     CoordinatorMessage out;
     KD_RETURN_IF_ERROR(Deserialize(bytes, &out));

@@ -19,11 +19,12 @@
 
 #include "backends/backends.h"
 #include "config.h"
+#include "control/liveness.h"
 #include "controller.h"
 #include "entry.h"
 #include "message.h"
 #include "timeline.h"
-#include "transport/mpi_context.h"
+#include "transport/job_transport.h"
 
 namespace kerasdist::core {
 
@@ -54,7 +55,9 @@ class Runtime {
   // Tells the other ranks, fails what is still pending, joins the thread.
   void Shutdown();
 
-  const Topology& topology() const { return mpi_->topology(); }
+  const Topology& topology() const { return transport_->topology(); }
+  // "mpi" or "tcp" (JobTransport::Name).
+  std::string transport_name() const { return transport_->Name(); }
   const Config& config() const { return config_; }
   // The backends in the order batches try them ("nccl,cma,shm,mpi"...).
   std::string BackendNames() const;
@@ -84,6 +87,9 @@ class Runtime {
   const std::string& label() const { return role_.label; }
 
  private:
+  // The transport (a TCP job's where kd.init() described one, else MPI's),
+  // the backends' communicators and the heartbeat.
+  Status StartTransport(bool has_comm, int parent_comm_f);
   // A batch an asynchronous backend (a GPU stream) is still running.
   struct AsyncBatch {
     std::vector<Entry> entries;
@@ -147,7 +153,7 @@ class Runtime {
   Config config_;
   RuntimeRole role_;
   std::atomic<bool> stopped_flag_{false};
-  std::unique_ptr<MpiContext> mpi_;
+  std::unique_ptr<JobTransport> transport_;
   std::unique_ptr<Liveness> liveness_;  // the heartbeat; empty at one rank
   // MPI over this runtime's ranks, this node's ranks, one leader per node
   // (null but on the leaders): the backends' communicators.

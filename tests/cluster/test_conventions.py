@@ -209,20 +209,24 @@ def test_a_missing_coordinator_fails_in_time_across_hosts(cluster):
 
 
 @pytest.mark.timeout(150)
-def test_node_mode_job_across_hosts(cluster):
+@pytest.mark.parametrize("transport", ["mpi", "tcp"])
+def test_node_mode_job_across_hosts(cluster, transport):
     """`kerasdist run --nnodes 2 --node-rank N` on each host (no ssh, no
     mpiexec across hosts): one job of 2 x 2 ranks, host 1's agent started
-    first, with the single-node and hierarchical paths of kerasdist run."""
+    first, with the single-node and hierarchical paths of kerasdist run;
+    over MPI, and over the TCP transport (no MPI in the job), whose
+    backend then carries what crosses the hosts."""
     agents = []
+    env = {**_base(), "KERASDIST_TRANSPORT": transport}
     try:
         for node in (1, 0):
             agents.append(cluster.popen(
                 cluster.hosts[node],
                 [sys.executable, "-m", "kerasdist.run", "--nnodes", "2",
                  "--node-rank", str(node), "--master-addr", "kdt0",
-                 "--master-port", "29631", "--nproc-per-node", "2",
-                 *WORKER],
-                env=_base(), stdout=subprocess.PIPE,
+                 "--master-port", str(29631 + (transport == "tcp")),
+                 "--nproc-per-node", "2", *WORKER],
+                env=env, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True,
                 start_new_session=True))
         outs = [p.communicate(timeout=120)[0] for p in agents]
@@ -238,32 +242,42 @@ def test_node_mode_job_across_hosts(cluster):
     backends = {line.split()[-1] for out in outs
                 for line in out.splitlines() if "BACKENDS" in line}
     assert len(backends) == 1, backends
-    assert "hier" in backends.pop().split(","), outs[1][-3000:]
+    names = backends.pop().split(",")
+    assert "hier" in names, outs[1][-3000:]
+    assert names[-1] == transport, names
 
 
 @pytest.mark.timeout(300)
 def test_training_across_hosts_matches_kerasdist_run(cluster, tmp_path):
     """A Keras model trained by 2 processes started with torchrun's
-    variables, one per host, reaches the weights (1e-5) of the same job
-    under `kerasdist run -np 2 -H kdt0:1,kdt1:1`."""
+    variables, one per host, over MPI and over the TCP transport, reaches
+    the weights (1e-5) of the same job under `kerasdist run -np 2 -H
+    kdt0:1,kdt1:1`."""
     import numpy as np
     script = worker_cmd("convention_train_worker.py")
 
-    def torchrun(node):
+    def torchrun(node, transport):
         return {"RANK": node, "WORLD_SIZE": 2, "LOCAL_RANK": 0,
                 "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "kdt0",
-                "MASTER_PORT": 29641}
-    procs = _start(cluster, {"torchrun": [[torchrun(0)], [torchrun(1)]]},
-                   argv=script + [str(tmp_path / "platform.npz")])
-    results = _wait(procs, timeout=240)["torchrun"]
-    for r, (rc, out) in enumerate(results):
-        assert rc == 0 and f"trained {r} 2" in out, out[-3000:]
+                "MASTER_PORT": 29641 + (transport == "tcp"),
+                "KERASDIST_TRANSPORT": transport}
+    results = {}
+    for transport in ("mpi", "tcp"):
+        procs = _start(cluster, {transport: [[torchrun(0, transport)],
+                                             [torchrun(1, transport)]]},
+                       argv=script + [str(tmp_path / f"{transport}.npz")])
+        results.update(_wait(procs, timeout=240))
+    for transport, per_rank in results.items():
+        for r, (rc, out) in enumerate(per_rank):
+            assert rc == 0 and f"trained {r} 2" in out, out[-3000:]
     out = run_on(cluster, 2, "kdt0:1,kdt1:1",
                  script + [str(tmp_path / "run.npz")], timeout=240,
                  env=worker_env())
     assert out.returncode == 0, out.stdout[-3000:]
-    a = np.load(tmp_path / "platform.npz")
     b = np.load(tmp_path / "run.npz")
-    assert len(a.files) == len(b.files) == 4
-    for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5)
+    for transport in ("mpi", "tcp"):
+        a = np.load(tmp_path / f"{transport}.npz")
+        assert len(a.files) == len(b.files) == 4
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5,
+                                       err_msg=transport)

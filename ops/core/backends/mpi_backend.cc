@@ -1,5 +1,6 @@
 // The factories of the backends over a Communicator (communicator_backend.h):
-// MPI, the last resort for every host collective, and the one-rank
+// the job's transport (MPI, or TCP where kd.init() formed a TCP job, named
+// so), the last resort for every host collective, and the one-rank
 // allreduce.
 #include "backends.h"
 #include "communicator_backend.h"
@@ -8,8 +9,9 @@ namespace kerasdist::core {
 
 Status MakeMpiBackend(const Config&, const NodeContext& ctx,
                       std::unique_ptr<Backend>* out) {
+  const char* name = ctx.comm->Name() == "tcp" ? "tcp" : "mpi";
   *out =
-      std::make_unique<CommunicatorBackend>("mpi", ctx.comm, ctx.comm->rank());
+      std::make_unique<CommunicatorBackend>(name, ctx.comm, ctx.comm->rank());
   return Status::OK();
 }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "../status.h"
+#include "../transport/communicator.h"
 
 namespace kerasdist::core {
 
@@ -67,6 +68,27 @@ struct LivenessOptions {
   // "off\n" as it ends (a goodbye, or a loss: the survivors re-form).
   int watchdog_fd = -1;
 };
+
+class Liveness;
+
+// How StartLiveness starts the heartbeat: rank 0's interval and timeout
+// (seconds) are every rank's; `interface` is where rank 0's address is
+// taken first; `recovery`: recovery in place is on (the wrapper's watchdog
+// then watches a rank of a larger job too).
+struct LivenessStart {
+  double interval_s = 1.0;
+  double timeout_s = 30.0;
+  std::string interface;
+  bool recovery = false;
+  std::function<void(const std::string&)> on_lost;  // LivenessOptions'
+};
+
+// Collective over `comm` (the job's ranks, over whichever transport;
+// start_liveness.cc): starts this rank's heartbeat; *out stays empty for
+// one rank or a timeout of 0. Fails on every rank if any rank cannot
+// connect.
+Status StartLiveness(Communicator& comm, const LivenessStart& start,
+                     std::unique_ptr<Liveness>* out);
 
 class Liveness {
  public:

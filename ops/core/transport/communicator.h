@@ -90,6 +90,15 @@ inline Status AgreeLargest(Communicator& comm, int64_t mine, int64_t* largest) {
   return Status::OK();
 }
 
+// Collective over `comm`: every rank's `mine` in, one verdict out: `mine`
+// where it failed, else an error naming the lowest rank whose start
+// failed, else OK (communicator.cc).
+Status AgreeStarted(Communicator& comm, const Status& mine);
+
+// Collective over `node` (one node's ranks): whether they outnumber the
+// CPUs they may run on together (the union of their affinity masks).
+Status NodeOversubscribed(Communicator& node, bool* oversubscribed);
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_TRANSPORT_COMMUNICATOR_H_

@@ -1,7 +1,6 @@
 #include "mpi_context.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -441,39 +440,6 @@ Status MpiStatus(int code, const char* call) {
 
 namespace {
 
-// Collective over `comm`: *node holds the ranks that share this rank's node.
-Status NodeComm(MPI_Comm comm, MPI_Comm* node) {
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  return MpiStatus(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank,
-                                       MPI_INFO_NULL, node),
-                   "MPI_Comm_split_type");
-}
-
-}  // namespace
-
-Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed) {
-  *oversubscribed = false;
-  MPI_Comm node;
-  KD_RETURN_IF_ERROR(NodeComm(comm, &node));
-  int local_ranks = 1;
-  MPI_Comm_size(node, &local_ranks);
-  cpu_set_t mine, all;
-  CPU_ZERO(&mine);
-  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) {
-    MPI_Comm_free(&node);
-    return Status::OK();  // unknown: assume not
-  }
-  const int rc =
-      MPI_Allreduce(&mine, &all, sizeof(cpu_set_t), MPI_BYTE, MPI_BOR, node);
-  MPI_Comm_free(&node);
-  KD_RETURN_IF_ERROR(MpiStatus(rc, "MPI_Allreduce"));
-  *oversubscribed = local_ranks > CPU_COUNT(&all);
-  return Status::OK();
-}
-
-namespace {
-
 // Collective over `comm`: *t's ranks; *node holds this node's ranks and
 // *leaders (MPI_COMM_NULL but on each node's local rank 0) those ranks in
 // rank order, one leader per node, for the backends.
@@ -512,21 +478,6 @@ void SkipFinalizeAtExit() {
   if (!initialized || finalized || !g_we_initialized_mpi) return;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (size > 1) g_skip_finalize = true;
-}
-
-Status AgreeStarted(MPI_Comm comm, const Status& mine) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  int failed = mine.ok() ? size : rank, first = size;
-  KD_RETURN_IF_ERROR(
-      MpiStatus(MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, comm),
-                "MPI_Allreduce"));
-  if (!mine.ok()) return mine;
-  if (first == size) return Status::OK();
-  return Status::Internal("rank " + std::to_string(first) +
-                          "'s start failed (its error says why), so this "
-                          "rank's fails too");
 }
 
 Status MpiContext::Create(bool has_parent, int parent_f,
@@ -641,17 +592,15 @@ void MpiContext::FlushSends(double timeout_s) {
   }
 }
 
-std::unique_ptr<Communicator> MpiContext::MakeHostCommunicator() {
-  return std::make_unique<MpiCommunicator>(comm_);
-}
-
-std::unique_ptr<Communicator> MpiContext::MakeNodeCommunicator() {
-  return std::make_unique<MpiCommunicator>(node_comm_);
-}
-
-std::unique_ptr<Communicator> MpiContext::MakeLeaderCommunicator() {
-  if (leader_comm_ == MPI_COMM_NULL) return nullptr;
-  return std::make_unique<MpiCommunicator>(leader_comm_);
+void MpiContext::MakeCommunicators(std::unique_ptr<Communicator>* all,
+                                   std::unique_ptr<Communicator>* node,
+                                   std::unique_ptr<Communicator>* leaders) {
+  *all = std::make_unique<MpiCommunicator>(comm_);
+  *node = std::make_unique<MpiCommunicator>(node_comm_);
+  leaders->reset();
+  if (leader_comm_ != MPI_COMM_NULL) {
+    *leaders = std::make_unique<MpiCommunicator>(leader_comm_);
+  }
 }
 
 }  // namespace kerasdist::core

@@ -30,14 +30,12 @@
 #include <thread>
 #include <vector>
 
-#include "../control/control_channel.h"
 #include "../control/liveness.h"
-#include "communicator.h"
-#include "topology.h"
+#include "job_transport.h"
 
 namespace kerasdist::core {
 
-class MpiContext : public ControlChannel {
+class MpiContext : public JobTransport {
  public:
   // `parent_f` is a Fortran handle of the communicator to use (mpi4py's
   // comm.py2f()) when `has_parent`, else MPI_COMM_WORLD. (Handles can be
@@ -47,7 +45,8 @@ class MpiContext : public ControlChannel {
                        std::unique_ptr<MpiContext>* out);
   ~MpiContext() override;
 
-  const Topology& topology() const { return topo_; }
+  std::string Name() const override { return "mpi"; }
+  const Topology& topology() const override { return topo_; }
   MPI_Comm comm() const { return comm_; }
 
   // Control plane: small negotiation messages, never blocking the caller.
@@ -57,13 +56,11 @@ class MpiContext : public ControlChannel {
   // Waits (bounded) for this rank's control sends to leave, at shutdown.
   void FlushSends(double timeout_s) override;
 
-  // MPI's collectives over the runtime's ranks, over this node's ranks
-  // among them, and (null but on each node's first rank) over one leader
-  // per node: the backends' communicators (backends.h, NodeContext). The
-  // context keeps their MPI communicators; it must outlive them.
-  std::unique_ptr<Communicator> MakeHostCommunicator();
-  std::unique_ptr<Communicator> MakeNodeCommunicator();
-  std::unique_ptr<Communicator> MakeLeaderCommunicator();
+  // MPI's collectives over the runtime's ranks, this node's among them
+  // and one leader per node. The context keeps their MPI communicators.
+  void MakeCommunicators(std::unique_ptr<Communicator>* all,
+                         std::unique_ptr<Communicator>* node,
+                         std::unique_ptr<Communicator>* leaders) override;
 
   // Recovery in place (mpi_recovery.cc). Revoke: every pending and later
   // call on this context's communicators fails, on every rank, with
@@ -74,8 +71,8 @@ class MpiContext : public ControlChannel {
   // that fails, or takes longer than `deadline_s` (another rank lost or
   // frozen meanwhile), ends this process with one line: the launcher then
   // relaunches from the last commit on disk, as without recovery.
-  void Revoke();
-  void Reform(double deadline_s);
+  void Revoke() override;
+  void Reform(double deadline_s) override;
 
  private:
   MpiContext() = default;
@@ -153,10 +150,6 @@ Status ShrinkJob(bool leave, double deadline_s);
 int Shrinks();
 bool LeftJob();
 
-// Collective over `comm`: starts this rank's heartbeat (liveness.h) with
-// rank 0's interval and timeout (seconds); *out stays empty for one rank or
-// a timeout of 0. `interface` is where rank 0's address is taken first.
-// Fails on every rank if any rank cannot connect.
 // The start-up window before the heartbeat runs (mpi_liveness.cc): kd.init()'s
 // first collectives would wait for ever for a rank that froze or went right
 // after MPI_Init. StartupCheckIn: every rank tells rank 0 it has arrived
@@ -166,9 +159,6 @@ bool LeftJob();
 // the start (MPI_Comm_dup, the node split, the heartbeat's own exchange);
 // EndStartupWatch, once the heartbeat runs, disarms it.
 Status StartupCheckIn(MPI_Comm comm);
-// Every rank's `mine` in, one verdict out: `mine` where it failed, else an
-// error naming the lowest rank whose start failed, else OK.
-Status AgreeStarted(MPI_Comm comm, const Status& mine);
 // kd.init() failed after MPI_Init on a job of more than one rank: the
 // process ends without MPI_Finalize (whose barrier the others, waiting
 // inside MPI for this rank, would never reach).
@@ -176,18 +166,8 @@ void SkipFinalizeAtExit();
 void StartStartupWatch(MPI_Comm comm);
 void EndStartupWatch();
 
-// `on_lost`: LivenessOptions::on_lost (empty: print and end the process).
-Status StartLiveness(MPI_Comm comm, double interval_s, double timeout_s,
-                     const std::string& interface,
-                     std::unique_ptr<Liveness>* out,
-                     std::function<void(const std::string&)> on_lost = {});
-
 // Turns an MPI error code into a Status naming the call.
 Status MpiStatus(int code, const char* call);
-
-// Collective over `comm`: whether the ranks on this rank's node outnumber
-// the CPUs they may run on together (the union of their affinity masks).
-Status NodeOversubscribed(MPI_Comm comm, bool* oversubscribed);
 
 }  // namespace kerasdist::core
 

@@ -5,8 +5,9 @@
 // revocation that fails every rank's pending calls. Forming it again
 // (a lost rank, a grown job) is dropping it and forming a new one, with
 // the next generation, among the ranks the job has: nothing of MPI's
-// process manager in between. Not yet used by the runtime
-// (docs/architecture.md, "A transport that can be formed again").
+// process manager in between (docs/architecture.md, "A transport that can
+// be formed again"). The runtime runs over it where kd.init() formed one
+// (tcp_job.h).
 #ifndef KERASDIST_CORE_TRANSPORT_TCP_CONTEXT_H_
 #define KERASDIST_CORE_TRANSPORT_TCP_CONTEXT_H_
 
@@ -14,9 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "job_transport.h"
 #include "tcp_communicator.h"
 #include "tcp_control.h"
-#include "topology.h"
 
 namespace kerasdist::core {
 
@@ -28,13 +29,14 @@ struct TcpContextOptions {
   std::string host;                            // this rank's host name
 };
 
-class TcpContext : public ControlChannel {
+class TcpContext : public JobTransport {
  public:
   // Forms both meshes (data first) and learns every rank's host.
   static Status Form(const TcpContextOptions& opt, int data_listen_fd,
                      int control_listen_fd, std::unique_ptr<TcpContext>* out);
 
-  const Topology& topology() const { return topo_; }
+  std::string Name() const override { return "tcp"; }
+  const Topology& topology() const override { return topo_; }
   const std::vector<std::string>& hosts() const { return hosts_; }
 
   Status SendControl(int dest, std::string bytes) override {
@@ -52,7 +54,7 @@ class TcpContext : public ControlChannel {
   // mesh; the context must outlive them.
   void MakeCommunicators(std::unique_ptr<Communicator>* all,
                          std::unique_ptr<Communicator>* node,
-                         std::unique_ptr<Communicator>* leaders) {
+                         std::unique_ptr<Communicator>* leaders) override {
     MakeNodeCommunicators(data_, hosts_, all, node, leaders);
   }
   // From any thread: every pending and later call on this context's
@@ -62,6 +64,7 @@ class TcpContext : public ControlChannel {
     data_->Revoke(why);
     control_->Revoke(why);
   }
+  void Revoke() override { Revoke("a rank was lost"); }
 
  private:
   TcpContext() = default;

@@ -1,0 +1,157 @@
+"""kd.init() over TCP (KERASDIST_TRANSPORT=tcp), the rank's side.
+
+Where a platform or `kerasdist run --nnodes` started the ranks and they
+met at the coordinator (client.join), the MPI transport hands MPI_Init the
+PMI server's address. The TCP transport uses that server only to exchange
+addresses: each rank opens two listeners (the data mesh's and the control
+mesh's, ops/core/transport/tcp_context.h) on its address toward the
+server, publishes them with PMI-1's `put`, meets the others at
+`barrier_in` and reads theirs with `get`; `describe` returns the job's
+description for the core (ops/core/transport/tcp_job.h), which forms both
+meshes in kd.init(). Every connection of the meshes proves a key made from
+the job's key (protocol.identity), so a process without the job's secret
+cannot join them (where the job has a secret).
+
+The PMI connection stays open until the core has formed the meshes
+(`Exchange.done`): a rank whose process ends before then ends the others
+with one line through the server, as MPI's start does.
+
+Standard library only (the package's note).
+"""
+
+import hashlib
+import socket
+
+if __package__:
+    from kerasdist.rendezvous import protocol
+else:  # beside server.py, run by path
+    import protocol
+
+TRANSPORT_ENV = "KERASDIST_TRANSPORT"
+TRANSPORTS = ("mpi", "tcp")
+_KEY_PREFIX = "kdtcp"
+
+
+def wanted(environ):
+    """Whether KERASDIST_TRANSPORT asks for TCP ("mpi", the default, or
+    unset: no). Raises ValueError naming the variable where it is
+    neither."""
+    value = environ.get(TRANSPORT_ENV, "").strip().lower()
+    if value not in ("",) + TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: the transports are "
+                         f"{' and '.join(TRANSPORTS)} (the default: mpi)")
+    return value == "tcp"
+
+
+def mesh_key(key, generation):
+    """The meshes' key (hex) for the job's `key` (bytes) at `generation`."""
+    return hashlib.sha256(b"kerasdist tcp mesh|" + key + b"|" +
+                          str(generation).encode()).hexdigest()
+
+
+class Exchange:
+    """One rank's PMI-1 connection to the rendezvous's server, proven by
+    the PMI_ID its hello got."""
+
+    def __init__(self, address, pmiid, timeout):
+        host, _, port = address.rpartition(":")
+        self.where = address
+        self.sock = socket.create_connection((host, int(port)),
+                                             timeout=timeout)
+        self.sock.settimeout(timeout)
+        self.sock.sendall(f"cmd=initack pmiid={pmiid}\n".encode())
+        first = self._line()
+        if protocol.tokens(first).get("rc") != "0":
+            raise protocol.RendezvousError(
+                f"the rendezvous at {address} refused this rank's PMI_ID")
+        while not self._line().startswith("cmd=set debug="):
+            pass
+
+    def _line(self):
+        line = protocol.read_line(self.sock)
+        if not line:
+            raise protocol.RendezvousError(
+                f"the rendezvous at {self.where} closed the connection")
+        return line
+
+    def command(self, line):
+        self.sock.sendall((line + "\n").encode())
+        return protocol.tokens(self._line())
+
+    def put(self, key, value):
+        if self.command(f"cmd=put kvsname=kd key={key} "
+                        f"value={value}").get("rc") != "0":
+            raise protocol.RendezvousError(f"the rendezvous refused {key}")
+
+    def get(self, key):
+        t = self.command(f"cmd=get kvsname=kd key={key}")
+        if t.get("rc") != "0":
+            raise protocol.RendezvousError(f"the rendezvous lacks {key}")
+        return t.get("value", "")
+
+    def barrier(self):
+        t = self.command("cmd=barrier_in")
+        if t.get("rc") != "0":
+            raise protocol.RendezvousError(
+                t.get("msg", "the rendezvous's barrier failed").replace(
+                    "_", " "))
+
+    def done(self):
+        """The meshes formed: this rank is done with the server."""
+        try:
+            self.command("cmd=finalize")
+        except (OSError, ValueError, protocol.RendezvousError):
+            pass
+        self.sock.close()
+
+
+def _address_toward(ip):
+    """This host's address on the route to `ip`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def _listener(ip):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((ip, 0))
+    s.listen(128)
+    return s
+
+
+def describe(variables, rank, size, key, timeout, generation=0):
+    """Opens this rank's listeners, exchanges addresses through the server
+    that client.join met (`variables`: its PMI_PORT and PMI_ID), and
+    returns (the core's description of the job, the open Exchange).
+
+    Raises:
+        RendezvousError: the server refused or closed, or a rank did not
+            reach the barrier.
+        OSError: no listener could be opened, or the server was not
+            reached within `timeout` seconds.
+    """
+    server = variables["PMI_PORT"]
+    ip = _address_toward(server.rpartition(":")[0])
+    data, control = _listener(ip), _listener(ip)
+    try:
+        ex = Exchange(server, variables["PMI_ID"], timeout)
+        mine = (f"{ip}:{data.getsockname()[1]}/"
+                f"{ip}:{control.getsockname()[1]}")
+        ex.put(f"{_KEY_PREFIX}{rank}", mine)
+        ex.barrier()
+        pairs = [ex.get(f"{_KEY_PREFIX}{r}").split("/")
+                 for r in range(size)]
+    except BaseException:
+        data.close()
+        control.close()
+        raise
+    lines = {
+        "rank": rank, "size": size, "generation": generation,
+        "key": mesh_key(key, generation), "host": protocol.node_identity(),
+        "data": ",".join(p[0] for p in pairs),
+        "control": ",".join(p[-1] for p in pairs),
+        "connect_timeout_s": max(1, int(timeout)),
+        # The core closes them once the meshes formed.
+        "data_fd": data.detach(), "control_fd": control.detach(),
+    }
+    return "\n".join(f"{k}={v}" for k, v in lines.items()) + "\n", ex
