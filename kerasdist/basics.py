@@ -119,6 +119,7 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
         starting = not is_initialized()
         saved = {k: os.environ.get(k) for k in pmi_env if not tcp}
         os.environ.update({k: v for k, v in pmi_env.items() if k in saved})
+        failed = True
         try:
             failed = lib.kerasdist_init(int(comm is not None), comm_f,
                                         overrides.encode()) != 0
@@ -130,7 +131,7 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
                 else:
                     os.environ[k] = v
             if tcp:  # the meshes formed (or failed): the server is done
-                tcp.done()
+                tcp.done(formed=not failed)
         if failed:
             raise RuntimeError(
                 f"kerasdist.init() failed: {_capi.last_error()}")
@@ -142,7 +143,8 @@ def init(comm=None, verbose=False, process_sets=None, **settings):
         # After a recovery or a shrink in place the job is the survivors,
         # fewer than the launcher started; after growing in place, more.
         if launch is not None and not lib.kerasdist_recoveries() and \
-                not lib.kerasdist_grows() and not lib.kerasdist_shrinks():
+                not lib.kerasdist_grows() and not lib.kerasdist_shrinks() \
+                and not _tcp_start.generation():
             wrong = site_mpi.check_size(launch, size(), _mpi_loaded(lib),
                                         os.environ)
             if wrong:

@@ -6,8 +6,12 @@ The ranks meet at the coordinator as for MPI (a platform's launch or
 `kerasdist run --nnodes`), exchange their listeners' addresses through
 the rendezvous's server, and the core forms its TCP meshes instead of
 starting MPI. No MPI runs in such a job: process sets other than the
-global one and recovery in place (which re-forms MPI's communicator) are
-MPI's for now, and say so.
+global one stay MPI's and say so.
+
+With recovery in place (KERASDIST_RECOVER_IN_PLACE=1) each rank keeps its
+connection to the server, and every later init() of the process (after a
+lost rank: kerasdist.elastic.recover_in_place) forms the job's next
+generation among the ranks still there (rendezvous/reform.py).
 """
 
 import os
@@ -16,13 +20,25 @@ from kerasdist.rendezvous import protocol
 from kerasdist.rendezvous import tcp_job
 
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
+_HEARTBEAT_ENV = "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS"
+_state = {"exchange": None, "generation": 0}
+
+
+def generation():
+    """How many times this process's TCP job re-formed (0: never)."""
+    return _state["generation"]
+
+
+def _recovering(environ):
+    return environ.get(RECOVER_ENV) == "1"
 
 
 def check(launch, joined, environ=None):
     """Whether this init runs over TCP; raises RuntimeError (init's
     message) where it cannot: KERASDIST_TRANSPORT malformed, no
-    coordinator to meet at, recovery in place asked for, or a second
-    init of a process whose TCP job ended."""
+    coordinator to meet at, or a second init of a process whose TCP job
+    ended (without recovery in place its rendezvous ends once the job
+    formed)."""
     environ = os.environ if environ is None else environ
     try:
         tcp = tcp_job.wanted(environ)
@@ -38,42 +54,82 @@ def check(launch, joined, environ=None):
             f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT); this process was "
             f"started as {launch.convention!r}. Under mpirun use the MPI "
             f"transport (unset {tcp_job.TRANSPORT_ENV}).")
-    if environ.get(RECOVER_ENV) == "1":
+    if joined is not None and _state["exchange"] is None:
         raise RuntimeError(
-            f"kerasdist.init() failed: recovery in place re-forms MPI's "
-            f"communicator; it does not run over {tcp_job.TRANSPORT_ENV}="
-            f"tcp yet. Unset one of {RECOVER_ENV} and "
-            f"{tcp_job.TRANSPORT_ENV}.")
-    if joined is not None:
-        raise RuntimeError(
-            "kerasdist.init(): this process's TCP job ended with "
-            "shutdown(), and its rendezvous with it; a process joins one "
-            "TCP job. Start a new process for the next one.")
+            f"kerasdist.init(): this process's TCP job ended with "
+            f"shutdown(), and its rendezvous with it; a process joins one "
+            f"TCP job (with {RECOVER_ENV}=1 its init() after shutdown() "
+            f"forms the job again). Start a new process for the next one.")
     return True
 
 
-def prepare(lib, launch, variables):
-    """After client.join (`variables`, what it returned for MPI_Init):
-    the addresses exchanged and the job described to the core, whose next
-    kerasdist_init forms the meshes. Returns the rendezvous's connection,
-    to close (`done()`) once init has returned; None where this init runs
-    over MPI."""
-    if not variables or not tcp_job.wanted(os.environ):
-        return None
-    watch_fd = variables.get(protocol.PMI_WATCH_ENV)
-    if watch_fd:  # MPI's end of the hello's watch: nothing reads it here
-        os.close(int(watch_fd))
-    _, key, _ = protocol.identity(os.environ)
-    timeout = protocol.timeout_from(os.environ)
+class _Started:
+    """What init() ends once the core has formed the meshes (or failed
+    to): the connection to the server, kept for the job's life with
+    recovery in place."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+
+    def done(self, formed=True):
+        if _state["exchange"] is not self.exchange:
+            self.exchange.done()
+        elif formed:
+            self.exchange.stay()
+
+
+def _window(environ):
+    """How long a re-form waits for a rank that neither asks nor goes:
+    the heartbeat's timeout (a frozen rank is lost after it)."""
     try:
-        spec, exchange = tcp_job.describe(variables, launch.rank,
-                                          launch.size, key, timeout)
+        return max(1.0, float(environ.get(_HEARTBEAT_ENV, "") or 30.0))
+    except ValueError:
+        return 30.0
+
+
+def _exchange(launch, variables, environ):
+    """(the Exchange, this rank, the size, the generation) of this init:
+    the first (`variables`: client.join's), or the next generation's
+    among the ranks still there."""
+    timeout = protocol.timeout_from(environ)
+    if variables:
+        watch_fd = variables.get(protocol.PMI_WATCH_ENV)
+        if watch_fd:  # MPI's end of the hello's watch: nothing reads it
+            os.close(int(watch_fd))
+        ex = tcp_job.Exchange(variables["PMI_PORT"], variables["PMI_ID"],
+                              timeout)
+        if _recovering(environ):
+            _state["exchange"] = ex
+        return ex, launch.rank, launch.size, 0
+    ex = _state["exchange"]
+    gen = _state["generation"] + 1
+    rank, size = ex.reform(gen, _window(environ))
+    _state["generation"] = gen
+    return ex, rank, size, gen
+
+
+def prepare(lib, launch, variables, environ=None):
+    """After client.join (`variables`, what it returned for MPI_Init; {}
+    in a later init): the addresses exchanged and the job described to the
+    core, whose next kerasdist_init forms the meshes. Returns what to
+    close (`done()`) once init has returned; None where this init runs
+    over MPI."""
+    environ = os.environ if environ is None else environ
+    if not tcp_job.wanted(environ) or not (variables or _state["exchange"]):
+        return None
+    _, key, _ = protocol.identity(environ)
+    try:
+        ex, rank, size, gen = _exchange(launch, variables, environ)
+        spec = tcp_job.describe(ex, rank, size, key,
+                                protocol.timeout_from(environ), gen)
     except (OSError, protocol.RendezvousError) as e:
         raise RuntimeError(
             f"kerasdist.init() failed: rank {launch.rank} of {launch.size} "
-            f"could not exchange its TCP addresses: {e}") from None
+            f"(as started) could not exchange its TCP addresses: {e}"
+        ) from None
+    started = _Started(ex)
     if lib.kerasdist_set_tcp_job(spec.encode()) != 0:
-        exchange.done()
+        started.done(formed=False)
         raise RuntimeError(f"kerasdist.init() failed: "
                            f"{lib.kerasdist_last_error().decode()}")
-    return exchange
+    return started

@@ -122,6 +122,10 @@ class PmiCommands:
             with self.cv:
                 self.pmi_done.add(rank)
                 self.cv.notify_all()
+        elif cmd == "kd_stay":  # a TCP job's rank (reform.py)
+            self.on_stay(conn)
+        elif cmd == "kd_reform":
+            self.on_reform(conn, t)
         elif cmd == "abort":
             sys.stderr.write(f"kerasdist rendezvous: rank {rank} aborted: "
                              f"{t.get('message', '')[:200]}\n")

@@ -29,6 +29,7 @@ if __package__:
     from kerasdist.rendezvous import hello
     from kerasdist.rendezvous import pmi
     from kerasdist.rendezvous import protocol
+    from kerasdist.rendezvous import reform
     from kerasdist.rendezvous import watch
 else:
     # `python -I server.py`: isolated mode puts neither this directory nor
@@ -37,6 +38,7 @@ else:
     import hello  # noqa: E402
     import pmi  # noqa: E402
     import protocol  # noqa: E402
+    import reform  # noqa: E402
     import watch  # noqa: E402
 
 # After rank 0 has gone: how long the server still serves the other ranks'
@@ -91,7 +93,8 @@ class _Conn:
 
 
 
-class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
+class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers,
+              reform.Reforms):
     def __init__(self, size, timeout, job="unnamed", key=b"", secret=False):
         self.size = size
         self.timeout = timeout
@@ -244,12 +247,15 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers):
                 return not self.telling()
             if len(self.pmi_done) >= self.size:
                 return True  # every rank's MPI has finalized or gone
+            # A TCP job that re-forms in place (reform.py) keeps it while
+            # any of its ranks is connected.
             return (self.parent_gone_at is not None and
-                    (not self.pmi or
-                     time.monotonic() - self.parent_gone_at > _GRACE_S))
+                    (not self.pmi or (not self.staying and
+                     time.monotonic() - self.parent_gone_at > _GRACE_S)))
 
     def check_deadlines(self, now):
         with self.cv:
+            self.check_reform(now)
             for c in self.conns:
                 if (not (c.proven or c.dropped) and
                         now > c.since + protocol.AUTH_DEADLINE_S):

@@ -14,7 +14,10 @@ cannot join them (where the job has a secret).
 
 The PMI connection stays open until the core has formed the meshes
 (`Exchange.done`): a rank whose process ends before then ends the others
-with one line through the server, as MPI's start does.
+with one line through the server, as MPI's start does. With recovery in
+place it stays open for the job's life (`Exchange.stay`), and the
+survivors of a lost rank re-form through it (`Exchange.reform`,
+reform.py): the next generation's ranks and size, then `describe` again.
 
 Standard library only (the package's note).
 """
@@ -56,6 +59,7 @@ class Exchange:
     def __init__(self, address, pmiid, timeout):
         host, _, port = address.rpartition(":")
         self.where = address
+        self.ip = _address_toward(host)  # where this rank listens
         self.sock = socket.create_connection((host, int(port)),
                                              timeout=timeout)
         self.sock.settimeout(timeout)
@@ -96,6 +100,23 @@ class Exchange:
                 t.get("msg", "the rendezvous's barrier failed").replace(
                     "_", " "))
 
+    def stay(self):
+        """Keeps this connection for the job's life (reform.py): the
+        server outlives rank 0 while it is open."""
+        self.command("cmd=kd_stay")
+
+    def reform(self, generation, window):
+        """Asks for `generation` among the ranks still here (reform.py);
+        returns this rank's (rank, size) in it."""
+        self.sock.settimeout(window + 30.0)
+        t = self.command(f"cmd=kd_reform generation={generation} "
+                         f"window={window:g}")
+        if t.get("rc") != "0":
+            raise protocol.RendezvousError(
+                "the job re-formed without this rank: " +
+                t.get("msg", "?").replace("_", " "))
+        return int(t["rank"]), int(t["size"])
+
     def done(self):
         """The meshes formed: this rank is done with the server."""
         try:
@@ -119,27 +140,22 @@ def _listener(ip):
     return s
 
 
-def describe(variables, rank, size, key, timeout, generation=0):
+def describe(ex, rank, size, key, timeout, generation=0):
     """Opens this rank's listeners, exchanges addresses through the server
-    that client.join met (`variables`: its PMI_PORT and PMI_ID), and
-    returns (the core's description of the job, the open Exchange).
+    (`ex`, an Exchange) and returns the core's description of the job.
 
     Raises:
         RendezvousError: the server refused or closed, or a rank did not
             reach the barrier.
-        OSError: no listener could be opened, or the server was not
-            reached within `timeout` seconds.
+        OSError: no listener could be opened, or the server went silent.
     """
-    server = variables["PMI_PORT"]
-    ip = _address_toward(server.rpartition(":")[0])
-    data, control = _listener(ip), _listener(ip)
+    data, control = _listener(ex.ip), _listener(ex.ip)
     try:
-        ex = Exchange(server, variables["PMI_ID"], timeout)
-        mine = (f"{ip}:{data.getsockname()[1]}/"
-                f"{ip}:{control.getsockname()[1]}")
-        ex.put(f"{_KEY_PREFIX}{rank}", mine)
+        mine = (f"{ex.ip}:{data.getsockname()[1]}/"
+                f"{ex.ip}:{control.getsockname()[1]}")
+        ex.put(f"{_KEY_PREFIX}{generation}.{rank}", mine)
         ex.barrier()
-        pairs = [ex.get(f"{_KEY_PREFIX}{r}").split("/")
+        pairs = [ex.get(f"{_KEY_PREFIX}{generation}.{r}").split("/")
                  for r in range(size)]
     except BaseException:
         data.close()
@@ -154,4 +170,4 @@ def describe(variables, rank, size, key, timeout, generation=0):
         # The core closes them once the meshes formed.
         "data_fd": data.detach(), "control_fd": control.detach(),
     }
-    return "\n".join(f"{k}={v}" for k, v in lines.items()) + "\n", ex
+    return "\n".join(f"{k}={v}" for k, v in lines.items()) + "\n"

@@ -143,9 +143,9 @@ Status Runtime::StartTransport(bool has_comm, int parent_comm_f) {
   start.interval_s = config_.heartbeat_interval_s;
   start.timeout_s = config_.heartbeat_timeout_s;
   start.interface = config_.network_interface;
-  // Recovery in place re-forms MPI's communicator (ULFM); a TCP job is
-  // relaunched as without it.
-  start.recovery = transport_->Name() == "mpi" && RecoveryOn();
+  // Recovery in place: MPI's communicator shrinks (ULFM); a TCP job forms
+  // its next generation in the next kd.init().
+  start.recovery = transport_->Name() == "mpi" ? RecoveryOn() : TcpRecoveryOn();
   start.on_lost = OnLost(transport_.get(), start.recovery);
   return StartLiveness(*host_, start, &liveness_);
 }

@@ -3,7 +3,8 @@ rendezvous form the core's TCP meshes instead of starting MPI, and every
 collective runs over them (the single-host backends off, so that the data
 crosses TCP), checked against numpy. A lost rank ends the others through
 the heartbeat, which runs over the same transport; input the transport
-cannot serve is one line. Across hosts: tests/cluster/test_conventions.py.
+cannot serve is one line. Across hosts: tests/cluster/test_conventions.py;
+recovery in place over TCP: test_tcp_recovery.py.
 
 Real launchers and ranks, each launch's whole tree killed on a timeout.
 """
@@ -35,7 +36,7 @@ OFF = {"KERASDIST_SHM_ALLREDUCE": 0, "KERASDIST_CMA_ALLREDUCE": 0}
 def _env(**extra):
     env = worker_env(KERASDIST_TRANSPORT="tcp", **extra)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-              "MASTER_ADDR", "MASTER_PORT", "KERASDIST_RECOVER_IN_PLACE"):
+              "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
 
@@ -95,10 +96,6 @@ def test_a_lost_rank_ends_the_others_within_the_heartbeat(tmp_path):
      "KERASDIST_TRANSPORT='udp': the transports are mpi and tcp"),
     ({"KERASDIST_TRANSPORT": "tcp"},
      "KERASDIST_TRANSPORT=tcp needs ranks that meet at a coordinator"),
-    ({"KERASDIST_TRANSPORT": "tcp", "RANK": 0, "WORLD_SIZE": 2,
-      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1,
-      "KERASDIST_RECOVER_IN_PLACE": 1},
-     "recovery in place re-forms MPI's communicator"),
 ])
 def test_what_tcp_cannot_serve_is_one_line(env, line):
     full = _env()

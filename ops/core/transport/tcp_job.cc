@@ -134,4 +134,9 @@ Status FormTcpJob(std::unique_ptr<JobTransport>* out) {
   return Status::OK();
 }
 
+bool TcpRecoveryOn() {
+  const char* v = std::getenv("KERASDIST_RECOVER_IN_PLACE");
+  return v != nullptr && std::string(v) == "1";
+}
+
 }  // namespace kerasdist::core

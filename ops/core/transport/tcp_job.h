@@ -36,6 +36,12 @@ bool TcpJobPending();
 // failed start needs a new one: its listeners are closed either way).
 Status FormTcpJob(std::unique_ptr<JobTransport>* out);
 
+// Recovery in place over TCP (KERASDIST_RECOVER_IN_PLACE=1): a lost rank
+// revokes the transport instead of ending the process, and the next
+// kd.init() forms the job's next generation among the survivors
+// (kerasdist/rendezvous/reform.py). Needs no ULFM.
+bool TcpRecoveryOn();
+
 }  // namespace kerasdist::core
 
 #endif  // KERASDIST_CORE_TRANSPORT_TCP_JOB_H_

@@ -1,0 +1,90 @@
+"""Recovery in place over the TCP transport (KERASDIST_TRANSPORT=tcp with
+KERASDIST_RECOVER_IN_PLACE=1), no ULFM and no MPI: 3 ranks started as a
+platform starts them (torchrun's variables, each process by the test),
+one SIGKILLs itself mid-step (tests/workers/recovery_worker.py, PyTorch);
+the other two keep their processes, re-form at size 2 through the
+rendezvous (rendezvous/reform.py), resume from the last commit in memory
+and finish with the weights numpy computes for that commit continued at
+size 2. Rank 0 too: the rendezvous's server, which rank 0 started,
+outlives it while the survivors are connected.
+
+Every process in a session of its own, killed on leaving.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+from tests.support.helpers import REPO_ROOT  # noqa: E402
+from tests.support.helpers import free_port  # noqa: E402
+from tests.support.helpers import kill_tree  # noqa: E402
+from tests.support.helpers import worker_cmd  # noqa: E402
+from tests.support.helpers import worker_env  # noqa: E402
+from tests.support.recovery import read_json  # noqa: E402
+from tests.support.recovery import sgd  # noqa: E402
+from tests.support.recovery import worker_module  # noqa: E402
+
+pytestmark = pytest.mark.parallel
+
+KILL_STEP, STEPS, COMMIT_EVERY = 7, 12, 3
+JOB_S = 240
+
+
+def _run(tmp_path, killed):
+    port = free_port()
+    procs, outs = [], []
+    try:
+        for r in range(3):
+            env = worker_env(
+                RANK=r, WORLD_SIZE=3, LOCAL_RANK=r, LOCAL_WORLD_SIZE=3,
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                KERASDIST_TRANSPORT="tcp", KERASDIST_RECOVER_IN_PLACE=1,
+                KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=5,
+                RECOVERY_STEPS=STEPS, RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                RECOVERY_BACKEND="torch")
+            env.pop("KERASDIST_ELASTIC_DIR", None)
+            procs.append(subprocess.Popen(
+                worker_cmd("recovery_worker.py", str(tmp_path), str(killed),
+                           str(KILL_STEP)),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env, cwd=REPO_ROOT, start_new_session=True))
+        for p in procs:
+            outs.append(p.communicate(timeout=JOB_S)[0])
+    finally:
+        for p in procs:
+            kill_tree(p)
+    return procs, outs
+
+
+@pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("killed", [2, 0])
+def test_survivors_re_form_over_tcp_in_place(tmp_path, killed):
+    procs, outs = _run(tmp_path, killed)
+    survivors = [r for r in range(3) if r != killed]
+    text = "\n".join(f"--- rank {r} ---\n{o[-3000:]}"
+                     for r, o in enumerate(outs))
+    assert procs[killed].returncode == -9, text
+    for r in survivors:
+        assert procs[r].returncode == 0, text
+    line = [x for x in outs[survivors[0]].splitlines()
+            if "re-formed in place at 2 rank(s) (was 3)" in x]
+    assert line, text
+    print(line[0])
+    commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                STEPS, 2)
+    for new_rank, rank in enumerate(survivors):
+        start, end = (read_json(tmp_path, f"start.{rank}.json"),
+                      read_json(tmp_path, f"end.{rank}.json"))
+        # The same process, now rank `new_rank` of 2.
+        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
+            3, start["pid"], new_rank, 2), (start, end)
+        assert end["resumed"] == [commit], end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
