@@ -7,8 +7,11 @@ Rank 2, alone on kdt1 (tests/workers/recovery_worker.py), is lost at step
 re-form at size 2 and finish with the weights numpy computes. A cut link
 is not recovered in place with Open MPI 5.0 (its process manager cannot
 tell the survivors of ranks it cannot reach): the survivors end at their
-re-forming deadline, each in one line, and nothing is left behind."""
+re-forming deadline, each in one line, and nothing is left behind.
+Over the TCP transport (no MPI, no ULFM; ranks started as a platform
+starts them), a lost host and a cut link are both recovered in place."""
 
+import subprocess
 import threading
 import time
 
@@ -19,6 +22,7 @@ from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
 from tests.support.cluster import run_on
+from tests.support.helpers import kill_tree
 from tests.support.helpers import worker_cmd
 from tests.support.helpers import worker_env
 from tests.support.recovery import read_json
@@ -125,3 +129,91 @@ def test_a_cut_link_ends_the_survivors_at_their_deadline(
         left = [c for c in processes_in(cluster, host, settle=10.0)
                 if "recovery_worker" in c]
         assert left == [], (host.name, left)
+
+
+# ---- Over the TCP transport (KERASDIST_TRANSPORT=tcp): no MPI, no ULFM --
+
+def _start_over_tcp(cluster, tmp_path, signal_name, port):
+    """Ranks 0 and 1 on kdt0 and rank 2 on kdt1, each started as a
+    platform starts it (torchrun's variables), the test its agent; the
+    Popen of each, by rank."""
+    procs = []
+    for rank, host in ((0, "kdt0"), (1, "kdt0"), (2, "kdt1")):
+        env = worker_env(
+            RANK=rank, WORLD_SIZE=3, LOCAL_RANK=rank % 2,
+            LOCAL_WORLD_SIZE=2 if host == "kdt0" else 1,
+            MASTER_ADDR="kdt0", MASTER_PORT=port,
+            KERASDIST_TRANSPORT="tcp", KERASDIST_RECOVER_IN_PLACE=1,
+            KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=TIMEOUT_S,
+            RECOVERY_STEPS=STEPS, RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+            RECOVERY_STEP_SLEEP=0.2)
+        procs.append(cluster.popen(
+            cluster.host(host), worker_cmd(
+                "recovery_worker.py", str(tmp_path), str(LOST), str(STEP),
+                signal_name),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True))
+    return procs
+
+
+@pytest.mark.timeout(JOB_S + 90)
+@pytest.mark.parametrize("fault", ["KILL", "cut"])
+def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
+        cluster, tmp_path, fault):
+    """Rank 2, alone on kdt1, is SIGKILLed, or kdt1's link goes down as it
+    reaches step 7 (it lives on, cut off): ranks 0 and 1 keep their
+    processes, re-form at size 2 over TCP through the rendezvous and
+    finish with the weights numpy computes; a cut-off rank 2 ends in one
+    line once it finds it was left out."""
+    kdt1 = cluster.host("kdt1")
+    marker, cut_at = tmp_path / "kill.json", []
+
+    def cut_when_there():
+        deadline = time.monotonic() + JOB_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.cut(kdt1)
+        cut_at.append(time.time())
+
+    if fault == "cut":
+        threading.Thread(target=cut_when_there, daemon=True).start()
+    procs = _start_over_tcp(cluster, tmp_path,
+                            "KILL" if fault == "KILL" else "CONT",
+                            29661 + (fault == "cut"))
+    outs = [None] * 3
+    try:
+        for r in (0, 1):
+            outs[r] = procs[r].communicate(timeout=JOB_S)[0]
+        if fault == "cut":
+            cluster.restore(kdt1)
+        outs[2] = procs[2].communicate(timeout=90)[0]
+    finally:
+        cluster.restore(kdt1)
+        for p in procs:
+            kill_tree(p)
+    text = "\n".join(f"--- rank {r} ---\n{(o or '')[-3000:]}"
+                     for r, o in enumerate(outs))
+    assert [p.returncode for p in procs[:2]] == [0, 0], text
+    lost_at = read_json(tmp_path, "kill.json")["at"]
+    commit = STEP // COMMIT_EVERY * COMMIT_EVERY
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                STEPS, 2)
+    for rank in (0, 1):
+        start = read_json(tmp_path, f"start.{rank}.json")
+        end = read_json(tmp_path, f"end.{rank}.json")
+        assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
+            start["pid"], rank, 2, [commit]), (start, end)
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+        took = end["done_at"][str(commit + 1)] - lost_at
+        print(f"{fault}: rank {rank}'s next step {took:.2f} s after the "
+              f"loss")
+        # At once after a SIGKILL; after a cut, the heartbeat's timeout
+        # (the loss) and as long again (the round's window for rank 2).
+        assert took < (3 if fault == "KILL" else 2 * TIMEOUT_S + 5), took
+    if fault == "KILL":
+        assert procs[2].returncode == -9, text
+    else:
+        assert procs[2].returncode not in (0, None), text
+        assert "recovery in place failed" in outs[2], text
+        assert not (tmp_path / "end.2.json").exists()
