@@ -167,7 +167,9 @@ def _run_node(config, log):
                  f"{plan.node_rank} of {plan.nnodes}, "
                  f"{plan.nproc_per_node} rank(s) here, master "
                  f"{plan.master_addr}:{plan.master_port}")
-    wrong = site_mpi.check_rendezvous("kerasdist run --nnodes (node mode)")
+    tcp = os.environ.get(node.TRANSPORT_ENV, "").strip().lower() == "tcp"
+    wrong = None if tcp else site_mpi.check_rendezvous(
+        "kerasdist run --nnodes (node mode)")
     if wrong:
         log.raw(f"{PROG}: error: {wrong}\n".encode())
         return 2
@@ -183,7 +185,8 @@ def _run_node(config, log):
     with job.Interrupts() as interrupts, _marker_tokens():
         outcome = node.run(plan, config.command, rank_env, wrapper,
                            interrupts, deadline, config.timeout, log,
-                           verbose=config.verbose)
+                           verbose=config.verbose,
+                           keep_survivors=config.recover_in_place)
     return outcome.exit_code
 
 

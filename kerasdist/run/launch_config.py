@@ -187,7 +187,9 @@ def make_parser():
                    "their processes, re-form without it and go on at the "
                    "smaller size (kerasdist.elastic.run); the job exits 0 "
                    "when they finish. Needs kerasdist built against Open "
-                   "MPI 5 (ULFM); see docs/failures-and-elastic.md")
+                   "MPI 5 (ULFM), or node mode over the TCP transport "
+                   "(KERASDIST_TRANSPORT=tcp); see "
+                   "docs/failures-and-elastic.md")
     p.add_argument("--host-discovery-script", metavar="SCRIPT",
                    help="a program that prints the hosts available now "
                    "(hostfile lines); run before every attempt and every "
@@ -308,7 +310,7 @@ def config_from_args(args, environ):
             args.hosts is None and args.hostfile is None:
         _node_flags_from_pet(args, environ)
     if _node_flags_given(args):
-        _check_node_mode(args)
+        _check_node_mode(args, environ)
         return _freeze(args, command)
     source = _read_hosts(args, environ)
     if args.slurm is not None:
@@ -432,12 +434,20 @@ def _node_flags_from_pet(args, environ):
     args.node_from_pet = " ".join(given)
 
 
-def _check_node_mode(args):
-    """Node mode: the node's Plan in args.node, -np its world size."""
+def _check_node_mode(args, environ):
+    """Node mode: the node's Plan in args.node, -np its world size.
+    --recover-in-place goes with it over the TCP transport only."""
+    tcp = environ.get(node.TRANSPORT_ENV, "").strip().lower() == "tcp"
+    if args.recover_in_place and not tcp:
+        raise UsageError(
+            f"--recover-in-place in node mode needs the TCP transport "
+            f"({node.TRANSPORT_ENV}=tcp in the launcher's environment): the "
+            f"ranks of each host then re-form among themselves through the "
+            f"rendezvous, with no MPI; or leave out the node-mode flags to "
+            f"start the job from one host under Open MPI's ULFM.")
     for given, flag in ((args.hosts is not None, "-H"),
                         (args.hostfile is not None, "--hostfile"),
                         (args.max_restarts > 0, "--max-restarts"),
-                        (args.recover_in_place, "--recover-in-place"),
                         (args.min_np is not None, "--min-np"),
                         (args.host_discovery_script is not None,
                          "--host-discovery-script"),

@@ -41,6 +41,10 @@ import sys
 import time
 
 DEFAULT_PORT = 29500  # torchrun's
+# The ranks' transport (kerasdist/rendezvous/tcp_job.py): over TCP, node
+# mode may recover in place (--recover-in-place), no MPI involved.
+TRANSPORT_ENV = "KERASDIST_TRANSPORT"
+RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 # Seconds the manager waits, after a wrapper failed, for the launcher to
 # stop the node (it does so about half a second after the failure).
 _STOP_WAIT_S = 3.0
@@ -210,9 +214,11 @@ def _free_port():
 
 
 def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
-        timeout, log, verbose=False):
+        timeout, log, verbose=False, keep_survivors=False):
     """Runs this node's ranks once under the node's process manager and
-    returns the launcher's job.Outcome (kerasdist/run/job.py)."""
+    returns the launcher's job.Outcome (kerasdist/run/job.py).
+    `keep_survivors` (--recover-in-place over TCP): a rank killed by a
+    signal stops no other; the survivors re-form without it."""
     from kerasdist.run import job
 
     port = p.master_port if p.master_port is not None else _free_port()
@@ -221,12 +227,15 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     # at most 128 KiB) and nothing of their number is built here, in the
     # thread that handles the launcher's signals.
     spec = {"argv": list(wrapper_argv) + list(command), "plan": list(p),
-            "port": port, "stdin_rank": 0 if p.node_rank == 0 else -1}
+            "port": port, "stdin_rank": 0 if p.node_rank == 0 else -1,
+            "keep_survivors": bool(keep_survivors)}
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__),
             json.dumps(spec)]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(DROPPED_PREFIXES)}
     env.update(settings_env)
+    if keep_survivors:
+        env[RECOVER_ENV] = "1"
     if p.nnodes == 1 and not env.get(SECRET_ENV):
         # Every rank is this launcher's: the job gets a secret of its own,
         # as under mpiexec (launch.py), so that no other job on the port
@@ -237,7 +246,7 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
         log.line(describe(p, port))
     return job.run_attempt(argv, env, interrupts, deadline, timeout, log,
                            banner=verbose, manager="the node's process "
-                           "manager")
+                           "manager", keep_survivors=keep_survivors)
 
 
 # ------------------------------------------------------- manager side
@@ -301,11 +310,17 @@ class _Manager:
         code = 0
         failed_at = None
         pending = list(self.procs)
+        keep = self.spec.get("keep_survivors")
+        lost = finished = 0  # with keep: ranks killed, ranks ended well
         while pending:
             for proc in list(pending):
                 if proc.poll() is not None:
                     pending.remove(proc)
                     status = proc.returncode
+                    if keep and status < 0:  # lost: the others go on
+                        lost = lost or 128 - status
+                        continue
+                    finished += status == 0
                     status = 128 - status if status < 0 else status
                     if status != 0 and code == 0:
                         code = status
@@ -318,6 +333,8 @@ class _Manager:
                 time.sleep(0.05)
         if code == 0 and len(self.procs) < len(self.ranks):
             code = 1  # stopped, or failed, before all ranks started
+        if code == 0 and lost and not finished:
+            code = lost  # no survivor here: the node lost its ranks
         return code
 
 

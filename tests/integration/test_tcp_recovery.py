@@ -6,7 +6,8 @@ the other two keep their processes, re-form at size 2 through the
 rendezvous (rendezvous/reform.py), resume from the last commit in memory
 and finish with the weights numpy computes for that commit continued at
 size 2. Rank 0 too: the rendezvous's server, which rank 0 started,
-outlives it while the survivors are connected.
+outlives it while the survivors are connected. And the same under
+`kerasdist run` in node mode with --recover-in-place.
 
 Every process in a session of its own, killed on leaving.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 from tests.support.helpers import REPO_ROOT  # noqa: E402
 from tests.support.helpers import free_port  # noqa: E402
 from tests.support.helpers import kill_tree  # noqa: E402
+from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
 from tests.support.helpers import worker_env  # noqa: E402
 from tests.support.recovery import read_json  # noqa: E402
@@ -88,3 +90,44 @@ def test_survivors_re_form_over_tcp_in_place(tmp_path, killed):
             3, start["pid"], new_rank, 2), (start, end)
         assert end["resumed"] == [commit], end
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_kerasdist_run_node_mode_recovers_in_place_over_tcp(tmp_path):
+    """`kerasdist run --nproc-per-node 3 --recover-in-place` with
+    KERASDIST_TRANSPORT=tcp: the launcher's node manager stops no survivor
+    of the killed rank, says so in one line, and exits 0 once they
+    finish."""
+    env = worker_env(KERASDIST_TRANSPORT="tcp",
+                     KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=5,
+                     RECOVERY_STEPS=STEPS, RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                     RECOVERY_BACKEND="torch")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "KERASDIST_ELASTIC_DIR"):
+        env.pop(k, None)
+    out = launch(None, worker_cmd("recovery_worker.py", str(tmp_path), "1",
+                                  str(KILL_STEP)),
+                 timeout=JOB_S, env=env,
+                 launcher_args=("--nproc-per-node", "3",
+                                "--recover-in-place"))
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert ("rank 1 (host " in out.stdout and "exited with signal 9 "
+            "(SIGKILL)" in out.stdout and "the other ranks go on without it "
+            "(recovery in place)." in out.stdout), out.stdout[-4000:]
+    for new_rank, rank in enumerate((0, 2)):
+        start, end = (read_json(tmp_path, f"start.{rank}.json"),
+                      read_json(tmp_path, f"end.{rank}.json"))
+        assert (end["pid"], end["rank"], end["size"]) == (
+            start["pid"], new_rank, 2), (start, end)
+
+
+@pytest.mark.timeout(60)
+def test_recover_in_place_in_node_mode_needs_tcp():
+    env = worker_env()
+    env.pop("KERASDIST_TRANSPORT", None)
+    out = launch(None, [sys.executable, "-c", "pass"], timeout=50, env=env,
+                 launcher_args=("--nproc-per-node", "2",
+                                "--recover-in-place"))
+    assert out.returncode == 2, out.stdout
+    assert ("--recover-in-place in node mode needs the TCP transport "
+            "(KERASDIST_TRANSPORT=tcp" in out.stdout), out.stdout
