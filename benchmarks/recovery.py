@@ -12,6 +12,9 @@ allreduce):
   built once into a temporary directory) under `kerasdist run
   --recover-in-place`; the survivors re-form at 2 ranks from the commit in
   memory.
+- in place (TCP): the repository's build (no Open MPI, no ULFM) under
+  `kerasdist run --nproc-per-node 3 --recover-in-place` with
+  KERASDIST_TRANSPORT=tcp; the survivors re-form through the rendezvous.
 - relaunch: the repository's build (the mpich wheel) under `kerasdist run
   --max-restarts 1`, the commits on disk (KERASDIST_ELASTIC_DIR): the
   heartbeat ends the survivors, the launcher relaunches 3 ranks, which
@@ -50,8 +53,10 @@ The steady state instead: what the recoverable transport costs a job with
 no failure. 2 ranks allreduce float32 Sum of 4 KiB and 16 MiB through the
 core (kerasdist._core.host, no framework), each call after a barrier; the
 median over calls of the slower rank's time, for the Open MPI build under
-`kerasdist run` and under `kerasdist run --recover-in-place`, and the
-mpich build, taking turns.
+`kerasdist run` and under `kerasdist run --recover-in-place`, the
+mpich build, and the TCP transport (node mode) with --recover-in-place;
+then mpich's MPI and the TCP transport each carrying the data alone (the
+single-host shm and cma backends off), taking turns.
 """
 
 import argparse
@@ -66,6 +71,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 KILL_RANK, NP = 2, 3
+TCP = {"KERASDIST_TRANSPORT": "tcp"}
+# The single-host backends off: the last resort (MPI's, or TCP's) carries
+# the data.
+NO_SHM = {"KERASDIST_SHM_ALLREDUCE": "0", "KERASDIST_CMA_ALLREDUCE": "0"}
 
 
 def _run(args, root, directory, kill_step, extra_env, timeout_s=300):
@@ -95,6 +104,22 @@ def _first_step_after(ends, kill_at):
 def in_place(root, kill_step, workdir):
     d = tempfile.mkdtemp(dir=workdir)
     _run(["--recover-in-place"], root, d, kill_step, {})
+    kill_at = _read(d, "kill.json")["at"]
+    ends = [_read(d, f"end.{r}.json") for r in range(NP) if r != KILL_RANK]
+    lost_at = min(t for e in ends for t in e["lost_at"])
+    reset_at = min(t for e in ends for t in e["reset_at"])
+    first = _first_step_after(ends, kill_at)
+    return {"total": first - kill_at, "detect": lost_at - kill_at,
+            "reform": reset_at - lost_at, "rest": first - reset_at,
+            "lost_steps": kill_step - ends[0]["resumed"][0]}
+
+
+def in_place_tcp(kill_step, workdir):
+    """In place over the TCP transport: the repository's build, node mode
+    (no MPI, no ULFM)."""
+    d = tempfile.mkdtemp(dir=workdir)
+    _run(["--nproc-per-node", str(NP), "--recover-in-place"], None, d,
+         kill_step, TCP)
     kill_at = _read(d, "kill.json")["at"]
     ends = [_read(d, f"end.{r}.json") for r in range(NP) if r != KILL_RANK]
     lost_at = min(t for e in ends for t in e["lost_at"])
@@ -245,13 +270,19 @@ def steady(root, args, extra_env=None):
 
 
 def steady_main(root, rounds):
-    systems = {"Open MPI": (root, []),
-               "Open MPI --recover-in-place": (root, ["--recover-in-place"]),
-               "mpich": (None, [])}
+    node = ["--nproc-per-node", "2"]
+    systems = {"Open MPI": (root, [], {}),
+               "Open MPI --recover-in-place": (root, ["--recover-in-place"],
+                                               {}),
+               "mpich": (None, [], {}),
+               "TCP --recover-in-place": (None, node + ["--recover-in-place"],
+                                          TCP),
+               "mpich, no shm/cma": (None, [], NO_SHM),
+               "TCP, no shm/cma": (None, node, dict(TCP, **NO_SHM))}
     rows = {name: [] for name in systems}
     for i in range(rounds):
-        for name, (where, args) in systems.items():
-            rows[name].append(steady(where, args))
+        for name, (where, args, env) in systems.items():
+            rows[name].append(steady(where, args, env))
         print(f"round {i + 1}: " + ", ".join(
             f"{n} {r[-1][4096] * 1e6:.0f} us / {r[-1][16 << 20] * 1e3:.1f} ms"
             for n, r in rows.items()), flush=True)
@@ -290,28 +321,33 @@ def main():
         if args.shrink:
             shrink_main(root, args.rounds, workdir)
             return
-        rows = {"in place": [], "relaunch": []}
+        rows = {"in place": [], "in place (TCP)": [], "relaunch": []}
         for i in range(args.rounds):
             rows["in place"].append(in_place(root, args.kill_step, workdir))
+            rows["in place (TCP)"].append(in_place_tcp(args.kill_step,
+                                                       workdir))
             rows["relaunch"].append(relaunch(args.kill_step, workdir))
-            print(f"round {i + 1}: in place "
-                  f"{rows['in place'][-1]['total']:.3f} s, relaunch "
-                  f"{rows['relaunch'][-1]['total']:.3f} s", flush=True)
-    ip, rl = rows["in place"], rows["relaunch"]
+            print(f"round {i + 1}: " + ", ".join(
+                f"{k} {v[-1]['total']:.3f} s" for k, v in rows.items()),
+                flush=True)
+    rl = rows["relaunch"]
     print()
     print("| path | SIGKILL to next step (median) | split (median) | "
           "steps trained again |")
     print("|---|---|---|---|")
-    print(f"| in place | {_median(ip, 'total'):.3f} s | detect "
-          f"{_median(ip, 'detect'):.3f} s, re-form "
-          f"{_median(ip, 'reform'):.3f} s, sync and step "
-          f"{_median(ip, 'rest'):.3f} s | {ip[0]['lost_steps']} |")
+    for name in ("in place", "in place (TCP)"):
+        ip = rows[name]
+        print(f"| {name} | {_median(ip, 'total'):.3f} s | detect "
+              f"{_median(ip, 'detect'):.3f} s, re-form "
+              f"{_median(ip, 'reform'):.3f} s, sync and step "
+              f"{_median(ip, 'rest'):.3f} s | {ip[0]['lost_steps']} |")
     print(f"| relaunch | {_median(rl, 'total'):.3f} s | detect and "
           f"relaunch {_median(rl, 'down'):.3f} s, start "
           f"{_median(rl, 'start'):.3f} s, resume and step "
           f"{_median(rl, 'rest'):.3f} s | {rl[0]['lost_steps']} |")
-    print(f"\nrelaunch / in place: "
-          f"{_median(rl, 'total') / _median(ip, 'total'):.1f}x")
+    for name in ("in place", "in place (TCP)"):
+        print(f"\nrelaunch / {name}: "
+              f"{_median(rl, 'total') / _median(rows[name], 'total'):.1f}x")
     print("\nraw:", json.dumps(rows, indent=1))
 
 

@@ -25,6 +25,9 @@ namespace {
 // or not. Spinning longer steals a core from TensorFlow (with 2 ranks on 2
 // cores there is no spare one); sleeping longer adds latency.
 constexpr auto kSpin = std::chrono::microseconds(60);
+// What every RanksLost message says (kerasdist/_core/errors.py's
+// RANKS_LOST_TEXT; MpiStatus's words under ULFM).
+constexpr char kRanksLostText[] = "a rank of the job was lost";
 // While this rank has submitted collectives that have not run yet, the
 // callers are usually blocked on them and the other ranks' requests or the
 // coordinator's answer may arrive at any moment: the thread keeps polling
@@ -147,6 +150,9 @@ Status Runtime::StartTransport(bool has_comm, int parent_comm_f) {
   // its next generation in the next kd.init().
   start.recovery = transport_->Name() == "mpi" ? RecoveryOn() : TcpRecoveryOn();
   start.on_lost = OnLost(transport_.get(), start.recovery);
+  // Over TCP nothing else tells the survivors of a loss (MPI's ULFM does):
+  // the heartbeat's word goes out at once, naming what it knows then.
+  if (start.recovery && transport_->Name() == "tcp") start.settle_s = 0;
   return StartLiveness(*host_, start, &liveness_);
 }
 
@@ -423,9 +429,17 @@ bool Runtime::RunLoopOnce() {
                                   : WorkerRound(msg, &worked);
   if (s.ok()) s = transport_->ProgressSends();
   if (!s.ok()) {
-    if (s.code() == StatusCode::kRanksLost) RevokeJob();
-    FailAll(Status(s.code(), "rank " + std::to_string(topology().rank) + ": " +
-                                 s.message()));
+    std::string why = s.message();
+    if (s.code() == StatusCode::kRanksLost) {
+      RevokeJob();
+      // In the words every RanksLost message has, whatever the transport
+      // said (kerasdist.elastic knows a TensorFlow op's error by them).
+      if (why.rfind(kRanksLostText, 0) != 0) {
+        why = std::string(kRanksLostText) + " (" + why + ")";
+      }
+    }
+    FailAll(Status(s.code(),
+                   "rank " + std::to_string(topology().rank) + ": " + why));
     return true;
   }
   return worked;

@@ -24,7 +24,9 @@ the old ranks, the commit laid out at 3); one that it shrinks (3 ranks
 to 2; JAX with sharded weights) shrinks in place at its next commit:
 the leaver exits 0, the others (the same processes) go on from that
 commit, the weight shards laid out again over them; all to numpy's
-weights."""
+weights. And over the TCP transport on the repository's own build (no
+Open MPI): TensorFlow replicated, JAX's sharded optimizer and PyTorch's
+sharded weights, recovered in place under node mode."""
 
 import importlib.util
 import json
@@ -360,3 +362,27 @@ def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
                   r"step (\d+)\)", out.stdout)
     assert m, out.stdout
     _check_grown(tmp_path, m)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+@pytest.mark.parametrize("backend,killed,shard", [
+    ("tensorflow", KILL_RANK, None), ("jax", 0, "optimizer_state"),
+    ("torch", 0, "weights")])
+def test_trainer_recovers_in_place_over_tcp(tmp_path, backend, killed,
+                                            shard):
+    """The same jobs on the repository's own build, no Open MPI: node mode
+    over the TCP transport (KERASDIST_TRANSPORT=tcp), the survivors
+    re-forming through the rendezvous; replicated on TensorFlow, and the
+    sharded optimizer's state (JAX) and sharded weights (PyTorch) with the
+    coordinator lost, its shards from its buddy."""
+    pytest.importorskip(backend)
+    out = launch(None, worker_cmd("trainer_recovery_worker.py",
+                                  str(tmp_path), str(killed), str(KILL_STEP),
+                                  *([shard] if shard else [])),
+                 timeout=JOB_S,
+                 launcher_args=["--nproc-per-node", "3",
+                                "--recover-in-place"],
+                 env=rank_env(KERAS_BACKEND=backend,
+                              KERASDIST_TRANSPORT="tcp"))
+    _check_recovered(out, tmp_path, killed)
+    assert "recovery in place failed" not in out.stdout, out.stdout

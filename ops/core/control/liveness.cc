@@ -549,7 +549,8 @@ void Liveness::CheckSilent(double now) {
 // moment after the first, so that one line names them all.
 void Liveness::Settle(double now) {
   if (lost_.empty()) return;
-  const double settle_s = std::min(1.0, 2 * opt_.interval_s);
+  const double settle_s =
+      opt_.settle_s >= 0 ? opt_.settle_s : std::min(1.0, 2 * opt_.interval_s);
   if (now - first_lost_at_ < settle_s) return;
   Report(lost_);
 }

@@ -67,6 +67,11 @@ struct LivenessOptions {
   // writes "arm <timeout_s>\n" as it starts, "beat\n" each interval and
   // "off\n" as it ends (a goodbye, or a loss: the survivors re-form).
   int watchdog_fd = -1;
+  // How long losses are collected after the first, so that one line names
+  // a host's ranks together; < 0: min(1 s, 2 intervals). 0 where the
+  // survivors should hear at once (recovery in place over TCP, where the
+  // line is the only news the others get).
+  double settle_s = -1;
 };
 
 class Liveness;
@@ -81,6 +86,7 @@ struct LivenessStart {
   std::string interface;
   bool recovery = false;
   std::function<void(const std::string&)> on_lost;  // LivenessOptions'
+  double settle_s = -1;                             // LivenessOptions'
 };
 
 // Collective over `comm` (the job's ranks, over whichever transport;

@@ -150,6 +150,7 @@ Status StartLiveness(Communicator& comm, const LivenessStart& start,
                      std::unique_ptr<Liveness>* out) {
   LivenessOptions opt;
   opt.on_lost = start.on_lost;
+  opt.settle_s = start.settle_s;
   opt.rank = comm.rank();
   opt.size = comm.size();
   double times[2] = {start.interval_s, start.timeout_s};

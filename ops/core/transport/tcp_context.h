@@ -64,7 +64,7 @@ class TcpContext : public JobTransport {
     data_->Revoke(why);
     control_->Revoke(why);
   }
-  void Revoke() override { Revoke("a rank was lost"); }
+  void Revoke() override { Revoke("after a lost rank"); }
 
  private:
   TcpContext() = default;
