@@ -120,8 +120,13 @@ def prepare(lib, launch, variables, environ=None):
     _, key, _ = protocol.identity(environ)
     try:
         ex, rank, size, gen = _exchange(launch, variables, environ)
-        spec = tcp_job.describe(ex, rank, size, key,
-                                protocol.timeout_from(environ), gen)
+        # Forming the meshes: the rendezvous's timeout at the start (the
+        # ranks may start minutes apart); a re-form's ranks all run, so a
+        # rank lost meanwhile is not waited for as long.
+        timeout = protocol.timeout_from(environ)
+        if gen:
+            timeout = min(timeout, max(10.0, 2 * _window(environ)))
+        spec = tcp_job.describe(ex, rank, size, key, timeout, gen)
     except (OSError, protocol.RendezvousError) as e:
         raise RuntimeError(
             f"kerasdist.init() failed: rank {launch.rank} of {launch.size} "
