@@ -104,6 +104,11 @@ def _first_step_after(ends, kill_at):
 def in_place(root, kill_step, workdir):
     d = tempfile.mkdtemp(dir=workdir)
     _run(["--recover-in-place"], root, d, kill_step, {})
+    return _in_place_split(d, kill_step)
+
+
+def _in_place_split(d, kill_step):
+    """The in-place paths' figures from the worker's files in `d`."""
     kill_at = _read(d, "kill.json")["at"]
     ends = [_read(d, f"end.{r}.json") for r in range(NP) if r != KILL_RANK]
     lost_at = min(t for e in ends for t in e["lost_at"])
@@ -120,14 +125,7 @@ def in_place_tcp(kill_step, workdir):
     d = tempfile.mkdtemp(dir=workdir)
     _run(["--nproc-per-node", str(NP), "--recover-in-place"], None, d,
          kill_step, TCP)
-    kill_at = _read(d, "kill.json")["at"]
-    ends = [_read(d, f"end.{r}.json") for r in range(NP) if r != KILL_RANK]
-    lost_at = min(t for e in ends for t in e["lost_at"])
-    reset_at = min(t for e in ends for t in e["reset_at"])
-    first = _first_step_after(ends, kill_at)
-    return {"total": first - kill_at, "detect": lost_at - kill_at,
-            "reform": reset_at - lost_at, "rest": first - reset_at,
-            "lost_steps": kill_step - ends[0]["resumed"][0]}
+    return _in_place_split(d, kill_step)
 
 
 def relaunch(kill_step, workdir):

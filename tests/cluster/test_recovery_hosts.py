@@ -15,7 +15,6 @@ import subprocess
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from tests.support.cluster import Cluster
@@ -25,9 +24,8 @@ from tests.support.cluster import run_on
 from tests.support.helpers import kill_tree
 from tests.support.helpers import worker_cmd
 from tests.support.helpers import worker_env
+from tests.support.recovery import check_survivors
 from tests.support.recovery import read_json
-from tests.support.recovery import sgd
-from tests.support.recovery import worker_module
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -72,16 +70,9 @@ def test_a_rank_lost_on_another_host_is_recovered_in_place(
             "0, 1 finished without it (recovery in place)." in out.stdout), \
         out.stdout[-6000:]
     lost_at = read_json(tmp_path, "kill.json")["at"]
-    commit = STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = worker_module()
-    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
-                 STEPS, 2)
+    commit = check_survivors(tmp_path, [0, 1], STEP, STEPS, COMMIT_EVERY)
     for rank in (0, 1):
-        start = read_json(tmp_path, f"start.{rank}.json")
         end = read_json(tmp_path, f"end.{rank}.json")
-        assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
-            start["pid"], rank, 2, [commit]), (start, end)
-        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
         # The next step: at once after a SIGKILL, within the heartbeat's
         # timeout after a SIGSTOP (and a few seconds for this machine).
         took = end["done_at"][str(commit + 1)] - lost_at
@@ -195,16 +186,9 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
                      for r, o in enumerate(outs))
     assert [p.returncode for p in procs[:2]] == [0, 0], text
     lost_at = read_json(tmp_path, "kill.json")["at"]
-    commit = STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = worker_module()
-    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
-                STEPS, 2)
+    commit = check_survivors(tmp_path, [0, 1], STEP, STEPS, COMMIT_EVERY)
     for rank in (0, 1):
-        start = read_json(tmp_path, f"start.{rank}.json")
         end = read_json(tmp_path, f"end.{rank}.json")
-        assert (end["pid"], end["rank"], end["size"], end["resumed"]) == (
-            start["pid"], rank, 2, [commit]), (start, end)
-        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
         took = end["done_at"][str(commit + 1)] - lost_at
         print(f"{fault}: rank {rank}'s next step {took:.2f} s after the "
               f"loss")

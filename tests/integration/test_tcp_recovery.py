@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
@@ -28,9 +27,8 @@ from tests.support.helpers import kill_tree  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
 from tests.support.helpers import worker_env  # noqa: E402
+from tests.support.recovery import check_survivors  # noqa: E402
 from tests.support.recovery import read_json  # noqa: E402
-from tests.support.recovery import sgd  # noqa: E402
-from tests.support.recovery import worker_module  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 
@@ -78,18 +76,7 @@ def test_survivors_re_form_over_tcp_in_place(tmp_path, killed):
             if "re-formed in place at 2 rank(s) (was 3)" in x]
     assert line, text
     print(line[0])
-    commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
-    m = worker_module()
-    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
-                STEPS, 2)
-    for new_rank, rank in enumerate(survivors):
-        start, end = (read_json(tmp_path, f"start.{rank}.json"),
-                      read_json(tmp_path, f"end.{rank}.json"))
-        # The same process, now rank `new_rank` of 2.
-        assert (start["size"], end["pid"], end["rank"], end["size"]) == (
-            3, start["pid"], new_rank, 2), (start, end)
-        assert end["resumed"] == [commit], end
-        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    check_survivors(tmp_path, survivors, KILL_STEP, STEPS, COMMIT_EVERY)
 
 
 @pytest.mark.timeout(JOB_S + 60)

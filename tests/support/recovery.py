@@ -54,3 +54,24 @@ def grown_ends(out, directory, why):
         assert start["size"] == (2 if rank < 2 else 3), start
         assert end["resumed"] == ([commit] if rank < 2 else []), end
     return ends
+
+
+def check_survivors(directory, survivors, kill_step, steps, every):
+    """After a rank lost at `kill_step` (of `steps`, a commit every
+    `every`): each of `survivors` (start ranks, in order) kept its process,
+    is now rank i of len(survivors), resumed once from the last commit,
+    and holds numpy's weights for that commit (made at 3 ranks) continued
+    at the smaller size. Returns the commit's step."""
+    import numpy as np
+    commit = kill_step // every * every
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 3), commit,
+                steps, len(survivors))
+    for new_rank, rank in enumerate(survivors):
+        start = read_json(directory, f"start.{rank}.json")
+        end = read_json(directory, f"end.{rank}.json")
+        assert (start["size"], end["pid"], end["rank"], end["size"],
+                end["resumed"]) == (3, start["pid"], new_rank,
+                                    len(survivors), [commit]), (start, end)
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    return commit
