@@ -79,6 +79,23 @@ def test_a_rank_lost_on_another_host_is_recovered_in_place(
         assert took < (3 if signal_name == "KILL" else TIMEOUT_S + 5), took
 
 
+def _cut_at_the_kill(cluster, host, directory):
+    """Takes `host`'s link down, from a thread, once the worker's kill.json
+    appears in `directory` (its SIGCONT: the rank lives on); returns the
+    list the cut's wall time is appended to."""
+    marker, cut_at = directory / "kill.json", []
+
+    def cut_when_there():
+        deadline = time.monotonic() + JOB_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.cut(host)
+        cut_at.append(time.time())
+
+    threading.Thread(target=cut_when_there, daemon=True).start()
+    return cut_at
+
+
 @pytest.mark.timeout(JOB_S + 60)
 def test_a_cut_link_ends_the_survivors_at_their_deadline(
         cluster, openmpi_root, tmp_path):
@@ -88,17 +105,7 @@ def test_a_cut_link_ends_the_survivors_at_their_deadline(
     # is gone, so their shrink waits for it until the deadline (10 s);
     # each ends in one line, code 75 (with --max-restarts: a relaunch).
     kdt1 = cluster.host("kdt1")
-    marker = tmp_path / "kill.json"
-    cut_at = []
-
-    def cut_when_there():
-        deadline = time.monotonic() + JOB_S
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        cluster.cut(kdt1)
-        cut_at.append(time.time())
-
-    threading.Thread(target=cut_when_there, daemon=True).start()
+    cut_at = _cut_at_the_kill(cluster, kdt1, tmp_path)
     try:
         out = _run(cluster, tmp_path, "CONT", openmpi_root)
         ended = time.time()
@@ -157,17 +164,8 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
     finish with the weights numpy computes; a cut-off rank 2 ends in one
     line once it finds it was left out."""
     kdt1 = cluster.host("kdt1")
-    marker, cut_at = tmp_path / "kill.json", []
-
-    def cut_when_there():
-        deadline = time.monotonic() + JOB_S
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        cluster.cut(kdt1)
-        cut_at.append(time.time())
-
     if fault == "cut":
-        threading.Thread(target=cut_when_there, daemon=True).start()
+        _cut_at_the_kill(cluster, kdt1, tmp_path)
     procs = _start_over_tcp(cluster, tmp_path,
                             "KILL" if fault == "KILL" else "CONT",
                             29661 + (fault == "cut"))
