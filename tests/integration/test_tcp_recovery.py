@@ -63,8 +63,10 @@ def _run(tmp_path, killed):
 
 
 @pytest.mark.timeout(JOB_S + 60)
-@pytest.mark.parametrize("killed", [2, 0])
-def test_survivors_re_form_over_tcp_in_place(tmp_path, killed):
+def test_survivors_re_form_over_tcp_in_place(tmp_path):
+    # Rank 0: the rendezvous's server, which its process started, must
+    # outlive it. (Another rank: the launcher's test below.)
+    killed = 0
     procs, outs = _run(tmp_path, killed)
     survivors = [r for r in range(3) if r != killed]
     text = "\n".join(f"--- rank {r} ---\n{o[-3000:]}"
