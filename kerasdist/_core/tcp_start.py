@@ -78,16 +78,33 @@ class _Started:
             self.exchange.stay()
 
 
-def _window(environ):
-    """How long a re-form waits for a rank that neither asks nor goes:
-    the heartbeat's timeout (a frozen rank is lost after it)."""
+def _heartbeat_s(environ):
     try:
         return max(1.0, float(environ.get(_HEARTBEAT_ENV, "") or 30.0))
     except ValueError:
         return 30.0
 
 
-def _exchange(launch, variables, environ):
+def _window(environ):
+    """How long a re-form waits for a rank that neither asks, goes, nor
+    was named lost by the lowest rank that asked (reform.py): four of the
+    heartbeat's timeouts, at least 30 s (a survivor finishes its step
+    before it asks)."""
+    return max(30.0, 4 * _heartbeat_s(environ))
+
+
+def _lost_ranks(lib):
+    """The ranks this process's heartbeat last reported lost."""
+    import ctypes
+    lib.kerasdist_lost_ranks.argtypes = [ctypes.POINTER(ctypes.c_int32),
+                                         ctypes.c_int]
+    lib.kerasdist_lost_ranks.restype = ctypes.c_int
+    out = (ctypes.c_int32 * 4096)()
+    n = lib.kerasdist_lost_ranks(out, len(out))
+    return list(out[:min(n, len(out))])
+
+
+def _exchange(lib, launch, variables, environ):
     """(the Exchange, this rank, the size, the generation) of this init:
     the first (`variables`: client.join's), or the next generation's
     among the ranks still there."""
@@ -103,7 +120,7 @@ def _exchange(launch, variables, environ):
         return ex, launch.rank, launch.size, 0
     ex = _state["exchange"]
     gen = _state["generation"] + 1
-    rank, size = ex.reform(gen, _window(environ))
+    rank, size = ex.reform(gen, _window(environ), _lost_ranks(lib))
     _state["generation"] = gen
     return ex, rank, size, gen
 
@@ -119,13 +136,13 @@ def prepare(lib, launch, variables, environ=None):
         return None
     _, key, _ = protocol.identity(environ)
     try:
-        ex, rank, size, gen = _exchange(launch, variables, environ)
+        ex, rank, size, gen = _exchange(lib, launch, variables, environ)
         # Forming the meshes: the rendezvous's timeout at the start (the
         # ranks may start minutes apart); a re-form's ranks all run, so a
         # rank lost meanwhile is not waited for as long.
         timeout = protocol.timeout_from(environ)
         if gen:
-            timeout = min(timeout, max(10.0, 2 * _window(environ)))
+            timeout = min(timeout, max(10.0, 2 * _heartbeat_s(environ)))
         spec = tcp_job.describe(ex, rank, size, key, timeout, gen)
     except (OSError, protocol.RendezvousError) as e:
         raise RuntimeError(

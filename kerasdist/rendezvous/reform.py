@@ -6,10 +6,13 @@ open for the job's life (`kd_stay`, once its transport formed): its end
 is that rank's end, and the server then outlives rank 0 (whose process
 started it) for as long as such a connection is open. After a loss every
 survivor asks on it for the next generation (`kd_reform generation=G
-window=W`). The round ends once every rank of the current generation has
-asked or gone (its connection closed), or `W` seconds after the first
-request (a frozen rank is left out, its connection closed); the ranks
-that asked, in their old order, are the new generation's ranks 0..n-1,
+window=W lost=R,...`, the ranks its heartbeat reported lost). The round
+ends once every rank of the current generation has asked, gone (its
+connection closed) or been named lost by the lowest rank that asked (its
+heartbeat's view: rank 0 watches every rank), or `W` seconds after the
+first request (a rank silent till then is left out, its connection
+closed, as is one named lost that asks: cut off from the others); the
+ranks that asked, in their old order, are the new generation's ranks 0..n-1,
 and each hears `kd_reformed rc=0 rank=R size=N`. They then exchange their
 new listeners' addresses as at the start (put, barrier, get). A request
 for another generation is answered rc=1 with why; that rank, as one left
@@ -32,6 +35,7 @@ class Reforms:
     generation = 0
     staying = False        # a rank said kd_stay: outlive rank 0
     asked = None           # old rank -> its connection, during a round
+    named = None           # old rank -> the ranks it named lost
     round_until = None     # the round's deadline (monotonic)
 
     def on_stay(self, conn):
@@ -46,8 +50,10 @@ class Reforms:
         try:
             generation = int(t.get("generation", ""))
             window = float(t.get("window", "30"))
+            lost = {int(r) for r in t.get("lost", "-").split(",")
+                    if r != "-"}
         except ValueError:
-            generation, window = -1, 30.0
+            generation, window, lost = -1, 30.0, set()
         window = min(MAX_WINDOW_S, max(MIN_WINDOW_S, window))
         with self.cv:
             if generation != self.generation + 1 or conn.rank is None:
@@ -56,25 +62,30 @@ class Reforms:
                                 f"asked_for_{generation}")
                 return
             if self.asked is None:
-                self.asked = {}
+                self.asked, self.named = {}, {}
                 self.round_until = time.monotonic() + window
             self.asked[conn.rank] = conn
+            self.named[conn.rank] = {r for r in lost if 0 <= r < self.size}
             self.check_reform(time.monotonic())
 
     def check_reform(self, now):  # with self.cv held
-        """Ends the round once every rank asked or went, or at its
-        deadline."""
+        """Ends the round once every rank asked, went or was named lost by
+        the lowest rank that asked (its heartbeat's view: rank 0's, which
+        watches every rank, while rank 0 is there), or at its deadline."""
         if self.asked is None:
             return
+        lost = self.named[min(self.asked)]
         waiting = [r for r in range(self.size)
                    if r not in self.asked and r in self.pmi
-                   and r not in self.dead]
+                   and r not in self.dead and r not in lost]
         if waiting and now < self.round_until:
             return
         old = sorted(r for r, c in self.asked.items()
-                     if self.pmi.get(r) is c)
+                     if self.pmi.get(r) is c and r not in lost)
         conns = [self.asked[r] for r in old]
-        for r in waiting:  # left out: its process hears the close
+        # Left out (silent at the deadline, or named lost though it
+        # asked: cut off from the others): its process hears the close.
+        for r in set(waiting) | (lost & set(self.pmi)):
             self.pmi.pop(r).drop()
         self.generation += 1
         self.size = len(old)
@@ -84,7 +95,7 @@ class Reforms:
         self.up = set(range(self.size))
         self.kvs, self.keys_of, self.barrier = {}, {}, {}
         self.barrier_since = None
-        self.asked = self.round_until = None
+        self.asked = self.round_until = self.named = None
         for new, c in enumerate(conns):
             c.rank = new
             self.send(c, f"cmd=kd_reformed rc=0 rank={new} size={self.size} "

@@ -105,12 +105,14 @@ class Exchange:
         server outlives rank 0 while it is open."""
         self.command("cmd=kd_stay")
 
-    def reform(self, generation, window):
-        """Asks for `generation` among the ranks still here (reform.py);
-        returns this rank's (rank, size) in it."""
+    def reform(self, generation, window, lost=()):
+        """Asks for `generation` among the ranks still here (reform.py),
+        naming the ranks this rank's heartbeat found `lost`; returns this
+        rank's (rank, size) in it."""
         self.sock.settimeout(window + 30.0)
+        named = ",".join(str(int(r)) for r in lost) or "-"
         t = self.command(f"cmd=kd_reform generation={generation} "
-                         f"window={window:g}")
+                         f"window={window:g} lost={named}")
         if t.get("rc") != "0":
             raise protocol.RendezvousError(
                 "the job re-formed without this rank: " +

@@ -17,6 +17,7 @@
 
 #include "backends/gpu/device_backend.h"
 #include "config.h"
+#include "control/liveness.h"
 #include "enqueue.h"
 #include "half_kernels.h"
 #include "process_sets.h"
@@ -72,6 +73,14 @@ const char* kerasdist_transport(void) {
   std::shared_ptr<Runtime> rt = CurrentRuntime();
   t_text = rt ? rt->transport_name() : "";
   return t_text.c_str();
+}
+
+int kerasdist_lost_ranks(int32_t* out, int cap) {
+  const std::vector<int> lost = LastLostRanks();
+  for (int i = 0; i < cap && i < static_cast<int>(lost.size()); ++i) {
+    out[i] = lost[i];
+  }
+  return static_cast<int>(lost.size());
 }
 
 int kerasdist_shutdown(void) {

@@ -40,6 +40,9 @@ int kerasdist_init(int has_comm, int comm_f, const char* settings);
 int kerasdist_set_tcp_job(const char* spec);
 /* The running job's transport, "mpi" or "tcp"; "" when not initialized. */
 const char* kerasdist_transport(void);
+/* The ranks this process's heartbeat last reported lost: up to `cap` into
+ * `out`; returns how many there are. */
+int kerasdist_lost_ranks(int32_t* out, int cap);
 int kerasdist_shutdown(void);
 int kerasdist_is_initialized(void);
 /* How many times this process's job was re-formed among the survivors of a

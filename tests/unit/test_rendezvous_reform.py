@@ -2,8 +2,10 @@
 TCP job with recovery in place: a real server process and real sockets on
 loopback, the ranks join() itself and tcp_job's Exchange on threads. A
 rank that went ends the round at once; one that neither asks nor goes is
-left out at the window and its connection closed; another generation is
-refused; the server outlives rank 0 while a rank stays connected.
+left out at the window and its connection closed; one the lowest asker
+names lost is not waited for, and is left out if it asks; another
+generation is refused; the server outlives rank 0 while a rank stays
+connected.
 """
 
 import os
@@ -95,6 +97,37 @@ def test_a_rank_that_never_asks_is_left_out_at_the_window():
         # Its connection was closed: its own request fails, naming why.
         late, _ = _reform(ex, [1], 1, window=1)
         assert isinstance(late[1], (OSError, protocol.RendezvousError)), late
+    finally:
+        _close(proc, ex)
+
+
+def test_a_rank_named_lost_is_not_waited_for_and_left_out_if_it_asks():
+    # Rank 2 is cut off from the others (its connection to the server
+    # open): rank 0's heartbeat names it, so the round ends as soon as
+    # ranks 0 and 1 asked, well within the window; rank 2 naming rank 0
+    # does not count against rank 0's view, and its own request is
+    # answered with the close.
+    proc, ex = _staying(3)
+    try:
+        out, began = {}, time.monotonic()
+
+        def ask(r, lost):
+            try:
+                out[r] = ex[r].reform(1, 30, lost)
+            except (OSError, protocol.RendezvousError) as e:
+                out[r] = e
+        threads = [threading.Thread(target=ask, args=(2, [0]))]
+        threads[0].start()
+        time.sleep(0.3)
+        threads += [threading.Thread(target=ask, args=(r, [2]))
+                    for r in (1, 0)]
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert out[0] == (0, 2) and out[1] == (1, 2), out
+        assert isinstance(out[2], (OSError, protocol.RendezvousError)), out
+        assert time.monotonic() - began < 10
     finally:
         _close(proc, ex)
 

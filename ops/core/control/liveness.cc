@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 #include "../transport/sockets.h"
@@ -24,6 +25,10 @@
 
 namespace kerasdist::core {
 namespace {
+
+// LastLostRanks: the heartbeat's last report in this process.
+std::mutex g_lost_mu;
+std::vector<int> g_last_lost;
 
 // The exit code of a rank that ended because a peer was lost (EX_TEMPFAIL:
 // the job may succeed when restarted).
@@ -458,6 +463,10 @@ void Liveness::Stop() {
 }
 
 void Liveness::Loop() {
+  {
+    std::lock_guard<std::mutex> l(g_lost_mu);
+    g_last_lost.clear();
+  }
   double next_beat = 0;
   std::vector<pollfd> fds;
   Feed(("arm " + std::to_string(opt_.timeout_s) + "\n").c_str());
@@ -555,7 +564,17 @@ void Liveness::Settle(double now) {
   Report(lost_);
 }
 
+std::vector<int> LastLostRanks() {
+  std::lock_guard<std::mutex> l(g_lost_mu);
+  return g_last_lost;
+}
+
 void Liveness::Report(const std::vector<LostRank>& lost) {
+  {
+    std::lock_guard<std::mutex> l(g_lost_mu);
+    g_last_lost.clear();
+    for (const LostRank& r : lost) g_last_lost.push_back(r.rank);
+  }
   if (opt_.rank == 0) {
     for (Peer& p : peers_) {
       if (p.gone) continue;

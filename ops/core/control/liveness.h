@@ -89,6 +89,12 @@ struct LivenessStart {
   double settle_s = -1;                             // LivenessOptions'
 };
 
+// The ranks this process's heartbeat last reported lost (its line's), in
+// the order found; a heartbeat that starts clears them. A TCP job's
+// survivors name them to the rendezvous when they re-form
+// (kerasdist/rendezvous/reform.py).
+std::vector<int> LastLostRanks();
+
 // Collective over `comm` (the job's ranks, over whichever transport;
 // start_liveness.cc): starts this rank's heartbeat; *out stays empty for
 // one rank or a timeout of 0. Fails on every rank if any rank cannot
