@@ -215,6 +215,13 @@ def node_identity():
 
 
 
+def address_toward(ip):
+    """This host's address on the route to `ip`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
 def read_line(sock, limit=MAX_LINE):
     """One line from `sock` (without its newline), at most `limit` bytes;
     "" when it closed first. Reads byte-wise past nothing: what follows the

@@ -29,6 +29,7 @@ import time
 
 from kerasdist._core import site_mpi
 from kerasdist.rendezvous import protocol
+from kerasdist.rendezvous import tcp_job
 from kerasdist.run import _rank
 from kerasdist.run import attempt_loop
 from kerasdist.run import hosts as hosts_lib
@@ -167,8 +168,7 @@ def _run_node(config, log):
                  f"{plan.node_rank} of {plan.nnodes}, "
                  f"{plan.nproc_per_node} rank(s) here, master "
                  f"{plan.master_addr}:{plan.master_port}")
-    tcp = os.environ.get(node.TRANSPORT_ENV, "").strip().lower() == "tcp"
-    wrong = None if tcp else site_mpi.check_rendezvous(
+    wrong = None if tcp_job.wanted(os.environ) else site_mpi.check_rendezvous(
         "kerasdist run --nnodes (node mode)")
     if wrong:
         log.raw(f"{PROG}: error: {wrong}\n".encode())

@@ -23,6 +23,7 @@ import os
 from typing import Optional
 
 from kerasdist._core import site_mpi
+from kerasdist.rendezvous import tcp_job
 from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import node
 from kerasdist.run import remote
@@ -437,11 +438,14 @@ def _node_flags_from_pet(args, environ):
 def _check_node_mode(args, environ):
     """Node mode: the node's Plan in args.node, -np its world size.
     --recover-in-place goes with it over the TCP transport only."""
-    tcp = environ.get(node.TRANSPORT_ENV, "").strip().lower() == "tcp"
+    try:
+        tcp = tcp_job.wanted(environ)
+    except ValueError as e:
+        raise UsageError(f"{e}, in the launcher's environment") from None
     if args.recover_in_place and not tcp:
         raise UsageError(
             f"--recover-in-place in node mode needs the TCP transport "
-            f"({node.TRANSPORT_ENV}=tcp in the launcher's environment): the "
+            f"({tcp_job.TRANSPORT_ENV}=tcp in the launcher's environment): the "
             f"ranks of each host then re-form among themselves through the "
             f"rendezvous, with no MPI; or leave out the node-mode flags to "
             f"start the job from one host under Open MPI's ULFM.")

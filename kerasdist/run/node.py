@@ -41,9 +41,8 @@ import sys
 import time
 
 DEFAULT_PORT = 29500  # torchrun's
-# The ranks' transport (kerasdist/rendezvous/tcp_job.py): over TCP, node
-# mode may recover in place (--recover-in-place), no MPI involved.
-TRANSPORT_ENV = "KERASDIST_TRANSPORT"
+# Over the TCP transport (kerasdist/rendezvous/tcp_job.py), node mode may
+# recover in place (--recover-in-place), no MPI involved.
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 # Seconds the manager waits, after a wrapper failed, for the launcher to
 # stop the node (it does so about half a second after the failure).

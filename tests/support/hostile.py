@@ -9,7 +9,8 @@ import time
 
 def foreigner(port, stop, sent):
     """Says what an attacker without the secret would, over and over:
-    PMI commands, forged hellos, garbage, a huge line, idle connections."""
+    PMI commands, forged hellos, re-form requests (kd_stay,
+    kd_reform), garbage, a huge line, idle connections."""
     lines = [b"cmd=barrier_in\n", b"cmd=finalize\n",
              b"cmd=put kvsname=k key=card[0] value=evil\n",
              b"cmd=initack pmiid=1\n", b"cmd=initack pmiid=0\n",
@@ -17,6 +18,8 @@ def foreigner(port, stop, sent):
              b"cmd=kd_hello rank=1 size=2 proof=00\n",
              b"cmd=kd_auth job=unnamed nonce=x\ncmd=kd_hello rank=0 size=2"
              b" proof=1234\n", b"cmd=get kvsname=k key=card[1]\n",
+             b"cmd=kd_stay\n", b"cmd=kd_reform generation=1 window=1 lost=0\n",
+             b"cmd=initack pmiid=0\ncmd=kd_stay\n",
              os.urandom(2048), b"x" * 100000]
     idle = []
     rng = random.Random(1)

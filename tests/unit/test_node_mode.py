@@ -116,6 +116,22 @@ def test_parse_args_node_mode_rejects_mpiexec_flags(flags, name):
         launch_config.parse_args([*flags, "--nnodes", "1", "x"], environ={})
 
 
+def test_parse_args_node_mode_checks_the_transport():
+    ok = launch_config.parse_args(["--nnodes", "1", "--recover-in-place",
+                                   "x"], environ={"KERASDIST_TRANSPORT":
+                                                  " TCP "})
+    assert ok.recover_in_place
+    with pytest.raises(launch_config.UsageError, match=(
+            "^--recover-in-place in node mode needs the TCP transport")):
+        launch_config.parse_args(["--nnodes", "1", "--recover-in-place",
+                                  "x"], environ={})
+    with pytest.raises(launch_config.UsageError, match=(
+            "^KERASDIST_TRANSPORT='udp': the transports are mpi and tcp "
+            r"\(the default: mpi\), in the launcher's environment$")):
+        launch_config.parse_args(["--nnodes", "1", "x"],
+                                 environ={"KERASDIST_TRANSPORT": "udp"})
+
+
 def test_wrapper_reads_node_modes_variables():
     env = {"RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert _rank.rank_from_env(env) == "3"

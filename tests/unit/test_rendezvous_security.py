@@ -931,7 +931,7 @@ def _this_hosts_address():
         for row in f:
             if row.split()[0] != "lo":
                 try:
-                    return client._address_toward("192.0.2.123")
+                    return protocol.address_toward("192.0.2.123")
                 except OSError:
                     return None
     return None
