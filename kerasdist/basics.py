@@ -222,6 +222,9 @@ def _join_launch(lib):
     other processes at its coordinator (kerasdist/rendezvous/client.py) and
     returns the PMI variables for MPI_Init: (launch, {name: value}), {}
     where there is nothing to join."""
+    joiner = _tcp_start.join_launch(_joined)  # KERASDIST_JOIN=1
+    if joiner is not None:
+        return joiner
     launch = conventions.detect(os.environ)
     tcp = _tcp_start.check(launch, _joined)  # KERASDIST_TRANSPORT=tcp
     # The MPI kerasdist was built against must speak the launcher's

@@ -381,13 +381,16 @@ class State:
         """Raises HostsUpdatedInterrupt on every rank once the launcher
         asked any rank to stop for a resize; the ranks agree on it in one
         small allreduce (only in a job that grows and shrinks)."""
-        if not _resize.checking():
+        if not _resize.checking() and not _grow.joinable():
             return
         # With recovery in place a request to grow starts the new ranks in
         # the background, and the commit after they joined raises
-        # (kerasdist/_core/grow.py).
+        # (kerasdist/_core/grow.py); over TCP, processes waiting to join
+        # are a request too.
         flag = np.array([1 if _resize.requested() else 0,
-                         1 if _grow.spawning() else 0], np.int64)
+                         1 if _grow.spawning() else 0,
+                         1 if not _grow.started() and _grow.waiting()
+                         else 0], np.int64)
         if basics.size() > 1:
             from kerasdist._core import host as _host
             flag = _host.host_allreduce(flag, basics.Max,
@@ -396,13 +399,16 @@ class State:
             if not int(flag[1]):
                 raise HostsUpdatedInterrupt(False)
             return
-        if not int(flag[0]):
+        if not int(flag[0]) and not int(flag[2]):
             return
         # The launcher's request in place, if any (rank 0 reads it, every
         # rank gets it): a shrink ends the function at this commit, a grow
         # starts the new ranks in the background; without one the job
-        # stops for a relaunch.
+        # stops for a relaunch. Processes waiting to join (over TCP) that
+        # went meanwhile: nothing to do.
         body = _grow.request()
+        if not int(flag[0]) and not _grow.is_request(body):
+            return
         if _shrink.take(body):
             raise HostsUpdatedInterrupt(False)
         if _grow.is_request(body):
@@ -895,10 +901,10 @@ def _run_once(func, state, *args, **kwargs):
     try:
         return func(state, *args, **kwargs)
     except HostsUpdatedInterrupt:
-        if not _resize.checking():
-            raise
         if _grow.started():
             raise _GrowInPlace() from None
+        if not _resize.checking():
+            raise
         if _shrink.pending():
             raise _ShrinkInPlace() from None
         state.save()

@@ -25,6 +25,14 @@ commit where the ranks agree on the launcher's resize request:
   job): `joined()` is true, and `run` syncs the state from rank 0 before
   it calls the training function, instead of loading the last commit.
 
+Over the TCP transport (KERASDIST_TRANSPORT=tcp) no launcher's request
+and no spawn: processes started with KERASDIST_JOIN=1 wait at the job's
+rendezvous (kerasdist/rendezvous/joining.py). Rank 0 asks the server at
+each commit how many wait (`waiting()`); where any do, the request is
+theirs (`{"join": N}`), `begin()` starts nothing (they run already) and
+`finish()`'s re-form lets them in (kerasdist/_core/tcp_start.py,
+rendezvous/reform.py): on any host that reaches the coordinator.
+
 kerasdist.Trainer (kerasdist/trainer/trainer.py) takes the same steps at
 its commits' steps; its new ranks' `Trainer.fit()` takes the commit and
 its point from rank 0 where `joined()` is true.
@@ -41,13 +49,15 @@ import time
 from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import resize as _resize
+from kerasdist._core import tcp_start as _tcp_start
 
 REQUEST_NAME = "grow.json"  # kerasdist/run/grow.py's
 GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"  # kerasdist/run/_rank.py's
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
 
-_joined = {"pending": GROWN_RANK_ENV in os.environ}
+_joined = {"pending": GROWN_RANK_ENV in os.environ or
+           os.environ.get("KERASDIST_JOIN", "").strip() == "1"}
 
 
 def _spawn(ranks):
@@ -123,7 +133,13 @@ def request():
     place; None at once elsewhere."""
     if os.environ.get(RECOVER_ENV) != "1":
         return None
-    body = _read_request() if basics.rank() == 0 else None
+    body = None
+    if basics.rank() == 0:
+        body = _read_request()
+        joiners = _tcp_start.joiners() if body is None else 0
+        if joiners:
+            body = {"join": joiners, "why": f"{joiners} process(es) asked "
+                    f"to join"}
     if basics.size() > 1:
         from kerasdist.objects import broadcast_object
         body = broadcast_object(body, 0, name="kerasdist.elastic.grow")
@@ -137,8 +153,22 @@ _grow = {"thread": None}
 
 def is_request(body):
     """Whether the in-place request `body` (request()'s) asks to grow: it
-    names the ranks to start."""
-    return isinstance(body, dict) and bool(body.get("ranks"))
+    names the ranks to start, or says that processes wait to join."""
+    return isinstance(body, dict) and bool(body.get("ranks") or
+                                           body.get("join"))
+
+
+def waiting():
+    """Whether processes wait to join this TCP job: rank 0 asks the
+    rendezvous (every commit of a job that re-forms over TCP); False on
+    the other ranks and elsewhere."""
+    return basics.rank() == 0 and _tcp_start.joiners() > 0
+
+
+def joinable():
+    """Whether processes may join this job at its commits: it runs over
+    TCP with recovery in place."""
+    return _tcp_start.re_forms()
 
 
 def begin(body):
@@ -149,10 +179,14 @@ def begin(body):
     relaunch, or shrinks in place)."""
     if not is_request(body):
         return False
-    ranks = [(r["argv"], r.get("info", [])) for r in body["ranks"]] \
-        if basics.rank() == 0 else []
+    ranks = [(r["argv"], r.get("info", []))
+             for r in body.get("ranks", [])] if basics.rank() == 0 else []
 
     def spawn():
+        if body.get("join"):
+            # Over TCP the new processes started themselves and wait at
+            # the rendezvous: finish()'s re-form lets them in.
+            return
         try:
             _spawn(ranks)
         except RuntimeError as e:
@@ -164,6 +198,8 @@ def begin(body):
     _grow.update(thread=thread, body=body, error=None,
                  began=time.monotonic(), was=basics.size())
     _resize.served()
+    if body.get("join"):
+        _tcp_start.grow_next()
     thread.start()
     return True
 
@@ -204,11 +240,13 @@ def finish(state, log):
             f"{grown['was']} rank(s)")
         return
     now = time.monotonic()
+    started = "" if grown["body"].get("join") else (
+        f"the new ranks started in {stopped - grown['began']:.2f} s while "
+        f"the others trained, ")
     log(f"grew in place to {basics.size()} rank(s) (was {grown['was']}; "
-        f"{grown['body'].get('why', 'the hosts changed')}): the new ranks "
-        f"started in {stopped - grown['began']:.2f} s while the others "
-        f"trained, the job re-formed in {now - stopped:.2f} s, resuming "
-        f"from the last commit")
+        f"{grown['body'].get('why', 'the hosts changed')}): {started}the "
+        f"job re-formed in {now - stopped:.2f} s, resuming from the last "
+        f"commit")
 
 
 def restart_or_end(then, failed, between=None):

@@ -11,17 +11,22 @@ global one stay MPI's and say so.
 With recovery in place (KERASDIST_RECOVER_IN_PLACE=1) each rank keeps its
 connection to the server, and every later init() of the process (after a
 lost rank: kerasdist.elastic.recover_in_place) forms the job's next
-generation among the ranks still there (rendezvous/reform.py).
+generation among the ranks still there (rendezvous/reform.py); after
+the ranks agreed to grow (kerasdist/_core/grow.py), with the processes
+that wait to join too. Such a process (KERASDIST_JOIN=1) meets the
+running job through rendezvous/joining.py instead of the start's hello.
 """
 
 import os
 
+from kerasdist.rendezvous import environment
+from kerasdist.rendezvous import joining
 from kerasdist.rendezvous import protocol
 from kerasdist.rendezvous import tcp_job
 
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 _HEARTBEAT_ENV = "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS"
-_state = {"exchange": None, "generation": 0}
+_state = {"exchange": None, "generation": 0, "grow": False}
 
 
 def generation():
@@ -61,6 +66,84 @@ def check(launch, joined, environ=None):
             f"TCP job (with {RECOVER_ENV}=1 its init() after shutdown() "
             f"forms the job again). Start a new process for the next one.")
     return True
+
+
+def joins(environ=None):
+    """Whether this process joins a running TCP job (KERASDIST_JOIN=1)
+    and has not yet."""
+    environ = os.environ if environ is None else environ
+    return joining.wanted(environ) and _state["exchange"] is None
+
+
+def join(environ=None):
+    """A joining process's kd.init(): waits to be let into the running
+    job (rendezvous/joining.py); returns (its Launch, the variables
+    `prepare` takes). Raises RuntimeError (init's message) where it
+    cannot: no TCP with recovery in place, no coordinator, or the job did
+    not let it in."""
+    environ = os.environ if environ is None else environ
+    try:
+        tcp = tcp_job.wanted(environ)
+    except ValueError as e:
+        raise RuntimeError(f"kerasdist.init() failed: {e}") from None
+    if not tcp or not _recovering(environ):
+        raise RuntimeError(
+            f"kerasdist.init() failed: {joining.JOIN_ENV}=1 joins a running "
+            f"job over the TCP transport with recovery in place; set "
+            f"{tcp_job.TRANSPORT_ENV}=tcp and {RECOVER_ENV}=1, as the job's "
+            f"ranks have them.")
+    try:
+        host = environ.get("MASTER_ADDR", "").strip()
+        port = environment.port_number(environ.get("MASTER_PORT", ""),
+                                       "MASTER_PORT")
+        if not host:
+            raise ValueError("MASTER_ADDR is not set: give the address of "
+                             "the job's coordinator (its rank 0's host).")
+        variables = joining.join_running(
+            (host, port), protocol.timeout_from(environ), environ)
+    except (ValueError, protocol.RendezvousError) as e:
+        raise RuntimeError(f"kerasdist.init() failed: {e}") from None
+    local = [environ.get(n, "").strip() for n in ("LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE")]
+    local_rank, local_size = (int(local[0]), int(local[1])) \
+        if all(x.isdigit() for x in local) else (None, None)
+    launch = environment.Launch("join", variables["rank"],
+                                variables["size"], local_rank, local_size,
+                                (host, port))
+    return launch, variables
+
+
+def join_launch(joined, environ=None):
+    """init()'s meeting for a joining process (KERASDIST_JOIN=1): its
+    first init waits to be let in (`join`); a later one (a re-form) meets
+    nothing new. None for any other process."""
+    if joined is not None:
+        return (joined, {}) if joined.convention == "join" else None
+    return join(environ) if joins(environ) else None
+
+
+def joiners():
+    """How many processes wait to join this process's TCP job (0 where it
+    is none that re-forms, or the server does not answer)."""
+    ex = _state["exchange"]
+    if ex is None:
+        return 0
+    try:
+        return ex.joiners()
+    except (OSError, ValueError, protocol.RendezvousError):
+        return 0
+
+
+def re_forms():
+    """Whether this process's TCP job re-forms in place (it keeps its
+    connection to the rendezvous)."""
+    return _state["exchange"] is not None
+
+
+def grow_next():
+    """The next re-form lets the waiting processes in (the ranks agreed
+    to grow: kerasdist/_core/grow.py)."""
+    _state["grow"] = True
 
 
 class _Started:
@@ -117,10 +200,13 @@ def _exchange(lib, launch, variables, environ):
                               timeout)
         if _recovering(environ):
             _state["exchange"] = ex
-        return ex, launch.rank, launch.size, 0
+        # A joining process comes in at the generation that let it in.
+        _state["generation"] = gen = variables.get("generation", 0)
+        return ex, launch.rank, launch.size, gen
     ex = _state["exchange"]
     gen = _state["generation"] + 1
-    rank, size = ex.reform(gen, _window(environ), _lost_ranks(lib))
+    grow, _state["grow"] = _state["grow"], False
+    rank, size = ex.reform(gen, _window(environ), _lost_ranks(lib), grow)
     _state["generation"] = gen
     return ex, rank, size, gen
 

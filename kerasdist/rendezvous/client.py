@@ -35,6 +35,7 @@ from kerasdist.rendezvous.protocol import RETRY_S
 from kerasdist.rendezvous.protocol import SECRET_ENV
 from kerasdist.rendezvous.protocol import TIMEOUT_ENV
 from kerasdist.rendezvous.protocol import RendezvousError
+from kerasdist.rendezvous.protocol import address_toward
 from kerasdist.rendezvous.protocol import identity
 from kerasdist.rendezvous.protocol import mac_of
 from kerasdist.rendezvous.protocol import node_identity
@@ -55,7 +56,7 @@ _server = None  # rank 0's server process, kept for this process's life
 _said_unauthenticated = False
 
 
-def _resolve(host, deadline):
+def resolve(host, deadline):
     """host's IPv4 address (MPICH's PMI_PORT takes host:port, no IPv6)."""
     while True:
         try:
@@ -69,7 +70,9 @@ def _resolve(host, deadline):
             time.sleep(RETRY_S)
 
 
-def _connect(address, deadline):
+def connect(address, deadline):
+    """(a socket connected to `address`, None), retrying until `deadline`;
+    (None, the last error) then."""
     last = None
     while True:
         left = deadline - time.monotonic()
@@ -216,13 +219,6 @@ def _agent_store(host, port, timeout):
                     timeout=datetime.timedelta(seconds=timeout))
 
 
-def _address_toward(ip):
-    """This host's address on the route to `ip`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((ip, 9))  # UDP: picks the route, sends nothing
-        return s.getsockname()[0]
-
-
 def _is_address(host):
     try:
         socket.inet_aton(host)
@@ -301,7 +297,7 @@ def join(launch, timeout, environ=None, watch=True):
     host, port = launch.coordinator
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
-    ip = _resolve(host, deadline)
+    ip = resolve(host, deadline)
     if (launch.convention == "torchrun" and
             environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         entry = (f"kerasdist/pmi/{environ.get('TORCHELASTIC_RUN_ID', '')}/"
@@ -310,7 +306,7 @@ def join(launch, timeout, environ=None, watch=True):
             store = _agent_store(ip, port, timeout)
             if launch.rank == 0:
                 # The ranks reach this server at the address published.
-                local = _address_toward(ip)
+                local = address_toward(ip)
                 own = _start_server(0, launch.size, timeout, job, key, local,
                                     proven)
                 store.set(entry, f"{local}:{own}")
@@ -397,7 +393,7 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
     connection whose hello formed the job is left open and added to
     `keep` (a list) as (socket, check of the server's later lines,
     signer of this process's later lines)."""
-    sock, error = _connect(address, deadline)
+    sock, error = connect(address, deadline)
     if sock is None:
         raise RendezvousError(
             f"rank {launch.rank} of {launch.size} found no coordinator at "
@@ -406,26 +402,9 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
             f"{where}, and that every process has the same coordinator.")
     try:
         sock.settimeout(max(1.0, deadline - time.monotonic()) + 10.0)
-        nonce = secrets.token_hex(16)
-        sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
-        t = tokens(read_line(sock))
-        if t.get("cmd") != "kd_challenge":
-            return (f"{_NO_ANSWER} msg=the coordinator at {where} did not "
-                    f"answer as a kerasdist rendezvous")
-        # A server that says whether its job has a secret (secret=1/0):
-        # where this process differs, that is the error to name.
-        theirs_proven = t.get("secret")
-        if proven is not None and theirs_proven == str(int(not proven)):
-            why = _HAS_NO_SECRET if proven else _NEEDS_SECRET
-            return (f"cmd=kd_ready rc={OTHER_JOB} msg={why}"
-                    f"{t.get('job')}")
-        if t.get("rc") == str(OTHER_JOB) or t.get("job") != job:
-            return f"cmd=kd_ready rc={OTHER_JOB} msg=job {t.get('job')}"
-        theirs = t.get("nonce", "")
-        if not hmac.compare_digest(t.get("proof", ""),
-                                   mac_of(key, "server", nonce, theirs, job)):
-            return (f"cmd=kd_ready rc={OTHER_JOB} msg=job {job} with "
-                    f"another secret ({SECRET_ENV} differs)")
+        nonce, theirs = auth(sock, where, job, key, proven)
+        if theirs is None:
+            return nonce  # the server's refusal, as a reply line
         # The node this process is on (node_identity): the server tells
         # MPI which ranks share one from these.
         node = node_identity()
@@ -458,6 +437,32 @@ def _hello(address, where, launch, timeout, deadline, job, key, keep=None,
     finally:
         if sock is not None:
             sock.close()
+
+
+def auth(sock, where, job, key, proven):
+    """Proves the job's secret to the server on `sock` and checks its
+    proof: (this side's nonce, the server's), or (a reply line saying why
+    not, None)."""
+    nonce = secrets.token_hex(16)
+    sock.sendall(f"cmd=kd_auth job={job} nonce={nonce}\n".encode())
+    t = tokens(read_line(sock))
+    if t.get("cmd") != "kd_challenge":
+        return (f"{_NO_ANSWER} msg=the coordinator at {where} did not "
+                f"answer as a kerasdist rendezvous"), None
+    # A server that says whether its job has a secret (secret=1/0):
+    # where this process differs, that is the error to name.
+    theirs_proven = t.get("secret")
+    if proven is not None and theirs_proven == str(int(not proven)):
+        why = _HAS_NO_SECRET if proven else _NEEDS_SECRET
+        return f"cmd=kd_ready rc={OTHER_JOB} msg={why}{t.get('job')}", None
+    if t.get("rc") == str(OTHER_JOB) or t.get("job") != job:
+        return f"cmd=kd_ready rc={OTHER_JOB} msg=job {t.get('job')}", None
+    theirs = t.get("nonce", "")
+    if not hmac.compare_digest(t.get("proof", ""),
+                               mac_of(key, "server", nonce, theirs, job)):
+        return (f"cmd=kd_ready rc={OTHER_JOB} msg=job {job} with another "
+                f"secret ({SECRET_ENV} differs)"), None
+    return nonce, theirs
 
 
 # --------------------------------------------------------------- server

@@ -126,6 +126,8 @@ class PmiCommands:
             self.on_stay(conn)
         elif cmd == "kd_reform":
             self.on_reform(conn, t)
+        elif cmd == "kd_joiners":
+            send(f"cmd=kd_joiners rc=0 count={self.joiners()}")
         elif cmd == "abort":
             sys.stderr.write(f"kerasdist rendezvous: rank {rank} aborted: "
                              f"{t.get('message', '')[:200]}\n")

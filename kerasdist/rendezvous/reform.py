@@ -18,13 +18,33 @@ new listeners' addresses as at the start (put, barrier, get). A request
 for another generation is answered rc=1 with why; that rank, as one left
 out, ends (a relaunch resumes from disk).
 
+Growing: a process that joins the running job (rendezvous/joining.py)
+proves the job's secret as a hello does and says `kd_join node=N
+proof=P`; it then waits, its connection open, and is counted in the
+answer to `kd_joiners` (rank 0 asks at each commit: kerasdist/_core/
+grow.py). A round in which a rank asked with `grow=1` (the ranks agreed
+at a commit to let the waiting processes in) takes every process then
+waiting after the ranks that asked: each hears, under the hello's
+proof, `kd_joined rc=0 pmiid=T rank=R size=N generation=G`, proves T on
+a PMI connection of its own (pmi.py) and exchanges its addresses with
+the others. A round without it (a lost rank's) leaves them waiting.
+
 Standard library only; imported by path with server.py (its note).
 """
 
+import hmac
+import secrets
 import time
+
+if __package__:
+    from kerasdist.rendezvous import protocol
+else:  # beside server.py, run by path
+    import protocol
 
 # The window's bounds: a request's W is clamped to them.
 MIN_WINDOW_S, MAX_WINDOW_S = 1.0, 600.0
+# The most processes waiting to join at once.
+MAX_JOINERS = 1024
 
 
 class Reforms:
@@ -37,6 +57,8 @@ class Reforms:
     asked = None           # old rank -> its connection, during a round
     named = None           # old rank -> the ranks it named lost
     round_until = None     # the round's deadline (monotonic)
+    growing = False        # a rank of the round asked with grow=1
+    joining = ()           # connections waiting to join (kd_join)
 
     def on_stay(self, conn):
         """kd_stay: the rank's transport formed (its kd.init() is past the
@@ -45,6 +67,32 @@ class Reforms:
             self.staying = True
             self.up.add(conn.rank)
         self.send(conn, "cmd=kd_stay_ack rc=0")
+
+    def on_join(self, conn, t):
+        """kd_join: a process that proved the job's secret waits to join
+        the running job at its next grow round."""
+        if conn.nonce is None or conn.hello_rank is not None or \
+                conn.joining:
+            raise protocol.BadConnection("join before the challenge, or "
+                                         "twice")
+        node = t.get("node", "")
+        if len(node) > protocol.NODE_MAX or not hmac.compare_digest(
+                t.get("proof", ""), protocol.mac_of(
+                    self.key, "join", conn.nonce, conn.theirs, node)):
+            raise protocol.BadConnection("no proof of the secret")
+        conn.proven = conn.joining = True
+        conn.node = node
+        with self.cv:
+            if len(self.joining) >= MAX_JOINERS:
+                return self.reply(conn, f"cmd=kd_joined rc=1 msg="
+                                  f"{MAX_JOINERS} processes wait to join "
+                                  f"already")
+            self.joining = [*self.joining, conn]
+
+    def joiners(self):
+        """How many processes wait to join (kd_joiners)."""
+        with self.cv:
+            return sum(1 for c in self.joining if not c.dropped)
 
     def on_reform(self, conn, t):
         try:
@@ -65,6 +113,7 @@ class Reforms:
                 self.asked, self.named = {}, {}
                 self.round_until = time.monotonic() + window
             self.asked[conn.rank] = conn
+            self.growing = self.growing or t.get("grow") == "1"
             self.named[conn.rank] = {r for r in lost if 0 <= r < self.size}
             self.check_reform(time.monotonic())
 
@@ -88,7 +137,11 @@ class Reforms:
         for r in set(waiting) | (lost & set(self.pmi)):
             self.pmi.pop(r).drop()
         self.generation += 1
-        self.size = len(old)
+        joiners = [c for c in self.joining if not c.dropped] \
+            if self.growing else []
+        if self.growing:
+            self.joining = []
+        self.size = len(old) + len(joiners)
         self.pmi = {new: c for new, c in enumerate(conns)}
         self.watchers = {}
         self.dead, self.pmi_done = set(), set()
@@ -96,6 +149,14 @@ class Reforms:
         self.kvs, self.keys_of, self.barrier = {}, {}, {}
         self.barrier_since = None
         self.asked = self.round_until = self.named = None
+        self.growing = False
+        for new, c in enumerate(joiners, start=len(conns)):
+            token = 0
+            while token == 0 or token in self.tokens:
+                token = 1 + secrets.randbelow(2 ** 31 - 2)
+            self.tokens[token] = new
+            self.reply(c, f"cmd=kd_joined rc=0 pmiid={token} rank={new} "
+                          f"size={self.size} generation={self.generation}")
         for new, c in enumerate(conns):
             c.rank = new
             self.send(c, f"cmd=kd_reformed rc=0 rank={new} size={self.size} "

@@ -66,6 +66,7 @@ class _Conn:
         self.hello_rank = None
         self.node = ""       # the node its hello named (node_identity)
         self.watching = False  # a hello's, open for its process's life
+        self.joining = False   # waits to join a running job (reform.py)
         self.dropped = False
 
     def still_open(self):
@@ -163,6 +164,8 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers,
                     self.on_auth(conn, t)
                 elif cmd == "kd_hello":
                     self.on_hello(conn, t)
+                elif cmd == "kd_join":
+                    self.on_join(conn, t)
                 elif cmd == "kd_conflict":
                     self.on_conflict(conn, t)
                 elif cmd == "initack" and conn.nonce is None:
@@ -214,6 +217,8 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers,
                 for r, c in list(self.hello.items()):
                     if c is conn:
                         del self.hello[r]
+                if conn.joining:
+                    self.joining = [c for c in self.joining if c is not conn]
                 self.conns.discard(conn)
                 self.cv.notify_all()
             conn.drop()

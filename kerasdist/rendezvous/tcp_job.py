@@ -59,7 +59,7 @@ class Exchange:
     def __init__(self, address, pmiid, timeout):
         host, _, port = address.rpartition(":")
         self.where = address
-        self.ip = _address_toward(host)  # where this rank listens
+        self.ip = protocol.address_toward(host)  # where this rank listens
         self.sock = socket.create_connection((host, int(port)),
                                              timeout=timeout)
         self.sock.settimeout(timeout)
@@ -105,14 +105,21 @@ class Exchange:
         server outlives rank 0 while it is open."""
         self.command("cmd=kd_stay")
 
-    def reform(self, generation, window, lost=()):
+    def joiners(self):
+        """How many processes wait to join the job (reform.py)."""
+        t = self.command("cmd=kd_joiners")
+        return int(t.get("count", "0")) if t.get("rc") == "0" else 0
+
+    def reform(self, generation, window, lost=(), grow=False):
         """Asks for `generation` among the ranks still here (reform.py),
-        naming the ranks this rank's heartbeat found `lost`; returns this
+        naming the ranks this rank's heartbeat found `lost`; with `grow`,
+        the processes waiting to join come in after them. Returns this
         rank's (rank, size) in it."""
         self.sock.settimeout(window + 30.0)
         named = ",".join(str(int(r)) for r in lost) or "-"
         t = self.command(f"cmd=kd_reform generation={generation} "
-                         f"window={window:g} lost={named}")
+                         f"window={window:g} lost={named}"
+                         f"{' grow=1' if grow else ''}")
         if t.get("rc") != "0":
             raise protocol.RendezvousError(
                 "the job re-formed without this rank: " +
@@ -126,13 +133,6 @@ class Exchange:
         except (OSError, ValueError, protocol.RendezvousError):
             pass
         self.sock.close()
-
-
-def _address_toward(ip):
-    """This host's address on the route to `ip`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((ip, 9))  # UDP: picks the route, sends nothing
-        return s.getsockname()[0]
 
 
 def _listener(ip):

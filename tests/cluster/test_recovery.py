@@ -23,6 +23,7 @@ from tests.support.helpers import REPO_ROOT
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
+from tests.support.recovery import check_grown_weights
 from tests.support.recovery import grown_ends
 from tests.support.recovery import read_json
 from tests.support.recovery import sgd
@@ -271,19 +272,7 @@ def _check_grown(out, tmp_path, why):
     assert (f"kerasdist: growing from 2 to 3 ranks: {why}; in place, at "
             f"the ranks' next commit" in out.stdout), out.stdout
     ends = grown_ends(out, tmp_path, why)
-    commit = ends[0]["resumed"][0]
-    last = max(STEPS, commit + 6)
-    assert commit % COMMIT_EVERY == 0 and commit > GROW_AT, ends[0]
-    m = worker_module()
-    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
-                 last, 3)
-    assert not np.allclose(truth, sgd(m, np.zeros(m.FEATURES), 0, last, 2),
-                           rtol=1e-6, atol=0)
-    for rank, end in enumerate(ends):
-        # Ranks 0 and 1 trained from step 1, rank 2 from the commit on.
-        assert sorted(map(int, end["done_at"])) == list(
-            range(1 if rank < 2 else commit + 1, last + 1)), end
-        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    check_grown_weights(ends, STEPS, COMMIT_EVERY, GROW_AT)
 
 
 @pytest.mark.timeout(JOB_S + 60)

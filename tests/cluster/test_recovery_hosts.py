@@ -9,7 +9,8 @@ is not recovered in place with Open MPI 5.0 (its process manager cannot
 tell the survivors of ranks it cannot reach): the survivors end at their
 re-forming deadline, each in one line, and nothing is left behind.
 Over the TCP transport (no MPI, no ULFM; ranks started as a platform
-starts them), a lost host and a cut link are both recovered in place."""
+starts them), a lost host and a cut link are both recovered in place, and
+a process started on the other host joins the running job in place."""
 
 import subprocess
 import threading
@@ -24,8 +25,11 @@ from tests.support.cluster import run_on
 from tests.support.helpers import kill_tree
 from tests.support.helpers import worker_cmd
 from tests.support.helpers import worker_env
+from tests.support.recovery import check_joined
 from tests.support.recovery import check_survivors
+from tests.support.recovery import joining_envs
 from tests.support.recovery import read_json
+from tests.support.recovery import run_joining
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -199,3 +203,34 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
         assert procs[2].returncode not in (0, None), text
         assert "recovery in place failed" in outs[2], text
         assert not (tmp_path / "end.2.json").exists()
+
+
+@pytest.mark.timeout(JOB_S + 90)
+def test_over_tcp_a_process_on_another_host_joins_in_place(cluster,
+                                                            tmp_path):
+    """Ranks 0 and 1 train on kdt0; after step 4 a process started on kdt1
+    with KERASDIST_JOIN=1 joins at the next commit: ranks 0 and 1 keep
+    their processes, the job re-forms at 3 over TCP with kdt1 in it, and
+    every rank finishes with numpy's weights (2 ranks up to the commit,
+    3 after)."""
+    listed = tmp_path / "join-now"
+    envs = joining_envs(29663, listed, "kdt0",
+                        KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=TIMEOUT_S,
+                        RECOVERY_STEPS=STEPS,
+                        RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                        RECOVERY_STEP_SLEEP=0.2, RECOVERY_GROW_AT=4)
+
+    def start(i):
+        return cluster.popen(
+            cluster.host("kdt1" if i == 2 else "kdt0"),
+            worker_cmd("recovery_worker.py", str(tmp_path)), env=envs[i],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+    procs, outs = run_joining(start, listed, JOB_S)
+    line, began, end = check_joined(procs, outs, tmp_path, STEPS,
+                                    COMMIT_EVERY, 4)
+    assert end["host"] == "kdt1", end
+    print(line)
+    print(f"joining process on kdt1: started to let in "
+          f"{began['init_at'] - began['began']:.2f} s, to its first step "
+          f"{min(end['done_at'].values()) - began['began']:.2f} s")

@@ -7,7 +7,10 @@ rendezvous (rendezvous/reform.py), resume from the last commit in memory
 and finish with the weights numpy computes for that commit continued at
 size 2. Rank 0 too: the rendezvous's server, which rank 0 started,
 outlives it while the survivors are connected. And the same under
-`kerasdist run` in node mode with --recover-in-place.
+`kerasdist run` in node mode with --recover-in-place. Growing: a process
+started with KERASDIST_JOIN=1 joins a running job of 2 at a commit,
+takes the state from rank 0 and trains on with the two, which keep their
+processes, to numpy's weights.
 
 Every process in a session of its own, killed on leaving.
 """
@@ -27,8 +30,11 @@ from tests.support.helpers import kill_tree  # noqa: E402
 from tests.support.helpers import launch  # noqa: E402
 from tests.support.helpers import worker_cmd  # noqa: E402
 from tests.support.helpers import worker_env  # noqa: E402
+from tests.support.recovery import check_joined  # noqa: E402
 from tests.support.recovery import check_survivors  # noqa: E402
+from tests.support.recovery import joining_envs  # noqa: E402
 from tests.support.recovery import read_json  # noqa: E402
+from tests.support.recovery import run_joining  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 
@@ -108,6 +114,35 @@ def test_kerasdist_run_node_mode_recovers_in_place_over_tcp(tmp_path):
                       read_json(tmp_path, f"end.{rank}.json"))
         assert (end["pid"], end["rank"], end["size"]) == (
             start["pid"], new_rank, 2), (start, end)
+
+
+GROW_AT = 4
+
+
+@pytest.mark.timeout(JOB_S + 60)
+# PyTorch, and JAX's eager collectives.
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_process_joins_a_running_tcp_job_in_place(tmp_path, backend):
+    listed = tmp_path / "join-now"
+    envs = joining_envs(free_port(), listed, "127.0.0.1",
+                        RECOVERY_BACKEND=backend,
+                        KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=5,
+                        RECOVERY_STEPS=STEPS,
+                        RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                        RECOVERY_GROW_AT=GROW_AT)
+
+    def start(i):
+        return subprocess.Popen(
+            worker_cmd("recovery_worker.py", str(tmp_path)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=envs[i], cwd=REPO_ROOT, start_new_session=True)
+    procs, outs = run_joining(start, listed, JOB_S)
+    line, began, end = check_joined(procs, outs, tmp_path, STEPS,
+                                    COMMIT_EVERY, GROW_AT)
+    print(line)
+    print(f"joining process: started to let in "
+          f"{began['init_at'] - began['began']:.2f} s, to its first step "
+          f"{min(end['done_at'].values()) - began['began']:.2f} s")
 
 
 @pytest.mark.timeout(60)

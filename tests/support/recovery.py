@@ -45,6 +45,13 @@ def grown_ends(out, directory, why):
             f"started in " in out.stdout), out.stdout
     assert "attempt 2" not in out.stdout, out.stdout
     assert read_json(directory, "asked.json")["heard"], out.stdout
+    return _grown_ends(directory)
+
+
+def _grown_ends(directory):
+    """The 3 end files of a job grown from 2 ranks to 3, after checking
+    that ranks 0 and 1 kept their processes and resumed once, from the
+    commit the job grew at, and rank 2 started at 3 ranks."""
     ends = [read_json(directory, f"end.{rank}.json") for rank in range(3)]
     commit = ends[0]["resumed"][0]
     for rank, end in enumerate(ends):
@@ -75,3 +82,88 @@ def check_survivors(directory, survivors, kill_step, steps, every):
                                     len(survivors), [commit]), (start, end)
         np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
     return commit
+
+
+def check_grown_weights(ends, steps, every, grow_at):
+    """After a job grew from 2 ranks to 3 at the commit rank 0 resumed
+    from (`ends`: the 3 end files, in rank order): ranks 0 and 1 trained
+    from step 1, rank 2 from the commit on, and every rank holds numpy's
+    weights for the steps up to that commit at 2 ranks and the rest (at
+    least 6, up to `steps`) at 3. Returns the commit's step."""
+    import numpy as np
+    commit = ends[0]["resumed"][0]
+    last = max(steps, commit + 6)
+    assert commit % every == 0 and commit > grow_at, ends[0]
+    m = worker_module()
+    truth = sgd(m, sgd(m, np.zeros(m.FEATURES), 0, commit, 2), commit,
+                last, 3)
+    assert not np.allclose(truth, sgd(m, np.zeros(m.FEATURES), 0, last, 2),
+                           rtol=1e-6, atol=0)
+    for rank, end in enumerate(ends):
+        assert sorted(map(int, end["done_at"])) == list(
+            range(1 if rank < 2 else commit + 1, last + 1)), end
+        np.testing.assert_allclose(end["w"], truth, rtol=1e-12, atol=1e-12)
+    return commit
+
+
+def joining_envs(port, listed, master, **extra):
+    """The environments of ranks 0 and 1 of a TCP job that recovers in
+    place (torchrun's variables, coordinator `master`:`port`) and of a
+    process that joins it (KERASDIST_JOIN=1), for recovery_worker.py with
+    rank 0 writing `listed` once it trained a few steps."""
+    from tests.support.helpers import worker_env
+    common = dict(
+        MASTER_ADDR=master, MASTER_PORT=port, KERASDIST_TRANSPORT="tcp",
+        KERASDIST_RECOVER_IN_PLACE=1, KERASDIST_JOB_SECRET="j" * 32,
+        RECOVERY_GROW_LIST=listed, RECOVERY_GROW_JOIN=1, **extra)
+    common.setdefault("RECOVERY_BACKEND", "torch")
+    envs = [worker_env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r,
+                       LOCAL_WORLD_SIZE=2, **common) for r in range(2)]
+    envs.append(worker_env(KERASDIST_JOIN=1, **common))
+    for env in envs:
+        env.pop("KERASDIST_ELASTIC_DIR", None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        envs[2].pop(k, None)
+    return envs
+
+
+def run_joining(start, listed, timeout):
+    """Starts ranks 0 and 1 (`start(i)`: a Popen with its output piped),
+    then, once rank 0 wrote `listed`, the joining process (`start(2)`);
+    returns the three Popens and their outputs. Each is killed whole on
+    leaving."""
+    import time
+
+    from tests.support.helpers import kill_tree
+    procs = []
+    try:
+        procs += [start(0), start(1)]
+        deadline = time.monotonic() + 120
+        while not os.path.exists(listed):  # rank 0 trained a few steps
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise AssertionError(procs[0].communicate(timeout=60)[0])
+            time.sleep(0.05)
+        procs.append(start(2))
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    return procs, outs
+
+
+def check_joined(procs, outs, directory, steps, every, grow_at):
+    """The job of 2 grew to 3 in place with the joining process (procs[2])
+    as rank 2: every process ended well, rank 0 said so, ranks 0 and 1
+    kept their processes and resumed once from the commit the job grew at,
+    and every rank holds numpy's weights (check_grown_weights). Returns
+    rank 0's line and the joiner's start and end files."""
+    text = "\n".join(f"--- process {i} ---\n{o[-3000:]}"
+                     for i, o in enumerate(outs))
+    assert [p.returncode for p in procs] == [0, 0, 0], text
+    said = ("kerasdist.elastic: grew in place to 3 rank(s) (was 2; 1 "
+            "process(es) asked to join): the job re-formed in ")
+    line = [x for x in outs[0].splitlines() if said in x]
+    assert line, text
+    ends = _grown_ends(directory)
+    check_grown_weights(ends, steps, every, grow_at)
+    return line[0], read_json(directory, "start.2.json"), ends[2]

@@ -1,7 +1,8 @@
 """The rendezvous's re-form round (kerasdist/rendezvous/reform.py) for a
 TCP job with recovery in place: a real server process and real sockets on
 loopback, the ranks join() itself and tcp_job's Exchange on threads. A
-rank that went ends the round at once; one that neither asks nor goes is
+rank that went ends the round at once, a foreign client's flood
+changing nothing; one that neither asks nor goes is
 left out at the window and its connection closed; one the lowest asker
 names lost is not waited for, and is left out if it asks; another
 generation is refused; the server outlives rank 0 while a rank stays
@@ -9,14 +10,17 @@ connected.
 """
 
 import os
+import socket
 import sys
 import threading
 import time
 
 import pytest
 
+from kerasdist.rendezvous import joining
 from kerasdist.rendezvous import protocol
 from kerasdist.rendezvous import tcp_job
+from tests.support.hostile import foreigner
 from tests.unit.test_rendezvous_security import _end
 from tests.unit.test_rendezvous_security import _join_all
 from tests.unit.test_rendezvous_security import _serve
@@ -36,14 +40,14 @@ def _staying(size):
     return proc, exchanges
 
 
-def _reform(exchanges, ranks, generation, window):
+def _reform(exchanges, ranks, generation, window, grow=False):
     """reform() of `ranks` on threads; {rank: (new rank, size) or the
     error} and the seconds it took."""
     out, began = {}, time.monotonic()
 
     def one(r):
         try:
-            out[r] = exchanges[r].reform(generation, window)
+            out[r] = exchanges[r].reform(generation, window, (), grow)
         except (OSError, protocol.RendezvousError) as e:
             out[r] = e
     threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
@@ -54,6 +58,30 @@ def _reform(exchanges, ranks, generation, window):
     return out, time.monotonic() - began
 
 
+def _port_of(exchange):
+    return exchange.sock.getpeername()[1]
+
+
+def _describe(exchanges, ranks, size, generation):
+    """describe() of each (Exchange, new rank) of `ranks` on threads, as
+    the ranks of `generation` do; the descriptions by new rank, their
+    descriptors closed."""
+    specs = {}
+    threads = [threading.Thread(target=lambda e=e, r=r: specs.update(
+        {r: tcp_job.describe(e, r, size, KEY, 20, generation)}))
+        for e, r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    lines = {r: dict(x.split("=", 1) for x in spec.split())
+             for r, spec in specs.items()}
+    for line in lines.values():
+        os.close(int(line["data_fd"]))
+        os.close(int(line["control_fd"]))
+    return lines
+
+
 def _close(proc, exchanges):
     for ex in exchanges:
         ex.sock.close()
@@ -61,30 +89,29 @@ def _close(proc, exchanges):
 
 
 def test_a_rank_that_went_ends_the_round_at_once():
+    # A foreign client floods the server all the while, re-form requests
+    # (kd_stay, kd_reform) among its lines: unproven, they change nothing.
     proc, ex = _staying(3)
+    stop, sent = threading.Event(), []
+    flood = threading.Thread(target=foreigner,
+                             args=(_port_of(ex[0]), stop, sent))
+    flood.start()
     try:
+        time.sleep(0.3)
         ex[1].sock.close()
         got, took = _reform(ex, [0, 2], 1, window=30)
+        stop.set()
+        flood.join(10)
+        assert len(sent) > 10, sent
         assert got == {0: (0, 2), 2: (1, 2)}, got
         assert took < 10, took
         # The new generation exchanges its addresses as at the start.
-        specs = {}
-        threads = [threading.Thread(target=lambda r=r: specs.update(
-            {r: tcp_job.describe(ex[r], got[r][0], 2, KEY, 20, 1)}))
-            for r in (0, 2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        lines = [dict(x.split("=", 1) for x in specs[r].split())
-                 for r in (0, 2)]
+        lines = _describe(ex, [(ex[0], 0), (ex[2], 1)], 2, 1)
         assert lines[0]["data"] == lines[1]["data"], lines
         assert len(lines[0]["data"].split(",")) == 2
         assert lines[1]["rank"] == "1" and lines[1]["generation"] == "1"
-        for line in lines:
-            os.close(int(line["data_fd"]))
-            os.close(int(line["control_fd"]))
     finally:
+        stop.set()
         _close(proc, ex)
 
 
@@ -157,3 +184,58 @@ def test_the_server_outlives_rank_0_while_ranks_stay():
             e.sock.close()
         proc.wait(timeout=30)  # every rank gone: it ends by itself
         sys.stderr.write(proc.stderr.read())
+
+
+@pytest.mark.timeout(90)
+def test_a_process_that_joins_comes_in_at_a_round_that_grows():
+    # It proves the secret and waits; a lost rank's round (no grow=1)
+    # leaves it waiting; the next round that grows gives it the last
+    # rank, and the job of 3 exchanges its addresses at that generation.
+    proc, ex = _staying(2)
+    port = _port_of(ex[0])
+    joined = {}
+    joiner = threading.Thread(target=lambda: joined.update(
+        joining.join_running(("127.0.0.1", port), 30, {})))
+    try:
+        joiner.start()
+        deadline = time.monotonic() + 20
+        while ex[0].joiners() != 1:
+            assert time.monotonic() < deadline, "the joiner was not counted"
+            time.sleep(0.05)
+        got, _ = _reform(ex, [0, 1], 1, window=30)
+        assert got == {0: (0, 2), 1: (1, 2)}, got
+        _describe(ex, [(ex[0], 0), (ex[1], 1)], 2, 1)
+        assert ex[1].joiners() == 1 and not joined
+        got, _ = _reform(ex, [0, 1], 2, window=30, grow=True)
+        assert got == {0: (0, 3), 1: (1, 3)}, got
+        joiner.join(20)
+        assert (joined["rank"], joined["size"], joined["generation"]) == \
+            (2, 3, 2), joined
+        new = tcp_job.Exchange(joined["PMI_PORT"], joined["PMI_ID"], 20)
+        ex.append(new)
+        lines = _describe(ex, [(ex[0], 0), (ex[1], 1), (new, 2)], 3, 2)
+        assert len({line["data"] for line in lines.values()}) == 1, lines
+        assert len(lines[2]["data"].split(",")) == 3
+        assert ex[0].joiners() == 0
+    finally:
+        _close(proc, ex)
+
+
+@pytest.mark.timeout(60)
+def test_a_process_without_the_secret_cannot_join():
+    proc, port = _serve(2, 20, "job1", "s" * 32)
+    try:
+        with pytest.raises(protocol.RendezvousError) as e:
+            joining.join_running(("127.0.0.1", port), 10, {
+                protocol.JOB_ID_ENV: "job1",
+                protocol.SECRET_ENV: "t" * 32})
+        assert "cannot join the job at 127.0.0.1:" in str(e.value)
+        assert "another secret" in str(e.value)
+        # A join whose proof is wrong is dropped, unanswered.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"cmd=kd_auth job=job1 nonce=x\n")
+            assert protocol.read_line(s).startswith("cmd=kd_challenge rc=0")
+            s.sendall(b"cmd=kd_join node=n proof=00\n")
+            assert protocol.read_line(s) == ""
+    finally:
+        _end(proc)

@@ -28,7 +28,9 @@ argv: DIR [KILL_RANK KILL_STEP [SIGNAL]] (no kill without them; SIGNAL:
 Growing in place (RECOVERY_GROW_LIST=FILE, RECOVERY_GROW_AT=STEP): rank 0,
 once STEP steps are done, writes RECOVERY_GROW_TO (default "localhost:3")
 to FILE (the launcher's discovery script prints it) and waits (up to 60 s)
-for the launcher's resize request before it goes on; the job grows at a
+for the launcher's resize request before it goes on (RECOVERY_GROW_JOIN=1:
+it does not wait; the test then starts a process with KERASDIST_JOIN=1,
+which joins the running TCP job); the job grows at a
 commit after the new rank has started, and trains on until STEPS steps
 are done and at least 6 at 3 ranks (up to step 2006; in the launcher's
 first attempt: a relaunch trains to the end committed). A rank that joined
@@ -111,6 +113,8 @@ def _ask_to_grow(directory):
     listed = time.time()
     with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
         f.write(os.environ.get("RECOVERY_GROW_TO", "localhost:3\n"))
+    if os.environ.get("RECOVERY_GROW_JOIN") == "1":
+        return  # the test starts a process that joins (over TCP)
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)
