@@ -12,6 +12,8 @@ Over the TCP transport (no MPI, no ULFM; ranks started as a platform
 starts them), a lost host and a cut link are both recovered in place, and
 a process started on the other host joins the running job in place."""
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -159,26 +161,29 @@ def _start_over_tcp(cluster, tmp_path, signal_name, port):
 
 
 @pytest.mark.timeout(JOB_S + 90)
-@pytest.mark.parametrize("fault", ["KILL", "cut"])
+@pytest.mark.parametrize("fault", ["KILL", "STOP", "cut"])
 def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
         cluster, tmp_path, fault):
-    """Rank 2, alone on kdt1, is SIGKILLed, or kdt1's link goes down as it
-    reaches step 7 (it lives on, cut off): ranks 0 and 1 keep their
-    processes, re-form at size 2 over TCP through the rendezvous and
-    finish with the weights numpy computes; a cut-off rank 2 ends in one
-    line once it finds it was left out."""
+    """Rank 2, alone on kdt1, is SIGKILLed or frozen (SIGSTOP), or kdt1's
+    link goes down as it reaches step 7 (it lives on, cut off): ranks 0
+    and 1 keep their processes, re-form at size 2 over TCP through the
+    rendezvous and finish with the weights numpy computes; a frozen rank
+    2, continued then, or a cut-off one ends in one line once it finds it
+    was left out."""
     kdt1 = cluster.host("kdt1")
     if fault == "cut":
         _cut_at_the_kill(cluster, kdt1, tmp_path)
     procs = _start_over_tcp(cluster, tmp_path,
-                            "KILL" if fault == "KILL" else "CONT",
-                            29661 + (fault == "cut"))
+                            "CONT" if fault == "cut" else fault,
+                            29661 + ["KILL", "cut", "STOP"].index(fault))
     outs = [None] * 3
     try:
         for r in (0, 1):
             outs[r] = procs[r].communicate(timeout=JOB_S)[0]
         if fault == "cut":
             cluster.restore(kdt1)
+        if fault == "STOP":  # its whole session: the rank within nsenter
+            os.killpg(procs[2].pid, signal.SIGCONT)
         outs[2] = procs[2].communicate(timeout=90)[0]
     finally:
         cluster.restore(kdt1)
@@ -194,8 +199,8 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
         took = end["done_at"][str(commit + 1)] - lost_at
         print(f"{fault}: rank {rank}'s next step {took:.2f} s after the "
               f"loss")
-        # At once after a SIGKILL; after a cut, the heartbeat's timeout
-        # (the loss) and as long again (the round's window for rank 2).
+        # At once after a SIGKILL; after a freeze or a cut, the
+        # heartbeat's timeout (the loss) and as long again (the round).
         assert took < (3 if fault == "KILL" else 2 * TIMEOUT_S + 5), took
     if fault == "KILL":
         assert procs[2].returncode == -9, text
