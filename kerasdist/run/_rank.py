@@ -145,6 +145,10 @@ def rank_from_env(environ):
                  "PMIX_RANK", "RANK"):
         if environ.get(name, "") != "":
             return environ[name]
+    if environ.get("KERASDIST_JOIN") == "1":
+        # It joins a running job (kerasdist run --join), which numbers
+        # it: "+0", "+1", ... by its local rank until then.
+        return "+" + environ.get("LOCAL_RANK", "0")
     return "?"
 
 

@@ -186,7 +186,8 @@ def _run_node(config, log):
         outcome = node.run(plan, config.command, rank_env, wrapper,
                            interrupts, deadline, config.timeout, log,
                            verbose=config.verbose,
-                           keep_survivors=config.recover_in_place)
+                           keep_survivors=config.recover_in_place,
+                           join=config.join)
     return outcome.exit_code
 
 

@@ -165,6 +165,13 @@ def make_parser():
                       metavar="PORT", help="a free port on node 0's host "
                       f"(default {node.DEFAULT_PORT}; one node: any free "
                       "port)")
+    mode.add_argument("--join", action="store_true", default=None,
+                      help="join the running job whose rank 0 serves at "
+                      "--master-addr:--master-port, over the TCP transport "
+                      "(KERASDIST_TRANSPORT=tcp) with recovery in place: "
+                      "this host's --nproc-per-node processes come in at "
+                      "its next commit (growing in place; see "
+                      "docs/failures-and-elastic.md)")
     p.add_argument("--fusion-threshold-mb",
                    type=_at_most(65536, "MiB a fusion buffer may have"),
                    metavar="MB", help="tensor fusion buffer size in MiB")
@@ -276,6 +283,7 @@ class LaunchConfig:
     no_huge_pages: bool = False
     verbose: bool = False
     recover_in_place: bool = False
+    join: bool = False
 
 
 def parse_args(argv, environ=None):
@@ -361,11 +369,11 @@ def _freeze(args, command):
         discovery_interval=args.discovery_interval, timeout=args.timeout,
         no_prefix=args.no_prefix, bind_to=args.bind_to,
         no_huge_pages=args.no_huge_pages, verbose=args.verbose,
-        recover_in_place=args.recover_in_place)
+        recover_in_place=args.recover_in_place, join=bool(args.join))
 
 
 _NODE_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr",
-               "master_port")
+               "master_port", "join")
 
 
 def _node_flags_given(args):
@@ -442,6 +450,8 @@ def _check_node_mode(args, environ):
         tcp = tcp_job.wanted(environ)
     except ValueError as e:
         raise UsageError(f"{e}, in the launcher's environment") from None
+    if args.join:
+        _check_join(args, tcp)
     if args.recover_in_place and not tcp:
         raise UsageError(
             f"--recover-in-place in node mode needs the TCP transport "
@@ -478,6 +488,29 @@ def _check_node_mode(args, environ):
         raise UsageError(str(e)) from None
     args.np = args.node.world_size
     args.min_np = args.max_np = args.np
+
+
+def _check_join(args, tcp):
+    """--join: this host's processes join a running TCP job, which numbers
+    them (no --nnodes, no --node-rank); it implies --recover-in-place."""
+    if not tcp:
+        raise UsageError(
+            f"--join needs the TCP transport ({tcp_job.TRANSPORT_ENV}=tcp "
+            f"in the launcher's environment), which the running job's "
+            f"ranks use too: only a TCP job with recovery in place lets "
+            f"processes in while it runs.")
+    for value, flag in ((args.nnodes, "--nnodes"),
+                        (args.node_rank, "--node-rank")):
+        if value is not None:
+            raise UsageError(
+                f"{flag} does not go with --join: the running job numbers "
+                f"the processes that join it; give --nproc-per-node, "
+                f"--master-addr and --master-port.")
+    if args.master_addr is None or args.master_port is None:
+        raise UsageError(
+            "--join needs --master-addr and --master-port: where the "
+            "running job's rank 0 serves its rendezvous.")
+    args.recover_in_place = True
 
 
 def _check_elastic(args):

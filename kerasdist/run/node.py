@@ -44,6 +44,7 @@ DEFAULT_PORT = 29500  # torchrun's
 # Over the TCP transport (kerasdist/rendezvous/tcp_job.py), node mode may
 # recover in place (--recover-in-place), no MPI involved.
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
+JOIN_ENV = "KERASDIST_JOIN"  # rendezvous/joining.py's (stdlib only)
 # Seconds the manager waits, after a wrapper failed, for the launcher to
 # stop the node (it does so about half a second after the failure).
 _STOP_WAIT_S = 3.0
@@ -174,9 +175,15 @@ def ranks_of(p):
     return list(range(first, first + p.nproc_per_node))
 
 
-def rank_env(p, local_rank, port=None):
-    """The variables node mode sets for one local rank (torchrun's)."""
+def rank_env(p, local_rank, port=None, join=False):
+    """The variables node mode sets for one local rank (torchrun's); with
+    `join` (--join), those of a process that joins a running job, which
+    numbers it (KERASDIST_JOIN=1: kerasdist/rendezvous/joining.py)."""
     port = p.master_port if port is None else port
+    if join:
+        return {JOIN_ENV: "1", "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(p.nproc_per_node),
+                "MASTER_ADDR": p.master_addr, "MASTER_PORT": str(port)}
     return {
         "RANK": str(p.node_rank * p.nproc_per_node + local_rank),
         "WORLD_SIZE": str(p.world_size),
@@ -189,8 +196,11 @@ def rank_env(p, local_rank, port=None):
     }
 
 
-def describe(p, port=None):
+def describe(p, port=None, join=False):
     """One line: which node, which ranks, where the coordinator is."""
+    if join:
+        return (f"{p.nproc_per_node} process(es) joining the running job "
+                f"at {p.master_addr}:{p.master_port}")
     ranks = ranks_of(p)
     span = (f"rank {ranks[0]}" if len(ranks) == 1 else
             f"ranks {ranks[0]}-{ranks[-1]}")
@@ -213,11 +223,12 @@ def _free_port():
 
 
 def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
-        timeout, log, verbose=False, keep_survivors=False):
+        timeout, log, verbose=False, keep_survivors=False, join=False):
     """Runs this node's ranks once under the node's process manager and
     returns the launcher's job.Outcome (kerasdist/run/job.py).
     `keep_survivors` (--recover-in-place over TCP): a rank killed by a
-    signal stops no other; the survivors re-form without it."""
+    signal stops no other; the survivors re-form without it. `join`
+    (--join): the processes join a running job (rank_env)."""
     from kerasdist.run import job
 
     port = p.master_port if p.master_port is not None else _free_port()
@@ -227,7 +238,7 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     # thread that handles the launcher's signals.
     spec = {"argv": list(wrapper_argv) + list(command), "plan": list(p),
             "port": port, "stdin_rank": 0 if p.node_rank == 0 else -1,
-            "keep_survivors": bool(keep_survivors)}
+            "keep_survivors": bool(keep_survivors), "join": bool(join)}
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__),
             json.dumps(spec)]
     env = {k: v for k, v in os.environ.items()
@@ -235,14 +246,14 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     env.update(settings_env)
     if keep_survivors:
         env[RECOVER_ENV] = "1"
-    if p.nnodes == 1 and not env.get(SECRET_ENV):
+    if p.nnodes == 1 and not join and not env.get(SECRET_ENV):
         # Every rank is this launcher's: the job gets a secret of its own,
         # as under mpiexec (launch.py), so that no other job on the port
         # can join it. Agents on several hosts share none unless it is set
         # (SECURITY.md).
         env[SECRET_ENV] = secrets.token_hex(32)
-    if verbose:
-        log.line(describe(p, port))
+    if verbose or join:
+        log.line(describe(p, port, join))
     return job.run_attempt(argv, env, interrupts, deadline, timeout, log,
                            banner=verbose, manager="the node's process "
                            "manager", keep_survivors=keep_survivors)
@@ -255,7 +266,8 @@ class _Manager:
     def __init__(self, spec):
         self.spec = spec
         plan_ = Plan(*spec["plan"])
-        self.ranks = [rank_env(plan_, local, spec["port"])
+        self.ranks = [rank_env(plan_, local, spec["port"],
+                               spec.get("join", False))
                       for local in range(plan_.nproc_per_node)]
         self.procs = []      # Popen of each wrapper, in local-rank order
         self.signals = 0     # ending signals received

@@ -231,7 +231,8 @@ def test_over_tcp_a_process_on_another_host_joins_in_place(cluster,
             worker_cmd("recovery_worker.py", str(tmp_path)), env=envs[i],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
-    procs, outs = run_joining(start, listed, JOB_S)
+    procs, outs = run_joining(
+        [lambda i=i: start(i) for i in range(3)], listed, JOB_S)
     line, began, end = check_joined(procs, outs, tmp_path, STEPS,
                                     COMMIT_EVERY, 4)
     assert end["host"] == "kdt1", end

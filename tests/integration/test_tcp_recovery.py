@@ -136,13 +136,48 @@ def test_a_process_joins_a_running_tcp_job_in_place(tmp_path, backend):
             worker_cmd("recovery_worker.py", str(tmp_path)),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=envs[i], cwd=REPO_ROOT, start_new_session=True)
-    procs, outs = run_joining(start, listed, JOB_S)
+    procs, outs = run_joining(
+        [lambda i=i: start(i) for i in range(3)], listed, JOB_S)
     line, began, end = check_joined(procs, outs, tmp_path, STEPS,
                                     COMMIT_EVERY, GROW_AT)
     print(line)
     print(f"joining process: started to let in "
           f"{began['init_at'] - began['began']:.2f} s, to its first step "
           f"{min(end['done_at'].values()) - began['began']:.2f} s")
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_kerasdist_run_join_starts_processes_that_join(tmp_path):
+    """`kerasdist run --nproc-per-node 1 --master-addr A --master-port P
+    --join` on a host (here the same one) starts a process that joins the
+    running job of `kerasdist run --nproc-per-node 2 --recover-in-place`
+    at its next commit; both launchers exit 0."""
+    port, listed = free_port(), tmp_path / "join-now"
+    env = joining_envs(port, listed, "127.0.0.1",
+                       KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=5,
+                       RECOVERY_STEPS=STEPS,
+                       RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                       RECOVERY_GROW_AT=GROW_AT)[2]
+    env.pop("KERASDIST_JOIN")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "KERASDIST_RECOVER_IN_PLACE"):
+        env.pop(k)
+    command = worker_cmd("recovery_worker.py", str(tmp_path))
+
+    def start(*flags):
+        return subprocess.Popen(
+            [sys.executable, "-m", "kerasdist.run", *flags, *command],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, cwd=REPO_ROOT, start_new_session=True)
+    procs, outs = run_joining([
+        lambda: start("--nproc-per-node", "2", "--master-port", str(port),
+                      "--recover-in-place"),
+        lambda: start("--nproc-per-node", "1", "--master-addr",
+                      "127.0.0.1", "--master-port", str(port), "--join")],
+        listed, JOB_S)
+    check_joined(procs, outs, tmp_path, STEPS, COMMIT_EVERY, GROW_AT)
+    assert (f"kerasdist: 1 process(es) joining the running job at "
+            f"127.0.0.1:{port}" in outs[1]), outs[1]
+    assert "[+0]<stdout>:rank 2 done at size 3" in outs[1], outs[1]
 
 
 @pytest.mark.timeout(60)

@@ -127,23 +127,23 @@ def joining_envs(port, listed, master, **extra):
     return envs
 
 
-def run_joining(start, listed, timeout):
-    """Starts ranks 0 and 1 (`start(i)`: a Popen with its output piped),
-    then, once rank 0 wrote `listed`, the joining process (`start(2)`);
-    returns the three Popens and their outputs. Each is killed whole on
-    leaving."""
+def run_joining(starts, listed, timeout):
+    """Calls each of `starts` but the last (each starts processes of the
+    job: a Popen with its output piped, rank 0's first), then, once rank
+    0 wrote `listed`, the last (the joining process); returns the Popens
+    and their outputs. Each is killed whole on leaving."""
     import time
 
     from tests.support.helpers import kill_tree
     procs = []
     try:
-        procs += [start(0), start(1)]
+        procs += [start() for start in starts[:-1]]
         deadline = time.monotonic() + 120
         while not os.path.exists(listed):  # rank 0 trained a few steps
             if time.monotonic() > deadline or procs[0].poll() is not None:
                 raise AssertionError(procs[0].communicate(timeout=60)[0])
             time.sleep(0.05)
-        procs.append(start(2))
+        procs.append(starts[-1]())
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
@@ -152,14 +152,15 @@ def run_joining(start, listed, timeout):
 
 
 def check_joined(procs, outs, directory, steps, every, grow_at):
-    """The job of 2 grew to 3 in place with the joining process (procs[2])
-    as rank 2: every process ended well, rank 0 said so, ranks 0 and 1
-    kept their processes and resumed once from the commit the job grew at,
-    and every rank holds numpy's weights (check_grown_weights). Returns
+    """The job of 2 grew to 3 in place with the joining process (the last
+    of `procs`) as rank 2: every process ended well, rank 0 said so (in
+    outs[0]), ranks 0 and 1 kept their processes and resumed once from
+    the commit the job grew at, and every rank holds numpy's weights
+    (check_grown_weights). Returns
     rank 0's line and the joiner's start and end files."""
     text = "\n".join(f"--- process {i} ---\n{o[-3000:]}"
                      for i, o in enumerate(outs))
-    assert [p.returncode for p in procs] == [0, 0, 0], text
+    assert all(p.returncode == 0 for p in procs), text
     said = ("kerasdist.elastic: grew in place to 3 rank(s) (was 2; 1 "
             "process(es) asked to join): the job re-formed in ")
     line = [x for x in outs[0].splitlines() if said in x]

@@ -132,6 +132,35 @@ def test_parse_args_node_mode_checks_the_transport():
                                  environ={"KERASDIST_TRANSPORT": "udp"})
 
 
+@pytest.mark.parametrize("flags, environ, line", [
+    (["--nnodes", "2"], {}, "--nnodes does not go with --join: the running "
+     "job numbers the processes that join it"),
+    (["--master-addr", "h"], {}, "--join needs --master-addr and "
+     "--master-port"),
+    (["--master-addr", "h", "--master-port", "1234"],
+     {"KERASDIST_TRANSPORT": "mpi"}, "--join needs the TCP transport "
+     "(KERASDIST_TRANSPORT=tcp in the launcher's environment)"),
+])
+def test_parse_args_checks_join(flags, environ, line):
+    with pytest.raises(launch_config.UsageError) as e:
+        launch_config.parse_args(["--join", *flags, "x"], environ=dict(
+            {"KERASDIST_TRANSPORT": "tcp"}, **environ))
+    assert str(e.value).startswith(line), str(e.value)
+
+
+def test_join_recovers_in_place_and_its_ranks_are_numbered_by_the_job():
+    args = launch_config.parse_args(
+        ["--join", "--nproc-per-node", "2", "--master-addr", "h",
+         "--master-port", "1234", "x"],
+        environ={"KERASDIST_TRANSPORT": "tcp"})
+    assert args.join and args.recover_in_place and args.np == 2
+    env = node.rank_env(args.node, 1, join=True)
+    assert env == {"KERASDIST_JOIN": "1", "LOCAL_RANK": "1",
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                   "MASTER_PORT": "1234"}
+    assert _rank.rank_from_env(env) == "+1"
+
+
 def test_wrapper_reads_node_modes_variables():
     env = {"RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert _rank.rank_from_env(env) == "3"
