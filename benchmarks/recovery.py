@@ -47,6 +47,15 @@ rank 2 leaves at the next commit, ranks 0 and 1 go on) against the
 relaunch (the mpich build: every rank commits and exits, the launcher
 starts 2), taking turns.
 
+    python benchmarks/recovery.py --grow [--rounds 3]
+
+A grow from 2 ranks to 3 instead: the discovery script lists a third slot
+once rank 0 has done 4 steps, in place (the Open MPI build, the new rank
+spawned at a commit) against the relaunch (the mpich build); and over
+TCP a process started by `kerasdist run --join` as that happens, which
+comes in at the ranks' next commit. From the change (the join's start)
+to the new rank's first step, taking turns.
+
     python benchmarks/recovery.py --steady [--rounds 3]
 
 The steady state instead: what the recoverable transport costs a job with
@@ -146,28 +155,27 @@ def relaunch(kill_step, workdir):
             "lost_steps": kill_step - committed}
 
 
-def _shrink(root, args, workdir):
-    """A job of 3 ranks whose discovery script lists 2 slots once rank 0
-    has done 4 steps; returns (directory, attempt prefix of the ranks at
-    2)."""
+def _shrink(root, args, workdir, was=3, now=2):
+    """A job of `was` ranks whose discovery script lists `now` slots once
+    rank 0 has done 4 steps; returns its directory."""
     from tests.support.helpers import launcher_env
     from tests.support.helpers import worker_cmd
     d = tempfile.mkdtemp(dir=workdir)
     listed = os.path.join(d, "hosts.txt")
     with open(listed, "w") as f:
-        f.write("localhost:3\n")
+        f.write(f"localhost:{was}\n")
     script = os.path.join(d, "discover.sh")
     with open(script, "w") as f:
         f.write(f"#!/bin/sh\ncat {listed}\n")
     os.chmod(script, 0o755)
     argv = [sys.executable, "-m", "kerasdist.run", *args,
             "--host-discovery-script", script, "--min-np", "2",
-            "--max-np", "3", "--discovery-interval", "0.5", "-np", "3",
+            "--max-np", "3", "--discovery-interval", "0.5", "-np", str(was),
             *worker_cmd("recovery_worker.py", d)]
     env = launcher_env(dict(os.environ, RECOVERY_GROW_AT="4",
                             RECOVERY_GROW_LIST=listed,
-                            RECOVERY_GROW_TO="localhost:2\n",
-                            RECOVERY_RESIZE_SIZE="2"), root)
+                            RECOVERY_GROW_TO=f"localhost:{now}\n",
+                            RECOVERY_RESIZE_SIZE=str(now)), root)
     out = subprocess.run(argv, capture_output=True, text=True, env=env,
                          cwd=root or REPO, timeout=300)
     if out.returncode != 0:
@@ -226,6 +234,84 @@ def shrink_main(root, rounds, workdir):
               f"{_median(r, 'asked'):.2f} s, to the commit "
               f"{_median(r, 'commit'):.2f} s, {rest} "
               f"{_median(r, 'rest'):.2f} s |")
+    print("\nraw:", json.dumps(rows, indent=1))
+
+
+def _grow(root, args, workdir, first_at_3):
+    """2 ranks that the discovery script grows to 3 at step 4: from the
+    change to the first step at 3 (`first_at_3`: the end file that has
+    it), split: asked (the launcher noticed and signalled), then the
+    rest."""
+    d = _shrink(root, args, workdir, 2, 3)
+    asked = _read(d, "asked.json")
+    first = min(_read(d, first_at_3)["done_at"].values())
+    return {"total": first - asked["listed"],
+            "asked": asked["at"] - asked["listed"],
+            "rest": first - asked["at"]}
+
+
+def grow_in_place(root, workdir):
+    """The Open MPI build under --recover-in-place: the ranks start the
+    new one at a commit (MPI_Comm_spawn) and re-form with it."""
+    return _grow(root, ["--recover-in-place"], workdir, "end.2.json")
+
+
+def grow_relaunch(workdir):
+    """The repository's build (mpich) without --recover-in-place: the
+    ranks commit, exit 76 and are relaunched at 3."""
+    return _grow(None, [], workdir, "a1.end.0.json")
+
+
+def grow_join(workdir):
+    """Over TCP: `kerasdist run --nproc-per-node 2 --recover-in-place`,
+    and once rank 0 has done 4 steps `kerasdist run --join` starts a
+    third process: from that launcher's start to the process's first
+    step, split: to its script's start, to its kd.init() returning (its
+    imports, the wait for the ranks' next commit, the re-form), and its
+    first step."""
+    from tests.support.helpers import free_port
+    from tests.support.helpers import launcher_env
+    from tests.support.helpers import worker_cmd
+    from tests.support.recovery import run_with_join
+    d = tempfile.mkdtemp(dir=workdir)
+    listed = os.path.join(d, "join-now")
+    port = free_port()
+    env = launcher_env(dict(os.environ, RECOVERY_GROW_AT="4",
+                            RECOVERY_GROW_LIST=listed, RECOVERY_GROW_JOIN="1",
+                            KERASDIST_JOB_SECRET="b" * 32, **TCP), None)
+    procs, outs, began = run_with_join(
+        worker_cmd("recovery_worker.py", d), env, port, listed, 300)
+    if any(p.returncode for p in procs):
+        raise RuntimeError("\n".join(o[-3000:] for o in outs))
+    joined = _read(d, "start.2.json")
+    first = min(_read(d, "end.2.json")["done_at"].values())
+    return {"total": first - began[-1], "start": joined["began"] -
+            began[-1], "in": joined["init_at"] - joined["began"],
+            "rest": first - joined["init_at"]}
+
+
+def grow_main(root, rounds, workdir):
+    rows = {"in place (ULFM)": [], "in place (TCP, --join)": [],
+            "relaunch": []}
+    for i in range(rounds):
+        rows["in place (ULFM)"].append(grow_in_place(root, workdir))
+        rows["in place (TCP, --join)"].append(grow_join(workdir))
+        rows["relaunch"].append(grow_relaunch(workdir))
+        print(f"round {i + 1}: " + ", ".join(
+            f"{k} {v[-1]['total']:.3f} s" for k, v in rows.items()),
+            flush=True)
+    print("\n| path | from the change to the new rank's first step "
+          "(median) | split (median) |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        if name.startswith("in place (TCP"):
+            split = (f"launcher to script {_median(r, 'start'):.2f} s, "
+                     f"script to let in {_median(r, 'in'):.2f} s, to its "
+                     f"first step {_median(r, 'rest'):.2f} s")
+        else:
+            split = (f"asked {_median(r, 'asked'):.2f} s, then "
+                     f"{_median(r, 'rest'):.2f} s")
+        print(f"| {name} | {_median(r, 'total'):.2f} s | {split} |")
     print("\nraw:", json.dumps(rows, indent=1))
 
 
@@ -305,6 +391,9 @@ def main():
                    help="the steady state's allreduce times instead")
     p.add_argument("--shrink", action="store_true",
                    help="a shrink from 3 ranks to 2 (discovery) instead")
+    p.add_argument("--grow", action="store_true",
+                   help="a grow from 2 ranks to 3 instead: discovery "
+                   "(ULFM, relaunch) and a process that joins (TCP)")
     args = p.parse_args()
     from tests.support import site_mpi
     home = site_mpi.openmpi_home()
@@ -318,6 +407,9 @@ def main():
             return
         if args.shrink:
             shrink_main(root, args.rounds, workdir)
+            return
+        if args.grow:
+            grow_main(root, args.rounds, workdir)
             return
         rows = {"in place": [], "in place (TCP)": [], "relaunch": []}
         for i in range(args.rounds):

@@ -894,9 +894,11 @@ class Trainer:
     @property
     def _resizes_in_place(self):
         """Whether the job grows and shrinks in place when the launcher
-        asks: an elastic job that checks for resizes, with commits in
-        memory (--recover-in-place)."""
-        return self._resizable and self._commits is not None
+        asks, or (over TCP) lets waiting processes in: an elastic job
+        that checks for resizes, or a TCP job that re-forms, with commits
+        in memory (--recover-in-place)."""
+        return (self._resizable or _grow.joinable()) and \
+            self._commits is not None
 
     def _check_resize(self, epoch, batch):
         """Every rank, at the commits' steps and epoch ends (batch None),
@@ -907,8 +909,12 @@ class Trainer:
         state is committed and ResizeInPlace raised."""
         if self._relaunching:
             return
+        # Over TCP, processes waiting to join (rank 0 asks the rendezvous)
+        # are a request too, served here (`_join_here`).
         flag = np.array([1 if _resize.requested() else 0,
-                         1 if _grow.spawning() else 0], np.int64)
+                         1 if _grow.spawning() else 0,
+                         1 if self._lets_in and not _grow.started() and
+                         _grow.waiting() else 0], np.int64)
         flag = _host.host_allreduce(flag, basics.Max,
                                     "kerasdist.trainer.resize_in_place")
         if _grow.started():
@@ -918,6 +924,32 @@ class Trainer:
             return
         if int(flag[0]):
             self._resize_here(epoch, batch)
+        elif int(flag[2]):
+            self._join_here()
+
+    @property
+    def _lets_in(self):
+        return _grow.joinable() and not getattr(self, "_no_joins", False)
+
+    def _join_here(self):
+        """Every rank, at a commits' step where rank 0 found processes
+        waiting to join this TCP job (`kerasdist run --join`): lets them
+        in as a grow in place; they join at their first fit() or
+        fine_tune(), so only during this Trainer's first training call."""
+        body = _grow.request()
+        if not _grow.is_request(body):
+            return  # they went meanwhile
+        if self._calls > 1:
+            self._no_joins = True
+            if basics.rank() == 0:
+                print(f"kerasdist.Trainer: cannot let in the "
+                      f"{body['join']} process(es) waiting to join: a new "
+                      f"rank runs the script from its start and joins at "
+                      f"its first fit() or fine_tune(), and this is call "
+                      f"{self._calls}; they wait until their rendezvous "
+                      f"timeout.", file=sys.stderr, flush=True)
+            return
+        _grow.begin(body)
 
     def _resize_here(self, epoch, batch):
         """Every rank, at a step boundary (`batch`) or an epoch end (batch

@@ -22,11 +22,14 @@ import os
 import numpy as np
 import pytest
 
+from tests.support.helpers import free_port
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
 from tests.support.recovery import grown_ends
+from tests.support.recovery import grown_files
 from tests.support.recovery import read_json
+from tests.support.recovery import run_with_join
 from tests.support.recovery import worker_module
 
 pytestmark = pytest.mark.cluster
@@ -303,6 +306,47 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
     why = "host localhost has 3 slot(s) now, not 2"
     ends = grown_ends(out, tmp_path, why)
     assert "ran out of data" not in out.stdout, out.stdout
+    _check_fit_grown(ends, backend)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+# TensorFlow (fit's step traced again at 3 on the ranks that were there),
+# on the default build: no Open MPI, no ULFM.
+# JAX too, and PyTorch with sharded weights (the new process receives
+# its shards of the weights and the momentum from the old ranks).
+@pytest.mark.parametrize("backend, shard", [
+    ("tensorflow", None), ("jax", None), ("torch", "weights")])
+def test_fit_over_tcp_grows_with_a_process_that_joins(tmp_path, backend,
+                                                      shard):
+    """The same over the TCP transport: `kerasdist run --nproc-per-node 2
+    --recover-in-place` (KERASDIST_TRANSPORT=tcp), then `kerasdist run
+    --join` starts a third process once rank 0 trained GROW_AT steps; it
+    comes in at the ranks' next commit, with the same checks."""
+    port, listed = free_port(), tmp_path / "join-now"
+    env = rank_env(drop=("MASTER_ADDR", "MASTER_PORT", "RANK",
+                         "WORLD_SIZE", "KERASDIST_ELASTIC_DIR"),
+                   KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
+                   FIT_GROW_LIST=listed, FIT_GROW_JOIN=1,
+                   KERASDIST_TRANSPORT="tcp", KERASDIST_JOB_SECRET="j" * 32,
+                   KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
+    command = worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1", "-1",
+                         *([shard] if shard else []))
+    procs, outs, _ = run_with_join(command, env, port, listed, JOB_S)
+    text = "\n".join(o[-4000:] for o in outs)
+    assert [p.returncode for p in procs] == [0, 0], text
+    assert ("kerasdist.elastic: grew in place to 3 rank(s) (was 2; 1 "
+            "process(es) asked to join)" in outs[0]), text
+    assert "ran out of data" not in text, text
+    (_check_sharded_grown if shard else _check_fit_grown)(
+        grown_files(tmp_path), backend)
+
+
+def _check_fit_grown(ends, backend):
+    """After a fit of 2 ranks grew to 3 in place at the commit ranks 0
+    and 1 resumed from (`ends`: the end files): rank 2 trained from the
+    job's position there, every example of each epoch once, the learning
+    rate rescaled, numpy's weights for 2 ranks up to the commit and 3
+    after."""
     m = worker_module("elastic_fit_worker")
     commit = ends[0]["resumed"][0]
     nb = -(-m.N // m.BATCH)
@@ -365,6 +409,14 @@ def test_sharded_fit_grows_in_place(openmpi_root, tmp_path, backend,
     ends = grown_ends(out, tmp_path, why)
     assert "cannot grow in place" not in out.stdout, out.stdout
     assert "growing in place failed" not in out.stdout, out.stdout
+    _check_sharded_grown(ends, backend)
+
+
+def _check_sharded_grown(ends, backend):
+    """After a fit with SGD's momentum sharded grew from 2 ranks to 3 at
+    the commit ranks 0 and 1 resumed from: numpy's weights and momentum
+    for the steps up to the commit at 2 ranks and the rest at 3, not
+    those of a momentum shard left at zero."""
     m = worker_module("elastic_fit_worker")
     commit = ends[0]["resumed"][0]
     schedule = _schedule_grown(m, commit)

@@ -37,9 +37,11 @@ import numpy as np
 import pytest
 
 from tests.support.helpers import WORKERS
+from tests.support.helpers import free_port
 from tests.support.helpers import launch
 from tests.support.helpers import rank_env
 from tests.support.helpers import worker_cmd
+from tests.support.recovery import run_with_join
 
 pytestmark = pytest.mark.cluster
 
@@ -361,6 +363,33 @@ def test_trainer_grows_in_place_under_recover_in_place(openmpi_root,
                   r"(\d+) examples)?; written at 2 ranks, now 3.*\(optimizer "
                   r"step (\d+)\)", out.stdout)
     assert m, out.stdout
+    _check_grown(tmp_path, m)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_trainer_over_tcp_grows_with_a_process_that_joins(tmp_path):
+    """Over TCP on the default build: `kerasdist run --nproc-per-node 2
+    --recover-in-place`, then, after step 1, `kerasdist run --join`
+    starts a third process; at the next commit's step the Trainer lets it
+    in as a grow in place (the same truth as above)."""
+    port, listed = free_port(), tmp_path / "join-now"
+    env = rank_env(drop=("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                         "KERASDIST_ELASTIC_DIR"),
+                   KERAS_BACKEND="torch", TRAINER_GROW_LIST=listed,
+                   TRAINER_GROW_AT=1, TRAINER_GROW_JOIN=1,
+                   KERASDIST_TRANSPORT="tcp", KERASDIST_JOB_SECRET="j" * 32)
+    command = worker_cmd("trainer_recovery_worker.py", str(tmp_path), "-1",
+                         "-1")
+    procs, outs, _ = run_with_join(command, env, port, listed, JOB_S)
+    text = "\n".join(o[-4000:] for o in outs)
+    assert [p.returncode for p in procs] == [0, 0], text
+    assert ("kerasdist.Trainer: grew in place to 3 rank(s) (was 2; 1 "
+            "process(es) asked to join)" in outs[0]), text
+    m = re.search(r"<stdout>:kerasdist\.Trainer: resuming from the last "
+                  r"commit in memory at epoch (\d) of 2(?:, after its first "
+                  r"(\d+) examples)?; written at 2 ranks, now 3.*\(optimizer "
+                  r"step (\d+)\)", outs[0] + outs[1])
+    assert m, text
     _check_grown(tmp_path, m)
 
 

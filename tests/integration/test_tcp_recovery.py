@@ -35,6 +35,7 @@ from tests.support.recovery import check_survivors  # noqa: E402
 from tests.support.recovery import joining_envs  # noqa: E402
 from tests.support.recovery import read_json  # noqa: E402
 from tests.support.recovery import run_joining  # noqa: E402
+from tests.support.recovery import run_with_join  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 
@@ -161,19 +162,9 @@ def test_kerasdist_run_join_starts_processes_that_join(tmp_path):
     env.pop("KERASDIST_JOIN")
     for k in ("MASTER_ADDR", "MASTER_PORT", "KERASDIST_RECOVER_IN_PLACE"):
         env.pop(k)
-    command = worker_cmd("recovery_worker.py", str(tmp_path))
-
-    def start(*flags):
-        return subprocess.Popen(
-            [sys.executable, "-m", "kerasdist.run", *flags, *command],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, cwd=REPO_ROOT, start_new_session=True)
-    procs, outs = run_joining([
-        lambda: start("--nproc-per-node", "2", "--master-port", str(port),
-                      "--recover-in-place"),
-        lambda: start("--nproc-per-node", "1", "--master-addr",
-                      "127.0.0.1", "--master-port", str(port), "--join")],
-        listed, JOB_S)
+    procs, outs, _ = run_with_join(
+        worker_cmd("recovery_worker.py", str(tmp_path)), env, port, listed,
+        JOB_S)
     check_joined(procs, outs, tmp_path, STEPS, COMMIT_EVERY, GROW_AT)
     assert (f"kerasdist: 1 process(es) joining the running job at "
             f"127.0.0.1:{port}" in outs[1]), outs[1]

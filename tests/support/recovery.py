@@ -45,10 +45,10 @@ def grown_ends(out, directory, why):
             f"started in " in out.stdout), out.stdout
     assert "attempt 2" not in out.stdout, out.stdout
     assert read_json(directory, "asked.json")["heard"], out.stdout
-    return _grown_ends(directory)
+    return grown_files(directory)
 
 
-def _grown_ends(directory):
+def grown_files(directory):
     """The 3 end files of a job grown from 2 ranks to 3, after checking
     that ranks 0 and 1 kept their processes and resumed once, from the
     commit the job grew at, and rank 2 started at 3 ranks."""
@@ -165,6 +165,32 @@ def check_joined(procs, outs, directory, steps, every, grow_at):
             "process(es) asked to join): the job re-formed in ")
     line = [x for x in outs[0].splitlines() if said in x]
     assert line, text
-    ends = _grown_ends(directory)
+    ends = grown_files(directory)
     check_grown_weights(ends, steps, every, grow_at)
     return line[0], read_json(directory, "start.2.json"), ends[2]
+
+
+def run_with_join(command, env, port, listed, timeout):
+    """`kerasdist run --nproc-per-node 2 --recover-in-place COMMAND` with
+    `env` (KERASDIST_TRANSPORT=tcp and a secret in it), coordinator
+    127.0.0.1:`port`, then, once its rank 0 wrote `listed`, `kerasdist
+    run --nproc-per-node 1 --join COMMAND`: (the two launchers' Popens,
+    their outputs, the wall time each was started)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.helpers import REPO_ROOT
+    started = []
+
+    def start(*flags):
+        started.append(time.time())
+        return subprocess.Popen(
+            [sys.executable, "-m", "kerasdist.run", "--master-addr",
+             "127.0.0.1", "--master-port", str(port), *flags, *command],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, cwd=REPO_ROOT, start_new_session=True)
+    procs, outs = run_joining([
+        lambda: start("--nproc-per-node", "2", "--recover-in-place"),
+        lambda: start("--nproc-per-node", "1", "--join")], listed, timeout)
+    return procs, outs, started

@@ -29,7 +29,9 @@ rank 0, once the job's step STEP is done, writes "localhost:3" to FILE
 the launcher's resize request; from the commit where the ranks begin to
 start the new rank, each rank holds its next step until its part of that
 start has ended (up to 120 s), so that the job grows at a commit in the
-middle of training, whatever the new rank's start costs. A rank that
+middle of training, whatever the new rank's start costs. FIT_GROW_JOIN=1
+(over TCP): the test starts a process that joins once FILE is written,
+and rank 0 holds its next step until that process waits to join. A rank that
 joined writes its files as the others (its `resumed` is empty).
 Shrinking in place: the same with FIT_GROW_TO (what rank 0 writes to
 FILE, "localhost:2" to shrink a job of 3); a rank that leaves (`run`
@@ -62,9 +64,17 @@ def data():
 def _ask_to_grow(directory):
     """Lists a third slot for the launcher's discovery script, then waits
     for its resize request (the next commit begins to grow the job)."""
+    from kerasdist._core import grow
     from kerasdist._core import resize
     with open(os.environ["FIT_GROW_LIST"], "w") as f:
         f.write(os.environ.get("FIT_GROW_TO", "localhost:3") + "\n")
+    if os.environ.get("FIT_GROW_JOIN") == "1":
+        # Over TCP the test starts a process that joins: held until it
+        # waits at the rendezvous (the next commit lets it in).
+        deadline = time.monotonic() + 120
+        while not grow.waiting() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)

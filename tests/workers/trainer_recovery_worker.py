@@ -24,7 +24,9 @@ env: KERAS_BACKEND (torch, jax or tensorflow); TRAINER_GROW_LIST=FILE and
      "localhost:3" to FILE (the launcher's discovery script prints it) once
      the optimizer's step STEP is done, and waits (up to 60 s) for the
      launcher's resize request, so that the job stops for it at its next
-     step checkpoint, whatever the steps cost; TRAINER_SHRINK_AT=STEP
+     step checkpoint, whatever the steps cost (TRAINER_GROW_JOIN=1, over
+     TCP: the test then starts a process that joins, and rank 0 waits
+     until it waits at the rendezvous); TRAINER_SHRINK_AT=STEP
      instead: rank 0 of a job of 3 ranks writes "localhost:2" there, and
      waits likewise (the job shrinks in place at its next commit). Rank 0
      waits (up to 120 s) at the end of a step while a grow in place starts
@@ -81,15 +83,16 @@ def _trainer(directory, kill_rank, kill_step, start_rank, done_at,
             at = (start_rank, kerasdist.size(), str(step))
             sizes = {(0, 2, os.environ.get("TRAINER_GROW_AT")): 3,
                      (0, 3, os.environ.get("TRAINER_SHRINK_AT")): 2}
+            from kerasdist._core import grow
             if at in sizes:
                 with open(os.environ["TRAINER_GROW_LIST"], "w") as f:
                     f.write(f"localhost:{sizes[at]}\n")
                 from kerasdist._core import resize
+                asked = grow.waiting if os.environ.get(
+                    "TRAINER_GROW_JOIN") == "1" else resize.requested
                 deadline = time.monotonic() + 60
-                while not resize.requested() and \
-                        time.monotonic() < deadline:
+                while not asked() and time.monotonic() < deadline:
                     time.sleep(0.05)
-            from kerasdist._core import grow
             if start_rank == 0 and grow.spawning():
                 # A grow in place: the job trains on while the new rank
                 # starts; here it waits for it (up to 120 s), so that the
