@@ -54,7 +54,8 @@ once rank 0 has done 4 steps, in place (the Open MPI build, the new rank
 spawned at a commit) against the relaunch (the mpich build); and over
 TCP a process started by `kerasdist run --join` as that happens, which
 comes in at the ranks' next commit. From the change (the join's start)
-to the new rank's first step, taking turns.
+to the new rank's first step, and rank 0's longest pause between two
+steps (the training the grow cost the old ranks), taking turns.
 
     python benchmarks/recovery.py --steady [--rounds 3]
 
@@ -237,17 +238,28 @@ def shrink_main(root, rounds, workdir):
     print("\nraw:", json.dumps(rows, indent=1))
 
 
+def _pause(done_at):
+    """The longest wait between two steps of a rank (its done_at)."""
+    times = sorted(done_at.values())
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
 def _grow(root, args, workdir, first_at_3):
     """2 ranks that the discovery script grows to 3 at step 4: from the
     change to the first step at 3 (`first_at_3`: the end file that has
     it), split: asked (the launcher noticed and signalled), then the
-    rest."""
+    rest; and rank 0's pause (the longest wait between two of its steps;
+    across the relaunch, from its last step to its first after)."""
     d = _shrink(root, args, workdir, 2, 3)
     asked = _read(d, "asked.json")
     first = min(_read(d, first_at_3)["done_at"].values())
+    if first_at_3.startswith("a1."):
+        pause = first - max(_read(d, "left.0.json")["done_at"].values())
+    else:
+        pause = _pause(_read(d, "end.0.json")["done_at"])
     return {"total": first - asked["listed"],
             "asked": asked["at"] - asked["listed"],
-            "rest": first - asked["at"]}
+            "rest": first - asked["at"], "pause": pause}
 
 
 def grow_in_place(root, workdir):
@@ -287,7 +299,8 @@ def grow_join(workdir):
     first = min(_read(d, "end.2.json")["done_at"].values())
     return {"total": first - began[-1], "start": joined["began"] -
             began[-1], "in": joined["init_at"] - joined["began"],
-            "rest": first - joined["init_at"]}
+            "rest": first - joined["init_at"],
+            "pause": _pause(_read(d, "end.0.json")["done_at"])}
 
 
 def grow_main(root, rounds, workdir):
@@ -301,8 +314,8 @@ def grow_main(root, rounds, workdir):
             f"{k} {v[-1]['total']:.3f} s" for k, v in rows.items()),
             flush=True)
     print("\n| path | from the change to the new rank's first step "
-          "(median) | split (median) |")
-    print("|---|---|---|")
+          "(median) | split (median) | rank 0's longest pause (median) |")
+    print("|---|---|---|---|")
     for name, r in rows.items():
         if name.startswith("in place (TCP"):
             split = (f"launcher to script {_median(r, 'start'):.2f} s, "
@@ -311,7 +324,8 @@ def grow_main(root, rounds, workdir):
         else:
             split = (f"asked {_median(r, 'asked'):.2f} s, then "
                      f"{_median(r, 'rest'):.2f} s")
-        print(f"| {name} | {_median(r, 'total'):.2f} s | {split} |")
+        print(f"| {name} | {_median(r, 'total'):.2f} s | {split} | "
+              f"{_median(r, 'pause'):.2f} s |")
     print("\nraw:", json.dumps(rows, indent=1))
 
 
