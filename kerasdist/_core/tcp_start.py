@@ -18,7 +18,9 @@ running job through rendezvous/joining.py instead of the start's hello.
 """
 
 import os
+import sys
 
+from kerasdist.rendezvous import client
 from kerasdist.rendezvous import environment
 from kerasdist.rendezvous import joining
 from kerasdist.rendezvous import protocol
@@ -26,7 +28,8 @@ from kerasdist.rendezvous import tcp_job
 
 RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 _HEARTBEAT_ENV = "KERASDIST_HEARTBEAT_TIMEOUT_SECONDS"
-_state = {"exchange": None, "generation": 0, "grow": False}
+_state = {"exchange": None, "generation": 0, "grow": False,
+          "rank": 0, "standby": None, "standby_proc": None}
 
 
 def generation():
@@ -203,12 +206,65 @@ def _exchange(lib, launch, variables, environ):
         # A joining process comes in at the generation that let it in.
         _state["generation"] = gen = variables.get("generation", 0)
         return ex, launch.rank, launch.size, gen
-    ex = _state["exchange"]
+    ex = _answering(_state["exchange"], environ)
     gen = _state["generation"] + 1
     grow, _state["grow"] = _state["grow"], False
     rank, size = ex.reform(gen, _window(environ), _lost_ranks(lib), grow)
     _state["generation"] = gen
     return ex, rank, size, gen
+
+
+def _answering(ex, environ):
+    """`ex`, where the job's server still answers it (within the
+    heartbeat's timeout, at most 10 s); else, where the job has a standby
+    (rendezvous/reform.py), an Exchange with it, this rank proven there."""
+    standby = _state["standby"]
+    if standby is None:
+        return ex
+    timeout = protocol.timeout_from(environ)
+    try:
+        ex.sock.settimeout(min(10.0, max(2.0, _heartbeat_s(environ))))
+        ex.joiners()
+        ex.sock.settimeout(timeout)
+        return ex
+    except (OSError, ValueError, protocol.RendezvousError) as e:
+        why = str(e) or type(e).__name__
+    ex.sock.close()
+    sys.stderr.write(f"kerasdist: rank {_state['rank']}: the job's "
+                     f"rendezvous at {ex.where} does not answer ({why}); "
+                     f"re-forming through its standby at {standby}\n")
+    sys.stderr.flush()
+    new = joining.rejoin(standby, _state["rank"], _state["generation"],
+                         timeout, environ)
+    _state["exchange"], _state["standby"] = new, None
+    return new
+
+
+def _start_standby(ex, size, generation, environ):
+    """This rank was named to run the job's standby server: starts it on
+    this rank's address; returns "host:port"."""
+    job, key, proven = protocol.identity(environ)
+    port, proc = client.start_standby(size, protocol.timeout_from(environ),
+                                      job, key, ex.ip, proven, generation)
+    at = f"{ex.ip}:{port}"
+    _state["standby_proc"] = (at, proc)
+    return at
+
+
+def _name_standby(ex, rank, size, gen, environ):
+    """Every rank of a job that re-forms, after its addresses went round:
+    the job's standby server for this generation (tcp_job.
+    designate_standby). A standby this process ran before that is now
+    neither the job's server nor its standby ends."""
+    before = _state["standby_proc"]
+    _state["rank"] = rank
+    _state["standby"] = tcp_job.designate_standby(
+        ex, rank, size, gen, lambda: _start_standby(ex, size, gen, environ))
+    if before is not None and \
+            before[0] not in (ex.where, _state["standby"]):
+        before[1].stdin.close()
+        if _state["standby_proc"] is before:
+            _state["standby_proc"] = None
 
 
 def prepare(lib, launch, variables, environ=None):
@@ -230,6 +286,8 @@ def prepare(lib, launch, variables, environ=None):
         if gen:
             timeout = min(timeout, max(10.0, 2 * _heartbeat_s(environ)))
         spec = tcp_job.describe(ex, rank, size, key, timeout, gen)
+        if _recovering(environ):
+            _name_standby(ex, rank, size, gen, environ)
     except (OSError, protocol.RendezvousError) as e:
         raise RuntimeError(
             f"kerasdist.init() failed: rank {launch.rank} of {launch.size} "

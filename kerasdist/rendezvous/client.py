@@ -86,8 +86,17 @@ def connect(address, deadline):
         time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
+def start_standby(size, timeout, job, key, address, proven, generation):
+    """Starts a standby server of a TCP job at `generation`
+    (rendezvous/reform.py) on `address`, any free port; returns (its
+    port, its process, which ends once this process closes its stdin, or
+    ends, and no rank uses it)."""
+    return _start_server(0, size, timeout, job, key, address, proven,
+                         standby=generation)
+
+
 def _start_server(port, size, timeout, job, key, address="",
-                  proven=False):
+                  proven=False, standby=None):
     """Starts rank 0's server on `address`:`port` (port 0: any free one;
     address "": every interface); returns the port once it listens. A port
     in use is waited for, up to `timeout`: after a platform restarted the
@@ -97,6 +106,8 @@ def _start_server(port, size, timeout, job, key, address="",
     env = dict(os.environ, _KERASDIST_RENDEZVOUS_KEY=key.hex(),
                _KERASDIST_RENDEZVOUS_JOB=job,
                _KERASDIST_RENDEZVOUS_SECRET="1" if proven else "0")
+    if standby is not None:
+        env["_KERASDIST_RENDEZVOUS_STANDBY"] = str(standby)
     proc = subprocess.Popen(
         [sys.executable, "-I", _SERVER, "serve",
          str(port), str(size), repr(timeout), address],
@@ -122,6 +133,8 @@ def _start_server(port, size, timeout, job, key, address="",
         raise RendezvousError(
             f"rank 0 cannot serve the rendezvous on port {port}: "
             f"{line or 'its server ended'}")
+    if standby is not None:
+        return int(line.split()[1]), proc
     _server = proc  # its stdin stays open while this process lives
     return int(line.split()[1])
 

@@ -90,3 +90,53 @@ def join_running(coordinator, timeout, environ):
                 "generation": int(t["generation"])}
     finally:
         sock.close()
+
+
+def rejoin(address, rank, generation, timeout, environ):
+    """A rank of a TCP job whose server has gone proves its `rank` and
+    `generation` to the job's standby at `address` ("host:port",
+    rendezvous/reform.py); returns the tcp_job.Exchange over that
+    connection.
+
+    Raises:
+        RendezvousError: the standby did not answer, or refused.
+    """
+    from kerasdist.rendezvous import tcp_job
+    job, key, proven = protocol.identity(environ)
+    host, _, port = address.rpartition(":")
+    sock, error = client.connect((host, int(port)),
+                                 time.monotonic() + timeout)
+    if sock is None:
+        raise protocol.RendezvousError(
+            f"the job's standby rendezvous at {address} did not answer "
+            f"either ({error})")
+    try:
+        sock.settimeout(timeout)
+        nonce, theirs = client.auth(sock, address, job, key, proven)
+        if theirs is None:
+            raise protocol.RendezvousError(
+                f"the job's standby at {address}: "
+                f"{nonce.partition(' msg=')[2]}")
+        proof = protocol.mac_of(key, "rejoin", theirs, nonce, rank,
+                                generation)
+        sock.sendall(f"cmd=kd_rejoin rank={rank} generation={generation} "
+                     f"proof={proof}\n".encode())
+        reply = protocol.read_line(sock)
+        body, _, mac = reply.rpartition(" mac=")
+        if not reply or not hmac.compare_digest(
+                mac, protocol.mac_of(key, "ready", nonce, theirs, body)):
+            raise protocol.RendezvousError(
+                f"the job's standby at {address} closed the connection")
+        if protocol.tokens(body).get("rc") != "0":
+            raise protocol.RendezvousError(
+                f"the job's standby at {address} refused this rank: "
+                f"{body.partition(' msg=')[2]}")
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise protocol.RendezvousError(
+            f"the job's standby at {address} stopped answering ({e})"
+        ) from None
+    except BaseException:
+        sock.close()
+        raise
+    return tcp_job.Exchange.over(sock, address)

@@ -52,6 +52,9 @@ MAX_LINE = 4096
 AUTH_DEADLINE_S = 5.0
 MAX_UNPROVEN = 64
 MAX_KEYS_PER_RANK = 1024
+# A TCP job's standby server, for generation G: its rank's key and its
+# address's in the rendezvous (tcp_job.designate_standby, reform.py).
+STANDBY_KEY = "kdsb{generation}.{what}"
 # The exit code of a rank that ends because it lost another (the heartbeat's,
 # ops/core/control/liveness.cc): the launcher reads the rank's "lost" line.
 EXIT_PEER_LOST = 75

@@ -29,6 +29,21 @@ proof, `kd_joined rc=0 pmiid=T rank=R size=N generation=G`, proves T on
 a PMI connection of its own (pmi.py) and exchanges its addresses with
 the others. A round without it (a lost rank's) leaves them waiting.
 
+A standby: in a job of several hosts, one rank on another host than the
+server's runs a second server (`stand_by`: already formed, at the job's
+generation), whose address every rank learns at each formation
+(tcp_job.describe). Where the server has gone with its host (the ranks'
+connections to it closed, or their heartbeat lost rank 0, whose process
+started it), the survivors prove their rank and generation to the
+standby instead (`kd_rejoin rank=R generation=G proof=P`, after the
+challenge) and ask it for the next generation; until the round's end it
+waits for every rank of the generation that neither went nor was named
+lost, whether or not it has come yet. A job with a standby re-forms
+only with a quorum of its ranks (more than half, or half with its rank
+0): a link cut between the server's host and the rest could otherwise
+leave two jobs, one on each side, where the ranks that reach neither
+quorum end in one line (a relaunch resumes from disk).
+
 Standard library only; imported by path with server.py (its note).
 """
 
@@ -58,6 +73,8 @@ class Reforms:
     named = None           # old rank -> the ranks it named lost
     round_until = None     # the round's deadline (monotonic)
     growing = False        # a rank of the round asked with grow=1
+    expected = frozenset()  # a standby's ranks, waited for till they come
+    standing_by = False    # this server is a standby, not yet used
     joining = ()           # connections waiting to join (kd_join)
 
     def on_stay(self, conn):
@@ -88,6 +105,68 @@ class Reforms:
                                   f"{MAX_JOINERS} processes wait to join "
                                   f"already")
             self.joining = [*self.joining, conn]
+
+    def stand_by(self, generation):
+        """This server is a standby for the job's `generation`: formed,
+        its ranks staying, none connected yet (they come with
+        kd_rejoin)."""
+        with self.cv:
+            self.generation = generation
+            self.hello_done = self.staying = True
+            self.formed_at = time.monotonic()
+            self.up = set(range(self.size))
+            self.pmi_seen = set(range(self.size))
+            self.expected = frozenset(range(self.size))
+            self.standing_by = True
+
+    def on_rejoin(self, conn, t):
+        """kd_rejoin: a rank of the job, whose server has gone, proves its
+        rank and generation to this standby; its connection is then that
+        rank's, as its PMI connection was."""
+        if conn.nonce is None or conn.hello_rank is not None or \
+                conn.rank is not None or conn.joining:
+            raise protocol.BadConnection("rejoin before the challenge")
+        try:
+            rank, generation = int(t.get("rank")), int(t.get("generation"))
+        except (TypeError, ValueError):
+            raise protocol.BadConnection("malformed rejoin") from None
+        if not hmac.compare_digest(t.get("proof", ""), protocol.mac_of(
+                self.key, "rejoin", conn.nonce, conn.theirs, rank,
+                generation)):
+            raise protocol.BadConnection("no proof of the secret")
+        conn.proven = True
+        with self.cv:
+            if generation != self.generation or rank not in self.expected \
+                    or rank in self.pmi:
+                return self.reply(
+                    conn, f"cmd=kd_rejoined rc=1 msg=this standby serves "
+                    f"generation {self.generation}, and rank {rank} of "
+                    f"generation {generation} is not one it waits for")
+            conn.rank = rank
+            self.pmi[rank] = conn
+        self.reply(conn, "cmd=kd_rejoined rc=0")
+
+    def quorum_needed(self):  # with self.cv held
+        """Whether a round needs a quorum: the job has a standby, or this
+        is it."""
+        at = self.kvs.get(protocol.STANDBY_KEY.format(
+            generation=self.generation, what="at"), "-")
+        return self.standing_by or at != "-"
+
+    def end_round_without_quorum(self, old):  # with self.cv held
+        """Too few ranks asked for the next generation: each hears why and
+        its connection closes (its rank ends; a relaunch resumes)."""
+        msg = (f"only {len(old)} of the job's {self.size} ranks could "
+               f"re-form here, not more than half of them: the others may "
+               f"go on without these where the rest of the job meets")
+        for r, c in list(self.asked.items()):
+            self.send(c, f"cmd=kd_reformed rc=1 msg={msg.replace(' ', '_')}")
+            c.drop()
+            if self.pmi.get(r) is c:
+                del self.pmi[r]
+        self.asked = self.round_until = self.named = None
+        self.growing = False
+        self.cv.notify_all()
 
     def joiners(self):
         """How many processes wait to join (kd_joiners)."""
@@ -125,16 +204,22 @@ class Reforms:
             return
         lost = self.named[min(self.asked)]
         waiting = [r for r in range(self.size)
-                   if r not in self.asked and r in self.pmi
+                   if r not in self.asked
+                   and (r in self.pmi or r in self.expected)
                    and r not in self.dead and r not in lost]
         if waiting and now < self.round_until:
             return
         old = sorted(r for r, c in self.asked.items()
                      if self.pmi.get(r) is c and r not in lost)
+        if self.quorum_needed() and not (
+                2 * len(old) > self.size or
+                (2 * len(old) == self.size and 0 in old)):
+            self.end_round_without_quorum(old)
+            return
         conns = [self.asked[r] for r in old]
         # Left out (silent at the deadline, or named lost though it
         # asked: cut off from the others): its process hears the close.
-        for r in set(waiting) | (lost & set(self.pmi)):
+        for r in (set(waiting) | lost) & set(self.pmi):
             self.pmi.pop(r).drop()
         self.generation += 1
         joiners = [c for c in self.joining if not c.dropped] \
@@ -150,6 +235,8 @@ class Reforms:
         self.barrier_since = None
         self.asked = self.round_until = self.named = None
         self.growing = False
+        self.expected = frozenset()
+        self.standing_by = False
         for new, c in enumerate(joiners, start=len(conns)):
             token = 0
             while token == 0 or token in self.tokens:

@@ -166,6 +166,8 @@ class _Server(hello.Hello, pmi.PmiCommands, watch.Watchers,
                     self.on_hello(conn, t)
                 elif cmd == "kd_join":
                     self.on_join(conn, t)
+                elif cmd == "kd_rejoin":
+                    self.on_rejoin(conn, t)
                 elif cmd == "kd_conflict":
                     self.on_conflict(conn, t)
                 elif cmd == "initack" and conn.nonce is None:
@@ -335,6 +337,9 @@ def _serve(port, size, timeout, address=""):
     server = _Server(size, timeout, job, key,
                      os.environ.get("_KERASDIST_RENDEZVOUS_SECRET") == "1")
     server.port = listener.getsockname()[1]
+    standby = os.environ.get("_KERASDIST_RENDEZVOUS_STANDBY")
+    if standby:  # a TCP job's standby (reform.py), at that generation
+        server.stand_by(int(standby))
     threading.Thread(target=_watch_parent, args=(server,),
                      daemon=True).start()
 

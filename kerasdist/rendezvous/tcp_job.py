@@ -71,6 +71,15 @@ class Exchange:
         while not self._line().startswith("cmd=set debug="):
             pass
 
+    @classmethod
+    def over(cls, sock, address):
+        """An Exchange over `sock`, already proven to the server at
+        `address` (joining.rejoin)."""
+        ex = cls.__new__(cls)
+        ex.where, ex.sock = address, sock
+        ex.ip = protocol.address_toward(address.rpartition(":")[0])
+        return ex
+
     def _line(self):
         line = protocol.read_line(self.sock)
         if not line:
@@ -173,3 +182,32 @@ def describe(ex, rank, size, key, timeout, generation=0):
         "data_fd": data.detach(), "control_fd": control.detach(),
     }
     return "\n".join(f"{k}={v}" for k, v in lines.items()) + "\n"
+
+
+def designate_standby(ex, rank, size, generation, start):
+    """After `describe`, in a job that re-forms: rank 0 names the lowest
+    rank whose host is not the server's (none: every rank is on it), that
+    rank starts a standby server (`start()`: its address, "-" where it
+    could not) and every rank learns where it is (reform.py). Returns
+    "host:port", or None where there is none."""
+    def key(what):
+        return protocol.STANDBY_KEY.format(generation=generation, what=what)
+    if rank == 0:
+        server = ex.sock.getpeername()[0]
+        hosts = [ex.get(f"{_KEY_PREFIX}{generation}.{r}").partition(
+            "/")[0].rpartition(":")[0] for r in range(size)]
+        others = [r for r, h in enumerate(hosts) if h != server]
+        ex.put(key("rank"), str(others[0] if others else -1))
+    ex.barrier()
+    chosen = int(ex.get(key("rank")))
+    if chosen < 0:
+        return None
+    if rank == chosen:
+        try:
+            at = start()
+        except (OSError, protocol.RendezvousError):
+            at = "-"
+        ex.put(key("at"), at)
+    ex.barrier()
+    at = ex.get(key("at"))
+    return None if at == "-" else at

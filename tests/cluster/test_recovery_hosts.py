@@ -137,15 +137,16 @@ def test_a_cut_link_ends_the_survivors_at_their_deadline(
 
 # ---- Over the TCP transport (KERASDIST_TRANSPORT=tcp): no MPI, no ULFM --
 
-def _start_over_tcp(cluster, tmp_path, signal_name, port):
-    """Ranks 0 and 1 on kdt0 and rank 2 on kdt1, each started as a
-    platform starts it (torchrun's variables), the test its agent; the
-    Popen of each, by rank."""
+def _start_over_tcp(cluster, tmp_path, signal_name, port,
+                    hosts=("kdt0", "kdt0", "kdt1"), lost=LOST):
+    """Ranks 0, 1 and 2 on `hosts`, each started as a platform starts it
+    (torchrun's variables), the test its agent; rank `lost` is lost at
+    step STEP (`signal_name`); the Popen of each, by rank."""
     procs = []
-    for rank, host in ((0, "kdt0"), (1, "kdt0"), (2, "kdt1")):
+    for rank, host in enumerate(hosts):
         env = worker_env(
-            RANK=rank, WORLD_SIZE=3, LOCAL_RANK=rank % 2,
-            LOCAL_WORLD_SIZE=2 if host == "kdt0" else 1,
+            RANK=rank, WORLD_SIZE=3, LOCAL_RANK=hosts[:rank].count(host),
+            LOCAL_WORLD_SIZE=hosts.count(host),
             MASTER_ADDR="kdt0", MASTER_PORT=port,
             KERASDIST_TRANSPORT="tcp", KERASDIST_RECOVER_IN_PLACE=1,
             KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=TIMEOUT_S,
@@ -153,11 +154,33 @@ def _start_over_tcp(cluster, tmp_path, signal_name, port):
             RECOVERY_STEP_SLEEP=0.2)
         procs.append(cluster.popen(
             cluster.host(host), worker_cmd(
-                "recovery_worker.py", str(tmp_path), str(LOST), str(STEP),
+                "recovery_worker.py", str(tmp_path), str(lost), str(STEP),
                 signal_name),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True))
     return procs
+
+
+def _outputs(cluster, procs, lost, host, then=None):
+    """The ranks' outputs: the others' once they end, then, `host`'s link
+    restored and `then()` called, the lost rank's; every process killed
+    whole and the link restored on leaving. (outputs by rank, all of them
+    as one text)."""
+    outs = [None] * len(procs)
+    try:
+        for r in range(len(procs)):
+            if r != lost:
+                outs[r] = procs[r].communicate(timeout=JOB_S)[0]
+        cluster.restore(host)
+        if then is not None:
+            then()
+        outs[lost] = procs[lost].communicate(timeout=120)[0]
+    finally:
+        cluster.restore(host)
+        for p in procs:
+            kill_tree(p)
+    return outs, "\n".join(f"--- rank {r} ---\n{(o or '')[-3000:]}"
+                            for r, o in enumerate(outs))
 
 
 @pytest.mark.timeout(JOB_S + 90)
@@ -176,21 +199,10 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
     procs = _start_over_tcp(cluster, tmp_path,
                             "CONT" if fault == "cut" else fault,
                             29661 + ["KILL", "cut", "STOP"].index(fault))
-    outs = [None] * 3
-    try:
-        for r in (0, 1):
-            outs[r] = procs[r].communicate(timeout=JOB_S)[0]
-        if fault == "cut":
-            cluster.restore(kdt1)
-        if fault == "STOP":  # its whole session: the rank within nsenter
-            os.killpg(procs[2].pid, signal.SIGCONT)
-        outs[2] = procs[2].communicate(timeout=90)[0]
-    finally:
-        cluster.restore(kdt1)
-        for p in procs:
-            kill_tree(p)
-    text = "\n".join(f"--- rank {r} ---\n{(o or '')[-3000:]}"
-                     for r, o in enumerate(outs))
+    outs, text = _outputs(cluster, procs, 2, kdt1, then=(
+        # Its whole session: the rank within nsenter.
+        lambda: os.killpg(procs[2].pid, signal.SIGCONT))
+        if fault == "STOP" else None)
     assert [p.returncode for p in procs[:2]] == [0, 0], text
     lost_at = read_json(tmp_path, "kill.json")["at"]
     commit = check_survivors(tmp_path, [0, 1], STEP, STEPS, COMMIT_EVERY)
@@ -208,6 +220,35 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
         assert procs[2].returncode not in (0, None), text
         assert "recovery in place failed" in outs[2], text
         assert not (tmp_path / "end.2.json").exists()
+
+
+@pytest.mark.timeout(JOB_S + 90)
+def test_over_tcp_the_rendezvous_host_cut_off_re_forms_at_the_standby(
+        cluster, tmp_path):
+    """Rank 0 alone on kdt0, whose process runs the job's rendezvous;
+    ranks 1 and 2 on kdt1, where rank 1 runs its standby. kdt0's link
+    goes down as rank 0 reaches step 7: ranks 1 and 2 find the rendezvous
+    silent, prove themselves to the standby, re-form at 2 there and
+    finish with numpy's weights; rank 0, cut off, alone is not more than
+    half of the job: the rendezvous refuses it, and it ends in one
+    line."""
+    kdt0 = cluster.host("kdt0")
+    _cut_at_the_kill(cluster, kdt0, tmp_path)
+    procs = _start_over_tcp(cluster, tmp_path, "CONT", 29664,
+                            hosts=("kdt0", "kdt1", "kdt1"), lost=0)
+    outs, text = _outputs(cluster, procs, 0, kdt0)
+    assert [p.returncode for p in procs[1:]] == [0, 0], text
+    assert "re-forming through its standby at " in outs[1], text
+    lost_at = read_json(tmp_path, "kill.json")["at"]
+    commit = check_survivors(tmp_path, [1, 2], STEP, STEPS, COMMIT_EVERY)
+    took = read_json(tmp_path, "end.1.json")["done_at"][str(commit + 1)] \
+        - lost_at
+    print(f"the rendezvous's host cut off: the survivors' next step "
+          f"{took:.2f} s after the cut")
+    assert procs[0].returncode not in (0, None), text
+    assert "recovery in place failed" in outs[0], text
+    assert "only 1 of the job's 3 ranks could re-form here" in outs[0], text
+    assert not (tmp_path / "end.0.json").exists()
 
 
 @pytest.mark.timeout(JOB_S + 90)

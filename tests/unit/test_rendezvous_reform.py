@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kerasdist.rendezvous import client
 from kerasdist.rendezvous import joining
 from kerasdist.rendezvous import protocol
 from kerasdist.rendezvous import tcp_job
@@ -239,3 +240,64 @@ def test_a_process_without_the_secret_cannot_join():
             assert protocol.read_line(s) == ""
     finally:
         _end(proc)
+
+
+def _standby(size, generation=0):
+    """A standby server of the job (reform.py), as a rank starts it; (its
+    address, its process)."""
+    job, key, proven = protocol.identity({})
+    port, proc = client.start_standby(size, 20, job, key, "127.0.0.1",
+                                      proven, generation)
+    return f"127.0.0.1:{port}", proc
+
+
+def _end_standby(proc):
+    proc.stdin.close()  # its rank has gone: it ends, no rank using it
+    assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_standby_re_forms_the_ranks_that_prove_their_generation():
+    # The job's server gone (here: just not asked), ranks 1 and 2 of 3
+    # rejoin the standby; rank 1 asks first naming rank 0 lost, and the
+    # round waits for rank 2, which comes later: a job of 2 at generation
+    # 1, its addresses exchanged through the standby.
+    at, standby = _standby(3)
+    ex = []
+    try:
+        ex = [None] + [joining.rejoin(at, r, 0, 20, {}) for r in (1, 2)]
+        out = {}
+        first = threading.Thread(target=lambda: out.update(
+            {1: ex[1].reform(1, 30, [0])}))
+        first.start()
+        time.sleep(0.5)
+        out[2] = ex[2].reform(1, 30, [0])
+        first.join(30)
+        assert out == {1: (0, 2), 2: (1, 2)}, out
+        lines = _describe(ex, [(ex[1], 0), (ex[2], 1)], 2, 1)
+        assert lines[0]["data"] == lines[1]["data"], lines
+        # Rank 1 twice, or another generation: refused.
+        for rank, generation in ((1, 0), (0, 3)):
+            with pytest.raises(protocol.RendezvousError) as e:
+                joining.rejoin(at, rank, generation, 10, {})
+            assert "refused this rank" in str(e.value)
+    finally:
+        for e in ex[1:]:
+            e.sock.close()
+        _end_standby(standby)
+
+
+@pytest.mark.timeout(60)
+def test_a_standby_needs_more_than_half_of_the_ranks():
+    # Rank 2 of 3 alone (ranks 0 and 1 named lost): it may be the cut-off
+    # side of a job that goes on elsewhere, so it is refused, saying why.
+    at, standby = _standby(3)
+    try:
+        ex = joining.rejoin(at, 2, 0, 20, {})
+        with pytest.raises(protocol.RendezvousError) as e:
+            ex.reform(1, 30, [0, 1])
+        assert "only 1 of the job's 3 ranks could re-form here" in \
+            str(e.value)
+        ex.sock.close()
+    finally:
+        _end_standby(standby)
