@@ -39,6 +39,9 @@ machine has cores (the launcher then binds nobody): reported in a table of
 its own, efficiency against 4 x the np=1 run. `--plot` draws total images/s
 against the number of ranks for each model, with the ideal-linear line (np
 x the np=1 median) and MWMS's point (matplotlib needed).
+`--tcp` adds a `tcp` row: np=2 under `kerasdist run --nproc-per-node 2`
+with KERASDIST_TRANSPORT=tcp (the transport recovery in place re-forms
+across hosts) against the `kerasdist` row's MPI.
 `--backends tensorflow,jax,torch` runs every row on each Keras backend
 (KERAS_BACKEND for the ranks; default tensorflow alone), in the same
 rounds: TensorFlow feeds a tf.data pipeline and compiles without XLA, JAX
@@ -329,7 +332,11 @@ def _launch(np_, model_name, steps, warmup, system="kerasdist",
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_"
                             "thread_eigen=false intra_op_parallelism_"
                             "threads=1").strip()
-    argv = [sys.executable, "-m", "kerasdist.run", "-np", str(np_),
+    ranks = ["-np", str(np_)]
+    if system == "tcp":  # node mode over the TCP transport
+        env["KERASDIST_TRANSPORT"] = "tcp"
+        ranks, system = ["--nproc-per-node", str(np_)], "kerasdist"
+    argv = [sys.executable, "-m", "kerasdist.run", *ranks,
             sys.executable, os.path.abspath(__file__), "--worker",
             "--system", system, "--model", model_name, "--steps", str(steps),
             "--warmup", str(warmup), "--backends", backend]
@@ -376,6 +383,10 @@ def _parse(argv=None):
                         "each mode (rows shard-optimizer_state, "
                         "shard-gradients, shard-weights and "
                         "shard-weights-units)")
+    parser.add_argument("--tcp", action="store_true",
+                        help="add a `tcp` row: np=2 in node mode over the "
+                        "TCP transport (KERASDIST_TRANSPORT=tcp), the "
+                        "recoverable one")
     parser.add_argument("--np4", action="store_true",
                         help="also run kerasdist at np=4 (oversubscribed on "
                         "a 2-core machine), reported separately")
@@ -406,6 +417,8 @@ def _runs(args):
             runs += [(backend, "no-comm", 2), (backend, "sync-only", 2)]
         if args.np4:
             runs.append((backend, "kerasdist", 4))
+        if args.tcp:
+            runs.append((backend, "tcp", 2))
         if args.shard:
             runs += [(backend, "shard-optimizer_state", 2),
                      (backend, "shard-gradients", 2),

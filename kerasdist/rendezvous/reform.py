@@ -32,10 +32,10 @@ the others. A round without it (a lost rank's) leaves them waiting.
 A standby: in a job of several hosts, one rank on another host than the
 server's runs a second server (`stand_by`: already formed, at the job's
 generation), whose address every rank learns at each formation
-(tcp_job.describe). Where the server has gone with its host (the ranks'
-connections to it closed, or their heartbeat lost rank 0, whose process
-started it), the survivors prove their rank and generation to the
-standby instead (`kd_rejoin rank=R generation=G proof=P`, after the
+(tcp_job.designate_standby). Where the server has gone with its host
+(it does not answer a survivor within the heartbeat's timeout, at most
+10 s: kerasdist/_core/tcp_start.py), the survivors prove their rank and
+generation to the standby instead (`kd_rejoin rank=R generation=G proof=P`, after the
 challenge) and ask it for the next generation; until the round's end it
 waits for every rank of the generation that neither went nor was named
 lost, whether or not it has come yet. A job with a standby re-forms
