@@ -35,14 +35,15 @@ generation), whose address every rank learns at each formation
 (tcp_job.designate_standby). Where the server has gone with its host
 (it does not answer a survivor within the heartbeat's timeout, at most
 10 s: kerasdist/_core/tcp_start.py), the survivors prove their rank and
-generation to the standby instead (`kd_rejoin rank=R generation=G proof=P`, after the
-challenge) and ask it for the next generation; until the round's end it
-waits for every rank of the generation that neither went nor was named
-lost, whether or not it has come yet. A job with a standby re-forms
-only with a quorum of its ranks (more than half, or half with its rank
-0): a link cut between the server's host and the rest could otherwise
-leave two jobs, one on each side, where the ranks that reach neither
-quorum end in one line (a relaunch resumes from disk).
+generation to the standby instead (`kd_rejoin rank=R generation=G
+proof=P`, after the challenge) and ask it for the next generation;
+until the round's end it waits for every rank of the generation that
+neither went nor was named lost, whether or not it has come yet. A job
+with a standby re-forms only with a quorum of its ranks (more than half,
+or half with its rank 0): a link cut between the server's host and the
+rest could otherwise leave two jobs, one on each side, where the ranks
+that reach neither quorum end in one line (a relaunch resumes from
+disk).
 
 Standard library only; imported by path with server.py (its note).
 """
