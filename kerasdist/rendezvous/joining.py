@@ -21,6 +21,7 @@ import time
 
 from kerasdist.rendezvous import client
 from kerasdist.rendezvous import protocol
+from kerasdist.rendezvous import tcp_job
 
 JOIN_ENV = "KERASDIST_JOIN"
 
@@ -56,7 +57,12 @@ def join_running(coordinator, timeout, environ):
             f"{error}); check that the job runs there")
     try:
         sock.settimeout(max(1.0, deadline - time.monotonic()))
-        nonce, theirs = client.auth(sock, where, job, key, proven)
+        try:
+            nonce, theirs = client.auth(sock, where, job, key, proven)
+        except (OSError, ValueError) as e:
+            raise protocol.RendezvousError(
+                f"the coordinator at {where} stopped answering this "
+                f"process ({JOIN_ENV}=1): {e}") from None
         if theirs is None:
             raise protocol.RendezvousError(
                 f"this process ({JOIN_ENV}=1) cannot join the job at "
@@ -71,7 +77,8 @@ def join_running(coordinator, timeout, environ):
                 f"the job at {where} did not let this process "
                 f"({JOIN_ENV}=1) in within {timeout:g} s "
                 f"({protocol.TIMEOUT_ENV}): it lets waiting processes in "
-                f"at a commit of `kerasdist.elastic.run`") from None
+                f"at a commit (`kerasdist.elastic.run`, the Trainer's "
+                f"first training call)") from None
         except (OSError, ValueError):
             reply = ""
         body, _, mac = reply.rpartition(" mac=")
@@ -101,7 +108,6 @@ def rejoin(address, rank, generation, timeout, environ):
     Raises:
         RendezvousError: the standby did not answer, or refused.
     """
-    from kerasdist.rendezvous import tcp_job
     job, key, proven = protocol.identity(environ)
     host, _, port = address.rpartition(":")
     sock, error = client.connect((host, int(port)),
