@@ -312,10 +312,11 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
 @pytest.mark.timeout(JOB_S + 60)
 # TensorFlow (fit's step traced again at 3 on the ranks that were there),
 # on the default build: no Open MPI, no ULFM.
-# JAX too, and PyTorch with sharded weights (the new process receives
-# its shards of the weights and the momentum from the old ranks).
+# PyTorch with sharded weights too (the new process receives its shards
+# of the weights and the momentum from the old ranks). JAX passed too
+# (one run, 5 s more of the suite); its grow is ULFM's test's above.
 @pytest.mark.parametrize("backend, shard", [
-    ("tensorflow", None), ("jax", None), ("torch", "weights")])
+    ("tensorflow", None), ("torch", "weights")])
 def test_fit_over_tcp_grows_with_a_process_that_joins(tmp_path, backend,
                                                       shard):
     """The same over the TCP transport: `kerasdist run --nproc-per-node 2

@@ -190,18 +190,20 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
     """Rank 2, alone on kdt1, is SIGKILLed or frozen (SIGSTOP), or kdt1's
     link goes down as it reaches step 7 (it lives on, cut off): ranks 0
     and 1 keep their processes, re-form at size 2 over TCP through the
-    rendezvous and finish with the weights numpy computes; a frozen rank
-    2, continued then, or a cut-off one ends in one line once it finds it
-    was left out."""
+    rendezvous and finish with the weights numpy computes; a cut-off rank
+    2 ends in one line once it finds it was left out."""
     kdt1 = cluster.host("kdt1")
     if fault == "cut":
         _cut_at_the_kill(cluster, kdt1, tmp_path)
     procs = _start_over_tcp(cluster, tmp_path,
                             "CONT" if fault == "cut" else fault,
                             29661 + ["KILL", "cut", "STOP"].index(fault))
+    # The frozen rank is killed, not continued: its end in one line is
+    # the cut-off rank's (the standby's round waits its window for ranks
+    # that finished meanwhile: 30 s more of the suite).
     outs, text = _outputs(cluster, procs, 2, kdt1, then=(
         # Its whole session: the rank within nsenter.
-        lambda: os.killpg(procs[2].pid, signal.SIGCONT))
+        lambda: os.killpg(procs[2].pid, signal.SIGKILL))
         if fault == "STOP" else None)
     assert [p.returncode for p in procs[:2]] == [0, 0], text
     lost_at = read_json(tmp_path, "kill.json")["at"]
@@ -214,7 +216,7 @@ def test_over_tcp_a_lost_or_cut_off_host_is_recovered_in_place(
         # At once after a SIGKILL; after a freeze or a cut, the
         # heartbeat's timeout (the loss) and as long again (the round).
         assert took < (3 if fault == "KILL" else 2 * TIMEOUT_S + 5), took
-    if fault == "KILL":
+    if fault != "cut":
         assert procs[2].returncode == -9, text
     else:
         assert procs[2].returncode not in (0, None), text
