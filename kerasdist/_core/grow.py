@@ -50,6 +50,7 @@ from kerasdist import basics
 from kerasdist._core import capi as _capi
 from kerasdist._core import resize as _resize
 from kerasdist._core import tcp_start as _tcp_start
+from kerasdist.rendezvous import joining as _joining
 
 REQUEST_NAME = "grow.json"  # kerasdist/run/grow.py's
 GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"  # kerasdist/run/_rank.py's
@@ -57,7 +58,7 @@ RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 ELASTIC_DIR_ENV = "KERASDIST_ELASTIC_DIR"
 
 _joined = {"pending": GROWN_RANK_ENV in os.environ or
-           os.environ.get("KERASDIST_JOIN", "").strip() == "1"}
+           _joining.wanted(os.environ)}
 
 
 def _spawn(ranks):

@@ -102,6 +102,8 @@ WATCHDOG_ENV = "KERASDIST_WATCHDOG"
 # its rank in the grown job (its MPI_COMM_WORLD rank is that of the
 # processes started with it).
 GROWN_RANK_ENV = "KERASDIST_GROWN_RANK"
+# A process that joins a running TCP job (kerasdist/rendezvous/joining.py)
+JOIN_ENV = "KERASDIST_JOIN"
 # The exit code of a rank that stopped at a checkpoint for a resize.
 RESIZE_EXIT_CODE = 76
 # The line a rank writes on stderr once it checks for resize requests.
@@ -145,7 +147,7 @@ def rank_from_env(environ):
                  "PMIX_RANK", "RANK"):
         if environ.get(name, "") != "":
             return environ[name]
-    if environ.get("KERASDIST_JOIN") == "1":
+    if environ.get(JOIN_ENV, "").strip() == "1":
         # It joins a running job (kerasdist run --join), which numbers
         # it: "+0", "+1", ... by its local rank until then.
         return "+" + environ.get("LOCAL_RANK", "0")

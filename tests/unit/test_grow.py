@@ -8,9 +8,11 @@ import os
 import signal
 
 from kerasdist._core import grow as rank_grow
+from kerasdist.rendezvous import joining
 from kerasdist.run import _rank
 from kerasdist.run import grow
 from kerasdist.run import job
+from kerasdist.run import node
 from kerasdist.run import resize
 
 
@@ -20,6 +22,9 @@ def test_grow_rank_side_names_are_the_launchers():
         _rank.GROWN_RANK_ENV == "KERASDIST_GROWN_RANK"
     assert rank_grow.RECOVER_ENV == _rank.RECOVER_ENV
     assert rank_grow.ELASTIC_DIR_ENV == _rank.ELASTIC_DIR_ENV
+    # The stdlib-only launcher's copies of the joining process's name.
+    assert _rank.JOIN_ENV == node.JOIN_ENV == joining.JOIN_ENV == \
+        "KERASDIST_JOIN"
 
 
 def test_a_grown_rank_is_prefixed_with_its_rank_in_the_grown_job():

@@ -265,6 +265,15 @@ def test_a_standby_re_forms_the_ranks_that_prove_their_generation():
     at, standby = _standby(3)
     ex = []
     try:
+        # A rejoin whose proof is wrong is dropped, unanswered, and claims
+        # nothing: rank 1 rejoins after it.
+        job = protocol.identity({})[0]
+        with socket.create_connection(("127.0.0.1", int(at.rpartition(
+                ":")[2])), timeout=10) as s:
+            s.sendall(f"cmd=kd_auth job={job} nonce=x\n".encode())
+            assert protocol.read_line(s).startswith("cmd=kd_challenge rc=0")
+            s.sendall(b"cmd=kd_rejoin rank=1 generation=0 proof=00\n")
+            assert protocol.read_line(s) == ""
         ex = [None] + [joining.rejoin(at, r, 0, 20, {}) for r in (1, 2)]
         out = {}
         first = threading.Thread(target=lambda: out.update(
