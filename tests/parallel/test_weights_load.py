@@ -5,7 +5,9 @@ shard="weights")`) at np 2 continues as one uninterrupted process; plain
 Keras' files and the np-2 file load sharded at np 3 and replicated and
 sharded at np 1, each continuing as plain Keras does; every sharded load
 reads each rank's slices of the weights and slots only (h5py's reads
-counted), and `model.load_weights` of a `.weights.h5` does too.
+counted), and `model.load_weights` of a `.weights.h5` does too;
+`kd.save_model` writes each weight as it gathers it, never the whole
+model at once.
 
 One launch a size; each reads what the one before wrote, so the tests of a
 backend run in this order and a failure skips those after it.
@@ -31,7 +33,7 @@ _TIMEOUT = 420
 BACKENDS = ["jax", "torch", "tensorflow"]
 CHECKS = {
     "np2": ["save_load_sharded_continues_like_one_process",
-            "load_weights_reads_slices"],
+            "load_weights_reads_slices", "save_streams_the_weights"],
     "np3": ["plain_keras_file_loads_sharded_np3",
             "sharded_np2_file_loads_sharded_np3"],
     "np1": ["files_load_replicated_and_sharded_np1",
