@@ -127,7 +127,7 @@ def _xla_temp_bytes(model, shape):
 def join_cgroup(prefix):
     """Moves this rank into `prefix`_r<rank> (benchmarks/memory_cap.py's
     per-rank memory cap), before it imports anything large."""
-    rank = os.environ.get("PMI_RANK", "0")
+    rank = os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))
     with open(os.path.join(f"{prefix}_r{rank}", "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
 
@@ -139,6 +139,9 @@ def rank_main(args):
     import kerasdist as kd
 
     kd.init()
+    if args.in_flight_mib is not None:
+        from kerasdist.keras.sharding import step as _shard_step
+        _shard_step.IN_FLIGHT_BYTES = args.in_flight_mib << 20
     # Before the base: on JAX and PyTorch it imports TensorFlow where it is
     # installed (about 400 MiB), which is not the model's.
     keras.utils.set_random_seed(0)
@@ -242,7 +245,9 @@ def _job(args, n, mode, params):
            "--optimizer", args.optimizer] + (
                ["--width", str(args.width)] if args.width else []) + (
                ["--save"] if args.save else []) + (
-               ["--xla"] if args.xla else [])
+               ["--xla"] if args.xla else []) + (
+               ["--in-flight-mib", str(args.in_flight_mib)]
+               if args.in_flight_mib is not None else [])
     env = dict(os.environ, KERAS_BACKEND=args.backend,
                TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=REPO_ROOT + os.pathsep +
@@ -347,6 +352,11 @@ def main():
     p.add_argument("--json")
     p.add_argument("--xla", action="store_true",
                    help="on JAX, also XLA's temporaries of the step")
+    p.add_argument("--in-flight-mib", type=int,
+                   help="the sharded optimizer's whole gradients in flight "
+                   "on TensorFlow (kerasdist.keras.sharding.step."
+                   "IN_FLIGHT_BYTES; default its own, 64): a large value "
+                   "turns the pacing off")
     p.add_argument("--save", action="store_true",
                    help="also measure kd.save_model's peak on rank 0")
     args = p.parse_args()

@@ -2,7 +2,9 @@
 replicated and the sharded optimizer (`DistributedOptimizer(shard=...)`).
 
     python benchmarks/memory_cap.py [--np 4] [--cap-mib 2048]
-        [--width 1024] [--modes replicated,optimizer_state,gradients]
+        [--width 1024] [--modes replicated,optimizer_state,gradients,
+        weights,torch-ddp,torch-fsdp2,torch-fsdp2-meta]
+        [--backend tensorflow]
         [--start-layers 1] [--most-layers 96] [--steps 3]
 
 Needs root and the cgroup v1 memory controller (/sys/fs/cgroup/memory) or
@@ -11,6 +13,10 @@ benchmarks/memory.py moves itself into a cgroup of its own whose limit is
 --cap-mib (the process's whole resident set: the framework, the model,
 the gradients, the optimizer state, the collectives' buffers); a rank
 that goes over it is killed by the kernel's OOM killer, and the job fails.
+`torch-ddp`, `torch-fsdp2` and `torch-fsdp2-meta` run PyTorch's DDP and
+FSDP2 (each layer `fully_shard`ed; the model built whole, or on the meta
+device) on the same model under torchrun (benchmarks/torch_zero.py),
+each rank in its cgroup too.
 
 For each mode the driver searches the deepest MLP (square Dense layers of
 --width, Adam, batch 2 a rank) that trains --steps steps: doubling the
@@ -29,6 +35,10 @@ import sys
 import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
+# PyTorch's own data parallelism and weight sharding on the same model
+# (benchmarks/torch_zero.py, under torchrun): --modes torch-ddp,torch-fsdp2
+PEERS = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2",
+         "torch-fsdp2-meta": "fsdp2_meta"}
 REPO_ROOT = os.path.dirname(BENCH)
 V1 = "/sys/fs/cgroup/memory"
 V2 = "/sys/fs/cgroup"
@@ -106,15 +116,25 @@ class Caps:
 def trial(args, caps, mode, depth):
     """(trained, peak bytes of the fullest rank) for `depth` layers."""
     params = depth * args.width * (args.width + 1)
-    cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(args.np),
-           sys.executable, os.path.join(BENCH, "memory.py"), "--rank",
-           "--cgroup", caps.prefix, "--mode", mode, "--model", "mlp",
-           "--width", str(args.width), "--params", str(params),
-           "--steps", str(args.steps)]
+    if mode in PEERS:  # PyTorch's own, under torchrun (torch_zero.py)
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               "--standalone", f"--nproc-per-node={args.np}",
+               os.path.join(BENCH, "torch_zero.py"), "--rank",
+               "--cgroup", caps.prefix, "--mode", PEERS[mode],
+               "--width", str(args.width), "--params", str(params),
+               "--steps", str(args.steps)]
+    else:
+        cmd = [sys.executable, "-m", "kerasdist.run", "-np", str(args.np),
+               sys.executable, os.path.join(BENCH, "memory.py"), "--rank",
+               "--cgroup", caps.prefix, "--mode", mode, "--model", "mlp",
+               "--width", str(args.width), "--params", str(params),
+               "--steps", str(args.steps)]
     env = dict(os.environ, KERAS_BACKEND=args.backend,
                TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=REPO_ROOT + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
+    if mode in PEERS:  # as torch_zero.py's driver: a share of the cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.np))
     before = caps.oom_kills()
     caps.reset_peak()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True,

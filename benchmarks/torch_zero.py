@@ -1,8 +1,10 @@
 """The peer's sharded optimizers, for benchmarks/memory.py's table: the
 same MLP and batch in PyTorch with DDP (replicated), DDP +
 `ZeroRedundancyOptimizer` (optimizer state sharded, ZeRO-1) and FSDP2
-(`fully_shard` on each layer: weights, gradients and state sharded), over
-gloo on the CPU, launched by PyTorch's own torchrun.
+(`fully_shard` on each layer: weights, gradients and state sharded; the
+model built whole, or with `fsdp2_meta` on the meta device), over gloo
+on the CPU, launched by PyTorch's own torchrun. benchmarks/memory_cap.py
+runs the DDP and FSDP2 rows under its memory cap.
 
     python benchmarks/torch_zero.py [--sizes 2,4] [--params 100e6]
         [--width 2048] [--steps 4] [--json FILE]
@@ -34,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory  # noqa: E402  (the same RSS and peak readers)
 
-MODES = ("ddp", "zero_redundancy", "fsdp2")
+MODES = ("ddp", "zero_redundancy", "fsdp2", "fsdp2_meta")
 
 
 def _model(torch, width, params):
@@ -51,9 +53,13 @@ def _local_numel(t):
 
 
 def _wrap(torch, mode, model, n):
-    """(model to train, optimizer) for `mode`."""
+    """(model to train, optimizer) for `mode`. `fsdp2_meta`'s model is
+    built on the meta device (no storage) and each rank then makes only
+    its shards (`to_empty`, then each layer's own initializer), as
+    FSDP2's documentation does for a model that does not fit one
+    device; `fsdp2`'s is built whole first."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    if mode == "fsdp2":
+    if mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (n,))
@@ -61,6 +67,11 @@ def _wrap(torch, mode, model, n):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if mode == "fsdp2_meta":
+            model.to_empty(device="cpu")
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    layer.reset_parameters()
         return model, torch.optim.Adam(model.parameters(), lr=1e-4)
     ddp = DDP(model)
     if mode == "ddp":
@@ -89,7 +100,11 @@ def rank_main(args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     base = memory._rss_bytes()
     torch.manual_seed(0)
-    model = _model(torch, args.width, args.params)
+    if args.mode == "fsdp2_meta":
+        with torch.device("meta"):
+            model = _model(torch, args.width, args.params)
+    else:
+        model = _model(torch, args.width, args.params)
     n_params = sum(p.numel() for p in model.parameters())
     model, opt = _wrap(torch, args.mode, model, n)
     batch = 2
@@ -127,7 +142,7 @@ def rank_main(args):
 def drive(args):
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
-        for mode in MODES:
+        for mode in MODES[:3]:
             cmd = [sys.executable, "-m", "torch.distributed.run",
                    "--standalone", f"--nproc-per-node={n}",
                    os.path.abspath(__file__), "--rank", "--mode", mode,
@@ -155,6 +170,7 @@ def drive(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cgroup", help=argparse.SUPPRESS)  # memory_cap.py's
     p.add_argument("--mode", choices=MODES, default="ddp")
     p.add_argument("--sizes", default="2,4")
     p.add_argument("--params", type=float, default=100e6)
@@ -164,6 +180,8 @@ def main():
     args = p.parse_args()
     args.params = int(args.params)
     if args.rank:
+        if args.cgroup:
+            memory.join_cgroup(args.cgroup)
         rank_main(args)
     else:
         drive(args)

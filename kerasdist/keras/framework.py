@@ -111,6 +111,14 @@ class KerasFramework:
         where ops run in program order."""
         return value
 
+    def wait_before(self, tensors, done):
+        """Has the ops that make `tensors` (whole gradients) run only
+        once `done` (collectives' results) exist, where a traced program
+        runs every ready op (TensorFlow's graph executor): the sharded
+        optimizer's pacing (kerasdist/keras/sharding/step.py `scatter`).
+        Nothing where ops run in program order or as they are called."""
+        return
+
     def gather_rows(self, row, size, name):
         """Sharded weights' allgather: every rank's `row` (1, c), the
         same shape on each by the layout, stacked (size, c)."""

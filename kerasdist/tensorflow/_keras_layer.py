@@ -89,6 +89,24 @@ class TensorFlow(_framework.KerasFramework):
         with tf.control_dependencies([anchor]):
             return tf.identity(value)
 
+    def wait_before(self, tensors, done):
+        if tf.executing_eagerly() or in_xla_context():
+            return  # ops run as called; XLA schedules its own
+        gates = [d.op for d in done]
+        behind = None
+        for t in tensors:
+            maker = _maker(t)
+            # A stateful op on the way (the maker, or one its result
+            # feeds: a finiteness check's allreduce, a print) is ordered
+            # after the gates' stateful ops when the function is
+            # finished (its automatic control dependencies), which a
+            # wait could close into a cycle: no wait there.
+            if maker is None or maker._is_stateful or _feeds_stateful(maker):
+                continue
+            behind = _behind(gates) if behind is None else behind
+            if maker not in behind:  # else a gate needs it: a cycle
+                maker._add_control_inputs(gates)
+
     def split_columns(self, x, sizes):
         # Sizes as ints: keras.ops.split passes tensors, and the blocks'
         # shapes would be known only when run.
@@ -184,6 +202,53 @@ class TensorFlow(_framework.KerasFramework):
 
     def build_optimizer(self, optimizer, variables):
         build(optimizer, variables)
+
+
+# Ops whose result is their input's buffer (or a view of it): the op that
+# allocates a gradient is the first other one behind them.
+_VIEWS = frozenset(("Identity", "IdentityN", "Reshape", "ExpandDims",
+                    "Squeeze", "StopGradient"))
+
+
+def _maker(tensor):
+    """The op in the current graph that allocates `tensor`, or None."""
+    op = getattr(tensor, "op", None)
+    while op is not None and op.type in _VIEWS and op.inputs:
+        op = op.inputs[0].op
+    if op is None or not op.inputs or \
+            op.graph is not tf.compat.v1.get_default_graph():
+        return None
+    return op
+
+
+def _feeds_stateful(op):
+    """Whether a stateful op uses `op`'s results, directly or not."""
+    seen, todo = set(), [op]
+    while todo:
+        op = todo.pop()
+        for out in op.outputs:
+            for user in out.consumers():
+                if user in seen:
+                    continue
+                if user._is_stateful:
+                    return True
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _behind(ops_):
+    """The ops `ops_` depend on, themselves included, through data and
+    control edges."""
+    seen, todo = set(), list(ops_)
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return seen
 
 
 class Accumulators:

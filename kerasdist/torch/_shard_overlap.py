@@ -34,16 +34,17 @@ import torch
 
 from kerasdist._core import errors as _errors
 from kerasdist.keras import reduction as _reduction
+from kerasdist.keras.sharding import step as _step
 from kerasdist.keras.sharding.layout import itemsize
 from kerasdist.keras.sharding.step import ALONE_BYTES
 from kerasdist.torch import collectives as _collectives
 from kerasdist.torch._overlap import ParamHooks
 
 # The most bytes of whole gradients waiting in enqueued reducescatters
-# (with `release`): past it, a hook waits for the oldest before backprop
-# goes on, so a core that falls behind backprop does not let every whole
-# gradient pile up (as FSDP's limit on all-gathers in flight).
-IN_FLIGHT_BYTES = 64 << 20
+# (with `release`, step.IN_FLIGHT_BYTES, TensorFlow's too): past it, a
+# hook waits for the oldest before backprop goes on, so a core that falls
+# behind backprop does not let every whole gradient pile up (as FSDP's
+# limit on all-gathers in flight).
 
 
 def _rows(grad, numel, chunk, size):
@@ -189,7 +190,7 @@ class ShardBuckets(ParamHooks):
         for k, n, nbytes in self._inflight:
             members, pending, ctx = self._pending[k][n]
             if pending.done() or (self.release
-                                  and waiting > IN_FLIGHT_BYTES):
+                                  and waiting > _step.IN_FLIGHT_BYTES):
                 self._split(members, pending, ctx)
                 self._pending[k][n] = (members, None, ctx)
                 waiting -= nbytes

@@ -715,7 +715,7 @@ def overlap_process_set_np3():
     reduce-scatters (written into rows of their own) train as one process
     on the pair's batch of 2 B; rank 2 only takes part in making the
     set."""
-    pair = kd.add_process_set([0])
+    pair = kd.add_process_set([0, 1])
     try:
         if R > 1:
             # The pair's three models, built here too: Keras' automatic
@@ -772,6 +772,58 @@ def shard_fit_adam_large_and_small_shards():
     assert 256 * 256 // N * 4 >= _shard_step.ALONE_BYTES
     check_shard("shard_fit_adam_large_and_small_shards",
                 lambda: keras.optimizers.Adam(0.001), model=wide_model)
+
+
+def deep_wide_model(seed=1):
+    # Three 256 x 256 kernels, each reduced alone (wide_model's note).
+    return seeded(keras.Sequential([keras.Input((4,))] + [
+        keras.layers.Dense(256, activation="tanh") for _ in range(4)] + [
+        keras.layers.Dense(1)]), seed, scale=0.1)
+
+
+@check("shard_backprop_paced", groups=("tensorflow",))
+def shard_backprop_paced():
+    # In model.fit's graph TensorFlow runs every ready op, so backprop
+    # would make every whole gradient before the first reduce-scatter
+    # ends: each gradient reduced alone waits for the reduce-scatters
+    # that leave at most IN_FLIGHT_BYTES before it (here none: each waits
+    # for the one before). It trains as one process, and the graph has
+    # the waits (each large kernel's gradient after the reduce-scatter
+    # before it), in fit and in a tf.function loop.
+    import tensorflow as tf
+
+    from kerasdist.keras.sharding import step as _shard_step
+
+    was = _shard_step.IN_FLIGHT_BYTES
+    _shard_step.IN_FLIGHT_BYTES = 0
+    try:
+        for mode in ("gradients", "optimizer_state"):
+            check_shard(f"shard_backprop_paced_{mode}",
+                        lambda: keras.optimizers.Adam(0.001), shard=mode,
+                        model=deep_wide_model)
+        x, y = data()
+        m = deep_wide_model()
+        opt = kd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                      shard="gradients")
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(m(xb) - yb))
+            opt.apply(tape.gradient(loss, m.trainable_variables),
+                      m.trainable_variables)
+
+        step(my_part(x)[:B], my_part(y)[:B])
+        graph = step.get_concrete_function(x[:B], y[:B]).graph
+        waits = [op for op in graph.get_operations()
+                 if any(c.type == "KerasdistReducescatter"
+                        for c in op.control_inputs)]
+        # The three large kernels: the second and third in backprop
+        # order wait.
+        assert [op.type for op in waits] == ["MatMul"] * 2, \
+            [(op.type, op.name) for op in waits]
+    finally:
+        _shard_step.IN_FLIGHT_BYTES = was
 
 
 # Options whose sharded path is the same code on every backend: checked

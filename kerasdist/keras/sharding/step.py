@@ -17,6 +17,7 @@ back into the weights, and the clipping norms summed over the ranks.
    it: identical bits on every rank.
 """
 
+import collections
 import contextlib
 
 from kerasdist import basics
@@ -30,6 +31,10 @@ from kerasdist.keras.sharding.layout import owned
 # block, and each collective's output is freed once used. Smaller shards
 # share one collective per bucket, their rows side by side.
 ALONE_BYTES = 1 << 16
+# Whole gradients a step may hold while their reduce-scatters run: in a
+# TensorFlow graph (`scatter`) and in PyTorch's backward hooks
+# (kerasdist/torch/_shard_overlap.py).
+IN_FLIGHT_BYTES = 64 << 20
 
 
 def _rows(ops, tensor, numel, chunk, size):
@@ -45,19 +50,28 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     """This rank's shard of each gradient averaged (or summed) over the
     ranks: one reducescatter per large gradient (its N x chunk rows are
     the gradient itself, padded), one per bucket for the small ones (their
-    rows side by side). None where a gradient is None."""
+    rows side by side). None where a gradient is None.
+
+    Paced where a traced graph runs every ready op (TensorFlow's
+    executor, `framework.wait_before`): a gradient reduced alone is made
+    only once the reduce-scatters that leave at most `IN_FLIGHT_BYTES` of
+    whole gradients before it have ended, as PyTorch's backward hooks
+    wait (kerasdist/torch/_shard_overlap.py); else backprop, far quicker
+    than the wire, makes every whole gradient before the first
+    reduce-scatter ends, and they all live at once."""
     import keras
 
     ops = keras.ops
     op, prescale, postscale = _reduction.scales(op, predivide)
     out = [None] * len(grads)
+    flight = collections.deque()  # (bytes, reducescatter's result)
 
     def reduce(matrix, name):
         wire, ctx = compression.compress(matrix)
         mine = framework.collectives.reducescatter(
             wire, op=op, name=framework.unique_name(name),
             prescale_factor=prescale, postscale_factor=postscale)
-        return ops.reshape(compression.decompress(mine, ctx), (-1,))
+        return ops.reshape(compression.decompress(mine, ctx), (-1,)), mine
 
     # The plan's names (kerasdist.keras.reduction.Plan): bucket k is
     # <prefix><names[k]>, its member at position p, reduced alone,
@@ -71,15 +85,25 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
             if layout.chunks[i] * itemsize(layout.dtypes[i]) < ALONE_BYTES:
                 small.append(i)
                 continue
-            out[i] = reduce(_rows(ops, framework.dense(grads[i]),
-                                  layout.numels[i], layout.chunks[i],
-                                  layout.size), f"{name}.{p}")
+            whole = framework.dense(grads[i])
+            nbytes = framework.nbytes(whole) or 0
+            gates = []
+            while flight and sum(b for b, _ in flight) + nbytes > \
+                    IN_FLIGHT_BYTES:
+                gates.append(flight.popleft()[1])
+            if gates:
+                framework.wait_before([whole], gates)
+            out[i], done = reduce(_rows(ops, whole, layout.numels[i],
+                                        layout.chunks[i], layout.size),
+                                  f"{name}.{p}")
+            flight.append((nbytes, done))
         if not small:
             continue
+        # Small shards together (not paced: a few KiB a rank each).
         rows = [_rows(ops, framework.dense(grads[i]), layout.numels[i],
                       layout.chunks[i], layout.size) for i in small]
         matrix = rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1)
-        mine = reduce(matrix, name)
+        mine, _ = reduce(matrix, name)
         start = 0
         for i in small:
             out[i] = mine[start:start + layout.chunks[i]]
