@@ -40,12 +40,6 @@ from kerasdist.keras.sharding.step import ALONE_BYTES
 from kerasdist.torch import collectives as _collectives
 from kerasdist.torch._overlap import ParamHooks
 
-# The most bytes of whole gradients waiting in enqueued reducescatters
-# (with `release`, step.IN_FLIGHT_BYTES, TensorFlow's too): past it, a
-# hook waits for the oldest before backprop goes on, so a core that falls
-# behind backprop does not let every whole gradient pile up (as FSDP's
-# limit on all-gathers in flight).
-
 
 def _rows(grad, numel, chunk, size):
     flat = grad.reshape(-1)
@@ -185,6 +179,12 @@ class ShardBuckets(ParamHooks):
         # The results that have arrived: their inputs (the whole
         # gradients, released) go now, not at apply; the oldest waited
         # for while too many bytes are in flight.
+        # At most step.IN_FLIGHT_BYTES of whole gradients wait in
+        # enqueued reducescatters (with `release`): past it, a hook waits
+        # for the oldest before backprop goes on, so a core that falls
+        # behind backprop does not let every whole gradient pile up (as
+        # FSDP's limit on all-gathers in flight; TensorFlow's step paces
+        # backprop to the same limit, step.scatter).
         waiting = sum(b for _, _, b in self._inflight)
         left = []
         for k, n, nbytes in self._inflight:
