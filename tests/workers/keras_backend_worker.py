@@ -787,9 +787,9 @@ def shard_backprop_paced():
     # would make every whole gradient before the first reduce-scatter
     # ends: each gradient reduced alone waits for the reduce-scatters
     # that leave at most IN_FLIGHT_BYTES before it (here none: each waits
-    # for the one before). It trains as one process, and the graph has
-    # the waits (each large kernel's gradient after the reduce-scatter
-    # before it), in fit and in a tf.function loop.
+    # for the one before). It trains as one process in fit, and a
+    # tf.function loop's graph has the waits (each large kernel's
+    # gradient after the reduce-scatter before it).
     import tensorflow as tf
 
     from kerasdist.keras.sharding import step as _shard_step
