@@ -65,6 +65,7 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
     op, prescale, postscale = _reduction.scales(op, predivide)
     out = [None] * len(grads)
     flight = collections.deque()  # (bytes, reducescatter's result)
+    flying = 0  # their bytes
 
     def reduce(matrix, name):
         wire, ctx = compression.compress(matrix)
@@ -88,15 +89,17 @@ def scatter(framework, layout, grads, prefix, compression, op, predivide):
             whole = framework.dense(grads[i])
             nbytes = framework.nbytes(whole) or 0
             gates = []
-            while flight and sum(b for b, _ in flight) + nbytes > \
-                    IN_FLIGHT_BYTES:
-                gates.append(flight.popleft()[1])
+            while flight and flying + nbytes > IN_FLIGHT_BYTES:
+                b, gate = flight.popleft()
+                flying -= b
+                gates.append(gate)
             if gates:
                 framework.wait_before([whole], gates)
             out[i], done = reduce(_rows(ops, whole, layout.numels[i],
                                         layout.chunks[i], layout.size),
                                   f"{name}.{p}")
             flight.append((nbytes, done))
+            flying += nbytes
         if not small:
             continue
         # Small shards together (not paced: a few KiB a rank each).
