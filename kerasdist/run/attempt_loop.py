@@ -22,10 +22,12 @@ from kerasdist.run import hosts as hosts_lib
 from kerasdist.run import intel_mpi
 from kerasdist.run import job
 from kerasdist.run import mpi_command
+from kerasdist.run import node
 from kerasdist.run import remote
 from kerasdist.run import resize
 from kerasdist.run import settings
 from kerasdist.run import shm
+from kerasdist.run import tcp_launch
 
 QUIET_TF_ENV = "TF_CPP_MIN_LOG_LEVEL"
 
@@ -127,7 +129,10 @@ class _Loop:
         self.workdir = workdir
         self.launcher_exec = (None if config.ssh_argv is None else
                               remote.launcher_exec(config.ssh_argv, workdir))
-        self.intel = intel_mpi.is_intel_mpiexec(mpiexec)
+        # mpiexec None: over the TCP transport, no MPI (tcp_launch.py).
+        self.intel = mpiexec is not None and \
+            intel_mpi.is_intel_mpiexec(mpiexec)
+        self.coordinator = None  # over TCP: the attempt's (addr, port)
         self.attempts = Attempts(config.max_restarts)
         self.deadline = (None if config.timeout is None else
                          time.monotonic() + config.timeout)
@@ -160,12 +165,15 @@ class _Loop:
         attempt = self.attempts.start()
         self.announce(attempt, np_, hosts)
         argv, env = self.command(attempt, np_, hosts)
-        watcher = _watcher(self.config, self.log, np_, hosts)
+        watcher = _watcher(self.config, self.log, np_, hosts,
+                           None if self.mpiexec is not None else self)
         self.began = time.monotonic()
         began_at = time.time()
         outcome = job.run_attempt(argv, env, interrupts, self.deadline,
                                   self.config.timeout, self.log,
                                   banner=self.config.verbose,
+                                  manager=("mpiexec" if self.mpiexec else
+                                           "the job's process manager"),
                                   watcher=watcher, ranks=np_,
                                   keep_survivors=self.config.recover_in_place)
         if outcome.exit_code != 0:
@@ -194,6 +202,21 @@ class _Loop:
     def command(self, attempt, np_, hosts):
         """The attempt's (mpiexec argv, environment)."""
         env = rank_env(self.config, attempt)
+        if self.mpiexec is None:
+            argv, self.coordinator = tcp_launch.command(
+                self.config, np_, hosts, self.rank_argv(),
+                remote.effective_command(self.config.ssh_argv, os.environ),
+                self.workdir, remote.is_local,
+                self.config.network_interface)
+            if self.config.verbose:
+                self.log.line(f"over TCP: {len(tcp_launch.layout(np_, hosts))}"
+                              f" host(s), coordinator {self.coordinator[0]}:"
+                              f"{self.coordinator[1]}")
+            if self.config.recover_in_place:
+                env[node.RECOVER_ENV] = "1"
+            return argv, dict({k: v for k, v in os.environ.items()
+                               if not k.startswith(node.DROPPED_PREFIXES)},
+                              **env)
         machinefile = None
         if self.intel:
             # Intel MPI's mpiexec gets its hosts in a file (intel_mpi.py).
@@ -205,6 +228,12 @@ class _Loop:
         if self.config.verbose:
             self.log.line(f"running: {shlex.join(argv)}")
         return argv, dict(os.environ, **env)
+
+    def rank_argv(self):
+        """The per-rank wrapper and the command."""
+        return mpi_command.rank_wrapper_argv(
+            **mpi_command.wrapper_options(self.config)) + \
+            list(self.config.command)
 
     def back_off(self, interrupts):
         """Waits before a restart (_back_off); the exit code when the job
@@ -270,8 +299,9 @@ def _back_off(quick, deadline, timeout, interrupts, log):
         time.sleep(min(0.05, end - now))
 
 
-def _watcher(config, log, np_, hosts):
-    """The attempt's resize.Watcher, or None outside an elastic job."""
+def _watcher(config, log, np_, hosts, tcp_loop=None):
+    """The attempt's resize.Watcher, or None outside an elastic job;
+    `tcp_loop`: the _Loop of a job over TCP (its new ranks join)."""
     if config.host_discovery_script is None or hosts is None:
         return None
     shell = remote.effective_command(config.ssh_argv, os.environ)
@@ -281,10 +311,15 @@ def _watcher(config, log, np_, hosts):
 
     argv = mpi_command.rank_wrapper_argv(
         **mpi_command.wrapper_options(config)) + list(config.command)
+    grows = grow.writer(config, argv)
+    if tcp_loop is not None and config.recover_in_place:
+        grows = tcp_launch.joiner(
+            tcp_launch.requests_dir(tcp_loop.workdir), argv, shell,
+            lambda: tcp_loop.coordinator, remote.is_local)
     return resize.Watcher(
         lambda: elastic.discover(config.host_discovery_script), answering,
         np_, hosts, config.min_np, config.max_np, config.discovery_interval,
-        log, grow=grow.writer(config, argv))
+        log, grow=grows, signal_in_place=tcp_loop is None)
 
 
 def _candidate_hosts(config, log):

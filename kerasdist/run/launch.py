@@ -1,4 +1,5 @@
-"""`kerasdist run`: starts N ranks of a command under MPI's mpiexec (hydra).
+"""`kerasdist run`: starts N ranks of a command under MPI's mpiexec (hydra),
+or itself over the TCP transport (KERASDIST_TRANSPORT=tcp, tcp_launch.py).
 
     kerasdist run -np 4 python train.py
     kerasdist run -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 \\
@@ -73,8 +74,10 @@ def _run_mpi(config, log):
         name, path = config.platform_hostfile
         log.line(f"hosts from {name}={path}: "
                  f"{hosts_lib.hydra_hosts_arg(config.hosts)}")
+    tcp = tcp_job.wanted(os.environ)  # checked by launch_config
     try:
-        mpiexec = mpi_command.find_mpiexec()
+        # Over TCP the launcher starts the ranks itself (tcp_launch.py).
+        mpiexec = None if tcp else mpi_command.find_mpiexec()
         attempt_loop.rank_env(config, 0)  # the core library names the variables
     except (FileNotFoundError, ImportError) as e:
         log.raw(f"{PROG}: error: {e}\n".encode())
@@ -83,6 +86,9 @@ def _run_mpi(config, log):
     if not _check_remote_hosts(config, log):
         return 1
     with _elastic_dir(config), _job_secret(), _marker_tokens():
+        if tcp:
+            with tempfile.TemporaryDirectory(prefix="kerasdist-run-") as wd:
+                return attempt_loop.run(config, None, log, wd)
         # Intel MPI's mpiexec gets its hosts in a file (intel_mpi.py).
         if (config.ssh_argv is None or len(config.ssh_argv) == 1) and \
                 not intel_mpi.is_intel_mpiexec(mpiexec):

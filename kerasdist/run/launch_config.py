@@ -195,7 +195,7 @@ def make_parser():
                    "their processes, re-form without it and go on at the "
                    "smaller size (kerasdist.elastic.run); the job exits 0 "
                    "when they finish. Needs kerasdist built against Open "
-                   "MPI 5 (ULFM), or node mode over the TCP transport "
+                   "MPI 5 (ULFM), or the TCP transport "
                    "(KERASDIST_TRANSPORT=tcp); see "
                    "docs/failures-and-elastic.md")
     p.add_argument("--host-discovery-script", metavar="SCRIPT",
@@ -322,6 +322,14 @@ def config_from_args(args, environ):
         _check_node_mode(args, environ)
         return _freeze(args, command)
     source = _read_hosts(args, environ)
+    tcp = _transport_is_tcp(environ)
+    if tcp and args.slurm is not None and args.hosts is None:
+        raise UsageError(
+            f"{tcp_job.TRANSPORT_ENV}=tcp inside a Slurm allocation: over "
+            f"TCP the launcher starts remote ranks with a remote shell, "
+            f"not srun; give the hosts with -H, or run `srun kerasdist run "
+            f"--nnodes N --node-rank $SLURM_NODEID ...` (node mode), or "
+            f"leave the transport to MPI.")
     if args.slurm is not None:
         _check_against_slurm(args, environ)
     elif args.np is None and args.platform_hostfile is not None:
@@ -337,8 +345,15 @@ def config_from_args(args, environ):
                               args.host_discovery_script is None)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    _check_elastic(args)
+    _check_elastic(args, tcp)
     return _freeze(args, command)
+
+
+def _transport_is_tcp(environ):
+    try:
+        return tcp_job.wanted(environ)
+    except ValueError as e:
+        raise UsageError(f"{e}, in the launcher's environment") from None
 
 
 def _command(command):
@@ -513,9 +528,9 @@ def _check_join(args, tcp):
     args.recover_in_place = True
 
 
-def _check_elastic(args):
+def _check_elastic(args, tcp=False):
     """--min-np, --max-np and the discovery script's flags; fills in their
-    defaults."""
+    defaults. `tcp`: the job runs over the TCP transport."""
     _check_discovery(args)
     if args.min_np is not None and args.min_np > args.np:
         raise UsageError(f"--min-np {args.min_np} is more than -np {args.np}")
@@ -529,7 +544,8 @@ def _check_elastic(args):
         args.max_np = args.np
     if args.discovery_interval is None:
         args.discovery_interval = resize.DEFAULT_INTERVAL_S
-    _check_recovery(args)
+    if not tcp:  # over TCP the ranks re-form with no MPI (tcp_launch.py)
+        _check_recovery(args)
 
 
 def _check_recovery(args, rec=None):

@@ -21,7 +21,7 @@ forwards the signals the launcher sends it to every wrapper (a second
 ending signal SIGKILLs them), and exits once every wrapper has, with the
 first failure's code. So the launcher's relaying, exit markers, --timeout
 and fail-fast teardown (kerasdist/run/job.py) apply unchanged. Should a
-wrapper fail and no stop come from the launcher within _STOP_WAIT_S, the
+wrapper fail and no stop come from the launcher within STOP_WAIT_S, the
 manager stops the other wrappers itself (as hydra does).
 
 Ranks of other nodes are not this node's to stop: they end through the
@@ -47,7 +47,7 @@ RECOVER_ENV = "KERASDIST_RECOVER_IN_PLACE"
 JOIN_ENV = "KERASDIST_JOIN"  # rendezvous/joining.py's (stdlib only)
 # Seconds the manager waits, after a wrapper failed, for the launcher to
 # stop the node (it does so about half a second after the failure).
-_STOP_WAIT_S = 3.0
+STOP_WAIT_S = 3.0
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 _ENDING = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -175,17 +175,21 @@ def ranks_of(p):
     return list(range(first, first + p.nproc_per_node))
 
 
-def rank_env(p, local_rank, port=None, join=False):
+def rank_env(p, local_rank, port=None, join=False, first=None):
     """The variables node mode sets for one local rank (torchrun's); with
     `join` (--join), those of a process that joins a running job, which
-    numbers it (KERASDIST_JOIN=1: kerasdist/rendezvous/joining.py)."""
+    numbers it (KERASDIST_JOIN=1: kerasdist/rendezvous/joining.py).
+    `first`: the node's first rank, where nodes hold different numbers of
+    ranks (tcp_launch.py; default node_rank * nproc_per_node)."""
     port = p.master_port if port is None else port
+    if first is None:
+        first = p.node_rank * p.nproc_per_node
     if join:
         return {JOIN_ENV: "1", "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(p.nproc_per_node),
                 "MASTER_ADDR": p.master_addr, "MASTER_PORT": str(port)}
     return {
-        "RANK": str(p.node_rank * p.nproc_per_node + local_rank),
+        "RANK": str(first + local_rank),
         "WORLD_SIZE": str(p.world_size),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(p.nproc_per_node),
@@ -212,7 +216,7 @@ def describe(p, port=None, join=False):
 SECRET_ENV = "KERASDIST_JOB_SECRET"  # rendezvous.SECRET_ENV (stdlib only)
 
 
-def _free_port():
+def free_port():
     import socket
     with socket.socket() as s:
         s.bind(("", 0))
@@ -231,7 +235,7 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
     (--join): the processes join a running job (rank_env)."""
     from kerasdist.run import job
 
-    port = p.master_port if p.master_port is not None else _free_port()
+    port = p.master_port if p.master_port is not None else free_port()
     # The plan, not one set of variables a rank: the manager makes those,
     # so that the spec stays small whatever the ranks (one argument holds
     # at most 128 KiB) and nothing of their number is built here, in the
@@ -262,12 +266,16 @@ def run(p, command, settings_env, wrapper_argv, interrupts, deadline,
 # ------------------------------------------------------- manager side
 
 
-class _Manager:
+class Manager:
+    """The node's process manager (the module's doc): `spec` is the
+    launcher's (run()), with "first" (rank_env's) where tcp_launch.py
+    starts it."""
+
     def __init__(self, spec):
         self.spec = spec
         plan_ = Plan(*spec["plan"])
         self.ranks = [rank_env(plan_, local, spec["port"],
-                               spec.get("join", False))
+                               spec.get("join", False), spec.get("first"))
                       for local in range(plan_.nproc_per_node)]
         self.procs = []      # Popen of each wrapper, in local-rank order
         self.signals = 0     # ending signals received
@@ -337,7 +345,7 @@ class _Manager:
                         code = status
                         failed_at = time.monotonic()
             if (failed_at is not None and not self.stopping and pending
-                    and time.monotonic() - failed_at > _STOP_WAIT_S):
+                    and time.monotonic() - failed_at > STOP_WAIT_S):
                 self.stopping = True  # no launcher stopped us: stop them
                 self._send_all(signal.SIGTERM)
             if pending:
@@ -364,7 +372,7 @@ def main(argv=None):
         sys.stderr.write("usage: node.py SPEC (the launcher's JSON)\n")
         return 2
     _die_with_parent()
-    return _Manager(json.loads(argv[0])).run()
+    return Manager(json.loads(argv[0])).run()
 
 
 if __name__ == "__main__":

@@ -109,11 +109,14 @@ class Watcher:
             why not instead where it cannot), or None: a Change is then
             asked for with it, and the attempt goes on at its new size
             instead of ending.
+        signal_in_place: whether a resize in place is also asked with
+            SIGUSR1 (the ranks read the request at their next commit);
+            over TCP the new ranks join by themselves (tcp_launch.py).
     """
 
     def __init__(self, discover, answering, np_, hosts, min_np, max_np,
                  interval, log, started=None, announce_wait=ANNOUNCE_WAIT_S,
-                 clock=time.monotonic, grow=None):
+                 clock=time.monotonic, grow=None, signal_in_place=True):
         self._discover = discover
         self._answering = answering
         self.np = np_
@@ -124,6 +127,7 @@ class Watcher:
         self.log = log
         self._clock = clock
         self._grow = grow
+        self._signal_in_place = signal_in_place
         self.started = clock() if started is None else started
         self.announce_wait = announce_wait
         self.change = None  # the Change waiting to be asked for
@@ -221,7 +225,8 @@ class Watcher:
             shrinks_in_place
         if resizable and in_place and self._grow is not None and \
                 self._grow_in_place(change):
-            _signal(proc)
+            if self._signal_in_place or change.new_np < change.old_np:
+                _signal(proc)
             return
         if resizable:
             self.requested, self.requested_at = change, now

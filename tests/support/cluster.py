@@ -461,10 +461,11 @@ def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
            env=None, launcher_args=(), root=None):
     """Runs `kerasdist run -np NP -H HOSTS COMMAND` from the machine, where
     the host names resolve to the test hosts (with the kerasdist package
-    under `root`, another build of it, where given)."""
+    under `root`, another build of it, where given; no -H where `hosts` is
+    None: a discovery script in `launcher_args` lists them)."""
     args = ["--ssh-command", ssh_command or cluster.remote_shell,
-            "--network-interface", cluster.bridge, "-H", hosts,
-            *launcher_args]
+            "--network-interface", cluster.bridge,
+            *(["-H", hosts] if hosts is not None else []), *launcher_args]
     return launch(np_, command, timeout=timeout, env=env or worker_env(),
                   launcher_args=args, prefix=cluster.launcher_prefix(),
                   root=root)

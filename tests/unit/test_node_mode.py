@@ -64,7 +64,7 @@ def test_the_manager_makes_each_ranks_variables_from_the_plan():
     # The launcher hands the manager the plan, not 4096 sets of variables
     # (one argument holds at most 128 KiB).
     p = node.plan("2", "1", "4096", "h0", "29501")
-    manager = node._Manager({"argv": ["true"], "plan": list(p),
+    manager = node.Manager({"argv": ["true"], "plan": list(p),
                              "port": 29501})
     assert len(manager.ranks) == 4096
     assert manager.ranks[5] == node.rank_env(p, 5, 29501)

@@ -1,0 +1,147 @@
+"""`kerasdist run -np N -H hosts` over the TCP transport
+(KERASDIST_TRANSPORT=tcp, kerasdist/run/tcp_launch.py): the launcher
+starts each test host's ranks itself through the remote shell, no MPI;
+with --recover-in-place a rank lost on the other host costs the others
+no process, and with --host-discovery-script a host listed while the job
+runs gets new processes that join it at its next commit
+(docs/failures-and-elastic.md)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster.test_multihost import _sshd
+from tests.support import system
+from tests.support.cluster import Cluster
+from tests.support.cluster import processes_in
+from tests.support.cluster import require
+from tests.support.cluster import run_on
+from tests.support.helpers import rank_lines
+from tests.support.helpers import worker_cmd
+from tests.support.helpers import worker_env
+from tests.support.recovery import check_grown_weights
+from tests.support.recovery import check_survivors
+from tests.support.recovery import grown_files
+from tests.support.recovery import read_json
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+STEPS, COMMIT_EVERY = 12, 3
+TIMEOUT_S = 3  # the heartbeat's
+JOB_S = 240
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require()
+    with Cluster(2) as c:
+        yield c
+
+
+_SUM = ("import os, socket, numpy as np, kerasdist as kd, "
+        "kerasdist.jax as kdj\n"
+        "kd.init()\n"
+        "total = np.asarray(kdj.allreduce(np.full(3, kd.rank() + 1.0), "
+        "op=kd.Sum))\n"
+        "print(socket.gethostname(), kd.rank(), kd.size(), "
+        "os.environ['LOCAL_RANK'], total.tolist())\n")
+
+
+def test_over_tcp_plain_ssh_starts_each_hosts_ranks(cluster, tmp_path):
+    """3 ranks over kdt0:2,kdt1:1 through each host's OpenSSH server: each
+    rank on its host, numbered as mpiexec places them, and their sum the
+    sum of 1..3; the job's secret on no command line; nothing left."""
+    system.require("openssh-server", "openssh-client")
+    keys = str(tmp_path)
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
+                        "-f", os.path.join(keys, name)], check=True)
+    shutil.copy(os.path.join(keys, "client_key.pub"),
+                os.path.join(keys, "authorized_keys"))
+    for host in cluster.hosts:
+        _sshd(cluster, host, keys)
+    ssh = (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
+           "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
+    try:
+        out = run_on(cluster, 3, "kdt0:2,kdt1:1",
+                     [sys.executable, "-c", _SUM], timeout=120,
+                     ssh_command=ssh,
+                     env=worker_env(KERASDIST_TRANSPORT="tcp",
+                                    KERAS_BACKEND="jax",
+                                    KERASDIST_JOB_SECRET="s" * 40))
+        assert out.returncode == 0, out.stdout[-3000:]
+        for r, (host, local) in enumerate([("kdt0", 0), ("kdt0", 1),
+                                           ("kdt1", 0)]):
+            assert rank_lines(out.stdout, r) == [
+                f"{host} {r} 3 {local} [6.0, 6.0, 6.0]"], out.stdout
+        for host in cluster.hosts:
+            assert [c for c in processes_in(cluster, host)
+                    if "sshd" not in c] == [], host
+    finally:
+        for host in cluster.hosts:
+            cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
+                               "kill $(cat /run/sshd.pid); true"])
+
+
+def _env(**extra):
+    return worker_env(KERASDIST_TRANSPORT="tcp",
+                      KERASDIST_HEARTBEAT_TIMEOUT_SECONDS=TIMEOUT_S,
+                      RECOVERY_STEPS=STEPS,
+                      RECOVERY_COMMIT_EVERY=COMMIT_EVERY,
+                      RECOVERY_STEP_SLEEP=0.2, **extra)
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_over_tcp_a_rank_lost_on_the_other_host_costs_no_process(
+        cluster, tmp_path):
+    """Rank 2, alone on kdt1, SIGKILLs itself at step 7: ranks 0 and 1
+    keep their processes, re-form at 2 over TCP and finish with numpy's
+    weights; the launcher says so and exits 0."""
+    out = run_on(cluster, 3, "kdt0:2,kdt1:1", worker_cmd(
+        "recovery_worker.py", str(tmp_path), "2", "7"), timeout=JOB_S,
+        env=_env(), launcher_args=["--recover-in-place"])
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert ("rank 2 (host kdt1) exited with signal 9 (SIGKILL); ranks 0, 1 "
+            "finished without it (recovery in place)." in out.stdout), \
+        out.stdout[-6000:]
+    lost_at = read_json(tmp_path, "kill.json")["at"]
+    commit = check_survivors(tmp_path, [0, 1], 7, STEPS, COMMIT_EVERY)
+    took = read_json(tmp_path, "end.0.json")["done_at"][str(commit + 1)] \
+        - lost_at
+    print(f"SIGKILL on kdt1: the survivors' next step {took:.2f} s later")
+    assert took < 3, took
+    for host in cluster.hosts:
+        assert processes_in(cluster, host) == [], host
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_over_tcp_a_discovered_host_joins_in_place(cluster, tmp_path):
+    """The discovery script lists kdt0:2, then also kdt1:1 once rank 0
+    trained 4 steps: the launcher starts a process on kdt1 that joins the
+    job at its next commit; ranks 0 and 1 keep their processes and every
+    rank ends with numpy's weights (2 ranks up to that commit, 3 after)."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("kdt0:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    out = run_on(cluster, 2, None, worker_cmd(
+        "recovery_worker.py", str(tmp_path)), timeout=JOB_S,
+        env=_env(RECOVERY_GROW_AT=4, RECOVERY_GROW_LIST=listed,
+                 RECOVERY_GROW_TO="kdt0:2\nkdt1:1\n", RECOVERY_GROW_JOIN=1),
+        launcher_args=["--recover-in-place", "--host-discovery-script",
+                       str(script), "--min-np", "2", "--max-np", "3",
+                       "--discovery-interval", "0.5"])
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert ("kerasdist: growing from 2 to 3 ranks: host kdt1 joined; in "
+            "place, at the ranks' next commit" in out.stdout), out.stdout
+    assert ("grew in place to 3 rank(s) (was 2; 1 process(es) asked to "
+            "join)" in out.stdout), out.stdout
+    ends = grown_files(tmp_path)
+    check_grown_weights(ends, STEPS, COMMIT_EVERY, 4)
+    assert [e["host"] for e in ends] == ["kdt0", "kdt0", "kdt1"], ends
+    for host in cluster.hosts:
+        assert processes_in(cluster, host) == [], host
