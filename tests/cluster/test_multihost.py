@@ -4,17 +4,14 @@ every collective against numpy, the topology, where the bytes go, model.fit
 against a single-process run, a Trainer resumed after one host's ranks were
 killed, and hosts that cannot be reached."""
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.support import system
 from tests.support.cluster import Cluster
+from tests.support.cluster import openssh
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
 from tests.support.cluster import run_on
@@ -137,38 +134,10 @@ def test_host_that_does_not_resolve_is_named_and_nothing_is_left(cluster):
         assert processes_in(cluster, host) == [], host
 
 
-def _sshd(cluster, host, keys):
-    config = os.path.join(keys, f"sshd_config.{host.name}")
-    with open(config, "w") as f:
-        f.write(f"ListenAddress {host.address}:22\n"
-                f"HostKey {keys}/host_key\n"
-                f"AuthorizedKeysFile {keys}/authorized_keys\n"
-                "PermitRootLogin prohibit-password\n"
-                "PasswordAuthentication no\n"
-                "KbdInteractiveAuthentication no\n"
-                "UsePAM no\nStrictModes no\n"
-                f"PidFile /run/sshd.pid\n")
-    cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd", "-f",
-                       config])
-    # sshd forks into the background once it listens.
-    return config
-
-
 def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
-    system.require("openssh-server", "openssh-client")
-    keys = str(tmp_path)
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
-                        "-f", os.path.join(keys, name)], check=True)
-    shutil.copy(os.path.join(keys, "client_key.pub"),
-                os.path.join(keys, "authorized_keys"))
-    for host in cluster.hosts:
-        _sshd(cluster, host, keys)
-    ssh = (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
-           "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
-    code = ("import os, socket; print(socket.gethostname(), "
-            "os.environ['KERASDIST_HOSTNAME'], os.environ['PMI_RANK'])")
-    try:
+    with openssh(cluster, tmp_path) as ssh:
+        code = ("import os, socket; print(socket.gethostname(), "
+                "os.environ['KERASDIST_HOSTNAME'], os.environ['PMI_RANK'])")
         out = run_on(cluster, 4, "kdt0:2,kdt1:2",
                      [sys.executable, "-c", code], timeout=90,
                      ssh_command=ssh)
@@ -192,10 +161,6 @@ def test_plain_ssh_to_an_openssh_server_in_each_host(cluster, tmp_path):
         for host in cluster.hosts:
             assert not [c for c in processes_in(cluster, host)
                         if "sshd" not in c], host
-    finally:
-        for host in cluster.hosts:
-            cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
-                               "kill $(cat /run/sshd.pid); true"])
 
 
 @pytest.mark.slow

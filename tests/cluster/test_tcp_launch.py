@@ -6,16 +6,12 @@ no process, and with --host-discovery-script a host listed while the job
 runs gets new processes that join it at its next commit
 (docs/failures-and-elastic.md)."""
 
-import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests.cluster.test_multihost import _sshd
-from tests.support import system
 from tests.support.cluster import Cluster
+from tests.support.cluster import openssh
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
 from tests.support.cluster import run_on
@@ -53,19 +49,8 @@ _SUM = ("import os, socket, numpy as np, kerasdist as kd, "
 def test_over_tcp_plain_ssh_starts_each_hosts_ranks(cluster, tmp_path):
     """3 ranks over kdt0:2,kdt1:1 through each host's OpenSSH server: each
     rank on its host, numbered as mpiexec places them, and their sum the
-    sum of 1..3; the job's secret on no command line; nothing left."""
-    system.require("openssh-server", "openssh-client")
-    keys = str(tmp_path)
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
-                        "-f", os.path.join(keys, name)], check=True)
-    shutil.copy(os.path.join(keys, "client_key.pub"),
-                os.path.join(keys, "authorized_keys"))
-    for host in cluster.hosts:
-        _sshd(cluster, host, keys)
-    ssh = (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
-           "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
-    try:
+    sum of 1..3; nothing left (the secret: tests/unit/test_tcp_launch.py)."""
+    with openssh(cluster, tmp_path) as ssh:
         out = run_on(cluster, 3, "kdt0:2,kdt1:1",
                      [sys.executable, "-c", _SUM], timeout=120,
                      ssh_command=ssh,
@@ -80,10 +65,6 @@ def test_over_tcp_plain_ssh_starts_each_hosts_ranks(cluster, tmp_path):
         for host in cluster.hosts:
             assert [c for c in processes_in(cluster, host)
                     if "sshd" not in c] == [], host
-    finally:
-        for host in cluster.hosts:
-            cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
-                               "kill $(cat /run/sshd.pid); true"])
 
 
 def _env(**extra):

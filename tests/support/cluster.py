@@ -471,6 +471,55 @@ def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
                   root=root)
 
 
+class openssh:
+    """An OpenSSH server in each host of `cluster`, with a key pair of its
+    own in `directory`: `with openssh(cluster, d) as ssh:` gives the
+    --ssh-command that reaches them (no host key checks, no password);
+    the servers stop on leaving."""
+
+    def __init__(self, cluster, directory):
+        self.cluster, self.dir = cluster, str(directory)
+
+    def __enter__(self):
+        system.require("openssh-server", "openssh-client")
+        keys = self.dir
+        for name in ("host_key", "client_key"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
+                            "-f", os.path.join(keys, name)], check=True)
+        shutil.copy(os.path.join(keys, "client_key.pub"),
+                    os.path.join(keys, "authorized_keys"))
+        try:
+            for host in self.cluster.hosts:
+                self._start(host)
+        except BaseException:
+            self.__exit__()
+            raise
+        return (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
+                "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
+
+    def _start(self, host):
+        keys = self.dir
+        config = os.path.join(keys, f"sshd_config.{host.name}")
+        with open(config, "w") as f:
+            f.write(f"ListenAddress {host.address}:22\n"
+                    f"HostKey {keys}/host_key\n"
+                    f"AuthorizedKeysFile {keys}/authorized_keys\n"
+                    "PermitRootLogin prohibit-password\n"
+                    "PasswordAuthentication no\n"
+                    "KbdInteractiveAuthentication no\n"
+                    "UsePAM no\nStrictModes no\n"
+                    "PidFile /run/sshd.pid\n")
+        # sshd forks into the background once it listens.
+        self.cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd",
+                                "-f", config])
+
+    def __exit__(self, *exc):
+        for host in self.cluster.hosts:
+            self.cluster.run(host, ["sh", "-c", "[ -f /run/sshd.pid ] && "
+                                    "kill $(cat /run/sshd.pid); true"])
+        return False
+
+
 def processes_in(cluster, host, settle=5.0):
     """The processes (state and command line) alive in `host` but its init
     and this probe, after waiting up to `settle` s for exiting ones (a rank
