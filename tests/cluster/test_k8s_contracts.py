@@ -67,6 +67,7 @@ from tests.support import system
 from tests.support.cluster import Cluster
 from tests.support.cluster import processes_in
 from tests.support.cluster import require
+from tests.support.cluster import start_sshd
 from tests.support.helpers import REPO_ROOT
 from tests.support.helpers import kill_tree
 from tests.support.helpers import launch
@@ -136,19 +137,6 @@ def _private_etc(cluster, host):
 def _put(cluster, host, path, text):
     cluster.run(host, ["sh", "-c", f"mkdir -p {os.path.dirname(path)} && "
                        f"cat > {path}"], input=text)
-
-
-def _sshd(cluster, host, keys):
-    config = os.path.join(keys, f"sshd_config.{host.name}")
-    with open(config, "w") as f:
-        f.write(f"ListenAddress {host.address}:22\n"
-                f"HostKey {keys}/host_key\n"
-                f"AuthorizedKeysFile {keys}/authorized_keys\n"
-                "PermitRootLogin prohibit-password\n"
-                "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-                "UsePAM no\nStrictModes no\nPidFile /run/sshd.pid\n")
-    cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd", "-f",
-                       config])
 
 
 def _stop_sshd(cluster):
@@ -237,7 +225,7 @@ def cluster(tmp_path_factory):
              "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
              "  LogLevel ERROR\n")
         for pod in WORKERS:
-            _sshd(c, c.host(pod), keys)
+            start_sshd(c, c.host(pod), keys)
         try:
             yield c
         finally:

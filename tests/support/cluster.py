@@ -471,6 +471,24 @@ def run_on(cluster, np_, hosts, command, timeout=240, ssh_command=None,
                   root=root)
 
 
+def start_sshd(cluster, host, keys):
+    """Starts an OpenSSH server on `host` (its address, port 22) with the
+    host key and authorized keys in the directory `keys`."""
+    config = os.path.join(keys, f"sshd_config.{host.name}")
+    with open(config, "w") as f:
+        f.write(f"ListenAddress {host.address}:22\n"
+                f"HostKey {keys}/host_key\n"
+                f"AuthorizedKeysFile {keys}/authorized_keys\n"
+                "PermitRootLogin prohibit-password\n"
+                "PasswordAuthentication no\n"
+                "KbdInteractiveAuthentication no\n"
+                "UsePAM no\nStrictModes no\n"
+                "PidFile /run/sshd.pid\n")
+    # sshd forks into the background once it listens.
+    cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd", "-f",
+                       config])
+
+
 class openssh:
     """An OpenSSH server in each host of `cluster`, with a key pair of its
     own in `directory`: `with openssh(cluster, d) as ssh:` gives the
@@ -490,28 +508,12 @@ class openssh:
                     os.path.join(keys, "authorized_keys"))
         try:
             for host in self.cluster.hosts:
-                self._start(host)
+                start_sshd(self.cluster, host, keys)
         except BaseException:
             self.__exit__()
             raise
         return (f"ssh -i {keys}/client_key -o StrictHostKeyChecking=no "
                 "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR")
-
-    def _start(self, host):
-        keys = self.dir
-        config = os.path.join(keys, f"sshd_config.{host.name}")
-        with open(config, "w") as f:
-            f.write(f"ListenAddress {host.address}:22\n"
-                    f"HostKey {keys}/host_key\n"
-                    f"AuthorizedKeysFile {keys}/authorized_keys\n"
-                    "PermitRootLogin prohibit-password\n"
-                    "PasswordAuthentication no\n"
-                    "KbdInteractiveAuthentication no\n"
-                    "UsePAM no\nStrictModes no\n"
-                    "PidFile /run/sshd.pid\n")
-        # sshd forks into the background once it listens.
-        self.cluster.run(host, [shutil.which("sshd") or "/usr/sbin/sshd",
-                                "-f", config])
 
     def __exit__(self, *exc):
         for host in self.cluster.hosts:
