@@ -607,8 +607,8 @@ def run_attempt(argv, env, interrupts, deadline=None, timeout=None, log=None,
             len(findings.ranks_failed()) == resize.old_np:
         return Outcome(_rank.RESIZE_EXIT_CODE, resized=True,
                        reason="the ranks stopped for a resize")
-    outcome = _survivors_outcome(rc, stopper.reason, findings, log) if \
-        keep_survivors else None
+    outcome = _survivors_outcome(rc, stopper.reason, findings, log,
+                                 ranks) if keep_survivors else None
     outcome = outcome or _outcome(rc, stopper.reason, findings, interrupts,
                                   timeout, log, manager, ranks)
     outcome.progressed = findings.progressed
@@ -733,13 +733,28 @@ class _Stopper:
                           f"outlived {self.manager}.")
 
 
-def _survivors_outcome(rc, stop_reason, findings, log):
+def _survivors_outcome(rc, stop_reason, findings, log, ranks=None):
     """--recover-in-place: the attempt succeeded (Outcome(0)) when ranks
     were lost but mpirun and a survivor ended with 0; None otherwise (the
-    usual outcome then applies)."""
+    usual outcome then applies). A rank that never reported its exit
+    (of `ranks`, where given) was lost with its host or its link."""
     failure = findings.first_failure()
-    if failure is None or stop_reason is not None or rc != 0:
+    if stop_reason is not None or rc != 0:
         return None
+    if failure is None:
+        missing, count = ([], 0) if ranks is None else \
+            findings.unreported(ranks)
+        with findings.lock:
+            finished = sorted(findings.exited)
+        if not missing or not finished:
+            return None
+        who = _ranks_clause(missing) + (
+            f" and {count - len(missing)} more" if count > len(missing)
+            else "")
+        log.line(f"{who} never reported an exit (lost with its host or its "
+                 f"link); {_ranks_clause(finished)} finished without it "
+                 f"(recovery in place).")
+        return Outcome(0)
     with findings.lock:
         failed = {f.rank for f in findings.failures}
         finished = sorted(findings.exited - failed)

@@ -282,6 +282,10 @@ class _Job:
                     finished += 1
                 elif self.keep and status >= 128:
                     lost = lost or status  # its ranks lost: the others go on
+                    if status == _SHELL_LOST:
+                        _say(f"host {host}: its remote shell ended with code "
+                             f"{status} (the host or its link lost); the "
+                             f"other hosts go on (recovery in place)")
                 elif code is None:
                     code, failed_at = status, time.monotonic()
             if failed_at is not None and not self.signals and \

@@ -7,6 +7,8 @@ runs gets new processes that join it at its next commit
 (docs/failures-and-elastic.md)."""
 
 import sys
+import threading
+import time
 
 import pytest
 
@@ -63,8 +65,62 @@ def test_over_tcp_plain_ssh_starts_each_hosts_ranks(cluster, tmp_path):
             assert rank_lines(out.stdout, r) == [
                 f"{host} {r} 3 {local} [6.0, 6.0, 6.0]"], out.stdout
         for host in cluster.hosts:
-            assert [c for c in processes_in(cluster, host)
-                    if "sshd" not in c] == [], host
+            assert _left_in(cluster, host, 5) == [], host
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_over_tcp_a_host_cut_off_past_sshs_keep_alive_is_lost(cluster,
+                                                               tmp_path):
+    """kdt1's link goes down as rank 2, alone there, reaches step 7 (it
+    lives on, cut off; ssh to it with a keep-alive of 1 s x 2): ranks 0
+    and 1 re-form at 2 after the heartbeat's timeout and finish with
+    numpy's weights; the ssh to kdt1 ends with 255, the launcher counts
+    rank 2 lost (its exit never reported) and exits 0; the cut-off rank
+    ends by itself and nothing is left once the link is back."""
+    kdt1 = cluster.host("kdt1")
+    marker = tmp_path / "kill.json"
+
+    def cut_when_there():
+        deadline = time.monotonic() + JOB_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.cut(kdt1)
+
+    with openssh(cluster, tmp_path / "ssh") as ssh:
+        threading.Thread(target=cut_when_there, daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            out = run_on(cluster, 3, "kdt0:2,kdt1:1", worker_cmd(
+                "recovery_worker.py", str(tmp_path), "2", "7", "CONT"),
+                timeout=JOB_S, env=_env(), launcher_args=["--recover-in-place"],
+                ssh_command=ssh + " -o ServerAliveInterval=1 "
+                "-o ServerAliveCountMax=2")
+        finally:
+            cluster.restore(kdt1)
+        print(f"cut link: the job ended {time.monotonic() - t0:.1f} s "
+              f"after its start")
+        assert out.returncode == 0, out.stdout[-6000:]
+        assert ("host kdt1: its remote shell ended with code 255 (the host "
+                "or its link lost)" in out.stdout), out.stdout[-6000:]
+        assert ("rank 2 never reported an exit (lost with its host or its "
+                "link); ranks 0, 1 finished without it (recovery in place)."
+                in out.stdout), out.stdout[-6000:]
+        check_survivors(tmp_path, [0, 1], 7, STEPS, COMMIT_EVERY)
+        assert not (tmp_path / "end.2.json").exists()
+        for host in cluster.hosts:
+            assert _left_in(cluster, host, 60) == [], host
+
+
+def _left_in(cluster, host, settle):
+    """The processes alive in `host` but its sshd, after waiting up to
+    `settle` s for them to end."""
+    deadline = time.monotonic() + settle
+    while True:
+        left = [c for c in processes_in(cluster, host, settle=0)
+                if "sshd" not in c]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
 
 
 def _env(**extra):

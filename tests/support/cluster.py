@@ -501,6 +501,7 @@ class openssh:
     def __enter__(self):
         system.require("openssh-server", "openssh-client")
         keys = self.dir
+        os.makedirs(keys, exist_ok=True)
         for name in ("host_key", "client_key"):
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "",
                             "-f", os.path.join(keys, name)], check=True)
