@@ -311,30 +311,44 @@ def test_commit_callback_fit_grows_in_place(openmpi_root, tmp_path, backend):
 
 @pytest.mark.timeout(JOB_S + 60)
 # TensorFlow (fit's step traced again at 3 on the ranks that were there),
-# on the default build: no Open MPI, no ULFM.
-# PyTorch with sharded weights too (the new process receives its shards
-# of the weights and the momentum from the old ranks). JAX passed too
-# (one run, 5 s more of the suite); its grow is ULFM's test's above.
-@pytest.mark.parametrize("backend, shard", [
-    ("tensorflow", None), ("torch", "weights")])
+# on the default build: no Open MPI, no ULFM, the process started by
+# `kerasdist run --join`. PyTorch with sharded weights too (the new
+# process receives its shards of the weights and the momentum from the
+# old ranks), started by the launcher itself when its discovery script
+# lists a third slot (kerasdist/run/tcp_launch.py). JAX passed too (one
+# run, 5 s more of the suite); its grow is ULFM's test's above.
+@pytest.mark.parametrize("backend, shard, how", [
+    ("tensorflow", None, "join"), ("torch", "weights", "discovery")])
 def test_fit_over_tcp_grows_with_a_process_that_joins(tmp_path, backend,
-                                                      shard):
+                                                      shard, how):
     """The same over the TCP transport: `kerasdist run --nproc-per-node 2
     --recover-in-place` (KERASDIST_TRANSPORT=tcp), then `kerasdist run
-    --join` starts a third process once rank 0 trained GROW_AT steps; it
-    comes in at the ranks' next commit, with the same checks."""
-    port, listed = free_port(), tmp_path / "join-now"
-    env = rank_env(drop=("MASTER_ADDR", "MASTER_PORT", "RANK",
-                         "WORLD_SIZE", "KERASDIST_ELASTIC_DIR"),
-                   KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
-                   FIT_GROW_LIST=listed, FIT_GROW_JOIN=1,
-                   KERASDIST_TRANSPORT="tcp", KERASDIST_JOB_SECRET="j" * 32,
-                   KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
-    command = worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1", "-1",
-                         *([shard] if shard else []))
-    procs, outs, _ = run_with_join(command, env, port, listed, JOB_S)
-    text = "\n".join(o[-4000:] for o in outs)
-    assert [p.returncode for p in procs] == [0, 0], text
+    --join` starts a third process once rank 0 trained GROW_AT steps; or
+    `kerasdist run -np 2 --host-discovery-script` starts it when the
+    script lists it; it comes in at the ranks' next commit, with the same
+    checks."""
+    if how == "discovery":
+        out = _resizing_fit(None, tmp_path, 2, backend, shard,
+                            KERASDIST_TRANSPORT="tcp", FIT_GROW_JOIN=1,
+                            KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
+        assert out.returncode == 0, out.stdout[-6000:]
+        assert ("kerasdist: growing from 2 to 3 ranks: host localhost has 3 "
+                "slot(s) now, not 2; in place" in out.stdout), out.stdout
+        outs, text = [out.stdout], out.stdout
+    else:
+        port, listed = free_port(), tmp_path / "join-now"
+        env = rank_env(drop=("MASTER_ADDR", "MASTER_PORT", "RANK",
+                             "WORLD_SIZE", "KERASDIST_ELASTIC_DIR"),
+                       KERAS_BACKEND=backend, FIT_GROW_AT=GROW_AT,
+                       FIT_GROW_LIST=listed, FIT_GROW_JOIN=1,
+                       KERASDIST_TRANSPORT="tcp",
+                       KERASDIST_JOB_SECRET="j" * 32,
+                       KERASDIST_RENDEZVOUS_TIMEOUT_SECONDS=120)
+        command = worker_cmd("elastic_fit_worker.py", str(tmp_path), "-1",
+                             "-1", *([shard] if shard else []))
+        procs, outs, _ = run_with_join(command, env, port, listed, JOB_S)
+        text = "\n".join(o[-4000:] for o in outs)
+        assert [p.returncode for p in procs] == [0, 0], text
     assert ("kerasdist.elastic: grew in place to 3 rank(s) (was 2; 1 "
             "process(es) asked to join)" in outs[0]), text
     assert "ran out of data" not in text, text

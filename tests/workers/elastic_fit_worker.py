@@ -30,8 +30,9 @@ the launcher's resize request; from the commit where the ranks begin to
 start the new rank, each rank holds its next step until its part of that
 start has ended (up to 120 s), so that the job grows at a commit in the
 middle of training, whatever the new rank's start costs. FIT_GROW_JOIN=1
-(over TCP): the test starts a process that joins once FILE is written,
-and rank 0 holds its next step until that process waits to join. A rank that
+(over TCP): the test, or the launcher's discovery, starts a process that
+joins once FILE is written, and rank 0 holds its next step until that
+process waits to join. A rank that
 joined writes its files as the others (its `resumed` is empty).
 Shrinking in place: the same with FIT_GROW_TO (what rank 0 writes to
 FILE, "localhost:2" to shrink a job of 3); a rank that leaves (`run`
