@@ -52,8 +52,9 @@ starts 2), taking turns.
 A grow from 2 ranks to 3 instead: the discovery script lists a third slot
 once rank 0 has done 4 steps, in place (the Open MPI build, the new rank
 spawned at a commit) against the relaunch (the mpich build); and over
-TCP a process started by `kerasdist run --join` as that happens, which
-comes in at the ranks' next commit. From the change (the join's start)
+TCP a process started by `kerasdist run --join` as that happens, or by
+the launcher itself from the same discovery script (`kerasdist run -np
+2` over TCP), which comes in at the ranks' next commit. From the change (the join's start)
 to the new rank's first step, and rank 0's longest pause between two
 steps (the training the grow cost the old ranks), taking turns.
 
@@ -156,7 +157,7 @@ def relaunch(kill_step, workdir):
             "lost_steps": kill_step - committed}
 
 
-def _shrink(root, args, workdir, was=3, now=2):
+def _shrink(root, args, workdir, was=3, now=2, extra_env=None):
     """A job of `was` ranks whose discovery script lists `now` slots once
     rank 0 has done 4 steps; returns its directory."""
     from tests.support.helpers import launcher_env
@@ -176,7 +177,8 @@ def _shrink(root, args, workdir, was=3, now=2):
     env = launcher_env(dict(os.environ, RECOVERY_GROW_AT="4",
                             RECOVERY_GROW_LIST=listed,
                             RECOVERY_GROW_TO=f"localhost:{now}\n",
-                            RECOVERY_RESIZE_SIZE=str(now)), root)
+                            RECOVERY_RESIZE_SIZE=str(now),
+                            **(extra_env or {})), root)
     out = subprocess.run(argv, capture_output=True, text=True, env=env,
                          cwd=root or REPO, timeout=300)
     if out.returncode != 0:
@@ -274,6 +276,22 @@ def grow_relaunch(workdir):
     return _grow(None, [], workdir, "a1.end.0.json")
 
 
+def grow_discovered_tcp(workdir):
+    """Over TCP, `kerasdist run -np 2 --recover-in-place` with the
+    discovery script: the launcher starts the third process itself
+    (kerasdist/run/tcp_launch.py), which comes in at the ranks' next
+    commit; from the change to its first step."""
+    d = _shrink(None, ["--recover-in-place"], workdir, 2, 3,
+                dict(TCP, RECOVERY_GROW_JOIN="1"))
+    listed = _read(d, "asked.json")["listed"]
+    joined = _read(d, "start.2.json")
+    first = min(_read(d, "end.2.json")["done_at"].values())
+    return {"total": first - listed, "start": joined["began"] - listed,
+            "in": joined["init_at"] - joined["began"],
+            "rest": first - joined["init_at"],
+            "pause": _pause(_read(d, "end.0.json")["done_at"])}
+
+
 def grow_join(workdir):
     """Over TCP: `kerasdist run --nproc-per-node 2 --recover-in-place`,
     and once rank 0 has done 4 steps `kerasdist run --join` starts a
@@ -305,10 +323,12 @@ def grow_join(workdir):
 
 def grow_main(root, rounds, workdir):
     rows = {"in place (ULFM)": [], "in place (TCP, --join)": [],
-            "relaunch": []}
+            "in place (TCP, discovery)": [], "relaunch": []}
     for i in range(rounds):
         rows["in place (ULFM)"].append(grow_in_place(root, workdir))
         rows["in place (TCP, --join)"].append(grow_join(workdir))
+        rows["in place (TCP, discovery)"].append(
+            grow_discovered_tcp(workdir))
         rows["relaunch"].append(grow_relaunch(workdir))
         print(f"round {i + 1}: " + ", ".join(
             f"{k} {v[-1]['total']:.3f} s" for k, v in rows.items()),
@@ -318,7 +338,8 @@ def grow_main(root, rounds, workdir):
     print("|---|---|---|---|")
     for name, r in rows.items():
         if name.startswith("in place (TCP"):
-            split = (f"launcher to script {_median(r, 'start'):.2f} s, "
+            what = "change" if "discovery" in name else "launcher"
+            split = (f"{what} to script {_median(r, 'start'):.2f} s, "
                      f"script to let in {_median(r, 'in'):.2f} s, to its "
                      f"first step {_median(r, 'rest'):.2f} s")
         else:

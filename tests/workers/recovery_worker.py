@@ -114,7 +114,11 @@ def _ask_to_grow(directory):
     with open(os.environ["RECOVERY_GROW_LIST"], "w") as f:
         f.write(os.environ.get("RECOVERY_GROW_TO", "localhost:3\n"))
     if os.environ.get("RECOVERY_GROW_JOIN") == "1":
-        return  # the test starts a process that joins (over TCP)
+        # The test, or the launcher's discovery, starts a process that
+        # joins (over TCP): no request to wait for.
+        with open(os.path.join(directory, "asked.json"), "w") as f:
+            json.dump({"listed": listed, "at": None, "heard": False}, f)
+        return
     deadline = time.monotonic() + 60
     while not resize.requested() and time.monotonic() < deadline:
         time.sleep(0.05)
