@@ -74,11 +74,13 @@ def test_flags_over_tcp(monkeypatch):
             SLURM_TASKS_PER_NODE="1(x2)", SLURM_NTASKS="2"))
 
 
+# One write a line (print's text and newline are two where the output is
+# unbuffered, and the ranks share the pipe).
 _REPORT = ("import json, os, sys, time\n"
-           "print(json.dumps({k: os.environ.get(k) for k in ('RANK', "
+           "os.write(1, json.dumps({k: os.environ.get(k) for k in ('RANK', "
            "'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', "
-           "'MASTER_ADDR', 'MASTER_PORT', 'KERASDIST_JOB_SECRET')}), "
-           "flush=True)\n"
+           "'MASTER_ADDR', 'MASTER_PORT', 'KERASDIST_JOB_SECRET')}).encode()"
+           " + b'\\n')\n"
            "time.sleep(float(sys.argv[1]))\n")
 
 
