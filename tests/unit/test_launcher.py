@@ -468,6 +468,26 @@ def test_a_rank_that_never_reports_fails_the_attempt(capfdbinary, started,
     else:
         assert err == ""
 
+def test_under_recovery_in_place_a_rank_never_reported_was_lost(
+        capfdbinary):
+    # --recover-in-place: rank 1's host (or link) went with its exit
+    # marker; rank 0 finished and the manager exited 0: the survivors'
+    # success, said in one line. With no rank finished it is a failure.
+    wrapper = os.path.join(os.path.dirname(_rank.__file__), "_rank.py")
+    run0 = f"PMI_RANK=0 {sys.executable} -I -S {wrapper} -- true"
+    with job.Interrupts() as interrupts:
+        outcome = job.run_attempt(["sh", "-c", run0], dict(os.environ),
+                                  interrupts, ranks=2, keep_survivors=True)
+        assert outcome.exit_code == 0
+        assert capfdbinary.readouterr().err.decode().splitlines() == [
+            "kerasdist: rank 1 never reported an exit (lost with its host "
+            "or its link); rank 0 finished without it (recovery in "
+            "place)."]
+        outcome = job.run_attempt(["true"], dict(os.environ), interrupts,
+                                  ranks=2, keep_survivors=True)
+    assert outcome.exit_code == 1
+
+
 def test_rank_from_env():
     assert _rank.rank_from_env({"PMI_RANK": "2"}) == "2"
     assert _rank.rank_from_env({"OMPI_COMM_WORLD_RANK": "1"}) == "1"
