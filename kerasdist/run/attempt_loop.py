@@ -205,8 +205,7 @@ class _Loop:
         if self.mpiexec is None:
             argv, self.coordinator = tcp_launch.command(
                 self.config, np_, hosts, self.rank_argv(),
-                remote.effective_command(self.config.ssh_argv, os.environ),
-                self.workdir, remote.is_local,
+                _tcp_shell(self.config), self.workdir, remote.is_local,
                 self.config.network_interface)
             if self.config.verbose:
                 self.log.line(f"over TCP: {len(tcp_launch.layout(np_, hosts))}"
@@ -314,12 +313,20 @@ def _watcher(config, log, np_, hosts, tcp_loop=None):
     grows = grow.writer(config, argv)
     if tcp_loop is not None and config.recover_in_place:
         grows = tcp_launch.joiner(
-            tcp_launch.requests_dir(tcp_loop.workdir), argv, shell,
-            lambda: tcp_loop.coordinator, remote.is_local)
+            tcp_launch.requests_dir(tcp_loop.workdir), argv,
+            _tcp_shell(config), lambda: tcp_loop.coordinator,
+            remote.is_local)
     return resize.Watcher(
         lambda: elastic.discover(config.host_discovery_script), answering,
         np_, hosts, config.min_np, config.max_np, config.discovery_interval,
         log, grow=grows, signal_in_place=tcp_loop is None)
+
+
+def _tcp_shell(config):
+    """The remote shell over TCP: --ssh-command's, hydra's own variables
+    where they name one, else ssh (no hydra runs)."""
+    return remote.effective_command(config.ssh_argv, os.environ) or \
+        [remote.DEFAULT_SSH]
 
 
 def _candidate_hosts(config, log):

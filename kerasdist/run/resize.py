@@ -225,7 +225,7 @@ class Watcher:
             shrinks_in_place
         if resizable and in_place and self._grow is not None and \
                 self._grow_in_place(change):
-            if self._signal_in_place or change.new_np < change.old_np:
+            if self._signal_in_place:
                 _signal(proc)
             return
         if resizable:
