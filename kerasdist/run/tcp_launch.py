@@ -162,8 +162,8 @@ def joiner(requests, argv, shell, coordinator_of, is_local):
 
     def grow(change, old_hosts):
         if change.new_np < change.old_np:
-            return ("over the TCP transport a job shrinks by a relaunch "
-                    "(in place needs Open MPI's ULFM)")
+            return ("over TCP a job shrinks by a relaunch: shrinking in "
+                    "place needs Open MPI's ULFM")
         placed = grow_lib.placements(old_hosts, change.hosts,
                                      change.old_np, change.new_np)
         counts = {}

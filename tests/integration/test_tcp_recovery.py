@@ -10,7 +10,8 @@ outlives it while the survivors are connected. And the same under
 `kerasdist run` in node mode with --recover-in-place. Growing: a process
 started with KERASDIST_JOIN=1 joins a running job of 2 at a commit,
 takes the state from rank 0 and trains on with the two, which keep their
-processes, to numpy's weights.
+processes, to numpy's weights. Shrinking under `kerasdist run -np` over
+TCP: a relaunch, said in one line.
 
 Every process in a session of its own, killed on leaving.
 """
@@ -169,6 +170,40 @@ def test_kerasdist_run_join_starts_processes_that_join(tmp_path):
     assert (f"kerasdist: 1 process(es) joining the running job at "
             f"127.0.0.1:{port}" in outs[1]), outs[1]
     assert "[+0]<stdout>:rank 2 done at size 3" in outs[1], outs[1]
+
+
+@pytest.mark.timeout(JOB_S + 60)
+def test_kerasdist_run_np_over_tcp_shrinks_by_a_relaunch(tmp_path):
+    """`kerasdist run -np 3 --recover-in-place --host-discovery-script`
+    over TCP (the launcher starts the ranks, kerasdist/run/tcp_launch.py):
+    the script lists 2 slots at step 4; shrinking in place is MPI's
+    split, so the launcher says in one line that it relaunches, the ranks
+    commit and stop, and 2 resume from that commit on disk."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    env = worker_env(KERASDIST_TRANSPORT="tcp", RECOVERY_STEPS=STEPS,
+                     RECOVERY_COMMIT_EVERY=COMMIT_EVERY, RECOVERY_GROW_AT=4,
+                     RECOVERY_GROW_LIST=listed, RECOVERY_GROW_TO="localhost:2",
+                     RECOVERY_RESIZE_SIZE=2, RECOVERY_BACKEND="torch")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "KERASDIST_ELASTIC_DIR"):
+        env.pop(k, None)
+    out = launch(3, worker_cmd("recovery_worker.py", str(tmp_path)),
+                 timeout=JOB_S, env=env,
+                 launcher_args=("--recover-in-place", "--host-discovery-script",
+                                str(script), "--min-np", "2",
+                                "--discovery-interval", "0.5"))
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert ("kerasdist: cannot shrink in place (over TCP a job shrinks by a "
+            "relaunch: shrinking in place needs Open MPI's ULFM); "
+            "relaunching instead." in out.stdout), out.stdout[-4000:]
+    assert "now 2" in out.stdout, out.stdout[-4000:]
+    for rank in (0, 1):
+        end = read_json(tmp_path, f"a1.end.{rank}.json")
+        assert (end["rank"], end["size"]) == (rank, 2), end
 
 
 @pytest.mark.timeout(60)
