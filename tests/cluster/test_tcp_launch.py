@@ -183,5 +183,8 @@ def test_over_tcp_a_discovered_host_joins_in_place(cluster, tmp_path):
     ends = grown_files(tmp_path)
     check_grown_weights(ends, STEPS, COMMIT_EVERY, 4)
     assert [e["host"] for e in ends] == ["kdt0", "kdt0", "kdt1"], ends
+    took = min(ends[2]["done_at"].values()) - \
+        read_json(tmp_path, "asked.json")["listed"]
+    print(f"kdt1 listed: its process's first step {took:.2f} s later")
     for host in cluster.hosts:
         assert processes_in(cluster, host) == [], host
