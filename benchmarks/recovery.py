@@ -54,9 +54,10 @@ once rank 0 has done 4 steps, in place (the Open MPI build, the new rank
 spawned at a commit) against the relaunch (the mpich build); and over
 TCP a process started by `kerasdist run --join` as that happens, or by
 the launcher itself from the same discovery script (`kerasdist run -np
-2` over TCP), which comes in at the ranks' next commit. From the change (the join's start)
-to the new rank's first step, and rank 0's longest pause between two
-steps (the training the grow cost the old ranks), taking turns.
+2` over TCP), which comes in at the ranks' next commit. From the change
+(the join's start) to the new rank's first step, and rank 0's longest
+pause between two steps (the training the grow cost the old ranks),
+taking turns.
 
     python benchmarks/recovery.py --steady [--rounds 3]
 
