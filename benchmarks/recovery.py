@@ -62,12 +62,14 @@ taking turns.
     python benchmarks/recovery.py --steady [--rounds 3]
 
 The steady state instead: what the recoverable transport costs a job with
-no failure. 2 ranks allreduce float32 Sum of 4 KiB and 16 MiB through the
-core (kerasdist._core.host, no framework), each call after a barrier; the
-median over calls of the slower rank's time, for the Open MPI build under
-`kerasdist run` and under `kerasdist run --recover-in-place`, the
-mpich build, and the TCP transport (node mode) with --recover-in-place;
-then mpich's MPI and the TCP transport each carrying the data alone (the
+no failure. 2 ranks allreduce float32 Sum of 4 KiB, 64 KiB (the
+shared-memory slots carry it wherever they are on: what differs is the
+negotiation) and 16 MiB through the core (kerasdist._core.host, no
+framework), each call after a barrier; the median over calls of the
+slower rank's time, for the Open MPI build under `kerasdist run` and
+under `kerasdist run --recover-in-place`, the mpich build, and the TCP
+transport with --recover-in-place (node mode, and `kerasdist run -np
+2`); then mpich's MPI and the TCP transport each carrying the data alone (the
 single-host shm and cma backends off), taking turns.
 """
 
@@ -358,7 +360,7 @@ import kerasdist as kd
 from kerasdist._core import host
 kd.init()
 out = {}
-for nbytes, calls in ((4096, 400), (16 << 20, 20)):
+for nbytes, calls in ((4096, 400), (64 << 10, 200), (16 << 20, 20)):
     x = np.ones(nbytes // 4, np.float32)
     for i in range(5):
         host.host_allreduce(x, kd.Sum, f"warm.{nbytes}.{i}")
@@ -397,6 +399,8 @@ def steady_main(root, rounds):
                "mpich": (None, [], {}),
                "TCP --recover-in-place": (None, node + ["--recover-in-place"],
                                           TCP),
+               "TCP -np --recover-in-place": (None, ["--recover-in-place"],
+                                              TCP),
                "mpich, no shm/cma": (None, [], NO_SHM),
                "TCP, no shm/cma": (None, node, dict(TCP, **NO_SHM))}
     rows = {name: [] for name in systems}
@@ -406,12 +410,15 @@ def steady_main(root, rounds):
         print(f"round {i + 1}: " + ", ".join(
             f"{n} {r[-1][4096] * 1e6:.0f} us / {r[-1][16 << 20] * 1e3:.1f} ms"
             for n, r in rows.items()), flush=True)
-    print("\n| system | 4 KiB allreduce (median) | 16 MiB allreduce (median) |")
-    print("|---|---|---|")
+    print("\n| system | 4 KiB allreduce (median) | 64 KiB (median) | "
+          "16 MiB (median) |")
+    print("|---|---|---|---|")
     for name, r in rows.items():
         small = statistics.median(x[4096] for x in r)
+        mid = statistics.median(x[64 << 10] for x in r)
         big = statistics.median(x[16 << 20] for x in r)
-        print(f"| {name} | {small * 1e6:.0f} us | {big * 1e3:.2f} ms |")
+        print(f"| {name} | {small * 1e6:.0f} us | {mid * 1e6:.0f} us | "
+              f"{big * 1e3:.2f} ms |")
     print("\nraw:", json.dumps(rows))
 
 
