@@ -249,9 +249,11 @@ class _Job:
             if name in self.seen:
                 continue
             self.seen.add(name)
+            path = os.path.join(directory, name)
             try:
-                with open(os.path.join(directory, name)) as f:
+                with open(path) as f:
                     body = json.load(f)
+                os.remove(path)  # a relaunch's manager must not serve it
             except (OSError, ValueError):
                 continue
             if not self.signals:

@@ -113,6 +113,32 @@ def test_each_host_manager_numbers_its_ranks_and_gets_the_jobs_env(
     assert {r["KERASDIST_JOB_SECRET"] for r in ranks} == {"q" * 40}
 
 
+def test_a_grow_request_starts_processes_that_join(tmp_path):
+    """The watcher's grow over TCP writes a request; the running job
+    manager starts the new processes as `kerasdist run --join` would
+    (KERASDIST_JOIN=1, no rank: the job numbers them) and removes the
+    request, which a relaunch's manager would otherwise serve again."""
+    from kerasdist.run import resize
+
+    proc = _job(tmp_path, 3)
+    requests = tcp_launch.requests_dir(str(tmp_path))
+    grow = tcp_launch.joiner(
+        requests, [sys.executable, "-c", _REPORT, "0"], None,
+        lambda: ("127.0.0.1", 29999), lambda h: True)
+    change = resize.Change(3, 4, [("localhost", 2), ("127.0.0.1", 2)],
+                           "host 127.0.0.1 has 2 slot(s) now, not 1")
+    assert grow(change, [("localhost", 2), ("127.0.0.1", 1)]) is None
+    assert "needs Open MPI's ULFM" in grow(
+        resize.Change(3, 2, [("localhost", 2)], "x"), None)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    reports = [json.loads(line) for line in out.splitlines()]
+    joined = [r for r in reports if r["RANK"] is None]
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["MASTER_PORT"])
+            for r in joined] == [("0", "1", "29999")], reports
+    assert len(reports) == 4 and os.listdir(requests) == []
+
+
 def test_a_signal_reaches_every_hosts_ranks_as_a_line(tmp_path):
     proc = _job(tmp_path, 60)
     seen = [proc.stdout.readline() for _ in range(3)]
