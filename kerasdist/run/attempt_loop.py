@@ -204,7 +204,7 @@ class _Loop:
         env = rank_env(self.config, attempt)
         if self.mpiexec is None:
             argv, self.coordinator = tcp_launch.command(
-                self.config, np_, hosts, self.rank_argv(),
+                self.config, np_, hosts, _rank_argv(self.config),
                 _tcp_shell(self.config), self.workdir, remote.is_local,
                 self.config.network_interface)
             if self.config.verbose:
@@ -227,12 +227,6 @@ class _Loop:
         if self.config.verbose:
             self.log.line(f"running: {shlex.join(argv)}")
         return argv, dict(os.environ, **env)
-
-    def rank_argv(self):
-        """The per-rank wrapper and the command."""
-        return mpi_command.rank_wrapper_argv(
-            **mpi_command.wrapper_options(self.config)) + \
-            list(self.config.command)
 
     def back_off(self, interrupts):
         """Waits before a restart (_back_off); the exit code when the job
@@ -308,8 +302,7 @@ def _watcher(config, log, np_, hosts, tcp_loop=None):
     def answering(candidates):
         return elastic.answering(candidates, shell, config.network_interface)
 
-    argv = mpi_command.rank_wrapper_argv(
-        **mpi_command.wrapper_options(config)) + list(config.command)
+    argv = _rank_argv(config)
     grows = grow.writer(config, argv)
     if tcp_loop is not None and config.recover_in_place:
         grows = tcp_launch.joiner(
@@ -320,6 +313,12 @@ def _watcher(config, log, np_, hosts, tcp_loop=None):
         lambda: elastic.discover(config.host_discovery_script), answering,
         np_, hosts, config.min_np, config.max_np, config.discovery_interval,
         log, grow=grows, signal_in_place=tcp_loop is None)
+
+
+def _rank_argv(config):
+    """The per-rank wrapper and the command."""
+    return mpi_command.rank_wrapper_argv(
+        **mpi_command.wrapper_options(config)) + list(config.command)
 
 
 def _tcp_shell(config):

@@ -146,14 +146,14 @@ def shrink_request(change, old_hosts):
             "why": change.why, "leave": leave}
 
 
-def write_request(directory, body):
-    """Writes `body` to DIRECTORY/grow.json, atomically."""
-    os.makedirs(directory, exist_ok=True)
+def write_request(directory, body, name=REQUEST_NAME):
+    """Writes `body` to DIRECTORY/NAME (grow.json), atomically."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-grow-", dir=directory)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(body, f)
-        os.replace(tmp, os.path.join(directory, REQUEST_NAME))
+        os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         try:
             os.remove(tmp)

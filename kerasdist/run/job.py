@@ -375,6 +375,13 @@ def _group_failures(failures):
     return out
 
 
+def _unreported_clause(missing, count):
+    """"ranks 0-7 and 3 more": Findings.unreported's first `missing` of
+    `count`."""
+    return _ranks_clause(missing) + (
+        f" and {count - len(missing)} more" if count > len(missing) else "")
+
+
 def _ranks_clause(ranks):
     """"rank 3" or "ranks 0, 2", in rank order."""
     ranks = sorted((str(r) for r in ranks),
@@ -748,9 +755,7 @@ def _survivors_outcome(rc, stop_reason, findings, log, ranks=None):
             finished = sorted(findings.exited)
         if not missing or not finished:
             return None
-        who = _ranks_clause(missing) + (
-            f" and {count - len(missing)} more" if count > len(missing)
-            else "")
+        who = _unreported_clause(missing, count)
         log.line(f"{who} never reported an exit (lost with its host or its "
                  f"link); {_ranks_clause(finished)} finished without it "
                  f"(recovery in place).")
@@ -795,9 +800,7 @@ def _outcome(rc, stop_reason, findings, interrupts, timeout, log,
     if missing:
         # A rank that exits without MPI finalize (code 0 all the same) makes
         # hydra kill the others, and its own exit code may then be 0.
-        who = _ranks_clause(missing) + (
-            f" and {count - len(missing)} more" if count > len(missing)
-            else "")
+        who = _unreported_clause(missing, count)
         reason = (f"{who} never reported an exit: {manager} stopped "
                   f"{'it' if count == 1 else 'them'}")
         with findings.lock:

@@ -41,7 +41,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -98,18 +97,15 @@ def coordinator(groups, is_local, iface=None, default_port=node.DEFAULT_PORT):
 
 
 def _address_towards(host, iface):
-    import socket
+    from kerasdist.rendezvous import protocol
+    from kerasdist.run import elastic
 
     if iface:
-        from kerasdist.run import elastic
-
         return elastic.interface_address(iface)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:  # no packet is sent: the kernel picks the route's address
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+    try:
+        return protocol.address_toward(host)
+    except OSError:  # no route: the address of this host's name
+        return elastic.launcher_address()
 
 
 def shell_argv(shell):
@@ -173,19 +169,11 @@ def joiner(requests, argv, shell, coordinator_of, is_local):
         for host, count in counts.items():
             body = group(host, count, 0, addr, port, count, 1, 0, argv, True,
                          shell, is_local, join=True)
-            _write_atomically(requests, body)
+            grow_lib.write_request(
+                requests, body, f"{_REQUEST_PREFIX}{time.monotonic_ns()}.json")
         return None
 
     return grow
-
-
-def _write_atomically(directory, body):
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(body, f)
-    name = f"{_REQUEST_PREFIX}{time.monotonic_ns()}.json"
-    os.replace(tmp, os.path.join(directory, name))
 
 
 # ------------------------------------------------------- job manager
